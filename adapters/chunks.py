@@ -1,0 +1,140 @@
+"""Content-addressed chunk storage for adapter files in Redis.
+
+A file is cut into fixed-size chunks; each chunk lives once under the sha256
+of its bytes, as a hash ``{data, refs}``, so identical uploads (or identical
+regions of different uploads) share storage. Uploads first write their chunks
+to *staging* keys that carry a TTL; the registry's commit script then turns
+them into permanent chunk keys atomically. A process that dies between the
+two leaves only staging keys, and those expire on their own.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+# How many chunk writes go into one pipeline round trip: bounds the client-side
+# buffer for big uploads while keeping round trips few.
+_STAGE_BATCH = 8
+
+
+@dataclass(frozen=True)
+class RegistryKeys:
+    """Every Redis key the registry touches, so the layout is in one place."""
+
+    prefix: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str):
+            raise TypeError("prefix must be a str")
+
+    def index(self, tenant: str) -> str:
+        # The tenant is the only free-form part of the key, so any tenant
+        # string maps to a distinct key.
+        return f"{self.prefix}ad:idx:{tenant}"
+
+    @property
+    def version_prefix(self) -> str:
+        return f"{self.prefix}ad:ver:"
+
+    def version(self, version: str) -> str:
+        return self.version_prefix + version
+
+    @property
+    def chunk_prefix(self) -> str:
+        return f"{self.prefix}ad:chunk:"
+
+    def chunk(self, digest: str) -> str:
+        return self.chunk_prefix + digest
+
+    def stage_prefix(self, upload_id: str) -> str:
+        return f"{self.prefix}ad:stage:{upload_id}:"
+
+    @property
+    def retired(self) -> str:
+        return f"{self.prefix}ad:retired"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}adapter-events"
+
+
+@dataclass(frozen=True)
+class ChunkedFile:
+    """How one stored file is put back together and checked."""
+
+    sha256: str
+    length: int
+    digests: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        assert self.length >= 0
+        assert (self.length == 0) == (len(self.digests) == 0)
+
+
+def split(data: bytes, chunk_size: int) -> tuple[ChunkedFile, dict[str, bytes]]:
+    """Cut ``data`` into chunks; returns the file's layout and its distinct chunks."""
+    assert chunk_size > 0
+    view = memoryview(data)
+    digests: list[str] = []
+    payloads: dict[str, bytes] = {}
+    for start in range(0, len(view), chunk_size):
+        piece = bytes(view[start:start + chunk_size])
+        digest = hashlib.sha256(piece).hexdigest()
+        digests.append(digest)
+        payloads.setdefault(digest, piece)
+    layout = ChunkedFile(hashlib.sha256(view).hexdigest(), len(view), tuple(digests))
+    return layout, payloads
+
+
+class ChunkStore:
+    """Stages, discards and reads chunks; never changes reference counts
+    (only the registry's atomic scripts do that)."""
+
+    def __init__(self, redis, keys: RegistryKeys, pending_ttl_ms: int) -> None:
+        assert pending_ttl_ms > 0
+        self._redis = redis
+        self._keys = keys
+        self._pending_ttl_ms = pending_ttl_ms
+
+    def existing(self, digests: list[str]) -> set[str]:
+        """The digests that already have a permanent chunk (a hint only: a
+        chunk can be collected right after; the commit re-checks)."""
+        if not digests:
+            return set()
+        pipe = self._redis.pipeline(transaction=False)
+        for digest in digests:
+            pipe.exists(self._keys.chunk(digest))
+        return {d for d, n in zip(digests, pipe.execute()) if n}
+
+    def stage(self, upload_id: str, payloads: dict[str, bytes]) -> None:
+        """Write chunks under this upload's staging keys, each with a TTL so a
+        crashed upload cleans itself up."""
+        prefix = self._keys.stage_prefix(upload_id)
+        items = list(payloads.items())
+        for start in range(0, len(items), _STAGE_BATCH):
+            # MULTI/EXEC: the TTL goes on with the write, so no staged chunk
+            # ever exists without an expiry, even if this process dies here.
+            pipe = self._redis.pipeline(transaction=True)
+            for digest, data in items[start:start + _STAGE_BATCH]:
+                key = prefix + digest
+                pipe.hset(key, mapping={"data": data, "refs": 0})
+                pipe.pexpire(key, self._pending_ttl_ms)
+            pipe.execute()
+
+    def discard(self, upload_id: str, digests: set[str]) -> None:
+        """Delete staged chunks of an upload that will not be committed."""
+        if digests:
+            prefix = self._keys.stage_prefix(upload_id)
+            self._redis.delete(*[prefix + d for d in digests])
+
+    def read(self, layout: ChunkedFile) -> bytes | None:
+        """Reassemble a file; None if any chunk is gone (collected)."""
+        if layout.length == 0:
+            return b""
+        pipe = self._redis.pipeline(transaction=False)
+        for digest in layout.digests:
+            pipe.hget(self._keys.chunk(digest), "data")
+        pieces = pipe.execute()
+        if any(p is None for p in pieces):
+            return None
+        return b"".join(pieces)

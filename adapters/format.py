@@ -1,0 +1,463 @@
+"""PEFT LoRA adapters: parse, validate against the base model, load as float32.
+
+Semantics follow the installed PEFT (0.21) exactly: which modules a config
+targets (`check_target_module_exists`), per-module rank/alpha overrides
+(`get_pattern_key`: the first key, in the saved JSON's order, whose regex
+`(.*\\.)?(key)$` matches the module name), and scaling `alpha / r` or
+`alpha / sqrt(r)` (rslora). Anything loraplex could not reproduce exactly is
+refused with an AdapterFormatError that says why. Everything that bounds
+memory (ranks, shapes, byte ranges, total size) is checked from the
+safetensors header before a single tensor is materialised.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import safetensors
+import safetensors.torch
+import torch
+
+from adapters.safetensors_header import (
+    SafetensorsHeader, SafetensorsHeaderError, header_from_bytes, header_from_file)
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+MAX_CONFIG_BYTES = 1024 * 1024
+
+_FLOAT_DTYPES = frozenset(("F32", "F16", "BF16", "F64"))
+# What PEFT's save_pretrained writes (`...lora_A.weight`); the `.default` form
+# is an un-stripped PEFT state_dict key, accepted as an alias of the same tensor.
+_KEY_RE = re.compile(
+    r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)(?:\.default)?\.weight")
+
+
+class AdapterFormatError(ValueError):
+    """The adapter cannot be served exactly; the message names the file/key/module and why."""
+
+
+def _positive_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions an adapter must fit, from the base model's config."""
+    num_layers: int
+    hidden_size: int
+    q_size: int              # num_heads * head_dim
+    kv_size: int             # num_kv_heads * head_dim
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"ModelShape.{name} must be a positive int, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
+        """From a Llama-family `config.json` dict (Llama, Mistral, Qwen2)."""
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
+                   kv_heads * head_dim, cfg["intermediate_size"])
+
+    def in_out(self, proj: str) -> tuple[int, int]:
+        """(in_features, out_features) of the base model's Linear `proj`."""
+        h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
+        table = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        if proj not in table:
+            raise ValueError(f"unknown projection {proj!r}; expected one of {PROJECTIONS}")
+        return table[proj]
+
+
+def module_name(layer: int, proj: str) -> str:
+    """The module's name inside a *ForCausalLM model, which is what PEFT matches patterns against."""
+    return f"model.layers.{layer}.{'self_attn' if proj in _ATTENTION else 'mlp'}.{proj}"
+
+
+@dataclass(frozen=True, eq=False)
+class LoraWeights:
+    a: torch.Tensor          # [r, in]  float32, contiguous
+    b: torch.Tensor          # [out, r] float32, contiguous
+    scaling: float           # alpha / r (or / sqrt(r)), rank/alpha patterns applied
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    rank: int                                        # max rank over modules
+    target_modules: tuple[str, ...]                  # sorted subset of PROJECTIONS present
+    use_rslora: bool
+    weights: Mapping[tuple[int, str], LoraWeights]   # (layer, projection) -> weights
+    size_bytes: int                                  # A and B as float32
+    config: Mapping[str, Any]                        # the parsed adapter_config.json
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class _Module:
+    rank: int
+    in_features: int
+    out_features: int
+    scaling: float
+    a_key: str
+    b_key: str
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything known from config and header, before any tensor exists."""
+    modules: Mapping[tuple[int, str], _Module]
+    use_rslora: bool
+    config: Mapping[str, Any]
+    summary: AdapterSummary
+
+
+# ---- public entry points -------------------------------------------------
+
+def load_adapter_dir(path: str | os.PathLike, shape: ModelShape, max_lora_rank: int, *,
+                     max_bytes: int | None = None) -> LoraAdapter:
+    """Load a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`)."""
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        raise AdapterFormatError(f"{root}: not a directory")
+    config_path = os.path.join(root, CONFIG_FILE)
+    weights_path = os.path.join(root, WEIGHTS_FILE)
+    if not os.path.isfile(config_path):
+        raise AdapterFormatError(f"{root}: no {CONFIG_FILE} (not a PEFT adapter directory)")
+    if not os.path.isfile(weights_path):
+        if os.path.exists(os.path.join(root, PICKLE_FILE)):
+            raise AdapterFormatError(
+                f"{root}: only {PICKLE_FILE} found; pickle .bin files are not loaded, "
+                f"save with safe_serialization=True to get {WEIGHTS_FILE}")
+        raise AdapterFormatError(f"{root}: no {WEIGHTS_FILE}")
+    if os.path.getsize(config_path) > MAX_CONFIG_BYTES:
+        raise AdapterFormatError(f"{config_path}: larger than {MAX_CONFIG_BYTES} bytes")
+    with open(config_path, "rb") as f:
+        config = _parse_config(f.read(), config_path)
+    try:
+        header = header_from_file(weights_path)
+    except SafetensorsHeaderError as e:
+        raise AdapterFormatError(f"{weights_path}: corrupt safetensors file: {e}") from None
+    plan = _plan(config, header, shape, max_lora_rank, max_bytes, weights_path)
+    try:
+        with safetensors.safe_open(weights_path, framework="pt", device="cpu") as f:
+            return _materialise(plan, f.get_tensor, weights_path)
+    except safetensors.SafetensorError as e:
+        raise AdapterFormatError(f"{weights_path}: corrupt safetensors file: {e}") from None
+
+
+def load_adapter_bytes(config_json: bytes, weights: bytes, shape: ModelShape, max_lora_rank: int, *,
+                       max_bytes: int | None = None) -> LoraAdapter:
+    """Load an uploaded adapter from the two files' contents."""
+    plan = _plan_bytes(config_json, weights, shape, max_lora_rank, max_bytes)
+    try:
+        tensors = safetensors.torch.load(bytes(weights))
+    except safetensors.SafetensorError as e:
+        raise AdapterFormatError(f"{WEIGHTS_FILE}: corrupt safetensors file: {e}") from None
+    return _materialise(plan, tensors.__getitem__, WEIGHTS_FILE)
+
+
+def inspect_adapter_bytes(config_json: bytes, weights: bytes, shape: ModelShape, max_lora_rank: int, *,
+                          max_bytes: int | None = None) -> AdapterSummary:
+    """Full validation of an upload from its config and header; builds no tensors."""
+    return _plan_bytes(config_json, weights, shape, max_lora_rank, max_bytes).summary
+
+
+def _plan_bytes(config_json: bytes, weights: bytes, shape: ModelShape, max_lora_rank: int,
+                max_bytes: int | None) -> _Plan:
+    if len(config_json) > MAX_CONFIG_BYTES:
+        raise AdapterFormatError(f"{CONFIG_FILE}: larger than {MAX_CONFIG_BYTES} bytes")
+    config = _parse_config(config_json, CONFIG_FILE)
+    try:
+        header = header_from_bytes(weights)
+    except SafetensorsHeaderError as e:
+        raise AdapterFormatError(f"{WEIGHTS_FILE}: corrupt safetensors file: {e}") from None
+    return _plan(config, header, shape, max_lora_rank, max_bytes, WEIGHTS_FILE)
+
+
+# ---- adapter_config.json --------------------------------------------------
+
+# Base-mutating initialisations: PEFT rewrites the base weights when it loads
+# these, so serving them on the unmodified base would not match PEFT.
+_BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
+# Fields that turn on a variant whose forward pass or saved state is not plain LoRA.
+_UNSUPPORTED_TRUTHY = MappingProxyType({
+    "use_dora": "DoRA (use_dora) is not supported",
+    "lora_bias": "lora_bias=true (a bias on lora_B) is not supported",
+    "fan_in_fan_out": "fan_in_fan_out=true (Conv1D-style weights) is not supported",
+    "modules_to_save": "modules_to_save must be empty: fully trained modules are not served",
+    "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
+    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
+    "layer_replication": "layer_replication is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_qalora": "QALoRA (use_qalora) is not supported",
+    "velora_config": "the VeLoRA variant (velora_config) is not supported",
+    "monteclora_config": "the MonteCLoRA variant (monteclora_config) is not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
+    "kasa_config": "the KaSA variant (kasa_config) is not supported",
+})
+
+
+def _parse_config(raw: bytes, source: str) -> Mapping[str, Any]:
+    """Parse and validate adapter_config.json; returns the dict, checked."""
+    try:
+        cfg = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterFormatError(f"{source}: invalid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise AdapterFormatError(f"{source}: must be a JSON object")
+
+    def bad(why: str) -> AdapterFormatError:
+        return AdapterFormatError(f"{source}: {why}")
+
+    if cfg.get("peft_type") != "LORA":
+        raise bad(f"peft_type is {cfg.get('peft_type')!r}, only 'LORA' adapters are served")
+    for key, why in _UNSUPPORTED_TRUTHY.items():
+        if cfg.get(key):
+            raise bad(why)
+    if cfg.get("bias", "none") != "none":
+        raise bad(f"bias={cfg['bias']!r} is not supported (trained base biases); need 'none'")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_MUTATING_INITS):
+        raise bad(f"init_lora_weights={init!r} modifies the base model; convert it with "
+                  "save_pretrained(path_initial_model_for_weight_conversion=...) first")
+    if init not in _PLAIN_INITS:
+        raise bad(f"unknown init_lora_weights={init!r}")
+    if not _positive_int(cfg.get("r", 8)):
+        raise bad(f"r must be a positive integer, got {cfg.get('r')!r}")
+    if not _finite_number(cfg.get("lora_alpha", 8)):
+        raise bad(f"lora_alpha must be a finite number, got {cfg.get('lora_alpha')!r}")
+    if not isinstance(cfg.get("use_rslora", False), bool):
+        raise bad("use_rslora must be true or false")
+    for field, valid in (("rank_pattern", _positive_int), ("alpha_pattern", _finite_number)):
+        pattern = cfg.get(field) or {}
+        if not isinstance(pattern, dict) or not all(valid(v) for v in pattern.values()):
+            kind = "positive ints" if field == "rank_pattern" else "finite numbers"
+            raise bad(f"{field} must map module patterns to {kind}")
+        for key in pattern:
+            _compile(key, f"{source}: {field} key {key!r}")
+    _check_targets(cfg, source)
+    return MappingProxyType(cfg)
+
+
+def _finite_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _compile(pattern: str, where: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise AdapterFormatError(f"{where}: invalid regular expression: {e}") from None
+
+
+def _check_targets(cfg: Mapping[str, Any], source: str) -> None:
+    """Types and regexes of the targeting fields; names are checked against the model in _plan."""
+    layers = cfg.get("layers_to_transform")
+    if not (layers is None or _is_index(layers) or isinstance(layers, list) and all(map(_is_index, layers))):
+        raise AdapterFormatError(f"{source}: layers_to_transform must be a layer index or a list of them")
+    for field in ("layers_pattern", "exclude_modules"):
+        value = cfg.get(field)
+        if not (value is None or isinstance(value, str)
+                or isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise AdapterFormatError(f"{source}: {field} must be a string or a list of strings")
+    if isinstance(cfg.get("exclude_modules"), str):
+        _compile(cfg["exclude_modules"], f"{source}: exclude_modules")
+    pattern = cfg.get("layers_pattern")
+    for p in [pattern] if isinstance(pattern, str) else pattern or []:
+        _compile(p, f"{source}: layers_pattern")
+
+    target = cfg.get("target_modules")
+    if isinstance(target, str):
+        # PEFT's LoraConfig refuses these combinations too.
+        if layers is not None or pattern is not None:
+            raise AdapterFormatError(f"{source}: layers_to_transform/layers_pattern cannot be used with a "
+                                     "regex target_modules")
+        if target.lower() == "all-linear":
+            return
+        regex = _compile(target, f"{source}: target_modules")
+        for other in ("model.embed_tokens", "lm_head"):
+            if regex.fullmatch(other):
+                raise AdapterFormatError(f"{source}: target_modules regex {target!r} matches {other}; "
+                                         f"only {', '.join(PROJECTIONS)} can be adapted")
+    elif not isinstance(target, list) or not target or not all(isinstance(t, str) for t in target):
+        raise AdapterFormatError(f"{source}: target_modules must be a non-empty list of names or a regex string")
+
+
+def _is_index(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_targeted(cfg: Mapping[str, Any], name: str) -> bool:
+    """peft.tuners.tuners_utils.check_target_module_exists, for one projection's module name."""
+    exclude = cfg.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, name):
+                return False
+        elif name in exclude or any(name.endswith(f".{e}") for e in exclude):
+            return False
+    target = cfg["target_modules"]
+    if isinstance(target, str):
+        return target.lower() == "all-linear" or re.fullmatch(target, name) is not None
+    if name in target:
+        return True
+    found = any(name.endswith(f".{t}") for t in target)
+    layers = cfg.get("layers_to_transform")
+    using_layers = layers is not None and (len(layers) != 0 if isinstance(layers, list) else True)
+    if not (using_layers and found):
+        return found
+    pattern = cfg.get("layers_pattern")
+    if pattern is None or len(pattern) == 0:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        for p in [pattern] if isinstance(pattern, str) else pattern:
+            match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
+
+
+def _pattern_value(patterns: Mapping[str, Any], name: str, default: Any) -> Any:
+    """peft.utils.other.get_pattern_key + dict lookup: first matching key wins."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return patterns[key]
+    return default
+
+
+# ---- config x header x model: the plan -------------------------------------
+
+def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int,
+          max_bytes: int | None, source: str) -> _Plan:
+    """Check every tensor against the config and the base model, from the header alone."""
+    if not _positive_int(max_lora_rank):
+        raise ValueError(f"max_lora_rank must be a positive int, got {max_lora_rank!r}")
+    names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers) for proj in PROJECTIONS}
+    target = cfg["target_modules"]
+    if isinstance(target, list):
+        for t in target:
+            if not any(n == t or n.endswith("." + t) for n in names.values()):
+                raise AdapterFormatError(f"{source}: target module {t!r} is not among the model's adaptable "
+                                         f"modules ({', '.join(PROJECTIONS)} of {shape.num_layers} layers)")
+    expected = {slot for slot, name in names.items() if _is_targeted(cfg, name)}
+    if not expected:
+        raise AdapterFormatError(f"{source}: the config targets no projection of the model")
+
+    keys = _tensor_keys(header, shape, max_lora_rank, source)
+    r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    use_rslora = cfg.get("use_rslora", False)
+    modules: dict[tuple[int, str], _Module] = {}
+    for slot in sorted(set(keys) | expected, key=lambda s: (s[0], PROJECTIONS.index(s[1]))):
+        name = names.get(slot, module_name(*slot))
+        if slot not in expected:
+            raise AdapterFormatError(f"{source}: tensors for {name}, which adapter_config.json does not target")
+        ab = keys.get(slot, {})
+        if not ab:
+            raise AdapterFormatError(f"{source}: missing tensors: {name} is targeted but has no lora_A/lora_B")
+        for part in "AB":
+            if part not in ab:
+                other = "B" if part == "A" else "A"
+                raise AdapterFormatError(f"{source}: missing tensor: {name} has lora_{other} but no lora_{part}")
+        rank = _pattern_value(rank_pattern, name, r)
+        module_alpha = _pattern_value(alpha_pattern, name, alpha)
+        in_f, out_f = shape.in_out(slot[1])
+        a_shape, b_shape = header.tensors[ab["A"]].shape, header.tensors[ab["B"]].shape
+        if a_shape[0] != rank or b_shape[1] != rank:
+            raise AdapterFormatError(
+                f"{source}: {name}: tensors have rank {a_shape[0]}/{b_shape[1]} (lora_A/lora_B) but "
+                f"adapter_config.json gives r={rank} for this module (r, rank_pattern)")
+        if a_shape != (rank, in_f) or b_shape != (out_f, rank):
+            raise AdapterFormatError(
+                f"{source}: {name}: shape mismatch with the base model: lora_A {list(a_shape)} must be "
+                f"[{rank}, {in_f}] and lora_B {list(b_shape)} must be [{out_f}, {rank}] (in_features={in_f}, "
+                f"out_features={out_f})")
+        scaling = module_alpha / math.sqrt(rank) if use_rslora else module_alpha / rank
+        modules[slot] = _Module(rank, in_f, out_f, scaling, ab["A"], ab["B"])
+
+    size = sum(4 * (m.rank * sum(shape.in_out(proj))) for (_, proj), m in modules.items())
+    if max_bytes is not None and size > max_bytes:
+        raise AdapterFormatError(f"{source}: adapter size {size} bytes (as float32) is above the limit "
+                                 f"of {max_bytes} bytes")
+    summary = AdapterSummary(max(m.rank for m in modules.values()),
+                             tuple(sorted({proj for _, proj in modules})), size)
+    return _Plan(MappingProxyType(modules), use_rslora, cfg, summary)
+
+
+def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int,
+                 source: str) -> dict[tuple[int, str], dict[str, str]]:
+    """(layer, proj) -> {"A": key, "B": key}; per-tensor checks that need no config."""
+    unexpected = [k for k in header.tensors if not _KEY_RE.fullmatch(k)]
+    if unexpected:
+        shown = ", ".join(repr(k) for k in sorted(unexpected)[:3])
+        more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
+        raise AdapterFormatError(f"{source}: unexpected tensor keys {shown}{more}; only lora_A/lora_B weights "
+                                 f"of {', '.join(PROJECTIONS)} are served")
+    out: dict[tuple[int, str], dict[str, str]] = {}
+    for key, info in header.tensors.items():
+        layer_s, parent, proj, part = _KEY_RE.fullmatch(key).groups()
+        layer = int(layer_s)
+        if (parent == "self_attn") != (proj in _ATTENTION):
+            raise AdapterFormatError(f"{source}: unexpected tensor key {key!r}: {proj} is not under {parent}")
+        if info.dtype not in _FLOAT_DTYPES:
+            raise AdapterFormatError(f"{source}: tensor {key!r} has dtype {info.dtype}; need a float dtype "
+                                     f"({', '.join(sorted(_FLOAT_DTYPES))})")
+        if len(info.shape) != 2:
+            raise AdapterFormatError(f"{source}: tensor {key!r} has shape {list(info.shape)}; need 2 dimensions")
+        if layer >= shape.num_layers:
+            raise AdapterFormatError(f"{source}: tensor {key!r} is for layer {layer} but the base model has "
+                                     f"{shape.num_layers} layers")
+        rank = info.shape[0] if part == "A" else info.shape[1]
+        if rank > max_lora_rank:
+            raise AdapterFormatError(f"{source}: tensor {key!r} has rank {rank}, above max_lora_rank "
+                                     f"{max_lora_rank}")
+        if rank == 0:
+            raise AdapterFormatError(f"{source}: tensor {key!r} has rank 0")
+        slot = out.setdefault((layer, proj), {})
+        if part in slot:
+            raise AdapterFormatError(f"{source}: duplicate tensors {slot[part]!r} and {key!r}")
+        slot[part] = key
+    return out
+
+
+def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -> LoraAdapter:
+    weights: dict[tuple[int, str], LoraWeights] = {}
+    for slot, m in plan.modules.items():
+        # copy=True: never alias a memory-mapped file or the caller's buffer.
+        a = get(m.a_key).to(torch.float32, copy=True).contiguous()     # a: [r, in]
+        b = get(m.b_key).to(torch.float32, copy=True).contiguous()     # b: [out, r]
+        if a.shape != (m.rank, m.in_features) or b.shape != (m.out_features, m.rank):
+            raise AdapterFormatError(f"{source}: file changed while loading ({m.a_key!r})")
+        weights[slot] = LoraWeights(a, b, m.scaling)
+    s = plan.summary
+    return LoraAdapter(s.rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
+                       plan.config)

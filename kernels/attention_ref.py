@@ -1,0 +1,64 @@
+"""Plain-torch paged attention: the semantics the Triton kernels implement."""
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionBatch
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's new keys and values in the block pool.
+
+    Semantics: k_cache.flat[slot_mapping[t]] = k[t]; v_cache likewise.
+    Shape: k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D],
+        modified in place; slot_mapping [T] int64.
+    """
+    num_blocks, block_size, hkv, d = k_cache.shape
+    k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of each sequence's new tokens over its cached + new K/V.
+
+    Semantics: for sequence b, query j (absolute position p = context_len[b] + j),
+        out[t] = softmax(scale * q[t] @ K_b[:p+1].T) @ V_b[:p+1]
+    where K_b/V_b are read through block_tables[b]; query head h uses kv head
+    h // (Hq / Hkv) (GQA). Call write_kv for the step first.
+    Shape: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
+        out [T, Hq, D], written in place.
+    """
+    block_size = k_cache.shape[1]
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    tables = batch.block_tables.tolist()
+    start = 0
+    for b, (qlen, slen) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
+        nblocks = (slen + block_size - 1) // block_size
+        blocks = torch.tensor(tables[b][:nblocks], dtype=torch.long, device=q.device)
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:slen].float()  # [slen, Hkv, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:slen].float()
+        qs = q[start : start + qlen].float()  # [qlen, Hq, D]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, slen, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(qs.transpose(0, 1), k.transpose(1, 2)) * scale  # [Hq, qlen, slen]
+        if qlen > 1:
+            pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)  # [qlen, 1]
+            mask = torch.arange(slen, device=q.device).unsqueeze(0) > pos  # [qlen, slen]
+            scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start : start + qlen] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
+        start += qlen

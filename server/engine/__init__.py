@@ -1,0 +1,22 @@
+"""Base-model executor with paged KV cache, continuous batching and batched multi-LoRA.
+
+Imports only torch, triton, transformers, safetensors and the standard library
+(plus loraplex's own adapters.format and kernels), so it runs where the HTTP
+stack and Redis client are not installed.
+"""
+from server.engine.config import EngineConfig, ModelConfig
+from server.engine.llm import LLM
+from server.engine.llm_engine import EngineStats, LLMEngine, RequestError
+from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import RequestOutput
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "EngineStats",
+    "ModelConfig",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,154 @@
+"""Engine and model configuration: frozen, validated at construction."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config.json describes something loraplex cannot run exactly."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the executor needs from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    checkpoint_dtype: str
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path} not found: --model must be a Hugging Face model directory")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelConfigError(f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        heads = cfg["num_attention_heads"]
+        # Transformers 5 writes rope_parameters (with rope_theta inside); 4.x writes rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or (rope if rope else None)
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "default":
+                scaling = None
+            elif kind not in ("llama3", "linear"):
+                raise ModelConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            eos_token_ids=eos_ids,
+            sliding_window=window,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs; names mirror the CLI flags (DESIGN.md)."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 << 20
+    block_size: int = 16
+    kernels: str = "auto"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
+        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_lora_rank > 512:
+            raise ValueError("max_lora_rank must be <= 512")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise ValueError("kv_cache_blocks must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32  # CPU matmuls in half precision are slow and not what users expect
+        return DTYPES.get(model.checkpoint_dtype, torch.bfloat16)

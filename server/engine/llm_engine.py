@@ -1,0 +1,216 @@
+"""The engine: requests in, tokens out, one `step()` at a time (schedule -> run -> postprocess)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from adapters.format import LoraAdapter, ModelShape
+from kernels.ops import select_kernels
+from server.engine.block_manager import BlockManager
+from server.engine.config import EngineConfig, ModelConfig
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
+from server.engine.lora_slots import AdapterSlots
+from server.engine.model import CausalLM
+from server.engine.model_runner import ModelRunner
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from server.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from server.engine.stop import StopChecker
+from server.engine.weights import load_weights
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (too long, unknown adapter, bad token ids)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    adapters_registered: int
+    adapters_resident: int
+    adapter_loads: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mcfg = ModelConfig.from_dir(config.model)
+        self.model_config = mcfg
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(mcfg, self.device)
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mcfg.max_position_embeddings}"
+            )
+        if mcfg.sliding_window is not None and self.max_model_len > mcfg.sliding_window:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the sliding window {mcfg.sliding_window}; "
+                "sliding-window attention is not implemented, lower max_model_len"
+            )
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        eos = set(mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.adapter_shape = ModelShape(
+            num_layers=mcfg.num_layers,
+            hidden_size=mcfg.hidden_size,
+            q_size=mcfg.q_size,
+            kv_size=mcfg.kv_size,
+            intermediate_size=mcfg.intermediate_size,
+        )
+
+        lora_layers = allocate_lora_slots(mcfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+        weights = load_weights(config.model, mcfg, self.dtype, self.device)
+        self.model = CausalLM(mcfg, weights, lora_layers, self.max_model_len)
+        del weights
+        kv_caches, num_blocks = allocate_kv_cache(mcfg, config, self.max_model_len, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.adapters = AdapterSlots(lora_layers, config.max_loras)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.blocks,
+            self.adapters,
+        )
+        scratch = torch.empty(
+            3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
+        )
+        self.kernels = select_kernels(config.kernels, self.device)
+        self.runner = ModelRunner(
+            self.model, kv_caches, self.kernels, config.block_size, scratch, self.device, config.seed
+        )
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.seqs: dict[str, Sequence] = {}
+        self.stops: dict[str, StopChecker] = {}
+        self.aborted: list[Sequence] = []
+        self.arrivals = 0
+
+    # ---- adapters (keyed by immutable version id) ----
+    def add_adapter(self, adapter_id: str, adapter: LoraAdapter) -> None:
+        if adapter.rank > self.config.max_lora_rank:
+            raise RequestError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
+        self.adapters.register(adapter_id, adapter)
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        self.adapters.unregister(adapter_id)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return self.adapters.is_registered(adapter_id)
+
+    # ---- requests ----
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter_id: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        ids = self.tokenize(prompt)
+        self.validate(ids, params, adapter_id)
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority)
+        self.arrivals += 1
+        self.seqs[request_id] = seq
+        self.stops[request_id] = StopChecker(params.stop)
+        self.scheduler.add(seq)
+
+    def validate(self, ids: list[int], params: SamplingParams, adapter_id: str | None) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        if adapter_id is not None and not self.adapters.is_registered(adapter_id):
+            raise RequestError(f"adapter {adapter_id!r} is not loaded")
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.finished:
+            return
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        self.aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.aborted)
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        sampled = self.runner.run(batch) if not batch.empty else {}
+        return self.postprocess(batch, sampled)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[RequestOutput]:
+        outputs = [self._output(seq) for seq in self.aborted]
+        self.aborted.clear()
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            seq.num_computed_tokens += n
+            token = sampled.get(i)
+            if token is None:
+                continue  # a prompt chunk: nothing to say yet
+            seq.token_ids.append(token)
+            seq.text += self.detokenizer.step(seq.detok_state, seq.output_token_ids)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                self.seqs.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        cut = self.stops[seq.request_id].find(seq.text)
+        if cut is not None:
+            seq.text = seq.text[:cut]
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = seq.output()
+        stop = self.stops.get(seq.request_id)
+        if seq.finished:
+            self.stops.pop(seq.request_id, None)
+        elif stop is not None:
+            # Hold back a tail that could still grow into a stop string, so it is never streamed.
+            keep = len(seq.text) - stop.partial_suffix(seq.text)
+            out = RequestOutput(out.request_id, out.prompt_token_ids, out.token_ids, seq.text[:keep], False)
+        return out
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_used_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            adapters_registered=len(self.adapters.adapters),
+            adapters_resident=self.adapters.num_resident,
+            adapter_loads=self.adapters.loads,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

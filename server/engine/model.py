@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache with batched multi-LoRA.
+
+Projections are fused (qkv, gate_up) so one base matmul and one LoRA
+shrink/expand pair serve each fused layer for the whole mixed-adapter batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.ops import KernelOps
+from server.engine.config import ModelConfig
+from server.engine.lora_slots import LoraGroupBuffers
+from server.engine.rope import RotaryEmbedding
+
+
+@dataclass
+class StepContext:
+    """Everything a layer needs about the current step; built once, shared by all layers."""
+
+    ops: KernelOps
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionBatch
+    lora: LoraBatch
+    lora_scratch: torch.Tensor  # [3, max_tokens, R], shrink output
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm, so float32 matches bit for bit.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class LoraLinear:
+    """A base linear layer (possibly several fused projections) plus its LoRA slots."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoraGroupBuffers) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias  # [out] or None
+        self.lora = lora
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # x: [T, in] -> y: [T, out]
+        if ctx.lora.any_lora:
+            h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
+            ctx.ops.lora_shrink(x, self.lora.a, ctx.lora, self.lora.scaling, h)
+            ctx.ops.lora_expand(h, self.lora.b, ctx.lora, y, self.lora.offsets)
+        return y
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope) -> None:
+        self.cfg = cfg
+        self.rope = rope
+        self.input_norm = w["input_layernorm.weight"]
+        self.post_norm = w["post_attention_layernorm.weight"]
+        self.qkv = LoraLinear(w["qkv.weight"], w.get("qkv.bias"), lora["qkv"])
+        self.o = LoraLinear(w["o_proj.weight"], w.get("o_proj.bias"), lora["o"])
+        self.gate_up = LoraLinear(w["gate_up.weight"], w.get("gate_up.bias"), lora["gate_up"])
+        self.down = LoraLinear(w["down_proj.weight"], w.get("down_proj.bias"), lora["down"])
+        self.scale = cfg.head_dim**-0.5
+
+    def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        cfg = self.cfg
+        x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
+        q, k, v = self.qkv(x, ctx).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        t = x.shape[0]
+        q = self.rope.apply(q.reshape(t, cfg.num_heads, cfg.head_dim), ctx.positions)  # [T, Hq, D]
+        k = self.rope.apply(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), ctx.positions)  # [T, Hkv, D]
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        k_cache, v_cache = kv
+        ctx.ops.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        attn = torch.empty_like(q)
+        ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn)
+        h = h + self.o(attn.reshape(t, cfg.q_size), ctx)
+        x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
+        gate, up = self.gate_up(x, ctx).split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
+        return h + self.down(F.silu(gate) * up, ctx)
+
+
+class CausalLM:
+    """Embedding -> decoder layers -> norm; logits only for the rows asked for."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int) -> None:
+        self.cfg = cfg
+        some = weights["model.embed_tokens.weight"]
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
+        self.embed = weights["model.embed_tokens.weight"]  # [V, H]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]  # [V, H]
+        self.layers = [
+            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope) for i in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx: StepContext,
+        logits_indices: torch.Tensor,  # [N] rows whose next token is sampled
+    ) -> torch.Tensor:
+        h = self.embed.index_select(0, input_ids)  # [T, H]
+        for layer, kv in zip(self.layers, kv_caches):
+            h = layer(h, kv, ctx)
+        h = rms_norm(h.index_select(0, logits_indices), self.norm, self.cfg.rms_norm_eps)  # [N, H]
+        return F.linear(h, self.lm_head).float()  # [N, V]
+
+
+def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """One layer's tensors, with q/k/v and gate/up fused along the output dimension."""
+    p = f"model.layers.{i}."
+    get = weights.get
+    w = {
+        "input_layernorm.weight": weights[p + "input_layernorm.weight"],
+        "post_attention_layernorm.weight": weights[p + "post_attention_layernorm.weight"],
+        "o_proj.weight": weights[p + "self_attn.o_proj.weight"],
+        "down_proj.weight": weights[p + "mlp.down_proj.weight"],
+        "qkv.weight": torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+        "gate_up.weight": torch.cat([weights[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")]),
+    }
+    if get(p + "self_attn.q_proj.bias") is not None:
+        w["qkv.bias"] = torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+    for name, key in (("o_proj.bias", "self_attn.o_proj.bias"), ("down_proj.bias", "mlp.down_proj.bias")):
+        if get(p + key) is not None:
+            w[name] = weights[p + key]
+    if get(p + "mlp.gate_proj.bias") is not None:
+        w["gate_up.bias"] = torch.cat([weights[p + f"mlp.{n}_proj.bias"] for n in ("gate", "up")])
+    return w

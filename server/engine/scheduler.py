@@ -1,0 +1,150 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Every step, running sequences go first (one token each when decoding, a
+chunk when their prompt is still being prefilled), then waiting ones are
+admitted while the token budget, `max_num_seqs`, KV blocks and adapter slots
+allow. When blocks run out, the newest running sequence is preempted: its
+blocks are freed and it is recomputed from its tokens when readmitted.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.engine.block_manager import BlockManager
+from server.engine.lora_slots import AdapterSlots
+from server.engine.sequence import Sequence, SequenceStatus
+
+# After this many steps blocked on an adapter slot, the head of the queue stops
+# letting later requests pass it, so every adapter gets its turn.
+MAX_BYPASS_STEPS = 32
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0 and self.max_model_len > 0
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
+    slots: list[int] = field(default_factory=list)  # adapter slot per sequence, -1 = base model
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterSlots) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.adapters = adapters
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.slot_of_seq: dict[str, int] = {}  # request id -> pinned adapter slot, for running sequences
+        self.head_blocked_steps = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_pending_tokens, budget)
+            if not self._make_room(seq, n, batch):
+                continue
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        if not batch.preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Return a finished (or aborted) sequence's blocks and adapter slot."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Free blocks for `seq` by preempting the newest running sequences; False if `seq` itself went."""
+        while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        head_blocked = False
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            adapter = seq.adapter_id
+            if adapter is not None and not self.adapters.can_acquire(adapter):
+                if not head_blocked:
+                    head_blocked = True
+                    self.head_blocked_steps += 1
+                continue
+            if head_blocked and (self.head_blocked_steps > MAX_BYPASS_STEPS or adapter not in self.adapters.users):
+                continue  # only requests for adapters already in use may pass a blocked head
+            n = min(seq.num_pending_tokens, budget)
+            # Keep one block spare so running sequences can decode without preempting at once.
+            reserve = 1 if self.running else 0
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n, reserve):
+                break
+            self.waiting.remove(seq)
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            if adapter is not None:
+                self.slot_of_seq[seq.request_id] = self.adapters.acquire(adapter)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        if not head_blocked:
+            self.head_blocked_steps = 0
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_tokens.append(n)
+        batch.slots.append(self.slot_of_seq.get(seq.request_id, -1))
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, go to the front of the queue."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        if seq in batch.seqs:
+            i = batch.seqs.index(seq)
+            for column in (batch.seqs, batch.num_tokens, batch.slots):
+                del column[i]
+        batch.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        if self.slot_of_seq.pop(seq.request_id, None) is not None:
+            self.adapters.release(seq.adapter_id)

@@ -1,0 +1,35 @@
+"""Reading a Hugging Face checkpoint's safetensors into tensors on the target device."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from server.engine.config import ModelConfig, ModelConfigError
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        bins = sorted(Path(model_dir).glob("*.bin"))
+        hint = " (pickle .bin checkpoints are not loaded: convert to safetensors)" if bins else ""
+        raise ModelConfigError(f"no *.safetensors files in {model_dir}{hint}")
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.startswith("model.") or key == "lm_head.weight":
+                    weights[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        required.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        required += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        required += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        required += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    missing = [k for k in required if k not in weights]
+    if missing:
+        raise ModelConfigError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return weights

@@ -1,0 +1,128 @@
+"""Limiter: requests/tokens per minute and concurrent requests per tenant,
+enforced atomically in Redis (see limits_lua.py for the data layout).
+
+Time: `now=None` (the normal case) uses Redis's clock inside the script, so
+processes with skewed clocks share one consistent window; tests pass `now`.
+Token charges: admit() charges an estimate (prompt + max completion tokens);
+release() corrects it to the actual count while the charge is still inside the
+window. A request that outlives the window keeps its estimate as charged.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from tenants import limits_lua
+from tenants.errors import QuotaExceeded, RequestTooLarge
+from tenants.keyspace import Keyspace, as_str
+from tenants.models import Tenant
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A granted request: its charge in the window and its concurrency lease."""
+
+    tenant: str
+    request_id: str
+    slot_id: str            # the member in the window log and the lease set
+    estimated_tokens: int
+    admitted_at: float      # unix seconds, by the clock the limiter used
+    lease_expires_at: float
+
+
+def check_request_tokens(tenant: Tenant, requested_max_tokens: int) -> None:
+    """Refuse a request whose own max_tokens exceeds the tenant's per-request cap.
+
+    It could never succeed, so this is RequestTooLarge (HTTP 400), not QuotaExceeded.
+    """
+    cap = tenant.quota.max_tokens_per_request
+    if cap is not None and requested_max_tokens > cap:
+        raise RequestTooLarge(
+            f"max_tokens {requested_max_tokens} exceeds this tenant's max_tokens_per_request "
+            f"of {cap}", "max_tokens_per_request")
+
+
+def _limit(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+class Limiter:
+    def __init__(self, client: redis.Redis, prefix: str = "lp:", *,
+                 window_seconds: float = 60.0, lease_seconds: float = 120.0) -> None:
+        for name, value in (("window_seconds", window_seconds), ("lease_seconds", lease_seconds)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        self._r = client
+        self._ks = Keyspace(prefix)
+        self.window_seconds = float(window_seconds)
+        self.lease_seconds = float(lease_seconds)
+        # Idle tenants' limiter keys vanish on their own after this long.
+        self._ttl = int(math.ceil(max(self.window_seconds, self.lease_seconds))) + 60
+        self._admit = client.register_script(limits_lua.ADMIT)
+        self._release = client.register_script(limits_lua.RELEASE)
+        self._renew = client.register_script(limits_lua.RENEW)
+        self._snapshot = client.register_script(limits_lua.SNAPSHOT)
+
+    def admit(self, tenant: Tenant, request_id: str, estimated_tokens: int,
+              now: float | None = None) -> Admission:
+        """Check rpm, tpm and concurrency and, only if all pass, record the request.
+
+        Raises QuotaExceeded (retry later) or RequestTooLarge (estimate above the
+        tokens_per_minute limit itself: it could never be admitted).
+        """
+        if isinstance(estimated_tokens, bool) or not isinstance(estimated_tokens, int) \
+                or estimated_tokens < 0:
+            raise ValueError(f"estimated_tokens must be an int >= 0, got {estimated_tokens!r}")
+        quota = tenant.quota
+        if quota.tokens_per_minute is not None and estimated_tokens > quota.tokens_per_minute:
+            raise RequestTooLarge(
+                f"this request may use up to {estimated_tokens} tokens, more than the tenant's "
+                f"tokens_per_minute of {quota.tokens_per_minute}; lower max_tokens or the prompt",
+                "tokens_per_minute")
+        slot_id = f"{request_id}#{secrets.token_hex(6)}"
+        reply = self._admit(
+            keys=self._ks.limit_keys(tenant.name),
+            args=["" if now is None else repr(float(now)), repr(self.window_seconds),
+                  repr(self.lease_seconds), slot_id, estimated_tokens,
+                  _limit(quota.requests_per_minute), _limit(quota.tokens_per_minute),
+                  _limit(quota.max_concurrent_requests), self._ttl])
+        if int(reply[0]) == 1:
+            return Admission(tenant=tenant.name, request_id=request_id, slot_id=slot_id,
+                             estimated_tokens=estimated_tokens,
+                             admitted_at=float(as_str(reply[1])),
+                             lease_expires_at=float(as_str(reply[2])))
+        limit_name = as_str(reply[1])
+        retry_after = max(1, math.ceil(float(as_str(reply[2])) - 1e-6))
+        value = getattr(quota, limit_name)
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} reached its {limit_name} limit of {value}; "
+            f"retry after {retry_after} s", retry_after, limit_name)
+
+    def release(self, admission: Admission, actual_tokens: int) -> bool:
+        """Free the concurrency slot and charge actual tokens (prompt + completion)
+        instead of the estimate. Safe to call twice. False if the lease had expired."""
+        if isinstance(actual_tokens, bool) or not isinstance(actual_tokens, int) or actual_tokens < 0:
+            raise ValueError(f"actual_tokens must be an int >= 0, got {actual_tokens!r}")
+        held = self._release(keys=self._ks.limit_keys(admission.tenant),
+                             args=[admission.slot_id, actual_tokens])
+        return int(held) == 1
+
+    def renew(self, admission: Admission, now: float | None = None) -> bool:
+        """Extend a long request's lease by lease_seconds from now; False if already lost."""
+        ok = self._renew(keys=[self._ks.leases(admission.tenant)],
+                         args=["" if now is None else repr(float(now)), repr(self.window_seconds),
+                               admission.slot_id, repr(self.lease_seconds), self._ttl])
+        return int(ok) == 1
+
+    def current(self, tenant: Tenant | str, now: float | None = None) -> dict[str, Any]:
+        """What the tenant has in the window now (for /v1/usage)."""
+        name = tenant.name if isinstance(tenant, Tenant) else tenant
+        nreq, used, nconc = self._snapshot(
+            keys=self._ks.limit_keys(name),
+            args=["" if now is None else repr(float(now)), repr(self.window_seconds)])
+        return {"window_seconds": self.window_seconds, "requests_in_window": int(nreq),
+                "tokens_in_window": int(used), "concurrent_requests": int(nconc)}
