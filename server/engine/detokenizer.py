@@ -26,3 +26,11 @@ class IncrementalDetokenizer:
             return ""
         state[0], state[1] = read_offset, len(output_ids)
         return full[len(prefix) :]
+
+    def flush(self, state: list[int], output_ids: list[int]) -> str:
+        """At the end of a sequence: whatever text is still held back, incomplete characters included."""
+        prefix_offset, read_offset = state
+        prefix = self.tokenizer.decode(output_ids[prefix_offset:read_offset], skip_special_tokens=self.skip)
+        full = self.tokenizer.decode(output_ids[prefix_offset:], skip_special_tokens=self.skip)
+        state[0] = state[1] = len(output_ids)
+        return full[len(prefix) :]

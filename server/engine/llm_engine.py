@@ -173,6 +173,8 @@ class LLMEngine:
             seq.token_ids.append(token)
             seq.text += self.detokenizer.step(seq.detok_state, seq.output_token_ids)
             reason = self._finish_reason(seq, token)
+            if reason is not None and seq.text_cut is None:
+                seq.text += self.detokenizer.flush(seq.detok_state, seq.output_token_ids)
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
@@ -187,6 +189,7 @@ class LLMEngine:
         cut = self.stops[seq.request_id].find(seq.text)
         if cut is not None:
             seq.text = seq.text[:cut]
+            seq.text_cut = cut
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"

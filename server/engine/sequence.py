@@ -57,6 +57,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""
+        self.text_cut: int | None = None  # set when a stop string ended the text
         self.detok_state = [0, 0]  # IncrementalDetokenizer offsets into the output ids
         self.num_preemptions = 0
 

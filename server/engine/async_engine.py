@@ -1,0 +1,246 @@
+"""AsyncEngine: the LLMEngine's step loop on its own thread, fed from asyncio.
+
+LLMEngine is not thread-safe, so exactly one thread (the loop thread) ever
+touches it. Event-loop code talks to that thread through a command queue:
+adds, aborts and adapter calls are drained before each step, and every
+step's outputs go back to each request's asyncio.Queue with
+`loop.call_soon_threadsafe`. The event loop never waits for a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from server.engine.llm_engine import EngineStats, LLMEngine
+from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import RequestOutput
+
+if TYPE_CHECKING:
+    from adapters.format import LoraAdapter
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed or was shut down; no request can be served."""
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: a queue on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is listening any more
+
+
+class RequestStream:
+    """An accepted request's outputs (cumulative, last one `finished`).
+
+    Iterate it; closing it (or cancelling the iterating task) before the end
+    aborts the request in the engine, which frees its KV blocks.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, sink: _Sink) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._sink = sink
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._sink.queue.get()
+        except BaseException:
+            self.abort()  # cancelled while waiting: the consumer is gone
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine  # read-only attributes (tokenizer, max_model_len, ...) are safe to share
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._sinks: dict[str, _Sink] = {}  # touched by the loop thread only
+        self._stats_lock = threading.Lock()
+        self._stats = engine.stats()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        assert self._thread is None, "AsyncEngine.start() called twice"
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # ---- requests ----
+    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     adapter_id: str | None = None, tenant: str | None = None,
+                     priority: int = 0) -> RequestStream:
+        """Add the request; raises RequestError (too long, unknown adapter...) before any output."""
+        loop = asyncio.get_running_loop()
+        sink = _Sink(loop, asyncio.Queue())
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("add", request_id, prompt, params, adapter_id, tenant, priority, sink, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added just before we gave up
+            raise
+        return RequestStream(self, request_id, sink)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       adapter_id: str | None = None, tenant: str | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = await self.submit(request_id, prompt, params, adapter_id, tenant)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; a no-op for a request that already finished."""
+        self._send(("abort", request_id))
+
+    # ---- adapters and stats (run on the loop thread) ----
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def add_adapter(self, version_id: str, adapter: LoraAdapter) -> None:
+        await self.call(lambda e: e.add_adapter(version_id, adapter))
+
+    async def remove_adapter(self, version_id: str) -> None:
+        await self.call(lambda e: e.remove_adapter(version_id) if e.has_adapter(version_id) else None)
+
+    async def has_adapter(self, version_id: str) -> bool:
+        return await self.call(lambda e: e.has_adapter(version_id))
+
+    def stats(self) -> EngineStats:
+        """The counters as of the last step or command (a consistent snapshot)."""
+        with self._stats_lock:
+            return self._stats
+
+    # ---- the loop thread ----
+    def _send(self, command: tuple) -> None:
+        if self._error is not None or self._stopping.is_set():
+            raise EngineDeadError(f"the engine is not running ({self._error or 'shut down'})")
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping.is_set():
+                # Cleared before draining: a command sent after the drain sets it again,
+                # so the wait below cannot sleep through it.
+                self._wakeup.clear()
+                self._drain()
+                if engine.has_unfinished_requests():
+                    self._dispatch(engine.step())
+                    self._publish_stats()
+                else:
+                    self._publish_stats()
+                    self._wakeup.wait()
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
+            log.exception("engine step loop crashed")
+            self._error = e
+        finally:
+            self._fail_all(self._error or EngineDeadError("the engine was shut down"))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt, params, adapter_id, tenant, priority, sink, accepted = cmd
+                try:
+                    self.engine.add_request(rid, prompt, params, adapter_id, tenant, priority)
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    accepted.set_exception(e)
+                    continue
+                self._sinks[rid] = sink
+                accepted.set_result(None)
+            elif kind == "abort":
+                self.engine.abort_request(cmd[1])
+            elif kind == "call":
+                _, fn, done = cmd
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    done.set_exception(e)
+            else:
+                raise AssertionError(f"unknown command {kind!r}")
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink.put(out)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.stats()
+        with self._stats_lock:
+            self._stats = stats
+
+    def _fail_all(self, error: BaseException) -> None:
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine crashed: {error!r}")
+        for sink in self._sinks.values():
+            sink.put(dead)
+        self._sinks.clear()
+        while True:  # commands that arrived after the end: answer them too
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            for item in cmd:
+                if isinstance(item, concurrent.futures.Future) and not item.done():
+                    item.set_exception(dead)

@@ -1,0 +1,27 @@
+"""Shared bits of the engine tests: deterministic prompts and the PEFT comparison."""
+from __future__ import annotations
+
+import random
+
+from server.engine import LLM, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def random_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Ids 3.. skip the special tokens (bos/eos/pad) so prompts look like text.
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def assert_matches_peft(llm: LLM, model_dir, adapter_dirs, prompts, names, outs, max_tokens, peft_oracle):
+    """Every output equals what transformers + peft generate for that request alone."""
+    assert len(outs) == len(prompts) == len(names)
+    for prompt, name, out in zip(prompts, names, outs):
+        expected = peft_oracle(model_dir, adapter_dirs[name] if name else None, prompt, max_tokens)
+        assert out.token_ids == expected, f"adapter {name}: engine {out.token_ids} != peft {expected}"
+        assert out.finish_reason == "length"
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **GREEDY)

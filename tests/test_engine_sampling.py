@@ -1,0 +1,115 @@
+"""Sampling, stopping and incremental detokenisation."""
+from __future__ import annotations
+
+import pytest
+
+from server.engine import LLM, SamplingParams
+from tests.engine_helpers import random_prompts
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, tiny_adapters):
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=4, kv_cache_blocks=256, max_model_len=512)
+    llm.add_adapter("a", tiny_adapters["r8_all"])
+    return llm
+
+
+def test_seeded_sampling_ignores_batch_neighbours(llm):
+    prompt = random_prompts(1, (12, 12), VOCAB, seed=21)[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], params, adapters=["a"])[0].token_ids
+    others = random_prompts(5, (3, 30), VOCAB, seed=22)
+    mixed = llm.generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(max_tokens=9, temperature=0.8, ignore_eos=True)] * 3 + [params]
+        + [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)] * 2,
+        adapters=[None, "a", None, "a", "a", None],
+    )[3].token_ids
+    assert mixed == alone
+    other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
+    assert llm.generate([prompt], other_seed, adapters=["a"])[0].token_ids != alone
+
+
+def test_seeded_sampling_survives_preemption(tiny_model_dir):
+    prompts = random_prompts(6, (20, 30), VOCAB, seed=23)
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True) for i in range(6)]
+    roomy = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=128, max_model_len=128)
+    tight = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=10, max_model_len=128)
+    expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert tight.engine.stats().num_preemptions > 0
+    assert got == expected
+
+
+def test_top_k_one_is_greedy(llm):
+    prompt = random_prompts(1, (10, 10), VOCAB, seed=24)[0]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    top1 = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True))[0]
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    prompt = random_prompts(1, (10, 10), VOCAB, seed=25)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 10
+    stop_at = full.token_ids[4]
+    first = full.token_ids.index(stop_at)
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_at,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: first + 1]
+
+
+def test_stop_string_truncates_text(llm):
+    prompt = random_prompts(1, (10, 10), VOCAB, seed=26)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    assert stop not in out.text
+
+
+def test_eos_ends_generation_unless_ignored(llm, tiny_model_dir):
+    eos = llm.tokenizer.eos_token_id
+    # Find a prompt whose greedy continuation reaches EOS within a few tokens.
+    for prompt in random_prompts(200, (3, 12), VOCAB, seed=27):
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+        if eos in out.token_ids:
+            break
+    else:
+        pytest.skip("no prompt reaches EOS greedily")
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == out.token_ids[: out.token_ids.index(eos) + 1]
+
+
+def test_stream_text_is_incremental_and_multibyte_whole(llm):
+    tok = llm.tokenizer
+    text = "naïve café 中文 😀 done"
+    ids = tok(text, add_special_tokens=False).input_ids
+    # Feed the tokens of a known string through the detokenizer one at a time.
+    det = llm.engine.detokenizer
+    state, pieces = [0, 0], []
+    for i in range(1, len(ids) + 1):
+        piece = det.step(state, ids[:i])
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+    pieces.append(det.flush(state, ids))
+    assert "".join(pieces) == tok.decode(ids)
+    assert "".join(pieces) == text
+
+
+def test_streamed_outputs_grow_monotonically(llm):
+    engine = llm.engine
+    prompt = random_prompts(1, (8, 8), VOCAB, seed=28)[0]
+    engine.add_request("stream", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    texts, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts.append(out.text)
+            last = out
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert last.finished and len(last.token_ids) == 12

@@ -1,0 +1,100 @@
+"""Paged KV, chunked prefill, preemption and adapter-slot pressure keep outputs equal to PEFT's."""
+from __future__ import annotations
+
+from server.engine import LLM, SamplingParams
+from tests.engine_helpers import assert_matches_peft, greedy, random_prompts
+
+VOCAB = 512
+
+
+def run_all(llm: LLM, prompts, names, params) -> tuple[list, int]:
+    """Drive the engine step by step; returns outputs in order and the peak running batch size."""
+    engine = llm.engine
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, name in zip(ids, prompts, names):
+        engine.add_request(rid, prompt, params, llm._versions[name] if name else None)
+    final, peak = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        peak = max(peak, engine.stats().num_running)
+    return [final[r] for r in ids], peak
+
+
+def test_long_prompts_chunked_prefill_and_block_spanning(tiny_model_dir, tiny_adapters, peft_oracle):
+    # A 32-token budget forces prompts of up to 150 tokens through several prefill chunks,
+    # and 16-token blocks make every sequence span many blocks.
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=4, kv_cache_blocks=128, max_model_len=256,
+              max_num_batched_tokens=32, block_size=16)
+    for name, path in tiny_adapters.items():
+        llm.add_adapter(name, path)
+    names = ["r8_all", None, "r32_pattern", "r4_qv"]
+    prompts = random_prompts(4, (70, 150), VOCAB, seed=11)
+    outs, _ = run_all(llm, prompts, names, greedy(10))
+    assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 10, peft_oracle)
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_preemption_by_recompute_gives_same_tokens(tiny_model_dir, tiny_adapters, peft_oracle):
+    # 8 sequences of up to 30 + 24 tokens need ~4 blocks of 16 each; 14 blocks cannot hold them all.
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=4, kv_cache_blocks=14, max_model_len=128, block_size=16)
+    for name, path in tiny_adapters.items():
+        llm.add_adapter(name, path)
+    names = [None, "r8_all", "r16_rslora", "r4_qv"] * 2
+    prompts = random_prompts(8, (20, 30), VOCAB, seed=12)
+    outs, _ = run_all(llm, prompts, names, greedy(24))
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 24, peft_oracle)
+    assert stats.kv_blocks_used == 0
+    assert llm.engine.blocks.num_free_blocks == 14
+    assert all(c == 0 for c in llm.engine.blocks.ref_counts)
+
+
+def test_more_adapters_than_slots_all_complete(tiny_model_dir, tiny_adapters, peft_oracle):
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=2, kv_cache_blocks=128, max_model_len=256)
+    for name, path in tiny_adapters.items():
+        llm.add_adapter(name, path)
+    names = list(tiny_adapters) * 3 + [None, None]
+    prompts = random_prompts(len(names), (5, 25), VOCAB, seed=13)
+    engine = llm.engine
+    ids = [f"s{i}" for i in range(len(names))]
+    for rid, prompt, name in zip(ids, prompts, names):
+        engine.add_request(rid, prompt, greedy(6), llm._versions[name] if name else None)
+    final = {}
+    while engine.has_unfinished_requests():
+        # Never more distinct adapters in one step than there are slots.
+        in_flight = {s.adapter_id for s in engine.scheduler.running if s.adapter_id}
+        assert len(in_flight) <= 2
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    outs = [final[r] for r in ids]
+    assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 6, peft_oracle)
+    assert engine.stats().adapter_loads >= 4
+    assert engine.stats().adapters_resident <= 2
+
+
+def test_max_num_seqs_bounds_the_running_batch(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=128, max_model_len=256, max_num_seqs=3)
+    prompts = random_prompts(7, (5, 10), VOCAB, seed=14)
+    outs, peak = run_all(llm, prompts, [None] * 7, greedy(4))
+    assert peak == 3
+    assert all(len(o.token_ids) == 4 for o in outs)
+
+
+def test_abort_frees_blocks(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=64, max_model_len=256)
+    engine = llm.engine
+    engine.add_request("a", random_prompts(1, (40, 40), VOCAB, 15)[0], SamplingParams(max_tokens=50))
+    engine.add_request("b", random_prompts(1, (10, 10), VOCAB, 16)[0], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.stats().kv_blocks_used > 0
+    engine.abort_request("a")
+    engine.abort_request("b")
+    outs = engine.step()
+    assert {o.request_id: o.finish_reason for o in outs} == {"a": "abort", "b": "abort"}
+    assert engine.stats().kv_blocks_used == 0
+    assert not engine.has_unfinished_requests()
