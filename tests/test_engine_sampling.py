@@ -92,7 +92,8 @@ def test_stream_text_is_incremental_and_multibyte_whole(llm):
     ids = tok(text, add_special_tokens=False).input_ids
     # Feed the tokens of a known string through the detokenizer one at a time.
     det = llm.engine.detokenizer
-    state, pieces = [0, 0], []
+    assert det.token_bytes is not None  # the byte-level fast path is the one under test
+    state, pieces = det.new_state(), []
     for i in range(1, len(ids) + 1):
         piece = det.step(state, ids[:i])
         assert "\ufffd" not in piece
@@ -100,6 +101,23 @@ def test_stream_text_is_incremental_and_multibyte_whole(llm):
     pieces.append(det.flush(state, ids))
     assert "".join(pieces) == tok.decode(ids)
     assert "".join(pieces) == text
+
+
+def test_window_detokenizer_agrees_with_byte_table(llm):
+    from server.engine.detokenizer import IncrementalDetokenizer
+
+    tok = llm.tokenizer
+    window = IncrementalDetokenizer(tok)
+    window.token_bytes = None  # force the generic path
+    fast = llm.engine.detokenizer
+    ids = random_prompts(1, (60, 60), VOCAB, seed=29)[0] + tok("é中😀", add_special_tokens=False).input_ids
+    ids = [1, 0] + ids  # special tokens are skipped by both
+    results = []
+    for det in (window, fast):
+        state = det.new_state()
+        text = "".join(det.step(state, ids[:i]) for i in range(1, len(ids) + 1)) + det.flush(state, ids)
+        results.append(text)
+    assert results[0] == results[1] == tok.decode(ids, skip_special_tokens=True)
 
 
 def test_streamed_outputs_grow_monotonically(llm):

@@ -149,11 +149,21 @@ class AsyncEngine:
         self._send(("call", fn, done))
         return await asyncio.wrap_future(done)
 
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run fn on the loop thread without waiting; ordered with every other command."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.add_done_callback(
+            lambda f: f.exception() and log.error("engine call failed", exc_info=f.exception()))
+        self._send(("call", fn, done))
+
     async def add_adapter(self, version_id: str, adapter: LoraAdapter) -> None:
         await self.call(lambda e: e.add_adapter(version_id, adapter))
 
     async def remove_adapter(self, version_id: str) -> None:
-        await self.call(lambda e: e.remove_adapter(version_id) if e.has_adapter(version_id) else None)
+        await self.call(lambda e: _remove(e, version_id))
+
+    def remove_adapter_nowait(self, version_id: str) -> None:
+        self.post(lambda e: _remove(e, version_id))
 
     async def has_adapter(self, version_id: str) -> bool:
         return await self.call(lambda e: e.has_adapter(version_id))
@@ -244,3 +254,8 @@ class AsyncEngine:
             for item in cmd:
                 if isinstance(item, concurrent.futures.Future) and not item.done():
                     item.set_exception(dead)
+
+
+def _remove(engine: LLMEngine, version_id: str) -> None:
+    if engine.has_adapter(version_id):
+        engine.remove_adapter(version_id)

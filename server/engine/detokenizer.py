@@ -1,36 +1,93 @@
 """Incremental detokenisation: text grows as tokens arrive, multi-byte characters come out whole.
 
-Each step decodes only a short window: the tokens since `prefix_offset`
-twice (with and without the newest tokens). Decoding a window rather than
-single tokens keeps tokenizers that merge spaces across tokens right, and a
-trailing U+FFFD means the newest token ends mid-character, so the text waits.
+Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2, the demo model) get a fast
+path: each token's bytes come from a table built once, and an incremental
+UTF-8 decoder holds back a character split across tokens. Other tokenizers
+decode a short window twice per step (with and without the newest tokens):
+a window rather than single tokens keeps tokenizers that merge spaces across
+tokens right, and a trailing U+FFFD means the newest token ends mid-character,
+so the text waits.
 """
 from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the ByteLevel alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+@dataclass
+class DetokState:
+    prefix_offset: int = 0
+    read_offset: int = 0
+    utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        self.token_bytes = self._byte_table()  # id -> bytes, or None when not byte-level
 
-    def step(self, state: list[int], output_ids: list[int]) -> str:
-        """New text made final by the tokens appended since the last call.
+    def new_state(self, start: int = 0) -> DetokState:
+        """State for a sequence whose first `start` ids (the prompt) are not to be decoded."""
+        return DetokState(prefix_offset=start, read_offset=start)
 
-        `state` is the sequence's [prefix_offset, read_offset] into its output ids, updated in place.
+    def step(self, state: DetokState, output_ids: list[int]) -> str:
+        """New text made final by the ids appended since the last call (updates `state`).
+
+        `output_ids` is the sequence's whole id list; only ids from the state's offsets on are read.
         """
-        prefix_offset, read_offset = state
+        if self.token_bytes is not None:
+            table = self.token_bytes
+            data = b"".join(table[t] if 0 <= t < len(table) else b"" for t in output_ids[state.read_offset :])
+            state.read_offset = len(output_ids)
+            return state.utf8.decode(data)
         decode = self.tokenizer.decode
-        prefix = decode(output_ids[prefix_offset:read_offset], skip_special_tokens=self.skip)
-        full = decode(output_ids[prefix_offset:], skip_special_tokens=self.skip)
+        prefix = decode(output_ids[state.prefix_offset : state.read_offset], skip_special_tokens=self.skip)
+        full = decode(output_ids[state.prefix_offset :], skip_special_tokens=self.skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
-        state[0], state[1] = read_offset, len(output_ids)
+        state.prefix_offset, state.read_offset = state.read_offset, len(output_ids)
         return full[len(prefix) :]
 
-    def flush(self, state: list[int], output_ids: list[int]) -> str:
+    def flush(self, state: DetokState, output_ids: list[int]) -> str:
         """At the end of a sequence: whatever text is still held back, incomplete characters included."""
-        prefix_offset, read_offset = state
-        prefix = self.tokenizer.decode(output_ids[prefix_offset:read_offset], skip_special_tokens=self.skip)
-        full = self.tokenizer.decode(output_ids[prefix_offset:], skip_special_tokens=self.skip)
-        state[0] = state[1] = len(output_ids)
+        if self.token_bytes is not None:
+            return self.step(state, output_ids) + state.utf8.decode(b"", final=True)
+        prefix = self.tokenizer.decode(output_ids[state.prefix_offset : state.read_offset], skip_special_tokens=self.skip)
+        full = self.tokenizer.decode(output_ids[state.prefix_offset :], skip_special_tokens=self.skip)
+        state.prefix_offset = state.read_offset = len(output_ids)
         return full[len(prefix) :]
+
+    def _byte_table(self) -> list[bytes] | None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+            return None
+        if getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return None  # decode() would also rewrite spaces; keep its exact output
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        special = set(self.tokenizer.all_special_ids) if self.skip else set()
+        added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+        table: list[bytes] = []
+        for i, piece in enumerate(self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))):
+            if i in special or piece is None:
+                table.append(b"")
+            elif i in added:
+                table.append(added[i].encode())
+            elif all(c in byte_of for c in piece):
+                table.append(bytes(byte_of[c] for c in piece))
+            else:
+                return None  # not a pure byte-level vocabulary
+        return table

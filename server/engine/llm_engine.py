@@ -126,6 +126,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority)
+        seq.detok_state = self.detokenizer.new_state(start=len(ids))
         self.arrivals += 1
         self.seqs[request_id] = seq
         self.stops[request_id] = StopChecker(params.stop)
@@ -171,10 +172,10 @@ class LLMEngine:
             if token is None:
                 continue  # a prompt chunk: nothing to say yet
             seq.token_ids.append(token)
-            seq.text += self.detokenizer.step(seq.detok_state, seq.output_token_ids)
+            seq.text += self.detokenizer.step(seq.detok_state, seq.token_ids)
             reason = self._finish_reason(seq, token)
             if reason is not None and seq.text_cut is None:
-                seq.text += self.detokenizer.flush(seq.detok_state, seq.output_token_ids)
+                seq.text += self.detokenizer.flush(seq.detok_state, seq.token_ids)
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
@@ -200,7 +201,7 @@ class LLMEngine:
         stop = self.stops.get(seq.request_id)
         if seq.finished:
             self.stops.pop(seq.request_id, None)
-        elif stop is not None:
+        elif stop is not None and stop.stops:
             # Hold back a tail that could still grow into a stop string, so it is never streamed.
             keep = len(seq.text) - stop.partial_suffix(seq.text)
             out = RequestOutput(out.request_id, out.prompt_token_ids, out.token_ids, seq.text[:keep], False)

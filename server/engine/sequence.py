@@ -13,9 +13,13 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """A request's output so far (cumulative; `finished` on the last one)."""
+    """A request's output so far (cumulative; `finished` on the last one).
+
+    Not frozen: one is made per running request per step, and frozen
+    dataclasses cost several times more to construct.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -58,7 +62,7 @@ class Sequence:
         self.error: str | None = None
         self.text = ""
         self.text_cut: int | None = None  # set when a stop string ended the text
-        self.detok_state = [0, 0]  # IncrementalDetokenizer offsets into the output ids
+        self.detok_state = None  # IncrementalDetokenizer's DetokState, set by the engine
         self.num_preemptions = 0
 
     @property
