@@ -1,0 +1,192 @@
+"""Triton paged attention with the semantics of kernels.attention_ref.
+
+One kernel serves the whole varlen batch: decode sequences (one query),
+fresh prefills and chunked prefills that continue a cached prefix. A program
+owns one sequence, one tile of its queries and one KV head; the query heads
+that share that KV head (GQA) are packed into the tile's rows, so a decode
+step still fills a 16-row `tl.dot` and each K/V tile is read once per group.
+Keys are read through the block table one tile at a time with an online
+softmax accumulated in fp32.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionBatch
+
+# Rows of one program's query tile (query tokens x heads of one GQA group).
+PREFILL_BLOCK_M = 64
+# Keys per inner-loop tile; independent of the pool's block size.
+BLOCK_N = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    num_heads, head_dim, block_size,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:  # a padding token (as in vLLM): nothing to store
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    ok = (heads < num_heads) & (dims < head_dim)
+    k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims * stride_kd, mask=ok)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + heads * stride_kch + dims * stride_kcd,
+             k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims * stride_vd, mask=ok)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + heads * stride_vch + dims * stride_vcd,
+             v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, head_dim, block_size,
+    stride_qt, stride_qh, stride_qd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_ot, stride_oh, stride_od,
+    stride_btb, stride_btj,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_blk = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_blk * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    # Row r of the tile is query token q_blk*BLOCK_Q + r // GROUP, head kv_head*GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_blk * BLOCK_Q + rows // GROUP  # [BM]
+    head = kv_head * GROUP + rows % GROUP  # [BM]
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx  # [BM] absolute position, the causal limit
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    q = tl.load(q_ptr + (q_start + q_idx)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                + dims[None, :] * stride_qd, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BM, BD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys beyond the tile's last query are masked for every row: never load them.
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_len, (q_blk + 1) * BLOCK_Q))
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: padded rows stay NaN-free
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_btb
+    for k0 in range(0, kv_end, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)  # [BN]
+        k_ok = kpos < kv_end
+        blk = tl.load(table + (kpos // block_size) * stride_btj, mask=k_ok, other=0).to(tl.int64)
+        off = kpos % block_size
+        kv_ok = k_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kcs
+                    + kv_head * stride_kch + dims[None, :] * stride_kcd, mask=kv_ok, other=0.0)  # [BN, BD]
+        v = tl.load(v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs
+                    + kv_head * stride_vch + dims[None, :] * stride_vcd, mask=kv_ok, other=0.0)  # [BN, BD]
+        if UPCAST:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # [BM, BN], log2 domain
+        visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BM, BN]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + q_idx)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+             + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as kernels.attention_ref.write_kv (a negative slot is skipped).
+
+    Shape: k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; slot_mapping [T].
+    """
+    num_tokens, num_heads, head_dim = k.shape
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape, (k.shape, v.shape, k_cache.shape)
+    assert k_cache.shape[2:] == (num_heads, head_dim), (k.shape, k_cache.shape)
+    assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, num_heads, head_dim, k_cache.shape[1],
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Same contract as kernels.attention_ref.paged_attention.
+
+    Shape: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D].
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert out.shape == q.shape and k_cache.shape == v_cache.shape, (out.shape, q.shape)
+    assert k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
+    if num_tokens == 0 or batch.num_seqs == 0:
+        return
+    group = num_q_heads // num_kv_heads
+    if batch.max_query_len == 1:
+        block_m = max(16, triton.next_power_of_2(group))
+        block_q = 1
+    else:
+        block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+        block_q = block_m // group
+    upcast = _interpreting() or q.dtype == torch.float32 or k_cache.dtype != q.dtype
+    grid = (batch.num_seqs, triton.cdiv(batch.max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        scale * math.log2(math.e), head_dim, block_size,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *batch.block_tables.stride(),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=upcast,
+    )

@@ -1,0 +1,16 @@
+"""The Triton implementation of the kernel entry points (see kernels.ops)."""
+from __future__ import annotations
+
+from kernels import attention_triton, lora_triton
+from kernels.ops import KernelOps
+
+
+def triton_ops() -> KernelOps:
+    """Triton kernels; tensors on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    return KernelOps(
+        name="triton",
+        lora_shrink=lora_triton.lora_shrink,
+        lora_expand=lora_triton.lora_expand,
+        write_kv=attention_triton.write_kv,
+        paged_attention=attention_triton.paged_attention,
+    )

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Benchmark multi-LoRA shrink+expand: Triton kernels against the torch reference.
+
+Llama-3-8B-shaped projections, ranks 16/64, 1..512 tokens, 1/8/64 distinct
+adapters. Per configuration: median time of CUDA-event-timed iterations, the
+bandwidth achieved (bytes of adapter weights and activations the op must move,
+divided by time) and that bandwidth as a share of the device's copy bandwidth,
+measured in the same run with a large device-to-device copy.
+
+    python scripts/bench_kernels.py --json bench-out/kernels.json      # needs a CUDA GPU
+    python scripts/bench_kernels.py --smoke                            # CPU, Triton interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# Llama-3-8B: name -> (in_features, output slice widths); hidden 4096, q 4096, kv 1024, mlp 14336.
+PROJECTIONS = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+# Same structure, sizes the Triton interpreter gets through in seconds.
+SMOKE_PROJECTIONS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
+
+
+@dataclass(frozen=True)
+class Config:
+    projection: str
+    rank: int
+    tokens: int
+    adapters: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.adapters <= self.tokens:
+            raise ValueError(f"{self.adapters} distinct adapters need at least as many tokens, got {self.tokens}")
+
+    @property
+    def decode(self) -> bool:
+        """Up to 64 tokens: one decode token per request; beyond: prefill runs, one per adapter."""
+        return self.tokens <= 64
+
+
+@dataclass(frozen=True)
+class Result:
+    projection: str
+    rank: int
+    tokens: int
+    adapters: int
+    shape: str  # decode | prefill
+    impl: str  # triton | torch
+    median_ms: float
+    bytes_moved: int
+    gb_per_s: float
+    pct_of_copy: float
+    max_rel_err: float  # max |y - y_torch| / (|y_torch| + 1) on the same inputs (0 for the reference)
+
+
+def token_slots(cfg: Config) -> list[int]:
+    if cfg.decode:  # requests of different adapters interleave, as a continuous batch does
+        return [t % cfg.adapters for t in range(cfg.tokens)]
+    per, extra = divmod(cfg.tokens, cfg.adapters)
+    return [a for a in range(cfg.adapters) for _ in range(per + (a < extra))]
+
+
+def bytes_moved(cfg: Config, hidden: int, widths: tuple[int, ...], elt: int) -> int:
+    """What the op must read or write at least: each used adapter's A and B once, plus activations."""
+    out = sum(widths)
+    weights = cfg.adapters * cfg.rank * (len(widths) * hidden + out)
+    activations = cfg.tokens * hidden + 2 * len(widths) * cfg.tokens * cfg.rank + 2 * cfg.tokens * out
+    return (weights + activations) * elt
+
+
+def median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
+    """Device-to-device copy bandwidth in GB/s (a copy reads and writes nbytes each)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, warmup=3, iters=iters)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype, copy_gbps, warmup, iters,
+               ops) -> list[Result]:
+    from kernels.metadata import LoraBatch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    num_slots = max(64, cfg.adapters)  # slot buffers are preallocated for the engine's max_loras
+    nslices = len(widths)
+    slots = token_slots(cfg)
+    batch = LoraBatch.build(slots, device)
+    x = torch.randn(cfg.tokens, hidden, device=device, generator=g).to(dtype)
+    lora_a = (torch.randn(nslices, num_slots, cfg.rank, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
+    lora_b = tuple((torch.randn(num_slots, n, cfg.rank, device=device, generator=g) / cfg.rank**0.5).to(dtype)
+                   for n in widths)
+    scaling = torch.full((nslices, num_slots), 2.0, device=device)
+    offsets = tuple(sum(widths[:i]) for i in range(nslices))
+    y0 = torch.randn(cfg.tokens, sum(widths), device=device, generator=g).to(dtype)
+    moved = bytes_moved(cfg, hidden, widths, x.element_size())
+
+    outputs = {}
+    results = []
+    for impl in ("torch", "triton"):
+        h = torch.empty(nslices, cfg.tokens, cfg.rank, device=device, dtype=dtype)
+        y = y0.clone()
+        ops[impl].lora_shrink(x, lora_a, batch, scaling, h)
+        ops[impl].lora_expand(h, lora_b, batch, y, offsets)
+        outputs[impl] = y.float()
+
+        def step(impl=impl, h=h, y=y):
+            ops[impl].lora_shrink(x, lora_a, batch, scaling, h)
+            ops[impl].lora_expand(h, lora_b, batch, y, offsets)
+
+        ms = median_ms(step, device, warmup, iters)
+        gbps = moved / (ms * 1e-3) / 1e9
+        ref = outputs["torch"]
+        err = ((outputs[impl] - ref).abs() / (ref.abs() + 1)).max().item()
+        results.append(Result(cfg.projection, cfg.rank, cfg.tokens, cfg.adapters,
+                              "decode" if cfg.decode else "prefill", impl, ms, moved, gbps,
+                              100 * gbps / copy_gbps, err))
+    return results
+
+
+def print_table(results: list[Result], copy_gbps: float, device_name: str) -> None:
+    print(f"device: {device_name}; device-to-device copy: {copy_gbps:.0f} GB/s")
+    head = f"{'proj':8} {'rank':>4} {'tok':>4} {'adap':>4} {'shape':8} {'impl':6} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'x torch':>7} {'err':>8}"
+    print(head)
+    print("-" * len(head))
+    torch_ms = {(r.projection, r.rank, r.tokens, r.adapters): r.median_ms for r in results if r.impl == "torch"}
+    for r in results:
+        speedup = torch_ms[(r.projection, r.rank, r.tokens, r.adapters)] / r.median_ms
+        print(f"{r.projection:8} {r.rank:>4} {r.tokens:>4} {r.adapters:>4} {r.shape:8} {r.impl:6} "
+              f"{r.median_ms:>9.4f} {r.gb_per_s:>8.1f} {r.pct_of_copy:>6.1f} {speedup:>7.2f} {r.max_rel_err:>8.2g}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes; on a machine without CUDA runs the Triton interpreter")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--projections", nargs="+", choices=sorted(PROJECTIONS))
+    parser.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512])
+    parser.add_argument("--adapters", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("bench_kernels: no CUDA GPU here, so there is nothing meaningful to time. "
+              "Run it on a GPU machine, or pass --smoke for a tiny correctness run under the "
+              "Triton interpreter.", file=sys.stderr)
+        return 2
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is imported
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kernels.ops import torch_ops
+    from kernels.triton_ops import triton_ops
+
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    shapes = SMOKE_PROJECTIONS if args.smoke else PROJECTIONS
+    names = [p for p in (args.projections or shapes) if p in shapes]
+    ranks, tokens, adapters = args.ranks, args.tokens, args.adapters
+    warmup, iters = args.warmup, args.iters
+    if args.smoke:
+        ranks, tokens, adapters, warmup, iters = [16], [1, 8, 80], [1, 8], 1, 3
+    copy_gbps = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20), iters=20 if cuda else 5)
+    ops = {"torch": torch_ops(), "triton": triton_ops()}
+
+    results: list[Result] = []
+    for name in names:
+        hidden, widths = shapes[name]
+        for rank in ranks:
+            for t in tokens:
+                for a in adapters:
+                    if a > t:
+                        continue
+                    results += run_config(Config(name, rank, t, a), hidden, widths, device, dtype,
+                                          copy_gbps, warmup, iters, ops)
+    device_name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter; times are not meaningful)"
+    print_table(results, copy_gbps, device_name)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "device": device_name, "dtype": args.dtype, "copy_gb_per_s": copy_gbps, "smoke": args.smoke,
+            "results": [asdict(r) for r in results],
+        }, indent=1))
+    # A few ulps: each computes and rounds its own h, then sums in its own order.
+    bad = [r for r in results if r.max_rel_err > 8 * torch.finfo(dtype).eps]
+    if bad:
+        print(f"bench_kernels: {len(bad)} Triton result(s) differ from the reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

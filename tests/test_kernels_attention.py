@@ -1,0 +1,186 @@
+"""Triton write_kv + paged attention against dense causal attention and kernels.attention_ref.
+
+On CPU these run under TRITON_INTERPRET=1 (set by conftest): shapes are small.
+"""
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import attention_ref, attention_triton
+from kernels.metadata import AttentionBatch
+from kernels.ops import select_kernels
+from tests.test_kernels_lora import bit_equal, compile_for_cuda, have_ptxas, run_compile_check
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The oracle for one sequence: q [n, Hq, D] are the last n positions of k, v [L, Hkv, D]."""
+    n, hq, _ = q.shape
+    length, hkv, _ = k.shape
+    out = torch.empty(n, hq, q.shape[2])
+    for j in range(n):
+        pos = length - n + j
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            w = torch.softmax((k[: pos + 1, kv].double() @ q[j, h].double()) * scale, dim=0)  # [pos+1]
+            out[j, h] = (w @ v[: pos + 1, kv].double()).float()
+    return out
+
+
+@dataclass
+class Case:
+    batch: AttentionBatch
+    q: torch.Tensor  # [T, Hq, D]
+    k_new: torch.Tensor  # [T, Hkv, D], this step's keys
+    v_new: torch.Tensor
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], prefixes already written, rest NaN
+    v_cache: torch.Tensor
+    k_full: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]: every key, cached and new
+    v_full: list[torch.Tensor]
+    query_lens: list[int]
+    tables: list[list[int]]
+
+
+def make_case(context_lens: list[int], query_lens: list[int], block_size: int, hq: int, hkv: int,
+              head_dim: int, dtype: torch.dtype, seed: int = 0) -> Case:
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = [-(-(c + n) // block_size) for c, n in zip(context_lens, query_lens)]
+    num_blocks = sum(need) + 5
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)  # tables are non-contiguous and out of order, as after churn in the pool
+    tables = [[pool.pop() for _ in range(n)] for n in need]
+    nan = float("nan")
+    k_cache = torch.full((num_blocks, block_size, hkv, head_dim), nan, dtype=dtype)
+    v_cache = torch.full_like(k_cache, nan)
+    k_full, v_full = [], []
+    for table, c, n in zip(tables, context_lens, query_lens):
+        k_full.append(torch.randn(c + n, hkv, head_dim, generator=g).to(dtype))
+        v_full.append(torch.randn(c + n, hkv, head_dim, generator=g).to(dtype))
+        for pos in range(c):  # the cached prefix, written by earlier steps
+            k_cache[table[pos // block_size], pos % block_size] = k_full[-1][pos]
+            v_cache[table[pos // block_size], pos % block_size] = v_full[-1][pos]
+    return Case(
+        batch=AttentionBatch.build(tables, context_lens, query_lens, block_size),
+        q=torch.randn(sum(query_lens), hq, head_dim, generator=g).to(dtype),
+        k_new=torch.cat([k[c:] for k, c in zip(k_full, context_lens)]),
+        v_new=torch.cat([v[c:] for v, c in zip(v_full, context_lens)]),
+        k_cache=k_cache, v_cache=v_cache, k_full=k_full, v_full=v_full, query_lens=query_lens,
+        tables=tables,
+    )
+
+
+def check_attention(case: Case) -> None:
+    dtype = case.q.dtype
+    scale = case.q.shape[2] ** -0.5
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    attention_triton.write_kv(case.k_new, case.v_new, k_cache, v_cache, case.batch.slot_mapping)
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    attention_ref.write_kv(case.k_new, case.v_new, k_ref, v_ref, case.batch.slot_mapping)
+    assert bit_equal(k_cache, k_ref) and bit_equal(v_cache, v_ref)
+
+    out = torch.full_like(case.q, float("nan"))  # poisoned: every query row must be written
+    attention_triton.paged_attention(case.q, k_cache, v_cache, case.batch, scale, out)
+    assert not out.isnan().any()
+    out_ref = torch.full_like(case.q, float("nan"))
+    attention_ref.paged_attention(case.q, k_ref, v_ref, case.batch, scale, out_ref)
+    torch.testing.assert_close(out, out_ref, **TOL[dtype])
+    start = 0
+    for n, k, v in zip(case.query_lens, case.k_full, case.v_full):
+        dense = dense_causal_attention(case.q[start: start + n], k, v, scale)
+        torch.testing.assert_close(out[start: start + n].float(), dense, **TOL[dtype])
+        start += n
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_mixed_batch(block_size: int, hq: int, hkv: int) -> None:
+    """Decode, fresh prefill and continued-prefix prefill in one launch, spanning many blocks."""
+    context_lens = [37, 0, 70, 5, 0]
+    query_lens = [1, 23, 9, 1, 1]
+    check_attention(make_case(context_lens, query_lens, block_size, hq, hkv, 32, torch.float32))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_decode_only(block_size: int, hq: int, hkv: int) -> None:
+    check_attention(make_case([0, 15, 16, 95], [1, 1, 1, 1], block_size, hq, hkv, 32, torch.float32))
+
+
+def test_long_continued_prefix_fp16() -> None:
+    """A chunked prefill whose query tile spans several q blocks, over a prefix many blocks long."""
+    check_attention(make_case([100, 3], [40, 2], 16, 8, 2, 64, torch.float16, seed=1))
+
+
+def test_odd_group_and_head_dim() -> None:
+    """GQA group 3 (not a power of two) and head_dim 24 (padded lanes must stay out of the math)."""
+    check_attention(make_case([20, 0], [1, 18], 16, 6, 2, 24, torch.float32, seed=2))
+
+
+def test_write_kv_touches_only_its_slots() -> None:
+    case = make_case([3, 0], [5, 4], 16, 4, 2, 16, torch.float32)
+    k_cache = torch.full_like(case.k_cache, float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    attention_triton.write_kv(case.k_new, case.v_new, k_cache, v_cache, case.batch.slot_mapping)
+    flat_k = k_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, D]
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written[case.batch.slot_mapping] = True
+    assert torch.equal(flat_k[case.batch.slot_mapping], case.k_new)
+    assert torch.equal(v_cache.flatten(0, 1)[case.batch.slot_mapping], case.v_new)
+    assert flat_k[~written].isnan().all() and v_cache.flatten(0, 1)[~written].isnan().all()
+
+
+def test_entry_points_through_select_kernels() -> None:
+    ops = select_kernels("triton", torch.device("cpu"))
+    assert ops.name == "triton"
+    for name in ("write_kv", "paged_attention"):
+        ref, tri = getattr(attention_ref, name), getattr(ops, name)
+        assert list(inspect.signature(ref).parameters) == list(inspect.signature(tri).parameters)
+    case = make_case([10, 0], [1, 12], 16, 4, 2, 16, torch.float32)
+    ops.write_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, case.batch.slot_mapping)
+    out = torch.full_like(case.q, float("nan"))
+    ops.paged_attention(case.q, case.k_cache, case.v_cache, case.batch, 0.25, out)
+    dense = dense_causal_attention(case.q[1:], case.k_full[1], case.v_full[1], 0.25)
+    torch.testing.assert_close(out[1:], dense, **TOL[torch.float32])
+
+
+def compile_attention_kernels() -> None:
+    ints = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
+    unit = {"stride_qd": 1, "stride_kcd": 1, "stride_vcd": 1, "stride_od": 1}
+    for dtype, upcast in (("fp16", False), ("bf16", False), ("fp32", True)):
+        for block_m, block_q in ((16, 1), (64, 16)):  # decode and prefill tiles, GQA 4, head_dim 128
+            compile_for_cuda(attention_triton._paged_attention_kernel, dtype, ints,
+                             {**unit, "GROUP": 4, "BLOCK_Q": block_q, "BLOCK_M": block_m,
+                              "BLOCK_N": attention_triton.BLOCK_N, "BLOCK_D": 128, "UPCAST": upcast})
+        compile_for_cuda(attention_triton._write_kv_kernel, dtype, ints, {"BLOCK_H": 8, "BLOCK_D": 128})
+
+
+@pytest.mark.skipif(not have_ptxas(), reason="this Triton has no ptxas to compile for CUDA")
+def test_kernels_compile_for_hopper() -> None:
+    """No GPU here: lower the attention kernels (fp16, bf16, fp32) to a cubin for sm_90."""
+    run_compile_check("from tests.test_kernels_attention import compile_attention_kernels; "
+                      "compile_attention_kernels()")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton kernels need a GPU")
+def test_bf16_on_gpu() -> None:
+    ops = select_kernels("triton", torch.device("cuda"))
+    context_lens = [300, 0, 17, 64]
+    case = make_case(context_lens, [1, 200, 1, 33], 16, 32, 8, 128, torch.bfloat16)
+    batch = AttentionBatch.build(case.tables, context_lens, case.query_lens, 16, "cuda")
+    k_cache, v_cache = case.k_cache.cuda(), case.v_cache.cuda()
+    q = case.q.cuda()
+    ops.write_kv(case.k_new.cuda(), case.v_new.cuda(), k_cache, v_cache, batch.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    ops.paged_attention(q, k_cache, v_cache, batch, 128 ** -0.5, out)
+    out_ref = torch.full_like(q, float("nan"))
+    attention_ref.paged_attention(q, k_cache, v_cache, batch, 128 ** -0.5, out_ref)
+    torch.testing.assert_close(out, out_ref, **TOL[torch.bfloat16])

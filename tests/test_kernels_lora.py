@@ -1,0 +1,305 @@
+"""Triton multi-LoRA shrink/expand against the fp32 reference and a dense per-adapter oracle.
+
+On CPU these run under TRITON_INTERPRET=1 (set by conftest), which is ~1000x
+slower than a GPU: shapes are small and the matrix is chosen, not crossed.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from kernels import lora_ref, lora_triton
+from kernels.metadata import LoraBatch
+from kernels.ops import select_kernels
+
+FORMS = {
+    "segmented": (lora_triton.shrink_segmented, lora_triton.expand_segmented),
+    "gathered": (lora_triton.shrink_gathered, lora_triton.expand_gathered),
+}
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2),
+       torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+
+
+def request_slots(mode: str, num_requests: int, rng: random.Random) -> list[int]:
+    """One adapter slot per request, by the field's popularity modes (-1 = base model)."""
+    if mode == "none":
+        return [-1] * num_requests
+    if mode == "identical":
+        return [3] * num_requests
+    if mode == "distinct":
+        slots = list(range(num_requests))
+    elif mode == "uniform":  # ~sqrt(B) adapters of ~sqrt(B) requests each
+        slots = [rng.randrange(max(1, round(num_requests ** 0.5))) for _ in range(num_requests)]
+    elif mode == "zipf":
+        weights = [1 / (k + 1) ** 1.5 for k in range(num_requests)]
+        slots = rng.choices(range(num_requests), weights=weights, k=num_requests)
+    else:
+        raise AssertionError(mode)
+    # Every third request runs on the base model, so -1 rows sit between adapter rows.
+    return [-1 if i % 3 == 1 else s for i, s in enumerate(slots)]
+
+
+def token_slots(req_slots: list[int], req_lens: list[int]) -> list[int]:
+    return [s for s, n in zip(req_slots, req_lens) for _ in range(n)]
+
+
+@dataclass
+class Problem:
+    batch: LoraBatch
+    x: torch.Tensor  # [T, in]
+    lora_a: torch.Tensor  # [S, L, R, in]
+    scaling: torch.Tensor  # [S, L]
+    lora_b: tuple[torch.Tensor, ...]  # S x [L, n_i, R]
+    offsets: tuple[int, ...]
+    y_width: int
+    ranks: list[int]  # each slot's own rank (rows beyond it are zero, as in the slot buffers)
+
+
+def make_problem(slots: list[int], hidden: int, max_rank: int, widths: list[int], dtype: torch.dtype,
+                 num_slots: int, seed: int = 0) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    num_slices = len(widths)
+    ranks = [max(1, max_rank >> (i % 3)) for i in range(num_slots)]  # mixed ranks in one launch
+    lora_a = torch.randn(num_slices, num_slots, max_rank, hidden, generator=g) / hidden ** 0.5
+    lora_b = [torch.randn(num_slots, n, max_rank, generator=g) / max_rank ** 0.5 for n in widths]
+    for slot, r in enumerate(ranks):
+        lora_a[:, slot, r:] = 0
+        for b in lora_b:
+            b[slot, :, r:] = 0
+    offsets, col = [], 5  # a gap before and between slices: those columns must stay untouched
+    for n in widths:
+        offsets.append(col)
+        col += n + 3
+    return Problem(
+        batch=LoraBatch.build(slots),
+        x=torch.randn(len(slots), hidden, generator=g).to(dtype),
+        lora_a=lora_a.to(dtype),
+        scaling=torch.rand(num_slices, num_slots, generator=g) * 2 + 0.5,
+        lora_b=tuple(b.to(dtype) for b in lora_b),
+        offsets=tuple(offsets),
+        y_width=col + 2,
+        ranks=ranks,
+    )
+
+
+def dense_oracle(p: Problem, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, with each adapter's true (unpadded) weights: h and the full y delta."""
+    num_slices, _, max_rank, _ = p.lora_a.shape
+    h = torch.zeros(num_slices, len(slots), max_rank)
+    delta = torch.zeros(len(slots), p.y_width)
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        r = p.ranks[s]
+        for i in range(num_slices):
+            h[i, t, :r] = p.scaling[i, s] * (p.x[t].float() @ p.lora_a[i, s, :r].float().t())
+            n = p.lora_b[i].shape[1]
+            hi = h[i, t, :r].to(p.x.dtype).float()  # shrink's output is stored in the model dtype
+            delta[t, p.offsets[i]: p.offsets[i] + n] = hi @ p.lora_b[i][s, :, :r].float().t()
+    return h, delta
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal on the raw bits, so NaN sentinels compare equal to themselves."""
+    as_int = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def run_and_check(p: Problem, slots: list[int], shrink, expand) -> None:
+    num_slices, _, rank, _ = p.lora_a.shape
+    dtype = p.x.dtype
+    tol = TOL[dtype]
+    rows_off = torch.tensor([s < 0 for s in slots])
+
+    h_ref = torch.full((num_slices, len(slots), rank), float("nan"), dtype=dtype)
+    lora_ref.lora_shrink(p.x, p.lora_a, p.batch, p.scaling, h_ref)
+    h = torch.full_like(h_ref, float("nan"))  # poisoned: every row the kernel skips stays NaN
+    shrink(p.x, p.lora_a, p.batch, p.scaling, h)
+    assert h[:, rows_off].isnan().all(), "shrink wrote a row whose slot is -1"
+    assert not h[:, ~rows_off].isnan().any(), "shrink left an adapter row unwritten"
+    torch.testing.assert_close(h[:, ~rows_off].float(), h_ref[:, ~rows_off].float(), **tol)
+    h_dense, delta = dense_oracle(p, slots)
+    torch.testing.assert_close(h[:, ~rows_off].float(), h_dense[:, ~rows_off], **tol)
+
+    y0 = torch.randn(len(slots), p.y_width, generator=torch.Generator().manual_seed(7)).to(dtype)
+    y0[0, 0] = float("nan")  # a NaN outside every slice must survive untouched too
+    y_ref, y = y0.clone(), y0.clone()
+    lora_ref.lora_expand(h_ref, p.lora_b, p.batch, y_ref, p.offsets)
+    expand(h_ref, p.lora_b, p.batch, y, p.offsets)
+    assert bit_equal(y[rows_off], y0[rows_off]), "expand changed a row whose slot is -1"
+    covered = torch.zeros(p.y_width, dtype=torch.bool)
+    for off, b in zip(p.offsets, p.lora_b):
+        covered[off: off + b.shape[1]] = True
+    assert bit_equal(y[:, ~covered], y0[:, ~covered]), "expand wrote outside its slices"
+    torch.testing.assert_close(y.float(), y_ref.float(), equal_nan=True, **tol)
+    torch.testing.assert_close(y[1:].float(), (y0[1:].float() + delta[1:]), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("mode", ["distinct", "uniform", "zipf", "identical", "none"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_popularity_modes(form: str, mode: str, dtype: torch.dtype) -> None:
+    rng = random.Random(f"{form}-{mode}")  # str seeds are stable across runs, unlike hash()
+    num_requests = 9
+    lens = [1] * num_requests if form == "gathered" else [rng.randint(1, 5) for _ in range(num_requests)]
+    slots = token_slots(request_slots(mode, num_requests, rng), lens)
+    p = make_problem(slots, hidden=96, max_rank=16, widths=[32, 16, 16], dtype=dtype, num_slots=num_requests)
+    run_and_check(p, slots, *FORMS[form])
+
+
+@pytest.mark.parametrize(
+    "rank,hidden,widths",
+    [(1, 2049, [24]), (8, 64, [48, 16]), (16, 300, [40, 20, 20]), (64, 2049, [33, 17, 17])],
+)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_ranks_hidden_slices(form: str, rank: int, hidden: int, widths: list[int]) -> None:
+    rng = random.Random(rank)
+    lens = [1] * 6 if form == "gathered" else [3, 1, 7, 2, 4, 1]
+    slots = token_slots(request_slots("distinct", 6, rng), lens)
+    p = make_problem(slots, hidden=hidden, max_rank=rank, widths=widths, dtype=torch.float32, num_slots=6)
+    run_and_check(p, slots, *FORMS[form])
+
+
+def test_more_slices_than_one_launch_takes() -> None:
+    """Slices past MAX_FUSED_SLICES go to a second launch with the right h rows and offsets."""
+    slots = [0, 0, 1, -1, 1, 2, 2, 2, 2, 2]
+    widths = [16, 8, 24, 8, 40]
+    assert len(widths) > lora_triton.MAX_FUSED_SLICES
+    p = make_problem(slots, hidden=48, max_rank=8, widths=widths, dtype=torch.float32, num_slots=3)
+    run_and_check(p, slots, *FORMS["segmented"])
+
+
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_entry_points_pick_the_form_by_batch_shape(shape: str) -> None:
+    ops = select_kernels("triton", torch.device("cpu"))
+    lens = [1, 1, 1, 1, 1] if shape == "decode" else [1, 9, 1, 20, 2]
+    slots = token_slots([0, 1, -1, 2, 1], lens)
+    p = make_problem(slots, hidden=64, max_rank=8, widths=[32, 32], dtype=torch.float32, num_slots=3)
+    assert lora_triton.use_gather(p.batch) == (shape == "decode")
+    run_and_check(p, slots, ops.lora_shrink, ops.lora_expand)
+
+
+def test_empty_batch_is_a_no_op() -> None:
+    ops = select_kernels("triton", torch.device("cpu"))
+    batch = LoraBatch.build([])
+    h = torch.empty(2, 0, 8)
+    ops.lora_shrink(torch.empty(0, 32), torch.randn(2, 3, 8, 32), batch, torch.ones(2, 3), h)
+    y = torch.empty(0, 40)
+    ops.lora_expand(h, (torch.randn(3, 16, 8), torch.randn(3, 24, 8)), batch, y, (0, 16))
+    assert h.shape == (2, 0, 8) and y.shape == (0, 40)
+
+
+def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
+    """scripts/bench_kernels.py --smoke: end to end under the interpreter, Triton matching torch."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "kernels.json"
+    done = subprocess.run([sys.executable, "scripts/bench_kernels.py", "--smoke", "--projections", "down",
+                           "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "triton" in done.stdout and "%copy" in done.stdout
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert {r["impl"] for r in rows} == {"torch", "triton"} and {r["shape"] for r in rows} == {"decode", "prefill"}
+    assert all(r["median_ms"] > 0 and r["bytes_moved"] > 0 for r in rows)
+    assert report["copy_gb_per_s"] > 0
+
+
+def test_entry_points_keep_the_reference_signatures() -> None:
+    for name in ("lora_shrink", "lora_expand"):
+        ref, tri = getattr(lora_ref, name), getattr(lora_triton, name)
+        assert list(inspect.signature(ref).parameters) == list(inspect.signature(tri).parameters)
+
+
+def have_ptxas() -> bool:
+    try:
+        return triton.knobs.nvidia.ptxas is not None
+    except Exception:  # no CUDA backend in this Triton build
+        return False
+
+
+def compile_for_cuda(kernel, dtype: str, pointer_types: dict[str, str], constexprs: dict) -> None:
+    """Lower a kernel to a cubin for sm_90 (Hopper) without a GPU; raises if it cannot.
+
+    Pointer arguments ending in _ptr default to `dtype`; other arguments are i32.
+    Needs a process without TRITON_INTERPRET (see run_compile_check).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, "*" + dtype)
+        else:
+            signature[name] = pointer_types.get(name, "i32")
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], kernel.fn.__name__
+
+
+def run_compile_check(call: str) -> None:
+    """Run `call` (Python source) in a fresh process where @triton.jit is not the interpreter's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", call], env=env, cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def compile_lora_kernels() -> None:
+    ints = {"seg_starts_ptr": "*i32", "seg_lens_ptr": "*i32", "seg_slots_ptr": "*i32",
+            "token_slots_ptr": "*i32", "scaling_ptr": "*fp32"}
+    for dtype, upcast in (("fp16", False), ("bf16", False), ("fp32", True)):
+        one = {"stride_xk": 1, "stride_ak": 1}
+        compile_for_cuda(lora_triton._sgmv_shrink_kernel, dtype, ints,
+                         {**one, "BLOCK_M": 64, "BLOCK_R": 64, "BLOCK_K": 64, "UPCAST": upcast})
+        compile_for_cuda(lora_triton._bgmv_shrink_kernel, dtype, ints, {**one, "BLOCK_R": 16, "BLOCK_K": 256})
+        one = {"sbr0": 1, "sbr1": 1, "sbr2": 1, "stride_yn": 1, "stride_hr": 1}
+        compile_for_cuda(lora_triton._sgmv_expand_kernel, dtype, ints,
+                         {**one, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_R": 16, "UPCAST": upcast})
+        compile_for_cuda(lora_triton._bgmv_expand_kernel, dtype, ints, {**one, "BLOCK_N": 256, "BLOCK_R": 16})
+
+
+@pytest.mark.skipif(not have_ptxas(), reason="this Triton has no ptxas to compile for CUDA")
+def test_kernels_compile_for_hopper() -> None:
+    """No GPU here: lower every kernel (fp16, bf16, fp32) to a cubin for sm_90; the interpreter never does."""
+    run_compile_check("from tests.test_kernels_lora import compile_lora_kernels; compile_lora_kernels()")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton kernels need a GPU")
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_bf16_on_gpu(shape: str) -> None:
+    ops = select_kernels("triton", torch.device("cuda"))
+    rng = random.Random(1)
+    lens = [1] * 64 if shape == "decode" else [rng.randint(1, 40) for _ in range(16)]
+    slots = token_slots(request_slots("zipf", len(lens), rng), lens)
+    p = make_problem(slots, hidden=4096, max_rank=16, widths=[4096, 1024, 1024], dtype=torch.bfloat16,
+                     num_slots=len(lens))
+    cuda = Problem(
+        batch=LoraBatch.build(slots, "cuda"), x=p.x.cuda(), lora_a=p.lora_a.cuda(),
+        scaling=p.scaling.cuda(), lora_b=tuple(b.cuda() for b in p.lora_b), offsets=p.offsets,
+        y_width=p.y_width, ranks=p.ranks,
+    )
+    h = torch.full((3, len(slots), 16), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ops.lora_shrink(cuda.x, cuda.lora_a, cuda.batch, cuda.scaling, h)
+    h_ref = torch.full_like(h, float("nan"))
+    lora_ref.lora_shrink(cuda.x, cuda.lora_a, cuda.batch, cuda.scaling, h_ref)
+    torch.testing.assert_close(h, h_ref, equal_nan=True, **TOL[torch.bfloat16])
+    y0 = torch.randn(len(slots), p.y_width, device="cuda", dtype=torch.bfloat16)
+    y, y_ref = y0.clone(), y0.clone()
+    ops.lora_expand(h_ref, cuda.lora_b, cuda.batch, y, cuda.offsets)
+    lora_ref.lora_expand(h_ref, cuda.lora_b, cuda.batch, y_ref, cuda.offsets)
+    off = torch.tensor([s < 0 for s in slots], device="cuda")
+    assert torch.equal(y[off], y0[off])
+    torch.testing.assert_close(y, y_ref, **TOL[torch.bfloat16])
