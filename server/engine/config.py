@@ -117,6 +117,7 @@ class EngineConfig:
     kv_cache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 256 << 20
+    max_cpu_lora_bytes: int | None = None  # host-tier budget for adapters loaded on demand; None = unbounded
     block_size: int = 16
     kernels: str = "auto"
     seed: int = 0
@@ -134,6 +135,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_lora_rank > 512:
             raise ValueError("max_lora_rank must be <= 512")
+        if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
+            raise ValueError("max_cpu_lora_bytes must be >= 0")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError("kv_cache_blocks must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from adapters.format import LoraAdapter, ModelShape
+from adapters.host_tier import Fetch, HostTier
 from kernels.ops import select_kernels
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
@@ -32,14 +33,27 @@ class EngineStats:
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
-    adapters_registered: int
-    adapters_resident: int
-    adapter_loads: int
+    adapters_registered: int  # host tier: parsed adapters in host memory
+    adapters_resident: int  # device tier: adapters in slots
+    adapter_loads: int  # device tier: copies into a slot
     num_preemptions: int
+    host_bytes_used: int = 0
+    host_budget_bytes: int | None = None
+    host_hits: int = 0
+    host_misses: int = 0
+    host_loads: int = 0
+    host_load_failures: int = 0
+    host_evictions: int = 0
+    adapters_loading: int = 0
+    device_hits: int = 0
+    device_evictions: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`adapter_source`, when given, loads adapter versions on demand (e.g. from the Redis registry);
+    it runs on background threads, so it may block."""
+
+    def __init__(self, config: EngineConfig, adapter_source: Fetch | None = None) -> None:
         self.config = config
         mcfg = ModelConfig.from_dir(config.model)
         self.model_config = mcfg
@@ -75,11 +89,10 @@ class LLMEngine:
         del weights
         kv_caches, num_blocks = allocate_kv_cache(mcfg, config, self.max_model_len, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.adapters = AdapterSlots(lora_layers, config.max_loras)
+        self.slots = AdapterSlots(lora_layers, config.max_loras)
+        self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda")
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
-            self.blocks,
-            self.adapters,
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.slots, self.host
         )
         scratch = torch.empty(
             3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
@@ -96,15 +109,18 @@ class LLMEngine:
 
     # ---- adapters (keyed by immutable version id) ----
     def add_adapter(self, adapter_id: str, adapter: LoraAdapter) -> None:
+        """Preload an adapter version into the host tier; it stays until removed."""
         if adapter.rank > self.config.max_lora_rank:
             raise RequestError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
-        self.adapters.register(adapter_id, adapter)
+        self.host.add(adapter_id, adapter)
 
     def remove_adapter(self, adapter_id: str) -> None:
-        self.adapters.unregister(adapter_id)
+        """A deleted or replaced version leaves every tier once no request uses it."""
+        self.host.remove(adapter_id)
+        self.slots.remove(adapter_id)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return self.adapters.is_registered(adapter_id)
+        return self.host.ready(adapter_id)
 
     # ---- requests ----
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -120,7 +136,12 @@ class LLMEngine:
         adapter_id: str | None = None,
         tenant: str | None = None,
         priority: int = 0,
+        tenant_weight: float | None = None,
     ) -> None:
+        """Queue a request. `tenant_weight` (the tenant's fair-share weight) updates the scheduler's copy.
+
+        Lower `priority` values are served first within a tenant.
+        """
         ids = self.tokenize(prompt)
         self.validate(ids, params, adapter_id)
         if request_id in self.seqs:
@@ -130,6 +151,8 @@ class LLMEngine:
         self.arrivals += 1
         self.seqs[request_id] = seq
         self.stops[request_id] = StopChecker(params.stop)
+        if tenant_weight is not None:
+            self.scheduler.waiting.set_weight(tenant, tenant_weight)
         self.scheduler.add(seq)
 
     def validate(self, ids: list[int], params: SamplingParams, adapter_id: str | None) -> None:
@@ -143,7 +166,7 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {self.max_model_len}"
             )
-        if adapter_id is not None and not self.adapters.is_registered(adapter_id):
+        if adapter_id is not None and not self.host.can_serve(adapter_id):
             raise RequestError(f"adapter {adapter_id!r} is not loaded")
 
     def abort_request(self, request_id: str) -> None:
@@ -160,18 +183,27 @@ class LLMEngine:
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        if batch.empty and not batch.failed and not self.aborted:
+            self.host.wait_for_load(0.005)  # only adapter loads are pending: wait for one, don't spin
+            return []
         sampled = self.runner.run(batch) if not batch.empty else {}
         return self.postprocess(batch, sampled)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self.aborted]
         self.aborted.clear()
+        for seq, error in batch.failed:
+            seq.finish_reason, seq.error = "error", f"adapter {seq.adapter_id} could not be loaded: {error}"
+            self.scheduler.finish(seq)
+            self.seqs.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             seq.num_computed_tokens += n
             token = sampled.get(i)
             if token is None:
                 continue  # a prompt chunk: nothing to say yet
             seq.token_ids.append(token)
+            self.scheduler.waiting.charge_output(seq)
             seq.text += self.detokenizer.step(seq.detok_state, seq.token_ids)
             reason = self._finish_reason(seq, token)
             if reason is not None and seq.text_cut is None:
@@ -213,8 +245,21 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used_blocks,
             kv_blocks_total=self.blocks.num_blocks,
-            adapters_registered=len(self.adapters.adapters),
-            adapters_resident=self.adapters.num_resident,
-            adapter_loads=self.adapters.loads,
+            adapters_registered=len(self.host.entries),
+            adapters_resident=self.slots.num_resident,
+            adapter_loads=self.slots.loads,
             num_preemptions=self.scheduler.num_preemptions,
+            host_bytes_used=self.host.bytes_used,
+            host_budget_bytes=self.host.budget_bytes,
+            host_hits=self.host.stats.hits,
+            host_misses=self.host.stats.misses,
+            host_loads=self.host.stats.loads,
+            host_load_failures=self.host.stats.load_failures,
+            host_evictions=self.host.stats.evictions,
+            adapters_loading=len(self.host.loading),
+            device_hits=self.slots.hits,
+            device_evictions=self.slots.evictions,
         )
+
+    def shutdown(self) -> None:
+        self.host.shutdown()

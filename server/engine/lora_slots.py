@@ -7,6 +7,7 @@ smaller adapter never reads its predecessor's rows (a bug SGLang shipped).
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -55,74 +56,79 @@ class LoraGroupBuffers:
 
 
 class AdapterSlots:
-    """Maps adapter version ids to device slots; evicts the least recently used idle slot.
+    """The device tier: which adapter version sits in which slot; evicts the least recently used idle slot.
 
-    LRU among idle slots: a slot in use by a running request is never evicted,
-    and recency is a good predictor of the next request under the power-law
-    popularity real workloads show.
+    A slot in use by a running request is never evicted. LRU among idle slots,
+    because recency predicts the next request under the power-law popularity
+    real workloads show. Slots are fixed-size (max rank), so the slot count is
+    the byte budget: `max_loras * bytes_per_slot`.
     """
 
     def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int) -> None:
         self.layers = layers  # per layer: group name -> buffers
         self.max_loras = max_loras
-        self.adapters: dict[str, LoraAdapter] = {}  # registered (host copy), by version id
         self.slot_of: dict[str, int] = {}
-        self.users: dict[str, int] = {}  # running requests per adapter id
+        self.users: dict[str, int] = {}  # running requests per adapter version
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
         self.free_slots = list(range(max_loras - 1, -1, -1))
-        self.retiring: set[str] = set()  # unregistered while in use: dropped when idle
+        self.retiring: set[str] = set()  # removed while in use: evicted when idle
+        self.hits = 0
         self.loads = 0
+        self.evictions = 0
+        self.copy_stream = torch.cuda.Stream() if layers and layers[0]["o"].a.is_cuda else None
 
-    def register(self, adapter_id: str, adapter: LoraAdapter) -> None:
-        self.adapters[adapter_id] = adapter
-        self.retiring.discard(adapter_id)
-
-    def unregister(self, adapter_id: str) -> None:
-        """Forget an adapter; if requests still use it, once they finish."""
-        if self.users.get(adapter_id):
-            self.retiring.add(adapter_id)
-            return
-        self.adapters.pop(adapter_id, None)
-        self._evict(adapter_id)
-
-    def is_registered(self, adapter_id: str) -> bool:
-        return adapter_id in self.adapters and adapter_id not in self.retiring
-
-    def can_acquire(self, adapter_id: str) -> bool:
-        return adapter_id in self.slot_of or bool(self.free_slots) or bool(self.idle)
-
-    def acquire(self, adapter_id: str) -> int:
-        """Pin the adapter in a slot for one more request; load it if not resident."""
-        assert adapter_id in self.adapters, f"adapter {adapter_id} not registered"
-        slot = self.slot_of.get(adapter_id)
-        if slot is None:
-            if not self.free_slots:
-                _, victim = self.idle.popitem(last=False)
-                self._evict(victim)
-            slot = self.free_slots.pop()
-            self._load(slot, self.adapters[adapter_id])
-            self.slot_of[adapter_id] = slot
-        self.idle.pop(slot, None)
-        self.users[adapter_id] = self.users.get(adapter_id, 0) + 1
-        return slot
-
-    def release(self, adapter_id: str) -> None:
-        self.users[adapter_id] -= 1
-        if self.users[adapter_id] == 0:
-            del self.users[adapter_id]
-            if adapter_id in self.retiring:
-                self.retiring.discard(adapter_id)
-                self.adapters.pop(adapter_id, None)
-                self._evict(adapter_id)
-            else:
-                self.idle[self.slot_of[adapter_id]] = adapter_id
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(b.nbytes() for groups in self.layers for b in groups.values()) // self.max_loras
 
     @property
     def num_resident(self) -> int:
         return len(self.slot_of)
 
-    def _evict(self, adapter_id: str) -> None:
-        slot = self.slot_of.pop(adapter_id, None)
+    def can_acquire(self, version: str) -> bool:
+        return version in self.slot_of or bool(self.free_slots) or bool(self.idle)
+
+    def acquire(self, version: str, adapter: LoraAdapter) -> int:
+        """Pin `version` in a slot for one more request, copying it in from the host tier if needed."""
+        slot = self.slot_of.get(version)
+        if slot is None:
+            if not self.free_slots:
+                _, victim = self.idle.popitem(last=False)
+                self._evict(victim)
+                self.evictions += 1
+            slot = self.free_slots.pop()
+            self._load(slot, adapter)
+            self.slot_of[version] = slot
+        else:
+            self.hits += 1
+        self.idle.pop(slot, None)
+        self.users[version] = self.users.get(version, 0) + 1
+        return slot
+
+    def release(self, version: str) -> None:
+        self.users[version] -= 1
+        if self.users[version] == 0:
+            del self.users[version]
+            if version in self.retiring:
+                self.retiring.discard(version)
+                self._evict(version)
+            else:
+                self.idle[self.slot_of[version]] = version
+
+    def remove(self, version: str) -> None:
+        """A deleted or replaced version leaves its slot now, or when its last request finishes."""
+        if self.users.get(version):
+            self.retiring.add(version)
+        else:
+            self._evict(version)
+
+    def sync(self) -> None:
+        """Make the compute stream wait for slot copies issued on the copy stream."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
+
+    def _evict(self, version: str) -> None:
+        slot = self.slot_of.pop(version, None)
         if slot is None:
             return
         self.idle.pop(slot, None)
@@ -132,12 +138,15 @@ class AdapterSlots:
         self.free_slots.append(slot)
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
-        # Free slots are already zero (initial state, or cleared by _evict).
+        # Free slots are already zero (initial state, or cleared by _evict). On CUDA the copies
+        # run on a side stream from pinned host memory, overlapping the running batch's compute.
         self.loads += 1
-        for (layer, proj), w in adapter.weights.items():
-            group, i = PROJECTION_SLICES[proj]
-            buffers = self.layers[layer][group]
-            r = w.a.shape[0]
-            buffers.a[i, slot, :r].copy_(w.a)
-            buffers.b[i][slot, :, :r].copy_(w.b)
-            buffers.scaling[i, slot] = w.scaling
+        stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
+        with stream:
+            for (layer, proj), w in adapter.weights.items():
+                group, i = PROJECTION_SLICES[proj]
+                buffers = self.layers[layer][group]
+                r = w.a.shape[0]
+                buffers.a[i, slot, :r].copy_(w.a, non_blocking=True)
+                buffers.b[i][slot, :, :r].copy_(w.b, non_blocking=True)
+                buffers.scaling[i, slot] = w.scaling

@@ -2,32 +2,36 @@
 
 Every step, running sequences go first (one token each when decoding, a
 chunk when their prompt is still being prefilled), then waiting ones are
-admitted while the token budget, `max_num_seqs`, KV blocks and adapter slots
-allow. When blocks run out, the newest running sequence is preempted: its
-blocks are freed and it is recomputed from its tokens when readmitted.
+admitted in fair-share order while the token budget, `max_num_seqs`, KV
+blocks and adapter slots allow. A waiting request whose adapter is still
+loading never holds up the others. When blocks run out, the newest running
+sequence is preempted: its blocks are freed and it is recomputed from its
+tokens when readmitted.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
+from server.engine.fair_queue import FairQueue
 from server.engine.lora_slots import AdapterSlots
 from server.engine.sequence import Sequence, SequenceStatus
 
 # After this many steps blocked on an adapter slot, the head of the queue stops
 # letting later requests pass it, so every adapter gets its turn.
 MAX_BYPASS_STEPS = 32
+# Distinct not-yet-resident adapters, nearest the head of the queue, loaded ahead of admission.
+PREFETCH_WINDOW = 8
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
 
     def __post_init__(self) -> None:
-        assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0 and self.max_model_len > 0
+        assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
 
 
 @dataclass
@@ -36,6 +40,7 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
     slots: list[int] = field(default_factory=list)  # adapter slot per sequence, -1 = base model
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # adapter load failed: (seq, error)
 
     @property
     def empty(self) -> bool:
@@ -43,18 +48,20 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterSlots) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: AdapterSlots, host: HostTier) -> None:
         self.config = config
         self.blocks = blocks
-        self.adapters = adapters
-        self.waiting: deque[Sequence] = deque()
+        self.slots = slots
+        self.host = host
+        self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.slot_of_seq: dict[str, int] = {}  # request id -> pinned adapter slot, for running sequences
+        self.waited_for_load: set[str] = set()
         self.head_blocked_steps = 0
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -72,17 +79,17 @@ class Scheduler:
                 continue
             self._add_to_batch(batch, seq, n)
             budget -= n
-        if not batch.preempted:
-            self._admit(batch, budget)
+        self._admit(batch, budget, admit=not batch.preempted)
         return batch
 
     def finish(self, seq: Sequence) -> None:
-        """Return a finished (or aborted) sequence's blocks and adapter slot."""
+        """Return a finished (or aborted) sequence's blocks, adapter slot and host pin."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.waited_for_load.discard(seq.request_id)
         seq.status = SequenceStatus.FINISHED
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
@@ -95,34 +102,51 @@ class Scheduler:
         self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
         return True
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: int, admit: bool) -> None:
+        failed = self.host.collect()
         head_blocked = False
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            adapter = seq.adapter_id
-            if adapter is not None and not self.adapters.can_acquire(adapter):
+        prefetching = 0
+        for seq in list(self.waiting.ordered()):
+            version = seq.adapter_id
+            if version is not None and not self.host.ready(version):
+                if version in failed:
+                    self.waiting.remove(seq)
+                    batch.failed.append((seq, failed[version]))
+                elif prefetching < PREFETCH_WINDOW:
+                    prefetching += 1
+                    self.host.prefetch(version)
+                    self.waited_for_load.add(seq.request_id)
+                continue  # waits for its own load without holding anyone up
+            if not admit or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                continue  # keep scanning only to start loads for requests near the head
+            if version is not None and not self.slots.can_acquire(version):
                 if not head_blocked:
                     head_blocked = True
                     self.head_blocked_steps += 1
                 continue
-            if head_blocked and (self.head_blocked_steps > MAX_BYPASS_STEPS or adapter not in self.adapters.users):
+            if head_blocked and (self.head_blocked_steps > MAX_BYPASS_STEPS or version not in self.slots.users):
                 continue  # only requests for adapters already in use may pass a blocked head
             n = min(seq.num_pending_tokens, budget)
             # Keep one block spare so running sequences can decode without preempting at once.
             reserve = 1 if self.running else 0
             if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n, reserve):
-                break
-            self.waiting.remove(seq)
+                admit = False
+                continue
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
-            if adapter is not None:
-                self.slot_of_seq[seq.request_id] = self.adapters.acquire(adapter)
+            self.waiting.admitted(seq)
+            if version is not None:
+                if seq.request_id not in self.waited_for_load:
+                    self.host.note_hit()
+                self.waited_for_load.discard(seq.request_id)
+                self.slot_of_seq[seq.request_id] = self.slots.acquire(version, self.host.get(version))
+                self.host.pin(version)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
         if not head_blocked:
             self.head_blocked_steps = 0
+        self.slots.sync()
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
@@ -130,14 +154,14 @@ class Scheduler:
         batch.slots.append(self.slot_of_seq.get(seq.request_id, -1))
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        """Recompute-style preemption: drop the KV, keep the tokens, go to the front of the queue."""
+        """Recompute-style preemption: drop the KV, keep the tokens, back into the queue."""
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             for column in (batch.seqs, batch.num_tokens, batch.slots):
@@ -146,5 +170,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)
+        self.waiting.stopped_running(seq)
         if self.slot_of_seq.pop(seq.request_id, None) is not None:
-            self.adapters.release(seq.adapter_id)
+            self.slots.release(seq.adapter_id)
+            self.host.unpin(seq.adapter_id)
