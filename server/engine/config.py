@@ -121,6 +121,9 @@ class EngineConfig:
     block_size: int = 16
     kernels: str = "auto"
     seed: int = 0
+    # Intra-op threads for the CPU device. The engine's ops are many and small: with more threads
+    # torch's pool spin-waits between them, which measured ~20x slower on a loaded 2-core machine.
+    cpu_threads: int | None = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +144,8 @@ class EngineConfig:
             raise ValueError("kv_cache_blocks must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -59,6 +59,8 @@ class LLMEngine:
         self.model_config = mcfg
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(mcfg, self.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)  # process-wide: the engine owns its process
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
