@@ -41,12 +41,19 @@ def paged_attention(
     Shape: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
         out [T, Hq, D], written in place.
     """
+    decode = _decode_plan(batch, k_cache.shape[1], q.device)
+    if decode is not None:
+        _decode_attention(q, k_cache, v_cache, decode, scale, out)
     block_size = k_cache.shape[1]
     hq, hkv = q.shape[1], k_cache.shape[2]
     group = hq // hkv
-    tables = batch.block_tables.tolist()
+    tables = None
     start = 0
     for b, (qlen, slen) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
+        if qlen == 1 and decode is not None:
+            start += 1
+            continue  # done above, batched
+        tables = tables if tables is not None else batch.block_tables.tolist()
         nblocks = (slen + block_size - 1) // block_size
         blocks = torch.tensor(tables[b][:nblocks], dtype=torch.long, device=q.device)
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:slen].float()  # [slen, Hkv, D]
@@ -62,3 +69,43 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[start : start + qlen] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
         start += qlen
+
+
+def _decode_plan(batch: AttentionBatch, block_size: int, device) -> tuple | None:
+    """Rows, pool slots and validity of every decode sequence's context, built once per step.
+
+    Cached on the batch (all layers share it). None when fewer than two sequences decode.
+    """
+    key = ("decode", block_size)
+    if key in batch.scratch:
+        return batch.scratch[key]
+    qlens = torch.tensor(batch.query_lens_host)
+    which = (qlens == 1).nonzero().squeeze(1)  # [Bd] decode sequences
+    plan = None
+    if which.numel() >= 2:
+        rows = batch.query_start_loc[:-1].long().cpu().index_select(0, which)  # [Bd] their token rows
+        lens = torch.tensor(batch.seq_lens_host).index_select(0, which)  # [Bd]
+        width = int(lens.max())
+        pos = torch.arange(width)  # [L]
+        tables = batch.block_tables.cpu().long().index_select(0, which)  # [Bd, W]
+        blocks = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(len(which), -1))
+        slots = blocks * block_size + pos % block_size  # [Bd, L]
+        valid = pos[None, :] < lens[:, None]  # [Bd, L]
+        plan = (rows.to(device), slots.masked_fill(~valid, 0).to(device), valid.to(device))
+    batch.scratch[key] = plan
+    return plan
+
+
+def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:
+    """All single-token queries at once over their padded, gathered contexts."""
+    rows, slots, valid = plan
+    num_blocks, block_size, hkv, d = k_cache.shape
+    bd, hq = rows.shape[0], q.shape[1]
+    k = k_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()  # [Bd, L, Hkv, D]
+    v = v_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()
+    qd = q.index_select(0, rows).float().view(bd, hkv, hq // hkv, d)  # [Bd, Hkv, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", qd, k) * scale  # [Bd, Hkv, G, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("bhgl,blhd->bhgd", probs, v)  # [Bd, Hkv, G, D]
+    out.index_copy_(0, rows, o.reshape(bd, hq, d).to(out.dtype))

@@ -250,6 +250,7 @@ def shrink_gathered(x: torch.Tensor, lora_a: torch.Tensor, batch: LoraBatch, sca
     if not batch.any_lora:
         return
     num_slices, _, rank, hidden = lora_a.shape
+    rank = batch.effective_rank(rank)
     block_r = _rank_block(rank)
     # Bounded tile ([BLOCK_R, BLOCK_K] <= 4096 elements) keeps registers low at rank 64.
     block_k = max(16, min(triton.next_power_of_2(hidden), 4096 // block_r))
@@ -271,6 +272,7 @@ def shrink_segmented(x: torch.Tensor, lora_a: torch.Tensor, batch: LoraBatch, sc
     if not batch.any_lora:
         return
     num_slices, _, rank, hidden = lora_a.shape
+    rank = batch.effective_rank(rank)
     block_r = _rank_block(rank)
     block_m = _block_m(batch.max_seg_len)
     m_blocks = triton.cdiv(batch.max_seg_len, block_m)
@@ -329,7 +331,7 @@ def _slice_groups(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: Lora
 def expand_gathered(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: LoraBatch, y: torch.Tensor,
                     slice_offsets: tuple[int, ...]) -> None:
     """lora_expand, one program per (token, column tile, slice)."""
-    rank = h.shape[2]
+    rank = batch.effective_rank(h.shape[2])
     block_r = _rank_block(rank)
     for count, width, h_part, args in _slice_groups(h, lora_b, batch, y, slice_offsets):
         block_n = max(16, min(triton.next_power_of_2(width), 4096 // block_r))
@@ -343,7 +345,7 @@ def expand_gathered(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: Lo
 def expand_segmented(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: LoraBatch, y: torch.Tensor,
                      slice_offsets: tuple[int, ...]) -> None:
     """lora_expand, one program per (segment tile, column tile, slice): B loaded once per tile."""
-    rank = h.shape[2]
+    rank = batch.effective_rank(h.shape[2])
     block_r = _rank_block(rank)
     block_m = _block_m(batch.max_seg_len)
     m_blocks = triton.cdiv(max(batch.max_seg_len, 1), block_m)

@@ -1,7 +1,7 @@
 """Per-step batch metadata shared by every layer: built once per step, read by all kernels."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,11 @@ class LoraBatch:
     seg_slots: torch.Tensor  # [G] int32, slot of each run (may be -1)
     max_seg_len: int
     active_slots: tuple[int, ...]  # distinct slots >= 0 present, ascending (host copy)
+    rank_bound: int | None = None  # highest rank among active slots; slot rows past it are zero
+
+    def effective_rank(self, buffer_rank: int) -> int:
+        """Rank columns worth computing: rows past every active adapter's rank are zero."""
+        return buffer_rank if self.rank_bound is None else min(buffer_rank, self.rank_bound)
 
     @property
     def num_tokens(self) -> int:
@@ -30,7 +35,10 @@ class LoraBatch:
         return bool(self.active_slots)
 
     @classmethod
-    def build(cls, token_slots: list[int], device: torch.device | str = "cpu") -> "LoraBatch":
+    def build(
+        cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None
+    ) -> "LoraBatch":
+        """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional)."""
         starts: list[int] = []
         lens: list[int] = []
         slots: list[int] = []
@@ -46,13 +54,15 @@ class LoraBatch:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
+        active = tuple(sorted({s for s in slots if s >= 0}))
         return cls(
             token_slots=as_tensor(token_slots),
             seg_starts=as_tensor(starts),
             seg_lens=as_tensor(lens),
             seg_slots=as_tensor(slots),
             max_seg_len=max(lens, default=0),
-            active_slots=tuple(sorted({s for s in token_slots if s >= 0})),
+            active_slots=active,
+            rank_bound=max((slot_ranks[s] for s in active), default=0) if slot_ranks is not None else None,
         )
 
 
@@ -75,6 +85,8 @@ class AttentionBatch:
     max_seq_len: int
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # Per-step derived data an implementation computes once and every layer reuses.
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -101,7 +101,8 @@ class LLMEngine:
         )
         self.kernels = select_kernels(config.kernels, self.device)
         self.runner = ModelRunner(
-            self.model, kv_caches, self.kernels, config.block_size, scratch, self.device, config.seed
+            self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks, self.device,
+            config.seed,
         )
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}

@@ -71,6 +71,7 @@ class AdapterSlots:
         self.users: dict[str, int] = {}  # running requests per adapter version
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
         self.free_slots = list(range(max_loras - 1, -1, -1))
+        self.slot_ranks = [0] * max_loras  # rank of the adapter in each slot (0 = free); bounds kernel work
         self.retiring: set[str] = set()  # removed while in use: evicted when idle
         self.hits = 0
         self.loads = 0
@@ -135,12 +136,14 @@ class AdapterSlots:
         for groups in self.layers:
             for buffers in groups.values():
                 buffers.clear(slot)
+        self.slot_ranks[slot] = 0
         self.free_slots.append(slot)
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
         # Free slots are already zero (initial state, or cleared by _evict). On CUDA the copies
         # run on a side stream from pinned host memory, overlapping the running batch's compute.
         self.loads += 1
+        self.slot_ranks[slot] = adapter.rank
         stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
         with stream:
             for (layer, proj), w in adapter.weights.items():

@@ -32,9 +32,11 @@ class ModelRunner:
         ops: KernelOps,
         block_size: int,
         lora_scratch: torch.Tensor,  # [3, max_tokens, R]
+        slot_ranks: list[int],  # live view of AdapterSlots.slot_ranks
         device: torch.device,
         seed: int,
     ) -> None:
+        self.slot_ranks = slot_ranks
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops
@@ -67,7 +69,7 @@ class ModelRunner:
             ops=self.ops,
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev),
+            lora=LoraBatch.build(token_slots, dev, self.slot_ranks),
             lora_scratch=self.lora_scratch,
         )
         return StepInputs(

@@ -1,0 +1,37 @@
+"""Bounding work by the active adapters' highest rank changes nothing: rows past it are zero."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.metadata import LoraBatch
+from kernels.ops import select_kernels
+
+
+@pytest.mark.parametrize("kind", ["torch", "triton"])
+@pytest.mark.parametrize("token_slots", [[0, 0, 1, -1, 2, 2, 2], [2, 1, 0, -1]])
+def test_rank_bound_matches_full_rank(kind, token_slots):
+    ops = select_kernels(kind, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    slots, max_rank, hidden, outs = 4, 32, 40, (24, 8)
+    ranks = [4, 8, 16, 0]  # slot 3 free
+    a = torch.randn(len(outs), slots, max_rank, hidden, generator=g)
+    b = tuple(torch.randn(slots, n, max_rank, generator=g) for n in outs)
+    for s, r in enumerate(ranks):  # zero past each adapter's rank, as the slot pool guarantees
+        a[:, s, r:] = 0
+        for bi in b:
+            bi[s, :, r:] = 0
+    scaling = torch.rand(len(outs), slots, generator=g)
+    x = torch.randn(len(token_slots), hidden, generator=g)
+    results = []
+    for slot_ranks in (None, ranks):
+        batch = LoraBatch.build(token_slots, "cpu", slot_ranks)
+        h = torch.zeros(len(outs), len(token_slots), max_rank)
+        y = torch.ones(len(token_slots), sum(outs))
+        ops.lora_shrink(x, a, batch, scaling, h)
+        ops.lora_expand(h, b, batch, y, (0, outs[0]))
+        results.append(y)
+    bounded = LoraBatch.build(token_slots, "cpu", ranks)
+    assert bounded.rank_bound == max(ranks[s] for s in set(token_slots) if s >= 0) < max_rank
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[1][token_slots.index(-1)], torch.ones(sum(outs)))
