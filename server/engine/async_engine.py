@@ -116,12 +116,13 @@ class AsyncEngine:
     # ---- requests ----
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      adapter_id: str | None = None, tenant: str | None = None,
-                     priority: int = 0) -> RequestStream:
+                     priority: int = 0, tenant_weight: float | None = None) -> RequestStream:
         """Add the request; raises RequestError (too long, unknown adapter...) before any output."""
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", request_id, prompt, params, adapter_id, tenant, priority, sink, accepted))
+        self._send(("add", request_id, prompt, params, adapter_id, tenant, priority, tenant_weight, sink,
+                    accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -160,10 +161,10 @@ class AsyncEngine:
         await self.call(lambda e: e.add_adapter(version_id, adapter))
 
     async def remove_adapter(self, version_id: str) -> None:
-        await self.call(lambda e: _remove(e, version_id))
+        await self.call(lambda e: e.remove_adapter(version_id))
 
     def remove_adapter_nowait(self, version_id: str) -> None:
-        self.post(lambda e: _remove(e, version_id))
+        self.post(lambda e: e.remove_adapter(version_id))
 
     async def has_adapter(self, version_id: str) -> bool:
         return await self.call(lambda e: e.has_adapter(version_id))
@@ -208,9 +209,9 @@ class AsyncEngine:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, adapter_id, tenant, priority, sink, accepted = cmd
+                _, rid, prompt, params, adapter_id, tenant, priority, weight, sink, accepted = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, adapter_id, tenant, priority)
+                    self.engine.add_request(rid, prompt, params, adapter_id, tenant, priority, weight)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     accepted.set_exception(e)
                     continue
@@ -255,7 +256,3 @@ class AsyncEngine:
                 if isinstance(item, concurrent.futures.Future) and not item.done():
                     item.set_exception(dead)
 
-
-def _remove(engine: LLMEngine, version_id: str) -> None:
-    if engine.has_adapter(version_id):
-        engine.remove_adapter(version_id)

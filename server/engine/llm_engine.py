@@ -106,7 +106,6 @@ class LLMEngine:
         )
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
-        self.stops: dict[str, StopChecker] = {}
         self.aborted: list[Sequence] = []
         self.arrivals = 0
 
@@ -153,7 +152,7 @@ class LLMEngine:
         seq.detok_state = self.detokenizer.new_state(start=len(ids))
         self.arrivals += 1
         self.seqs[request_id] = seq
-        self.stops[request_id] = StopChecker(params.stop)
+        seq.stop = StopChecker(params.stop)
         if tenant_weight is not None:
             self.scheduler.waiting.set_weight(tenant, tenant_weight)
         self.scheduler.add(seq)
@@ -222,7 +221,7 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        cut = self.stops[seq.request_id].find(seq.text)
+        cut = seq.stop.find(seq.text)
         if cut is not None:
             seq.text = seq.text[:cut]
             seq.text_cut = cut
@@ -233,10 +232,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out = seq.output()
-        stop = self.stops.get(seq.request_id)
-        if seq.finished:
-            self.stops.pop(seq.request_id, None)
-        elif stop is not None and stop.stops:
+        stop = seq.stop
+        if not seq.finished and stop.stops:
             # Hold back a tail that could still grow into a stop string, so it is never streamed.
             keep = len(seq.text) - stop.partial_suffix(seq.text)
             out = RequestOutput(out.request_id, out.prompt_token_ids, out.token_ids, seq.text[:keep], False)

@@ -94,6 +94,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Free blocks for `seq` by preempting the newest running sequences; False if `seq` itself went."""
+        if seq.num_computed_tokens + n <= len(seq.block_table) * self.blocks.block_size:
+            return True  # most decode steps: the last block still has room
         while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim, batch)

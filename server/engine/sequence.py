@@ -31,11 +31,17 @@ class RequestOutput:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
 
 class Sequence:
     """Token ids, progress and KV blocks of a request (one sequence per request)."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "token_ids", "params", "adapter_id", "tenant", "priority", "arrival",
+        "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
+        "detok_state", "stop", "num_preemptions", "_num_prompt",
+    )
 
     def __init__(
         self,
@@ -63,19 +69,21 @@ class Sequence:
         self.text = ""
         self.text_cut: int | None = None  # set when a stop string ended the text
         self.detok_state = None  # IncrementalDetokenizer's DetokState, set by the engine
+        self.stop = None  # StopChecker, set by the engine
+        self._num_prompt = len(self.prompt_token_ids)
         self.num_preemptions = 0
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self._num_prompt :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self._num_prompt
 
     @property
     def num_pending_tokens(self) -> int:

@@ -11,7 +11,7 @@ class StopChecker:
     def find(self, text: str) -> int | None:
         """Index where the earliest stop string starts, or None."""
         if not self.stops:
-            return None
+            return None  # the common case: one attribute check per token
         start = max(0, self.searched - self.longest + 1)
         hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         self.searched = len(text)

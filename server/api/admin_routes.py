@@ -1,0 +1,89 @@
+"""/admin: tenants, their quotas and API keys (admin token only)."""
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from server.api.auth import require_admin, state_of
+from server.api.errors import APIError, not_found
+from server.api.schemas import parse_json_object
+from tenants import Quota, validate_tenant_name
+
+
+async def _body(request: Request) -> dict:
+    return parse_json_object(await request.body())
+
+
+async def create_tenant(request: Request) -> Response:
+    require_admin(request)
+    body = await _body(request)
+    name = validate_tenant_name(body.get("name"))
+    quota = Quota.from_dict(body.get("quota"))
+    tenant = await run_in_threadpool(state_of(request).tenants.create, name, quota)
+    return JSONResponse(tenant.to_dict(), status_code=201)
+
+
+async def list_tenants(request: Request) -> Response:
+    require_admin(request)
+    tenants = await run_in_threadpool(state_of(request).tenants.list)
+    return JSONResponse({"object": "list", "data": [t.to_dict() for t in tenants]})
+
+
+async def get_tenant(request: Request) -> Response:
+    require_admin(request)
+    state = state_of(request)
+    name = request.path_params["name"]
+    tenant = await run_in_threadpool(state.tenants.get, name)
+    if tenant is None:
+        raise not_found(f"tenant {name!r}")
+    keys = await run_in_threadpool(state.tenants.list_keys, name)
+    adapters = await run_in_threadpool(state.registry.count, name)
+    return JSONResponse({**tenant.to_dict(), "keys": keys, "adapters": adapters})
+
+
+async def patch_tenant(request: Request) -> Response:
+    require_admin(request)
+    body = await _body(request)
+    patch = body.get("quota", body)  # {"quota": {...}} or the quota fields themselves
+    if not isinstance(patch, dict):
+        raise APIError(422, "'quota' must be a JSON object", "invalid_field")
+    tenant = await run_in_threadpool(state_of(request).tenants.update_quota,
+                                     request.path_params["name"], patch)
+    return JSONResponse(tenant.to_dict())
+
+
+async def delete_tenant(request: Request) -> Response:
+    require_admin(request)
+    name = request.path_params["name"]
+    if not await run_in_threadpool(state_of(request).tenants.delete, name):
+        raise not_found(f"tenant {name!r}")
+    return JSONResponse({"name": name, "deleted": True})
+
+
+async def create_key(request: Request) -> Response:
+    require_admin(request)
+    key_id, key = await run_in_threadpool(state_of(request).tenants.create_key,
+                                          request.path_params["name"])
+    return JSONResponse({"id": key_id, "key": key, "tenant": request.path_params["name"]},
+                        status_code=201)
+
+
+async def revoke_key(request: Request) -> Response:
+    require_admin(request)
+    name, key_id = request.path_params["name"], request.path_params["key_id"]
+    if not await run_in_threadpool(state_of(request).tenants.revoke_key, name, key_id):
+        raise not_found(f"key {key_id!r} of tenant {name!r}")
+    return JSONResponse({"id": key_id, "deleted": True})
+
+
+ROUTES = [
+    Route("/admin/tenants", create_tenant, methods=["POST"]),
+    Route("/admin/tenants", list_tenants, methods=["GET"]),
+    Route("/admin/tenants/{name}", get_tenant, methods=["GET"]),
+    Route("/admin/tenants/{name}", patch_tenant, methods=["PATCH"]),
+    Route("/admin/tenants/{name}", delete_tenant, methods=["DELETE"]),
+    Route("/admin/tenants/{name}/keys", create_key, methods=["POST"]),
+    Route("/admin/tenants/{name}/keys/{key_id}", revoke_key, methods=["DELETE"]),
+]

@@ -1,0 +1,42 @@
+"""create_app(config): the Starlette app; its lifespan owns the engine, Redis and registries."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+
+from server.api import adapter_routes, admin_routes, openai_routes, ops_routes
+from server.api.bootstrap import StartupInfo, bootstrap
+from server.api.errors import EXCEPTION_HANDLERS
+from server.api.state import ServerState
+from server.config import ServerConfig
+
+
+def _base_url(config: ServerConfig) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    return f"http://{host}:{config.port}"
+
+
+def create_app(config: ServerConfig,
+               on_ready: Callable[[StartupInfo], None] | None = None) -> Starlette:
+    """`on_ready` gets the start-up info (tokens, demo key) once the server can serve."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state = await run_in_threadpool(ServerState.build, config)
+        try:
+            state.engine.start()
+            state.retirements.start()
+            info = await run_in_threadpool(bootstrap, state, _base_url(config))
+            app.state.lp = state
+            app.state.startup = info
+            if on_ready is not None:
+                on_ready(info)
+            yield
+        finally:
+            await run_in_threadpool(state.close)
+
+    routes = [*openai_routes.ROUTES, *adapter_routes.ROUTES, *ops_routes.ROUTES, *admin_routes.ROUTES]
+    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)

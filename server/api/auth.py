@@ -1,0 +1,49 @@
+"""Bearer authentication: tenant API keys for /v1, the admin token for /admin."""
+from __future__ import annotations
+
+import hmac
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from server.api.errors import APIError
+from server.api.state import ServerState
+from tenants import Tenant
+from tenants.keys import parse_key
+
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.lp
+
+
+async def require_tenant(request: Request) -> Tenant:
+    token = bearer_token(request)
+    if token is None:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                       "missing_api_key", _CHALLENGE)
+    tenant = await run_in_threadpool(state_of(request).tenants.authenticate, token)
+    if tenant is None:
+        raise APIError(401, "invalid API key", "invalid_api_key", _CHALLENGE)
+    return tenant
+
+
+def require_admin(request: Request) -> None:
+    token = bearer_token(request)
+    if token is None:
+        raise APIError(401, "missing admin token: send 'Authorization: Bearer <admin token>'",
+                       "missing_api_key", _CHALLENGE)
+    expected = state_of(request).config.admin_token
+    if not hmac.compare_digest(token.encode("utf-8"), expected.encode("utf-8")):
+        if parse_key(token) is not None:
+            raise APIError(403, "tenant API keys cannot use the admin API", "forbidden")
+        raise APIError(401, "invalid admin token", "invalid_api_key", _CHALLENGE)

@@ -1,0 +1,91 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "code"}}, and the mapping of
+every domain exception to its status, so bad input never becomes a 500."""
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from adapters.format import AdapterFormatError
+from adapters.registry import AdapterExists, AdapterNotFound, AdapterQuotaExceeded
+from server.engine import RequestError
+from server.engine.async_engine import EngineDeadError
+from tenants import (QuotaError, QuotaExceeded, RequestTooLarge, TenantExists, TenantNameError,
+                     TenantNotFound)
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        assert status in _TYPES, status
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES[self.status], "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def not_found(what: str) -> APIError:
+    return APIError(404, f"{what} does not exist", "not_found")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The APIError for a known exception; a 500 only for the unknown."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QuotaExceeded):
+        return APIError(429, exc.message, exc.limit_name,
+                        {"Retry-After": str(exc.retry_after_seconds)})
+    if isinstance(exc, AdapterQuotaExceeded):
+        # Retrying helps only once an adapter is deleted; a minute is a polite pause.
+        return APIError(429, str(exc), exc.limit_name, {"Retry-After": "60"})
+    if isinstance(exc, RequestTooLarge):
+        return APIError(400, exc.message, exc.limit_name)
+    if isinstance(exc, (QuotaError, TenantNameError)):
+        return APIError(422, str(exc), "invalid_field")
+    if isinstance(exc, TenantExists):
+        return APIError(409, str(exc), "tenant_exists")
+    if isinstance(exc, TenantNotFound):
+        return APIError(404, str(exc), "not_found")
+    if isinstance(exc, AdapterExists):
+        return APIError(409, f"{exc}; send replace=true to replace it", "adapter_exists")
+    if isinstance(exc, AdapterNotFound):
+        return APIError(404, "the adapter does not exist", "not_found")
+    if isinstance(exc, AdapterFormatError):
+        return APIError(400, str(exc), "invalid_adapter")
+    if isinstance(exc, RequestError):
+        return APIError(400, str(exc), "invalid_request")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "engine_unavailable")
+    if isinstance(exc, HTTPException):
+        status = exc.status_code if exc.status_code in _TYPES else 400
+        return APIError(status, str(exc.detail), None, dict(exc.headers or {}))
+    log.error("unhandled error", exc_info=exc)
+    return APIError(500, "internal server error", "internal_error")
+
+
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    return to_api_error(exc).response()
+
+
+EXCEPTION_HANDLERS = {Exception: _handle, HTTPException: _handle, APIError: _handle,
+                      QuotaExceeded: _handle, AdapterQuotaExceeded: _handle,
+                      RequestTooLarge: _handle, QuotaError: _handle, TenantNameError: _handle,
+                      TenantExists: _handle, TenantNotFound: _handle, AdapterExists: _handle,
+                      AdapterNotFound: _handle, AdapterFormatError: _handle, RequestError: _handle,
+                      EngineDeadError: _handle}

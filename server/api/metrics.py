@@ -1,0 +1,77 @@
+"""Prometheus metrics on a per-app CollectorRegistry (never the global one, so two
+apps in one process, as in the tests, keep separate counts)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from server.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("loraplex_requests", "Generation requests by tenant and outcome",
+                                ["tenant", "endpoint", "outcome"], registry=r)
+        self.tokens = Counter("loraplex_tokens", "Tokens by tenant and kind (prompt, completion)",
+                              ["tenant", "kind"], registry=r)
+        self.ttft = Histogram("loraplex_time_to_first_token_seconds",
+                              "From request arrival to the first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("loraplex_inter_token_latency_seconds",
+                             "Between consecutive outputs of one request, per token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("loraplex_queue_depth", "Requests waiting to be scheduled", registry=r)
+        self.running = Gauge("loraplex_running_batch_size", "Requests in the running batch", registry=r)
+        self.kv_used = Gauge("loraplex_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("loraplex_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.adapters_loaded = Gauge("loraplex_adapters_loaded", "Adapters registered in the engine",
+                                     registry=r)
+        self.adapters_resident = Gauge("loraplex_adapters_resident",
+                                       "Adapters in accelerator slots", registry=r)
+        self.preemptions = Gauge("loraplex_preemptions", "Preemptions since start", registry=r)
+        # Adapter paging, per tier (host = parsed in host memory, device = accelerator slots).
+        # Cumulative counts are gauges set from the engine's own counters at scrape time.
+        self.tier_hits = Gauge("loraplex_adapter_tier_hits", "Requests whose adapter was already in the tier",
+                               ["tier"], registry=r)
+        self.tier_misses = Gauge("loraplex_adapter_tier_misses", "Requests that had to load their adapter into the tier",
+                                 ["tier"], registry=r)
+        self.tier_evictions = Gauge("loraplex_adapter_tier_evictions", "Adapters evicted from the tier",
+                                    ["tier"], registry=r)
+        self.tier_resident = Gauge("loraplex_adapter_tier_resident", "Adapters resident in the tier",
+                                   ["tier"], registry=r)
+        self.host_bytes = Gauge("loraplex_adapter_host_bytes", "Bytes of adapters in the host tier", registry=r)
+        self.loading = Gauge("loraplex_adapter_loads_in_flight", "Adapter loads from Redis under way", registry=r)
+        self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
+        self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_engine(self, s: EngineStats) -> None:
+        self.queue_depth.set(s.num_waiting)
+        self.running.set(s.num_running)
+        self.kv_used.set(s.kv_blocks_used)
+        self.kv_total.set(s.kv_blocks_total)
+        self.adapters_loaded.set(s.adapters_registered)
+        self.adapters_resident.set(s.adapters_resident)
+        self.preemptions.set(s.num_preemptions)
+        self.tier_hits.labels("host").set(s.host_hits)
+        self.tier_misses.labels("host").set(s.host_misses)
+        self.tier_evictions.labels("host").set(s.host_evictions)
+        self.tier_resident.labels("host").set(s.adapters_registered)
+        self.tier_hits.labels("device").set(s.device_hits)
+        self.tier_misses.labels("device").set(s.adapter_loads)
+        self.tier_evictions.labels("device").set(s.device_evictions)
+        self.tier_resident.labels("device").set(s.adapters_resident)
+        self.host_bytes.set(s.host_bytes_used)
+        self.loading.set(s.adapters_loading)
+        self.load_failures.set(s.host_load_failures)
+
+    def observe_load_times(self, seconds) -> None:
+        """Drain the engine's recent load durations (a deque it appends to) into the histogram."""
+        while seconds:
+            self.load_time.observe(seconds.popleft())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,94 @@
+"""ServerState: the long-lived objects one app owns, built in its lifespan."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from adapters.format import ModelShape
+from adapters.registry import AdapterRegistry
+from server.api.adapter_source import RetirementListener, registry_fetch
+from server.api.metrics import Metrics
+from server.api.prompts import PromptTokenizer
+from server.config import ServerConfig
+from server.demo import DemoPaths, ensure_demo
+from server.engine import EngineConfig, LLMEngine
+from server.engine.async_engine import AsyncEngine
+from server.redis_embedded import EmbeddedRedis
+from tenants import Limiter, TenantStore, UsageLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    model_id: str
+    engine: AsyncEngine
+    redis: redis.Redis
+    tenants: TenantStore
+    limiter: Limiter
+    usage: UsageLog
+    registry: AdapterRegistry
+    retirements: RetirementListener
+    metrics: Metrics
+    prompts: PromptTokenizer
+    demo: DemoPaths | None
+    embedded_redis: EmbeddedRedis | None
+
+    @classmethod
+    def build(cls, config: ServerConfig) -> "ServerState":
+        """Blocking (starts Redis, may build the demo model, loads weights): run it off the loop."""
+        embedded = None
+        client = None
+        try:
+            if config.redis_url is None:
+                embedded = EmbeddedRedis.start(Path(config.data_dir) / "redis")
+                url = embedded.url
+            else:
+                url = config.redis_url
+            # decode_responses=False: the registry stores binary chunks.
+            client = redis.Redis.from_url(url, decode_responses=False)
+            client.ping()
+            demo = ensure_demo(Path(config.data_dir) / "demo") if config.model is None else None
+            model_dir = str(demo.model_dir) if demo is not None else config.model
+            registry = AdapterRegistry(client, prefix=config.redis_prefix,
+                                       grace_seconds=config.adapter_grace_seconds)
+            engine_config = EngineConfig(
+                model=model_dir, device=config.device, dtype=config.dtype,
+                max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                kv_cache_blocks=config.kv_cache_blocks,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                max_cpu_lora_bytes=config.max_cpu_lora_bytes,
+                kernels=config.kernels, seed=config.seed)
+            shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank))
+            async_engine = AsyncEngine(engine)
+            retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait)
+            return cls(
+                config=config, model_id=config.model_id, engine=async_engine, redis=client,
+                tenants=TenantStore(client, config.redis_prefix),
+                limiter=Limiter(client, config.redis_prefix,
+                                window_seconds=config.rate_window_seconds),
+                usage=UsageLog(client, config.redis_prefix), registry=registry,
+                retirements=retirements,
+                metrics=Metrics(), prompts=PromptTokenizer(model_dir), demo=demo, embedded_redis=embedded)
+        except BaseException:
+            if client is not None:
+                client.close()
+            if embedded is not None:
+                embedded.stop()
+            raise
+
+    def close(self) -> None:
+        self.retirements.stop()
+        self.engine.shutdown()
+        self.engine.engine.shutdown()
+        self.redis.close()
+        if self.embedded_redis is not None:
+            self.embedded_redis.stop()

@@ -1,0 +1,116 @@
+"""`loraplex bench` / `scripts/bench.py`: argument parsing and the run."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+Drive a seeded multi-tenant workload (power-law adapter popularity, gamma
+arrivals) through loraplex over HTTP and, with --compare-peft, through a
+transformers + peft baseline; print a table, write JSON and a PNG plot.
+Example: bench --adapters 1,8,64 --requests 96 --compare-peft --json bench-out/cpu.json"""
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        pair = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI (integers), got {text!r}") from None
+    return pair
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,... (integers), got {text!r}") from None
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--adapters", type=_counts, default=(8,), help="adapter count, or a sweep: 1,8,64,256")
+    n = w.add_mutually_exclusive_group()
+    n.add_argument("--requests", type=int, default=None, help="requests per point (default 64)")
+    n.add_argument("--duration", type=float, default=None, help="seconds of arrivals (needs --rate)")
+    w.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf (default) = all at once")
+    w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of arrivals (1 = Poisson)")
+    w.add_argument("--alpha", type=float, default=1.0, help="power-law popularity (1 uniform, <1 skewed)")
+    w.add_argument("--prompt-len", type=_range, default=(8, 64), metavar="LO:HI")
+    w.add_argument("--output-len", type=_range, default=(16, 64), metavar="LO:HI")
+    w.add_argument("--tenants", type=int, default=4, help="adapter i belongs to tenant i mod T")
+    w.add_argument("--base-share", type=float, default=0.0, help="share of requests for the base model")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--rank", type=int, default=8, help="rank of the generated adapters (all 7 projections)")
+    w.add_argument("--ttft-slo", type=float, default=6.0, help="TTFT SLO in seconds (S-LoRA: 6)")
+    s = p.add_argument_group("systems")
+    s.add_argument("--target", choices=("http", "engine"), default="http",
+                   help="http: a `loraplex serve` child (default); engine: in-process LLMEngine")
+    s.add_argument("--compare-peft", action="store_true", help="also run the transformers + peft baseline")
+    s.add_argument("--baseline-max-batch", type=int, default=32)
+    s.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    s.add_argument("--gpu", action="store_true", help="Llama-3-8B-shaped random model on CUDA in bf16")
+    s.add_argument("--gpu-layers", type=int, default=None, help="with --gpu: fewer layers (smoke test)")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda with --gpu, else cpu)")
+    s.add_argument("--dtype", default=None, help="default: bfloat16 with --gpu, else float32")
+    s.add_argument("--max-loras", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=256)
+    s.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default="bench-out/bench.json", help="where to write the JSON")
+    o.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
+    o.add_argument("--per-tenant", action="store_true", help="print per-tenant rows")
+    o.add_argument("--work-dir", default="bench-out", help="cache of adapters, demo model, server logs")
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmark loraplex against transformers + peft",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(p)
+    return p
+
+
+def config_from_args(args):
+    from server.bench.runner import BenchConfig
+
+    if args.requests is None and args.duration is None:
+        args.requests = 64
+    device = args.device or ("cuda" if args.gpu else "cpu")
+    dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
+    return BenchConfig(
+        adapter_counts=args.adapters, num_requests=args.requests, duration_s=args.duration, rate=args.rate,
+        cv=args.cv, alpha=args.alpha, prompt_len=args.prompt_len, output_len=args.output_len,
+        num_tenants=args.tenants, base_share=args.base_share, seed=args.seed, rank=args.rank,
+        target=args.target, compare_peft=args.compare_peft, model_dir=args.model, gpu=args.gpu,
+        gpu_layers=args.gpu_layers, device=device, dtype=dtype, max_loras=args.max_loras,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        ttft_slo_s=args.ttft_slo, baseline_max_batch=args.baseline_max_batch, work_dir=args.work_dir)
+
+
+def run_bench(args) -> int:
+    from server.bench.client import BenchClientError
+    from server.bench.report import format_table, plot
+    from server.bench.runner import BenchConfigError, run_bench as run
+    from server.bench.workload import WorkloadError
+
+    try:
+        cfg = config_from_args(args)
+        json_path = Path(args.json)
+        doc = run(cfg, json_path, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (BenchConfigError, WorkloadError, BenchClientError, ValueError) as e:
+        print(f"loraplex bench: error: {e}", file=sys.stderr)
+        return 2
+    png = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    plot(doc, png)
+    print(format_table(doc, per_tenant=args.per_tenant))
+    print(f"wrote {json_path} and {png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(p)
+    return run_bench(p.parse_args(argv))

@@ -1,0 +1,69 @@
+"""`--target engine`: the workload through an in-process LLMEngine (add_request/step),
+on the same arrival schedule. No HTTP, no Redis: it isolates the engine from the
+serving stack; the headline numbers come from the HTTP target."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+from server.bench.metrics import RequestRecord
+from server.bench.workload import BenchRequest
+
+
+def _params(max_tokens: int):
+    from server.engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class EngineTarget:
+    def __init__(self, model_dir: str | Path, adapter_dirs: dict[str, Path], **engine_kwargs) -> None:
+        """engine_kwargs: EngineConfig fields (device, dtype, max_loras, max_lora_rank, ...)."""
+        from adapters.format import load_adapter_dir
+        from server.engine import EngineConfig, LLMEngine
+
+        self.engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
+        for name, path in adapter_dirs.items():
+            adapter = load_adapter_dir(path, self.engine.adapter_shape, self.engine.config.max_lora_rank)
+            self.engine.add_adapter(name, adapter)  # the name doubles as the version id: added once
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def warmup(self, requests: list[BenchRequest]) -> None:
+        seen = {}
+        for r in requests:
+            seen.setdefault(r.adapter_name, r)
+        for name, r in seen.items():
+            self.engine.add_request(f"warm-{r.index}", list(r.prompt_ids[:4]), _params(2), name)
+        self._drain()
+
+    def run(self, requests: list[BenchRequest]) -> list[RequestRecord]:
+        records = {f"r{r.index}": RequestRecord(r.index, r.tenant, r.adapter_name, r.arrival_s,
+                                                len(r.prompt_ids), r.max_tokens) for r in requests}
+        pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
+        t0 = time.perf_counter()
+        while pending or self.engine.has_unfinished_requests():
+            now = time.perf_counter() - t0
+            while pending and pending[0].arrival_s <= now:
+                r = pending.popleft()
+                self.engine.add_request(f"r{r.index}", list(r.prompt_ids), _params(r.max_tokens), r.adapter_name)
+            if not self.engine.has_unfinished_requests():
+                time.sleep(max(0.0, pending[0].arrival_s - now))
+                continue
+            outputs = self.engine.step()
+            t = time.perf_counter() - t0
+            for out in outputs:
+                rec = records[out.request_id]
+                if out.error:
+                    rec.error = out.error
+                new = len(out.token_ids) - rec.output_tokens
+                if new > 0:
+                    rec.first_token_s = t if rec.first_token_s is None else rec.first_token_s
+                    rec.token_times_s.append(t)
+                    rec.output_tokens = len(out.token_ids)
+                if out.finished:
+                    rec.end_s = t
+        return [records[f"r{r.index}"] for r in requests]

@@ -1,0 +1,98 @@
+"""Per-request timings and the summary every target reports in the same shape.
+
+Times are seconds from the start of the run. TTFT counts from the request's
+scheduled arrival (S-LoRA's definition), so a request that queued in the
+client or in a baseline's backlog pays for its wait. ITL is the gap between
+successive token arrivals as the client saw them (a streamed chunk may carry
+several tokens; its gap is counted once).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    tenant: str
+    adapter: str | None
+    arrival_s: float
+    prompt_tokens: int
+    expected_tokens: int
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # arrival time of each chunk of output
+    end_s: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None and self.first_token_s is not None
+
+    @property
+    def ttft_s(self) -> float:
+        assert self.first_token_s is not None
+        return self.first_token_s - self.arrival_s
+
+    def gaps_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _latency_block(records: list[RequestRecord], ttft_slo_s: float) -> dict:
+    ttft = [r.ttft_s for r in records]
+    gaps = [g for r in records for g in r.gaps_s()]
+    return {
+        "ttft_s": {"mean": sum(ttft) / len(ttft) if ttft else None, "p50": percentile(ttft, 50),
+                   "p90": percentile(ttft, 90), "p99": percentile(ttft, 99)},
+        "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
+        "slo_attainment": (sum(t <= ttft_slo_s for t in ttft) / len(ttft)) if ttft else None,
+    }
+
+
+def summarize(records: list[RequestRecord], ttft_slo_s: float) -> dict:
+    """Throughput over the run's span (t = 0 to the last completion), latency percentiles,
+    TTFT SLO attainment; overall and per tenant. Failed requests count against the SLO."""
+    done = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
+    span = max((r.end_s for r in done), default=0.0)
+    out_tokens = sum(r.output_tokens for r in done)
+    summary = {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(failed),
+        "errors": sorted({r.error or "no output" for r in failed})[:5],
+        "duration_s": span,
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "short_outputs": sum(r.output_tokens < r.expected_tokens for r in done),
+        "throughput_req_s": len(done) / span if span > 0 else 0.0,
+        "throughput_tok_s": out_tokens / span if span > 0 else 0.0,
+        **_latency_block(done, ttft_slo_s),
+        "ttft_slo_s": ttft_slo_s,
+    }
+    if records:
+        summary["slo_attainment"] = (summary["slo_attainment"] or 0.0) * len(done) / len(records)
+    per_tenant = {}
+    for tenant in sorted({r.tenant for r in records}):
+        mine = [r for r in records if r.tenant == tenant]
+        ok = [r for r in mine if r.ok]
+        block = _latency_block(ok, ttft_slo_s)
+        block["slo_attainment"] = (block["slo_attainment"] or 0.0) * len(ok) / len(mine)
+        per_tenant[tenant] = {"requests": len(mine), "completed": len(ok),
+                              "output_tokens": sum(r.output_tokens for r in ok),
+                              "throughput_tok_s": sum(r.output_tokens for r in ok) / span if span > 0 else 0.0,
+                              **block}
+    summary["per_tenant"] = per_tenant
+    return summary

@@ -1,0 +1,218 @@
+"""One bench run: for each adapter count, the same seeded workload through
+loraplex (HTTP or in-process engine) and, when asked, the transformers + peft
+baseline, in that order and never at the same time."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from server.bench.metrics import summarize
+from server.bench.workload import (BenchRequest, WorkloadConfig, adapter_name, adapters_used, generate_workload,
+                                   tenants_used)
+
+TARGETS = ("http", "engine")
+
+
+class BenchConfigError(ValueError):
+    """Bench options that cannot work together; the message says which."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    adapter_counts: tuple[int, ...] = (8,)
+    num_requests: int | None = 64
+    duration_s: float | None = None
+    rate: float = math.inf
+    cv: float = 1.0
+    alpha: float = 1.0
+    prompt_len: tuple[int, int] = (8, 64)
+    output_len: tuple[int, int] = (16, 64)
+    num_tenants: int = 4
+    base_share: float = 0.0
+    seed: int = 0
+    rank: int = 8
+    target: str = "http"
+    compare_peft: bool = False
+    model_dir: str | None = None          # None: the demo model (or the 8B shape with gpu)
+    gpu: bool = False                     # Llama-3-8B-shaped random model on CUDA, bf16
+    gpu_layers: int | None = None         # fewer layers of the 8B widths, for a smoke test
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int | None = None          # None: adapters in use, capped at 128 (CPU) / 32 (GPU)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    ttft_slo_s: float = 6.0
+    baseline_max_batch: int = 32
+    work_dir: str = "bench-out"
+    model_label: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.adapter_counts or any(n < 0 for n in self.adapter_counts):
+            raise BenchConfigError(f"--adapters needs counts >= 0, got {self.adapter_counts}")
+        if self.target not in TARGETS:
+            raise BenchConfigError(f"--target must be one of {TARGETS}, got {self.target!r}")
+        if self.rank < 1:
+            raise BenchConfigError(f"--rank must be >= 1, got {self.rank}")
+        if self.ttft_slo_s <= 0:
+            raise BenchConfigError(f"--ttft-slo must be > 0, got {self.ttft_slo_s}")
+        if self.gpu and not torch.cuda.is_available():
+            raise BenchConfigError("--gpu needs a CUDA device; none is visible to torch")
+        # Validates the workload fields once, before any model is built.
+        self.workload(max(self.adapter_counts), 512)
+
+    def workload(self, num_adapters: int, vocab: int) -> WorkloadConfig:
+        return WorkloadConfig(
+            num_adapters=num_adapters, num_requests=self.num_requests, duration_s=self.duration_s,
+            rate=self.rate, cv=self.cv, alpha=self.alpha, prompt_len=self.prompt_len, output_len=self.output_len,
+            num_tenants=max(1, min(self.num_tenants, num_adapters or 1)), base_share=self.base_share,
+            # ids 0-2 are special in the demo and Llama 2; below 512 is ordinary text in Llama 3 and Qwen2.
+            token_range=(3, min(vocab, 512)), seed=self.seed)
+
+
+def environment(cfg: BenchConfig) -> dict:
+    import peft
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if cfg.device.startswith("cuda") and torch.cuda.is_available() else None
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "peft": peft.__version__,
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device_name": gpu or f"CPU ({os.cpu_count()} cores)",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _serve_args(cfg: BenchConfig, n_used: int) -> list[str]:
+    cap = 32 if cfg.device.startswith("cuda") else 128
+    max_loras = cfg.max_loras or max(1, min(n_used, cap))
+    return ["--device", cfg.device.split(":")[0], "--dtype", cfg.dtype, "--max-loras", str(max_loras),
+            "--max-lora-rank", str(cfg.rank), "--max-num-seqs", str(cfg.max_num_seqs),
+            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+
+
+def _run_http(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path],
+              n_used: int, log: Callable[[str], None]):
+    from server.bench import client
+    from server.bench.server_proc import ServerProcess, provision
+
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(tempfile.mkdtemp(prefix="serve-", dir=work))
+    try:
+        with ServerProcess(data_dir, work / "logs" / f"serve-{len(named)}-adapters.log", model_dir=model_dir,
+                           serve_args=_serve_args(cfg, n_used)) as srv:
+            owners = {r.adapter_name: r.tenant for r in reqs if r.adapter_name is not None}
+            keys, base = provision(srv.url, srv.admin_token, tenants_used(reqs),
+                                   {name: (owners[name], path) for name, path in named.items()})
+            log(f"  server up at {srv.url}, {len(keys)} tenants, {len(named)} adapters uploaded")
+            asyncio.run(client.warmup(srv.url, reqs, keys, base))
+            return asyncio.run(client.drive(srv.url, reqs, keys, base))
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _run_engine(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path], n_used: int):
+    from server.bench.engine_target import EngineTarget
+
+    cap = 32 if cfg.device.startswith("cuda") else 128
+    target = EngineTarget(model_dir, named, device=cfg.device, dtype=cfg.dtype,
+                          max_loras=cfg.max_loras or max(1, min(n_used, cap)), max_lora_rank=cfg.rank,
+                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens)
+    target.warmup(reqs)
+    records = target.run(reqs)
+    del target
+    return records
+
+
+def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path]):
+    from server.bench.baseline import BaselineConfig, PeftBaseline
+
+    base = PeftBaseline(model_dir, named, BaselineConfig(cfg.device, cfg.dtype, cfg.baseline_max_batch))
+    base.warmup(reqs)
+    records = base.run(reqs)
+    del base
+    if cfg.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return records
+
+
+def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None]) -> dict:
+    from server.bench.synth_adapters import ensure_adapters
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    reqs = generate_workload(cfg.workload(n, vocab))
+    used = adapters_used(reqs)
+    adapter_dtype = torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
+    dirs = ensure_adapters(model_dir, Path(cfg.work_dir) / "adapters", used, r=cfg.rank, dtype=adapter_dtype)
+    named = {adapter_name(i): dirs[i] for i in used}
+    log(f"[{n} adapters] {len(reqs)} requests over {len(used)} adapters in use, "
+        f"{sum(r.max_tokens for r in reqs)} output tokens")
+    t = time.perf_counter()
+    if cfg.target == "http":
+        records = _run_http(cfg, model_dir, reqs, named, len(used), log)
+    else:
+        records = _run_engine(cfg, model_dir, reqs, named, len(used))
+    point = {"num_adapters": n, "adapters_in_use": len(used), "target": cfg.target,
+             "loraplex": summarize(records, cfg.ttft_slo_s), "baseline": None}
+    log(f"  loraplex ({cfg.target}) done in {time.perf_counter() - t:.1f}s")
+    if cfg.compare_peft:
+        t = time.perf_counter()
+        point["baseline"] = summarize(_run_baseline(cfg, model_dir, reqs, named), cfg.ttft_slo_s)
+        log(f"  transformers + peft done in {time.perf_counter() - t:.1f}s")
+        lp, bl = point["loraplex"], point["baseline"]
+        point["throughput_ratio_vs_peft"] = _ratio(lp["throughput_tok_s"], bl["throughput_tok_s"])
+        point["request_throughput_ratio_vs_peft"] = _ratio(lp["throughput_req_s"], bl["throughput_req_s"])
+        point["ttft_p50_ratio_peft_over_loraplex"] = _ratio(bl["ttft_s"]["p50"], lp["ttft_s"]["p50"])
+    return point
+
+
+def resolve_model(cfg: BenchConfig, log: Callable[[str], None]) -> tuple[Path, str]:
+    if cfg.model_dir:
+        return Path(cfg.model_dir), Path(cfg.model_dir).name
+    if cfg.gpu:
+        from server.bench.gpu_model import make_llama3_8b_shaped
+
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        layers = cfg.gpu_layers
+        log(f"building a Llama-3-8B-shaped random model ({layers or 32} layers) in {shm}")
+        out = make_llama3_8b_shaped(shm / f"loraplex-llama3-8b-shaped-{layers or 32}l",
+                                    dtype=getattr(torch, cfg.dtype), num_layers=layers)
+        return out, f"Llama-3-8B-shaped ({layers or 32} layers, random)"
+    from server.demo import ensure_demo
+
+    return ensure_demo(Path(cfg.work_dir) / "demo").model_dir, "demo model (Llama, 4 layers, hidden 128)"
+
+
+def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[str], None] = print) -> dict:
+    model_dir, label = resolve_model(cfg, log)
+    cfg_dict = asdict(cfg)
+    cfg_dict.pop("extra")
+    cfg_dict["model_label"] = cfg.model_label or label
+    cfg_dict["rate"] = None if math.isinf(cfg.rate) else cfg.rate  # JSON has no infinity
+    doc = {"config": cfg_dict, "environment": environment(cfg), "points": []}
+    for n in cfg.adapter_counts:
+        doc["points"].append(run_point(cfg, model_dir, n, log))
+        ratios = {str(p["num_adapters"]): p.get("throughput_ratio_vs_peft") for p in doc["points"]}
+        doc["throughput_ratio_vs_peft_by_adapters"] = ratios
+        # The headline (the minimum interface's key): the ratio at the largest adapter count run.
+        doc["throughput_ratio_vs_peft"] = ratios[str(max(p["num_adapters"] for p in doc["points"]))]
+        if json_path is not None:
+            from server.bench.report import write_json
+
+            write_json(doc, json_path)  # after every point, so a long sweep keeps what it has
+    return doc

@@ -1,0 +1,133 @@
+"""The workload generator, shaped like S-LoRA's synthetic traces.
+
+Adapter popularity: adapter = floor(n * u) with u ~ power(alpha) on [0, 1)
+(density alpha * u^(alpha-1), numpy.random.power's law): alpha = 1 is uniform,
+smaller alpha piles requests onto the first few adapters. Arrivals: gamma
+inter-arrival times with shape 1/cv^2 and scale cv^2/rate (cv = 1 is Poisson;
+rate = inf sends everything at t = 0, which measures capacity). Prompt and
+output lengths are uniform integers over inclusive ranges. Adapter i belongs to
+tenant i mod num_tenants. One `random.Random(seed)` draws everything in a fixed
+order, so a seed always gives the same trace.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+class WorkloadError(ValueError):
+    """A workload was asked for with parameters that cannot describe one."""
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    num_adapters: int
+    num_requests: int | None = None    # exactly one of num_requests and duration_s
+    duration_s: float | None = None    # with a finite rate: num_requests = int(rate * duration_s)
+    rate: float = math.inf             # requests per second; inf = all at t = 0
+    cv: float = 1.0                    # coefficient of variation of inter-arrival times
+    alpha: float = 1.0                 # power-law popularity exponent; 1 = uniform
+    prompt_len: tuple[int, int] = (8, 64)   # inclusive token range
+    output_len: tuple[int, int] = (8, 64)   # inclusive token range
+    num_tenants: int = 1
+    base_share: float = 0.0            # share of requests for the base model (no adapter)
+    token_range: tuple[int, int] = (3, 512)  # prompt token ids drawn from [lo, hi): skips special tokens
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_adapters < 0:
+            raise WorkloadError(f"num_adapters must be >= 0, got {self.num_adapters}")
+        if self.num_adapters == 0 and self.base_share != 1.0:
+            object.__setattr__(self, "base_share", 1.0)  # no adapters: everything goes to the base model
+        if (self.num_requests is None) == (self.duration_s is None):
+            raise WorkloadError("give exactly one of num_requests and duration_s")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise WorkloadError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.duration_s is not None:
+            if not math.isfinite(self.rate):
+                raise WorkloadError("duration_s needs a finite rate (requests = rate * duration)")
+            if self.duration_s <= 0 or int(self.rate * self.duration_s) < 1:
+                raise WorkloadError(f"rate * duration_s must give at least one request, got "
+                                    f"{self.rate} * {self.duration_s}")
+        if not self.rate > 0:
+            raise WorkloadError(f"rate must be > 0 (inf for all at once), got {self.rate}")
+        if not self.cv > 0:
+            raise WorkloadError(f"cv must be > 0, got {self.cv}")
+        if not self.alpha > 0:
+            raise WorkloadError(f"alpha must be > 0, got {self.alpha}")
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise WorkloadError(f"{name} must be a range 1 <= lo <= hi, got {(lo, hi)}")
+        if self.num_tenants < 1:
+            raise WorkloadError(f"num_tenants must be >= 1, got {self.num_tenants}")
+        if not 0.0 <= self.base_share <= 1.0:
+            raise WorkloadError(f"base_share must be in [0, 1], got {self.base_share}")
+        lo, hi = self.token_range
+        if not 0 <= lo < hi:
+            raise WorkloadError(f"token_range must be 0 <= lo < hi, got {self.token_range}")
+
+    @property
+    def total_requests(self) -> int:
+        if self.num_requests is not None:
+            return self.num_requests
+        return int(self.rate * self.duration_s)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    arrival_s: float            # offset from the start of the run
+    adapter: int | None         # adapter index, None = base model
+    tenant: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+    @property
+    def adapter_name(self) -> str | None:
+        return None if self.adapter is None else adapter_name(self.adapter)
+
+
+def adapter_name(i: int) -> str:
+    return f"bench-a{i:04d}"
+
+
+def tenant_name(i: int) -> str:
+    return f"bench-t{i:03d}"
+
+
+def tenant_of_adapter(adapter: int, num_tenants: int) -> str:
+    return tenant_name(adapter % num_tenants)
+
+
+def power_index(rng: random.Random, n: int, alpha: float) -> int:
+    """floor(n * u), u ~ power(alpha): P(u <= x) = x^alpha, sampled by inversion."""
+    u = rng.random() ** (1.0 / alpha)
+    return min(int(n * u), n - 1)
+
+
+def generate_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
+    rng = random.Random(cfg.seed)
+    shape, scale = 1.0 / (cfg.cv * cfg.cv), cfg.cv * cfg.cv / cfg.rate
+    out: list[BenchRequest] = []
+    t = 0.0
+    for i in range(cfg.total_requests):
+        if math.isfinite(cfg.rate):
+            t += rng.gammavariate(shape, scale)
+        base = rng.random() < cfg.base_share
+        adapter = None if base else power_index(rng, cfg.num_adapters, cfg.alpha)
+        tenant = (tenant_name(rng.randrange(cfg.num_tenants)) if adapter is None
+                  else tenant_of_adapter(adapter, cfg.num_tenants))
+        n_prompt = rng.randint(*cfg.prompt_len)
+        prompt = tuple(rng.randrange(*cfg.token_range) for _ in range(n_prompt))
+        out.append(BenchRequest(i, t, adapter, tenant, prompt, rng.randint(*cfg.output_len)))
+    return out
+
+
+def adapters_used(requests: list[BenchRequest]) -> list[int]:
+    return sorted({r.adapter for r in requests if r.adapter is not None})
+
+
+def tenants_used(requests: list[BenchRequest]) -> list[str]:
+    return sorted({r.tenant for r in requests})

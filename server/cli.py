@@ -1,0 +1,105 @@
+"""`loraplex serve`: the CLI of DESIGN.md ("CLI"), plus --data-dir."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from server.config import ConfigError, ServerConfig
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s.add_argument("--model", help="Hugging Face model directory (default: the built-in demo model)")
+    s.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
+    s.add_argument("--redis-url", help="Redis 6+ URL (default: an embedded redis-server)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    s.add_argument("--adapter", action="append", metavar="NAME=DIR",
+                   help="preload a PEFT adapter into the `default` tenant (repeatable)")
+    s.add_argument("--max-loras", type=_positive_int, default=8)
+    s.add_argument("--max-lora-rank", type=_positive_int, default=64)
+    s.add_argument("--max-model-len", type=_positive_int)
+    s.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    kv = s.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-blocks", type=_positive_int)
+    kv.add_argument("--gpu-memory-utilization", type=_fraction)
+    s.add_argument("--max-cpu-lora-bytes", type=_positive_int,
+                   help="bytes of idle adapters kept loaded in the engine (default 1 GiB)")
+    s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    s.add_argument("--admin-token", help="admin bearer token (or $LORAPLEX_ADMIN_TOKEN; "
+                                         "generated and printed when neither is set)")
+    s.add_argument("--data-dir", help="embedded Redis and demo model live here (or "
+                                      "$LORAPLEX_DATA_DIR; default ~/.local/share/loraplex)")
+    from server.bench.cli import add_bench_parser  # argparse only at import: --help stays fast
+
+    add_bench_parser(sub)
+    return parser
+
+
+def _banner(info) -> None:
+    lines = ["", f"loraplex is serving {info.model_id} at {info.base_url}"]
+    if info.admin_token_generated:
+        lines.append(f"admin token (shown once): {info.admin_token}")
+    else:
+        lines.append("admin token: as given by --admin-token / LORAPLEX_ADMIN_TOKEN")
+    if info.demo_key is not None:
+        lines.append(f"demo tenant API key: {info.demo_key}")
+        if info.demo_adapters:
+            lines.append(f"demo adapters: {', '.join(info.demo_adapters)}")
+        lines.append("try:")
+        lines.append(f"  {info.curl_line()}")
+    lines.append("")
+    print("\n".join(lines), flush=True)
+
+
+def serve(config: ServerConfig) -> None:
+    import uvicorn
+
+    from server.api.app import create_app
+
+    app = create_app(config, on_ready=_banner)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from server.bench.cli import run_bench
+
+        return run_bench(args)
+    try:
+        config = ServerConfig.from_args(args)
+    except ConfigError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

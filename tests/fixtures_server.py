@@ -1,0 +1,155 @@
+"""A real loraplex app under a real uvicorn on a free port (in a thread), on the
+session's redis-server, serving the tiny model. Module-scoped: starting the
+engine is the slow part, so each test module shares one server."""
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+import uvicorn
+
+from server.api.app import create_app
+from server.api.state import ServerState
+from server.config import ServerConfig
+from server.redis_embedded import EmbeddedRedis, free_port
+
+ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
+API_DB = 1  # the redis fixtures flush db 0 per test; servers live in db 1
+
+
+@dataclass
+class ServerHandle:
+    config: ServerConfig
+    app: object
+    url: str
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.lp
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        with self.http(self.config.admin_token) as c:
+            return c.request(method, path, **kw)
+
+    def new_tenant(self, quota: dict | None = None, name: str | None = None) -> tuple[str, str]:
+        """(tenant name, API key) of a fresh tenant."""
+        name = name or f"t-{secrets.token_hex(4)}"
+        r = self.admin("POST", "/admin/tenants", json={"name": name, "quota": quota or {}})
+        assert r.status_code == 201, r.text
+        r = self.admin("POST", f"/admin/tenants/{name}/keys")
+        assert r.status_code == 201, r.text
+        return name, r.json()["key"]
+
+    @contextlib.contextmanager
+    def engine_paused(self) -> Iterator[None]:
+        """Hold the engine thread (between steps) so running requests stay running:
+        the tiny model finishes hundreds of tokens in well under a second."""
+        entered, release = threading.Event(), threading.Event()
+
+        def hold(_engine) -> None:
+            entered.set()
+            release.wait(60)
+        self.state.engine.post(hold)
+        assert entered.wait(30), "the engine thread never picked up the pause"
+        try:
+            yield
+        finally:
+            release.set()
+
+    @contextlib.contextmanager
+    def engine_throttled(self, pause_s: float = 0.02) -> Iterator[None]:
+        """Slow the engine to about one step per pause_s, so a request is still
+        mid-generation when the test acts on it."""
+        stop = threading.Event()
+
+        def feed() -> None:
+            while not stop.is_set():
+                ran = threading.Event()
+
+                def nap(_engine) -> None:
+                    time.sleep(pause_s)
+                    ran.set()
+                # One nap at a time: the loop thread steps once between naps.
+                self.state.engine.post(nap)
+                ran.wait(30)
+        thread = threading.Thread(target=feed, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(5)
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def upload(self, key: str, name: str, adapter_dir: Path, replace: bool = False) -> httpx.Response:
+        d = Path(adapter_dir)
+        files = {"adapter_config.json": ("adapter_config.json", (d / "adapter_config.json").read_bytes()),
+                 "adapter_model.safetensors": ("adapter_model.safetensors",
+                                               (d / "adapter_model.safetensors").read_bytes())}
+        data = {"name": name, "replace": "true" if replace else "false"}
+        with self.http(key) as c:
+            return c.post("/v1/adapters", data=data, files=files)
+
+
+@contextlib.contextmanager
+def running_server(config: ServerConfig, timeout: float = 120.0) -> Iterator[ServerHandle]:
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn exited during start-up (see the log above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start in time")
+        time.sleep(0.05)
+    try:
+        yield ServerHandle(config, app, f"http://127.0.0.1:{config.port}")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def server_config(model_dir: Path, data_dir: Path, redis_url: str | None, **overrides) -> ServerConfig:
+    base = ServerConfig(data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir),
+                        redis_url=redis_url, port=free_port(), device="cpu", kv_cache_blocks=64,
+                        max_model_len=512, max_loras=4, max_lora_rank=32,
+                        max_num_batched_tokens=512, max_num_seqs=16)
+    return replace(base, **overrides)
+
+
+def api_redis_url(redis_server: EmbeddedRedis, flush: bool = True) -> str:
+    url = f"redis://127.0.0.1:{redis_server.port}/{API_DB}"
+    if flush:
+        client = redis.Redis.from_url(url)
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+    return url
+
+
+@pytest.fixture(scope="module")
+def api_server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[ServerHandle]:
+    url = api_redis_url(redis_server)
+    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("api-data"), url,
+                           rate_window_seconds=2.0)
+    with running_server(config) as handle:
+        yield handle

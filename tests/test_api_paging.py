@@ -1,0 +1,77 @@
+"""Adapter paging through the server: two processes' worth of servers on one Redis, delete while in use."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import httpx
+
+from server.redis_embedded import free_port
+from tests.fixtures_server import api_redis_url, running_server, server_config
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def metric(text: str, name: str, tier: str | None = None) -> float:
+    label = f'{name}{{tier="{tier}"}} ' if tier else f"{name} "
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(label)))
+
+
+def test_delete_in_use_on_another_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+    config = server_config(tiny_model_dir, tmp_path / "a", api_redis_url(redis_server))
+    with running_server(config) as a, running_server(replace(config, port=free_port(),
+                                                             data_dir=tmp_path / "b")) as b:
+        _, key = a.new_tenant()
+        version = a.upload(key, "ad", tiny_adapters["r8_all"]).json()["version"]
+        warm = b.client(key).completions.create(model="ad", prompt="hi", max_tokens=2, temperature=0)
+        assert warm.usage.completion_tokens == 2
+        engine_b = b.state.engine.engine
+        assert engine_b.has_adapter(version)  # paged into b's host tier from Redis
+        body = {"model": "ad", "prompt": [5] * 20, "max_tokens": 60, "ignore_eos": True, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with b.engine_throttled(), httpx.Client(base_url=b.url, headers={"Authorization": f"Bearer {key}"},
+                                                timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                with a.http(key) as h:  # deleted through the other server while b is generating with it
+                    assert h.delete("/v1/adapters/ad").status_code == 200
+                events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 60  # the running request finished
+        assert [e for e in events if e["choices"]][-1]["choices"][0]["finish_reason"] == "length"
+        # b heard of the delete through Redis pub/sub: the version left every tier.
+        wait_for(lambda: not engine_b.has_adapter(version) and version not in engine_b.slots.slot_of)
+        assert engine_b.host.bytes_used == 0
+        with b.http(key) as h:
+            assert h.post("/v1/completions", json={"model": "ad", "prompt": "x"}).status_code == 404
+            text = h.get("/metrics").text
+        assert metric(text, "loraplex_adapter_tier_misses", "host") == 1
+        assert metric(text, "loraplex_adapter_tier_hits", "host") == 1
+        assert metric(text, "loraplex_adapter_tier_misses", "device") >= 1
+        assert metric(text, "loraplex_adapter_tier_resident", "host") == 0
+        assert metric(text, "loraplex_adapter_load_seconds_count") == 1
+
+
+def test_host_budget_is_respected_over_http(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+    sizes = {}
+    config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), max_loras=1)
+    with running_server(config) as probe:
+        _, key = probe.new_tenant()
+        for name in ("r4_qv", "r8_all", "r16_rslora"):
+            sizes[name] = probe.upload(key, name.replace("_", "-"), tiny_adapters[name]).json()["size_bytes"]
+    budget = sizes["r16_rslora"] + sizes["r4_qv"]  # never all three at once
+    with running_server(replace(config, port=free_port(), max_cpu_lora_bytes=budget)) as s:
+        client = s.client(key)
+        for _ in range(2):
+            for name in ("r4-qv", "r8-all", "r16-rslora"):
+                out = client.completions.create(model=name, prompt="hello", max_tokens=3, temperature=0)
+                assert out.usage.completion_tokens == 3
+                assert s.state.engine.stats().host_bytes_used <= budget
+        stats = s.state.engine.stats()
+        assert stats.host_evictions >= 2 and stats.device_evictions >= 2
