@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.metadata import AttentionBatch
 
@@ -45,8 +46,6 @@ def paged_attention(
     if decode is not None:
         _decode_attention(q, k_cache, v_cache, decode, scale, out)
     block_size = k_cache.shape[1]
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    group = hq // hkv
     tables = None
     start = 0
     for b, (qlen, slen) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
@@ -56,18 +55,13 @@ def paged_attention(
         tables = tables if tables is not None else batch.block_tables.tolist()
         nblocks = (slen + block_size - 1) // block_size
         blocks = torch.tensor(tables[b][:nblocks], dtype=torch.long, device=q.device)
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:slen].float()  # [slen, Hkv, D]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:slen].float()
-        qs = q[start : start + qlen].float()  # [qlen, Hq, D]
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, slen, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(qs.transpose(0, 1), k.transpose(1, 2)) * scale  # [Hq, qlen, slen]
-        if qlen > 1:
-            pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)  # [qlen, 1]
-            mask = torch.arange(slen, device=q.device).unsqueeze(0) > pos  # [qlen, slen]
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start : start + qlen] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)  # [Hkv, slen, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)
+        qs = q[start : start + qlen].float().transpose(0, 1)  # [Hq, qlen, D]
+        pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)  # [qlen, 1]
+        keep = torch.arange(slen, device=q.device).unsqueeze(0) <= pos  # [qlen, slen], causal from the prefix on
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale, enable_gqa=True)  # [Hq, qlen, D]
+        out[start : start + qlen] = o.transpose(0, 1).to(out.dtype)
         start += qlen
 
 
@@ -103,9 +97,8 @@ def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor
     bd, hq = rows.shape[0], q.shape[1]
     k = k_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()  # [Bd, L, Hkv, D]
     v = v_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()
-    qd = q.index_select(0, rows).float().view(bd, hkv, hq // hkv, d)  # [Bd, Hkv, G, D]
-    scores = torch.einsum("bhgd,blhd->bhgl", qd, k) * scale  # [Bd, Hkv, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("bhgl,blhd->bhgd", probs, v)  # [Bd, Hkv, G, D]
+    qd = q.index_select(0, rows).float().unsqueeze(2)  # [Bd, Hq, 1, D]
+    o = F.scaled_dot_product_attention(
+        qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [Bd, Hq, 1, D]
     out.index_copy_(0, rows, o.reshape(bd, hq, d).to(out.dtype))

@@ -3,15 +3,19 @@
 Slot buffers hold every loaded adapter at the maximum rank; rows beyond an
 adapter's own rank are zero (the slot is zero-filled before reuse), so only
 the first `batch.rank_bound` rank columns carry anything and the rest are
-skipped. Tokens are grouped by slot: one matmul per adapter present covers
-all its tokens and all slices (gathering per-token weights measured 3x
-slower on CPU).
+skipped. With few adapters in the batch, tokens are grouped by slot and each
+group is one matmul across all slices. With many, each adapter's weights are
+gathered once and the groups, padded to the longest, go through one batched
+matmul: per-adapter Python loops dominated CPU steps with dozens of adapters.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.metadata import LoraBatch
+
+BATCHED_MIN_SLOTS = 4  # from this many adapters in a batch on, one padded bmm beats a loop per adapter
+
 
 def lora_shrink(
     x: torch.Tensor,
@@ -31,6 +35,15 @@ def lora_shrink(
     if not batch.any_lora:
         return
     r = batch.effective_rank(lora_a.shape[2])
+    groups = _groups(batch)
+    if groups is not None:
+        slots, rows, picks, flat = groups  # [G], [G, M], [n] into G*M, [n] token rows
+        a = lora_a[:, :, :r].index_select(1, slots).float()  # [S, G, r, in]
+        xs = x.float()[rows]  # [G, M, in]
+        h = torch.matmul(xs.unsqueeze(0), a.transpose(-1, -2))  # [S, G, M, r]
+        h = h * scaling.index_select(1, slots)[:, :, None, None]
+        out[:, :, :r].index_copy_(1, flat, h.flatten(1, 2).index_select(1, picks).to(out.dtype))
+        return
     for s in batch.active_slots:
         rows = (batch.token_slots == s).nonzero().squeeze(1)  # [n]
         xs = x.index_select(0, rows).float()  # [n, in]
@@ -59,6 +72,15 @@ def lora_expand(
     if not batch.any_lora:
         return
     r = batch.effective_rank(h.shape[2])
+    groups = _groups(batch)
+    if groups is not None:
+        slots, rows, picks, flat = groups
+        for i, (b, off) in enumerate(zip(lora_b, slice_offsets)):
+            bs = b[:, :, :r].index_select(0, slots).float()  # [G, n_i, r]
+            hs = h[i, :, :r].float()[rows]  # [G, M, r]
+            delta = torch.matmul(hs, bs.transpose(1, 2)).flatten(0, 1).index_select(0, picks)  # [n, n_i]
+            _add_rows(y, off, b.shape[1], flat, delta)
+        return
     for s in batch.active_slots:
         rows = (batch.token_slots == s).nonzero().squeeze(1)  # [n]
         for i, (b, off) in enumerate(zip(lora_b, slice_offsets)):
@@ -66,7 +88,34 @@ def lora_expand(
             _add_rows(y, off, b.shape[1], rows, delta)
 
 
+def _groups(batch: LoraBatch):
+    """Tokens grouped by adapter, padded: (slots [G], rows [G, M], picks [n], flat [n]).
+
+    `picks` indexes the real (unpadded) entries of a flattened [G*M] tensor; `flat` are their token rows.
+
+    None when the batch has too few adapters for batching to pay. Built once per step.
+    """
+    if len(batch.active_slots) < BATCHED_MIN_SLOTS:
+        return None
+    if "groups" not in batch.scratch:
+        token_slots = batch.token_slots.long()
+        slots = torch.tensor(batch.active_slots, dtype=torch.long, device=token_slots.device)  # [G]
+        member = token_slots[None, :] == slots[:, None]  # [G, T]
+        counts = member.sum(1)  # [G]
+        width = int(counts.max())
+        # Each group's token rows, ascending, padded with row 0 (masked out by `valid`).
+        order = torch.sort(member.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
+        valid = torch.arange(width, device=token_slots.device)[None, :] < counts[:, None]  # [G, M]
+        rows = torch.where(valid, order, torch.zeros_like(order))
+        picks = valid.flatten().nonzero().squeeze(1)
+        batch.scratch["groups"] = (slots, rows, picks, rows.flatten().index_select(0, picks))
+    return batch.scratch["groups"]
+
+
 def _add_rows(y: torch.Tensor, off: int, n: int, rows: torch.Tensor, delta: torch.Tensor) -> None:
     """y[rows, off:off+n] += delta, computed in float32 and rounded once to y's dtype."""
+    if y.dtype == torch.float32:
+        y[:, off : off + n].index_add_(0, rows, delta)  # rows are distinct: the same single rounding
+        return
     cur = y[:, off : off + n].index_select(0, rows).float()
     y[:, off : off + n].index_copy_(0, rows, (cur + delta).to(y.dtype))

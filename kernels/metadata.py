@@ -21,6 +21,8 @@ class LoraBatch:
     max_seg_len: int
     active_slots: tuple[int, ...]  # distinct slots >= 0 present, ascending (host copy)
     rank_bound: int | None = None  # highest rank among active slots; slot rows past it are zero
+    # Per-step derived data an implementation computes once and every layer reuses.
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     def effective_rank(self, buffer_rank: int) -> int:
         """Rank columns worth computing: rows past every active adapter's rank are zero."""

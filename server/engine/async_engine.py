@@ -229,13 +229,21 @@ class AsyncEngine:
                 raise AssertionError(f"unknown command {kind!r}")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up per event loop per step, not one per request: each call_soon_threadsafe
+        # writes the loop's self-pipe, and with hundreds of streams that cost showed up.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            sink.put(out)
+            by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass  # the caller's loop is closed: nobody is listening any more
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
@@ -256,3 +264,7 @@ class AsyncEngine:
                 if isinstance(item, concurrent.futures.Future) and not item.done():
                     item.set_exception(dead)
 
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
