@@ -49,7 +49,9 @@ class RequestStream:
     """An accepted request's outputs (cumulative, last one `finished`).
 
     Iterate it; closing it (or cancelling the iterating task) before the end
-    aborts the request in the engine, which frees its KV blocks.
+    aborts the request in the engine, which frees its KV blocks. Outputs are
+    cumulative, so a consumer that fell behind gets only the newest one: one
+    chunk carrying several tokens instead of a backlog of one-token chunks.
     """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, sink: _Sink) -> None:
@@ -64,11 +66,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
+        queue = self._sink.queue
         try:
-            item = await self._sink.queue.get()
+            item = await queue.get()
         except BaseException:
             self.abort()  # cancelled while waiting: the consumer is gone
             raise
+        while not queue.empty() and not isinstance(item, BaseException) and not item.finished:
+            item = queue.get_nowait()
         if isinstance(item, BaseException):
             self._done = True
             raise item
