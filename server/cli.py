@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-cache-blocks", type=_positive_int)
     kv.add_argument("--gpu-memory-utilization", type=_fraction)
     s.add_argument("--max-cpu-lora-bytes", type=_positive_int,
-                   help="bytes of idle adapters kept loaded in the engine (default 1 GiB)")
+                   help="host-tier budget: bytes of parsed adapters kept in host memory (default 1 GiB)")
     s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
     s.add_argument("--admin-token", help="admin bearer token (or $LORAPLEX_ADMIN_TOKEN; "
                                          "generated and printed when neither is set)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -54,7 +54,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    max_cpu_lora_bytes: int = 1 << 30     # idle adapters kept registered in the engine, by bytes
+    max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
     kernels: str = "auto"
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     redis_prefix: str = "lp:"
@@ -62,7 +62,6 @@ class ServerConfig:
     rate_window_seconds: float = 60.0     # the requests/tokens-per-minute window
     demo_tenant: bool = True              # create the `demo` tenant and a key on start
     seed: int = 0
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

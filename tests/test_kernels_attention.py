@@ -14,7 +14,7 @@ import torch
 from kernels import attention_ref, attention_triton
 from kernels.metadata import AttentionBatch
 from kernels.ops import select_kernels
-from tests.test_kernels_lora import bit_equal, compile_for_cuda, have_ptxas, run_compile_check
+from tests.kernel_helpers import bit_equal, compile_for_cuda, have_ptxas, run_compile_check
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

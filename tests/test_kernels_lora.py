@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import random
 import subprocess
 import sys
@@ -16,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 from kernels import lora_ref, lora_triton
 from kernels.metadata import LoraBatch
 from kernels.ops import select_kernels
+from tests.kernel_helpers import bit_equal, compile_for_cuda, have_ptxas, run_compile_check
 
 FORMS = {
     "segmented": (lora_triton.shrink_segmented, lora_triton.expand_segmented),
@@ -107,12 +106,6 @@ def dense_oracle(p: Problem, slots: list[int]) -> tuple[torch.Tensor, torch.Tens
             hi = h[i, t, :r].to(p.x.dtype).float()  # shrink's output is stored in the model dtype
             delta[t, p.offsets[i]: p.offsets[i] + n] = hi @ p.lora_b[i][s, :, :r].float().t()
     return h, delta
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal on the raw bits, so NaN sentinels compare equal to themselves."""
-    as_int = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 def run_and_check(p: Problem, slots: list[int], shrink, expand) -> None:
@@ -218,43 +211,6 @@ def test_entry_points_keep_the_reference_signatures() -> None:
     for name in ("lora_shrink", "lora_expand"):
         ref, tri = getattr(lora_ref, name), getattr(lora_triton, name)
         assert list(inspect.signature(ref).parameters) == list(inspect.signature(tri).parameters)
-
-
-def have_ptxas() -> bool:
-    try:
-        return triton.knobs.nvidia.ptxas is not None
-    except Exception:  # no CUDA backend in this Triton build
-        return False
-
-
-def compile_for_cuda(kernel, dtype: str, pointer_types: dict[str, str], constexprs: dict) -> None:
-    """Lower a kernel to a cubin for sm_90 (Hopper) without a GPU; raises if it cannot.
-
-    Pointer arguments ending in _ptr default to `dtype`; other arguments are i32.
-    Needs a process without TRITON_INTERPRET (see run_compile_check).
-    """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {}
-    for name in inspect.signature(kernel.fn).parameters:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointer_types.get(name, "*" + dtype)
-        else:
-            signature[name] = pointer_types.get(name, "i32")
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"], kernel.fn.__name__
-
-
-def run_compile_check(call: str) -> None:
-    """Run `call` (Python source) in a fresh process where @triton.jit is not the interpreter's."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", call], env=env, cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def compile_lora_kernels() -> None:

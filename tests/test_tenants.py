@@ -1,18 +1,15 @@
-"""tenants/: quotas, tenant CRUD, API keys, usage and Redis-enforced limits,
-against a real redis-server (tests.fixtures_redis)."""
+"""tenants/: quotas, tenant CRUD, API keys and usage, against a real redis-server
+(tests.fixtures_redis). The Limiter's tests are in test_tenant_limits.py."""
 from __future__ import annotations
 
 import datetime as dt
-import threading
 
 import pytest
 import redis
 
-from tenants import (Limiter, Quota, QuotaError, QuotaExceeded, RequestTooLarge, Tenant,
-                     TenantExists, TenantNameError, TenantNotFound, TenantStore, UsageLog,
-                     check_request_tokens)
-
-T0 = 1_700_000_000.0  # an injected clock; limits only compare differences
+from tenants import (Quota, QuotaError, Tenant, TenantExists, TenantNameError, TenantNotFound,
+                     TenantStore, UsageLog)
+from tests.tenant_helpers import make_tenant
 
 
 # ---- Quota and Tenant values ---------------------------------------------
@@ -231,184 +228,6 @@ def test_keys_are_not_stored_in_plaintext(redis_client: redis.Redis) -> None:
     assert secret.encode() not in dump and key.encode() not in dump  # ...but not the secret
 
 
-# ---- limits --------------------------------------------------------------
-
-def _tenant(**quota: object) -> Tenant:
-    return Tenant(name="acme", quota=Quota(**quota))
-
-
-def test_requests_per_minute_trips_and_recovers(redis_client: redis.Redis) -> None:
-    limiter, t = Limiter(redis_client), _tenant(requests_per_minute=3)
-    for dt_ in (0, 10, 20):
-        limiter.admit(t, f"r{dt_}", 1, now=T0 + dt_)
-    with pytest.raises(QuotaExceeded) as info:
-        limiter.admit(t, "r30", 1, now=T0 + 30)
-    assert info.value.limit_name == "requests_per_minute"
-    assert info.value.retry_after_seconds == 30  # the request at T0 leaves at T0 + 60
-    assert "requests_per_minute" in str(info.value)
-    limiter.admit(t, "r60", 1, now=T0 + 60)
-    with pytest.raises(QuotaExceeded) as info:
-        limiter.admit(t, "r60.5", 1, now=T0 + 60.5)
-    assert info.value.retry_after_seconds == 10  # ceil(T0 + 10 + 60 - (T0 + 60.5))
-
-
-def test_tokens_per_minute_trips_and_recovers(redis_client: redis.Redis) -> None:
-    limiter, t = Limiter(redis_client), _tenant(tokens_per_minute=100)
-    limiter.admit(t, "a", 60, now=T0)
-    limiter.admit(t, "b", 30, now=T0 + 10)
-    with pytest.raises(QuotaExceeded) as info:
-        limiter.admit(t, "c", 20, now=T0 + 20)
-    assert info.value.limit_name == "tokens_per_minute"
-    assert info.value.retry_after_seconds == 40  # "a"'s 60 tokens leave at T0 + 60
-    with pytest.raises(QuotaExceeded) as info:
-        limiter.admit(t, "c", 80, now=T0 + 20)
-    assert info.value.retry_after_seconds == 50  # needs "b"'s tokens gone too
-    assert limiter.current(t, now=T0 + 20)["tokens_in_window"] == 90
-    limiter.admit(t, "c", 20, now=T0 + 60)
-    assert limiter.current(t, now=T0 + 60)["tokens_in_window"] == 50
-
-
-def test_release_corrects_the_token_charge(redis_client: redis.Redis) -> None:
-    limiter, t = Limiter(redis_client), _tenant(tokens_per_minute=100)
-    a = limiter.admit(t, "a", 90, now=T0)
-    with pytest.raises(QuotaExceeded):
-        limiter.admit(t, "b", 20, now=T0 + 1)
-    assert limiter.release(a, actual_tokens=25) is True
-    assert limiter.current(t, now=T0 + 1)["tokens_in_window"] == 25
-    assert limiter.release(a, actual_tokens=25) is False  # twice: no double correction
-    assert limiter.current(t, now=T0 + 1)["tokens_in_window"] == 25
-    limiter.admit(t, "b", 75, now=T0 + 2)
-
-
-def test_estimate_above_tokens_per_minute_can_never_succeed(redis_client: redis.Redis) -> None:
-    limiter = Limiter(redis_client)
-    with pytest.raises(RequestTooLarge) as info:
-        limiter.admit(_tenant(tokens_per_minute=100), "big", 101, now=T0)
-    assert info.value.limit_name == "tokens_per_minute"
-
-
-def test_concurrency_trips_and_recovers_on_release(redis_client: redis.Redis) -> None:
-    limiter, t = Limiter(redis_client), _tenant(max_concurrent_requests=2)
-    a = limiter.admit(t, "a", 0, now=T0)
-    limiter.admit(t, "b", 0, now=T0)
-    with pytest.raises(QuotaExceeded) as info:
-        limiter.admit(t, "c", 0, now=T0 + 1)
-    assert info.value.limit_name == "max_concurrent_requests"
-    assert info.value.retry_after_seconds == 1
-    limiter.release(a, 0)
-    limiter.admit(t, "c", 0, now=T0 + 1)
-    assert limiter.current(t, now=T0 + 1)["concurrent_requests"] == 2
-
-
-def test_refusal_records_nothing(redis_client: redis.Redis) -> None:
-    # rpm and tpm would pass; concurrency fails: no request or token is charged.
-    limiter = Limiter(redis_client)
-    t = _tenant(requests_per_minute=10, tokens_per_minute=1000, max_concurrent_requests=1)
-    limiter.admit(t, "a", 100, now=T0)
-    for i in range(3):
-        with pytest.raises(QuotaExceeded):
-            limiter.admit(t, f"x{i}", 100, now=T0 + 1)
-    assert limiter.current(t, now=T0 + 1) == {
-        "window_seconds": 60.0, "requests_in_window": 1, "tokens_in_window": 100,
-        "concurrent_requests": 1}
-
-
-def test_the_longest_wait_is_reported(redis_client: redis.Redis) -> None:
-    limiter = Limiter(redis_client)
-    t = _tenant(requests_per_minute=1, max_concurrent_requests=1)
-    limiter.admit(t, "a", 0, now=T0)
-    with pytest.raises(QuotaExceeded) as info:
-        limiter.admit(t, "b", 0, now=T0 + 5)
-    assert (info.value.limit_name, info.value.retry_after_seconds) == ("requests_per_minute", 55)
-
-
-def test_zero_limit_refuses_everything(redis_client: redis.Redis) -> None:
-    with pytest.raises(QuotaExceeded) as info:
-        Limiter(redis_client).admit(_tenant(requests_per_minute=0), "a", 0, now=T0)
-    assert info.value.retry_after_seconds == 60
-
-
-def test_expired_lease_is_reclaimed_and_renew_extends_it(redis_client: redis.Redis) -> None:
-    limiter = Limiter(redis_client, lease_seconds=5)
-    t = _tenant(max_concurrent_requests=1)
-    crashed = limiter.admit(t, "crashed", 0, now=T0)
-    assert crashed.lease_expires_at == pytest.approx(T0 + 5)
-    with pytest.raises(QuotaExceeded):
-        limiter.admit(t, "b", 0, now=T0 + 4)
-    live = limiter.admit(t, "b", 0, now=T0 + 5.5)  # the crashed process's slot expired
-    assert limiter.renew(crashed, now=T0 + 5.5) is False
-    assert limiter.release(crashed, 0) is False
-    assert limiter.renew(live, now=T0 + 9) is True  # now held until T0 + 14
-    with pytest.raises(QuotaExceeded):
-        limiter.admit(t, "c", 0, now=T0 + 12)
-    limiter.admit(t, "c", 0, now=T0 + 14.5)
-
-
-def test_default_clock_is_redis_time(redis_client: redis.Redis) -> None:
-    limiter, t = Limiter(redis_client), _tenant(requests_per_minute=1)
-    server_now = float(redis_client.time()[0])
-    a = limiter.admit(t, "a", 0)
-    assert abs(a.admitted_at - server_now) < 5
-    with pytest.raises(QuotaExceeded) as info:
-        limiter.admit(t, "b", 0)
-    assert 55 <= info.value.retry_after_seconds <= 60
-
-
-def test_deleting_a_tenant_drops_its_limiter_state(redis_client: redis.Redis) -> None:
-    store, limiter = TenantStore(redis_client), Limiter(redis_client)
-    t = store.create("acme", Quota(requests_per_minute=1))
-    limiter.admit(t, "a", 5, now=T0)
-    store.delete("acme")
-    t = store.create("acme", Quota(requests_per_minute=1))
-    limiter.admit(t, "a", 5, now=T0 + 1)
-
-
-@pytest.mark.parametrize("limit_field", ["requests_per_minute", "max_concurrent_requests"])
-def test_two_limiters_on_two_connections_share_one_limit(redis_url: str, limit_field: str) -> None:
-    limit, threads_per_limiter, attempts = 23, 4, 12
-    t = Tenant(name="acme", quota=Quota(**{limit_field: limit}))
-    clients = [redis.Redis.from_url(redis_url) for _ in range(2)]
-    limiters = [Limiter(c) for c in clients]
-    admitted: list[str] = []
-    lock = threading.Lock()
-    start = threading.Barrier(2 * threads_per_limiter)
-
-    def hammer(limiter: Limiter, worker: int) -> None:
-        start.wait()
-        for i in range(attempts):
-            try:
-                a = limiter.admit(t, f"w{worker}-{i}", 1, now=T0)
-            except QuotaExceeded:
-                continue
-            with lock:
-                admitted.append(a.slot_id)
-
-    threads = [threading.Thread(target=hammer, args=(limiters[w % 2], w))
-               for w in range(2 * threads_per_limiter)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    for c in clients:
-        c.close()
-    assert len(admitted) == limit and len(set(admitted)) == limit
-
-
-def test_check_request_tokens() -> None:
-    check_request_tokens(_tenant(max_tokens_per_request=64), 64)
-    check_request_tokens(_tenant(), 10**9)
-    with pytest.raises(RequestTooLarge, match="max_tokens_per_request") as info:
-        check_request_tokens(_tenant(max_tokens_per_request=64), 65)
-    assert isinstance(info.value, ValueError)
-
-
-def test_limiter_rejects_bad_arguments(redis_client: redis.Redis) -> None:
-    with pytest.raises(ValueError):
-        Limiter(redis_client, window_seconds=0)
-    with pytest.raises(ValueError):
-        Limiter(redis_client).admit(_tenant(), "a", -1)
-
-
 # ---- usage ---------------------------------------------------------------
 
 def test_usage_record_and_get_are_exact(redis_client: redis.Redis) -> None:
@@ -416,7 +235,7 @@ def test_usage_record_and_get_are_exact(redis_client: redis.Redis) -> None:
     day1 = dt.datetime(2026, 3, 1, 23, 59, tzinfo=dt.timezone.utc).timestamp()
     day2 = day1 + 120  # past UTC midnight
     usage.record("acme", prompt_tokens=10, completion_tokens=5, now=day1)
-    usage.record(_tenant(), prompt_tokens=7, completion_tokens=3, now=day1)
+    usage.record(make_tenant(), prompt_tokens=7, completion_tokens=3, now=day1)
     usage.record("acme", prompt_tokens=1, completion_tokens=2, requests=4, now=day2)
     usage.record("beta", prompt_tokens=100, completion_tokens=100, now=day2)
 

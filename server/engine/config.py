@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,6 @@ class EngineConfig:
     # Intra-op threads for the CPU device. The engine's ops are many and small: with more threads
     # torch's pool spin-waits between them, which measured ~20x slower on a loaded 2-core machine.
     cpu_threads: int | None = 1
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
