@@ -107,6 +107,9 @@ class AttentionBatch:
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         slot_mapping: list[int] = []
         for table, start, end in zip(block_tables, context_lens, seq_lens):
+            if end - start == 1:  # decode: one new token
+                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+                continue
             for pos in range(start, end):
                 slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=1) or 1

@@ -50,10 +50,13 @@ class IncrementalDetokenizer:
         `output_ids` is the sequence's whole id list; only ids from the state's offsets on are read.
         """
         if self.token_bytes is not None:
-            table = self.token_bytes
-            data = b"".join(table[t] if 0 <= t < len(table) else b"" for t in output_ids[state.read_offset :])
+            table, n = self.token_bytes, len(self.token_bytes)
+            new = output_ids[state.read_offset :]
             state.read_offset = len(output_ids)
-            return state.utf8.decode(data)
+            if len(new) == 1:  # the usual decode step
+                t = new[0]
+                return state.utf8.decode(table[t] if 0 <= t < n else b"")
+            return state.utf8.decode(b"".join(table[t] if 0 <= t < n else b"" for t in new))
         decode = self.tokenizer.decode
         prefix = decode(output_ids[state.prefix_offset : state.read_offset], skip_special_tokens=self.skip)
         full = decode(output_ids[state.prefix_offset :], skip_special_tokens=self.skip)
