@@ -252,3 +252,27 @@ def test_priority_orders_within_a_tenant(tiny_model_dir):
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["p-1", "p0", "p5", "p9"]
+
+
+def test_requests_for_a_loading_adapter_share_one_load(tiny_model_dir, tiny_adapters):
+    gate, calls = threading.Event(), []
+    shape = {}
+
+    def fetch(version: str):
+        calls.append(version)
+        gate.wait(10)
+        return load_adapter_dir(tiny_adapters["r8_all"], shape["s"], 64)
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256),
+                       adapter_source=fetch)
+    shape["s"] = engine.adapter_shape
+    for i in range(5):
+        engine.add_request(f"r{i}", [5, 6, 7 + i], greedy(3), "shared@1")
+    for _ in range(3):
+        engine.step()
+    gate.set()
+    final = drive(engine)
+    assert calls == ["shared@1"]  # five waiting requests, one fetch
+    assert all(final[f"r{i}"].finish_reason == "length" for i in range(5))
+    assert engine.stats().host_misses == 1 and engine.stats().host_loads == 1
+    engine.shutdown()

@@ -144,6 +144,9 @@ class AdapterSlots:
         # run on a side stream from pinned host memory, overlapping the running batch's compute.
         self.loads += 1
         self.slot_ranks[slot] = adapter.rank
+        if self.copy_stream is not None:
+            # The slot was zeroed, and last read, on the compute stream: copy only after that.
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
         stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
         with stream:
             for (layer, proj), w in adapter.weights.items():
