@@ -276,3 +276,29 @@ def test_requests_for_a_loading_adapter_share_one_load(tiny_model_dir, tiny_adap
     assert all(final[f"r{i}"].finish_reason == "length" for i in range(5))
     assert engine.stats().host_misses == 1 and engine.stats().host_loads == 1
     engine.shutdown()
+
+
+def test_thousands_of_waiting_requests_are_scanned_within_a_horizon(tiny_model_dir):
+    from server.engine.scheduler import SCAN_HORIZON
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64,
+                                    max_model_len=256, max_num_seqs=4))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i in range(3000):  # 1000 tenants, and one literally named "None" beside the None tenant
+        engine.add_request(f"w{i}", [5, 6, 7], params, tenant=None if i % 1000 == 0 else f"t{i % 1000}")
+    engine.add_request("named-none", [5, 6, 7], params, tenant="None")
+    queue = engine.scheduler.waiting
+    examined = []
+    original = queue.ordered
+
+    def counting():
+        for n, seq in enumerate(original(), 1):
+            examined.append(n)
+            yield seq
+
+    queue.ordered = counting
+    for _ in range(3):
+        examined.clear()
+        engine.step()
+        assert 0 < len(examined) <= SCAN_HORIZON < 3000  # a step's cost does not grow with the queue
+    assert engine.stats().num_running == 4 and engine.stats().num_waiting == 2997

@@ -10,6 +10,7 @@ tokens when readmitted.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
@@ -23,6 +24,9 @@ from server.engine.sequence import Sequence, SequenceStatus
 MAX_BYPASS_STEPS = 32
 # Distinct not-yet-resident adapters, nearest the head of the queue, loaded ahead of admission.
 PREFETCH_WINDOW = 8
+# Waiting requests looked at per step (in fair-share order); the rest wait their turn, so a
+# queue of many thousands costs a step no more than this.
+SCAN_HORIZON = 1024
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class Scheduler:
         failed = self.host.collect()
         head_blocked = False
         prefetching = 0
-        for seq in list(self.waiting.ordered()):
+        for seq in list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON)):
             version = seq.adapter_id
             if version is not None and not self.host.ready(version):
                 if version in failed:
