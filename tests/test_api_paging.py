@@ -75,3 +75,18 @@ def test_host_budget_is_respected_over_http(tiny_model_dir, tiny_adapters, redis
                 assert s.state.engine.stats().host_bytes_used <= budget
         stats = s.state.engine.stats()
         assert stats.host_evictions >= 2 and stats.device_evictions >= 2
+
+
+def test_idle_server_frees_retired_versions_after_grace(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+    config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), adapter_grace_seconds=1.0)
+    with running_server(config) as s:
+        _, key = s.new_tenant()
+        assert s.upload(key, "gone", tiny_adapters["r4_qv"]).status_code == 201
+        prefix = config.redis_prefix
+        redis = s.state.redis
+        assert list(redis.scan_iter(f"{prefix}ad:chunk:*"))
+        with s.http(key) as h:
+            assert h.delete("/v1/adapters/gone").status_code == 200
+        # No further writes: the server's own periodic collection frees the chunks.
+        wait_for(lambda: not list(redis.scan_iter(f"{prefix}ad:chunk:*"))
+                 and not list(redis.scan_iter(f"{prefix}ad:ver:*")), timeout=10)

@@ -1,7 +1,9 @@
 """create_app(config): the Starlette app; its lifespan owns the engine, Redis and registries."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
@@ -12,6 +14,20 @@ from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.state import ServerState
 from server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+async def _collect_retired_adapters(state: ServerState) -> None:
+    """Free retired adapter versions past their grace period even when nobody writes to the registry
+    (puts and deletes collect too, but an idle server would otherwise keep their chunks)."""
+    interval = max(1.0, min(60.0, state.config.adapter_grace_seconds / 2))
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await run_in_threadpool(state.registry.collect_garbage)
+        except Exception:  # noqa: BLE001 - Redis may be briefly away; try again next round
+            log.warning("collecting retired adapter versions failed", exc_info=True)
 
 
 def _base_url(config: ServerConfig) -> str:
@@ -29,12 +45,14 @@ def create_app(config: ServerConfig,
         try:
             state.engine.start()
             state.retirements.start()
+            collector = asyncio.create_task(_collect_retired_adapters(state))
             info = await run_in_threadpool(bootstrap, state, _base_url(config))
             app.state.lp = state
             app.state.startup = info
             if on_ready is not None:
                 on_ready(info)
             yield
+            collector.cancel()
         finally:
             await run_in_threadpool(state.close)
 

@@ -42,13 +42,6 @@ class BlockManager:
             self.ref_counts[block] = 1
             block_table.append(block)
 
-    def share(self, block_table: list[int]) -> list[int]:
-        """A second holder of the same blocks (for a shared prefix)."""
-        for block in block_table:
-            assert self.ref_counts[block] > 0
-            self.ref_counts[block] += 1
-        return list(block_table)
-
     def free(self, block_table: list[int]) -> None:
         """Drop one reference to each block of `block_table` and empty it."""
         for block in reversed(block_table):
