@@ -90,3 +90,23 @@ def test_idle_server_frees_retired_versions_after_grace(tiny_model_dir, tiny_ada
         # No further writes: the server's own periodic collection frees the chunks.
         wait_for(lambda: not list(redis.scan_iter(f"{prefix}ad:chunk:*"))
                  and not list(redis.scan_iter(f"{prefix}ad:ver:*")), timeout=10)
+
+
+def test_engine_crash_fails_requests_with_503_and_health_says_so(tiny_model_dir, redis_server, tmp_path):
+    config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server))
+    with running_server(config) as s:
+        _, key = s.new_tenant()
+        with s.http(key) as h:
+            assert h.get("/health").status_code == 200
+
+            def broken_step():
+                raise RuntimeError("simulated engine fault")
+
+            s.state.engine.engine.step = broken_step  # the next step crashes the engine loop
+            r = h.post("/v1/completions", json={"model": s.state.model_id, "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 503 and "error" in r.json()
+            wait_for(lambda: h.get("/health").status_code == 503)
+            again = h.post("/v1/completions", json={"model": s.state.model_id, "prompt": "hi", "max_tokens": 4})
+            assert again.status_code == 503  # refused at once, not hung
+            with s.http(key) as h2:
+                assert h2.get("/v1/usage").json()["current"]["concurrent_requests"] == 0
