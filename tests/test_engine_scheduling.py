@@ -98,3 +98,21 @@ def test_abort_frees_blocks(tiny_model_dir):
     assert {o.request_id: o.finish_reason for o in outs} == {"a": "abort", "b": "abort"}
     assert engine.stats().kv_blocks_used == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_base_requests_pass_a_request_waiting_for_a_slot(tiny_model_dir, tiny_adapters):
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=1, kv_cache_blocks=64, max_model_len=256)
+    llm.add_adapter("a", tiny_adapters["r8_all"])
+    llm.add_adapter("b", tiny_adapters["r4_qv"])
+    engine = llm.engine
+    engine.add_request("holds-slot", [5, 6, 7], greedy(30), llm._versions["a"])
+    engine.step()
+    engine.add_request("needs-slot", [5, 6, 8], greedy(3), llm._versions["b"])  # the only slot is taken
+    engine.add_request("base", [5, 6, 9], greedy(3))
+    engine.step()
+    running = {s.request_id for s in engine.scheduler.running}
+    assert running == {"holds-slot", "base"}  # base passed the blocked head; b waits for the slot
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(final) == {"holds-slot", "needs-slot", "base"}

@@ -130,8 +130,11 @@ class Scheduler:
                     head_blocked = True
                     self.head_blocked_steps += 1
                 continue
-            if head_blocked and (self.head_blocked_steps > MAX_BYPASS_STEPS or version not in self.slots.users):
-                continue  # only requests for adapters already in use may pass a blocked head
+            if head_blocked:
+                # Only requests that need no new slot (base model, or an adapter already in use) may pass
+                # a head blocked on slots, and only for a while: then the queue drains to let it in.
+                if self.head_blocked_steps > MAX_BYPASS_STEPS or (version is not None and version not in self.slots.users):
+                    continue
             n = min(seq.num_pending_tokens, budget)
             # Keep one block spare so running sequences can decode without preempting at once.
             reserve = 1 if self.running else 0
