@@ -23,5 +23,22 @@ def assert_matches_peft(llm: LLM, model_dir, adapter_dirs, prompts, names, outs,
         assert out.finish_reason == "length"
 
 
+def drive(engine, check=None, max_steps: int = 100_000) -> dict:
+    """Step `engine` until idle; finished outputs by request id, in finishing order.
+
+    `check(engine)` runs after every step, for invariants that must hold throughout.
+    """
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if check is not None:
+            check(engine)
+    raise AssertionError("engine did not finish")
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **GREEDY)

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from adapters.format import inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir
 from adapters.registry import AdapterRegistry
 from server.engine import LLMEngine, EngineConfig, SamplingParams
-from tests.engine_helpers import greedy, random_prompts
+from tests.engine_helpers import drive, greedy, random_prompts
 
 VOCAB = 512
 
@@ -77,19 +77,6 @@ class PeftMultiOracle:
             out.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
         return out
-
-
-def drive(engine: LLMEngine, check=None, max_steps=100_000) -> dict:
-    final = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        if check is not None:
-            check(engine)
-    raise AssertionError("engine did not finish")
 
 
 def check_tiers(budget: int, slots: int):
@@ -248,10 +235,7 @@ def test_priority_orders_within_a_tenant(tiny_model_dir):
                                     max_model_len=256, max_num_seqs=1))
     for i, prio in enumerate([5, 0, 9, -1]):
         engine.add_request(f"p{prio}", [5, 6, 7 + i], greedy(2), tenant="T", priority=prio)
-    order = []
-    while engine.has_unfinished_requests():
-        order += [o.request_id for o in engine.step() if o.finished]
-    assert order == ["p-1", "p0", "p5", "p9"]
+    assert list(drive(engine)) == ["p-1", "p0", "p5", "p9"]
 
 
 def test_requests_for_a_loading_adapter_share_one_load(tiny_model_dir, tiny_adapters):

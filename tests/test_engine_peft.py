@@ -5,7 +5,7 @@ import pytest
 
 from adapters.format import AdapterFormatError
 from server.engine import LLM, RequestError, SamplingParams
-from tests.engine_helpers import assert_matches_peft, greedy, random_prompts
+from tests.engine_helpers import assert_matches_peft, drive, greedy, random_prompts
 
 VOCAB = 512
 
@@ -28,11 +28,7 @@ def test_mixed_adapters_and_base_rows_match_peft(llm, tiny_model_dir, tiny_adapt
     engine.step()
     # Every request shares the first forward pass: adapters of all ranks and base rows in one batch.
     assert engine.stats().num_running == len(names)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = drive(engine)
     outs = [final[r] for r in ids]
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 8, peft_oracle)
     assert engine.stats().kv_blocks_used == 0

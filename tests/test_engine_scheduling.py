@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from server.engine import LLM, SamplingParams
-from tests.engine_helpers import assert_matches_peft, greedy, random_prompts
+from tests.engine_helpers import assert_matches_peft, drive, greedy, random_prompts
 
 VOCAB = 512
 
@@ -13,13 +13,9 @@ def run_all(llm: LLM, prompts, names, params) -> tuple[list, int]:
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt, name in zip(ids, prompts, names):
         engine.add_request(rid, prompt, params, llm._versions[name] if name else None)
-    final, peak = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        peak = max(peak, engine.stats().num_running)
-    return [final[r] for r in ids], peak
+    peaks = [0]
+    final = drive(engine, lambda e: peaks.append(e.stats().num_running))
+    return [final[r] for r in ids], max(peaks)
 
 
 def test_long_prompts_chunked_prefill_and_block_spanning(tiny_model_dir, tiny_adapters, peft_oracle):
@@ -62,14 +58,10 @@ def test_more_adapters_than_slots_all_complete(tiny_model_dir, tiny_adapters, pe
     ids = [f"s{i}" for i in range(len(names))]
     for rid, prompt, name in zip(ids, prompts, names):
         engine.add_request(rid, prompt, greedy(6), llm._versions[name] if name else None)
-    final = {}
-    while engine.has_unfinished_requests():
-        # Never more distinct adapters in one step than there are slots.
-        in_flight = {s.adapter_id for s in engine.scheduler.running if s.adapter_id}
-        assert len(in_flight) <= 2
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    def at_most_two_adapters(e) -> None:  # never more distinct adapters in a step than slots
+        assert len({s.adapter_id for s in e.scheduler.running if s.adapter_id}) <= 2
+
+    final = drive(engine, at_most_two_adapters)
     outs = [final[r] for r in ids]
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 6, peft_oracle)
     assert engine.stats().adapter_loads >= 4
@@ -112,7 +104,5 @@ def test_base_requests_pass_a_request_waiting_for_a_slot(tiny_model_dir, tiny_ad
     engine.step()
     running = {s.request_id for s in engine.scheduler.running}
     assert running == {"holds-slot", "base"}  # base passed the blocked head; b waits for the slot
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
+    final = drive(engine)
     assert set(final) == {"holds-slot", "needs-slot", "base"}

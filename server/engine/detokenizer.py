@@ -57,9 +57,7 @@ class IncrementalDetokenizer:
                 t = new[0]
                 return state.utf8.decode(table[t] if 0 <= t < n else b"")
             return state.utf8.decode(b"".join(table[t] if 0 <= t < n else b"" for t in new))
-        decode = self.tokenizer.decode
-        prefix = decode(output_ids[state.prefix_offset : state.read_offset], skip_special_tokens=self.skip)
-        full = decode(output_ids[state.prefix_offset :], skip_special_tokens=self.skip)
+        prefix, full = self._window(state, output_ids)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
         state.prefix_offset, state.read_offset = state.read_offset, len(output_ids)
@@ -69,10 +67,15 @@ class IncrementalDetokenizer:
         """At the end of a sequence: whatever text is still held back, incomplete characters included."""
         if self.token_bytes is not None:
             return self.step(state, output_ids) + state.utf8.decode(b"", final=True)
-        prefix = self.tokenizer.decode(output_ids[state.prefix_offset : state.read_offset], skip_special_tokens=self.skip)
-        full = self.tokenizer.decode(output_ids[state.prefix_offset :], skip_special_tokens=self.skip)
+        prefix, full = self._window(state, output_ids)
         state.prefix_offset = state.read_offset = len(output_ids)
         return full[len(prefix) :]
+
+    def _window(self, state: DetokState, output_ids: list[int]) -> tuple[str, str]:
+        """The window's text without and with the ids not yet read."""
+        decode = self.tokenizer.decode
+        prefix = decode(output_ids[state.prefix_offset : state.read_offset], skip_special_tokens=self.skip)
+        return prefix, decode(output_ids[state.prefix_offset :], skip_special_tokens=self.skip)
 
     def _byte_table(self) -> list[bytes] | None:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)

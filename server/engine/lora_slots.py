@@ -51,9 +51,6 @@ class LoraGroupBuffers:
             b[slot].zero_()
         self.scaling[:, slot] = 0.0
 
-    def nbytes(self) -> int:
-        return self.a.nbytes + sum(b.nbytes for b in self.b) + self.scaling.nbytes
-
 
 class AdapterSlots:
     """The device tier: which adapter version sits in which slot; evicts the least recently used idle slot.
@@ -61,7 +58,7 @@ class AdapterSlots:
     A slot in use by a running request is never evicted. LRU among idle slots,
     because recency predicts the next request under the power-law popularity
     real workloads show. Slots are fixed-size (max rank), so the slot count is
-    the byte budget: `max_loras * bytes_per_slot`.
+    the byte budget: `max_loras` times one slot's bytes.
     """
 
     def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int) -> None:
@@ -77,10 +74,6 @@ class AdapterSlots:
         self.loads = 0
         self.evictions = 0
         self.copy_stream = torch.cuda.Stream() if layers and layers[0]["o"].a.is_cuda else None
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return sum(b.nbytes() for groups in self.layers for b in groups.values()) // self.max_loras
 
     @property
     def num_resident(self) -> int:

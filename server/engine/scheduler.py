@@ -168,7 +168,6 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(seq)
         if seq in batch.seqs:

@@ -40,7 +40,7 @@ class Sequence:
     __slots__ = (
         "request_id", "prompt_token_ids", "token_ids", "params", "adapter_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
-        "detok_state", "stop", "num_preemptions", "_num_prompt",
+        "detok_state", "stop", "_num_prompt",
     )
 
     def __init__(
@@ -71,7 +71,6 @@ class Sequence:
         self.detok_state = None  # IncrementalDetokenizer's DetokState, set by the engine
         self.stop = None  # StopChecker, set by the engine
         self._num_prompt = len(self.prompt_token_ids)
-        self.num_preemptions = 0
 
     @property
     def num_prompt_tokens(self) -> int:
