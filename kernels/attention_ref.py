@@ -95,8 +95,14 @@ def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor
     rows, slots, valid = plan
     num_blocks, block_size, hkv, d = k_cache.shape
     bd, hq = rows.shape[0], q.shape[1]
+    # Padding positions read slot 0, which may hold anything another sequence left there, NaN
+    # included; the mask alone does not stop NaN (its weight is 0, and 0 * NaN = NaN), so they are
+    # zeroed: a masked position can never contribute.
+    keep = valid[:, :, None, None]  # [Bd, L, 1, 1]
     k = k_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()  # [Bd, L, Hkv, D]
     v = v_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()
+    k = torch.where(keep, k, 0.0)
+    v = torch.where(keep, v, 0.0)
     qd = q.index_select(0, rows).float().unsqueeze(2)  # [Bd, Hq, 1, D]
     o = F.scaled_dot_product_attention(
         qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True

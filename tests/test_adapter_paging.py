@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from adapters.format import inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir
+from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir
 from adapters.registry import AdapterRegistry
 from server.engine import LLMEngine, EngineConfig, SamplingParams
 from tests.engine_helpers import drive, greedy, random_prompts
@@ -102,9 +102,7 @@ def test_200_adapters_8_slots_32_host_budget_from_redis(tiny_model_dir, tiny_ada
     engine_cfg = EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=8, max_lora_rank=16,
                               kv_cache_blocks=128, max_model_len=256, max_num_seqs=16)
     registry = AdapterRegistry(redis_client)
-    from adapters.format import ModelShape
-
-    shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    shape = model_shape(tiny_model_dir)
     versions, sizes = {}, {}
     for name, d in dirs.items():
         cfg, w = (d / "adapter_config.json").read_bytes(), (d / "adapter_model.safetensors").read_bytes()
@@ -286,3 +284,143 @@ def test_thousands_of_waiting_requests_are_scanned_within_a_horizon(tiny_model_d
         engine.step()
         assert 0 < len(examined) <= SCAN_HORIZON < 3000  # a step's cost does not grow with the queue
     assert engine.stats().num_running == 4 and engine.stats().num_waiting == 2997
+
+
+class Source:
+    """An adapter source over PEFT dirs that records every fetch; a version in `gates` waits for its event."""
+
+    def __init__(self, dirs: dict[str, Path]):
+        self.dirs, self.calls, self.gates, self.shape = dirs, [], {}, None
+
+    def __call__(self, version: str):
+        self.calls.append(version)
+        if version in self.gates:
+            self.gates[version].wait(10)
+        return load_adapter_dir(self.dirs[version], self.shape, 64)
+
+    def engine(self, model_dir: Path, **kw) -> LLMEngine:
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256,
+                                        **kw), adapter_source=self)
+        self.shape = engine.adapter_shape
+        return engine
+
+
+def step_until(engine: LLMEngine, done, steps: int = 2000) -> None:
+    for _ in range(steps):
+        if done():
+            return
+        engine.step()
+        time.sleep(0.001)  # let the loader threads run
+    raise AssertionError("condition never reached")
+
+
+def test_adapter_larger_than_the_host_budget_fails_at_once(tiny_model_dir, tiny_adapters):
+    source = Source({"big@1": tiny_adapters["r8_all"]})
+    engine = source.engine(tiny_model_dir, max_cpu_lora_bytes=1000)
+    size = load_adapter_dir(tiny_adapters["r8_all"], engine.adapter_shape, 64).size_bytes
+    for i in range(3):
+        engine.add_request(f"big{i}", [5, 6, 7 + i], greedy(3), "big@1")
+    engine.add_request("base", [5, 6, 7], greedy(3))
+    final = drive(engine, max_steps=500)  # before: the load was retried every step, forever
+    for i in range(3):
+        assert final[f"big{i}"].finish_reason == "error"
+        assert final[f"big{i}"].error == (f"adapter big@1 could not be loaded: adapter needs {size} bytes, more "
+                                          "than the host budget of 1000 bytes (--max-cpu-lora-bytes)")
+    assert final["base"].finish_reason == "length"
+    assert source.calls == ["big@1"]  # the waiting requests shared one load, and nobody retried it
+    stats = engine.stats()
+    assert stats.host_misses == 1 and stats.host_load_failures == 1 and stats.host_bytes_used == 0
+    engine.shutdown()
+
+
+def model_shape(model_dir: Path) -> ModelShape:
+    return ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+
+
+def park_b_behind_a(tiny_model_dir, tiny_adapters):
+    """A budget with room for one adapter, pinned by a running request on A; B's load finishes meanwhile."""
+    dirs = {"A": tiny_adapters["r8_all"], "B": tiny_adapters["r16_rslora"]}
+    source = Source(dirs)
+    sizes = {v: load_adapter_dir(d, model_shape(tiny_model_dir), 64).size_bytes for v, d in dirs.items()}
+    engine = source.engine(tiny_model_dir, max_cpu_lora_bytes=max(sizes.values()))
+    engine.add_request("a", [5, 6, 7, 8], greedy(200), "A")
+    step_until(engine, lambda: engine.stats().num_running == 1)
+    engine.add_request("b", [9, 10, 11], greedy(4), "B")
+    step_until(engine, lambda: "B" in engine.host.parked)
+    return engine, source, sizes
+
+
+def test_load_that_finds_every_byte_pinned_is_parked_not_fetched_again(tiny_model_dir, tiny_adapters, peft_oracle):
+    engine, source, sizes = park_b_behind_a(tiny_model_dir, tiny_adapters)
+    for _ in range(20):  # A stays pinned: B waits, loaded, without another fetch or miss
+        engine.step()
+        time.sleep(0.001)
+        stats = engine.stats()
+        assert stats.adapters_parked == 1 and stats.host_parked_bytes == sizes["B"]
+        assert stats.host_misses == 2 and stats.host_loads == 1 and stats.host_bytes_used == sizes["A"]
+    assert source.calls == ["A", "B"]
+    engine.abort_request("a")  # room frees: B goes in at once
+    final = drive(engine)
+    assert final["b"].token_ids == peft_oracle(tiny_model_dir, tiny_adapters["r16_rslora"], [9, 10, 11], 4)
+    stats = engine.stats()
+    assert source.calls == ["A", "B"] and stats.host_misses == 2 and stats.host_loads == 2
+    assert stats.adapters_parked == 0 and stats.host_evictions == 1 and list(engine.host.entries) == ["B"]
+    engine.shutdown()
+
+
+def test_removing_a_parked_version_drops_it(tiny_model_dir, tiny_adapters):
+    engine, source, _ = park_b_behind_a(tiny_model_dir, tiny_adapters)
+    engine.abort_request("b")
+    engine.remove_adapter("B")
+    assert "B" not in engine.host.parked and engine.stats().host_parked_bytes == 0
+    engine.abort_request("a")
+    drive(engine)
+    assert list(engine.host.entries) == ["A"] and source.calls == ["A", "B"]
+    engine.shutdown()
+
+
+def test_parked_and_in_flight_loads_stay_within_the_prefetch_window(tiny_model_dir, tiny_adapters):
+    from server.engine.scheduler import PREFETCH_WINDOW
+
+    names = [f"v{i}" for i in range(PREFETCH_WINDOW + 4)]
+    source = Source({"A": tiny_adapters["r8_all"], **{n: tiny_adapters["r4_qv"] for n in names}})
+    budget = load_adapter_dir(tiny_adapters["r8_all"], model_shape(tiny_model_dir), 64).size_bytes
+    engine = source.engine(tiny_model_dir, max_cpu_lora_bytes=budget, max_loras=2)
+    engine.add_request("a", [5, 6, 7, 8], greedy(200), "A")
+    step_until(engine, lambda: engine.stats().num_running == 1)
+    for i, name in enumerate(names):
+        engine.add_request(name, [9, 10, 11 + i], greedy(2), name)
+    step_until(engine, lambda: len(engine.host.parked) == PREFETCH_WINDOW)
+    for _ in range(20):
+        engine.step()
+        assert len(engine.host.parked) + len(engine.host.loading) <= PREFETCH_WINDOW
+    assert sorted(source.calls) == sorted(["A", *names[:PREFETCH_WINDOW]])  # no fetch twice, none beyond
+    engine.abort_request("a")
+    final = drive(engine)
+    assert all(final[n].finish_reason == "length" for n in names)
+    assert len(source.calls) == len(set(source.calls))  # each adapter fetched once: no thrash on insert
+    engine.shutdown()
+
+
+def test_removed_adapter_without_a_source_fails_its_waiting_request(tiny_model_dir, tiny_adapters):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256))
+    engine.add_adapter("v1", load_adapter_dir(tiny_adapters["r8_all"], engine.adapter_shape, 64))
+    engine.add_request("r", [5, 6, 7], greedy(3), "v1")
+    engine.remove_adapter("v1")  # before the request was admitted: nothing can bring v1 back
+    final = drive(engine, max_steps=20)  # before: it waited (and spun) forever
+    assert final["r"].finish_reason == "error" and "no adapter source" in final["r"].error
+
+
+def test_waiting_only_for_a_load_does_not_spin(tiny_model_dir, tiny_adapters):
+    source = Source({"slow@1": tiny_adapters["r8_all"]})
+    source.gates["slow@1"] = threading.Event()
+    engine = source.engine(tiny_model_dir)
+    engine.add_request("slow", [5, 6, 7], greedy(3), "slow@1")
+    steps, start = 0, time.monotonic()
+    while time.monotonic() - start < 0.5:
+        engine.step()
+        steps += 1
+    assert steps <= 0.5 / 0.005 + 10  # each idle step waits for the load (up to 5 ms), not a busy loop
+    source.gates["slow@1"].set()
+    assert drive(engine)["slow"].finish_reason == "length"
+    engine.shutdown()

@@ -118,6 +118,12 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
+    @property
+    def error(self) -> str | None:
+        """Why the step loop died (the exception's repr), for /health; None while it runs or after a clean
+        shutdown. Only a bug in the engine itself ends the loop: a request's failure ends that request."""
+        return None if self._error is None else repr(self._error)
+
     # ---- requests ----
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      adapter_id: str | None = None, tenant: str | None = None,
@@ -195,8 +201,10 @@ class AsyncEngine:
                 self._wakeup.clear()
                 self._drain()
                 if engine.has_unfinished_requests():
-                    self._dispatch(engine.step())
+                    outputs = engine.step()
+                    # Stats first: a caller woken by an output must find a snapshot at least as new.
                     self._publish_stats()
+                    self._dispatch(outputs)
                 else:
                     self._publish_stats()
                     self._wakeup.wait()

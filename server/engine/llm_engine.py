@@ -1,6 +1,7 @@
 """The engine: requests in, tokens out, one `step()` at a time (schedule -> run -> postprocess)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +17,14 @@ from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.lora_slots import AdapterSlots
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
+from server.engine.sampler import SampleFailure
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from server.engine.scheduler import PREFETCH_WINDOW, ScheduledBatch, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from server.engine.stop import StopChecker
 from server.engine.weights import load_weights
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -45,6 +49,8 @@ class EngineStats:
     host_load_failures: int = 0
     host_evictions: int = 0
     adapters_loading: int = 0
+    adapters_parked: int = 0  # host tier: loaded, waiting for unpinned room (outside the budget)
+    host_parked_bytes: int = 0
     device_hits: int = 0
     device_evictions: int = 0
 
@@ -92,7 +98,10 @@ class LLMEngine:
         kv_caches, num_blocks = allocate_kv_cache(mcfg, config, self.max_model_len, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.slots = AdapterSlots(lora_layers, config.max_loras)
-        self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda")
+        # Parking places for finished loads match the scheduler's prefetch window: every adapter it
+        # prefetches can wait, loaded, for room, instead of being fetched again.
+        self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda",
+                             max_parked=PREFETCH_WINDOW)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.slots, self.host
         )
@@ -191,31 +200,53 @@ class LLMEngine:
         sampled = self.runner.run(batch) if not batch.empty else {}
         return self.postprocess(batch, sampled)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[RequestOutput]:
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int | SampleFailure]) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self.aborted]
         self.aborted.clear()
         for seq, error in batch.failed:
-            seq.finish_reason, seq.error = "error", f"adapter {seq.adapter_id} could not be loaded: {error}"
-            self.scheduler.finish(seq)
-            self.seqs.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            outputs.append(self._fail(seq, f"adapter {seq.adapter_id} could not be loaded: {error}"))
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             seq.num_computed_tokens += n
-            token = sampled.get(i)
-            if token is None:
+            result = sampled.get(i)
+            if result is None:
                 continue  # a prompt chunk: nothing to say yet
-            seq.token_ids.append(token)
-            self.scheduler.waiting.charge_output(seq)
-            seq.text += self.detokenizer.step(seq.detok_state, seq.token_ids)
-            reason = self._finish_reason(seq, token)
-            if reason is not None and seq.text_cut is None:
-                seq.text += self.detokenizer.flush(seq.detok_state, seq.token_ids)
-            if reason is not None:
-                seq.finish_reason = reason
-                self.scheduler.finish(seq)
-                self.seqs.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            if isinstance(result, SampleFailure):
+                outputs.append(self._fail(seq, self._failure_message(seq, result)))
+                continue
+            try:
+                outputs.append(self._append_token(seq, result))
+            except Exception as e:  # noqa: BLE001 - one request's failure, never the engine's
+                log.exception("post-processing request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, f"post-processing failed: {type(e).__name__}: {e}"))
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        self.scheduler.waiting.charge_output(seq)
+        seq.text += self.detokenizer.step(seq.detok_state, seq.token_ids)
+        reason = self._finish_reason(seq, token)
+        if reason is not None and seq.text_cut is None:
+            seq.text += self.detokenizer.flush(seq.detok_state, seq.token_ids)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            self.seqs.pop(seq.request_id, None)
+        return self._output(seq)
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Finish one request with finish_reason "error": every per-request failure ends here."""
+        seq.finish_reason, seq.error = "error", message
+        if not seq.finished:
+            self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        return seq.output()
+
+    @staticmethod
+    def _failure_message(seq: Sequence, failure: SampleFailure) -> str:
+        if not failure.non_finite:
+            return failure.reason
+        source = f"adapter {seq.adapter_id}" if seq.adapter_id is not None else "the base model"
+        return f"{source} {failure.reason}"
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -257,6 +288,8 @@ class LLMEngine:
             host_load_failures=self.host.stats.load_failures,
             host_evictions=self.host.stats.evictions,
             adapters_loading=len(self.host.loading),
+            adapters_parked=len(self.host.parked),
+            host_parked_bytes=self.host.parked_bytes,
             device_hits=self.slots.hits,
             device_evictions=self.slots.evictions,
         )

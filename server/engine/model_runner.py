@@ -12,7 +12,7 @@ import torch
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.ops import KernelOps
 from server.engine.model import CausalLM, StepContext
-from server.engine.sampler import sample
+from server.engine.sampler import SampleFailure, sample
 from server.engine.scheduler import ScheduledBatch
 
 
@@ -79,8 +79,9 @@ class ModelRunner:
             sampled_seqs=sampled,
         )
 
-    def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Batch position -> sampled token, for sequences whose pending tokens are all computed."""
+    def run(self, batch: ScheduledBatch) -> dict[int, int | SampleFailure]:
+        """Batch position -> sampled token (or why there is none), for sequences whose pending tokens
+        are all computed. An exception here is the engine's, not one request's: it ends the loop."""
         inputs = self.prepare(batch)
         logits = self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
         seqs = [batch.seqs[i] for i in inputs.sampled_seqs]

@@ -1,12 +1,18 @@
 """Per-request generation settings."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): the distribution is one-hot to within
+# float32 precision there anyway, and dividing logits by a tiny or denormal value overflows to inf.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when temperature is 0; otherwise temperature, then top_k, then top_p.
+    """Greedy when temperature < SAMPLING_EPS (1e-5), so 0 and any tiny or denormal value alike;
+    otherwise temperature, then top_k, then top_p (which always keeps at least the top token).
 
     `seed` makes a request's samples depend only on the seed and the token's
     index in the output, never on its batch neighbours or on preemption.
@@ -28,8 +34,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
@@ -39,4 +45,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS

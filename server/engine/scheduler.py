@@ -61,6 +61,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.slot_of_seq: dict[str, int] = {}  # request id -> pinned adapter slot, for running sequences
         self.waited_for_load: set[str] = set()
+        # Adapter versions the waiting requests scanned last step need: the host tier keeps them when
+        # it makes room for a finished load, so prefetching one never evicts another still waited for.
+        self.wanted: set[str] = set()
         self.head_blocked_steps = 0
         self.num_preemptions = 0
 
@@ -109,17 +112,20 @@ class Scheduler:
         return True
 
     def _admit(self, batch: ScheduledBatch, budget: int, admit: bool) -> None:
-        failed = self.host.collect()
+        failed = self.host.collect(self.wanted)
+        self.wanted = set()
         head_blocked = False
-        prefetching = 0
+        prefetching: set[str] = set()  # distinct versions, so many requests for one load use one place
         for seq in list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON)):
             version = seq.adapter_id
+            if version is not None:
+                self.wanted.add(version)
             if version is not None and not self.host.ready(version):
                 if version in failed:
                     self.waiting.remove(seq)
                     batch.failed.append((seq, failed[version]))
-                elif prefetching < PREFETCH_WINDOW:
-                    prefetching += 1
+                elif version in prefetching or len(prefetching) < PREFETCH_WINDOW:
+                    prefetching.add(version)
                     self.host.prefetch(version)
                     self.waited_for_load.add(seq.request_id)
                 continue  # waits for its own load without holding anyone up

@@ -27,11 +27,11 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
+    error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return self._num_prompt
+        return len(self.prompt_token_ids)
 
 
 class Sequence:
