@@ -1,4 +1,15 @@
-"""Content-addressed chunk storage for adapter files in Redis.
+"""How the adapter registry lays its data out in Redis: key names, version
+records, and content-addressed chunk storage for adapter files.
+
+Layout (prefix ``P``, default ``lp:``):
+  P ad:idx:t:{tenant id}  hash    name -> current version id (listing, count, quota)
+  P ad:gone:{tenant id}   string  with a TTL: the tenant's adapters were purged
+  P ad:ver:{version}      hash    the immutable version record (+ retired_at once retired)
+  P ad:chunk:{sha256}     hash    {data, refs}: content-addressed file chunks
+  P ad:stage:{up}:{sha}   hash    {data, refs=0}: an upload's chunks before commit, with a TTL
+  P ad:retired            zset    version -> time it was replaced or deleted
+  P ad:idx:{tenant name}  hash    an index from before tenant ids, until migrated
+  P adapter-events        pub/sub channel: {"event", "tenant" (the id), "name", "version"}
 
 A file is cut into fixed-size chunks; each chunk lives once under the sha256
 of its bytes, as a hash ``{data, refs}``, so identical uploads (or identical
@@ -10,11 +21,14 @@ two leaves only staging keys, and those expire on their own.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from dataclasses import dataclass
 
 # How many chunk writes go into one pipeline round trip: bounds the client-side
 # buffer for big uploads while keeping round trips few.
 _STAGE_BATCH = 8
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
 @dataclass(frozen=True)
@@ -27,10 +41,28 @@ class RegistryKeys:
         if not isinstance(self.prefix, str):
             raise TypeError("prefix must be a str")
 
-    def index(self, tenant: str) -> str:
-        # The tenant is the only free-form part of the key, so any tenant
-        # string maps to a distinct key.
-        return f"{self.prefix}ad:idx:{tenant}"
+    def index(self, tenant_id: str) -> str:
+        # The id is the only free-form part of the key, so any id maps to a
+        # distinct key. The `t:` segment keeps these apart from the indexes
+        # that versions before tenant ids kept by tenant name (names have no ':').
+        return f"{self.prefix}ad:idx:t:{tenant_id}"
+
+    def legacy_index(self, tenant_name: str) -> str:
+        return f"{self.prefix}ad:idx:{tenant_name}"
+
+    @property
+    def index_prefix(self) -> str:
+        return f"{self.prefix}ad:idx:"
+
+    @property
+    def index_pattern(self) -> str:
+        """A SCAN pattern for every index, legacy or id-keyed."""
+        return _GLOB_SPECIAL.sub(r"\\\1", self.index_prefix) + "*"
+
+    def tombstone(self, tenant_id: str) -> str:
+        """Set when a tenant's adapters are purged, so an upload that was in
+        flight then cannot commit into the dead tenant afterwards."""
+        return f"{self.prefix}ad:gone:{tenant_id}"
 
     @property
     def version_prefix(self) -> str:
@@ -69,6 +101,64 @@ class ChunkedFile:
     def __post_init__(self) -> None:
         assert self.length >= 0
         assert (self.length == 0) == (len(self.digests) == 0)
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """A stored adapter version. `tenant` is the owning tenant's id."""
+
+    tenant: str
+    name: str
+    version: str
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    created_at: float
+
+    def public(self) -> dict:
+        return {"id": self.version, "name": self.name, "version": self.version,
+                "rank": self.rank, "target_modules": list(self.target_modules),
+                "size_bytes": self.size_bytes, "created_at": self.created_at}
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    """A version record as stored: the public record, its files' layout, and
+    when it was retired (None while current)."""
+
+    record: AdapterRecord
+    config: ChunkedFile
+    weights: ChunkedFile
+    retired_at: float | None
+
+    def fields(self) -> dict[str, str]:
+        """The Redis hash of the record (without retired_at, which only scripts set)."""
+        r, config, weights = self.record, self.config, self.weights
+        return {"tenant": r.tenant, "name": r.name, "version": r.version,
+                "rank": str(r.rank), "target_modules": json.dumps(list(r.target_modules)),
+                "size_bytes": str(r.size_bytes), "created_at": repr(r.created_at),
+                "config_sha256": config.sha256, "config_len": str(config.length),
+                "config_chunks": json.dumps(list(config.digests)),
+                "weights_sha256": weights.sha256, "weights_len": str(weights.length),
+                "weights_chunks": json.dumps(list(weights.digests))}
+
+    @classmethod
+    def parse(cls, fields: dict) -> "StoredVersion":
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        record = AdapterRecord(
+            tenant=f["tenant"], name=f["name"], version=f["version"], rank=int(f["rank"]),
+            target_modules=tuple(json.loads(f["target_modules"])),
+            size_bytes=int(f["size_bytes"]), created_at=float(f["created_at"]))
+        config = ChunkedFile(f["config_sha256"], int(f["config_len"]),
+                             tuple(json.loads(f["config_chunks"])))
+        weights = ChunkedFile(f["weights_sha256"], int(f["weights_len"]),
+                              tuple(json.loads(f["weights_chunks"])))
+        retired = f.get("retired_at")
+        return cls(record, config, weights, None if retired is None else float(retired))
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def split(data: bytes, chunk_size: int) -> tuple[ChunkedFile, dict[str, bytes]]:

@@ -7,7 +7,10 @@ targets (`check_target_module_exists`), per-module rank/alpha overrides
 `alpha / sqrt(r)` (rslora). Anything loraplex could not reproduce exactly is
 refused with an AdapterFormatError that says why. Everything that bounds
 memory (ranks, shapes, byte ranges, total size) is checked from the
-safetensors header before a single tensor is materialised.
+safetensors header before a single tensor is materialised; the config's
+patterns are resolved under a deadline (adapters.pattern_resolver), and every
+materialised weight is value-checked (adapters.value_checks), on upload and on
+every later load alike.
 """
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ import safetensors.torch
 import torch
 
 # PROJECTIONS and AdapterFormatError stay importable from here: callers use adapters.format.
-from adapters.peft_config import (
-    PROJECTIONS, AdapterFormatError, _is_targeted, _parse_config, _pattern_value, _positive_int)
+from adapters.pattern_resolver import resolve_modules
+from adapters.peft_config import PROJECTIONS, AdapterFormatError, _parse_config, _positive_int
 from adapters.safetensors_header import (
     SafetensorsHeader, SafetensorsHeaderError, header_from_bytes, header_from_file)
+from adapters.value_checks import check_config_alphas, check_scaling, check_weights
 
 _ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
 
@@ -107,10 +111,15 @@ class AdapterSummary:
     rank: int
     target_modules: tuple[str, ...]
     size_bytes: int
+    # The same adapter's config with every user regex resolved away (see
+    # adapters.pattern_resolver): store these bytes, not the upload's, so a
+    # later load never runs the user's patterns again.
+    canonical_config_json: bytes
 
 
 @dataclass(frozen=True)
 class _Module:
+    name: str
     rank: int
     in_features: int
     out_features: int
@@ -198,20 +207,14 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     """Check every tensor against the config and the base model, from the header alone."""
     if not _positive_int(max_lora_rank):
         raise ValueError(f"max_lora_rank must be a positive int, got {max_lora_rank!r}")
+    # Refusals that come from the config alone name the config file next to the weights.
+    config_source = os.path.join(os.path.dirname(source), CONFIG_FILE)
+    check_config_alphas(cfg, max_lora_rank, config_source)
     names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers) for proj in PROJECTIONS}
-    target = cfg["target_modules"]
-    if isinstance(target, list):
-        for t in target:
-            if not any(n == t or n.endswith("." + t) for n in names.values()):
-                raise AdapterFormatError(f"{source}: target module {t!r} is not among the model's adaptable "
-                                         f"modules ({', '.join(PROJECTIONS)} of {shape.num_layers} layers)")
-    expected = {slot for slot, name in names.items() if _is_targeted(cfg, name)}
-    if not expected:
-        raise AdapterFormatError(f"{source}: the config targets no projection of the model")
+    resolved = resolve_modules(cfg, list(names.values()), config_source)
+    expected = {slot for slot, name in names.items() if name in resolved.ranks}
 
     keys = _tensor_keys(header, shape, max_lora_rank, source)
-    r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     use_rslora = cfg.get("use_rslora", False)
     modules: dict[tuple[int, str], _Module] = {}
     for slot in sorted(set(keys) | expected, key=lambda s: (s[0], PROJECTIONS.index(s[1]))):
@@ -225,8 +228,7 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
             if part not in ab:
                 other = "B" if part == "A" else "A"
                 raise AdapterFormatError(f"{source}: missing tensor: {name} has lora_{other} but no lora_{part}")
-        rank = _pattern_value(rank_pattern, name, r)
-        module_alpha = _pattern_value(alpha_pattern, name, alpha)
+        rank, module_alpha = resolved.ranks[name], resolved.alphas[name]
         in_f, out_f = shape.in_out(slot[1])
         a_shape, b_shape = header.tensors[ab["A"]].shape, header.tensors[ab["B"]].shape
         if a_shape[0] != rank or b_shape[1] != rank:
@@ -239,14 +241,15 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
                 f"[{rank}, {in_f}] and lora_B {list(b_shape)} must be [{out_f}, {rank}] (in_features={in_f}, "
                 f"out_features={out_f})")
         scaling = module_alpha / math.sqrt(rank) if use_rslora else module_alpha / rank
-        modules[slot] = _Module(rank, in_f, out_f, scaling, ab["A"], ab["B"])
+        check_scaling(name, scaling, module_alpha, rank, use_rslora, config_source)
+        modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"])
 
     size = sum(4 * (m.rank * sum(shape.in_out(proj))) for (_, proj), m in modules.items())
     if max_bytes is not None and size > max_bytes:
         raise AdapterFormatError(f"{source}: adapter size {size} bytes (as float32) is above the limit "
                                  f"of {max_bytes} bytes")
     summary = AdapterSummary(max(m.rank for m in modules.values()),
-                             tuple(sorted({proj for _, proj in modules})), size)
+                             tuple(sorted({proj for _, proj in modules})), size, resolved.canonical_json)
     return _Plan(MappingProxyType(modules), use_rslora, cfg, summary)
 
 
@@ -294,6 +297,7 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
         b = get(m.b_key).to(torch.float32, copy=True).contiguous()     # b: [out, r]
         if a.shape != (m.rank, m.in_features) or b.shape != (m.out_features, m.rank):
             raise AdapterFormatError(f"{source}: file changed while loading ({m.a_key!r})")
+        check_weights(m.name, a, b, m.scaling, source)
         weights[slot] = LoraWeights(a, b, m.scaling)
     s = plan.summary
     return LoraAdapter(s.rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,

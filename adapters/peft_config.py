@@ -1,18 +1,24 @@
-"""adapter_config.json: parse, validate, and PEFT's module targeting rules.
+"""adapter_config.json: parse and validate, before any pattern is matched.
 
-Semantics follow the installed PEFT (0.21) exactly: which modules a config
-targets (`check_target_module_exists`) and per-module rank/alpha overrides
-(`get_pattern_key`: the first key, in the saved JSON's order, whose regex
-`(.*\\.)?(key)$` matches the module name). Anything loraplex could not
-reproduce exactly is refused with an AdapterFormatError that says why.
+The config is untrusted: it is parsed with bounded depth, integer length and
+finite numbers (adapters.bounded_json), and its fields are checked for the
+types and values PEFT (0.21) accepts. Its patterns are only type- and
+length-checked here; they are compiled and matched against the model's module
+names in adapters.pattern_resolver, under a deadline. Anything loraplex could
+not reproduce exactly is refused with an AdapterFormatError that says why.
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 from types import MappingProxyType
 from typing import Any, Mapping
+
+from adapters.bounded_json import JsonLimitError, loads_bounded
+
+# A user regex is matched in a subprocess under a deadline, but its length is
+# bounded too: real patterns are a few dozen characters, and a bound keeps the
+# request to the matcher and every error message small.
+MAX_PATTERN_CHARS = 1024
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -53,9 +59,9 @@ _UNSUPPORTED_TRUTHY = MappingProxyType({
 def _parse_config(raw: bytes, source: str) -> Mapping[str, Any]:
     """Parse and validate adapter_config.json; returns the dict, checked."""
     try:
-        cfg = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterFormatError(f"{source}: invalid JSON: {e}") from None
+        cfg = loads_bounded(raw)
+    except JsonLimitError as e:
+        raise AdapterFormatError(f"{source}: {e}") from None
     if not isinstance(cfg, dict):
         raise AdapterFormatError(f"{source}: must be a JSON object")
 
@@ -87,7 +93,7 @@ def _parse_config(raw: bytes, source: str) -> Mapping[str, Any]:
             kind = "positive ints" if field == "rank_pattern" else "finite numbers"
             raise bad(f"{field} must map module patterns to {kind}")
         for key in pattern:
-            _compile(key, f"{source}: {field} key {key!r}")
+            _check_pattern_length(key, f"{source}: {field} key")
     _check_targets(cfg, source)
     return MappingProxyType(cfg)
 
@@ -96,15 +102,14 @@ def _finite_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _compile(pattern: str, where: str) -> re.Pattern:
-    try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise AdapterFormatError(f"{where}: invalid regular expression: {e}") from None
+def _check_pattern_length(pattern: str, where: str) -> None:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise AdapterFormatError(f"{where} {pattern[:40]!r}... is {len(pattern)} characters long; patterns are "
+                                 f"limited to {MAX_PATTERN_CHARS}")
 
 
 def _check_targets(cfg: Mapping[str, Any], source: str) -> None:
-    """Types and regexes of the targeting fields; names are checked against the model in _plan."""
+    """Types and lengths of the targeting fields; pattern_resolver matches them against the model."""
     layers = cfg.get("layers_to_transform")
     if not (layers is None or _is_index(layers) or isinstance(layers, list) and all(map(_is_index, layers))):
         raise AdapterFormatError(f"{source}: layers_to_transform must be a layer index or a list of them")
@@ -114,68 +119,23 @@ def _check_targets(cfg: Mapping[str, Any], source: str) -> None:
                 or isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise AdapterFormatError(f"{source}: {field} must be a string or a list of strings")
     if isinstance(cfg.get("exclude_modules"), str):
-        _compile(cfg["exclude_modules"], f"{source}: exclude_modules")
+        _check_pattern_length(cfg["exclude_modules"], f"{source}: exclude_modules")
     pattern = cfg.get("layers_pattern")
     for p in [pattern] if isinstance(pattern, str) else pattern or []:
-        _compile(p, f"{source}: layers_pattern")
+        _check_pattern_length(p, f"{source}: layers_pattern")
+    # PEFT's LoraConfig refuses this combination (and the regex ones below) too.
+    if pattern and layers is None:
+        raise AdapterFormatError(f"{source}: layers_pattern needs layers_to_transform")
 
     target = cfg.get("target_modules")
     if isinstance(target, str):
-        # PEFT's LoraConfig refuses these combinations too.
         if layers is not None or pattern is not None:
             raise AdapterFormatError(f"{source}: layers_to_transform/layers_pattern cannot be used with a "
                                      "regex target_modules")
-        if target.lower() == "all-linear":
-            return
-        regex = _compile(target, f"{source}: target_modules")
-        for other in ("model.embed_tokens", "lm_head"):
-            if regex.fullmatch(other):
-                raise AdapterFormatError(f"{source}: target_modules regex {target!r} matches {other}; "
-                                         f"only {', '.join(PROJECTIONS)} can be adapted")
+        _check_pattern_length(target, f"{source}: target_modules")
     elif not isinstance(target, list) or not target or not all(isinstance(t, str) for t in target):
         raise AdapterFormatError(f"{source}: target_modules must be a non-empty list of names or a regex string")
 
 
 def _is_index(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _is_targeted(cfg: Mapping[str, Any], name: str) -> bool:
-    """peft.tuners.tuners_utils.check_target_module_exists, for one projection's module name."""
-    exclude = cfg.get("exclude_modules")
-    if exclude:
-        if isinstance(exclude, str):
-            if re.fullmatch(exclude, name):
-                return False
-        elif name in exclude or any(name.endswith(f".{e}") for e in exclude):
-            return False
-    target = cfg["target_modules"]
-    if isinstance(target, str):
-        return target.lower() == "all-linear" or re.fullmatch(target, name) is not None
-    if name in target:
-        return True
-    found = any(name.endswith(f".{t}") for t in target)
-    layers = cfg.get("layers_to_transform")
-    using_layers = layers is not None and (len(layers) != 0 if isinstance(layers, list) else True)
-    if not (using_layers and found):
-        return found
-    pattern = cfg.get("layers_pattern")
-    if pattern is None or len(pattern) == 0:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
-    else:
-        for p in [pattern] if isinstance(pattern, str) else pattern:
-            match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name)
-            if match is not None:
-                break
-    if match is None:
-        return False
-    index = int(match.group("idx"))
-    return index == layers if isinstance(layers, int) else index in layers
-
-
-def _pattern_value(patterns: Mapping[str, Any], name: str, default: Any) -> Any:
-    """peft.utils.other.get_pattern_key + dict lookup: first matching key wins."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", name):
-            return patterns[key]
-    return default

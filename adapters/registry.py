@@ -1,34 +1,15 @@
 """The Redis adapter registry: who owns which adapter, and the adapter files.
 
-Layout (prefix ``P``, default ``lp:``):
-  P ad:idx:{tenant}     hash  name -> current version id (listing, count, quota)
-  P ad:ver:{version}    hash  the immutable version record (+ retired_at once retired)
-  P ad:chunk:{sha256}   hash  {data, refs}: content-addressed file chunks
-  P ad:stage:{up}:{sha} hash  {data, refs=0}: an upload's chunks before commit, with a TTL
-  P ad:retired          zset  version -> time it was replaced or deleted
-  P adapter-events      pub/sub channel: {"event", "tenant", "name", "version"}
+A tenant is named by its immutable id, never by its name, so a later tenant
+reusing the name starts empty; adapters.chunks has the Redis layout.
 
-How each failure point of ``put`` is covered:
-  1. Before staging (validation, 409, quota): nothing was written.
-  2. While staging chunks: staging keys are written with their TTL in one
-     MULTI/EXEC, so each is either absent or expiring. On an exception the
-     upload deletes them; if the process dies they expire by themselves.
-     Staging never touches permanent chunks or reference counts.
-  3. The commit is one Lua script: it checks the name (409), the quota and
-     that every chunk is present *before* its first write, then moves staged
-     chunks to permanent keys, bumps reference counts, writes the record and
-     the index entry. Redis runs it atomically, so no other client sees a
-     half-commit and two commits never interleave (two racing uploads of one
-     name: the second gets 409; racing uploads at the quota: one passes).
-  4. Between staging and commit a permanent chunk we skipped staging may be
-     collected; the commit then writes nothing and reports it missing, and
-     the upload stages it and commits again.
-  5. After the commit (the reply is lost): the adapter exists and is
-     complete; leftover staging keys expire.
-Replaced/deleted versions stay readable for ``grace_seconds`` (running
+``put`` is all-or-nothing; adapters.registry_scripts lists how each of its
+failure points is covered. Replaced/deleted versions stay readable for ``grace_seconds`` (running
 requests keep working) and are released by ``collect_garbage``, which every
-put/delete runs first. The scripts derive some key names at run time, which
-assumes a single Redis instance (not Redis Cluster).
+put/delete runs first. ``delete_all`` retires a deleted tenant's versions the
+same way and leaves a tombstone that makes a commit still in flight for that
+tenant fail rather than recreate its index. The scripts derive some key
+names at run time, which assumes a single Redis instance (not Redis Cluster).
 """
 from __future__ import annotations
 
@@ -38,16 +19,22 @@ import re
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable
 
-from adapters.chunks import ChunkedFile, ChunkStore, RegistryKeys, split
-from adapters.registry_scripts import _COLLECT_LUA, _COMMIT_LUA, _DELETE_LUA
+from adapters.chunks import AdapterRecord, ChunkStore, RegistryKeys, StoredVersion, split
+from adapters.registry_scripts import (_COLLECT_LUA, _COMMIT_LUA, _DELETE_LUA,
+                                       _MIGRATE_INDEX_LUA, _RETIRE_ALL_LUA)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _VERSION_RE = re.compile(r"[0-9a-f]{32}")
 _COMMIT_ATTEMPTS = 4
 _GC_BATCH = 64
+# Far longer than any upload takes, so a put that was in flight when its
+# tenant was purged still finds the tombstone at its commit.
+_TOMBSTONE_SECONDS = 7 * 86400
+
+__all__ = ["AdapterCorrupted", "AdapterExists", "AdapterNotFound", "AdapterQuotaExceeded",
+           "AdapterRecord", "AdapterRegistry", "TenantAdaptersPurged", "validate_name"]
 
 
 class AdapterExists(Exception):
@@ -56,6 +43,10 @@ class AdapterExists(Exception):
 
 class AdapterNotFound(Exception):
     """No such adapter or version (or it was retired and its grace has passed)."""
+
+
+class TenantAdaptersPurged(AdapterNotFound):
+    """The tenant was deleted (its adapters purged) while this upload ran."""
 
 
 class AdapterCorrupted(Exception):
@@ -69,30 +60,6 @@ class AdapterQuotaExceeded(Exception):
         self.limit = limit
 
 
-@dataclass(frozen=True)
-class AdapterRecord:
-    tenant: str
-    name: str
-    version: str
-    rank: int
-    target_modules: tuple[str, ...]
-    size_bytes: int
-    created_at: float
-
-    def public(self) -> dict:
-        return {"id": self.version, "name": self.name, "version": self.version,
-                "rank": self.rank, "target_modules": list(self.target_modules),
-                "size_bytes": self.size_bytes, "created_at": self.created_at}
-
-
-@dataclass(frozen=True)
-class _StoredVersion:
-    record: AdapterRecord
-    config: ChunkedFile
-    weights: ChunkedFile
-    retired_at: float | None
-
-
 def validate_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"invalid adapter name {name!r}: use 1-64 characters from "
@@ -100,26 +67,22 @@ def validate_name(name: str) -> str:
     return name
 
 
-def _validate_tenant(tenant: str) -> str:
-    if not isinstance(tenant, str) or not tenant or len(tenant) > 128 or not tenant.isprintable():
-        raise ValueError(f"invalid tenant {tenant!r}: need 1-128 printable characters")
-    return tenant
+def _validate_tenant_id(tenant_id: str) -> str:
+    if not isinstance(tenant_id, str) or not tenant_id or len(tenant_id) > 128 \
+            or not tenant_id.isprintable():
+        raise ValueError(f"invalid tenant id {tenant_id!r}: need 1-128 printable characters")
+    return tenant_id
+
+
+def _validate_legacy_name(tenant_name: str) -> str:
+    # A ':' would make the legacy index name read as an id-keyed one.
+    if ":" in _validate_tenant_id(tenant_name):
+        raise ValueError(f"invalid tenant name {tenant_name!r}: contains ':'")
+    return tenant_name
 
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _parse_version(fields: dict) -> _StoredVersion:
-    f = {_text(k): _text(v) for k, v in fields.items()}
-    record = AdapterRecord(
-        tenant=f["tenant"], name=f["name"], version=f["version"], rank=int(f["rank"]),
-        target_modules=tuple(json.loads(f["target_modules"])),
-        size_bytes=int(f["size_bytes"]), created_at=float(f["created_at"]))
-    config = ChunkedFile(f["config_sha256"], int(f["config_len"]), tuple(json.loads(f["config_chunks"])))
-    weights = ChunkedFile(f["weights_sha256"], int(f["weights_len"]), tuple(json.loads(f["weights_chunks"])))
-    retired = f.get("retired_at")
-    return _StoredVersion(record, config, weights, None if retired is None else float(retired))
 
 
 class AdapterRegistry:
@@ -143,6 +106,8 @@ class AdapterRegistry:
         self._clock = clock
         self._commit = redis.register_script(_COMMIT_LUA)
         self._delete = redis.register_script(_DELETE_LUA)
+        self._retire_all = redis.register_script(_RETIRE_ALL_LUA)
+        self._migrate_index = redis.register_script(_MIGRATE_INDEX_LUA)
         self._collect = redis.register_script(_COLLECT_LUA)
 
     @property
@@ -151,16 +116,17 @@ class AdapterRegistry:
 
     # ---- writes -------------------------------------------------------
 
-    def put(self, tenant: str, name: str, config_json: bytes, weights: bytes, *, summary,
+    def put(self, tenant_id: str, name: str, config_json: bytes, weights: bytes, *, summary,
             replace: bool = False, max_adapters: int | None = None) -> AdapterRecord:
-        """Store a validated adapter; all-or-nothing (see the module docstring)."""
-        _validate_tenant(tenant)
+        """Store a validated adapter; all-or-nothing (see the module docstring).
+        Raises TenantAdaptersPurged if the tenant's adapters were purged meanwhile."""
+        _validate_tenant_id(tenant_id)
         validate_name(name)
         if max_adapters is not None and max_adapters < 0:
             raise ValueError("max_adapters must be >= 0")
         now = self._clock()
         self.collect_garbage(now)
-        index = self._keys.index(tenant)
+        index = self._keys.index(tenant_id)
         # Cheap early refusals so a doomed upload sends no chunks; the commit re-checks.
         exists = self._redis.hexists(index, name)
         if exists and not replace:
@@ -172,9 +138,9 @@ class AdapterRegistry:
         weights_layout, weights_chunks = split(weights, self._chunk_size)
         payloads = {**config_chunks, **weights_chunks}
         counts = Counter(config_layout.digests + weights_layout.digests)
-        record = AdapterRecord(tenant, name, uuid.uuid4().hex, int(summary.rank),
+        record = AdapterRecord(tenant_id, name, uuid.uuid4().hex, int(summary.rank),
                                tuple(summary.target_modules), int(summary.size_bytes), now)
-        fields = self._record_fields(record, config_layout, weights_layout)
+        fields = StoredVersion(record, config_layout, weights_layout, None).fields()
         upload_id = uuid.uuid4().hex
         staged: set[str] = set()
         try:
@@ -193,6 +159,8 @@ class AdapterRegistry:
                     raise AdapterExists(f"adapter {name!r} already exists")
                 if status == "quota":
                     raise self._quota_error(max_adapters)
+                if status == "gone":
+                    raise TenantAdaptersPurged("the tenant was deleted during the upload")
                 assert status == "missing", status
                 # Chunks we counted on were collected meanwhile; send them too.
                 to_stage = {_text(d) for d in reply[1:]}
@@ -202,18 +170,51 @@ class AdapterRegistry:
             # after any failure they must not outlive the upload.
             self._discard(upload_id, staged)
 
-    def delete(self, tenant: str, name: str) -> AdapterRecord | None:
+    def delete(self, tenant_id: str, name: str) -> AdapterRecord | None:
         """Remove the name now; its version stays readable for the grace period."""
-        _validate_tenant(tenant)
+        _validate_tenant_id(tenant_id)
         validate_name(name)
         now = self._clock()
         self.collect_garbage(now)
-        reply = self._delete(keys=[self._keys.index(tenant), self._keys.retired],
+        reply = self._delete(keys=[self._keys.index(tenant_id), self._keys.retired],
                              args=[repr(now), name, self._keys.version_prefix,
-                                   self._keys.events, tenant])
+                                   self._keys.events, tenant_id])
         if not reply:
             return None
-        return _parse_version(dict(zip(reply[0::2], reply[1::2]))).record
+        return StoredVersion.parse(dict(zip(reply[0::2], reply[1::2]))).record
+
+    def delete_all(self, tenant_id: str) -> list[AdapterRecord]:
+        """Retire every adapter of a deleted tenant, as delete() retires one, in
+        one atomic step; idempotent. Storage is freed by garbage collection
+        once the grace period has passed. Returns the retired records by name."""
+        _validate_tenant_id(tenant_id)
+        return self._retire_index(self._keys.index(tenant_id), tenant_id,
+                                  self._keys.tombstone(tenant_id), _TOMBSTONE_SECONDS)
+
+    def migrate_legacy_index(self, tenant_name: str, tenant_id: str) -> int:
+        """Move the index that versions before tenant ids kept under the tenant's
+        name to its id, and make its versions' records name the id; idempotent.
+        Returns how many adapters moved."""
+        _validate_legacy_name(tenant_name)
+        _validate_tenant_id(tenant_id)
+        return int(self._migrate_index(
+            keys=[self._keys.legacy_index(tenant_name), self._keys.index(tenant_id),
+                  self._keys.retired],
+            args=[repr(self._clock()), self._keys.version_prefix, self._keys.events, tenant_id]))
+
+    def legacy_index_names(self) -> list[str]:
+        """Tenant names that still have a legacy (name-keyed) index."""
+        start = len(self._keys.index_prefix)
+        found = (_text(k)[start:] for k in self._redis.scan_iter(
+            match=self._keys.index_pattern, count=1000))
+        return sorted(n for n in found if ":" not in n)
+
+    def purge_legacy_index(self, tenant_name: str) -> list[AdapterRecord]:
+        """Retire every adapter in the legacy index of a name that has no tenant
+        any more (deleted before tenant ids existed), so its storage is freed."""
+        _validate_legacy_name(tenant_name)
+        return self._retire_index(self._keys.legacy_index(tenant_name), tenant_name,
+                                  self._keys.tombstone(tenant_name), 0)
 
     def collect_garbage(self, now: float | None = None) -> int:
         """Release versions retired more than grace_seconds ago; returns how many."""
@@ -230,36 +231,45 @@ class AdapterRegistry:
 
     # ---- reads --------------------------------------------------------
 
-    def get(self, tenant: str, name: str) -> AdapterRecord | None:
-        _validate_tenant(tenant)
+    def get(self, tenant_id: str, name: str) -> AdapterRecord | None:
+        _validate_tenant_id(tenant_id)
         validate_name(name)
-        version = self._redis.hget(self._keys.index(tenant), name)
+        version = self._redis.hget(self._keys.index(tenant_id), name)
         if version is None:
             return None
         stored = self._load(_text(version))
         return None if stored is None else stored.record
 
-    def get_version(self, version: str, tenant: str | None = None) -> AdapterRecord | None:
+    def get_version(self, version: str, tenant_id: str | None = None) -> AdapterRecord | None:
         """The record of a version id, current or within its grace period.
-        Pass ``tenant`` to get None for another tenant's version."""
+        Pass ``tenant_id`` to get None for another tenant's version."""
         stored = self._load(version)
-        if stored is None or (tenant is not None and stored.record.tenant != tenant):
+        if stored is None or (tenant_id is not None and stored.record.tenant != tenant_id):
             return None
         return stored.record
 
-    def list(self, tenant: str) -> list[AdapterRecord]:
-        _validate_tenant(tenant)
-        versions = [_text(v) for v in self._redis.hvals(self._keys.index(tenant))]
+    def retired_versions(self, versions: set[str]) -> set[str]:
+        """Those of `versions` that were deleted or replaced (or are gone altogether): what a
+        process that missed the registry's events must drop from its tiers."""
+        ordered = sorted(versions)
+        pipe = self._redis.pipeline(transaction=False)
+        for v in ordered:
+            pipe.hmget(self._keys.version(v), "version", "retired_at")
+        return {v for v, (current, retired) in zip(ordered, pipe.execute()) if current is None or retired}
+
+    def list(self, tenant_id: str) -> list[AdapterRecord]:
+        _validate_tenant_id(tenant_id)
+        versions = [_text(v) for v in self._redis.hvals(self._keys.index(tenant_id))]
         pipe = self._redis.pipeline(transaction=False)
         for v in versions:
             pipe.hgetall(self._keys.version(v))
         # A record can vanish between the two reads (deleted and collected): skip it.
-        records = [_parse_version(f).record for f in pipe.execute() if f]
+        records = [StoredVersion.parse(f).record for f in pipe.execute() if f]
         return sorted(records, key=lambda r: r.name)
 
-    def count(self, tenant: str) -> int:
-        _validate_tenant(tenant)
-        return int(self._redis.hlen(self._keys.index(tenant)))
+    def count(self, tenant_id: str) -> int:
+        _validate_tenant_id(tenant_id)
+        return int(self._redis.hlen(self._keys.index(tenant_id)))
 
     def read_files(self, version: str) -> tuple[bytes, bytes]:
         """(adapter_config.json, adapter_model.safetensors) of a version, checked
@@ -286,7 +296,7 @@ class AdapterRegistry:
                     max_adapters: int | None, fields: dict, counts: Counter) -> list:
         return self._commit(
             keys=[self._keys.index(record.tenant), self._keys.version(record.version),
-                  self._keys.retired],
+                  self._keys.retired, self._keys.tombstone(record.tenant)],
             args=[repr(record.created_at), record.name, record.version, int(replace),
                   -1 if max_adapters is None else max_adapters,
                   self._keys.version_prefix, self._keys.chunk_prefix,
@@ -298,26 +308,26 @@ class AdapterRegistry:
 
     # ---- helpers ------------------------------------------------------
 
-    def _load(self, version: str) -> _StoredVersion | None:
+    def _retire_index(self, index: str, tenant: str, tombstone: str,
+                      tombstone_seconds: int) -> list[AdapterRecord]:
+        now = self._clock()
+        self.collect_garbage(now)
+        reply = self._retire_all(keys=[index, self._keys.retired, tombstone],
+                                 args=[repr(now), self._keys.version_prefix, self._keys.events,
+                                       tenant, tombstone_seconds])
+        records = [StoredVersion.parse(dict(zip(r[0::2], r[1::2]))).record for r in reply]
+        return sorted(records, key=lambda r: r.name)
+
+    def _load(self, version: str) -> StoredVersion | None:
         if not isinstance(version, str) or not _VERSION_RE.fullmatch(version):
             return None
         fields = self._redis.hgetall(self._keys.version(version))
         if not fields:
             return None
-        stored = _parse_version(fields)
+        stored = StoredVersion.parse(fields)
         if stored.retired_at is not None and self._clock() >= stored.retired_at + self._grace:
             return None  # past its grace: gone, even if not yet collected
         return stored
-
-    @staticmethod
-    def _record_fields(record: AdapterRecord, config: ChunkedFile, weights: ChunkedFile) -> dict:
-        return {"tenant": record.tenant, "name": record.name, "version": record.version,
-                "rank": str(record.rank), "target_modules": json.dumps(list(record.target_modules)),
-                "size_bytes": str(record.size_bytes), "created_at": repr(record.created_at),
-                "config_sha256": config.sha256, "config_len": str(config.length),
-                "config_chunks": json.dumps(list(config.digests)),
-                "weights_sha256": weights.sha256, "weights_len": str(weights.length),
-                "weights_chunks": json.dumps(list(weights.digests))}
 
     @staticmethod
     def _quota_error(limit: int) -> AdapterQuotaExceeded:

@@ -1,12 +1,31 @@
 """Lua scripts of the Redis adapter registry (adapters.registry).
 
-Each runs atomically in Redis; the commit script makes ``put`` all-or-nothing
-(see the failure points in adapters.registry's docstring). They derive some key
-names at run time from the prefixes passed in ARGV, which assumes a single
-Redis instance (not Redis Cluster).
+Each runs atomically in Redis. They derive some key names at run time from
+the prefixes passed in ARGV, which assumes a single Redis instance (not
+Redis Cluster).
+
+How each failure point of ``put`` is covered:
+  1. Before staging (validation, 409, quota): nothing was written.
+  2. While staging chunks: staging keys are written with their TTL in one
+     MULTI/EXEC, so each is either absent or expiring. On an exception the
+     upload deletes them; if the process dies they expire by themselves.
+     Staging never touches permanent chunks or reference counts.
+  3. The commit is one Lua script: it checks the name (409), the quota and
+     that every chunk is present *before* its first write, then moves staged
+     chunks to permanent keys, bumps reference counts, writes the record and
+     the index entry. Redis runs it atomically, so no other client sees a
+     half-commit and two commits never interleave (two racing uploads of one
+     name: the second gets 409; racing uploads at the quota: one passes).
+  4. Between staging and commit a permanent chunk we skipped staging may be
+     collected; the commit then writes nothing and reports it missing, and
+     the upload stages it and commits again.
+  5. After the commit (the reply is lost): the adapter exists and is
+     complete; leftover staging keys expire.
+  6. The tenant is deleted (its adapters purged by ``delete_all``) during
+     the upload: the commit finds the tenant's tombstone and writes nothing.
 """
 
-# KEYS: idx, new version record, retired zset.
+# KEYS: idx, new version record, retired zset, the tenant's tombstone.
 # ARGV: now, name, version, replace(0/1), max_adapters(-1 = none),
 #       version prefix, chunk prefix, stage prefix, channel,
 #       record fields (JSON object of strings), chunk counts (JSON object).
@@ -16,6 +35,7 @@ local now, name, version = ARGV[1], ARGV[2], ARGV[3]
 local replace, max_adapters = ARGV[4] == '1', tonumber(ARGV[5])
 local ver_prefix, chunk_prefix, stage_prefix, channel = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local rec, counts = cjson.decode(ARGV[10]), cjson.decode(ARGV[11])
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'gone'} end
 local old = redis.call('HGET', idx, name)
 if old and not replace then return {'exists', old} end
 if (not old) and max_adapters >= 0 and redis.call('HLEN', idx) >= max_adapters then
@@ -62,6 +82,58 @@ redis.call('HSET', vk, 'retired_at', ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[1], v)
 redis.call('PUBLISH', ARGV[4], cjson.encode({event='deleted', tenant=ARGV[5], name=ARGV[2], version=v}))
 return redis.call('HGETALL', vk)
+"""
+
+# KEYS: idx, retired zset, tombstone. ARGV: now, version prefix, channel,
+# tenant (as the events name it), tombstone ttl in seconds (0 = none).
+# Retires every version in the index exactly as _DELETE_LUA retires one, then
+# drops the index; returns the retired records. Run again, it finds an empty
+# index and retires nothing.
+_RETIRE_ALL_LUA = """
+local entries = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #entries, 2 do
+  local name, v = entries[i], entries[i + 1]
+  local vk = ARGV[2] .. v
+  if redis.call('EXISTS', vk) == 1 then
+    redis.call('HSET', vk, 'retired_at', ARGV[1])
+    redis.call('ZADD', KEYS[2], ARGV[1], v)
+    redis.call('PUBLISH', ARGV[3], cjson.encode({event='deleted', tenant=ARGV[4], name=name, version=v}))
+    out[#out + 1] = redis.call('HGETALL', vk)
+  end
+end
+redis.call('DEL', KEYS[1])
+if tonumber(ARGV[5]) > 0 then redis.call('SET', KEYS[3], '1', 'EX', ARGV[5]) end
+return out
+"""
+
+# KEYS: legacy (name-keyed) idx, id-keyed idx, retired zset.
+# ARGV: now, version prefix, channel, tenant id.
+# Renames the legacy index when the id-keyed one does not exist yet; else
+# merges into it, where a name the id-keyed index already has keeps that
+# version and the legacy one is retired (so its storage is still freed).
+# Every version that ends up in the id-keyed index gets the id as its tenant.
+# Returns how many entries were moved.
+_MIGRATE_INDEX_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local entries = redis.call('HGETALL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('RENAME', KEYS[1], KEYS[2]) end
+local moved = 0
+for i = 1, #entries, 2 do
+  local name, v = entries[i], entries[i + 1]
+  local vk = ARGV[2] .. v
+  redis.call('HSETNX', KEYS[2], name, v)
+  if redis.call('HGET', KEYS[2], name) == v then
+    if redis.call('EXISTS', vk) == 1 then redis.call('HSET', vk, 'tenant', ARGV[4]) end
+    moved = moved + 1
+  elseif redis.call('EXISTS', vk) == 1 then
+    redis.call('HSET', vk, 'retired_at', ARGV[1])
+    redis.call('ZADD', KEYS[3], ARGV[1], v)
+    redis.call('PUBLISH', ARGV[3], cjson.encode({event='deleted', tenant=ARGV[4], name=name, version=v}))
+  end
+end
+redis.call('DEL', KEYS[1])
+return moved
 """
 
 # KEYS: retired zset. ARGV: cutoff time, batch limit, version prefix, chunk prefix.

@@ -10,12 +10,13 @@ data section exactly, with no gap, overlap or trailing bytes.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
+
+from adapters.bounded_json import JsonLimitError, loads_bounded
 
 # Far above any real adapter header (a 7B all-projection adapter needs ~60 KiB)
 # yet small enough that a hostile length cannot make us allocate much.
@@ -91,8 +92,10 @@ def _parse(raw: bytes, total: int) -> SafetensorsHeader:
     if not raw.startswith(b"{"):
         raise SafetensorsHeaderError("header does not start with '{' (not a safetensors file?)")
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        # Bounded: the header is attacker-controlled (nesting, 5,000-digit
+        # offsets, NaN, lone surrogates all end here, not in a 500).
+        doc = loads_bounded(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, JsonLimitError) as e:
         raise SafetensorsHeaderError(f"header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(doc, dict):
         raise SafetensorsHeaderError("header is not a JSON object")
