@@ -2,17 +2,18 @@
 
 Imports nothing from server/. Every Redis key lives under a prefix ("lp:" by default).
 """
-from tenants.errors import (QuotaError, QuotaExceeded, RequestTooLarge, TenantError,
-                            TenantExists, TenantNameError, TenantNotFound)
+from tenants.errors import (QuotaError, QuotaExceeded, RequestTooLarge, TenantConcurrentChange,
+                            TenantError, TenantExists, TenantIdError, TenantNameError,
+                            TenantNotFound)
 from tenants.keyspace import Keyspace
 from tenants.limits import Admission, Limiter, check_request_tokens
-from tenants.models import Quota, Tenant, validate_tenant_name
+from tenants.models import Quota, Tenant, validate_tenant_id, validate_tenant_name
 from tenants.store import TenantStore
 from tenants.usage import UsageLog
 
 __all__ = [
     "Admission", "Keyspace", "Limiter", "Quota", "QuotaError", "QuotaExceeded",
-    "RequestTooLarge", "Tenant", "TenantError", "TenantExists", "TenantNameError",
-    "TenantNotFound", "TenantStore", "UsageLog", "check_request_tokens",
-    "validate_tenant_name",
+    "RequestTooLarge", "Tenant", "TenantConcurrentChange", "TenantError", "TenantExists",
+    "TenantIdError", "TenantNameError", "TenantNotFound", "TenantStore", "UsageLog",
+    "check_request_tokens", "validate_tenant_id", "validate_tenant_name",
 ]

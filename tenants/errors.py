@@ -9,12 +9,21 @@ class TenantNameError(TenantError, ValueError):
     """A tenant name that does not match the allowed pattern."""
 
 
+class TenantIdError(TenantError, ValueError):
+    """A tenant id that is not one the store could have minted."""
+
+
 class TenantExists(TenantError):
     """create() on a name that is taken."""
 
 
 class TenantNotFound(TenantError, LookupError):
     """An operation that needs the tenant to exist found none."""
+
+
+class TenantConcurrentChange(TenantError):
+    """The tenant was deleted or recreated under the same name again and again
+    while an operation kept retrying against it."""
 
 
 class QuotaError(ValueError):

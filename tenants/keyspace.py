@@ -1,7 +1,19 @@
-"""Every Redis key name the tenants package uses, under one configurable prefix."""
+"""Every Redis key name the tenants package uses, under one configurable prefix.
+
+The tenant hash is found by name (that is how admins and API keys address a
+tenant). Everything a tenant owns is keyed by its immutable id under
+`t:{id}:`, so a later tenant that reuses the name can never see it. Names
+match [a-z0-9][a-z0-9_-]{0,62} and ids are 16 hex digits, so the two can
+coincide: the distinct `t:` segment keeps id-keyed names apart from the
+name-keyed ones that versions before ids wrote (the `legacy_*` names, kept
+only so migrate_legacy_keys can find them).
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
 def as_str(value: bytes | str | None) -> str | None:
@@ -21,15 +33,23 @@ class Keyspace:
         if any(c.isspace() for c in self.prefix):
             raise ValueError(f"prefix must not contain whitespace: {self.prefix!r}")
 
-    # Tenants: a hash per tenant plus a set of all names, so list() needs no SCAN.
+    # Tenants: a hash per tenant (by name) plus a set of all names, so list()
+    # needs no SCAN, and the ids of deleted tenants whose adapters still need purging.
     def tenants(self) -> str:
         return f"{self.prefix}tenants"
 
     def tenant(self, name: str) -> str:
         return f"{self.prefix}tenant:{name}"
 
-    def tenant_keys(self, name: str) -> str:
-        return f"{self.prefix}tenant:{name}:keys"
+    def pending_purges(self) -> str:
+        return f"{self.prefix}tenants:purge"
+
+    def owned(self, tenant_id: str) -> str:
+        """The common start of every key a tenant owns."""
+        return f"{self.prefix}t:{tenant_id}:"
+
+    def tenant_keys(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}keys"
 
     # API keys: looked up by their public id; the record holds only a salted hash.
     def api_key(self, key_id: str) -> str:
@@ -38,24 +58,44 @@ class Keyspace:
     def api_key_prefix(self) -> str:
         return f"{self.prefix}apikey:"
 
-    # Usage: one hash per tenant per UTC day.
-    def usage(self, name: str, day: str) -> str:
-        return f"{self.prefix}usage:{name}:{day}"
+    # Usage: one hash per tenant per UTC day, plus an index of those hashes
+    # (ZSET key name -> expiry time) so deleting the tenant finds every one.
+    def usage(self, tenant_id: str, day: str) -> str:
+        return f"{self.owned(tenant_id)}usage:{day}"
+
+    def usage_index(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}usage"
 
     # Limits: the sliding window log, its token charges and their running sum,
     # and the concurrency leases.
-    def window(self, name: str) -> str:
-        return f"{self.prefix}rl:{name}:win"
+    def window(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}rl:win"
 
-    def window_tokens(self, name: str) -> str:
-        return f"{self.prefix}rl:{name}:tok"
+    def window_tokens(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}rl:tok"
 
-    def window_token_sum(self, name: str) -> str:
-        return f"{self.prefix}rl:{name}:toksum"
+    def window_token_sum(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}rl:toksum"
 
-    def leases(self, name: str) -> str:
-        return f"{self.prefix}rl:{name}:conc"
+    def leases(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}rl:conc"
 
-    def limit_keys(self, name: str) -> list[str]:
-        return [self.window(name), self.window_tokens(name),
-                self.window_token_sum(name), self.leases(name)]
+    def limit_keys(self, tenant_id: str) -> list[str]:
+        return [self.window(tenant_id), self.window_tokens(tenant_id),
+                self.window_token_sum(tenant_id), self.leases(tenant_id)]
+
+    # Name-keyed layout of versions before tenant ids, in the same order as
+    # the id-keyed names above.
+    def legacy_tenant_keys(self, name: str) -> str:
+        return f"{self.prefix}tenant:{name}:keys"
+
+    def legacy_limit_keys(self, name: str) -> list[str]:
+        return [f"{self.prefix}rl:{name}:{part}" for part in ("win", "tok", "toksum", "conc")]
+
+    def legacy_usage_prefix(self) -> str:
+        """Legacy usage hashes are `{this}{name}:{day}`."""
+        return f"{self.prefix}usage:"
+
+    def legacy_usage_pattern(self) -> str:
+        """A SCAN pattern matching every legacy usage hash (and nothing id-keyed)."""
+        return _GLOB_SPECIAL.sub(r"\\\1", self.legacy_usage_prefix()) + "*"

@@ -24,7 +24,9 @@ from tenants.models import Tenant
 
 @dataclass(frozen=True)
 class Admission:
-    """A granted request: its charge in the window and its concurrency lease."""
+    """A granted request: its charge in the window and its concurrency lease.
+    `tenant` is the tenant's id, so releasing a request that outlived its
+    tenant never touches a later tenant of the same name."""
 
     tenant: str
     request_id: str
@@ -85,13 +87,13 @@ class Limiter:
                 "tokens_per_minute")
         slot_id = f"{request_id}#{secrets.token_hex(6)}"
         reply = self._admit(
-            keys=self._ks.limit_keys(tenant.name),
+            keys=self._ks.limit_keys(tenant.id),
             args=["" if now is None else repr(float(now)), repr(self.window_seconds),
                   repr(self.lease_seconds), slot_id, estimated_tokens,
                   _limit(quota.requests_per_minute), _limit(quota.tokens_per_minute),
                   _limit(quota.max_concurrent_requests), self._ttl])
         if int(reply[0]) == 1:
-            return Admission(tenant=tenant.name, request_id=request_id, slot_id=slot_id,
+            return Admission(tenant=tenant.id, request_id=request_id, slot_id=slot_id,
                              estimated_tokens=estimated_tokens,
                              admitted_at=float(as_str(reply[1])),
                              lease_expires_at=float(as_str(reply[2])))
@@ -118,11 +120,12 @@ class Limiter:
                                admission.slot_id, repr(self.lease_seconds), self._ttl])
         return int(ok) == 1
 
-    def current(self, tenant: Tenant | str, now: float | None = None) -> dict[str, Any]:
+    def current(self, tenant: Tenant, now: float | None = None) -> dict[str, Any]:
         """What the tenant has in the window now (for /v1/usage)."""
-        name = tenant.name if isinstance(tenant, Tenant) else tenant
+        if not isinstance(tenant, Tenant):
+            raise TypeError(f"expected a Tenant, got {type(tenant).__name__}")
         nreq, used, nconc = self._snapshot(
-            keys=self._ks.limit_keys(name),
+            keys=self._ks.limit_keys(tenant.id),
             args=["" if now is None else repr(float(now)), repr(self.window_seconds)])
         return {"window_seconds": self.window_seconds, "requests_in_window": int(nreq),
                 "tokens_in_window": int(used), "concurrent_requests": int(nconc)}

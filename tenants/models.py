@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from tenants.errors import QuotaError, TenantNameError
+from tenants.errors import QuotaError, TenantIdError, TenantNameError
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+# Ids are what the store has always minted as a tenant's `gen`, so tenants
+# created before ids existed keep theirs.
+TENANT_ID_RE = re.compile(r"[0-9a-f]{16}")
 
 # Fields that are a non-negative int or None (None = unlimited).
 _LIMIT_FIELDS = (
@@ -95,15 +99,32 @@ def validate_tenant_name(name: Any) -> str:
     return name
 
 
+def new_tenant_id() -> str:
+    return secrets.token_hex(8)
+
+
+def validate_tenant_id(tenant_id: Any) -> str:
+    if not isinstance(tenant_id, str) or not TENANT_ID_RE.fullmatch(tenant_id):
+        raise TenantIdError(f"invalid tenant id {tenant_id!r}: expected 16 lowercase hex digits")
+    return tenant_id
+
+
 @dataclass(frozen=True)
 class Tenant:
+    """A tenant. `name` is a label that a later tenant may reuse once this one is
+    deleted; `id` is minted at creation and never reused, so everything the
+    tenant owns is keyed by it."""
+
     name: str
+    id: str
     quota: Quota = field(default_factory=Quota)
     created_at: float = 0.0  # unix seconds
 
     def __post_init__(self) -> None:
         validate_tenant_name(self.name)
+        validate_tenant_id(self.id)
         assert isinstance(self.quota, Quota)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "quota": self.quota.to_dict(), "created_at": self.created_at}
+        return {"id": self.id, "name": self.name, "quota": self.quota.to_dict(),
+                "created_at": self.created_at}

@@ -1,4 +1,5 @@
-"""UsageLog: per-tenant, per-UTC-day request and token counters in Redis hashes."""
+"""UsageLog: per-tenant, per-UTC-day request and token counters in Redis hashes,
+keyed by the tenant's id (see Keyspace)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -12,13 +13,36 @@ from tenants.models import Tenant
 
 _COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
 
+# KEYS: tenant hash, the day's usage hash, the tenant's usage index.
+# ARGV: tenant id, ttl seconds, then one delta per counter in _COUNTERS.
+# A request that finishes after its tenant was deleted must not leave a
+# counter behind that nothing would ever delete, so the write happens only
+# while the tenant (this id, not just this name) still exists. The index
+# scores each hash by its expiry so entries leave with the hashes they name.
+_RECORD = """
+if redis.call('HGET', KEYS[1], 'gen') ~= ARGV[1] then return 0 end
+local ttl = tonumber(ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'requests', ARGV[3])
+redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[4])
+redis.call('HINCRBY', KEYS[2], 'completion_tokens', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ttl)
+local now = tonumber(redis.call('TIME')[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+redis.call('ZADD', KEYS[3], now + ttl, KEYS[2])
+redis.call('EXPIRE', KEYS[3], ttl)
+return 1
+"""
+
 
 def _day(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d")
 
 
-def _tenant_name(tenant: Tenant | str) -> str:
-    return tenant.name if isinstance(tenant, Tenant) else tenant
+def _tenant(tenant: Any) -> Tenant:
+    # A bare name would silently read or write another incarnation's counters.
+    if not isinstance(tenant, Tenant):
+        raise TypeError(f"expected a Tenant, got {type(tenant).__name__}")
+    return tenant
 
 
 def _count(name: str, value: Any) -> int:
@@ -34,32 +58,34 @@ class UsageLog:
         self._r = client
         self._ks = Keyspace(prefix)
         self.retention_days = retention_days
+        self._record = client.register_script(_RECORD)
 
-    def record(self, tenant: Tenant | str, prompt_tokens: int, completion_tokens: int,
-               requests: int = 1, now: float | None = None) -> None:
-        name = _tenant_name(tenant)
-        deltas = {"requests": _count("requests", requests),
-                  "prompt_tokens": _count("prompt_tokens", prompt_tokens),
-                  "completion_tokens": _count("completion_tokens", completion_tokens)}
-        key = self._ks.usage(name, _day(time.time() if now is None else now))
-        pipe = self._r.pipeline(transaction=True)
-        for field, delta in deltas.items():
-            pipe.hincrby(key, field, delta)
+    def record(self, tenant: Tenant, prompt_tokens: int, completion_tokens: int,
+               requests: int = 1, now: float | None = None) -> bool:
+        """Add to the tenant's counters for the day of `now`. False (and nothing
+        written) if the tenant has been deleted meanwhile."""
+        tenant = _tenant(tenant)
+        deltas = (_count("requests", requests), _count("prompt_tokens", prompt_tokens),
+                  _count("completion_tokens", completion_tokens))
+        day_key = self._ks.usage(tenant.id, _day(time.time() if now is None else now))
         # Kept a day past retention so the oldest day reported is still complete.
-        pipe.expire(key, (self.retention_days + 1) * 86400)
-        pipe.execute()
+        ttl = (self.retention_days + 1) * 86400
+        written = self._record(
+            keys=[self._ks.tenant(tenant.name), day_key, self._ks.usage_index(tenant.id)],
+            args=[tenant.id, ttl, *deltas])
+        return int(written) == 1
 
-    def get(self, tenant: Tenant | str, days: int = 1, now: float | None = None) -> dict[str, Any]:
+    def get(self, tenant: Tenant, days: int = 1, now: float | None = None) -> dict[str, Any]:
         """{"days": [{"date", "requests", "prompt_tokens", "completion_tokens"}, ...] oldest
         first, ending today (UTC), and "total": the sums over those days}."""
+        tenant = _tenant(tenant)
         if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= self.retention_days:
             raise ValueError(f"days must be an int in 1..{self.retention_days}, got {days!r}")
-        name = _tenant_name(tenant)
         today = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.timezone.utc).date()
         dates = [(today - dt.timedelta(days=i)).isoformat() for i in range(days - 1, -1, -1)]
         pipe = self._r.pipeline(transaction=False)
         for date in dates:
-            pipe.hmget(self._ks.usage(name, date), *_COUNTERS)
+            pipe.hmget(self._ks.usage(tenant.id, date), *_COUNTERS)
         per_day = []
         total = dict.fromkeys(_COUNTERS, 0)
         for date, values in zip(dates, pipe.execute()):

@@ -16,6 +16,8 @@ GRACE = 60.0
 
 
 # ---- helpers ----
+# The registry names tenants by opaque ids (tenants mints 16 hex digits); short
+# ones like "acme" read better here and are just as valid to it.
 
 @dataclass(frozen=True)
 class Summary:
@@ -158,8 +160,8 @@ def test_tenants_are_isolated(reg):
     b = reg.put("b", "sql", CONFIG, payload(8, 100), summary=Summary(rank=8))
     assert a.version != b.version
     assert reg.get("a", "sql") == a and reg.get("b", "sql") == b
-    assert reg.get_version(a.version, tenant="b") is None
-    assert reg.get_version(a.version, tenant="a") == a
+    assert reg.get_version(a.version, tenant_id="b") is None
+    assert reg.get_version(a.version, tenant_id="a") == a
     assert [r.version for r in reg.list("b")] == [b.version]
     assert reg.delete("a", "sql") == a
     assert reg.get("b", "sql") == b and reg.count("a") == 0 and reg.count("b") == 1

@@ -134,17 +134,37 @@ def test_default_clock_is_redis_time(redis_client: redis.Redis) -> None:
 
 def test_deleting_a_tenant_drops_its_limiter_state(redis_client: redis.Redis) -> None:
     store, limiter = TenantStore(redis_client), Limiter(redis_client)
-    t = store.create("acme", Quota(requests_per_minute=1))
-    limiter.admit(t, "a", 5, now=T0)
+    old = store.create("acme", Quota(requests_per_minute=1, max_concurrent_requests=1))
+    held = limiter.admit(old, "a", 5, now=T0)
+    assert held.tenant == old.id
+    assert len(list(redis_client.scan_iter(f"lp:t:{old.id}:rl:*"))) == 4
     store.delete("acme")
-    t = store.create("acme", Quota(requests_per_minute=1))
-    limiter.admit(t, "a", 5, now=T0 + 1)
+    assert list(redis_client.scan_iter(f"lp:t:{old.id}:rl:*")) == []
+    new = store.create("acme", Quota(requests_per_minute=1, max_concurrent_requests=1))
+    assert limiter.current(new, now=T0 + 1)["concurrent_requests"] == 0
+    fresh = limiter.admit(new, "a", 5, now=T0 + 1)
+    # The old request finishing late touches nothing of the new tenant's.
+    assert limiter.release(held, 5) is False
+    assert limiter.current(new, now=T0 + 1) == {
+        "window_seconds": 60.0, "requests_in_window": 1, "tokens_in_window": 5,
+        "concurrent_requests": 1}
+    assert limiter.release(fresh, 5) is True
+
+
+def test_limiter_keys_are_per_id_not_per_name(redis_client: redis.Redis) -> None:
+    limiter = Limiter(redis_client)
+    first = make_tenant(max_concurrent_requests=1)
+    limiter.admit(first, "a", 0, now=T0)
+    other = Tenant(name="acme", id="0123456789abcdef", quota=first.quota)
+    limiter.admit(other, "a", 0, now=T0)  # same name, another tenant: its own slots
+    with pytest.raises(TypeError):
+        limiter.current("acme")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("limit_field", ["requests_per_minute", "max_concurrent_requests"])
 def test_two_limiters_on_two_connections_share_one_limit(redis_url: str, limit_field: str) -> None:
     limit, threads_per_limiter, attempts = 23, 4, 12
-    t = Tenant(name="acme", quota=Quota(**{limit_field: limit}))
+    t = make_tenant(**{limit_field: limit})
     clients = [redis.Redis.from_url(redis_url) for _ in range(2)]
     limiters = [Limiter(c) for c in clients]
     admitted: list[str] = []

@@ -7,9 +7,9 @@ import datetime as dt
 import pytest
 import redis
 
-from tenants import (Quota, QuotaError, Tenant, TenantExists, TenantNameError, TenantNotFound,
-                     TenantStore, UsageLog)
-from tests.tenant_helpers import make_tenant
+from tenants import (Quota, QuotaError, Tenant, TenantExists, TenantIdError, TenantNameError,
+                     TenantNotFound, TenantStore, UsageLog)
+from tests.tenant_helpers import ACME_ID
 
 
 # ---- Quota and Tenant values ---------------------------------------------
@@ -61,13 +61,26 @@ def test_quota_merge_replaces_only_named_fields_and_null_means_unlimited() -> No
 
 @pytest.mark.parametrize("name", ["a", "acme", "team-1", "x_y", "0abc", "a" * 63])
 def test_valid_tenant_names(name: str) -> None:
-    assert Tenant(name=name).name == name
+    assert Tenant(name=name, id=ACME_ID).name == name
 
 
 @pytest.mark.parametrize("name", ["", "Acme", "-lead", "_x", "a" * 64, "a:b", "a b", "é", 7, None])
 def test_invalid_tenant_names(name: object) -> None:
     with pytest.raises(TenantNameError):
-        Tenant(name=name)  # type: ignore[arg-type]
+        Tenant(name=name, id=ACME_ID)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tenant_id", ["", "acme", "0" * 15, "0" * 17, "0123456789ABCDEF",
+                                       "0123456789abcdeg", None, 7])
+def test_invalid_tenant_ids(tenant_id: object) -> None:
+    with pytest.raises(TenantIdError):
+        Tenant(name="acme", id=tenant_id)  # type: ignore[arg-type]
+
+
+def test_tenant_dict_has_its_id() -> None:
+    t = Tenant(name="acme", id=ACME_ID, quota=Quota(max_adapters=2), created_at=5.0)
+    assert t.to_dict() == {"id": ACME_ID, "name": "acme", "quota": Quota(max_adapters=2).to_dict(),
+                           "created_at": 5.0}
 
 
 # ---- TenantStore ---------------------------------------------------------
@@ -84,9 +97,10 @@ def test_tenant_crud(store: TenantStore) -> None:
     q = Quota(requests_per_minute=5, weight=3.0)
     created = store.create("acme", q)
     assert created.name == "acme" and created.quota == q and created.created_at > 0
+    assert len(created.id) == 16
     assert store.get("acme") == created
     assert store.get("nobody") is None
-    store.create("beta")
+    assert store.create("beta").id != created.id
     assert [t.name for t in store.list()] == ["acme", "beta"]
 
     with pytest.raises(TenantExists):
@@ -96,11 +110,11 @@ def test_tenant_crud(store: TenantStore) -> None:
 
     updated = store.update_quota("acme", {"tokens_per_minute": 900, "requests_per_minute": None})
     assert updated.quota == Quota(tokens_per_minute=900, weight=3.0)
-    assert updated.created_at == created.created_at
+    assert updated.created_at == created.created_at and updated.id == created.id
     assert store.get("acme") == updated
 
-    assert store.delete("acme") is True
-    assert store.delete("acme") is False
+    assert store.delete("acme") == updated
+    assert store.delete("acme") is None
     assert store.get("acme") is None
     assert [t.name for t in store.list()] == ["beta"]
 
@@ -119,7 +133,7 @@ def test_ensure_is_idempotent_and_keeps_an_existing_quota(store: TenantStore) ->
     store.update_quota("default", {"max_adapters": 3})
     again = store.ensure("default", Quota(weight=9.0))
     assert again.quota.max_adapters == 3 and again.quota.weight == 1.0
-    assert again.created_at == first.created_at
+    assert again.created_at == first.created_at and again.id == first.id
     assert len(store.list()) == 1
 
 
@@ -138,6 +152,7 @@ def test_key_create_authenticate_revoke(store: TenantStore) -> None:
     assert key.startswith(f"lp-{key_id}.")
     tenant = store.authenticate(key)
     assert tenant is not None and tenant.name == "acme" and tenant.quota.requests_per_minute == 7
+    assert tenant == store.get("acme")
 
     listed = store.list_keys("acme")
     assert [k["id"] for k in listed] == [key_id] and set(listed[0]) == {"id", "created_at"}
@@ -228,42 +243,60 @@ def test_keys_are_not_stored_in_plaintext(redis_client: redis.Redis) -> None:
     assert secret.encode() not in dump and key.encode() not in dump  # ...but not the secret
 
 
-# ---- usage ---------------------------------------------------------------
+# ---- usage ----
 
 def test_usage_record_and_get_are_exact(redis_client: redis.Redis) -> None:
-    usage = UsageLog(redis_client)
+    store, usage = TenantStore(redis_client), UsageLog(redis_client)
+    acme, beta = store.create("acme"), store.create("beta")
     day1 = dt.datetime(2026, 3, 1, 23, 59, tzinfo=dt.timezone.utc).timestamp()
     day2 = day1 + 120  # past UTC midnight
-    usage.record("acme", prompt_tokens=10, completion_tokens=5, now=day1)
-    usage.record(make_tenant(), prompt_tokens=7, completion_tokens=3, now=day1)
-    usage.record("acme", prompt_tokens=1, completion_tokens=2, requests=4, now=day2)
-    usage.record("beta", prompt_tokens=100, completion_tokens=100, now=day2)
+    assert usage.record(acme, prompt_tokens=10, completion_tokens=5, now=day1) is True
+    usage.record(acme, prompt_tokens=7, completion_tokens=3, now=day1)
+    usage.record(acme, prompt_tokens=1, completion_tokens=2, requests=4, now=day2)
+    usage.record(beta, prompt_tokens=100, completion_tokens=100, now=day2)
 
-    got = usage.get("acme", days=3, now=day2)
+    got = usage.get(acme, days=3, now=day2)
     assert got["days"] == [
         {"date": "2026-02-28", "requests": 0, "prompt_tokens": 0, "completion_tokens": 0},
         {"date": "2026-03-01", "requests": 2, "prompt_tokens": 17, "completion_tokens": 8},
         {"date": "2026-03-02", "requests": 4, "prompt_tokens": 1, "completion_tokens": 2},
     ]
     assert got["total"] == {"requests": 6, "prompt_tokens": 18, "completion_tokens": 10}
-    assert usage.get("acme", now=day2)["total"]["requests"] == 4
-    assert usage.get("ghost", days=2, now=day2)["total"] == {
-        "requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    assert usage.get(acme, now=day2)["total"]["requests"] == 4
+    assert usage.get(beta, now=day2)["total"]["requests"] == 1
 
 
-def test_usage_keys_expire(redis_client: redis.Redis) -> None:
-    UsageLog(redis_client, retention_days=90).record("acme", 1, 1)
-    (key,) = list(redis_client.scan_iter("lp:usage:*"))
-    ttl = redis_client.ttl(key)
-    assert 90 * 86400 < ttl <= 91 * 86400
+def test_usage_is_not_recorded_for_a_tenant_that_is_gone(redis_client: redis.Redis) -> None:
+    # A request that finishes after its tenant was deleted must leave nothing behind.
+    store, usage = TenantStore(redis_client), UsageLog(redis_client)
+    acme = store.create("acme")
+    store.delete("acme")
+    assert usage.record(acme, 1, 1) is False
+    assert usage.record(Tenant(name="ghost", id=ACME_ID), 1, 1) is False
+    assert list(redis_client.scan_iter("lp:t:*")) == []
+
+
+def test_usage_keys_expire_and_are_indexed(redis_client: redis.Redis) -> None:
+    acme = TenantStore(redis_client).create("acme")
+    UsageLog(redis_client, retention_days=90).record(acme, 1, 1)
+    (key,) = list(redis_client.scan_iter(f"lp:t:{acme.id}:usage:*"))
+    assert 90 * 86400 < redis_client.ttl(key) <= 91 * 86400
+    index = f"lp:t:{acme.id}:usage"
+    assert redis_client.zrange(index, 0, -1) == [key]
+    assert 90 * 86400 < redis_client.ttl(index) <= 91 * 86400
 
 
 def test_usage_rejects_bad_arguments(redis_client: redis.Redis) -> None:
     usage = UsageLog(redis_client, retention_days=90)
+    acme = TenantStore(redis_client).create("acme")
     with pytest.raises(ValueError):
-        usage.record("acme", -1, 0)
+        usage.record(acme, -1, 0)
     with pytest.raises(ValueError):
-        usage.get("acme", days=0)
+        usage.get(acme, days=0)
     with pytest.raises(ValueError):
-        usage.get("acme", days=91)
-    assert len(usage.get("acme", days=90)["days"]) == 90
+        usage.get(acme, days=91)
+    with pytest.raises(TypeError):  # a bare name could be another tenant's history
+        usage.get("acme")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        usage.record("acme", 1, 1)  # type: ignore[arg-type]
+    assert len(usage.get(acme, days=90)["days"]) == 90
