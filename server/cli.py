@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 from server.config import ConfigError, ServerConfig
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
     s.add_argument("--admin-token", help="admin bearer token (or $LORAPLEX_ADMIN_TOKEN; "
                                          "generated and printed when neither is set)")
+    s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
+                   help="largest JSON request body accepted, in bytes (default 16 MiB); larger is a 413")
+    s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "
+                                           "(or $LORAPLEX_METRICS_TOKEN), for Prometheus' bearer_token")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without credentials (it names tenants: only on a private network)")
     s.add_argument("--data-dir", help="embedded Redis and demo model live here (or "
                                       "$LORAPLEX_DATA_DIR; default ~/.local/share/loraplex)")
     from server.bench.cli import add_bench_parser  # argparse only at import: --help stays fast
@@ -63,12 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _banner(info) -> None:
     lines = ["", f"loraplex is serving {info.model_id} at {info.base_url}"]
-    if info.admin_token_generated:
-        lines.append(f"admin token (shown once): {info.admin_token}")
+    if info.admin_token_file is not None:
+        lines.append(f"admin token (kept in {info.admin_token_file}): {info.admin_token}")
     else:
         lines.append("admin token: as given by --admin-token / LORAPLEX_ADMIN_TOKEN")
     if info.demo_key is not None:
-        lines.append(f"demo tenant API key: {info.demo_key}")
+        lines.append(f"demo tenant API key (kept in {info.demo_key_file}): {info.demo_key}")
         if info.demo_adapters:
             lines.append(f"demo adapters: {', '.join(info.demo_adapters)}")
         lines.append("try:")
@@ -77,13 +84,31 @@ def _banner(info) -> None:
     print("\n".join(lines), flush=True)
 
 
-def serve(config: ServerConfig) -> None:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else starts: a port in use is reported at once,
+    not after the model is built and credentials printed for a server that would never start."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: ServerConfig, sock: socket.socket) -> None:
     import uvicorn
 
     from server.api.app import create_app
 
     app = create_app(config, on_ready=_banner)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +118,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args)
     try:
-        config = ServerConfig.from_args(args)
-    except ConfigError as e:
-        print(f"loraplex: error: {e}", file=sys.stderr)
+        sock = bind_listener(args.host, args.port)
+    except OSError as e:
+        print(f"loraplex: error: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
+              f"(is another server running there? pick another --port)", file=sys.stderr)
         return 2
-    serve(config)
+    with sock:
+        try:
+            config = ServerConfig.from_args(args)
+        except ConfigError as e:
+            print(f"loraplex: error: {e}", file=sys.stderr)
+            return 2
+        serve(config, sock)
     return 0
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from server.credentials import ADMIN_TOKEN_FILE, load_or_create_secret
+
 _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DEMO_MODEL_NAME = "loraplex-demo"
 
@@ -38,7 +40,7 @@ def parse_adapter_flag(value: str) -> tuple[str, str]:
 class ServerConfig:
     data_dir: Path
     admin_token: str
-    admin_token_generated: bool = False   # printed once at start when True
+    admin_token_generated: bool = False   # kept in data_dir/admin-token and printed at start when True
     model: str | None = None              # None: the demo model under data_dir
     served_model_name: str | None = None
     redis_url: str | None = None          # None: an embedded redis-server under data_dir
@@ -57,6 +59,9 @@ class ServerConfig:
     max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
     kernels: str = "auto"
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
+    max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
+    metrics_token: str | None = None      # bearer token for /metrics besides the admin token
+    metrics_public: bool = False          # /metrics without credentials (--metrics-public)
     redis_prefix: str = "lp:"
     adapter_grace_seconds: float = 600.0
     rate_window_seconds: float = 60.0     # the requests/tokens-per-minute window
@@ -70,9 +75,11 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens",
-                     "max_upload_bytes"):
+                     "max_upload_bytes", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.metrics_token is not None and len(self.metrics_token) < 16:
+            raise ConfigError("--metrics-token must be at least 16 characters")
         if not self.rate_window_seconds > 0:
             raise ConfigError("rate_window_seconds must be > 0")
         if self.max_cpu_lora_bytes < 0:
@@ -99,11 +106,13 @@ class ServerConfig:
     def from_args(cls, args, env: Mapping[str, str] | None = None) -> "ServerConfig":
         """From the `serve` subcommand's argparse namespace plus the environment."""
         env = os.environ if env is None else env
+        data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir(env)
         token = args.admin_token or env.get("LORAPLEX_ADMIN_TOKEN") or None
         generated = token is None
         if generated:
-            token = "lpadm-" + secrets.token_urlsafe(32)
-        data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir(env)
+            # Made once and kept in the data dir, so a restart keeps the same token.
+            token = load_or_create_secret(data_dir / ADMIN_TOKEN_FILE,
+                                          lambda: "lpadm-" + secrets.token_urlsafe(32))
         return cls(
             data_dir=data_dir, admin_token=token, admin_token_generated=generated,
             model=args.model, served_model_name=args.served_model_name, redis_url=args.redis_url,
@@ -115,4 +124,7 @@ class ServerConfig:
             kv_cache_blocks=args.kv_cache_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
-            kernels=args.kernels)
+            kernels=args.kernels,
+            max_request_bytes=args.max_request_bytes,
+            metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,
+            metrics_public=args.metrics_public)

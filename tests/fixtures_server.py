@@ -136,7 +136,7 @@ def server_config(model_dir: Path, data_dir: Path, redis_url: str | None, **over
 
 
 def api_redis_url(redis_server: EmbeddedRedis, flush: bool = True) -> str:
-    url = f"redis://127.0.0.1:{redis_server.port}/{API_DB}"
+    url = redis_server.url_for(API_DB)
     if flush:
         client = redis.Redis.from_url(url)
         try:

@@ -133,6 +133,10 @@ def test_health_and_metrics(api_server):
     api_server.client(key).completions.create(model=api_server.state.model_id, prompt="hi", max_tokens=3)
     with api_server.http() as h:
         health = h.get("/health")
+        assert h.get("/metrics").status_code == 401  # names tenants: never without a credential
+    with api_server.http(key) as h:
+        assert h.get("/metrics").status_code == 403  # a tenant key is not one
+    with api_server.http(api_server.config.admin_token) as h:
         metrics = h.get("/metrics").text
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert f'loraplex_requests_total{{endpoint="completions",outcome="ok",tenant="{name}"}} 1.0' in metrics

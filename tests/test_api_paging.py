@@ -50,7 +50,7 @@ def test_delete_in_use_on_another_server(tiny_model_dir, tiny_adapters, redis_se
         assert engine_b.host.bytes_used == 0
         with b.http(key) as h:
             assert h.post("/v1/completions", json={"model": "ad", "prompt": "x"}).status_code == 404
-            text = h.get("/metrics").text
+        text = b.admin("GET", "/metrics").text
         assert metric(text, "loraplex_adapter_tier_misses", "host") == 1
         assert metric(text, "loraplex_adapter_tier_hits", "host") == 1
         assert metric(text, "loraplex_adapter_tier_misses", "device") >= 1

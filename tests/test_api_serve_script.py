@@ -39,8 +39,14 @@ def test_serve_script_prints_a_working_curl_line(tmp_path):
             if line.strip().startswith("curl "):
                 curl = line.strip()
         text = "".join(out)
-        assert re.search(r"admin token \(shown once\): \S{16,}", text)
-        assert re.search(r"demo tenant API key: lp-[0-9a-f]{16}\.\S+", text)
+        data = tmp_path / "data"
+        token = re.search(r"admin token \(kept in (\S+)\): (\S{16,})", text)
+        key = re.search(r"demo tenant API key \(kept in (\S+)\): (lp-[0-9a-f]{16}\.\S+)", text)
+        assert token and key, text
+        # kept for later starts, readable by the owner only
+        for (path, secret) in (token.groups(), key.groups()):
+            assert Path(path).parent == data and Path(path).read_text().strip() == secret
+            assert Path(path).stat().st_mode & 0o077 == 0
         assert f"127.0.0.1:{port}" in curl
         result = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
         body = json.loads(result.stdout)

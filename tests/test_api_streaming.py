@@ -60,12 +60,12 @@ def test_disconnect_before_first_token(api_server):
     with api_server.engine_throttled(), api_server.engine_paused():
         sender = threading.Thread(target=send)
         sender.start()
-        _wait_for(lambda: api_server.state.limiter.current(tenant)["concurrent_requests"] == 1)
+        _wait_for(lambda: api_server.state.limiter.current(api_server.state.tenants.get(tenant))["concurrent_requests"] == 1)
         client.close()  # hang up while the request waits for the engine
         sender.join(10)
     _wait_for(lambda: _aborted(api_server, tenant) == 1)
     _wait_for(lambda: api_server.state.engine.stats().kv_blocks_used == 0)
-    _wait_for(lambda: api_server.state.limiter.current(tenant)["concurrent_requests"] == 0)
+    _wait_for(lambda: api_server.state.limiter.current(api_server.state.tenants.get(tenant))["concurrent_requests"] == 0)
 
 
 def test_non_streaming_disconnect_aborts_too(api_server):

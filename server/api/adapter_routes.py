@@ -53,12 +53,20 @@ async def upload_adapter(request: Request) -> Response:
         raise APIError(413, f"adapter size {summary.size_bytes} bytes (as float32) exceeds this "
                             f"tenant's max_adapter_bytes of {quota.max_adapter_bytes}",
                        "max_adapter_bytes")
-    # The engine loader's full rules (tensor data included), the same code that serves it.
-    await run_in_threadpool(load_adapter_bytes, upload.config_json, upload.weights,
-                                      shape, rank_cap)
-    old = await run_in_threadpool(state.registry.get, tenant.name, upload.name)
+    host_budget = state.config.max_cpu_lora_bytes
+    if summary.size_bytes > host_budget:
+        # It could never be paged in: every request for it would fail.
+        raise APIError(413, f"adapter size {summary.size_bytes} bytes (as float32) exceeds the server's "
+                            f"host adapter budget of {host_budget} bytes (--max-cpu-lora-bytes)",
+                       "adapter_too_large")
+    # The engine loader's full rules (tensor values included), the same code that serves it.
+    await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, upload.weights,
+                            shape, rank_cap)
+    old = await run_in_threadpool(state.registry.get, tenant.id, upload.name)
+    # The canonical config is stored: the user's patterns were resolved once, above, and a
+    # later load never runs them again.
     record = await run_in_threadpool(
-        lambda: state.registry.put(tenant.name, upload.name, upload.config_json, upload.weights,
+        lambda: state.registry.put(tenant.id, upload.name, summary.canonical_config_json, upload.weights,
                                    summary=summary, replace=upload.replace,
                                    max_adapters=quota.max_adapters))
     if old is not None and old.version != record.version:
@@ -72,7 +80,7 @@ def _public(record) -> dict:
 
 async def list_adapters(request: Request) -> Response:
     tenant = await require_tenant(request)
-    records = await run_in_threadpool(state_of(request).registry.list, tenant.name)
+    records = await run_in_threadpool(state_of(request).registry.list, tenant.id)
     return JSONResponse({"object": "list", "data": [_public(r) for r in records]})
 
 
@@ -80,7 +88,7 @@ async def get_adapter(request: Request) -> Response:
     tenant = await require_tenant(request)
     name = _path_name(request)
     record = None if name is None else await run_in_threadpool(
-        state_of(request).registry.get, tenant.name, name)
+        state_of(request).registry.get, tenant.id, name)
     if record is None:
         raise APIError(404, f"adapter '{request.path_params['name']}' does not exist", "not_found")
     return JSONResponse(_public(record))
@@ -90,7 +98,7 @@ async def delete_adapter(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
     name = _path_name(request)
-    record = None if name is None else await run_in_threadpool(state.registry.delete, tenant.name, name)
+    record = None if name is None else await run_in_threadpool(state.registry.delete, tenant.id, name)
     if record is None:
         raise APIError(404, f"adapter '{request.path_params['name']}' does not exist", "not_found")
     await state.engine.remove_adapter(record.version)

@@ -8,17 +8,14 @@ from starlette.routing import Route
 
 from server.api.auth import require_admin, state_of
 from server.api.errors import APIError, not_found
-from server.api.schemas import parse_json_object
+from server.api.housekeeping import purge_tenant
+from server.api.body import read_json_object
 from tenants import Quota, validate_tenant_name
-
-
-async def _body(request: Request) -> dict:
-    return parse_json_object(await request.body())
 
 
 async def create_tenant(request: Request) -> Response:
     require_admin(request)
-    body = await _body(request)
+    body = await read_json_object(request)
     name = validate_tenant_name(body.get("name"))
     quota = Quota.from_dict(body.get("quota"))
     tenant = await run_in_threadpool(state_of(request).tenants.create, name, quota)
@@ -39,13 +36,13 @@ async def get_tenant(request: Request) -> Response:
     if tenant is None:
         raise not_found(f"tenant {name!r}")
     keys = await run_in_threadpool(state.tenants.list_keys, name)
-    adapters = await run_in_threadpool(state.registry.count, name)
+    adapters = await run_in_threadpool(state.registry.count, tenant.id)
     return JSONResponse({**tenant.to_dict(), "keys": keys, "adapters": adapters})
 
 
 async def patch_tenant(request: Request) -> Response:
     require_admin(request)
-    body = await _body(request)
+    body = await read_json_object(request)
     patch = body.get("quota", body)  # {"quota": {...}} or the quota fields themselves
     if not isinstance(patch, dict):
         raise APIError(422, "'quota' must be a JSON object", "invalid_field")
@@ -56,10 +53,15 @@ async def patch_tenant(request: Request) -> Response:
 
 async def delete_tenant(request: Request) -> Response:
     require_admin(request)
+    state = state_of(request)
     name = request.path_params["name"]
-    if not await run_in_threadpool(state_of(request).tenants.delete, name):
+    tenant = await run_in_threadpool(state.tenants.delete, name)
+    if tenant is None:
         raise not_found(f"tenant {name!r}")
-    return JSONResponse({"name": name, "deleted": True})
+    # Keys, usage and limits went with the tenant; its adapters are retired now (and by the
+    # periodic upkeep should this fail midway), so a new tenant of the same name starts empty.
+    adapters = await run_in_threadpool(purge_tenant, state, tenant.id)
+    return JSONResponse({"name": name, "id": tenant.id, "deleted": True, "adapters_retired": adapters})
 
 
 async def create_key(request: Request) -> Response:

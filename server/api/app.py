@@ -12,22 +12,11 @@ from starlette.concurrency import run_in_threadpool
 from server.api import adapter_routes, admin_routes, openai_routes, ops_routes
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
+from server.api.housekeeping import run_upkeep
 from server.api.state import ServerState
 from server.config import ServerConfig
 
 log = logging.getLogger(__name__)
-
-
-async def _collect_retired_adapters(state: ServerState) -> None:
-    """Free retired adapter versions past their grace period even when nobody writes to the registry
-    (puts and deletes collect too, but an idle server would otherwise keep their chunks)."""
-    interval = max(1.0, min(60.0, state.config.adapter_grace_seconds / 2))
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            await run_in_threadpool(state.registry.collect_garbage)
-        except Exception:  # noqa: BLE001 - Redis may be briefly away; try again next round
-            log.warning("collecting retired adapter versions failed", exc_info=True)
 
 
 def _base_url(config: ServerConfig) -> str:
@@ -45,14 +34,15 @@ def create_app(config: ServerConfig,
         try:
             state.engine.start()
             state.retirements.start()
-            collector = asyncio.create_task(_collect_retired_adapters(state))
             info = await run_in_threadpool(bootstrap, state, _base_url(config))
+            background = [asyncio.create_task(run_upkeep(state)), asyncio.create_task(state.settlements.run())]
             app.state.lp = state
             app.state.startup = info
             if on_ready is not None:
                 on_ready(info)
             yield
-            collector.cancel()
+            for task in background:
+                task.cancel()
         finally:
             await run_in_threadpool(state.close)
 

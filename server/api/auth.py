@@ -37,13 +37,35 @@ async def require_tenant(request: Request) -> Tenant:
     return tenant
 
 
+def _matches(token: str, expected: str | None) -> bool:
+    # Constant time in the token's content; bytes so that any header text compares safely.
+    return expected is not None and hmac.compare_digest(token.encode("utf-8", "surrogateescape"),
+                                                        expected.encode("utf-8"))
+
+
 def require_admin(request: Request) -> None:
     token = bearer_token(request)
     if token is None:
         raise APIError(401, "missing admin token: send 'Authorization: Bearer <admin token>'",
                        "missing_api_key", _CHALLENGE)
-    expected = state_of(request).config.admin_token
-    if not hmac.compare_digest(token.encode("utf-8"), expected.encode("utf-8")):
+    if not _matches(token, state_of(request).config.admin_token):
         if parse_key(token) is not None:
             raise APIError(403, "tenant API keys cannot use the admin API", "forbidden")
         raise APIError(401, "invalid admin token", "invalid_api_key", _CHALLENGE)
+
+
+def require_metrics_reader(request: Request) -> None:
+    """/metrics names tenants: the admin token or the metrics token, unless --metrics-public."""
+    config = state_of(request).config
+    if config.metrics_public:
+        return
+    token = bearer_token(request)
+    if token is None:
+        raise APIError(401, "missing token: /metrics needs 'Authorization: Bearer <admin or metrics token>'",
+                       "missing_api_key", _CHALLENGE)
+    admin_ok = _matches(token, config.admin_token)
+    metrics_ok = _matches(token, config.metrics_token)
+    if not (admin_ok or metrics_ok):
+        if parse_key(token) is not None:
+            raise APIError(403, "tenant API keys cannot read /metrics", "forbidden")
+        raise APIError(401, "invalid token for /metrics", "invalid_api_key", _CHALLENGE)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from adapters.format import CONFIG_FILE, WEIGHTS_FILE, inspect_adapter_bytes
 from server.api.state import ServerState
+from server.credentials import ADMIN_TOKEN_FILE, DEMO_KEY_FILE, read_secret, write_secret
+from tenants import Tenant
 
 DEFAULT_TENANT = "default"
 DEMO_TENANT = "demo"
@@ -16,9 +18,10 @@ class StartupInfo:
     base_url: str
     model_id: str
     admin_token: str
-    admin_token_generated: bool
+    admin_token_file: Path | None   # where a generated admin token is kept (None: given by the operator)
     demo_tenant: str | None
     demo_key: str | None
+    demo_key_file: Path | None
     demo_adapters: tuple[str, ...]
 
     def curl_line(self) -> str:
@@ -27,35 +30,62 @@ class StartupInfo:
                 f"-H 'Content-Type: application/json' -d '{body}'")
 
 
-def _put_dir(state: ServerState, tenant: str, name: str, directory: str | Path) -> None:
-    """Store a PEFT directory under the tenant unless the same bytes are already there."""
+def _put_dir(state: ServerState, tenant: Tenant, name: str, directory: str | Path) -> None:
+    """Store a PEFT directory under the tenant unless the same adapter is already there."""
     d = Path(directory)
-    config_json = (d / CONFIG_FILE).read_bytes()
     weights = (d / WEIGHTS_FILE).read_bytes()
-    summary = inspect_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape,
-                                    state.config.max_lora_rank)
-    existing = state.registry.get(tenant, name)
+    summary = inspect_adapter_bytes((d / CONFIG_FILE).read_bytes(), weights,
+                                    state.engine.engine.adapter_shape, state.config.max_lora_rank)
+    # What is stored is the canonical config (user patterns resolved once, here).
+    config_json = summary.canonical_config_json
+    existing = state.registry.get(tenant.id, name)
     if existing is not None and state.registry.read_files(existing.version) == (config_json, weights):
         return
-    state.registry.put(tenant, name, config_json, weights, summary=summary, replace=True)
+    state.registry.put(tenant.id, name, config_json, weights, summary=summary, replace=True)
+
+
+def _demo_key(state: ServerState, tenant: Tenant, path: Path) -> str:
+    """The demo tenant's key: the one kept in the data dir while it still works, else a new one."""
+    kept = read_secret(path)
+    if kept is not None:
+        owner = state.tenants.authenticate(kept)
+        if owner is not None and owner.id == tenant.id:
+            return kept
+    _, key = state.tenants.create_key(tenant.name)
+    write_secret(path, key)
+    return key
+
+
+def migrate_legacy_data(state: ServerState) -> None:
+    """Re-key what an older loraplex stored under tenant names to the tenants' ids (idempotent):
+    a deployment's Redis survives upgrades. Adapters of names with no tenant left are retired."""
+    state.tenants.migrate_legacy_keys()
+    for name in state.registry.legacy_index_names():
+        tenant = state.tenants.get(name)
+        if tenant is not None:
+            state.registry.migrate_legacy_index(name, tenant.id)
+        else:
+            state.registry.purge_legacy_index(name)
 
 
 def bootstrap(state: ServerState, base_url: str) -> StartupInfo:
     """Blocking (Redis and file reads): run it off the event loop."""
     cfg = state.config
-    state.tenants.ensure(DEFAULT_TENANT)
+    migrate_legacy_data(state)
+    default = state.tenants.ensure(DEFAULT_TENANT)
     for name, directory in cfg.adapters:
-        _put_dir(state, DEFAULT_TENANT, name, directory)
-    demo_key = None
+        _put_dir(state, default, name, directory)
+    demo_key = demo_key_file = None
     demo_adapters: tuple[str, ...] = ()
     if cfg.demo_tenant:
-        state.tenants.ensure(DEMO_TENANT)
-        _, demo_key = state.tenants.create_key(DEMO_TENANT)
+        demo = state.tenants.ensure(DEMO_TENANT)
+        demo_key_file = cfg.data_dir / DEMO_KEY_FILE
+        demo_key = _demo_key(state, demo, demo_key_file)
         if state.demo is not None:
             for name, directory in state.demo.adapters.items():
-                _put_dir(state, DEMO_TENANT, name, directory)
+                _put_dir(state, demo, name, directory)
             demo_adapters = tuple(state.demo.adapters)
     return StartupInfo(base_url=base_url, model_id=state.model_id, admin_token=cfg.admin_token,
-                       admin_token_generated=cfg.admin_token_generated,
+                       admin_token_file=cfg.data_dir / ADMIN_TOKEN_FILE if cfg.admin_token_generated else None,
                        demo_tenant=DEMO_TENANT if cfg.demo_tenant else None, demo_key=demo_key,
-                       demo_adapters=demo_adapters)
+                       demo_key_file=demo_key_file, demo_adapters=demo_adapters)

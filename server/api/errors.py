@@ -2,11 +2,13 @@
 every domain exception to its status, so bad input never becomes a 500."""
 from __future__ import annotations
 
+import json
 import logging
 
+import redis
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 from adapters.format import AdapterFormatError
 from adapters.registry import AdapterExists, AdapterNotFound, AdapterQuotaExceeded
@@ -23,6 +25,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           500: "internal_error", 503: "service_unavailable"}
 
 
+# Redis restarts (or fails over) in seconds; clients should come back about then.
+REDIS_RETRY_AFTER_SECONDS = 2
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -36,8 +42,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES[self.status], "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        # ASCII-escaped: a message may quote client input, and no input can make the error unsendable.
+        return Response(json.dumps(self.body(), ensure_ascii=True), status_code=self.status,
+                        headers=self.headers, media_type="application/json")
 
 
 def not_found(what: str) -> APIError:
@@ -52,8 +60,9 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(429, exc.message, exc.limit_name,
                         {"Retry-After": str(exc.retry_after_seconds)})
     if isinstance(exc, AdapterQuotaExceeded):
-        # Retrying helps only once an adapter is deleted; a minute is a polite pause.
-        return APIError(429, str(exc), exc.limit_name, {"Retry-After": "60"})
+        # Not transient: waiting never helps, only deleting an adapter or a higher quota does.
+        return APIError(403, f"{exc}; delete one or ask the operator for a higher max_adapters",
+                        exc.limit_name)
     if isinstance(exc, RequestTooLarge):
         return APIError(400, exc.message, exc.limit_name)
     if isinstance(exc, (QuotaError, TenantNameError)):
@@ -72,6 +81,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), "invalid_request")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "engine_unavailable")
+    if isinstance(exc, redis.RedisError):
+        log.warning("Redis unavailable: %r", exc)
+        return APIError(503, "the tenant and adapter store (Redis) is unavailable; retry shortly",
+                        "store_unavailable", {"Retry-After": str(REDIS_RETRY_AFTER_SECONDS)})
     if isinstance(exc, HTTPException):
         status = exc.status_code if exc.status_code in _TYPES else 400
         return APIError(status, str(exc.detail), None, dict(exc.headers or {}))
@@ -88,4 +101,4 @@ EXCEPTION_HANDLERS = {Exception: _handle, HTTPException: _handle, APIError: _han
                       RequestTooLarge: _handle, QuotaError: _handle, TenantNameError: _handle,
                       TenantExists: _handle, TenantNotFound: _handle, AdapterExists: _handle,
                       AdapterNotFound: _handle, AdapterFormatError: _handle, RequestError: _handle,
-                      EngineDeadError: _handle}
+                      EngineDeadError: _handle, redis.RedisError: _handle}

@@ -43,7 +43,7 @@ async def resolve_model(state: ServerState, tenant: Tenant, model: str) -> Adapt
     except ValueError:
         record = None
     else:
-        record = await run_in_threadpool(state.registry.get, tenant.name, model)
+        record = await run_in_threadpool(state.registry.get, tenant.id, model)
     if record is None:
         raise APIError(404, f"the model '{model}' does not exist", "model_not_found")
     return record
@@ -103,10 +103,11 @@ class Generation:
         try:
             # The engine pages the adapter in from Redis if it is not resident; this request
             # waits for it without holding up anyone else's.
-            stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.name,
+            stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.id,
                                                req.priority, tenant.quota.weight)
         except BaseException:
-            await run_in_threadpool(state.limiter.release, admission, 0)
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(state.settlements.settle, tenant, admission, 0, 0)
             raise
         return cls(state, tenant, endpoint, prompt_ids, admission, stream, arrived)
 
@@ -149,12 +150,8 @@ class Generation:
         m.requests.labels(self.tenant.name, self.endpoint, outcome).inc()
         m.tokens.labels(self.tenant.name, "prompt").inc(self.prompt_tokens)
         m.tokens.labels(self.tenant.name, "completion").inc(self.completion_tokens)
-        total = self.prompt_tokens + self.completion_tokens
         # Shielded: a disconnect cancels the request's scope, and the quota lease and
-        # usage must still be settled.
+        # usage must still be settled (retried in the background if Redis is away).
         with anyio.CancelScope(shield=True):
-            await run_in_threadpool(self._account, total)
-
-    def _account(self, total: int) -> None:
-        self.state.limiter.release(self._admission, total)
-        self.state.usage.record(self.tenant, self.prompt_tokens, self.completion_tokens)
+            await run_in_threadpool(self.state.settlements.settle, self.tenant, self._admission,
+                                    self.prompt_tokens, self.completion_tokens)

@@ -43,6 +43,9 @@ class Metrics:
         self.tier_resident = Gauge("loraplex_adapter_tier_resident", "Adapters resident in the tier",
                                    ["tier"], registry=r)
         self.host_bytes = Gauge("loraplex_adapter_host_bytes", "Bytes of adapters in the host tier", registry=r)
+        self.parked = Gauge("loraplex_adapter_host_parked", "Loaded adapters waiting for unpinned host room",
+                            registry=r)
+        self.parked_bytes = Gauge("loraplex_adapter_host_parked_bytes", "Bytes of parked adapters", registry=r)
         self.loading = Gauge("loraplex_adapter_loads_in_flight", "Adapter loads from Redis under way", registry=r)
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
@@ -66,6 +69,8 @@ class Metrics:
         self.tier_resident.labels("device").set(s.adapters_resident)
         self.host_bytes.set(s.host_bytes_used)
         self.loading.set(s.adapters_loading)
+        self.parked.set(s.adapters_parked)
+        self.parked_bytes.set(s.host_parked_bytes)
         self.load_failures.set(s.host_load_failures)
 
     def observe_load_times(self, seconds) -> None:

@@ -12,14 +12,15 @@ from starlette.routing import Route
 from server.api.auth import require_tenant, state_of
 from server.api.errors import to_api_error
 from server.api.generation import Generation, resolve_model
-from server.api.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_object
+from server.api.body import read_json_object
+from server.api.schemas import GenerationRequest, parse_chat, parse_completion
 from server.api.sse import SSEResponse, sse_event, until_disconnect
 
 
 async def list_models(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
-    records = await run_in_threadpool(state.registry.list, tenant.name)
+    records = await run_in_threadpool(state.registry.list, tenant.id)
     base = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "loraplex",
             "root": state.model_id, "parent": None}
     data = [base] + [{"id": r.name, "object": "model", "created": int(r.created_at),
@@ -40,7 +41,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
     tenant = await require_tenant(request)
     state = state_of(request)
-    body = parse_json_object(await request.body())
+    body = await read_json_object(request)
     req = parse_chat(body) if chat else parse_completion(body)
     record = await resolve_model(state, tenant, req.model)
     if chat:

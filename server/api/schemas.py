@@ -6,12 +6,17 @@ as OpenAI clients send extras.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import APIError
+
+MAX_MODEL_ID_CHARS = 256
+MAX_STOP_CHARS = 1024          # per stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 4096
+INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 @dataclass(frozen=True)
@@ -40,14 +45,15 @@ def _unsupported(field: str, why: str) -> APIError:
     return APIError(400, f"'{field}' {why} is not supported", "unsupported")
 
 
-def _int(body: dict, field: str, default: Any, lo: int | None = None) -> Any:
+def _int(body: dict, field: str, default: Any, lo: int | None = None, hi: int = INT64[1]) -> Any:
     v = body.get(field, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(field, "must be an integer")
-    if lo is not None and v < lo:
-        raise APIError(400, f"'{field}' must be >= {lo}, got {v}", "invalid_value")
+    lo = INT64[0] if lo is None else lo
+    if not lo <= v <= hi:
+        raise APIError(400, f"'{field}' must be in [{lo}, {hi}], got {v}", "invalid_value")
     return v
 
 
@@ -72,20 +78,12 @@ def _bool(body: dict, field: str, default: bool) -> bool:
     return v
 
 
-def parse_json_object(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object", "invalid_json")
-    return body
-
-
 def _common(body: dict, *, chat: bool) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "is required and must be a string")
+    if len(model) > MAX_MODEL_ID_CHARS:
+        raise APIError(400, f"'model' is longer than {MAX_MODEL_ID_CHARS} characters", "invalid_value")
     if _int(body, "n", 1) != 1:
         raise _unsupported("n", "other than 1")
     if not chat and _int(body, "best_of", 1) != 1:
@@ -111,11 +109,15 @@ def _common(body: dict, *, chat: bool) -> dict:
         stop = tuple(stop)
     else:
         raise _bad("stop", "must be a string or a list of strings")
-    if len(stop) > 4 or any(not s for s in stop):
-        raise APIError(400, "'stop' takes up to 4 non-empty strings", "invalid_value")
+    if len(stop) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"'stop' takes up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
+                       "invalid_value")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
         raise _bad("stop_token_ids", "must be a list of integers")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t <= INT64[1] for t in stop_ids):
+        raise APIError(400, f"'stop_token_ids' takes up to {MAX_STOP_TOKEN_IDS} non-negative token ids",
+                       "invalid_value")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _bad("stream_options", "must be an object")
@@ -128,7 +130,8 @@ def _common(body: dict, *, chat: bool) -> dict:
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                 top_k=max(0, _int(body, "top_k", 0, lo=-1)), seed=_int(body, "seed", None),
                 stop=stop, stop_token_ids=tuple(stop_ids), ignore_eos=_bool(body, "ignore_eos", False),
-                stream=stream, include_usage=include_usage, priority=_int(body, "priority", 0))
+                stream=stream, include_usage=include_usage,
+                priority=_int(body, "priority", 0, lo=-(1 << 31), hi=(1 << 31) - 1))
 
 
 def parse_completion(body: dict) -> GenerationRequest:
@@ -155,6 +158,8 @@ def parse_chat(body: dict) -> GenerationRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise APIError(400, f"'messages' takes at most {MAX_MESSAGES} messages", "invalid_value")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "must be an object with a 'role'")
@@ -165,6 +170,8 @@ def parse_chat(body: dict) -> GenerationRequest:
                 raise _unsupported(f"messages[{i}].content", "with parts other than text")
         elif not isinstance(content, str):
             raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+        if not isinstance(m.get("name", ""), str) or len(m.get("name", "")) > MAX_MODEL_ID_CHARS:
+            raise _bad(f"messages[{i}].name", f"must be a string of at most {MAX_MODEL_ID_CHARS} characters")
         if m["role"] not in ("system", "user", "assistant"):
             raise _unsupported(f"messages[{i}].role {m['role']!r}", "")
     if body.get("tools") or body.get("functions"):

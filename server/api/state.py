@@ -1,6 +1,7 @@
 """ServerState: the long-lived objects one app owns, built in its lifespan."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from adapters.registry import AdapterRegistry
 from server.api.adapter_source import RetirementListener, registry_fetch
 from server.api.metrics import Metrics
 from server.api.prompts import PromptTokenizer
+from server.api.settlement import Settlements
 from server.config import ServerConfig
 from server.demo import DemoPaths, ensure_demo
 from server.engine import EngineConfig, LLMEngine
@@ -21,6 +23,20 @@ from server.redis_embedded import EmbeddedRedis
 from tenants import Limiter, TenantStore, UsageLog
 
 log = logging.getLogger(__name__)
+
+REDIS_TIMEOUT_SECONDS = 5.0
+
+
+def _held_versions(engine: AsyncEngine) -> set[str]:
+    """The adapter versions this process holds in any tier (asked on the engine thread; blocking)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        engine.post(lambda e: done.set_result(
+            set(e.host.entries) | set(e.host.loading) | set(e.host.parked) | set(e.slots.slot_of)))
+        return done.result(timeout=30)
+    except Exception:  # noqa: BLE001 - a dead or stuck engine holds nothing worth resyncing
+        log.warning("could not list the engine's adapter versions for a resync", exc_info=True)
+        return set()
 
 
 @dataclass
@@ -36,6 +52,7 @@ class ServerState:
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
+    settlements: Settlements
     demo: DemoPaths | None
     embedded_redis: EmbeddedRedis | None
 
@@ -50,8 +67,11 @@ class ServerState:
                 url = embedded.url
             else:
                 url = config.redis_url
-            # decode_responses=False: the registry stores binary chunks.
-            client = redis.Redis.from_url(url, decode_responses=False)
+            # decode_responses=False: the registry stores binary chunks. Timeouts bound how long a
+            # request (or an adapter load) can hang on a Redis that stopped answering: it gets a 503.
+            client = redis.Redis.from_url(url, decode_responses=False, socket_timeout=REDIS_TIMEOUT_SECONDS,
+                                          socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+                                          health_check_interval=30)
             client.ping()
             demo = ensure_demo(Path(config.data_dir) / "demo") if config.model is None else None
             model_dir = str(demo.model_dir) if demo is not None else config.model
@@ -69,15 +89,17 @@ class ServerState:
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
             engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank))
             async_engine = AsyncEngine(engine)
-            retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait)
+            retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
+                                             held=lambda: _held_versions(async_engine),
+                                             retired=registry.retired_versions)
+            limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds)
+            usage = UsageLog(client, config.redis_prefix)
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
-                tenants=TenantStore(client, config.redis_prefix),
-                limiter=Limiter(client, config.redis_prefix,
-                                window_seconds=config.rate_window_seconds),
-                usage=UsageLog(client, config.redis_prefix), registry=registry,
-                retirements=retirements,
-                metrics=Metrics(), prompts=PromptTokenizer(model_dir), demo=demo, embedded_redis=embedded)
+                tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
+                registry=registry, retirements=retirements, metrics=Metrics(),
+                prompts=PromptTokenizer(model_dir, engine.max_model_len),
+                settlements=Settlements(limiter, usage), demo=demo, embedded_redis=embedded)
         except BaseException:
             if client is not None:
                 client.close()
