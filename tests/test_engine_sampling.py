@@ -131,3 +131,96 @@ def test_streamed_outputs_grow_monotonically(llm):
             last = out
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
     assert last.finished and len(last.token_ids) == 12
+
+
+# ---- n choices ----
+
+def test_greedy_choices_are_identical(llm):
+    prompt = random_prompts(1, (20, 20), VOCAB, seed=30)[0]
+    single = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), adapters="a")[0]
+    assert single.choices is None and single.outputs == [single]
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True), adapters="a")[0]
+    assert out.choices is not None and out.outputs is out.choices and out.choices[0] is out
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.token_ids == single.token_ids and c.text == single.text for c in out.choices)
+    assert all(c.finished and c.finish_reason == "length" for c in out.choices)
+
+
+def test_seeded_choices_are_distinct_and_reproducible(llm):
+    prompt = random_prompts(1, (15, 15), VOCAB, seed=31)[0]
+    params = SamplingParams(n=4, max_tokens=10, temperature=1.0, top_p=0.9, seed=77, ignore_eos=True)
+
+    def choices(out):
+        return [c.token_ids for c in out.outputs]
+
+    alone = choices(llm.generate([prompt], params, adapters="a")[0])
+    assert len({tuple(c) for c in alone}) == 4
+    assert choices(llm.generate([prompt], params, adapters="a")[0]) == alone
+    others = random_prompts(3, (3, 30), VOCAB, seed=32)
+    mixed = llm.generate([others[0], prompt, others[1], others[2]],
+                         [SamplingParams(n=2, max_tokens=7, temperature=0.9, ignore_eos=True), params,
+                          SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                          SamplingParams(n=3, max_tokens=9, temperature=1.0, seed=77, ignore_eos=True)],
+                         adapters=[None, "a", "a", None])
+    assert choices(mixed[1]) == alone
+    # Choice 0 draws what the same seed draws for a request of one choice.
+    single = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=77, ignore_eos=True)
+    assert llm.generate([prompt], single, adapters="a")[0].token_ids == alone[0]
+
+
+def test_stream_yields_every_choice_and_abort_ends_them_all(llm):
+    import asyncio
+
+    from server.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(llm.engine)
+    prompt = random_prompts(1, (10, 10), VOCAB, seed=33)[0]
+
+    async def scenario():
+        stream = await engine.submit("s1", prompt, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1,
+                                                                  ignore_eos=True))
+        last = {}
+        async for out in stream:
+            assert out.request_id == "s1" and not last.get(out.index, out).finished
+            last[out.index] = out
+        assert sorted(last) == [0, 1, 2] and all(o.finished and len(o.token_ids) == 6 for o in last.values())
+
+        # A consumer that fell behind gets only the newest output of each choice.
+        late = await engine.submit("s2", prompt, SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True))
+        while engine.stats().num_running or engine.stats().num_waiting:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        got = [out async for out in late]
+        assert sorted(o.index for o in got) == [0, 1] and all(o.finished and len(o.token_ids) == 5 for o in got)
+
+        stream = await engine.submit("s3", prompt, SamplingParams(n=3, max_tokens=400, temperature=1.0,
+                                                                  ignore_eos=True))
+        first = await stream.__anext__()
+        assert not first.finished
+        engine.abort("s3")
+        ends = {}
+        async for out in stream:
+            if out.finished:
+                ends[out.index] = out.finish_reason
+        assert ends == {0: "abort", 1: "abort", 2: "abort"}
+
+        stream = await engine.submit("s4", prompt, SamplingParams(n=3, max_tokens=400, ignore_eos=True))
+        engine.abort("s4")  # most likely before the prompt ran
+        assert sorted((o.index, o.finish_reason) for o in [out async for out in stream] if o.finished) == \
+            [(0, "abort"), (1, "abort"), (2, "abort")]
+
+    engine.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.seqs and not engine._sinks
+
+
+def test_abort_before_the_prefill_ends_every_choice(llm):
+    engine = llm.engine
+    engine.add_request("early", [5, 6, 7], SamplingParams(n=3, max_tokens=4))
+    engine.abort_request("early")
+    outs = engine.step()
+    assert sorted((o.index, o.finish_reason, o.finished) for o in outs) == [(i, "abort", True) for i in range(3)]
+    assert not engine.has_unfinished_requests() and not engine.seqs

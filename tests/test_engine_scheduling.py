@@ -1,6 +1,8 @@
 """Paged KV, chunked prefill, preemption and adapter-slot pressure keep outputs equal to PEFT's."""
 from __future__ import annotations
 
+import pytest
+
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import assert_matches_peft, drive, greedy, random_prompts
 
@@ -106,3 +108,65 @@ def test_base_requests_pass_a_request_waiting_for_a_slot(tiny_model_dir, tiny_ad
     assert running == {"holds-slot", "base"}  # base passed the blocked head; b waits for the slot
     final = drive(engine)
     assert set(final) == {"holds-slot", "needs-slot", "base"}
+
+
+# ---- n choices: one prefill, shared blocks ----
+
+def test_choices_share_the_prompt_blocks(tiny_model_dir, tiny_adapters):
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=2, kv_cache_blocks=64, max_model_len=256, block_size=16)
+    llm.add_adapter("a", tiny_adapters["r8_all"])
+    engine = llm.engine
+    prompt = random_prompts(1, (70, 70), VOCAB, seed=17)[0]  # 4 full blocks and one partly filled
+    alone = llm.generate([prompt], greedy(8), adapters="a")[0].token_ids
+    engine.add_request("n3", prompt, SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True),
+                       llm._versions["a"])
+    used, shared = [], []
+
+    def watch(e) -> None:
+        used.append(e.blocks.num_used_blocks)
+        shared.append(max(e.blocks.ref_counts))
+
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        watch(engine)
+    # Prefilled once (5 blocks held 3 times), then the partly filled last block is copied for
+    # two of the three choices before they write to it: 7 blocks, where 3 copies would take 15.
+    assert shared[0] == 3 and used[0] == 5
+    assert max(used) == 7
+    finals = {o.index: o for o in outputs if o.finished}
+    assert sorted(finals) == [0, 1, 2] and all(f.token_ids == alone for f in finals.values())
+    assert engine.stats().kv_blocks_used == 0 and all(c == 0 for c in engine.blocks.ref_counts)
+    assert not engine.seqs and not engine.slots.users and not engine.host.pins and engine.scheduler.fork_seats == 0
+
+
+def test_preempted_choices_recompute_their_own_tokens(tiny_model_dir):
+    prompts = random_prompts(4, (20, 40), VOCAB, seed=18)
+    params = [SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    roomy = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=128, max_model_len=128, block_size=16)
+    tight = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=9, max_model_len=64, block_size=16)
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params)]
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
+    assert tight.engine.stats().num_preemptions > 0
+    assert got == expected
+    assert tight.engine.stats().kv_blocks_used == 0 and all(c == 0 for c in tight.engine.blocks.ref_counts)
+
+
+def test_every_choice_counts_for_fair_share_and_max_num_seqs(tiny_model_dir):
+    from server.engine import RequestError
+
+    llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=64, max_model_len=256, max_num_seqs=4)
+    engine = llm.engine
+    prompt = random_prompts(1, (10, 10), VOCAB, seed=19)[0]
+    engine.add_request("one", prompt, greedy(5), tenant="t1")
+    engine.add_request("three", prompt, SamplingParams(n=3, max_tokens=5, temperature=0.0, ignore_eos=True),
+                       tenant="t3")
+    engine.add_request("other", prompt, greedy(5), tenant="t1")
+    peaks = []
+    drive(engine, lambda e: peaks.append(len(e.scheduler.running)))
+    assert max(peaks) <= 4  # the three choices and one more, never five
+    counters = engine.scheduler.waiting.counters
+    assert counters["t3"] == 10 * 1.0 + 3 * 5 * 2.0  # the prompt once, the output of every choice
+    assert engine.scheduler.fork_seats == 0
+    with pytest.raises(RequestError, match="n"):
+        engine.add_request("five", prompt, SamplingParams(n=5, max_tokens=2))

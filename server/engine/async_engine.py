@@ -37,6 +37,7 @@ class _Sink:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    unfinished: int = 1  # choices still running: the sink goes when the last one finishes
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
@@ -46,40 +47,49 @@ class _Sink:
 
 
 class RequestStream:
-    """An accepted request's outputs (cumulative, last one `finished`).
+    """An accepted request's outputs: per choice (`index`), cumulative, the last one `finished`.
 
-    Iterate it; closing it (or cancelling the iterating task) before the end
-    aborts the request in the engine, which frees its KV blocks. Outputs are
-    cumulative, so a consumer that fell behind gets only the newest one: one
-    chunk carrying several tokens instead of a backlog of one-token chunks.
+    Iterate it; it ends once every one of the request's n choices has given
+    its finished output. Closing it (or cancelling the iterating task) before
+    the end aborts the request in the engine, which frees its KV blocks.
+    Outputs are cumulative, so a consumer that fell behind gets only the
+    newest one of each choice: one chunk carrying several tokens instead of a
+    backlog of one-token chunks.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, sink: _Sink) -> None:
+    def __init__(self, engine: "AsyncEngine", request_id: str, sink: _Sink, n: int = 1) -> None:
         self.request_id = request_id
         self._engine = engine
         self._sink = sink
+        self._unfinished = n
+        self._pending: dict[int, RequestOutput] = {}  # choice index -> its newest undelivered output
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        queue = self._sink.queue
-        try:
-            item = await queue.get()
-        except BaseException:
-            self.abort()  # cancelled while waiting: the consumer is gone
-            raise
-        while not queue.empty() and not isinstance(item, BaseException) and not item.finished:
-            item = queue.get_nowait()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
+        if not self._pending:
+            if self._done:
+                raise StopAsyncIteration
+            queue = self._sink.queue
+            try:
+                item = await queue.get()
+            except BaseException:
+                self.abort()  # cancelled while waiting: the consumer is gone
+                raise
+            while True:
+                if isinstance(item, BaseException):
+                    self._done = True
+                    raise item
+                # A choice's newer output replaces its older one, keeping its place in line.
+                self._pending[item.index] = item
+                self._unfinished -= item.finished
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            self._done = self._unfinished == 0
+        return self._pending.pop(next(iter(self._pending)))
 
     def abort(self) -> None:
         if not self._done:
@@ -130,7 +140,7 @@ class AsyncEngine:
                      priority: int = 0, tenant_weight: float | None = None) -> RequestStream:
         """Add the request; raises RequestError (too long, unknown adapter...) before any output."""
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop, asyncio.Queue())
+        sink = _Sink(loop, asyncio.Queue(), params.n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request_id, prompt, params, adapter_id, tenant, priority, tenant_weight, sink,
                     accepted))
@@ -139,7 +149,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # it may have been added just before we gave up
             raise
-        return RequestStream(self, request_id, sink)
+        return RequestStream(self, request_id, sink, params.n)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        adapter_id: str | None = None, tenant: str | None = None,
@@ -195,6 +205,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
+            engine.bind_thread()  # this thread's kernels and streams go to the engine's CUDA device
             while not self._stopping.is_set():
                 # Cleared before draining: a command sent after the drain sets it again,
                 # so the wait below cannot sleep through it.
@@ -250,7 +261,9 @@ class AsyncEngine:
             if sink is None:
                 continue
             if out.finished:
-                del self._sinks[out.request_id]
+                sink.unfinished -= 1
+                if sink.unfinished == 0:
+                    del self._sinks[out.request_id]
             by_loop.setdefault(sink.loop, []).append((sink.queue, out))
         for loop, items in by_loop.items():
             try:

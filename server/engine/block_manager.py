@@ -1,7 +1,9 @@
 """Fixed-size KV blocks handed to sequences, with reference counts.
 
-Reference counts let several sequences share a block (a shared prefix); a
-block returns to the free list when its last holder lets go.
+Reference counts let several sequences share a block (the prompt of a
+request's n choices); a block returns to the free list when its last holder
+lets go. A shared block is never written: a sequence about to write into one
+first takes a private copy (copy-on-write).
 """
 from __future__ import annotations
 
@@ -41,6 +43,31 @@ class BlockManager:
             assert self.ref_counts[block] == 0
             self.ref_counts[block] = 1
             block_table.append(block)
+
+    def fork(self, block_table: list[int]) -> list[int]:
+        """A new table holding the same blocks (one more reference to each)."""
+        for block in block_table:
+            assert self.ref_counts[block] > 0, f"fork of free block {block}"
+            self.ref_counts[block] += 1
+        return list(block_table)
+
+    def is_shared(self, block: int) -> bool:
+        return self.ref_counts[block] > 1
+
+    def copy_on_write(self, block_table: list[int], i: int) -> tuple[int, int]:
+        """Give `block_table` a private block in place of its shared i-th one; returns (source, copy).
+
+        The caller copies the source's contents into the copy before anything writes to it.
+        """
+        src = block_table[i]
+        assert self.ref_counts[src] > 1, "copy-on-write of a block that is not shared"
+        assert self.free_blocks, "caller must check for a free block first"
+        dst = self.free_blocks.popleft()
+        assert self.ref_counts[dst] == 0
+        self.ref_counts[dst] = 1
+        self.ref_counts[src] -= 1
+        block_table[i] = dst
+        return src, dst
 
     def free(self, block_table: list[int]) -> None:
         """Drop one reference to each block of `block_table` and empty it."""

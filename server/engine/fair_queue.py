@@ -69,8 +69,12 @@ class FairQueue:
     def admitted(self, seq: Sequence) -> None:
         """`seq` left the queue to run: charge its (uncached) prompt."""
         self.remove(seq)
-        self.active[seq.tenant] = self.active.get(seq.tenant, 0) + 1
+        self.started_running(seq)
         self.charge(seq.tenant, seq.num_pending_tokens * PROMPT_TOKEN_COST)
+
+    def started_running(self, seq: Sequence) -> None:
+        """`seq` runs: admitted, or forked from a sibling (which charged the shared prompt once)."""
+        self.active[seq.tenant] = self.active.get(seq.tenant, 0) + 1
 
     def stopped_running(self, seq: Sequence) -> None:
         self.active[seq.tenant] -= 1
@@ -78,6 +82,7 @@ class FairQueue:
             del self.active[seq.tenant]
 
     def charge_output(self, seq: Sequence, tokens: int = 1) -> None:
+        """Every choice's tokens count: n choices cost n times the decoding."""
         self.charge(seq.tenant, tokens * OUTPUT_TOKEN_COST)
 
     def charge(self, tenant: str | None, cost: float) -> None:

@@ -47,6 +47,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         adapters: Seq[str | None] | str | None = None,
     ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in order.
+
+        With n > 1 it is choice 0, and `.choices` (also `.outputs`, as in vLLM) lists all n
+        choices in index order, each a RequestOutput of its own (`index`, `token_ids`, `text`,
+        `finish_reason`, `logprobs`). For n == 1, `.choices` is None and `.outputs` is `[out]`.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)
@@ -61,9 +67,18 @@ class LLM:
         ids = [f"req-{next(self._request_counter)}" for _ in range(n)]
         for rid, prompt, p, name in zip(ids, prompts, params_list, names):
             self.engine.add_request(rid, prompt, p, self._versions.get(name) if name else None)
-        final: dict[str, RequestOutput] = {}
-        while len(final) < n:
+        final: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
+        unfinished = sum(p.n for p in params_list)
+        while unfinished:
             for out in self.engine.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in ids]
+                    final[out.request_id][out.index] = out
+                    unfinished -= 1
+        return [_with_choices(final[rid]) for rid in ids]
+
+
+def _with_choices(choices: dict[int, RequestOutput]) -> RequestOutput:
+    first = choices[0]
+    if len(choices) > 1:
+        first.choices = [choices[i] for i in range(len(choices))]
+    return first

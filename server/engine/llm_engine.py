@@ -12,16 +12,18 @@ from adapters.host_tier import Fetch, HostTier
 from kernels.ops import select_kernels
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
+from server.engine.cuda_device import thread_binder
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.lora_slots import AdapterSlots
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
-from server.engine.sampler import SampleFailure
+from server.engine.postprocess import OutputProcessing
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import PREFETCH_WINDOW, ScheduledBatch, Scheduler, SchedulerConfig
-from server.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
 from server.engine.stop import StopChecker
+from server.engine.warmup import warm_up
 from server.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class EngineStats:
     device_evictions: int = 0
 
 
-class LLMEngine:
+class LLMEngine(OutputProcessing):
     """`adapter_source`, when given, loads adapter versions on demand (e.g. from the Redis registry);
     it runs on background threads, so it may block."""
 
@@ -64,6 +66,9 @@ class LLMEngine:
         mcfg = ModelConfig.from_dir(config.model)
         self.model_config = mcfg
         self.device = config.resolve_device()
+        # Every thread that touches CUDA makes the engine's device current (server.engine.cuda_device).
+        self.bind_thread = thread_binder(self.device)
+        self.bind_thread()
         self.dtype = config.resolve_dtype(mcfg, self.device)
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)  # process-wide: the engine owns its process
@@ -93,26 +98,35 @@ class LLMEngine:
 
         lora_layers = allocate_lora_slots(mcfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         weights = load_weights(config.model, mcfg, self.dtype, self.device)
-        self.model = CausalLM(mcfg, weights, lora_layers, self.max_model_len)
+        self.model = CausalLM(mcfg, weights, lora_layers, self.max_model_len)  # frees the unfused projections
         del weights
+        # Everything else on the device is allocated before the KV pool is sized from what is left.
+        self.slots = AdapterSlots(lora_layers, config.max_loras)
+        scratch = torch.empty(
+            3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
+        )
         kv_caches, num_blocks = allocate_kv_cache(mcfg, config, self.max_model_len, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.slots = AdapterSlots(lora_layers, config.max_loras)
         # Parking places for finished loads match the scheduler's prefetch window: every adapter it
         # prefetches can wait, loaded, for room, instead of being fetched again.
         self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda",
-                             max_parked=PREFETCH_WINDOW)
+                             max_parked=PREFETCH_WINDOW, dtype=self.dtype, init_thread=self.bind_thread)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.slots, self.host
-        )
-        scratch = torch.empty(
-            3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
         )
         self.kernels = select_kernels(config.kernels, self.device)
         self.runner = ModelRunner(
             self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks, self.device,
             config.seed,
         )
+        # Every Triton variant is compiled now, not in the middle of serving (server.engine.warmup).
+        self.warmup_seconds = warm_up(
+            self.model, kv_caches, self.kernels, scratch, block_size=config.block_size,
+            max_lora_rank=config.max_lora_rank, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, device=self.device,
+        )
+        if self.warmup_seconds:
+            log.info("compiled every kernel variant in %.1f s", self.warmup_seconds)
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.aborted: list[Sequence] = []
@@ -157,14 +171,20 @@ class LLMEngine:
         self.validate(ids, params, adapter_id)
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority)
-        seq.detok_state = self.detokenizer.new_state(start=len(ids))
+        stop_ids: tuple[int, ...] = ()
+        if params.min_tokens:
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            stop_ids = tuple(sorted(t for t in held if t < self.model_config.vocab_size))
+        group = SequenceGroup(request_id, params.prompt_logprobs is not None, stop_ids)
+        for index in range(params.n):  # choices 1.. wait, unscheduled, for choice 0's prefill
+            seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority, index, group)
+            seq.detok_state = self.detokenizer.new_state(start=len(ids))
+            seq.stop = StopChecker(params.stop)
         self.arrivals += 1
-        self.seqs[request_id] = seq
-        seq.stop = StopChecker(params.stop)
+        self.seqs[request_id] = group.seqs[0]
         if tenant_weight is not None:
             self.scheduler.waiting.set_weight(tenant, tenant_weight)
-        self.scheduler.add(seq)
+        self.scheduler.add(group.seqs[0])
 
     def validate(self, ids: list[int], params: SamplingParams, adapter_id: str | None) -> None:
         if not ids:
@@ -177,16 +197,23 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {self.max_model_len}"
             )
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise RequestError(f"n ({params.n}) exceeds max_num_seqs {self.config.max_num_seqs}")
         if adapter_id is not None and not self.host.can_serve(adapter_id):
             raise RequestError(f"adapter {adapter_id!r} is not loaded")
 
     def abort_request(self, request_id: str) -> None:
+        """Abort every unfinished choice of the request."""
         seq = self.seqs.pop(request_id, None)
-        if seq is None or seq.finished:
+        if seq is None:
             return
-        self.scheduler.finish(seq)
-        seq.finish_reason = "abort"
-        self.aborted.append(seq)
+        for choice in seq.group.seqs:
+            if not choice.finished:
+                self.scheduler.finish(choice)
+                choice.finish_reason = "abort"
+                self.aborted.append(choice)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.aborted)
@@ -197,78 +224,8 @@ class LLMEngine:
         if batch.empty and not batch.failed and not self.aborted:
             self.host.wait_for_load(0.005)  # only adapter loads are pending: wait for one, don't spin
             return []
-        sampled = self.runner.run(batch) if not batch.empty else {}
-        return self.postprocess(batch, sampled)
-
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int | SampleFailure]) -> list[RequestOutput]:
-        outputs = [self._output(seq) for seq in self.aborted]
-        self.aborted.clear()
-        for seq, error in batch.failed:
-            outputs.append(self._fail(seq, f"adapter {seq.adapter_id} could not be loaded: {error}"))
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            seq.num_computed_tokens += n
-            result = sampled.get(i)
-            if result is None:
-                continue  # a prompt chunk: nothing to say yet
-            if isinstance(result, SampleFailure):
-                outputs.append(self._fail(seq, self._failure_message(seq, result)))
-                continue
-            try:
-                outputs.append(self._append_token(seq, result))
-            except Exception as e:  # noqa: BLE001 - one request's failure, never the engine's
-                log.exception("post-processing request %s failed", seq.request_id)
-                outputs.append(self._fail(seq, f"post-processing failed: {type(e).__name__}: {e}"))
-        return outputs
-
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.token_ids.append(token)
-        self.scheduler.waiting.charge_output(seq)
-        seq.text += self.detokenizer.step(seq.detok_state, seq.token_ids)
-        reason = self._finish_reason(seq, token)
-        if reason is not None and seq.text_cut is None:
-            seq.text += self.detokenizer.flush(seq.detok_state, seq.token_ids)
-        if reason is not None:
-            seq.finish_reason = reason
-            self.scheduler.finish(seq)
-            self.seqs.pop(seq.request_id, None)
-        return self._output(seq)
-
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        """Finish one request with finish_reason "error": every per-request failure ends here."""
-        seq.finish_reason, seq.error = "error", message
-        if not seq.finished:
-            self.scheduler.finish(seq)
-        self.seqs.pop(seq.request_id, None)
-        return seq.output()
-
-    @staticmethod
-    def _failure_message(seq: Sequence, failure: SampleFailure) -> str:
-        if not failure.non_finite:
-            return failure.reason
-        source = f"adapter {seq.adapter_id}" if seq.adapter_id is not None else "the base model"
-        return f"{source} {failure.reason}"
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        cut = seq.stop.find(seq.text)
-        if cut is not None:
-            seq.text = seq.text[:cut]
-            seq.text_cut = cut
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        out = seq.output()
-        stop = seq.stop
-        if not seq.finished and stop.stops:
-            # Hold back a tail that could still grow into a stop string, so it is never streamed.
-            keep = len(seq.text) - stop.partial_suffix(seq.text)
-            out = RequestOutput(out.request_id, out.prompt_token_ids, out.token_ids, seq.text[:keep], False)
-        return out
+        results = self.runner.run(batch) if not batch.empty else {}
+        return self.postprocess(batch, results)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -1,27 +1,69 @@
 """Turns a scheduled batch into tensors, runs the model once, and samples.
 
 All per-step metadata (positions, block tables, slot mapping, token ->
-adapter slot) is built here once and shared by every layer.
+adapter slot) is built here once and shared by every layer. Logits are
+computed only where they are needed: each sequence's last token when all its
+tokens are in, and, for a request that asks for prompt logprobs, the prompt
+positions whose logprobs it does not have yet.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.ops import KernelOps
+from server.engine.logprobs import gather_logprobs
 from server.engine.model import CausalLM, StepContext
-from server.engine.sampler import SampleFailure, sample
+from server.engine.sampler import SampleFailure, SamplingRow
+# Bound as `sample`: the runner looks it up as a module global each step, so a profiler
+# (scripts/bench_engine.py) can wrap model_runner.sample.
+from server.engine.sampler import sample_rows as sample
 from server.engine.scheduler import ScheduledBatch
+from server.engine.sequence import Sequence, TokenLogprobs
+
+
+@dataclass(slots=True)
+class SeqResult:
+    """What one scheduled sequence got from the step."""
+
+    done: bool  # all its tokens are computed (else it ran a prompt chunk)
+    tokens: list[int | SampleFailure] | tuple[()] = ()  # per choice: n when it forks now; () when scoring
+    logprobs: list[TokenLogprobs | None] | tuple[()] = ()  # aligned with tokens
+    prompt_logprobs: list[TokenLogprobs] | None = None  # next prompt entries, in order
 
 
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     ctx: StepContext
-    logits_indices: torch.Tensor  # [N]
-    sampled_seqs: list[int]  # batch positions of the sequences that get a token this step
+    logits_indices: torch.Tensor  # [S + Q]: the S sampled sequences' last tokens, then Q prompt positions
+    sampled_seqs: list[int]  # batch positions of the S sequences that get a token this step
+    scored_seqs: list[int]  # batch positions whose prompt is in and that generate nothing (max_tokens 0)
+    rows: list[SamplingRow]  # tokens to choose: one per choice
+    row_starts: list[int]  # sampled sequence s chooses rows[row_starts[s]:row_starts[s + 1]]
+    prompt: _PromptPositions | None = None
+
+
+@dataclass
+class _PromptPositions:
+    """Prompt positions whose logits give prompt logprobs: each position's logits give the next token's."""
+
+    rows: list[int] = field(default_factory=list)  # positions in the step's tokens
+    seqs: list[int] = field(default_factory=list)  # their sequences' batch positions
+    targets: list[int] = field(default_factory=list)  # the next prompt token
+    top: list[int] = field(default_factory=list)  # alternatives asked for
+
+    def add(self, i: int, seq: Sequence, first: int, start: int, n: int, done: int) -> None:
+        """Sequence i (batch position) runs tokens start.. start+n at `first` in the step; `done`
+        prompt entries exist already (before a preemption, or from an earlier chunk)."""
+        lo, hi = max(start, done - 1), min(start + n, seq.num_prompt_tokens - 1)
+        if lo < hi:
+            self.rows += range(first + lo - start, first + hi - start)
+            self.seqs += [i] * (hi - lo)
+            self.targets += seq.token_ids[lo + 1 : hi + 1]
+            self.top += [seq.params.prompt_logprobs] * (hi - lo)
 
 
 class ModelRunner:
@@ -52,13 +94,31 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[int] = []
+        scored: list[int] = []
+        rows: list[SamplingRow] = []
+        row_starts = [0]
+        prompt: _PromptPositions | None = None
         for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.slots)):
             start = seq.num_computed_tokens
+            first = len(input_ids)
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             token_slots += [slot] * n
             context_lens.append(start)
+            prompt_lp = seq.group.prompt_logprobs
+            if prompt_lp is not None and len(prompt_lp) < seq.num_prompt_tokens:
+                prompt = prompt or _PromptPositions()
+                prompt.add(i, seq, first, start, n, len(prompt_lp))
             if start + n == len(seq.token_ids):
+                p = seq.params
+                if p.max_tokens == 0:
+                    scored.append(i)
+                    continue
+                if p.has_row_state or seq.group.needs_fork:
+                    _add_rows(rows, seq)
+                else:  # the usual row, inline: nothing more to read
+                    rows.append(SamplingRow(p, seq.index, start + n - seq.num_prompt_tokens))
+                row_starts.append(len(rows))
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(i)
         dev = self.device
@@ -72,18 +132,67 @@ class ModelRunner:
             lora=LoraBatch.build(token_slots, dev, self.slot_ranks),
             lora_scratch=self.lora_scratch,
         )
+        if prompt is not None:
+            logits_indices += prompt.rows
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
             ctx=ctx,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True),
             sampled_seqs=sampled,
+            scored_seqs=scored,
+            rows=rows,
+            row_starts=row_starts,
+            prompt=prompt,
         )
 
-    def run(self, batch: ScheduledBatch) -> dict[int, int | SampleFailure]:
-        """Batch position -> sampled token (or why there is none), for sequences whose pending tokens
-        are all computed. An exception here is the engine's, not one request's: it ends the loop."""
+    def run(self, batch: ScheduledBatch) -> dict[int, SeqResult]:
+        """Batch position -> what that sequence got, for sequences that finished their pending tokens
+        or made prompt logprobs. An exception here is the engine's, not one request's: it ends the loop."""
         inputs = self.prepare(batch)
-        logits = self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
-        seqs = [batch.seqs[i] for i in inputs.sampled_seqs]
-        tokens = sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs], self.generator)
-        return dict(zip(inputs.sampled_seqs, tokens))
+        if batch.block_copies:
+            self._copy_blocks(batch.block_copies)
+        logits = self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)  # [S+Q, V]
+        results = {i: SeqResult(True) for i in inputs.scored_seqs}
+        sampled, starts = inputs.sampled_seqs, inputs.row_starts
+        if sampled:
+            row_logits = logits[: len(sampled)]  # [S, V]
+            if len(inputs.rows) != len(sampled):  # a request forks now: its n choices share one row
+                owner = [s for s in range(len(sampled)) for _ in range(starts[s + 1] - starts[s])]
+                row_logits = row_logits.index_select(0, torch.tensor(owner, device=logits.device))
+            out = sample(row_logits, inputs.rows, self.generator)
+            for s, i in enumerate(sampled):
+                a, b = starts[s], starts[s + 1]
+                results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
+        prompt = inputs.prompt
+        if prompt is not None:
+            targets = torch.tensor(prompt.targets, dtype=torch.long)
+            entries = gather_logprobs(logits[len(sampled) :], targets, prompt.top)
+            for i, entry in zip(prompt.seqs, entries):
+                result = results.setdefault(i, SeqResult(False))
+                if result.prompt_logprobs is None:
+                    result.prompt_logprobs = []
+                result.prompt_logprobs.append(entry)
+        return results
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, copy) block's K/V, every layer, before the forward writes."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long).to(self.device, non_blocking=True)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long).to(self.device, non_blocking=True)
+        for k_cache, v_cache in self.kv_caches:  # each [num_blocks, block_size, Hkv, D]
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
+def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:
+    """The tokens `seq` chooses now, when they need more than its params: one, or one per choice
+    when its request forks at this step."""
+    p = seq.params
+    group = seq.group
+    output_index = seq.num_output_tokens
+    fork = group.needs_fork
+    # Penalty inputs are read only by the rows that use them.
+    output_ids = seq.output_token_ids if p.has_penalties else ()
+    prompt_ids = group.prompt_tensor() if p.repetition_penalty != 1.0 else None
+    stop_ids = group.min_tokens_stop_ids if output_index < p.min_tokens else ()
+    rows += [SamplingRow(p, c, output_index, output_ids, prompt_ids, stop_ids)
+             for c in (range(group.n) if fork else (seq.index,))]

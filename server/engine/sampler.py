@@ -1,4 +1,10 @@
-"""Next-token choice per row: greedy rows in one argmax, sampled rows each with their own generator.
+"""Next-token choice for a batch of rows, vectorised over the batch.
+
+vLLM's order: logit_bias, min_tokens masking, penalties (penalties.py); greedy
+rows take the argmax there; sampled rows go on with temperature, top_k, top_p
+and min_p (truncation.py), then draw (a seeded row with its own generator).
+Logprobs are of the raw logits. A batch whose rows use none of these pays for
+none of them.
 
 Numerically safe for every value SamplingParams accepts: temperatures below
 SAMPLING_EPS are greedy, logits are shifted so their maximum is 0 before the
@@ -8,16 +14,20 @@ gets a SampleFailure instead of a token, so only its own request fails.
 """
 from __future__ import annotations
 
-import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from server.engine.logprobs import gather_logprobs
+from server.engine.penalties import LogitsProcessors
 from server.engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
+from server.engine.sequence import TokenLogprobs
+from server.engine.truncation import truncate
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs across the generator's seed space
+_CHOICE_MIX = 0xBF58476D1CE4E5B9  # and choices: choice 0 keeps the n == 1 stream
 
 
 @dataclass(frozen=True)
@@ -28,60 +38,108 @@ class SampleFailure:
     non_finite: bool = False  # the model (with the row's adapter) produced NaN/inf logits
 
 
-def sample(
-    logits: torch.Tensor,  # [N, V] float32
-    params: list[SamplingParams],
-    output_indices: list[int],  # index in its request's output of the token being chosen
-    engine_generator: torch.Generator,
-) -> list[int | SampleFailure]:
-    """Greedy rows take the argmax; sampled rows draw after temperature, top_k, top_p.
+class SamplingRow(NamedTuple):
+    """One token to choose: a choice of a request, at one output position."""
 
-    A seeded request's draw depends only on (seed, output index) and its own
+    params: SamplingParams
+    choice: int  # the choice's index in its request (seeds a stream of its own)
+    output_index: int  # index in the choice's output of the token being chosen
+    output_ids: Sequence[int] = ()  # the choice's output so far; read only with a penalty
+    prompt_ids: torch.Tensor | None = None  # [P] CPU; read only with a repetition penalty
+    stop_ids: tuple[int, ...] = ()  # masked while output_index < min_tokens
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    tokens: list[int | SampleFailure]  # per row
+    logprobs: list[TokenLogprobs | None]  # per row; None unless asked for (or the row failed)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
+           engine_generator: torch.Generator) -> list[int | SampleFailure]:
+    """The plain form: one token per row of `logits` [N, V], choice 0 of each request, no
+    penalty or min_tokens state (what sample_rows does with rows that need none)."""
+    rows = [SamplingRow(p, 0, i) for p, i in zip(params, output_indices)]
+    return sample_rows(logits, rows, engine_generator).tokens
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_generator: torch.Generator) -> SamplerOutput:
+    """logits: [N, V] float32, one row per SamplingRow.
+
+    A seeded row's draw depends only on (seed, choice, output index) and its own
     logits, so the same seed gives the same tokens whatever shares the batch,
     and a request resumed after preemption continues exactly.
     """
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    out: list[int | SampleFailure] = logits.argmax(dim=-1).tolist()
-    for row, (p, idx) in enumerate(zip(params, output_indices)):
-        if not finite[row]:
-            out[row] = SampleFailure("produced non-finite logits", non_finite=True)
-            continue
-        if p.greedy:
-            continue
+    processors = LogitsProcessors.build(rows, logits.device)
+    if processors is None:
+        processed = logits  # [N, V]
+        best, chosen = logits.max(dim=-1)  # [N] each; the first index of ties, as argmax
+        raw_max = best
+    else:
+        raw_max = logits.amax(dim=-1)
+        processed = processors.apply(logits.clone())
+        best, chosen = processed.max(dim=-1)
+    # max propagates NaN and shows +inf, min shows -inf: two reductions instead of an [N, V] mask.
+    finite = torch.isfinite(raw_max) & (logits.amin(dim=-1) > float("-inf"))  # [N]
+    # Only a finite row can lose every token (a penalty overflow), and then it fails alone.
+    usable = (finite & (best > float("-inf"))).tolist()
+    tokens: list[int | SampleFailure] = chosen.tolist()
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy and usable[i]]
+    if sampled:
+        for i, token in zip(sampled, _draw(processed, rows, sampled, engine_generator)):
+            tokens[i] = token
+    if not all(usable):
+        finite_list = finite.tolist()
+        for i in range(len(rows)):
+            if not finite_list[i]:
+                tokens[i] = SampleFailure("produced non-finite logits", non_finite=True)
+            elif not usable[i]:
+                tokens[i] = SampleFailure("the sampling parameters left no token to choose")
+    return SamplerOutput(tokens, _logprobs(logits, rows, tokens))
+
+
+def _draw(processed: torch.Tensor, rows: Sequence[SamplingRow], sampled: list[int],
+          engine_generator: torch.Generator) -> list[int | SampleFailure]:
+    """One draw for each sampled row of the modified logits `processed` [N, V], by inverting
+    the row's cumulative weights at one uniform number: a seeded row's number comes from its
+    own generator, the others' from the engine's, all at once."""
+    params = [rows[i].params for i in sampled]
+    sub = processed.index_select(0, torch.tensor(sampled, device=processed.device))  # [M, V]
+    uniform = torch.empty(len(sampled))  # [M]
+    unseeded = [j for j, p in enumerate(params) if p.seed is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), generator=engine_generator)
+    for j, p in enumerate(params):
         if p.seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed((p.seed * _SEED_MIX + idx) % (1 << 63))
-        else:
-            gen = engine_generator
-        try:
-            probs = _filtered_probs(logits[row].cpu(), p)
-            out[row] = int(torch.multinomial(probs, 1, generator=gen).item())
-        except Exception as e:  # noqa: BLE001 - one request's failure, never the batch's
-            log.exception("sampling failed for one row")
-            out[row] = SampleFailure(f"sampling failed: {type(e).__name__}: {e}")
+            row = rows[sampled[j]]
+            seed = (p.seed * _SEED_MIX + row.choice * _CHOICE_MIX + row.output_index) % (1 << 63)
+            uniform[j] = torch.rand(1, generator=torch.Generator().manual_seed(seed))
+    out: list[int | SampleFailure] = [SampleFailure("sampling gave an empty distribution")] * len(sampled)
+    for group in truncate(sub, params):
+        cumulative = group.weights.cumsum(dim=-1)  # [R, C]
+        total = cumulative[:, -1:].contiguous()  # [R, 1]
+        target = uniform.to(total.device)[group.rows][:, None] * total  # [R, 1]
+        # The first column whose cumulative weight passes the target holds positive weight; a target
+        # rounded up to the total takes the last column with weight (the first to reach the total).
+        col = torch.minimum(torch.searchsorted(cumulative, target, right=True),
+                            torch.searchsorted(cumulative, total))  # [R, 1]
+        tokens = col if group.token_ids is None else group.token_ids.gather(1, col)
+        valid = (torch.isfinite(total) & (total > 0)).squeeze(1).tolist()
+        for j, token, ok in zip(group.rows, tokens.squeeze(1).tolist(), valid):
+            if ok:
+                out[j] = token
     return out
 
 
-def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    # Shifted first: every quotient is <= 0, so even logits near float32's limit over a small
-    # temperature cannot overflow to inf; the top logit maps to exactly 0, so its probability
-    # is at least 1/V and nothing below can make the distribution empty.
-    scaled = (row - row.max()) / p.temperature  # [V]
-    if p.top_k and p.top_k < scaled.shape[0]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        # Ranked by the logits, not the probabilities: logits a denormal apart round to equal
-        # probabilities, and the token kept first must be the greedy one (argmax: first of ties).
-        order = row.sort(descending=True, stable=True).indices
-        sorted_probs = probs.index_select(0, order)
-        cumulative = sorted_probs.cumsum(0)
-        # Keep the smallest prefix whose mass reaches top_p. The top token is kept explicitly:
-        # a denormal top_p (1e-320) compared with a float32 tensor rounds to 0, and 0 >= 0.
-        drop = cumulative - sorted_probs >= p.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    total = probs.sum()
-    assert bool(torch.isfinite(probs).all()) and float(total) > 0, "a finite row gave an empty distribution"
-    return probs / total
+def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
+              tokens: list[int | SampleFailure]) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None and isinstance(tokens[i], int)]
+    if not wanted:
+        return out
+    device = logits.device
+    sub = logits if len(wanted) == len(rows) else logits.index_select(0, torch.tensor(wanted, device=device))  # [W, V]
+    targets = torch.tensor([tokens[i] for i in wanted], dtype=torch.long)
+    for i, entry in zip(wanted, gather_logprobs(sub, targets, [rows[i].params.logprobs for i in wanted])):
+        out[i] = entry
+    return out

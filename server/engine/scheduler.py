@@ -7,6 +7,11 @@ blocks and adapter slots allow. A waiting request whose adapter is still
 loading never holds up the others. When blocks run out, the newest running
 sequence is preempted: its blocks are freed and it is recomputed from its
 tokens when readmitted.
+
+A request for n choices is admitted as its choice 0 alone; once that prompt
+is prefilled the other choices fork from it, sharing its blocks. A sequence
+about to write into a shared block gets a private copy first: the copies are
+listed in the batch, for the runner to make before the forward pass.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class ScheduledBatch:
     slots: list[int] = field(default_factory=list)  # adapter slot per sequence, -1 = base model
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # adapter load failed: (seq, error)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy), copy-on-write
 
     @property
     def empty(self) -> bool:
@@ -59,13 +65,15 @@ class Scheduler:
         self.host = host
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
-        self.slot_of_seq: dict[str, int] = {}  # request id -> pinned adapter slot, for running sequences
-        self.waited_for_load: set[str] = set()
+        self.slot_of_seq: dict[Sequence, int] = {}  # pinned adapter slot of each running sequence
+        self.waited_for_load: set[Sequence] = set()
         # Adapter versions the waiting requests scanned last step need: the host tier keeps them when
         # it makes room for a finished load, so prefetching one never evicts another still waited for.
         self.wanted: set[str] = set()
         self.head_blocked_steps = 0
         self.num_preemptions = 0
+        # Seats in the running batch held for choices that fork once their choice 0's prompt is in.
+        self.fork_seats = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -96,20 +104,58 @@ class Scheduler:
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.waited_for_load.discard(seq.request_id)
+        self.waited_for_load.discard(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Start the other choices of `parent`'s request, whose prompt `parent` has just prefilled:
+        they share its blocks and adapter slot, and charge no prompt (it ran once)."""
+        group = parent.group
+        group.needs_fork = False
+        children = group.seqs[1:]
+        self.fork_seats -= len(children)
+        for child in children:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_table = self.blocks.fork(parent.block_table)
+            if parent in self.slot_of_seq:
+                version = child.adapter_id
+                self.slot_of_seq[child] = self.slots.acquire(version, self.host.get(version))
+                self.host.pin(version)
+            self.waiting.started_running(child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return children
+
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Free blocks for `seq` by preempting the newest running sequences; False if `seq` itself went."""
-        if seq.num_computed_tokens + n <= len(seq.block_table) * self.blocks.block_size:
-            return True  # most decode steps: the last block still has room
-        while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+        """Private blocks for `seq`'s next `n` tokens, preempting the newest running sequences while
+        the pool is short; False if `seq` itself went."""
+        start = seq.num_computed_tokens
+        end = start + n
+        table, size = seq.block_table, self.blocks.block_size
+        if end <= len(table) * size and (end - 1) // size == start // size \
+                and not self.blocks.is_shared(table[start // size]):
+            return True  # most decode steps: the last block has room and is this sequence's own
+        while True:
+            # Recomputed after each preemption: a preempted sibling may have left a block unshared.
+            shared = self._shared_blocks_written(seq, end)
+            if self.blocks.blocks_needed(seq.block_table, end) + len(shared) <= self.blocks.num_free_blocks:
+                break
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim, batch)
             if victim is seq:
                 return False
-        self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+        for i in shared:
+            batch.block_copies.append(self.blocks.copy_on_write(seq.block_table, i))
+        self.blocks.grow(seq.block_table, end)
         return True
+
+    def _shared_blocks_written(self, seq: Sequence, end: int) -> list[int]:
+        """Positions in `seq`'s block table of shared blocks that its tokens up to `end` land in:
+        after a fork, the prompt's partly filled last block (usually none, else one)."""
+        size = self.blocks.block_size
+        table = seq.block_table
+        last = min(len(table), (end + size - 1) // size)
+        return [i for i in range(seq.num_computed_tokens // size, last) if self.blocks.is_shared(table[i])]
 
     def _admit(self, batch: ScheduledBatch, budget: int, admit: bool) -> None:
         failed = self.host.collect(self.wanted)
@@ -127,9 +173,11 @@ class Scheduler:
                 elif version in prefetching or len(prefetching) < PREFETCH_WINDOW:
                     prefetching.add(version)
                     self.host.prefetch(version)
-                    self.waited_for_load.add(seq.request_id)
+                    self.waited_for_load.add(seq)
                 continue  # waits for its own load without holding anyone up
-            if not admit or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            # A request for n choices is n running sequences once it forks: room for all of them.
+            joining = seq.group.n if seq.group.needs_fork else 1
+            if not admit or budget == 0 or len(self.running) + self.fork_seats + joining > self.config.max_num_seqs:
                 continue  # keep scanning only to start loads for requests near the head
             if version is not None and not self.slots.can_acquire(version):
                 if not head_blocked:
@@ -150,13 +198,14 @@ class Scheduler:
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             self.waiting.admitted(seq)
             if version is not None:
-                if seq.request_id not in self.waited_for_load:
+                if seq not in self.waited_for_load:
                     self.host.note_hit()
-                self.waited_for_load.discard(seq.request_id)
-                self.slot_of_seq[seq.request_id] = self.slots.acquire(version, self.host.get(version))
+                self.waited_for_load.discard(seq)
+                self.slot_of_seq[seq] = self.slots.acquire(version, self.host.get(version))
                 self.host.pin(version)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.fork_seats += joining - 1
             self._add_to_batch(batch, seq, n)
             budget -= n
         if not head_blocked:
@@ -166,7 +215,7 @@ class Scheduler:
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
-        batch.slots.append(self.slot_of_seq.get(seq.request_id, -1))
+        batch.slots.append(self.slot_of_seq.get(seq, -1))
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, back into the queue."""
@@ -183,8 +232,10 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if seq.group.needs_fork:
+            self.fork_seats -= seq.group.n - 1
         self.blocks.free(seq.block_table)
         self.waiting.stopped_running(seq)
-        if self.slot_of_seq.pop(seq.request_id, None) is not None:
+        if self.slot_of_seq.pop(seq, None) is not None:
             self.slots.release(seq.adapter_id)
             self.host.unpin(seq.adapter_id)

@@ -1,8 +1,16 @@
-"""One request's state as it moves through waiting -> running -> finished."""
+"""One request's state as it moves through waiting -> running -> finished.
+
+A request asking for n choices is a SequenceGroup of n Sequences. Only choice 0
+is scheduled until its prompt is prefilled; then the others fork from it,
+sharing its prompt's KV blocks, and each goes on as a sequence of its own.
+"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
 
 from server.engine.sampling_params import SamplingParams
 
@@ -13,12 +21,25 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TokenLogprobs(NamedTuple):
+    """A token's logprob under the model (with the request's adapter), before any sampling
+    modification, and the `top` most likely tokens there: (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's output so far (cumulative; `finished` on the last one).
+    """One choice of a request, so far (cumulative; `finished` on the last one of that choice).
 
-    Not frozen: one is made per running request per step, and frozen
-    dataclasses cost several times more to construct.
+    Not frozen: one is made per running sequence per step, and frozen
+    dataclasses cost several times more to construct. `logprobs` is aligned
+    with `token_ids`, `prompt_logprobs` with `prompt_token_ids` (its first
+    entry None; complete from a request's first output on, and one list shared
+    by its choices and outputs: read it, don't change it); both are None
+    unless asked for.
     """
 
     request_id: str
@@ -28,19 +49,59 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
+    index: int = 0  # the choice, 0..n-1
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    # LLM.generate only, when n > 1: every choice in index order (this object is choice 0).
+    choices: list[RequestOutput] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """All choices, vLLM-style (`out.outputs[i].text`), for n == 1 as for n > 1."""
+        return self.choices if self.choices is not None else [self]
+
+
+class SequenceGroup:
+    """The n choices of one request, and what they share: the prompt and its logprobs."""
+
+    __slots__ = ("request_id", "seqs", "needs_fork", "prompt_logprobs", "min_tokens_stop_ids", "_prompt_tensor")
+
+    def __init__(self, request_id: str, prompt_logprobs: bool, min_tokens_stop_ids: tuple[int, ...]) -> None:
+        self.request_id = request_id
+        self.seqs: list[Sequence] = []  # by choice index
+        # Choices 1.. wait for choice 0's prompt, then fork from it (set by Sequence, cleared by the scheduler).
+        self.needs_fork = False
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if prompt_logprobs else None
+        self.min_tokens_stop_ids = min_tokens_stop_ids  # EOS (unless ignored) and stop ids, masked by min_tokens
+        self._prompt_tensor: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def prompt_tensor(self) -> torch.Tensor:
+        """The prompt's ids as a CPU tensor [P], made once (the repetition penalty reads it every step)."""
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(self.seqs[0].prompt_token_ids, dtype=torch.long)
+        return self._prompt_tensor
+
 
 class Sequence:
-    """Token ids, progress and KV blocks of a request (one sequence per request)."""
+    """Token ids, progress and KV blocks of one choice of a request."""
 
     __slots__ = (
         "request_id", "prompt_token_ids", "token_ids", "params", "adapter_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
-        "detok_state", "stop", "_num_prompt",
+        "detok_state", "stop", "_num_prompt", "index", "group", "logprobs",
     )
 
     def __init__(
@@ -52,6 +113,8 @@ class Sequence:
         arrival: int,
         tenant: str | None = None,
         priority: int = 0,
+        index: int = 0,
+        group: SequenceGroup | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +134,14 @@ class Sequence:
         self.detok_state = None  # IncrementalDetokenizer's DetokState, set by the engine
         self.stop = None  # StopChecker, set by the engine
         self._num_prompt = len(self.prompt_token_ids)
+        self.index = index
+        if group is None:
+            group = SequenceGroup(request_id, params.prompt_logprobs is not None, ())
+        self.group = group
+        group.seqs.append(self)
+        if index:
+            group.needs_fork = True
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,13 +164,17 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def output(self) -> RequestOutput:
+    def output(self, text: str | None = None) -> RequestOutput:
+        """This choice so far; `text` overrides the text (a streamed output holds back a possible stop string)."""
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
             token_ids=self.output_token_ids,
-            text=self.text,
+            text=self.text if text is None else text,
             finished=self.finished,
             finish_reason=self.finish_reason,
             error=self.error,
+            index=self.index,
+            logprobs=None if self.logprobs is None else self.logprobs[:],
+            prompt_logprobs=self.group.prompt_logprobs,
         )

@@ -17,6 +17,11 @@ class StopChecker:
         self.searched = len(text)
         return min(hits) if hits else None
 
+    def skip(self, text: str) -> None:
+        """`text` is not to be searched (min_tokens not reached): later searches start at its end,
+        less a stop string's length, so only a stop string that ends after it counts."""
+        self.searched = len(text)
+
     def partial_suffix(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string."""
         best = 0

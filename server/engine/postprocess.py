@@ -1,0 +1,125 @@
+"""A step's results become RequestOutputs: tokens appended, text detokenised, stops found,
+requests forked into their n choices and finished. Every per-request failure ends here too."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from server.engine.sampler import SampleFailure
+from server.engine.sequence import RequestOutput, Sequence, TokenLogprobs
+
+if TYPE_CHECKING:
+    from server.engine.detokenizer import IncrementalDetokenizer
+    from server.engine.model_runner import SeqResult
+    from server.engine.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class OutputProcessing:
+    """LLMEngine's post-processing half (a mixin: the engine owns the state it reads)."""
+
+    scheduler: Scheduler
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    seqs: dict[str, Sequence]  # request id -> its choice 0, until every choice finished
+    aborted: list[Sequence]
+
+    def postprocess(self, batch: ScheduledBatch, results: dict[int, SeqResult]) -> list[RequestOutput]:
+        outputs = [self._output(seq) for seq in self.aborted]
+        self.aborted.clear()
+        for seq, error in batch.failed:
+            outputs += self._fail(seq, f"adapter {seq.adapter_id} could not be loaded: {error}")
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            seq.num_computed_tokens += n
+            result = results.get(i)
+            if result is None:
+                continue  # a prompt chunk
+            if result.prompt_logprobs:
+                seq.group.prompt_logprobs += result.prompt_logprobs
+            if not result.done:
+                continue  # a prompt chunk: nothing to say yet
+            if not result.tokens:
+                outputs += self._finish(seq, "length")  # scoring only: the prompt's logprobs are the answer
+                continue
+            if seq.group.needs_fork:  # its prompt is in: the other choices start, each with its token
+                for choice, token, logprob in zip([seq, *self.scheduler.fork(seq)], result.tokens, result.logprobs):
+                    self._advance(outputs, choice, token, logprob)
+            else:
+                self._advance(outputs, seq, result.tokens[0], result.logprobs[0])
+        return outputs
+
+    def _advance(self, outputs: list[RequestOutput], seq: Sequence, token: int | SampleFailure,
+                 logprob: TokenLogprobs | None) -> None:
+        """Append `seq`'s next token (or fail it) and its output to `outputs`."""
+        if isinstance(token, SampleFailure):
+            outputs += self._fail(seq, self._failure_message(seq, token))
+            return
+        try:
+            outputs.append(self._append_token(seq, token, logprob))
+        except Exception as e:  # noqa: BLE001 - one request's failure, never the engine's
+            log.exception("post-processing request %s failed", seq.request_id)
+            outputs += self._fail(seq, f"post-processing failed: {type(e).__name__}: {e}")
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> RequestOutput:
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+        self.scheduler.waiting.charge_output(seq)
+        seq.text += self.detokenizer.step(seq.detok_state, seq.token_ids)
+        reason = self._finish_reason(seq, token)
+        if reason is not None and seq.text_cut is None:
+            seq.text += self.detokenizer.flush(seq.detok_state, seq.token_ids)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> list[RequestOutput]:
+        """End `seq`; before its request forked, the choices still waiting on it end alike."""
+        group = seq.group
+        ended = group.seqs if group.needs_fork else [seq]
+        for s in ended:
+            s.finish_reason, s.error = reason, error
+            if not s.finished:
+                self.scheduler.finish(s)
+        if group.finished:
+            self.seqs.pop(seq.request_id, None)
+        return [s.output() for s in ended]
+
+    def _fail(self, seq: Sequence, message: str) -> list[RequestOutput]:
+        """Finish with finish_reason "error": every per-request failure ends here."""
+        return self._finish(seq, "error", message)
+
+    @staticmethod
+    def _failure_message(seq: Sequence, failure: SampleFailure) -> str:
+        if not failure.non_finite:
+            return failure.reason
+        source = f"adapter {seq.adapter_id}" if seq.adapter_id is not None else "the base model"
+        return f"{source} {failure.reason}"
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            # vLLM: no stop token or string ends a choice before min_tokens (the sampler masks the
+            # tokens), and a stop string wholly inside that text never ends it later.
+            seq.stop.skip(seq.text)
+            return None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        cut = seq.stop.find(seq.text)
+        if cut is not None:
+            seq.text = seq.text[:cut]
+            seq.text_cut = cut
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        stop = seq.stop
+        if not seq.finished and stop.stops:
+            # Hold back a tail that could still grow into a stop string, so it is never streamed.
+            return seq.output(seq.text[: len(seq.text) - stop.partial_suffix(seq.text)])
+        return seq.output()
