@@ -6,19 +6,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from server.api.admin_models import QuotaFields, TenantCreate, TenantPatch
 from server.api.auth import require_admin, state_of
-from server.api.errors import APIError, not_found
-from server.api.housekeeping import purge_tenant
 from server.api.body import read_json_object
+from server.api.errors import not_found
+from server.api.housekeeping import purge_tenant
+from server.api.validation import parse_model
 from tenants import Quota, validate_tenant_name
 
 
 async def create_tenant(request: Request) -> Response:
     require_admin(request)
-    body = await read_json_object(request)
-    name = validate_tenant_name(body.get("name"))
-    quota = Quota.from_dict(body.get("quota"))
-    tenant = await run_in_threadpool(state_of(request).tenants.create, name, quota)
+    req = parse_model(TenantCreate, await read_json_object(request), range_status=422)
+    quota = Quota.from_dict(req.quota.model_dump(exclude_unset=True) if req.quota else None)
+    tenant = await run_in_threadpool(state_of(request).tenants.create, validate_tenant_name(req.name), quota)
     return JSONResponse(tenant.to_dict(), status_code=201)
 
 
@@ -43,11 +44,11 @@ async def get_tenant(request: Request) -> Response:
 async def patch_tenant(request: Request) -> Response:
     require_admin(request)
     body = await read_json_object(request)
-    patch = body.get("quota", body)  # {"quota": {...}} or the quota fields themselves
-    if not isinstance(patch, dict):
-        raise APIError(422, "'quota' must be a JSON object", "invalid_field")
+    # {"quota": {...}} or the quota fields themselves
+    fields = parse_model(TenantPatch, body, 422).quota if "quota" in body else \
+        parse_model(QuotaFields, body, 422)
     tenant = await run_in_threadpool(state_of(request).tenants.update_quota,
-                                     request.path_params["name"], patch)
+                                     request.path_params["name"], fields.model_dump(exclude_unset=True))
     return JSONResponse(tenant.to_dict())
 
 

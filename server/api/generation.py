@@ -1,5 +1,5 @@
-"""One generation request from quota check to usage record, shared by
-/v1/completions and /v1/chat/completions.
+"""One prompt's generation (its n choices) from quota check to usage record, shared by
+/v1/completions (one per prompt of a batch) and /v1/chat/completions.
 
 Order matters: every check that can refuse (model, length, per-request cap,
 rate/token/concurrency quota) runs before anything is allocated; the
@@ -18,19 +18,20 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters.registry import AdapterRecord, validate_name
 from server.api.errors import APIError
-from server.api.schemas import GenerationRequest
 from server.api.state import ServerState
 from server.engine import SamplingParams
 from server.engine.async_engine import RequestStream
+from server.engine.sequence import RequestOutput, TokenLogprobs
 from tenants import Admission, Tenant, check_request_tokens
-
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass(frozen=True)
 class Delta:
-    text: str                  # new text since the previous delta
-    finish_reason: str | None  # set on the last one
+    index: int                          # the choice, within this prompt's n
+    text: str                           # new text since the previous delta of this choice
+    token_ids: list[int]                # new tokens since the previous delta
+    logprobs: list[TokenLogprobs]       # theirs, when asked for
+    finish_reason: str | None           # set on the choice's last delta
 
 
 async def resolve_model(state: ServerState, tenant: Tenant, model: str) -> AdapterRecord | None:
@@ -49,95 +50,110 @@ async def resolve_model(state: ServerState, tenant: Tenant, model: str) -> Adapt
     return record
 
 
-def _max_tokens(state: ServerState, tenant: Tenant, req: GenerationRequest, prompt_len: int,
-                chat: bool) -> int:
-    if req.max_tokens is not None:
-        return req.max_tokens
-    if not chat:
-        return COMPLETION_DEFAULT_MAX_TOKENS
-    # Chat defaults to the rest of the context, within the tenant's own caps.
-    room = state.engine.engine.max_model_len - prompt_len
-    q = tenant.quota
-    for cap in (q.max_tokens_per_request, None if q.tokens_per_minute is None else q.tokens_per_minute - prompt_len):
-        if cap is not None:
-            room = min(room, cap)
-    return max(1, room)
+class _Choice:
+    """How far one choice's outputs have been handed out."""
+
+    __slots__ = ("text", "tokens", "finish_reason")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.tokens = 0
+        self.finish_reason: str | None = None
 
 
 class Generation:
     def __init__(self, state: ServerState, tenant: Tenant, endpoint: str, prompt_ids: list[int],
-                 admission: Admission, stream: RequestStream, arrived: float) -> None:
+                 params: SamplingParams, admission: Admission, stream: RequestStream, arrived: float,
+                 adapter: str | None) -> None:
         self.state = state
         self.tenant = tenant
         self.endpoint = endpoint
         self.request_id = stream.request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.adapter = adapter  # its name, for the usage log; None: the base model
         self.prompt_tokens = len(prompt_ids)
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(params.n)]
         self._admission = admission
         self._stream = stream
         self._arrived = arrived
+        self._last_token_at: float | None = None
         self._closed = False
 
     @classmethod
-    async def start(cls, state: ServerState, tenant: Tenant, endpoint: str, req: GenerationRequest,
-                    prompt_ids: list[int], record: AdapterRecord | None, arrived: float) -> "Generation":
-        max_tokens = _max_tokens(state, tenant, req, len(prompt_ids), chat=req.messages is not None)
+    async def start(cls, state: ServerState, tenant: Tenant, endpoint: str, params: SamplingParams,
+                    prompt_ids: list[int], record: AdapterRecord | None, priority: int,
+                    arrived: float) -> "Generation":
         limit = state.engine.engine.max_model_len
-        if len(prompt_ids) + max_tokens > limit:
-            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                 f"the maximum context length of {limit} tokens", "context_length_exceeded")
-        check_request_tokens(tenant, max_tokens)
-        try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=req.seed, stop=req.stop,
-                                    stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_value") from None
-        prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
-        request_id = prefix + uuid.uuid4().hex
+        check_request_tokens(tenant, params.max_tokens)
+        request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         admission = await run_in_threadpool(state.limiter.admit, tenant, request_id,
-                                            len(prompt_ids) + max_tokens)
+                                            len(prompt_ids) + params.max_tokens * params.n)
         version = None if record is None else record.version
         try:
             # The engine pages the adapter in from Redis if it is not resident; this request
             # waits for it without holding up anyone else's.
             stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.id,
-                                               req.priority, tenant.quota.weight)
+                                               priority, tenant.quota.weight)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await run_in_threadpool(state.settlements.settle, tenant, admission, 0, 0)
             raise
-        return cls(state, tenant, endpoint, prompt_ids, admission, stream, arrived)
-
-    async def deltas(self) -> AsyncIterator[Delta]:
-        metrics = self.state.metrics
-        text = ""
-        last = None
-        async for out in self._stream:
-            now = time.monotonic()
-            new_tokens = len(out.token_ids) - self.completion_tokens
-            if new_tokens > 0:
-                if last is None:
-                    metrics.ttft.observe(now - self._arrived)
-                else:
-                    metrics.itl.observe((now - last) / new_tokens)
-                last = now
-            self.completion_tokens = len(out.token_ids)
-            piece = out.text[len(text):] if out.text.startswith(text) else ""
-            text = out.text if out.text.startswith(text) else text
-            if out.finished:
-                if out.finish_reason == "error":
-                    raise APIError(503, out.error or "generation failed", "adapter_unavailable")
-                self.finish_reason = out.finish_reason
-            if piece or out.finished:
-                yield Delta(piece, self.finish_reason if out.finished else None)
+        return cls(state, tenant, endpoint, prompt_ids, params, admission, stream, arrived,
+                   None if record is None else record.name)
 
     @property
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def _observe_latency(self, new_tokens: int) -> None:
+        now = time.monotonic()
+        metrics = self.state.metrics
+        self.state.history.note_tokens(new_tokens)
+        if self._last_token_at is None:
+            metrics.ttft.observe(now - self._arrived)
+            self.state.history.note_ttft(now - self._arrived)
+        else:
+            metrics.itl.observe((now - self._last_token_at) / new_tokens)
+        self._last_token_at = now
+
+    def _delta(self, out: RequestOutput) -> Delta | None:
+        choice = self.choices[out.index]
+        new_tokens = out.token_ids[choice.tokens:]
+        new_logprobs = list(out.logprobs[choice.tokens:]) if out.logprobs is not None else []
+        if new_tokens:
+            self._observe_latency(len(new_tokens))
+        choice.tokens = len(out.token_ids)
+        # Text may be held back (a possible stop string) and later shortened (a stop string found).
+        piece = out.text[len(choice.text):] if out.text.startswith(choice.text) else ""
+        if out.text.startswith(choice.text):
+            choice.text = out.text
+        if out.finished:
+            if out.finish_reason == "error":
+                raise APIError(503, out.error or "generation failed", "generation_failed")
+            choice.finish_reason = out.finish_reason
+        if not (piece or new_tokens or out.finished):
+            return None
+        return Delta(out.index, piece, list(new_tokens), new_logprobs, choice.finish_reason)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        async for out in self._stream:
+            if self.prompt_logprobs is None and out.prompt_logprobs is not None:
+                self.prompt_logprobs = list(out.prompt_logprobs)
+            self.cached_tokens = max(self.cached_tokens, getattr(out, "num_cached_tokens", 0) or 0)
+            delta = self._delta(out)
+            if delta is not None:
+                yield delta
 
     async def close(self) -> None:
         """Idempotent; aborts the engine request if it is still running."""
@@ -145,13 +161,20 @@ class Generation:
             return
         self._closed = True
         self._stream.abort()
-        outcome = "ok" if self.finish_reason in ("stop", "length") else "aborted"
+        done = self.finished and all(c.finish_reason in ("stop", "length") for c in self.choices)
         m = self.state.metrics
-        m.requests.labels(self.tenant.name, self.endpoint, outcome).inc()
+        m.requests.labels(self.tenant.name, self.endpoint, "ok" if done else "aborted").inc()
         m.tokens.labels(self.tenant.name, "prompt").inc(self.prompt_tokens)
         m.tokens.labels(self.tenant.name, "completion").inc(self.completion_tokens)
         # Shielded: a disconnect cancels the request's scope, and the quota lease and
         # usage must still be settled (retried in the background if Redis is away).
         with anyio.CancelScope(shield=True):
             await run_in_threadpool(self.state.settlements.settle, self.tenant, self._admission,
-                                    self.prompt_tokens, self.completion_tokens)
+                                    self.prompt_tokens, self.completion_tokens, self.adapter)
+
+
+def usage(gens: list[Generation]) -> dict:
+    prompt = sum(g.prompt_tokens for g in gens)
+    completion = sum(g.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)}}

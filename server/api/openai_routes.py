@@ -1,32 +1,50 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI-compatible endpoints: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from adapters.registry import AdapterRecord
 from server.api.auth import require_tenant, state_of
-from server.api.errors import to_api_error
-from server.api.generation import Generation, resolve_model
 from server.api.body import read_json_object
-from server.api.schemas import GenerationRequest, parse_chat, parse_completion
-from server.api.sse import SSEResponse, sse_event, until_disconnect
+from server.api.errors import APIError
+from server.api.generation import Generation, resolve_model
+from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from server.api.renderers import ChatRenderer, CompletionRenderer
+from server.api.sampling import max_tokens_for, sampling_params
+from server.api.sse import SSEResponse, until_disconnect
+from server.api.state import ServerState
+from server.api.validation import parse_model
+from tenants import Tenant
+
+
+def _model_card(state: ServerState, tenant: Tenant, record: AdapterRecord | None) -> dict:
+    base = state.model_id
+    limit = state.engine.engine.max_model_len
+    if record is None:
+        return {"id": base, "object": "model", "created": 0, "owned_by": "loraplex", "root": base,
+                "parent": None, "max_model_len": limit}
+    return {"id": record.name, "object": "model", "created": int(record.created_at), "owned_by": tenant.name,
+            "root": base, "parent": base, "max_model_len": limit}
 
 
 async def list_models(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
     records = await run_in_threadpool(state.registry.list, tenant.id)
-    base = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "loraplex",
-            "root": state.model_id, "parent": None}
-    data = [base] + [{"id": r.name, "object": "model", "created": int(r.created_at),
-                      "owned_by": tenant.name, "root": state.model_id, "parent": state.model_id}
-                     for r in records]
+    data = [_model_card(state, tenant, None)] + [_model_card(state, tenant, r) for r in records]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> Response:
+    tenant = await require_tenant(request)
+    state = state_of(request)
+    model = request.path_params["model"]
+    return JSONResponse(_model_card(state, tenant, await resolve_model(state, tenant, model)))
 
 
 async def completions(request: Request) -> Response:
@@ -37,81 +55,65 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, chat=True)
 
 
+async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list[int]],
+                     record: AdapterRecord | None, arrived: float, endpoint: str) -> list[Generation]:
+    """One generation per prompt; all or none (a refused one closes those already started)."""
+    gens: list[Generation] = []
+    vocab = state.engine.engine.model_config.vocab_size
+    limit = state.engine.engine.max_model_len
+    try:
+        for ids in prompts:
+            params = sampling_params(req, max_tokens_for(req, tenant, len(ids), limit), vocab)
+            gens.append(await Generation.start(state, tenant, endpoint, params, ids, record, req.priority,
+                                               arrived))
+    except BaseException:
+        for gen in gens:
+            await gen.close()
+        raise
+    return gens
+
+
 async def _generate(request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
     tenant = await require_tenant(request)
     state = state_of(request)
-    body = await read_json_object(request)
-    req = parse_chat(body) if chat else parse_completion(body)
+    req = parse_model(ChatCompletionRequest if chat else CompletionRequest, await read_json_object(request))
     record = await resolve_model(state, tenant, req.model)
+    texts = state.prompts.token_texts
     if chat:
-        prompt_ids = await state.prompts.encode_chat(req.messages)
+        prompts = [await state.prompts.encode_chat([m.for_template() for m in req.messages])]
     else:
-        prompt_ids = await state.prompts.encode(req.prompt)
-    gen = await Generation.start(state, tenant, "chat" if chat else "completions", req, prompt_ids,
-                                 record, arrived)
+        batch = req.prompts()
+        cap = state.config.max_batch_prompts
+        if len(batch) > cap:
+            raise APIError(400, f"'prompt' is a batch of {len(batch)} prompts; at most {cap} "
+                                f"(--max-batch-prompts)", "invalid_value")
+        prompts = [await state.prompts.encode(p) for p in batch]
+    gens = await _start_all(state, tenant, req, prompts, record, arrived, "chat" if chat else "completions")
+    if chat:
+        renderer = ChatRenderer(req, gens, texts, req.model)
+    else:
+        echo = [(p if isinstance(p, str) else state.prompts.decode(p)) if req.echo else "" for p in batch]
+        renderer = CompletionRenderer(req, gens, texts, req.model, echo)
+
+    async def close() -> None:
+        for gen in gens:
+            await gen.close()
+
     if req.stream:
-        return SSEResponse(_stream_events(gen, req, chat), gen.close)
+        return SSEResponse(renderer.stream(), close)
     try:
-        completed, text = await until_disconnect(request, lambda: _collect(gen))
+        completed, _ = await until_disconnect(request, renderer.collect)
     finally:
-        await gen.close()
+        await close()
     if not completed:
-        return Response(status_code=499)  # nobody is listening; the engine request was aborted
-    return JSONResponse(_final_body(gen, req, chat, text))
-
-
-async def _collect(gen: Generation) -> str:
-    return "".join([d.text async for d in gen.deltas()])
-
-
-def _final_body(gen: Generation, req: GenerationRequest, chat: bool, text: str) -> dict:
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": gen.finish_reason}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
-        kind = "text_completion"
-    return {"id": gen.request_id, "object": kind, "created": gen.created, "model": req.model,
-            "choices": [choice], "usage": gen.usage}
-
-
-async def _stream_events(gen: Generation, req: GenerationRequest, chat: bool) -> AsyncIterator[bytes]:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choices: list, usage: dict | None = None) -> bytes:
-        payload = {"id": gen.request_id, "object": kind, "created": gen.created, "model": req.model,
-                   "choices": choices}
-        if req.include_usage:
-            payload["usage"] = usage  # null on every chunk but the last (OpenAI's shape)
-        return sse_event(payload)
-
-    def choice(text: str | None, finish: str | None, role: bool = False) -> dict:
-        if not chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-    try:
-        if chat:
-            yield chunk([choice(None, None, role=True)])
-        async for d in gen.deltas():
-            if d.finish_reason is not None:
-                if d.text:
-                    yield chunk([choice(d.text, None)])
-                yield chunk([choice(None if chat else "", d.finish_reason)])
-            else:
-                yield chunk([choice(d.text, None)])
-        if req.include_usage:
-            yield chunk([], gen.usage)
-    except Exception as e:  # noqa: BLE001 - headers are sent: the error goes in the stream
-        yield sse_event(to_api_error(e).body())
-    yield sse_event("[DONE]")
+        return Response(status_code=499)  # nobody is listening; the engine requests were aborted
+    return JSONResponse(renderer.body())
 
 
 ROUTES = [
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
 ]

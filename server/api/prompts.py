@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from transformers import AutoTokenizer
 
 from server.api.errors import APIError
+from server.api.token_text import TokenText
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -39,6 +40,16 @@ class PromptTokenizer:
         self._local = threading.local()
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_model_len * longest_token_chars(self._template)
+        # The template itself is used on the event loop only (decoding never mutates it).
+        self.token_texts = TokenText(self._template)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text (event-loop thread only; at most a context's worth)."""
+        return self._template.decode(ids)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Any number of ids as text, on a worker thread with its own tokenizer."""
+        return await run_in_threadpool(lambda: self._tok().decode(ids))
 
     def _tok(self):
         tok = getattr(self._local, "tok", None)
@@ -57,8 +68,8 @@ class PromptTokenizer:
             raise APIError(400, f"the prompt has {count} tokens, more than the maximum context length of "
                                 f"{self.max_model_len} tokens", "context_length_exceeded")
 
-    def _encode_text(self, text: str) -> list[int]:
-        return list(self._tok()(text).input_ids)
+    def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok()(text, add_special_tokens=add_special_tokens).input_ids)
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         tok = self._tok()
@@ -71,10 +82,10 @@ class PromptTokenizer:
         # The template writes the special tokens (BOS...) itself.
         return list(tok(text, add_special_tokens=False).input_ids)
 
-    async def encode(self, prompt: str | list[int]) -> list[int]:
+    async def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             self.check_text_length(len(prompt), "the prompt")
-            ids = await run_in_threadpool(self._encode_text, prompt)
+            ids = await run_in_threadpool(self._encode_text, prompt, add_special_tokens)
         else:
             ids = list(prompt)
         self.check_token_count(len(ids))

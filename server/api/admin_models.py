@@ -1,0 +1,192 @@
+"""Request and response bodies of the admin, adapter, usage and ops endpoints (pydantic models).
+
+Quota values are validated here for the schema and again by tenants.Quota,
+which owns their meaning (a PATCH merges into the stored quota there).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+Limit = Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None
+TenantName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+
+
+class QuotaFields(BaseModel):
+    """Per-tenant limits; null (or absent at creation) means unlimited; `weight` is the fair share."""
+
+    model_config = ConfigDict(extra="forbid")
+    requests_per_minute: Limit = None
+    tokens_per_minute: Limit = None
+    max_concurrent_requests: Limit = None
+    max_adapters: Limit = None
+    max_adapter_bytes: Limit = None
+    max_lora_rank: Limit = None
+    max_tokens_per_request: Limit = None
+    weight: Annotated[float, Field(gt=0.0, le=1e6, allow_inf_nan=False)] = 1.0
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: TenantName
+    quota: QuotaFields | None = None
+
+
+class TenantPatch(BaseModel):
+    """Only the quota fields given change (null: unlimited). The fields may also be sent unwrapped."""
+
+    model_config = ConfigDict(extra="forbid")
+    quota: QuotaFields
+
+
+class Quota(QuotaFields):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TenantOut(BaseModel):
+    id: str
+    name: str
+    quota: Quota
+    created_at: float
+
+
+class KeyInfo(BaseModel):
+    id: str
+    created_at: float
+    last_used_at: float | None = Field(None, description="to the minute; null if never used")
+
+
+class KeyList(BaseModel):
+    object: Literal["list"]
+    data: list[KeyInfo]
+
+
+class TenantDetail(TenantOut):
+    keys: list[KeyInfo]
+    adapters: int
+
+
+class TenantList(BaseModel):
+    object: Literal["list"]
+    data: list[TenantOut]
+
+
+class TenantDeleted(BaseModel):
+    name: str
+    id: str
+    deleted: Literal[True]
+    adapters_retired: int
+
+
+class KeyCreated(BaseModel):
+    id: str
+    key: str = Field(description="shown once; stored only as a salted hash")
+    tenant: str
+
+
+class KeyDeleted(BaseModel):
+    id: str
+    deleted: Literal[True]
+
+
+class AdapterOut(BaseModel):
+    object: Literal["adapter"]
+    id: str
+    name: str
+    version: str
+    rank: int
+    target_modules: list[str]
+    size_bytes: int
+    created_at: float
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"]
+    data: list[AdapterOut]
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    name: str
+    object: Literal["adapter"]
+    deleted: Literal[True]
+
+
+class AdapterUpload(BaseModel):
+    """multipart/form-data: a `name` field and the two PEFT files."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    replace: Literal["true", "false", "1", "0"] = "false"
+    adapter_config_json: bytes = Field(alias="adapter_config.json", json_schema_extra={"format": "binary"})
+    adapter_model_safetensors: bytes = Field(alias="adapter_model.safetensors",
+                                             json_schema_extra={"format": "binary"})
+
+
+class UsageCounters(BaseModel):
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageTotal(UsageCounters):
+    adapters: dict[str, UsageCounters] = Field(description="per adapter name; \"\" is the base model")
+
+
+class UsageDay(UsageTotal):
+    date: str
+
+
+class UsageOut(BaseModel):
+    object: Literal["usage"]
+    tenant: str
+    limits: Quota
+    current: dict[str, Any]
+    days: list[UsageDay]
+    total: UsageTotal
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    status: Literal["ok", "unavailable"]
+    engine: bool
+    redis: bool
+    model: str
+    engine_error: str | None = None
+
+
+class AdminAdapter(AdapterOut):
+    tenant: str
+    tenant_id: str
+    residency: Literal["redis", "host", "device"] = Field(
+        description="the fastest tier holding it on this replica: device slot, host memory, or only Redis")
+
+
+class AdminAdapterList(BaseModel):
+    object: Literal["list"]
+    data: list[AdminAdapter]
+    total: int
+    offset: int
+    limit: int
+
+
+class EnginePoint(BaseModel):
+    t: float
+    tokens_per_s: float
+    ttft_p50_s: float | None
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+class EngineView(BaseModel):
+    healthy: bool
+    error: str | None
+    running: int
+    waiting: int
+    preemptions: int
+    kv_blocks: dict[str, int]
+    slots: dict[str, int]
+    host: dict[str, int | None]
+    history: list[EnginePoint]

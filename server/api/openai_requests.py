@@ -1,0 +1,260 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Constraints live in the models (ranges, lengths, enums) and are published in
+/openapi.json. Fields OpenAI clients send that change nothing here (`user`,
+`metadata`, `store`, `service_tier`) are accepted and ignored, like any unknown
+field; fields we know and cannot honour are refused with a 400 naming them
+(`UNSUPPORTED`), never accepted and silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 4096
+MAX_NAME_CHARS = 256
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+ModelId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class Unsupported(ValueError):
+    """A known field set to a value loraplex cannot honour; the HTTP layer answers 400 naming it."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"'{field}' {why}")
+        self.field = field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: OpenAI's sampling fields plus vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: ModelId
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=1024)] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    user: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras
+    top_k: Annotated[int, Field(ge=-1, le=(1 << 31) - 1)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0, le=(1 << 31) - 1)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    prompt_logprobs: TopLogprobs | None = None
+    priority: Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)] = 0
+    # vLLM fields we know but do not implement: set to anything but their default, they are refused.
+    use_beam_search: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with OpenAI's string keys as token ids (checked: decimal, in range)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise Unsupported("logit_bias", f"keys must be token ids, got {key!r}")
+            out[int(key)] = value
+        return out
+
+    def refuse_unsupported(self) -> None:
+        """Raise Unsupported for the first field set to a value we cannot honour."""
+        defaults = {"use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+                    "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
+                    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+                    "structured_outputs": None}
+        for field, default in defaults.items():
+            if getattr(self, field) != default:
+                raise Unsupported(field, "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise Unsupported("best_of", "other than n is not supported")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise Unsupported("response_format", "other than {\"type\": \"text\"} is not supported yet "
+                                                 "(guided decoding)")
+        if self.stream_options is not None and not self.stream:
+            raise Unsupported("stream_options", "is only allowed with stream: true")
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt` is a string, token ids, or a batch of either."""
+
+    prompt: (Annotated[str, StringConstraints(min_length=0)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
+    suffix: str | None = None
+    max_completion_tokens: int | None = None  # not an OpenAI completions field: refused if set
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise Unsupported("suffix", "is not supported")
+        if self.max_completion_tokens is not None:
+            raise Unsupported("max_completion_tokens", "is a chat completions field; use max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise Unsupported("max_tokens", "of 0 is only allowed with echo: true (scoring the prompt)")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)] | None = None
+    tool_calls: list[Any] | None = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template sees it ("developer" is OpenAI's new name for "system")."""
+        role = "system" if self.role == "developer" else self.role
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            [part.model_dump() for part in self.content]
+        out: dict = {"role": role, "content": content if content is not None else ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    # vLLM chat extras we do not implement
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    reasoning_effort: str | None = None
+    prediction: Any = None
+
+    @model_validator(mode="after")
+    def _max_tokens(self) -> "ChatCompletionRequest":
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1 in chat completions")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) wins over the deprecated max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for field in ("tools", "functions", "function_call", "chat_template", "chat_template_kwargs",
+                      "documents", "audio", "prediction", "reasoning_effort"):
+            if getattr(self, field):
+                raise Unsupported(field, "is not supported (no tool calling or guided decoding yet)")
+        if self.tool_choice not in (None, "none"):
+            raise Unsupported("tool_choice", "is not supported (no tool calling yet)")
+        if self.modalities not in (None, ["text"]):
+            raise Unsupported("modalities", "other than [\"text\"] are not supported")
+        for flag, default in (("echo", False), ("add_generation_prompt", True), ("continue_final_message", False)):
+            if getattr(self, flag) != default:
+                raise Unsupported(flag, "is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise Unsupported("top_logprobs", "needs logprobs: true")
+        for i, m in enumerate(self.messages):
+            if m.role in ("tool", "function") or m.tool_calls:
+                raise Unsupported(f"messages[{i}].role", f"{m.role!r} (tool calling) is not supported")
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt or chat messages."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: ModelId
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: ModelId
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]

@@ -1,0 +1,180 @@
+"""Every request parameter in the README's table, through the `openai` client: supported ones for
+their effect, refused ones for the 400 that names them, ignored ones for an unchanged answer."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import openai
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+PROMPT = [3, 14, 15, 92, 65]
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def readme_rows() -> dict[str, tuple[str, str]]:
+    """parameter -> (completions, chat) as the README's table states them."""
+    text = README.read_text()
+    table = text[text.index("| parameter | /v1/completions"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[re.sub(r"[`]", "", cells[0])] = (cells[1], cells[2])
+    return rows
+
+
+class Calls:
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.c = client
+        self.model = model
+
+    def complete(self, **kw):
+        kw.setdefault("max_tokens", 8)
+        kw.setdefault("temperature", 0)
+        extra = kw.pop("extra_body", {})
+        return self.c.completions.create(model=self.model, prompt=kw.pop("prompt", PROMPT),
+                                         extra_body={"ignore_eos": True, **extra}, **kw)
+
+    def chat(self, **kw):
+        kw.setdefault("max_tokens", 8)
+        kw.setdefault("temperature", 0)
+        extra = kw.pop("extra_body", {})
+        return self.c.chat.completions.create(model=self.model, messages=kw.pop("messages", CHAT),
+                                              extra_body={"ignore_eos": True, **extra}, **kw)
+
+    def text(self, chat: bool, **kw) -> str:
+        r = self.chat(**kw) if chat else self.complete(**kw)
+        return r.choices[0].message.content if chat else r.choices[0].text
+
+
+def effects(calls: Calls, tokenizer, chat: bool, first: int):
+    """Per supported parameter: a check that it changes what it should. `first`: the greedy first token."""
+    greedy = calls.text(chat)
+    gen = calls.chat if chat else calls.complete
+
+    def sampled(**kw) -> str:
+        return calls.text(chat, temperature=1.0, seed=7, max_tokens=16, **kw)
+
+    def n():
+        r = gen(n=3)
+        assert len(r.choices) == 3 and [c.index for c in r.choices] == [0, 1, 2]
+
+    def stop():
+        cut = greedy[2:5]
+        assert cut and calls.text(chat, stop=[cut]) == greedy[:greedy.index(cut)]
+
+    def stream():
+        pieces = list(gen(stream=True, stream_options={"include_usage": True}))
+        assert pieces[-1].usage.completion_tokens == 8 and len(pieces) > 3
+
+    def penalty(name: str, value: float):
+        def check():
+            assert calls.text(chat, max_tokens=40, extra_body={name: value}) != calls.text(chat, max_tokens=40)
+        return check
+
+    def logit_bias():
+        assert calls.text(chat, logit_bias={str(first): -100}) != greedy
+        forced = next(t for t in range(100, 200) if t != first)
+        assert calls.text(chat, logit_bias={str(forced): 100}, max_tokens=2) == tokenizer.decode([forced] * 2)
+
+    def min_tokens():
+        stopped = gen(extra_body={"stop_token_ids": [first], "ignore_eos": True})
+        assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+        held = gen(extra_body={"stop_token_ids": [first], "min_tokens": 5})
+        assert held.usage.completion_tokens >= 5
+
+    def ignore_eos():
+        eos = tokenizer.eos_token_id
+        bias = {str(eos): 100}
+        r = gen(logit_bias=bias, extra_body={"ignore_eos": False})
+        assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+        assert gen(logit_bias=bias).usage.completion_tokens == 8
+
+    def logprobs():
+        if chat:
+            r = gen(logprobs=True, top_logprobs=2)
+            assert len(r.choices[0].logprobs.content) == 8 and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+        else:
+            assert len(calls.complete(logprobs=2).choices[0].logprobs.top_logprobs) == 8
+
+    def prompt_logprobs():
+        r = gen(extra_body={"prompt_logprobs": 1})
+        entries = r.model_extra["prompt_logprobs"] if chat else r.choices[0].model_extra["prompt_logprobs"]
+        assert entries[0] is None and len(entries) > 1 and all(len(e) <= 2 for e in entries[1:])
+
+    def priority():
+        assert calls.text(chat, extra_body={"priority": -5}) == greedy  # ordering only: same answer
+
+    return {
+        "model": lambda: None,
+        "prompt": lambda: len(calls.complete(prompt=[PROMPT, PROMPT[:3]]).choices) == 2 or pytest.fail(),
+        "messages": lambda: None,
+        "max_tokens": lambda: calls.complete(max_tokens=3).usage.completion_tokens == 3 or pytest.fail(),
+        "max_completion_tokens": lambda: gen(max_completion_tokens=3).usage.completion_tokens == 3 or pytest.fail(),
+        "temperature": lambda: sampled() != calls.text(chat, max_tokens=16) or pytest.fail(),
+        "top_p": lambda: sampled(top_p=1e-9) == calls.text(chat, max_tokens=16) or pytest.fail(),
+        "n": n,
+        "best_of": lambda: len(gen(n=2, best_of=2).choices) == 2 or pytest.fail(),
+        "stream": stream,
+        "stream_options": stream,
+        "stop": stop,
+        "seed": lambda: (sampled() == sampled() and sampled() != calls.text(chat, temperature=1.0, seed=8,
+                                                                             max_tokens=16)) or pytest.fail(),
+        "presence_penalty": penalty("presence_penalty", 2.0),
+        "frequency_penalty": penalty("frequency_penalty", 2.0),
+        "repetition_penalty": penalty("repetition_penalty", 3.0),
+        "logit_bias": logit_bias,
+        "logprobs": logprobs,
+        "top_logprobs": logprobs,
+        "echo": lambda: calls.complete(prompt="abc", echo=True, max_tokens=2).choices[0].text.startswith("abc")
+        or pytest.fail(),
+        "user": lambda: calls.text(chat, user="someone") == greedy or pytest.fail(),
+        "top_k": lambda: sampled(extra_body={"top_k": 1}) == calls.text(chat, max_tokens=16) or pytest.fail(),
+        "min_p": lambda: sampled(extra_body={"min_p": 1.0}) == calls.text(chat, max_tokens=16) or pytest.fail(),
+        "min_tokens": min_tokens,
+        "ignore_eos": ignore_eos,
+        "stop_token_ids": min_tokens,
+        "prompt_logprobs": prompt_logprobs,
+        "priority": priority,
+    }
+
+
+REFUSED_VALUES = {
+    "max_completion_tokens": 4, "echo": True, "suffix": "x", "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "use_beam_search": True,
+    "include_stop_str_in_output": True, "skip_special_tokens": False, "truncate_prompt_tokens": 4,
+    "allowed_token_ids": [1, 2], "guided_json": {"type": "object"}, "chat_template": "{{ messages }}",
+}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_readme_parameter(api_server, tiny_model_dir, peft_oracle, endpoint):
+    _, key = api_server.new_tenant()
+    model = api_server.state.model_id
+    calls = Calls(api_server.client(key), model)
+    chat = endpoint == "chat"
+    if chat:
+        with api_server.http(key) as h:
+            prompt = h.post("/tokenize", json={"model": model, "messages": CHAT}).json()["tokens"]
+    else:
+        prompt = PROMPT
+    first = peft_oracle(tiny_model_dir, None, prompt, 1)[0]
+    checks = effects(calls, api_server.state.engine.engine.tokenizer, chat, first)
+    rows = readme_rows()
+    assert len(rows) >= 35
+    for param, statuses in rows.items():
+        status = statuses[1 if chat else 0]
+        if status == "-":
+            continue
+        if status == "yes":
+            assert param in checks, f"no effect check for {param}"
+            checks[param]()
+        elif status == "ignored":
+            assert calls.text(chat, **{param: "someone"}) == calls.text(chat), param
+        else:
+            assert status == "400", (param, status)
+            body = {param: REFUSED_VALUES[param]}
+            with pytest.raises(openai.BadRequestError) as err:
+                (calls.chat if chat else calls.complete)(extra_body=body)
+            assert param in err.value.body["message"], (param, err.value.body)
