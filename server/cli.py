@@ -6,6 +6,7 @@ import socket
 import sys
 
 from server.config import ConfigError, ServerConfig
+from server.version import loraplex_version
 
 
 def _positive_int(text: str) -> int:
@@ -30,11 +31,13 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving.")
+    parser.add_argument("--version", action="version", version=f"loraplex {loraplex_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     s.add_argument("--model", help="Hugging Face model directory (default: the built-in demo model)")
     s.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
-    s.add_argument("--redis-url", help="Redis 6+ URL (default: an embedded redis-server)")
+    s.add_argument("--redis-url", help="Redis 6+ URL (or $LORAPLEX_REDIS_URL, which keeps a password out of `ps`; "
+                                        "default: an embedded redis-server)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -56,10 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                                          "generated and printed when neither is set)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="largest JSON request body accepted, in bytes (default 16 MiB); larger is a 413")
+    s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
+                   help="most prompts in one /v1/completions batch (a list of prompts); default 64")
     s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "
                                            "(or $LORAPLEX_METRICS_TOKEN), for Prometheus' bearer_token")
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without credentials (it names tenants: only on a private network)")
+    s.add_argument("--replica-name", help="this replica's name among several behind one proxy, shown in "
+                                          "/health, /version, the x-loraplex-replica header and /metrics "
+                                          "(default: hostname:port)")
     s.add_argument("--data-dir", help="embedded Redis and demo model live here (or "
                                       "$LORAPLEX_DATA_DIR; default ~/.local/share/loraplex)")
     from server.bench.cli import add_bench_parser  # argparse only at import: --help stays fast

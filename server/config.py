@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -11,6 +12,8 @@ from typing import Mapping
 from server.credentials import ADMIN_TOKEN_FILE, load_or_create_secret
 
 _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A replica name goes into a response header and a Prometheus label: plain ASCII, no spaces.
+_REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
 
 
@@ -60,6 +63,7 @@ class ServerConfig:
     kernels: str = "auto"
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
+    max_batch_prompts: int = 64           # prompts in one /v1/completions batch (--max-batch-prompts)
     metrics_token: str | None = None      # bearer token for /metrics besides the admin token
     metrics_public: bool = False          # /metrics without credentials (--metrics-public)
     redis_prefix: str = "lp:"
@@ -67,15 +71,20 @@ class ServerConfig:
     rate_window_seconds: float = 60.0     # the requests/tokens-per-minute window
     demo_tenant: bool = True              # create the `demo` tenant and a key on start
     seed: int = 0
+    replica_name: str | None = None       # --replica-name; None: hostname:port (see `replica`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        if self.replica_name is not None and not (isinstance(self.replica_name, str)
+                                                  and _REPLICA_NAME_RE.fullmatch(self.replica_name)):
+            raise ConfigError(f"--replica-name {self.replica_name!r}: use 1-128 characters from "
+                              "A-Z a-z 0-9 . _ : @ -, starting with a letter or digit")
         if not isinstance(self.admin_token, str) or len(self.admin_token) < 16:
             raise ConfigError("the admin token must be at least 16 characters")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens",
-                     "max_upload_bytes", "max_request_bytes"):
+                     "max_upload_bytes", "max_request_bytes", "max_batch_prompts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
@@ -97,6 +106,15 @@ class ServerConfig:
             raise ConfigError(f"--model {self.model}: no config.json there (need a Hugging Face model dir)")
 
     @property
+    def replica(self) -> str:
+        """This process's name among replicas: --replica-name, else hostname:port. Derived here, not
+        stored, so dataclasses.replace(config, port=...) keeps the default in step with the port."""
+        if self.replica_name is not None:
+            return self.replica_name
+        host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip(".-") or "localhost"
+        return f"{host[:100]}:{self.port}"
+
+    @property
     def model_id(self) -> str:
         if self.served_model_name:
             return self.served_model_name
@@ -115,7 +133,7 @@ class ServerConfig:
                                           lambda: "lpadm-" + secrets.token_urlsafe(32))
         return cls(
             data_dir=data_dir, admin_token=token, admin_token_generated=generated,
-            model=args.model, served_model_name=args.served_model_name, redis_url=args.redis_url,
+            model=args.model, served_model_name=args.served_model_name, redis_url=args.redis_url or env.get("LORAPLEX_REDIS_URL") or None,
             host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             adapters=tuple(parse_adapter_flag(a) for a in args.adapter or ()),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
@@ -125,6 +143,7 @@ class ServerConfig:
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
             kernels=args.kernels,
-            max_request_bytes=args.max_request_bytes,
+            max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,
-            metrics_public=args.metrics_public)
+            metrics_public=args.metrics_public,
+            replica_name=getattr(args, "replica_name", None) or None)

@@ -27,6 +27,9 @@ from tenants.models import Quota, Tenant, new_tenant_id, validate_tenant_id, val
 # How often an operation re-reads a tenant that was deleted and recreated
 # under the same name between its read and its atomic write.
 _ATTEMPTS = 3
+# A key's last use is written at most this often (seconds): one extra Redis write per key per
+# minute, not per request.
+LAST_USED_RESOLUTION = 60.0
 
 
 class TenantStore:
@@ -37,6 +40,7 @@ class TenantStore:
         self._delete = client.register_script(store_lua.DELETE)
         self._create_key = client.register_script(store_lua.CREATE_KEY)
         self._revoke_key = client.register_script(store_lua.REVOKE_KEY)
+        self._touch_key = client.register_script(store_lua.TOUCH_KEY)
         self._migration = LegacyKeyMigration(client, self._ks)
 
     # ---- tenants -------------------------------------------------------
@@ -162,16 +166,18 @@ class TenantStore:
         return int(ok) == 1
 
     def list_keys(self, tenant_name: str) -> list[dict[str, Any]]:
-        """[{"id", "created_at"}] oldest first; never the key or its hash."""
+        """[{"id", "created_at", "last_used_at"}] oldest first (last use to the minute, None if
+        never used); never the key or its hash."""
         tenant = self.get(tenant_name)
         if tenant is None:
             return []
         ids = sorted(as_str(i) for i in self._r.smembers(self._ks.tenant_keys(tenant.id)))
         pipe = self._r.pipeline(transaction=False)
         for key_id in ids:
-            pipe.hget(self._ks.api_key(key_id), "created_at")
-        out = [{"id": key_id, "created_at": float(as_str(created))}
-               for key_id, created in zip(ids, pipe.execute()) if created is not None]
+            pipe.hmget(self._ks.api_key(key_id), "created_at", "last_used")
+        out = [{"id": key_id, "created_at": float(as_str(created)),
+                "last_used_at": None if used is None else float(as_str(used))}
+               for key_id, (created, used) in zip(ids, pipe.execute()) if created is not None]
         return sorted(out, key=lambda k: (k["created_at"], k["id"]))
 
     def authenticate(self, key: object) -> Tenant | None:
@@ -186,7 +192,12 @@ class TenantStore:
         name = record.get("tenant")
         tenant = self.get(name) if name else None
         # A key minted for an earlier tenant of this name carries that tenant's id.
-        return tenant if tenant is not None and tenant.id == record.get("gen") else None
+        if tenant is None or tenant.id != record.get("gen"):
+            return None
+        now = time.time()
+        if now - float(record.get("last_used") or 0.0) >= LAST_USED_RESOLUTION:
+            self._touch_key(keys=[self._ks.api_key(key_id)], args=[repr(now)])
+        return tenant
 
     # ---- helpers -------------------------------------------------------
 

@@ -47,3 +47,11 @@ if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('DEL', KEYS[2])
 return 1
 """
+
+# KEYS: key record. ARGV: now. Only an existing record is touched: a key revoked meanwhile
+# must not come back as a record holding nothing but a timestamp.
+TOUCH_KEY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'last_used', ARGV[1])
+return 1
+"""

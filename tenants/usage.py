@@ -12,9 +12,12 @@ from tenants.keyspace import Keyspace, as_str
 from tenants.models import Tenant
 
 _COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
+# Per-adapter counters live in the same day hash as "a:<adapter name>:<counter>"; the base model's
+# name is empty ("a::requests"). Adapter names cannot contain ':' (adapters.registry), so this parses.
+_ADAPTER_FIELD = "a:"
 
 # KEYS: tenant hash, the day's usage hash, the tenant's usage index.
-# ARGV: tenant id, ttl seconds, then one delta per counter in _COUNTERS.
+# ARGV: tenant id, ttl seconds, one delta per counter in _COUNTERS, then the adapter field prefix.
 # A request that finishes after its tenant was deleted must not leave a
 # counter behind that nothing would ever delete, so the write happens only
 # while the tenant (this id, not just this name) still exists. The index
@@ -25,6 +28,9 @@ local ttl = tonumber(ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'requests', ARGV[3])
 redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[2], 'completion_tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[2], ARGV[6] .. 'requests', ARGV[3])
+redis.call('HINCRBY', KEYS[2], ARGV[6] .. 'prompt_tokens', ARGV[4])
+redis.call('HINCRBY', KEYS[2], ARGV[6] .. 'completion_tokens', ARGV[5])
 redis.call('EXPIRE', KEYS[2], ttl)
 local now = tonumber(redis.call('TIME')[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -61,9 +67,11 @@ class UsageLog:
         self._record = client.register_script(_RECORD)
 
     def record(self, tenant: Tenant, prompt_tokens: int, completion_tokens: int,
-               requests: int = 1, now: float | None = None) -> bool:
-        """Add to the tenant's counters for the day of `now`. False (and nothing
-        written) if the tenant has been deleted meanwhile."""
+               requests: int = 1, now: float | None = None, adapter: str | None = None) -> bool:
+        """Add to the tenant's counters (and its `adapter`'s; None: the base model) for the day of
+        `now`. False (and nothing written) if the tenant has been deleted meanwhile."""
+        if adapter is not None and (not isinstance(adapter, str) or ":" in adapter or not adapter):
+            raise ValueError(f"adapter must be an adapter name, got {adapter!r}")
         tenant = _tenant(tenant)
         deltas = (_count("requests", requests), _count("prompt_tokens", prompt_tokens),
                   _count("completion_tokens", completion_tokens))
@@ -72,12 +80,13 @@ class UsageLog:
         ttl = (self.retention_days + 1) * 86400
         written = self._record(
             keys=[self._ks.tenant(tenant.name), day_key, self._ks.usage_index(tenant.id)],
-            args=[tenant.id, ttl, *deltas])
+            args=[tenant.id, ttl, *deltas, f"{_ADAPTER_FIELD}{adapter or ''}:"])
         return int(written) == 1
 
     def get(self, tenant: Tenant, days: int = 1, now: float | None = None) -> dict[str, Any]:
-        """{"days": [{"date", "requests", "prompt_tokens", "completion_tokens"}, ...] oldest
-        first, ending today (UTC), and "total": the sums over those days}."""
+        """{"days": [{"date", "requests", "prompt_tokens", "completion_tokens", "adapters"}, ...]
+        oldest first, ending today (UTC), and "total": the sums over those days (with "adapters")}.
+        "adapters" maps an adapter name ("" for the base model) to its three counters."""
         tenant = _tenant(tenant)
         if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= self.retention_days:
             raise ValueError(f"days must be an int in 1..{self.retention_days}, got {days!r}")
@@ -85,12 +94,23 @@ class UsageLog:
         dates = [(today - dt.timedelta(days=i)).isoformat() for i in range(days - 1, -1, -1)]
         pipe = self._r.pipeline(transaction=False)
         for date in dates:
-            pipe.hmget(self._ks.usage(tenant.id, date), *_COUNTERS)
+            pipe.hgetall(self._ks.usage(tenant.id, date))
         per_day = []
-        total = dict.fromkeys(_COUNTERS, 0)
-        for date, values in zip(dates, pipe.execute()):
-            row = {c: int(as_str(v) or 0) for c, v in zip(_COUNTERS, values)}
+        total: dict[str, Any] = {**dict.fromkeys(_COUNTERS, 0), "adapters": {}}
+        for date, fields in zip(dates, pipe.execute()):
+            values = {as_str(k): int(as_str(v)) for k, v in fields.items()}
+            row: dict[str, Any] = {c: values.get(c, 0) for c in _COUNTERS}
+            adapters: dict[str, dict[str, int]] = {}
+            for field, value in values.items():
+                if field.startswith(_ADAPTER_FIELD):
+                    name, _, counter = field[len(_ADAPTER_FIELD):].rpartition(":")
+                    if counter in _COUNTERS:
+                        adapters.setdefault(name, dict.fromkeys(_COUNTERS, 0))[counter] = value
             for c in _COUNTERS:
                 total[c] += row[c]
-            per_day.append({"date": date, **row})
+            for name, counters in adapters.items():
+                into = total["adapters"].setdefault(name, dict.fromkeys(_COUNTERS, 0))
+                for c in _COUNTERS:
+                    into[c] += counters[c]
+            per_day.append({"date": date, **row, "adapters": adapters})
         return {"days": per_day, "total": total}

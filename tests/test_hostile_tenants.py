@@ -44,7 +44,7 @@ def test_a_new_tenant_with_an_old_name_starts_empty(tiny_model_dir, tiny_adapter
             assert h.post("/v1/completions", json={"model": "secret-sauce", "prompt": "hi"}).status_code == 404
             assert h.get("/v1/adapters").json()["data"] == []
             usage = h.get("/v1/usage").json()
-        assert usage["total"] == {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+        assert usage["total"] == {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "adapters": {}}
         assert usage["current"]["concurrent_requests"] == 0 and usage["current"]["adapters"] == 0
         with server.http(key) as h:
             assert h.get("/v1/models").status_code == 401  # the old key died with the old tenant

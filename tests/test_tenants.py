@@ -155,7 +155,11 @@ def test_key_create_authenticate_revoke(store: TenantStore) -> None:
     assert tenant == store.get("acme")
 
     listed = store.list_keys("acme")
-    assert [k["id"] for k in listed] == [key_id] and set(listed[0]) == {"id", "created_at"}
+    assert [k["id"] for k in listed] == [key_id] and set(listed[0]) == {"id", "created_at", "last_used_at"}
+    assert listed[0]["last_used_at"] >= listed[0]["created_at"]  # authenticated just above
+    second_id, _ = store.create_key("acme")
+    assert [k["last_used_at"] for k in store.list_keys("acme") if k["id"] == second_id] == [None]
+    assert store.revoke_key("acme", second_id) is True
 
     assert store.revoke_key("beta", key_id) is False  # not that tenant's key
     assert store.authenticate(key) is not None
@@ -163,6 +167,7 @@ def test_key_create_authenticate_revoke(store: TenantStore) -> None:
     assert store.authenticate(key) is None
     assert store.revoke_key("acme", key_id) is False
     assert store.list_keys("acme") == []
+    assert store._r.exists(f"lp:apikey:{key_id}") == 0  # a late last-use write never resurrects it
 
 
 def test_each_key_is_independent(store: TenantStore) -> None:
@@ -251,17 +256,23 @@ def test_usage_record_and_get_are_exact(redis_client: redis.Redis) -> None:
     day1 = dt.datetime(2026, 3, 1, 23, 59, tzinfo=dt.timezone.utc).timestamp()
     day2 = day1 + 120  # past UTC midnight
     assert usage.record(acme, prompt_tokens=10, completion_tokens=5, now=day1) is True
-    usage.record(acme, prompt_tokens=7, completion_tokens=3, now=day1)
-    usage.record(acme, prompt_tokens=1, completion_tokens=2, requests=4, now=day2)
+    usage.record(acme, prompt_tokens=7, completion_tokens=3, now=day1, adapter="sql")
+    usage.record(acme, prompt_tokens=1, completion_tokens=2, requests=4, now=day2, adapter="sql")
     usage.record(beta, prompt_tokens=100, completion_tokens=100, now=day2)
 
     got = usage.get(acme, days=3, now=day2)
+    base = {"requests": 1, "prompt_tokens": 10, "completion_tokens": 5}
     assert got["days"] == [
-        {"date": "2026-02-28", "requests": 0, "prompt_tokens": 0, "completion_tokens": 0},
-        {"date": "2026-03-01", "requests": 2, "prompt_tokens": 17, "completion_tokens": 8},
-        {"date": "2026-03-02", "requests": 4, "prompt_tokens": 1, "completion_tokens": 2},
+        {"date": "2026-02-28", "requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "adapters": {}},
+        {"date": "2026-03-01", "requests": 2, "prompt_tokens": 17, "completion_tokens": 8,
+         "adapters": {"": base, "sql": {"requests": 1, "prompt_tokens": 7, "completion_tokens": 3}}},
+        {"date": "2026-03-02", "requests": 4, "prompt_tokens": 1, "completion_tokens": 2,
+         "adapters": {"sql": {"requests": 4, "prompt_tokens": 1, "completion_tokens": 2}}},
     ]
-    assert got["total"] == {"requests": 6, "prompt_tokens": 18, "completion_tokens": 10}
+    assert got["total"] == {"requests": 6, "prompt_tokens": 18, "completion_tokens": 10,
+                            "adapters": {"": base, "sql": {"requests": 5, "prompt_tokens": 8, "completion_tokens": 5}}}
+    with pytest.raises(ValueError):
+        usage.record(acme, 1, 1, adapter="a:b")
     assert usage.get(acme, now=day2)["total"]["requests"] == 4
     assert usage.get(beta, now=day2)["total"]["requests"] == 1
 

@@ -8,11 +8,14 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 
-from server.api import adapter_routes, admin_routes, openai_routes, ops_routes
+from server.api import (adapter_routes, admin_routes, admin_views, console, openai_routes, openapi,
+                        ops_routes, tokenize_routes)
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
+from server.api.replica import ReplicaHeader
 from server.api.state import ServerState
 from server.config import ServerConfig
 
@@ -35,7 +38,8 @@ def create_app(config: ServerConfig,
             state.engine.start()
             state.retirements.start()
             info = await run_in_threadpool(bootstrap, state, _base_url(config))
-            background = [asyncio.create_task(run_upkeep(state)), asyncio.create_task(state.settlements.run())]
+            background = [asyncio.create_task(run_upkeep(state)), asyncio.create_task(state.settlements.run()),
+                          asyncio.create_task(state.history.run(state.engine.stats))]
             app.state.lp = state
             app.state.startup = info
             if on_ready is not None:
@@ -46,5 +50,8 @@ def create_app(config: ServerConfig,
         finally:
             await run_in_threadpool(state.close)
 
-    routes = [*openai_routes.ROUTES, *adapter_routes.ROUTES, *ops_routes.ROUTES, *admin_routes.ROUTES]
-    return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *ops_routes.ROUTES,
+              *admin_routes.ROUTES, *admin_views.ROUTES, *openapi.ROUTES, *console.ROUTES]
+    middleware = [Middleware(ReplicaHeader, replica=config.replica)]
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
+                     lifespan=lifespan)

@@ -2,7 +2,7 @@
 apps in one process, as in the tests, keep separate counts)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from server.engine import EngineStats
 
@@ -50,6 +50,9 @@ class Metrics:
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
                                    buckets=_LATENCY_BUCKETS, registry=r)
+        # An info metric (`loraplex_replica_info{replica=...} 1`) rather than a replica label on every
+        # series: Prometheus already labels each scrape target, and a join on this one names it.
+        self.replica = Info("loraplex_replica", "Which replica this is, and what it serves", registry=r)
 
     def observe_engine(self, s: EngineStats) -> None:
         self.queue_depth.set(s.num_waiting)
@@ -72,6 +75,9 @@ class Metrics:
         self.parked.set(s.adapters_parked)
         self.parked_bytes.set(s.host_parked_bytes)
         self.load_failures.set(s.host_load_failures)
+
+    def observe_identity(self, replica: str, model: str, version: str) -> None:
+        self.replica.info({"replica": replica, "model": model, "version": version})
 
     def observe_load_times(self, seconds) -> None:
         """Drain the engine's recent load durations (a deque it appends to) into the histogram."""

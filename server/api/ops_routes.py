@@ -1,7 +1,8 @@
-"""/health, /metrics and /v1/usage."""
+"""/health, /version, /metrics and /v1/usage."""
 from __future__ import annotations
 
 import redis
+import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -9,7 +10,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.api.auth import require_metrics_reader, require_tenant, state_of
-from server.api.errors import APIError
+from server.api.usage_report import usage_report
+from server.version import loraplex_version, package_version
 
 
 async def health(request: Request) -> Response:
@@ -21,15 +23,29 @@ async def health(request: Request) -> Response:
     engine_ok = state.engine.is_healthy
     ok = redis_ok and engine_ok
     body = {"status": "ok" if ok else "unavailable", "engine": engine_ok, "redis": redis_ok,
-            "model": state.model_id}
+            "model": state.model_id, "replica": state.config.replica, "version": package_version("loraplex")}
     if not engine_ok:
         body["engine_error"] = state.engine.error or "the engine is not running"
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
+async def version(request: Request) -> Response:
+    """What this replica runs, for bug reports and for checking that a rollout reached every replica.
+    Public like /health: versions and the model id, no tenant data."""
+    state = state_of(request)
+    engine = state.engine.engine
+    return JSONResponse({"version": package_version("loraplex"), "torch": torch.__version__,
+                         "triton": package_version("triton"),
+                         "transformers": package_version("transformers"),
+                         "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+                         "model": state.model_id, "replica": state.config.replica})
+
+
 async def metrics(request: Request) -> Response:
     require_metrics_reader(request)
     state = state_of(request)
+    state.metrics.observe_identity(state.config.replica, state.model_id,
+                                   loraplex_version())
     state.metrics.observe_engine(state.engine.stats())
     state.metrics.observe_load_times(state.engine.engine.host.load_seconds)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -37,22 +53,12 @@ async def metrics(request: Request) -> Response:
 
 async def usage(request: Request) -> Response:
     tenant = await require_tenant(request)
-    state = state_of(request)
-    raw_days = request.query_params.get("days", "1")
-    # Length first: int() of thousands of digits is refused by Python (and slow before that).
-    if not (raw_days.isascii() and raw_days.isdigit() and len(raw_days) <= 3) \
-            or not 1 <= int(raw_days) <= state.usage.retention_days:
-        raise APIError(400, f"'days' must be an integer in 1..{state.usage.retention_days}",
-                       "invalid_value")
-    log = await run_in_threadpool(state.usage.get, tenant, int(raw_days))
-    window = await run_in_threadpool(state.limiter.current, tenant)
-    adapters = await run_in_threadpool(state.registry.count, tenant.id)
-    return JSONResponse({"object": "usage", "tenant": tenant.name, "limits": tenant.quota.to_dict(),
-                         "current": {**window, "adapters": adapters}, **log})
+    return JSONResponse(await usage_report(state_of(request), tenant, request))
 
 
 ROUTES = [
     Route("/health", health, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/v1/usage", usage, methods=["GET"]),
 ]

@@ -32,6 +32,7 @@ class Settlement:
     admission: Admission
     prompt_tokens: int
     completion_tokens: int
+    adapter: str | None    # the adapter's name, None for the base model
     created: float
 
 
@@ -46,9 +47,10 @@ class Settlements:
     def pending(self) -> int:
         return len(self._pending)
 
-    def settle(self, tenant: Tenant, admission: Admission, prompt_tokens: int, completion_tokens: int) -> None:
+    def settle(self, tenant: Tenant, admission: Admission, prompt_tokens: int, completion_tokens: int,
+               adapter: str | None = None) -> None:
         """Blocking; never raises for a Redis fault (the settlement is queued instead)."""
-        item = Settlement(tenant, admission, prompt_tokens, completion_tokens, time.monotonic())
+        item = Settlement(tenant, admission, prompt_tokens, completion_tokens, adapter, time.monotonic())
         done = self._try(item, released=False)
         if done is not True:
             if len(self._pending) >= MAX_PENDING:
@@ -63,7 +65,7 @@ class Settlements:
             if not released:
                 self._limiter.release(item.admission, item.prompt_tokens + item.completion_tokens)
                 released = True
-            self._usage.record(item.tenant, item.prompt_tokens, item.completion_tokens)
+            self._usage.record(item.tenant, item.prompt_tokens, item.completion_tokens, adapter=item.adapter)
             return True
         except redis.RedisError as e:
             log.warning("settling request %s failed (%r); will retry", item.admission.request_id, e)

@@ -13,6 +13,7 @@ from adapters.format import ModelShape
 from adapters.registry import AdapterRegistry
 from server.api.adapter_source import RetirementListener, registry_fetch
 from server.api.metrics import Metrics
+from server.api.engine_history import EngineHistory
 from server.api.prompts import PromptTokenizer
 from server.api.settlement import Settlements
 from server.config import ServerConfig
@@ -53,6 +54,7 @@ class ServerState:
     metrics: Metrics
     prompts: PromptTokenizer
     settlements: Settlements
+    history: EngineHistory
     demo: DemoPaths | None
     embedded_redis: EmbeddedRedis | None
 
@@ -99,7 +101,8 @@ class ServerState:
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 registry=registry, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
-                settlements=Settlements(limiter, usage), demo=demo, embedded_redis=embedded)
+                settlements=Settlements(limiter, usage), history=EngineHistory(), demo=demo,
+                embedded_redis=embedded)
         except BaseException:
             if client is not None:
                 client.close()

@@ -1,0 +1,90 @@
+"""What an operator reads (admin token only): a tenant's usage and keys, every tenant's adapters with
+where each is resident now, and the engine's live state with its recent history."""
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from server.api.auth import require_admin, state_of
+from server.api.errors import APIError, not_found
+from server.api.state import ServerState
+from server.api.usage_report import int_param, usage_report
+from tenants import Tenant
+
+MAX_PAGE = 500
+
+
+async def _tenant(request: Request) -> tuple[ServerState, Tenant]:
+    require_admin(request)
+    state = state_of(request)
+    name = request.path_params["name"]
+    tenant = await run_in_threadpool(state.tenants.get, name)
+    if tenant is None:
+        raise not_found(f"tenant {name!r}")
+    return state, tenant
+
+
+async def tenant_usage(request: Request) -> Response:
+    state, tenant = await _tenant(request)
+    return JSONResponse(await usage_report(state, tenant, request))
+
+
+async def tenant_keys(request: Request) -> Response:
+    state, tenant = await _tenant(request)
+    keys = await run_in_threadpool(state.tenants.list_keys, tenant.name)
+    return JSONResponse({"object": "list", "data": keys})
+
+
+def _residency_of(engine) -> dict[str, str]:
+    """version -> the fastest tier holding it (runs on the engine thread)."""
+    where = {v: "host" for v in engine.host.entries}
+    where.update({v: "device" for v in engine.slots.slot_of})
+    return where
+
+
+def _all_adapters(state: ServerState, tenant_filter: str | None) -> list[tuple[Tenant, object]]:
+    tenants = state.tenants.list()
+    if tenant_filter:
+        tenants = [t for t in tenants if tenant_filter in t.name]
+    return [(t, r) for t in tenants for r in state.registry.list(t.id)]
+
+
+async def adapters(request: Request) -> Response:
+    require_admin(request)
+    state = state_of(request)
+    limit = int_param(request, "limit", 100, 1, MAX_PAGE)
+    offset = int_param(request, "offset", 0, 0, 10**9)
+    tenant_filter = request.query_params.get("tenant") or None
+    if tenant_filter is not None and len(tenant_filter) > 64:
+        raise APIError(400, "'tenant' filter is longer than 64 characters", "invalid_value")
+    rows = await run_in_threadpool(_all_adapters, state, tenant_filter)
+    residency = await state.engine.call(_residency_of)
+    page = rows[offset:offset + limit]
+    data = [{**r.public(), "object": "adapter", "tenant": t.name, "tenant_id": t.id,
+             "residency": residency.get(r.version, "redis")} for t, r in page]
+    return JSONResponse({"object": "list", "data": data, "total": len(rows), "offset": offset, "limit": limit})
+
+
+async def engine(request: Request) -> Response:
+    require_admin(request)
+    state = state_of(request)
+    s = state.engine.stats()
+    cfg = state.engine.engine.config
+    return JSONResponse({
+        "healthy": state.engine.is_healthy, "error": state.engine.error,
+        "running": s.num_running, "waiting": s.num_waiting, "preemptions": s.num_preemptions,
+        "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
+        "slots": {"used": s.adapters_resident, "total": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank},
+        "host": {"adapters": s.adapters_registered, "bytes": s.host_bytes_used, "budget_bytes": s.host_budget_bytes,
+                 "loads_in_flight": s.adapters_loading, "parked": s.adapters_parked},
+        "history": list(state.history.points)})
+
+
+ROUTES = [
+    Route("/admin/tenants/{name}/usage", tenant_usage, methods=["GET"]),
+    Route("/admin/tenants/{name}/keys", tenant_keys, methods=["GET"]),
+    Route("/admin/adapters", adapters, methods=["GET"]),
+    Route("/admin/engine", engine, methods=["GET"]),
+]
