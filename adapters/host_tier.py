@@ -20,7 +20,6 @@ fit fails its requests at once.
 """
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -29,7 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Collection
 
-from adapters.format import LoraAdapter, LoraWeights
+import torch
+
+from adapters.format import LoraAdapter
+from adapters.packed import PackedLoraAdapter, pack_adapter
 
 Fetch = Callable[[str], LoraAdapter]  # version id -> parsed adapter (reads Redis); may raise
 
@@ -44,11 +46,16 @@ class HostTierStats:
 
 
 class HostTier:
+    """`dtype`: the serving dtype adapters are kept in (adapters.packed); `pin_memory`: page-lock them;
+    `init_thread`: run first on each loader thread (binds the engine's CUDA device)."""
+
     def __init__(self, fetch: Fetch | None, budget_bytes: int | None, pin_memory: bool = False, workers: int = 2,
-                 max_parked: int = 8):
+                 max_parked: int = 8, dtype: torch.dtype = torch.float32,
+                 init_thread: Callable[[], None] | None = None):
         self.fetch = fetch
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
+        self.dtype = dtype
         self.entries: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self.permanent: set[str] = set()
         self.pins: dict[str, int] = {}
@@ -62,7 +69,8 @@ class HostTier:
         self.stats = HostTierStats()
         self.load_seconds: deque[float] = deque(maxlen=4096)  # recent load durations, drained by metrics
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-load") if fetch else None
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-load",
+                                        initializer=init_thread) if fetch else None
         self._wake = threading.Event()
 
     def wait_for_load(self, timeout: float) -> None:
@@ -90,6 +98,7 @@ class HostTier:
     # ---- changes (owning thread only) ----
     def add(self, version: str, adapter: LoraAdapter) -> None:
         """A preloaded adapter: kept until removed, never evicted."""
+        adapter = self.packed(adapter)
         self._drop(version)
         self.parked.pop(version, None)
         self.entries[version] = adapter
@@ -168,6 +177,13 @@ class HostTier:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def packed(self, adapter: LoraAdapter) -> PackedLoraAdapter:
+        """`adapter` as this tier keeps it: one buffer in the serving dtype, pinned if asked."""
+        if isinstance(adapter, PackedLoraAdapter) and adapter.flat.dtype == self.dtype and (
+                adapter.flat.is_pinned() or not self.pin_memory):
+            return adapter
+        return pack_adapter(adapter, self.dtype, self.pin_memory)
+
     # ---- internals ----
     def _drop(self, version: str) -> None:
         self.unclaimed.discard(version)
@@ -233,16 +249,9 @@ class HostTier:
     def _load(self, version: str) -> None:
         start = time.perf_counter()
         try:
-            adapter = self.fetch(version)
-            if self.pin_memory:
-                adapter = _pinned(adapter)
+            adapter = self.packed(self.fetch(version))
             self._done.put((version, adapter, None, time.perf_counter() - start))
         except Exception as exc:  # noqa: BLE001 - any failure is reported to the waiting requests
             self._done.put((version, None, f"{type(exc).__name__}: {exc}", 0.0))
         self._wake.set()
 
-
-def _pinned(adapter: LoraAdapter) -> LoraAdapter:
-    """Page-locked copies, so host->device copies can run asynchronously."""
-    weights = {k: LoraWeights(w.a.pin_memory(), w.b.pin_memory(), w.scaling) for k, w in adapter.weights.items()}
-    return dataclasses.replace(adapter, weights=weights)

@@ -1,12 +1,17 @@
 """Triton paged attention with the semantics of kernels.attention_ref.
 
-One kernel serves the whole varlen batch: decode sequences (one query),
-fresh prefills and chunked prefills that continue a cached prefix. A program
-owns one sequence, one tile of its queries and one KV head; the query heads
-that share that KV head (GQA) are packed into the tile's rows, so a decode
-step still fills a 16-row `tl.dot` and each K/V tile is read once per group.
-Keys are read through the block table one tile at a time with an online
-softmax accumulated in fp32.
+One kernel body serves the varlen prefill part of a batch: fresh prefills and
+chunked prefills that continue a cached prefix. A program owns one tile of one
+sequence's queries and one KV head; the query heads that share that KV head
+(GQA) are packed into the tile's rows, so each K/V tile is read once per group. Keys are
+read through the block table one tile at a time with an online softmax
+accumulated in fp32.
+
+The step's plan (kernels.launch_plan) lists the programs: the other
+sequences' query tiles go in one launch here, so a mixed batch launches no
+program for a decode's missing query tiles; decode sequences go to
+kernels.attention_decode, which splits their contexts across programs when
+few sequences decode (flash-decoding).
 """
 from __future__ import annotations
 
@@ -17,10 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import attention_decode
+from kernels.launch_plan import AttentionLaunchPlan, attention_plan
 from kernels.metadata import AttentionBatch
 
-# Rows of one program's query tile (query tokens x heads of one GQA group).
+# Rows of one program's query tile (query tokens x heads of one GQA group) for prefill, per dtype:
+# fp32 products run on FMA units with both operands and the accumulator in registers, and 64 rows
+# of a 128-wide head spilled 7-40 KB per program (scripts/aot_check.py); 32 rows (with 8 warps) do not.
 PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_M_FP32 = 32
 # Keys per inner-loop tile; independent of the pool's block size.
 BLOCK_N = 32
 
@@ -39,7 +49,9 @@ def _write_kv_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    """Semantics: k_cache.flat[slot_mapping[t]] = k[t] (v likewise), skipped when the slot is negative.
+    Shape: grid (T,); k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]."""
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:  # a padding token (as in vLLM): nothing to store
         return
@@ -56,10 +68,10 @@ def _write_kv_kernel(
              v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tiles_ptr,
     qk_scale, head_dim, block_size,
     stride_qt, stride_qh, stride_qd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
@@ -69,13 +81,15 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_blk = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    """Semantics: program (tile, kv head) computes causal attention for query tile q_blk of sequence
+    seq, (seq, q_blk) = tiles[tile], for the GROUP query heads of its kv head.
+    Shape: grid (tiles, Hkv); q, out [T, Hq, D]; caches [num_blocks, block_size, Hkv, D];
+    block_tables [B, W] (W, its row stride, changes every step: not specialised on)."""
+    seq = tl.load(tiles_ptr + tl.program_id(0) * 2)
+    q_blk = tl.load(tiles_ptr + tl.program_id(0) * 2 + 1)
+    kv_head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_blk * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
 
@@ -139,6 +153,7 @@ def write_kv(
 ) -> None:
     """Same contract as kernels.attention_ref.write_kv (a negative slot is skipped).
 
+    Semantics: k_cache.flat[slot_mapping[t]] = k[t]; v_cache likewise.
     Shape: k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; slot_mapping [T].
     """
     num_tokens, num_heads, head_dim = k.shape
@@ -164,6 +179,7 @@ def paged_attention(
 ) -> None:
     """Same contract as kernels.attention_ref.paged_attention.
 
+    Semantics: out[t] = softmax(scale * q[t] @ K[:p+1].T) @ V[:p+1] per sequence, p the query's position.
     Shape: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D].
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -174,19 +190,35 @@ def paged_attention(
     if num_tokens == 0 or batch.num_seqs == 0:
         return
     group = num_q_heads // num_kv_heads
-    if batch.max_query_len == 1:
-        block_m = max(16, triton.next_power_of_2(group))
-        block_q = 1
-    else:
-        block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-        block_q = block_m // group
+    rows = PREFILL_BLOCK_M_FP32 if q.dtype == torch.float32 else PREFILL_BLOCK_M
+    prefill_m = max(rows, triton.next_power_of_2(group))
+    plan = step_plan(batch, prefill_m // group, num_kv_heads, q.device)
+    if plan.num_decode:
+        attention_decode.decode(q, k_cache, v_cache, batch, plan, scale, out, BLOCK_N)
+    if plan.num_prefill_tiles:
+        _launch(q, k_cache, v_cache, batch, plan.prefill, scale, out, block_q=prefill_m // group, block_m=prefill_m)
+
+
+def step_plan(batch: AttentionBatch, block_q: int, num_kv_heads: int, device) -> AttentionLaunchPlan:
+    """The step's plan for this model's query tile height; built by the first layer, reused by the rest."""
+    key = ("attention", block_q, num_kv_heads)
+    if key not in batch.scratch:
+        batch.scratch[key] = attention_plan(batch.query_lens_host, batch.seq_lens_host, block_q, num_kv_heads,
+                                            BLOCK_N, device)
+    return batch.scratch[key]
+
+
+def _launch(q, k_cache, v_cache, batch: AttentionBatch, tiles: torch.Tensor, scale: float, out,
+            block_q: int, block_m: int) -> None:
+    num_q_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
     upcast = _interpreting() or q.dtype == torch.float32 or k_cache.dtype != q.dtype
-    grid = (batch.num_seqs, triton.cdiv(batch.max_query_len, block_q), num_kv_heads)
-    _paged_attention_kernel[grid](
+    _paged_attention_kernel[(tiles.shape[0], num_kv_heads)](
         q, k_cache, v_cache, out,
-        batch.block_tables, batch.query_start_loc, batch.seq_lens,
+        batch.block_tables, batch.query_start_loc, batch.seq_lens, tiles,
         scale * math.log2(math.e), head_dim, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *batch.block_tables.stride(),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        GROUP=num_q_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=upcast,
+        num_warps=attention_decode.num_warps(q.dtype),
     )

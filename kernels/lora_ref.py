@@ -4,9 +4,10 @@ Slot buffers hold every loaded adapter at the maximum rank; rows beyond an
 adapter's own rank are zero (the slot is zero-filled before reuse), so only
 the first `batch.rank_bound` rank columns carry anything and the rest are
 skipped. With few adapters in the batch, tokens are grouped by slot and each
-group is one matmul across all slices. With many, each adapter's weights are
-gathered once and the groups, padded to the longest, go through one batched
-matmul: per-adapter Python loops dominated CPU steps with dozens of adapters.
+group is one matmul across all slices. With many, the groups are cut into
+chunks of one width, each chunk's adapter weights are gathered, and all chunks
+go through one batched matmul per projection slice: per-adapter Python loops
+dominated CPU steps with dozens of adapters.
 """
 from __future__ import annotations
 
@@ -89,9 +90,14 @@ def lora_expand(
 
 
 def _groups(batch: LoraBatch):
-    """Tokens grouped by adapter, padded: (slots [G], rows [G, M], picks [n], flat [n]).
+    """Tokens grouped by adapter in chunks of equal width: (slots [C], rows [C, M], picks [n], flat [n]).
 
-    `picks` indexes the real (unpadded) entries of a flattened [G*M] tensor; `flat` are their token rows.
+    Each adapter's tokens are cut into chunks of at most M = ceil(n / G) rows (n adapter tokens,
+    G adapters), and every chunk is one matrix of the batched matmul, its adapter's weights gathered
+    for it. Padding each adapter to the longest group instead made a step that mixes one 128-token
+    prefill with 31 decode tokens compute 32 x 128 rows; chunks bound the padded rows by 2n + G
+    whatever the mix. `picks` indexes the real (unpadded) entries of a flattened [C*M] tensor;
+    `flat` are their token rows.
 
     None when the batch has too few adapters for batching to pay. Built once per step.
     """
@@ -99,16 +105,21 @@ def _groups(batch: LoraBatch):
         return None
     if "groups" not in batch.scratch:
         token_slots = batch.token_slots.long()
-        slots = torch.tensor(batch.active_slots, dtype=torch.long, device=token_slots.device)  # [G]
-        member = token_slots[None, :] == slots[:, None]  # [G, T]
-        counts = member.sum(1)  # [G]
-        width = int(counts.max())
-        # Each group's token rows, ascending, padded with row 0 (masked out by `valid`).
-        order = torch.sort(member.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]
-        valid = torch.arange(width, device=token_slots.device)[None, :] < counts[:, None]  # [G, M]
-        rows = torch.where(valid, order, torch.zeros_like(order))
-        picks = valid.flatten().nonzero().squeeze(1)
-        batch.scratch["groups"] = (slots, rows, picks, rows.flatten().index_select(0, picks))
+        device = token_slots.device
+        lora_rows = (token_slots >= 0).nonzero().squeeze(1)  # [n]
+        order = lora_rows[torch.sort(token_slots[lora_rows], stable=True).indices]  # [n] token rows by slot
+        sorted_slots = token_slots[order]  # [n]
+        slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)  # [G], [G]
+        width = -(-order.numel() // slots.numel())  # M
+        chunks = (counts + width - 1) // width  # [G] chunks per adapter
+        first_chunk = torch.cumsum(chunks, 0) - chunks  # [G]
+        group_start = torch.cumsum(counts, 0) - counts  # [G]
+        group = torch.repeat_interleave(torch.arange(slots.numel(), device=device), counts)  # [n]
+        pos = torch.arange(order.numel(), device=device) - group_start[group]  # [n] place in its group
+        picks = (first_chunk[group] + pos // width) * width + pos % width  # [n] into C*M
+        rows = torch.zeros(int(chunks.sum()) * width, dtype=torch.long, device=device)  # padded with row 0
+        rows[picks] = order
+        batch.scratch["groups"] = (torch.repeat_interleave(slots, chunks), rows.view(-1, width), picks, order)
     return batch.scratch["groups"]
 
 

@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.launch_plan import (
+    GATHER_MAX_SEG_LEN, TILE_ROWS, LoraLaunchPlan, lora_plan, lora_work, pack_int32, runs)
+
 
 @dataclass(frozen=True)
 class LoraBatch:
@@ -20,6 +23,8 @@ class LoraBatch:
     seg_slots: torch.Tensor  # [G] int32, slot of each run (may be -1)
     max_seg_len: int
     active_slots: tuple[int, ...]  # distinct slots >= 0 present, ascending (host copy)
+    plan: LoraLaunchPlan  # the Triton launches' work lists (kernels.launch_plan)
+    runs_host: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # (starts, lens, slots) on the host
     rank_bound: int | None = None  # highest rank among active slots; slot rows past it are zero
     # Per-step derived data an implementation computes once and every layer reuses.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
@@ -36,34 +41,40 @@ class LoraBatch:
     def any_lora(self) -> bool:
         return bool(self.active_slots)
 
+    def plan_for(self, form: str) -> LoraLaunchPlan:
+        """The step's plan ("mixed"), or every adapter token in one form ("gathered" or "segmented").
+
+        The single-form plans exist for tests and benchmarks of each kernel; built on first use.
+        """
+        if form == "mixed":
+            return self.plan
+        assert form in ("gathered", "segmented"), form
+        key = ("plan", form)
+        if key not in self.scratch:
+            gather_max = max(self.max_seg_len, 1) if form == "gathered" else 0
+            gather, tiles = lora_work(*self.runs_host, gather_max)
+            views = pack_int32([gather, *(tiles[h] for h in TILE_ROWS)], self.token_slots.device)
+            self.scratch[key] = lora_plan(gather, tiles, views)
+        return self.scratch[key]
+
     @classmethod
     def build(
         cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None
     ) -> "LoraBatch":
         """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional)."""
-        starts: list[int] = []
-        lens: list[int] = []
-        slots: list[int] = []
-        prev = None
-        for i, s in enumerate(token_slots):
-            if s != prev:
-                starts.append(i)
-                lens.append(0)
-                slots.append(s)
-                prev = s
-            lens[-1] += 1
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
+        starts, lens, slots = runs(token_slots)
+        gather, tiles = lora_work(starts, lens, slots, GATHER_MAX_SEG_LEN)
+        views = pack_int32([token_slots, starts, lens, slots, gather, *(tiles[h] for h in TILE_ROWS)], device)
         active = tuple(sorted({s for s in slots if s >= 0}))
         return cls(
-            token_slots=as_tensor(token_slots),
-            seg_starts=as_tensor(starts),
-            seg_lens=as_tensor(lens),
-            seg_slots=as_tensor(slots),
+            token_slots=views[0],
+            seg_starts=views[1],
+            seg_lens=views[2],
+            seg_slots=views[3],
             max_seg_len=max(lens, default=0),
             active_slots=active,
+            plan=lora_plan(gather, tiles, views[4:]),
+            runs_host=(tuple(starts), tuple(lens), tuple(slots)),
             rank_bound=max((slot_ranks[s] for s in active), default=0) if slot_ranks is not None else None,
         )
 
@@ -113,20 +124,17 @@ class AttentionBatch:
             for pos in range(start, end):
                 slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=1) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        padded = [x for t in block_tables for x in t + [0] * (width - len(t))]
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-
-        def as_tensor(values, dtype=torch.int32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        tables, query_start_loc, lens, contexts = pack_int32([padded, starts, seq_lens, context_lens], device)
         return cls(
-            slot_mapping=as_tensor(slot_mapping, torch.int64),
-            block_tables=as_tensor(padded).reshape(len(block_tables), width),
-            query_start_loc=as_tensor(starts),
-            seq_lens=as_tensor(seq_lens),
-            context_lens=as_tensor(context_lens),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
+            block_tables=tables.view(len(block_tables), width),
+            query_start_loc=query_start_loc,
+            seq_lens=lens,
+            context_lens=contexts,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             query_lens_host=tuple(query_lens),

@@ -1,19 +1,75 @@
 #!/usr/bin/env python3
-"""loraplex vs transformers + peft on a seeded multi-tenant workload (same as `loraplex bench`).
+"""loraplex vs transformers + peft (and, with --peer, vLLM's CPU server) on a seeded workload.
 
     .venv/bin/python scripts/bench.py --adapters 8 --requests 64 --compare-peft --json bench-out/bench.json
     .venv/bin/python scripts/bench.py --adapters 1,8,64,256 --requests 96 --compare-peft --json bench-out/sweep.json
     .venv/bin/python scripts/bench.py --gpu --adapters 1,8,64 --requests 256 --compare-peft   # on a CUDA machine
+    .venv/bin/python scripts/bench.py --model-shape smol135 --adapters 1,8,32 --prompt-len 32:128 \\
+        --output-len 32:64 --peer vllm --peer-python /opt/vllm-cpu --json bench-out/vs-vllm.json
+
+Beyond `loraplex bench`: --model-shape builds a realistic random-weight model (no hub), and --peer
+runs the same requests through another server from its own environment (docs/benchmarks/cpu-vs-vllm.md).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 # Runnable as a plain script from a checkout, without installing the project.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.bench.cli import main  # noqa: E402
+from server.bench.cli import DESCRIPTION, add_bench_arguments, config_from_args  # noqa: E402
+from server.bench.model_shape import MODEL_SHAPES, build_model_shape  # noqa: E402
+from server.bench.peer import PeerConfigError, add_peer_arguments, check_peer_arguments, run_peer  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(p)
+    p.add_argument("--model-shape", choices=tuple(MODEL_SHAPES), default=None,
+                   help="build this model shape with random weights under --work-dir (instead of --model)")
+    add_peer_arguments(p)
+    return p
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dataclasses import replace
+
+    from server.bench.client import BenchClientError
+    from server.bench.report import format_table, plot, write_json
+    from server.bench.runner import BenchConfigError, resolve_model, run_bench
+    from server.bench.workload import WorkloadError
+
+    args = build_parser().parse_args(argv)
+    json_path = Path(args.json)
+    try:
+        if args.model_shape and args.model:
+            raise BenchConfigError("--model-shape and --model are alternatives: give one")
+        python = check_peer_arguments(args)
+        cfg = config_from_args(args)
+        if args.model_shape:
+            log(f"building the {args.model_shape} model shape (random weights)")
+            model_dir = build_model_shape(args.model_shape, Path(args.work_dir) / "models" / args.model_shape)
+            cfg = replace(cfg, model_dir=str(model_dir), model_label=f"{args.model_shape} shape (random weights)")
+        doc = run_bench(cfg, json_path, log=log)
+        if python is not None:
+            run_peer(cfg, args, python, resolve_model(cfg, log)[0], doc, log)
+            write_json(doc, json_path)
+    except (BenchConfigError, PeerConfigError, WorkloadError, BenchClientError, ValueError) as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    png = Path(args.plot) if args.plot else json_path.with_suffix(".png")
+    plot(doc, png)
+    print(format_table(doc, per_tenant=args.per_tenant))
+    print(f"wrote {json_path} and {png}")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Benchmark multi-LoRA shrink+expand: Triton kernels against the torch reference.
+"""Benchmark multi-LoRA shrink+expand (and, with --attention, decode attention): Triton against torch.
 
 Llama-3-8B-shaped projections, ranks 16/64, 1..512 tokens, 1/8/64 distinct
 adapters. Per configuration: median time of CUDA-event-timed iterations, the
 bandwidth achieved (bytes of adapter weights and activations the op must move,
 divided by time) and that bandwidth as a share of the device's copy bandwidth,
-measured in the same run with a large device-to-device copy.
+measured in the same run with a large device-to-device copy. Slot buffers use
+the engine's layout (B rank-major, server.engine.lora_slots).
+
+--attention adds decode attention at Llama-3-8B's heads (32 over 8 kv heads of
+128) for 1..256 sequences over 1k/4k-token contexts: the bytes are the K and V
+it must read; few sequences run split-context (the `splits` column).
 
     python scripts/bench_kernels.py --json bench-out/kernels.json      # needs a CUDA GPU
-    python scripts/bench_kernels.py --smoke                            # CPU, Triton interpreter
+    python scripts/bench_kernels.py --attention --json bench-out/kernels.json
+    python scripts/bench_kernels.py --smoke [--attention]              # CPU, Triton interpreter
 """
 from __future__ import annotations
 
@@ -32,6 +38,9 @@ PROJECTIONS = {
 }
 # Same structure, sizes the Triton interpreter gets through in seconds.
 SMOKE_PROJECTIONS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
+# Attention heads (query, kv, head_dim): Llama-3-8B's, and a smoke-sized set.
+ATTENTION_HEADS = (32, 8, 128)
+SMOKE_ATTENTION_HEADS = (8, 2, 32)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,19 @@ class Result:
     gb_per_s: float
     pct_of_copy: float
     max_rel_err: float  # max |y - y_torch| / (|y_torch| + 1) on the same inputs (0 for the reference)
+
+
+@dataclass(frozen=True)
+class AttentionResult:
+    seqs: int
+    context: int
+    impl: str  # triton | torch
+    num_splits: int  # context splits of the Triton decode launch (1 = not split)
+    median_ms: float
+    bytes_moved: int
+    gb_per_s: float
+    pct_of_copy: float
+    max_rel_err: float
 
 
 def token_slots(cfg: Config) -> list[int]:
@@ -121,8 +143,8 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
     batch = LoraBatch.build(slots, device)
     x = torch.randn(cfg.tokens, hidden, device=device, generator=g).to(dtype)
     lora_a = (torch.randn(nslices, num_slots, cfg.rank, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
-    lora_b = tuple((torch.randn(num_slots, n, cfg.rank, device=device, generator=g) / cfg.rank**0.5).to(dtype)
-                   for n in widths)
+    lora_b = tuple((torch.randn(num_slots, cfg.rank, n, device=device, generator=g) / cfg.rank**0.5).to(dtype)
+                   .transpose(1, 2) for n in widths)  # [L, n, R] stored rank-major, as the engine's slots
     scaling = torch.full((nslices, num_slots), 2.0, device=device)
     offsets = tuple(sum(widths[:i]) for i in range(nslices))
     y0 = torch.randn(cfg.tokens, sum(widths), device=device, generator=g).to(dtype)
@@ -151,6 +173,44 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
     return results
 
 
+def run_attention(seqs: int, context: int, heads: tuple[int, int, int], device, dtype, copy_gbps, warmup, iters,
+                  ops) -> list[AttentionResult]:
+    """One decode step of `seqs` sequences, each over `context` cached tokens (block size 16)."""
+    from kernels.attention_triton import step_plan
+    from kernels.metadata import AttentionBatch
+
+    hq, hkv, d = heads
+    g = torch.Generator(device=device).manual_seed(0)
+    per_seq = -(-(context + 1) // 16)
+    k_cache = torch.randn(seqs * per_seq, 16, hkv, d, device=device, generator=g).to(dtype)
+    v_cache = torch.randn(seqs * per_seq, 16, hkv, d, device=device, generator=g).to(dtype)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
+    batch = AttentionBatch.build(tables, [context] * seqs, [1] * seqs, 16, device)
+    q = torch.randn(seqs, hq, d, device=device, generator=g).to(dtype)
+    splits = step_plan(batch, 1, hkv, device).num_splits
+    moved = 2 * seqs * (context + 1) * hkv * d * q.element_size()
+    outputs, results = {}, []
+    for impl in ("torch", "triton"):
+        out = torch.empty_like(q)
+        ops[impl].paged_attention(q, k_cache, v_cache, batch, d ** -0.5, out)
+        outputs[impl] = out.float()
+        ms = median_ms(lambda impl=impl, out=out: ops[impl].paged_attention(q, k_cache, v_cache, batch, d ** -0.5,
+                                                                            out), device, warmup, iters)
+        gbps = moved / (ms * 1e-3) / 1e9
+        ref = outputs["torch"]
+        err = ((outputs[impl] - ref).abs() / (ref.abs() + 1)).max().item()
+        results.append(AttentionResult(seqs, context, impl, splits if impl == "triton" else 1, ms, moved, gbps,
+                                       100 * gbps / copy_gbps, err))
+    return results
+
+
+def print_attention(results: list[AttentionResult]) -> None:
+    print(f"\n{'seqs':>5} {'ctx':>6} {'impl':6} {'splits':>6} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'err':>8}")
+    for r in results:
+        print(f"{r.seqs:>5} {r.context:>6} {r.impl:6} {r.num_splits:>6} {r.median_ms:>9.4f} {r.gb_per_s:>8.1f} "
+              f"{r.pct_of_copy:>6.1f} {r.max_rel_err:>8.2g}")
+
+
 def print_table(results: list[Result], copy_gbps: float, device_name: str) -> None:
     print(f"device: {device_name}; device-to-device copy: {copy_gbps:.0f} GB/s")
     head = f"{'proj':8} {'rank':>4} {'tok':>4} {'adap':>4} {'shape':8} {'impl':6} {'ms':>9} {'GB/s':>8} {'%copy':>6} {'x torch':>7} {'err':>8}"
@@ -173,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512])
     parser.add_argument("--adapters", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--attention", action="store_true", help="also time decode attention")
+    parser.add_argument("--seqs", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
@@ -210,16 +273,26 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     results += run_config(Config(name, rank, t, a), hidden, widths, device, dtype,
                                           copy_gbps, warmup, iters, ops)
+    attention: list[AttentionResult] = []
+    if args.attention:
+        heads, seqs, contexts = ATTENTION_HEADS, args.seqs, args.contexts
+        if args.smoke:
+            heads, seqs, contexts = SMOKE_ATTENTION_HEADS, [1, 4], [600]
+        for n in seqs:
+            for c in contexts:
+                attention += run_attention(n, c, heads, device, dtype, copy_gbps, warmup, iters, ops)
     device_name = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter; times are not meaningful)"
     print_table(results, copy_gbps, device_name)
+    if attention:
+        print_attention(attention)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "device": device_name, "dtype": args.dtype, "copy_gb_per_s": copy_gbps, "smoke": args.smoke,
-            "results": [asdict(r) for r in results],
+            "results": [asdict(r) for r in results], "attention": [asdict(r) for r in attention],
         }, indent=1))
     # A few ulps: each computes and rounds its own h, then sums in its own order.
-    bad = [r for r in results if r.max_rel_err > 8 * torch.finfo(dtype).eps]
+    bad = [r for r in [*results, *attention] if r.max_rel_err > 8 * torch.finfo(dtype).eps]
     if bad:
         print(f"bench_kernels: {len(bad)} Triton result(s) differ from the reference", file=sys.stderr)
         return 1

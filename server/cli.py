@@ -55,10 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-cpu-lora-bytes", type=_positive_int,
                    help="host-tier budget: bytes of parsed adapters kept in host memory (default 1 GiB)")
     s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
+                   help="torch threads on a CPU device: auto (default) = the cores in this process's "
+                        "affinity mask, less one for the HTTP side when there is more than one")
     s.add_argument("--admin-token", help="admin bearer token (or $LORAPLEX_ADMIN_TOKEN; "
                                          "generated and printed when neither is set)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="largest JSON request body accepted, in bytes (default 16 MiB); larger is a 413")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes a tenant sent before, per adapter version (default on)")
+    s.add_argument("--share-base-prefix-cache", action="store_true",
+                   help="let base-model prefix blocks be reused across tenants: faster, but a tenant can tell "
+                        "from time to first token whether another sent a prompt (off by default)")
     s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
                    help="most prompts in one /v1/completions batch (a list of prompts); default 64")
     s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "

@@ -61,9 +61,12 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.9
     max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
     kernels: str = "auto"
+    cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
     max_batch_prompts: int = 64           # prompts in one /v1/completions batch (--max-batch-prompts)
+    enable_prefix_caching: bool = True    # --enable-prefix-caching / --no-enable-prefix-caching
+    share_base_prefix_cache: bool = False  # --share-base-prefix-cache (a cross-tenant timing channel)
     metrics_token: str | None = None      # bearer token for /metrics besides the admin token
     metrics_public: bool = False          # /metrics without credentials (--metrics-public)
     redis_prefix: str = "lp:"
@@ -99,6 +102,13 @@ class ServerConfig:
             raise ConfigError("--max-model-len must be >= 2")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        # Imported here: server.engine's package import pulls in torch, which `loraplex --help` avoids.
+        from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads
+
+        try:
+            object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))
+        except CpuThreadsError as e:
+            raise ConfigError(f"--cpu-threads: {e}") from None
         names = [n for n, _ in self.adapters]
         if len(set(names)) != len(names):
             raise ConfigError("--adapter names must be unique")
@@ -142,8 +152,9 @@ class ServerConfig:
             kv_cache_blocks=args.kv_cache_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
-            kernels=args.kernels,
+            kernels=args.kernels, cpu_threads=getattr(args, "cpu_threads", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
+            enable_prefix_caching=args.enable_prefix_caching, share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,
             metrics_public=args.metrics_public,
             replica_name=getattr(args, "replica_name", None) or None)

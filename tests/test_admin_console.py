@@ -88,3 +88,34 @@ def test_console_runs_a_day_of_the_service(api_server, page, tiny_adapters, tmp_
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
     print(f"console screenshots: {tmp_path}")
+
+
+def test_console_pages_through_200_tenants_and_2000_adapters(api_server, page, tiny_adapters):
+    """At the scale the console must stay usable: pages of 50 tenants and 100 adapters, with filters."""
+    import time as _time
+
+    from adapters.format import inspect_adapter_bytes
+
+    state = api_server.state
+    config_json = (tiny_adapters["r4_qv"] / "adapter_config.json").read_bytes()
+    weights = (tiny_adapters["r4_qv"] / "adapter_model.safetensors").read_bytes()
+    summary = inspect_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape, state.config.max_lora_rank)
+    for t in range(200):  # straight into the stores: the point here is the console, not uploads
+        tenant = state.tenants.create(f"scale-{t:03d}")
+        for a in range(10):
+            state.registry.put(tenant.id, f"ad-{a}", config_json, weights, summary=summary)
+    start = _time.monotonic()
+    listed = api_server.admin("GET", "/admin/adapters", params={"tenant": "scale-", "limit": 100}).json()
+    assert listed["total"] == 2000 and len(listed["data"]) == 100 and _time.monotonic() - start < 5
+    page.goto(f"{api_server.url}/admin/ui")
+    page.wait_for_selector("#engine-stats .stat")  # still signed in (session storage)
+    page.click("header nav button[data-tab=tenants]")
+    page.fill("#tenant-filter", "scale-")
+    page.wait_for_selector("#tenant-count:has-text('200 tenants, page 1 of 4')")
+    assert page.locator("#tenant-rows tr").count() == 50
+    page.click("#tenant-next")
+    page.wait_for_selector("#tenant-rows tr[data-name=scale-050]")
+    page.click("header nav button[data-tab=adapters]")
+    page.fill("#adapter-filter", "scale-1")
+    page.wait_for_selector("#adapter-count:has-text('1000 adapters, page 1 of 10')")
+    assert page.locator("#adapter-rows tr").count() == 100

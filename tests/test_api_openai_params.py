@@ -103,6 +103,16 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
         entries = r.model_extra["prompt_logprobs"] if chat else r.choices[0].model_extra["prompt_logprobs"]
         assert entries[0] is None and len(entries) > 1 and all(len(e) <= 2 for e in entries[1:])
 
+    def cache_salt():
+        import secrets
+        salt = secrets.token_hex(8)
+        long = {"messages": [{"role": "user", "content": "tell me more " * 12}]} if chat else \
+            {"prompt": list(range(30, 80))}
+
+        def cached(s: str) -> int:
+            return gen(extra_body={"cache_salt": s}, **long).usage.prompt_tokens_details.cached_tokens
+        assert cached(salt) == 0 and cached(salt) >= 16 and cached(salt + "-other") == 0
+
     def priority():
         assert calls.text(chat, extra_body={"priority": -5}) == greedy  # ordering only: same answer
 
@@ -137,6 +147,7 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
         "stop_token_ids": min_tokens,
         "prompt_logprobs": prompt_logprobs,
         "priority": priority,
+        "cache_salt": cache_salt,
     }
 
 

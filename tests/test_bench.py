@@ -139,3 +139,70 @@ def test_cli_run_against_the_demo_model_writes_json_and_png(demo_paths, tmp_path
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "ratio" in capsys.readouterr().out
+
+
+# ---- the prefix workload: system prompts per tenant, multi-turn history, cache off and on ----
+
+def test_conversations_resend_their_history_after_the_tenants_system_prompt():
+    from server.bench.workload import generate_conversations
+
+    cfg = WorkloadConfig(num_adapters=4, num_requests=10, rate=2.0, prompt_len=(5, 5), output_len=(3, 4),
+                         num_tenants=2, base_share=0.25, shared_prefix_len=12, turns=3, turn_gap_s=0.5, seed=4)
+    reqs = generate_conversations(cfg)
+    assert reqs == generate_conversations(cfg) and len(reqs) == 10
+    assert [r.index for r in reqs] == list(range(10))
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    system = {}
+    for r in reqs:
+        assert system.setdefault(r.tenant, r.prompt_ids[:12]) == r.prompt_ids[:12]  # one system prompt per tenant
+    assert len(set(system.values())) == 2
+    assert sorted(r.turn for r in reqs) == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]  # 3 + 3 + 3 turns, then 1
+    firsts = [r for r in reqs if r.turn == 0]
+    for first in firsts:
+        chain = [first]
+        for r in reqs:  # the next turn extends the last prompt by the reply and a new message
+            last = chain[-1]
+            if r.turn == last.turn + 1 and r.prompt_ids[:len(last.prompt_ids)] == last.prompt_ids:
+                assert len(r.prompt_ids) == len(last.prompt_ids) + last.max_tokens + 5
+                assert r.arrival_s == pytest.approx(last.arrival_s + 0.5)
+                assert (r.tenant, r.adapter) == (first.tenant, first.adapter)
+                chain.append(r)
+        assert len(first.prompt_ids) == 12 + 5
+        assert len(chain) == (3 if first is not firsts[-1] else 1)
+    with pytest.raises(WorkloadError, match="turns"):
+        WorkloadConfig(num_adapters=1, num_requests=1, turns=0)
+
+
+def test_prefix_workload_runs_the_engine_with_the_cache_off_and_on(tiny_model_dir, tmp_path, capsys):
+    from server.bench.cli import main
+
+    out = tmp_path / "prefix.json"
+    rc = main(["--workload", "prefix", "--adapters", "2", "--requests", "9", "--shared-prefix", "48",
+               "--prompt-len", "16:16", "--output-len", "3:5", "--turns", "3", "--turn-gap", "0.3", "--rate", "10",
+               "--tenants", "2", "--rank", "4", "--model", str(tiny_model_dir), "--json", str(out),
+               "--work-dir", str(tmp_path / "work")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["workload"] == "prefix" and doc["config"]["shared_prefix_len"] == 48
+    (point,) = doc["points"]
+    off, on = point["cache_off"], point["cache_on"]
+    assert off["completed"] == on["completed"] == point["requests"] == 9, (off["errors"], on["errors"])
+    assert point["outputs_identical"] and point["identical_outputs"] == 9  # greedy: the cache changes no token
+    assert off["prefix_cache"] == {"enabled": False, "queries_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0,
+                                   "cached_free_blocks_at_end": 0}
+    # Turns after the first of each adapter reuse the 3 system-prompt blocks, later turns their history too.
+    assert point["hit_rate"] == on["prefix_cache"]["hit_rate"] > 0.5
+    assert set(on["ttft_p50_by_turn_s"]) == {"0", "1", "2"}
+    assert point["ttft_p50_ratio_off_over_on"] == pytest.approx(off["ttft_s"]["p50"] / on["ttft_s"]["p50"])
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "hit rate" in printed and "outputs identical 9/9" in printed
+
+
+def test_prefix_workload_needs_the_engine_target():
+    from server.bench.runner import BenchConfig, BenchConfigError
+
+    with pytest.raises(BenchConfigError, match="--target engine"):
+        BenchConfig(workload_type="prefix", target="http")
+    with pytest.raises(BenchConfigError, match="--workload"):
+        BenchConfig(workload_type="burst")

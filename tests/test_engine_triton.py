@@ -16,7 +16,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_triton_kernels_match_peft_for_mixed_batch(tiny_model_dir, tiny_adapters, peft_oracle):
-    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="triton", max_loras=2,
+    # Real launches on a GPU machine, the interpreter on CPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(tiny_model_dir, device=device, dtype="float32", kernels="triton", max_loras=2,
               kv_cache_blocks=32, max_model_len=128, block_size=16)
     assert llm.engine.kernels.name == "triton"
     for name in ("r8_all", "r4_qv"):

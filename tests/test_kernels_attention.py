@@ -1,9 +1,11 @@
 """Triton write_kv + paged attention against dense causal attention and kernels.attention_ref.
 
 On CPU these run under TRITON_INTERPRET=1 (set by conftest): shapes are small.
+With a GPU they launch for real on it (`kernel_device`).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 from dataclasses import dataclass
@@ -11,10 +13,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import attention_ref, attention_triton
+from kernels import attention_decode, attention_ref, attention_triton, launch_plan
 from kernels.metadata import AttentionBatch
 from kernels.ops import select_kernels
-from tests.kernel_helpers import bit_equal, compile_for_cuda, have_ptxas, run_compile_check
+from tests.kernel_helpers import bit_equal
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -47,6 +49,13 @@ class Case:
     query_lens: list[int]
     tables: list[list[int]]
 
+    def to(self, device: torch.device) -> "Case":
+        lens = [len(k) - n for k, n in zip(self.k_full, self.query_lens)]
+        batch = AttentionBatch.build(self.tables, lens, self.query_lens, self.k_cache.shape[1], device)
+        return dataclasses.replace(self, batch=batch, q=self.q.to(device), k_new=self.k_new.to(device),
+                                   v_new=self.v_new.to(device), k_cache=self.k_cache.to(device, copy=True),
+                                   v_cache=self.v_cache.to(device, copy=True))
+
 
 def make_case(context_lens: list[int], query_lens: list[int], block_size: int, hq: int, hkv: int,
               head_dim: int, dtype: torch.dtype, seed: int = 0) -> Case:
@@ -77,17 +86,20 @@ def make_case(context_lens: list[int], query_lens: list[int], block_size: int, h
     )
 
 
-def check_attention(case: Case) -> None:
+def check_attention(case: Case, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Triton on `device` against the reference and the dense oracle (on the CPU); returns the output."""
     dtype = case.q.dtype
     scale = case.q.shape[2] ** -0.5
-    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    attention_triton.write_kv(case.k_new, case.v_new, k_cache, v_cache, case.batch.slot_mapping)
+    dev = case.to(torch.device(device))
+    k_cache, v_cache = dev.k_cache.clone(), dev.v_cache.clone()
+    attention_triton.write_kv(dev.k_new, dev.v_new, k_cache, v_cache, dev.batch.slot_mapping)
     k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
     attention_ref.write_kv(case.k_new, case.v_new, k_ref, v_ref, case.batch.slot_mapping)
-    assert bit_equal(k_cache, k_ref) and bit_equal(v_cache, v_ref)
+    assert bit_equal(k_cache.cpu(), k_ref) and bit_equal(v_cache.cpu(), v_ref)
 
-    out = torch.full_like(case.q, float("nan"))  # poisoned: every query row must be written
-    attention_triton.paged_attention(case.q, k_cache, v_cache, case.batch, scale, out)
+    out = torch.full_like(dev.q, float("nan"))  # poisoned: every query row must be written
+    attention_triton.paged_attention(dev.q, k_cache, v_cache, dev.batch, scale, out)
+    out = out.cpu()
     assert not out.isnan().any()
     out_ref = torch.full_like(case.q, float("nan"))
     attention_ref.paged_attention(case.q, k_ref, v_ref, case.batch, scale, out_ref)
@@ -97,38 +109,41 @@ def check_attention(case: Case) -> None:
         dense = dense_causal_attention(case.q[start: start + n], k, v, scale)
         torch.testing.assert_close(out[start: start + n].float(), dense, **TOL[dtype])
         start += n
+    return out
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-def test_mixed_batch(block_size: int, hq: int, hkv: int) -> None:
+def test_mixed_batch(block_size: int, hq: int, hkv: int, kernel_device) -> None:
     """Decode, fresh prefill and continued-prefix prefill in one launch, spanning many blocks."""
     context_lens = [37, 0, 70, 5, 0]
     query_lens = [1, 23, 9, 1, 1]
-    check_attention(make_case(context_lens, query_lens, block_size, hq, hkv, 32, torch.float32))
+    check_attention(make_case(context_lens, query_lens, block_size, hq, hkv, 32, torch.float32), kernel_device)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-def test_decode_only(block_size: int, hq: int, hkv: int) -> None:
-    check_attention(make_case([0, 15, 16, 95], [1, 1, 1, 1], block_size, hq, hkv, 32, torch.float32))
+def test_decode_only(block_size: int, hq: int, hkv: int, kernel_device) -> None:
+    check_attention(make_case([0, 15, 16, 95], [1, 1, 1, 1], block_size, hq, hkv, 32, torch.float32), kernel_device)
 
 
-def test_long_continued_prefix_fp16() -> None:
+def test_long_continued_prefix_fp16(kernel_device) -> None:
     """A chunked prefill whose query tile spans several q blocks, over a prefix many blocks long."""
-    check_attention(make_case([100, 3], [40, 2], 16, 8, 2, 64, torch.float16, seed=1))
+    check_attention(make_case([100, 3], [40, 2], 16, 8, 2, 64, torch.float16, seed=1), kernel_device)
 
 
-def test_odd_group_and_head_dim() -> None:
+def test_odd_group_and_head_dim(kernel_device) -> None:
     """GQA group 3 (not a power of two) and head_dim 24 (padded lanes must stay out of the math)."""
-    check_attention(make_case([20, 0], [1, 18], 16, 6, 2, 24, torch.float32, seed=2))
+    check_attention(make_case([20, 0], [1, 18], 16, 6, 2, 24, torch.float32, seed=2), kernel_device)
 
 
-def test_write_kv_touches_only_its_slots() -> None:
+def test_write_kv_touches_only_its_slots(kernel_device) -> None:
     case = make_case([3, 0], [5, 4], 16, 4, 2, 16, torch.float32)
-    k_cache = torch.full_like(case.k_cache, float("nan"))
+    dev = case.to(kernel_device)
+    k_cache = torch.full_like(dev.k_cache, float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
-    attention_triton.write_kv(case.k_new, case.v_new, k_cache, v_cache, case.batch.slot_mapping)
+    attention_triton.write_kv(dev.k_new, dev.v_new, k_cache, v_cache, dev.batch.slot_mapping)
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
     flat_k = k_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, D]
     written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
     written[case.batch.slot_mapping] = True
@@ -137,50 +152,51 @@ def test_write_kv_touches_only_its_slots() -> None:
     assert flat_k[~written].isnan().all() and v_cache.flatten(0, 1)[~written].isnan().all()
 
 
-def test_entry_points_through_select_kernels() -> None:
-    ops = select_kernels("triton", torch.device("cpu"))
+def test_entry_points_through_select_kernels(kernel_device) -> None:
+    ops = select_kernels("triton", kernel_device)
     assert ops.name == "triton"
     for name in ("write_kv", "paged_attention"):
         ref, tri = getattr(attention_ref, name), getattr(ops, name)
         assert list(inspect.signature(ref).parameters) == list(inspect.signature(tri).parameters)
     case = make_case([10, 0], [1, 12], 16, 4, 2, 16, torch.float32)
-    ops.write_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, case.batch.slot_mapping)
-    out = torch.full_like(case.q, float("nan"))
-    ops.paged_attention(case.q, case.k_cache, case.v_cache, case.batch, 0.25, out)
+    dev = case.to(kernel_device)
+    ops.write_kv(dev.k_new, dev.v_new, dev.k_cache, dev.v_cache, dev.batch.slot_mapping)
+    out = torch.full_like(dev.q, float("nan"))
+    ops.paged_attention(dev.q, dev.k_cache, dev.v_cache, dev.batch, 0.25, out)
     dense = dense_causal_attention(case.q[1:], case.k_full[1], case.v_full[1], 0.25)
-    torch.testing.assert_close(out[1:], dense, **TOL[torch.float32])
+    torch.testing.assert_close(out[1:].cpu(), dense, **TOL[torch.float32])
 
 
-def compile_attention_kernels() -> None:
-    ints = {"block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
-    unit = {"stride_qd": 1, "stride_kcd": 1, "stride_vcd": 1, "stride_od": 1}
-    for dtype, upcast in (("fp16", False), ("bf16", False), ("fp32", True)):
-        for block_m, block_q in ((16, 1), (64, 16)):  # decode and prefill tiles, GQA 4, head_dim 128
-            compile_for_cuda(attention_triton._paged_attention_kernel, dtype, ints,
-                             {**unit, "GROUP": 4, "BLOCK_Q": block_q, "BLOCK_M": block_m,
-                              "BLOCK_N": attention_triton.BLOCK_N, "BLOCK_D": 128, "UPCAST": upcast})
-        compile_for_cuda(attention_triton._write_kv_kernel, dtype, ints, {"BLOCK_H": 8, "BLOCK_D": 128})
+@pytest.mark.parametrize("contexts,dtype", [([600], torch.float32), ([700, 300, 10], torch.float32),
+                                            ([1100, 40], torch.float16)], ids=["one", "uneven", "fp16"])
+def test_split_context_decode_equals_the_reference(contexts, dtype, kernel_device) -> None:
+    """Few decodes over long contexts: each context is split across programs and combined; sequences
+    shorter than the longest leave their last splits empty."""
+    case = make_case(contexts, [1] * len(contexts), 16, 8, 2, 32, dtype, seed=3)
+    plan = attention_triton.step_plan(case.batch, 1, 2, "cpu")
+    assert plan.num_splits >= 2 and plan.split_len % attention_triton.BLOCK_N == 0
+    assert plan.split_len * (plan.num_splits - 1) < max(contexts) + 1 <= plan.split_len * plan.num_splits
+    check_attention(case, kernel_device)
 
 
-@pytest.mark.skipif(not have_ptxas(), reason="this Triton has no ptxas to compile for CUDA")
-def test_kernels_compile_for_hopper() -> None:
-    """No GPU here: lower the attention kernels (fp16, bf16, fp32) to a cubin for sm_90."""
-    run_compile_check("from tests.test_kernels_attention import compile_attention_kernels; "
-                      "compile_attention_kernels()")
+def test_split_context_decode_next_to_a_prefill(kernel_device) -> None:
+    """A mixed step: the decode is split while the prefill's query tiles go to the other launch."""
+    case = make_case([900, 0, 37], [1, 20, 9], 16, 8, 2, 32, torch.float32, seed=4)
+    plan = attention_triton.step_plan(case.batch, 8, 2, "cpu")
+    assert plan.num_decode == 1 and plan.num_splits >= 2
+    assert plan.prefill.tolist() == [[1, 0], [1, 1], [1, 2], [2, 0], [2, 1]]  # 20 and 9 queries, 8 a tile
+    check_attention(case, kernel_device)
+
+
+def test_many_decodes_are_not_split() -> None:
+    assert launch_plan.split_context(64, 8, 4096, 32) == (4096, 1)  # 512 programs already
+    assert launch_plan.split_context(1, 8, 4096, 32) == (256, 16)  # batch 1: 8 programs -> 128
+    assert launch_plan.split_context(1, 8, 300, 32)[1] == 1  # too short to pay for a combine pass
+    assert attention_decode.num_warps(torch.float32) == 8 and attention_decode.num_warps(torch.bfloat16) == 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton kernels need a GPU")
 def test_bf16_on_gpu() -> None:
-    ops = select_kernels("triton", torch.device("cuda"))
-    context_lens = [300, 0, 17, 64]
-    case = make_case(context_lens, [1, 200, 1, 33], 16, 32, 8, 128, torch.bfloat16)
-    batch = AttentionBatch.build(case.tables, context_lens, case.query_lens, 16, "cuda")
-    k_cache, v_cache = case.k_cache.cuda(), case.v_cache.cuda()
-    q = case.q.cuda()
-    ops.write_kv(case.k_new.cuda(), case.v_new.cuda(), k_cache, v_cache, batch.slot_mapping)
-    out = torch.full_like(q, float("nan"))
-    ops.paged_attention(q, k_cache, v_cache, batch, 128 ** -0.5, out)
-    out_ref = torch.full_like(q, float("nan"))
-    attention_ref.paged_attention(q, k_cache, v_cache, batch, 128 ** -0.5, out_ref)
-    torch.testing.assert_close(out, out_ref, **TOL[torch.bfloat16])
+    context_lens = [300, 0, 17, 64, 2000]
+    case = make_case(context_lens, [1, 200, 1, 33, 1], 16, 32, 8, 128, torch.bfloat16)
+    check_attention(case, torch.device("cuda"))

@@ -2,9 +2,12 @@
 
 On CPU these run under TRITON_INTERPRET=1 (set by conftest), which is ~1000x
 slower than a GPU: shapes are small and the matrix is chosen, not crossed.
+With a GPU they launch for real on it (`kernel_device`). Compiling every
+variant for sm_90/sm_80 is tests/test_kernels_aot.py's job.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import random
@@ -19,7 +22,7 @@ import torch
 from kernels import lora_ref, lora_triton
 from kernels.metadata import LoraBatch
 from kernels.ops import select_kernels
-from tests.kernel_helpers import bit_equal, compile_for_cuda, have_ptxas, run_compile_check
+from tests.kernel_helpers import bit_equal
 
 FORMS = {
     "segmented": (lora_triton.shrink_segmented, lora_triton.expand_segmented),
@@ -62,6 +65,11 @@ class Problem:
     offsets: tuple[int, ...]
     y_width: int
     ranks: list[int]  # each slot's own rank (rows beyond it are zero, as in the slot buffers)
+
+    def to(self, device: torch.device, slots: list[int]) -> "Problem":
+        return dataclasses.replace(self, batch=LoraBatch.build(slots, device), x=self.x.to(device),
+                                   lora_a=self.lora_a.to(device), scaling=self.scaling.to(device),
+                                   lora_b=tuple(b.to(device) for b in self.lora_b))
 
 
 def make_problem(slots: list[int], hidden: int, max_rank: int, widths: list[int], dtype: torch.dtype,
@@ -108,16 +116,19 @@ def dense_oracle(p: Problem, slots: list[int]) -> tuple[torch.Tensor, torch.Tens
     return h, delta
 
 
-def run_and_check(p: Problem, slots: list[int], shrink, expand) -> None:
+def run_and_check(p: Problem, slots: list[int], shrink, expand, device: torch.device | str = "cpu") -> None:
+    """Run the kernels on `device` (the reference on the CPU) and compare on the CPU."""
     num_slices, _, rank, _ = p.lora_a.shape
     dtype = p.x.dtype
     tol = TOL[dtype]
     rows_off = torch.tensor([s < 0 for s in slots])
+    dev = p.to(torch.device(device), slots)
 
     h_ref = torch.full((num_slices, len(slots), rank), float("nan"), dtype=dtype)
     lora_ref.lora_shrink(p.x, p.lora_a, p.batch, p.scaling, h_ref)
-    h = torch.full_like(h_ref, float("nan"))  # poisoned: every row the kernel skips stays NaN
-    shrink(p.x, p.lora_a, p.batch, p.scaling, h)
+    h = torch.full_like(h_ref, float("nan"), device=device)  # poisoned: every row the kernel skips stays NaN
+    shrink(dev.x, dev.lora_a, dev.batch, dev.scaling, h)
+    h = h.cpu()
     assert h[:, rows_off].isnan().all(), "shrink wrote a row whose slot is -1"
     assert not h[:, ~rows_off].isnan().any(), "shrink left an adapter row unwritten"
     torch.testing.assert_close(h[:, ~rows_off].float(), h_ref[:, ~rows_off].float(), **tol)
@@ -126,9 +137,10 @@ def run_and_check(p: Problem, slots: list[int], shrink, expand) -> None:
 
     y0 = torch.randn(len(slots), p.y_width, generator=torch.Generator().manual_seed(7)).to(dtype)
     y0[0, 0] = float("nan")  # a NaN outside every slice must survive untouched too
-    y_ref, y = y0.clone(), y0.clone()
+    y_ref, y = y0.clone(), y0.to(device, copy=True)
     lora_ref.lora_expand(h_ref, p.lora_b, p.batch, y_ref, p.offsets)
-    expand(h_ref, p.lora_b, p.batch, y, p.offsets)
+    expand(h_ref.to(device), dev.lora_b, dev.batch, y, p.offsets)
+    y = y.cpu()
     assert bit_equal(y[rows_off], y0[rows_off]), "expand changed a row whose slot is -1"
     covered = torch.zeros(p.y_width, dtype=torch.bool)
     for off, b in zip(p.offsets, p.lora_b):
@@ -138,16 +150,20 @@ def run_and_check(p: Problem, slots: list[int], shrink, expand) -> None:
     torch.testing.assert_close(y[1:].float(), (y0[1:].float() + delta[1:]), **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 runs on a GPU (the interpreter has no bf16)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)],
+                         ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("mode", ["distinct", "uniform", "zipf", "identical", "none"])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_popularity_modes(form: str, mode: str, dtype: torch.dtype) -> None:
+def test_popularity_modes(form: str, mode: str, dtype: torch.dtype, kernel_device) -> None:
     rng = random.Random(f"{form}-{mode}")  # str seeds are stable across runs, unlike hash()
     num_requests = 9
     lens = [1] * num_requests if form == "gathered" else [rng.randint(1, 5) for _ in range(num_requests)]
     slots = token_slots(request_slots(mode, num_requests, rng), lens)
     p = make_problem(slots, hidden=96, max_rank=16, widths=[32, 16, 16], dtype=dtype, num_slots=num_requests)
-    run_and_check(p, slots, *FORMS[form])
+    run_and_check(p, slots, *FORMS[form], kernel_device)
 
 
 @pytest.mark.parametrize(
@@ -155,40 +171,42 @@ def test_popularity_modes(form: str, mode: str, dtype: torch.dtype) -> None:
     [(1, 2049, [24]), (8, 64, [48, 16]), (16, 300, [40, 20, 20]), (64, 2049, [33, 17, 17])],
 )
 @pytest.mark.parametrize("form", list(FORMS))
-def test_ranks_hidden_slices(form: str, rank: int, hidden: int, widths: list[int]) -> None:
+def test_ranks_hidden_slices(form: str, rank: int, hidden: int, widths: list[int], kernel_device) -> None:
     rng = random.Random(rank)
     lens = [1] * 6 if form == "gathered" else [3, 1, 7, 2, 4, 1]
     slots = token_slots(request_slots("distinct", 6, rng), lens)
     p = make_problem(slots, hidden=hidden, max_rank=rank, widths=widths, dtype=torch.float32, num_slots=6)
-    run_and_check(p, slots, *FORMS[form])
+    run_and_check(p, slots, *FORMS[form], kernel_device)
 
 
-def test_more_slices_than_one_launch_takes() -> None:
+def test_more_slices_than_one_launch_takes(kernel_device) -> None:
     """Slices past MAX_FUSED_SLICES go to a second launch with the right h rows and offsets."""
     slots = [0, 0, 1, -1, 1, 2, 2, 2, 2, 2]
     widths = [16, 8, 24, 8, 40]
     assert len(widths) > lora_triton.MAX_FUSED_SLICES
     p = make_problem(slots, hidden=48, max_rank=8, widths=widths, dtype=torch.float32, num_slots=3)
-    run_and_check(p, slots, *FORMS["segmented"])
+    run_and_check(p, slots, *FORMS["segmented"], kernel_device)
 
 
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
-def test_entry_points_pick_the_form_by_batch_shape(shape: str) -> None:
-    ops = select_kernels("triton", torch.device("cpu"))
+def test_entry_points_pick_the_form_by_batch_shape(shape: str, kernel_device) -> None:
+    ops = select_kernels("triton", kernel_device)
     lens = [1, 1, 1, 1, 1] if shape == "decode" else [1, 9, 1, 20, 2]
     slots = token_slots([0, 1, -1, 2, 1], lens)
     p = make_problem(slots, hidden=64, max_rank=8, widths=[32, 32], dtype=torch.float32, num_slots=3)
     assert lora_triton.use_gather(p.batch) == (shape == "decode")
-    run_and_check(p, slots, ops.lora_shrink, ops.lora_expand)
+    run_and_check(p, slots, ops.lora_shrink, ops.lora_expand, kernel_device)
 
 
-def test_empty_batch_is_a_no_op() -> None:
-    ops = select_kernels("triton", torch.device("cpu"))
-    batch = LoraBatch.build([])
-    h = torch.empty(2, 0, 8)
-    ops.lora_shrink(torch.empty(0, 32), torch.randn(2, 3, 8, 32), batch, torch.ones(2, 3), h)
-    y = torch.empty(0, 40)
-    ops.lora_expand(h, (torch.randn(3, 16, 8), torch.randn(3, 24, 8)), batch, y, (0, 16))
+def test_empty_batch_is_a_no_op(kernel_device) -> None:
+    ops = select_kernels("triton", kernel_device)
+    batch = LoraBatch.build([], kernel_device)
+    h = torch.empty(2, 0, 8, device=kernel_device)
+    ops.lora_shrink(torch.empty(0, 32, device=kernel_device), torch.randn(2, 3, 8, 32, device=kernel_device), batch,
+                    torch.ones(2, 3, device=kernel_device), h)
+    y = torch.empty(0, 40, device=kernel_device)
+    ops.lora_expand(h, (torch.randn(3, 16, 8, device=kernel_device), torch.randn(3, 24, 8, device=kernel_device)),
+                    batch, y, (0, 16))
     assert h.shape == (2, 0, 8) and y.shape == (0, 40)
 
 
@@ -197,7 +215,7 @@ def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "kernels.json"
     done = subprocess.run([sys.executable, "scripts/bench_kernels.py", "--smoke", "--projections", "down",
-                           "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+                           "--attention", "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "triton" in done.stdout and "%copy" in done.stdout
     report = json.loads(out.read_text())
@@ -205,32 +223,15 @@ def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
     assert {r["impl"] for r in rows} == {"torch", "triton"} and {r["shape"] for r in rows} == {"decode", "prefill"}
     assert all(r["median_ms"] > 0 and r["bytes_moved"] > 0 for r in rows)
     assert report["copy_gb_per_s"] > 0
+    attention = report["attention"]
+    assert {(r["impl"], r["seqs"]) for r in attention} == {(i, n) for i in ("torch", "triton") for n in (1, 4)}
+    assert all(r["num_splits"] >= 2 for r in attention if r["impl"] == "triton")  # few decodes: split context
 
 
 def test_entry_points_keep_the_reference_signatures() -> None:
     for name in ("lora_shrink", "lora_expand"):
         ref, tri = getattr(lora_ref, name), getattr(lora_triton, name)
         assert list(inspect.signature(ref).parameters) == list(inspect.signature(tri).parameters)
-
-
-def compile_lora_kernels() -> None:
-    ints = {"seg_starts_ptr": "*i32", "seg_lens_ptr": "*i32", "seg_slots_ptr": "*i32",
-            "token_slots_ptr": "*i32", "scaling_ptr": "*fp32"}
-    for dtype, upcast in (("fp16", False), ("bf16", False), ("fp32", True)):
-        one = {"stride_xk": 1, "stride_ak": 1}
-        compile_for_cuda(lora_triton._sgmv_shrink_kernel, dtype, ints,
-                         {**one, "BLOCK_M": 64, "BLOCK_R": 64, "BLOCK_K": 64, "UPCAST": upcast})
-        compile_for_cuda(lora_triton._bgmv_shrink_kernel, dtype, ints, {**one, "BLOCK_R": 16, "BLOCK_K": 256})
-        one = {"sbr0": 1, "sbr1": 1, "sbr2": 1, "stride_yn": 1, "stride_hr": 1}
-        compile_for_cuda(lora_triton._sgmv_expand_kernel, dtype, ints,
-                         {**one, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_R": 16, "UPCAST": upcast})
-        compile_for_cuda(lora_triton._bgmv_expand_kernel, dtype, ints, {**one, "BLOCK_N": 256, "BLOCK_R": 16})
-
-
-@pytest.mark.skipif(not have_ptxas(), reason="this Triton has no ptxas to compile for CUDA")
-def test_kernels_compile_for_hopper() -> None:
-    """No GPU here: lower every kernel (fp16, bf16, fp32) to a cubin for sm_90; the interpreter never does."""
-    run_compile_check("from tests.test_kernels_lora import compile_lora_kernels; compile_lora_kernels()")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton kernels need a GPU")
@@ -242,11 +243,7 @@ def test_bf16_on_gpu(shape: str) -> None:
     slots = token_slots(request_slots("zipf", len(lens), rng), lens)
     p = make_problem(slots, hidden=4096, max_rank=16, widths=[4096, 1024, 1024], dtype=torch.bfloat16,
                      num_slots=len(lens))
-    cuda = Problem(
-        batch=LoraBatch.build(slots, "cuda"), x=p.x.cuda(), lora_a=p.lora_a.cuda(),
-        scaling=p.scaling.cuda(), lora_b=tuple(b.cuda() for b in p.lora_b), offsets=p.offsets,
-        y_width=p.y_width, ranks=p.ranks,
-    )
+    cuda = p.to(torch.device("cuda"), slots)
     h = torch.full((3, len(slots), 16), float("nan"), dtype=torch.bfloat16, device="cuda")
     ops.lora_shrink(cuda.x, cuda.lora_a, cuda.batch, cuda.scaling, h)
     h_ref = torch.full_like(h, float("nan"))

@@ -10,8 +10,9 @@ from kernels.ops import select_kernels
 
 @pytest.mark.parametrize("kind", ["torch", "triton"])
 @pytest.mark.parametrize("token_slots", [[0, 0, 1, -1, 2, 2, 2], [2, 1, 0, -1]])
-def test_rank_bound_matches_full_rank(kind, token_slots):
-    ops = select_kernels(kind, torch.device("cpu"))
+def test_rank_bound_matches_full_rank(kind, token_slots, kernel_device):
+    device = kernel_device if kind == "triton" else torch.device("cpu")
+    ops = select_kernels(kind, device)
     g = torch.Generator().manual_seed(0)
     slots, max_rank, hidden, outs = 4, 32, 40, (24, 8)
     ranks = [4, 8, 16, 0]  # slot 3 free
@@ -24,13 +25,14 @@ def test_rank_bound_matches_full_rank(kind, token_slots):
     scaling = torch.rand(len(outs), slots, generator=g)
     x = torch.randn(len(token_slots), hidden, generator=g)
     results = []
+    a, b, scaling, x = a.to(device), tuple(bi.to(device) for bi in b), scaling.to(device), x.to(device)
     for slot_ranks in (None, ranks):
-        batch = LoraBatch.build(token_slots, "cpu", slot_ranks)
-        h = torch.zeros(len(outs), len(token_slots), max_rank)
-        y = torch.ones(len(token_slots), sum(outs))
+        batch = LoraBatch.build(token_slots, device, slot_ranks)
+        h = torch.zeros(len(outs), len(token_slots), max_rank, device=device)
+        y = torch.ones(len(token_slots), sum(outs), device=device)
         ops.lora_shrink(x, a, batch, scaling, h)
         ops.lora_expand(h, b, batch, y, (0, outs[0]))
-        results.append(y)
+        results.append(y.cpu())
     bounded = LoraBatch.build(token_slots, "cpu", ranks)
     assert bounded.rank_bound == max(ranks[s] for s in set(token_slots) if s >= 0) < max_rank
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)

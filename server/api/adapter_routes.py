@@ -54,9 +54,11 @@ async def upload_adapter(request: Request) -> Response:
                             f"tenant's max_adapter_bytes of {quota.max_adapter_bytes}",
                        "max_adapter_bytes")
     host_budget = state.config.max_cpu_lora_bytes
-    if summary.size_bytes > host_budget:
+    # The host tier keeps adapters in the serving dtype; the summary counts them as float32.
+    host_bytes = summary.size_bytes * state.engine.engine.dtype.itemsize // 4
+    if host_bytes > host_budget:
         # It could never be paged in: every request for it would fail.
-        raise APIError(413, f"adapter size {summary.size_bytes} bytes (as float32) exceeds the server's "
+        raise APIError(413, f"adapter size {host_bytes} bytes (in the serving dtype) exceeds the server's "
                             f"host adapter budget of {host_budget} bytes (--max-cpu-lora-bytes)",
                        "adapter_too_large")
     # The engine loader's full rules (tensor values included), the same code that serves it.

@@ -189,4 +189,5 @@ class EngineView(BaseModel):
     kv_blocks: dict[str, int]
     slots: dict[str, int]
     host: dict[str, int | None]
+    prefix_cache: dict[str, bool | int | float | None]
     history: list[EnginePoint]

@@ -79,6 +79,10 @@ async def engine(request: Request) -> Response:
         "slots": {"used": s.adapters_resident, "total": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank},
         "host": {"adapters": s.adapters_registered, "bytes": s.host_bytes_used, "budget_bytes": s.host_budget_bytes,
                  "loads_in_flight": s.adapters_loading, "parked": s.adapters_parked},
+        "prefix_cache": {"enabled": s.prefix_cache_enabled, "queried_tokens": s.prefix_queries_tokens,
+                         "hit_tokens": s.prefix_hit_tokens,
+                         "hit_rate": s.prefix_hit_tokens / s.prefix_queries_tokens if s.prefix_queries_tokens else None,
+                         "cached_blocks": s.prefix_cached_blocks, "cached_free_blocks": s.prefix_cached_free_blocks},
         "history": list(state.history.points)})
 
 

@@ -86,7 +86,7 @@ class Generation:
     @classmethod
     async def start(cls, state: ServerState, tenant: Tenant, endpoint: str, params: SamplingParams,
                     prompt_ids: list[int], record: AdapterRecord | None, priority: int,
-                    arrived: float) -> "Generation":
+                    arrived: float, cache_salt: str | None = None) -> "Generation":
         limit = state.engine.engine.max_model_len
         if len(prompt_ids) + params.max_tokens > limit:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -100,7 +100,7 @@ class Generation:
             # The engine pages the adapter in from Redis if it is not resident; this request
             # waits for it without holding up anyone else's.
             stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.id,
-                                               priority, tenant.quota.weight)
+                                               priority, tenant.quota.weight, cache_salt=cache_salt)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await run_in_threadpool(state.settlements.settle, tenant, admission, 0, 0)

@@ -47,6 +47,13 @@ class Metrics:
                             registry=r)
         self.parked_bytes = Gauge("loraplex_adapter_host_parked_bytes", "Bytes of parked adapters", registry=r)
         self.loading = Gauge("loraplex_adapter_loads_in_flight", "Adapter loads from Redis under way", registry=r)
+        # Prefix cache: cumulative token counts from the engine, set at scrape time (as the tier counters).
+        self.prefix_queries = Gauge("loraplex_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                                    registry=r)
+        self.prefix_hits = Gauge("loraplex_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache",
+                                 registry=r)
+        self.prefix_free = Gauge("loraplex_prefix_cache_cached_free_blocks",
+                                 "KV blocks cached but held by no request (evictable, counted as free)", registry=r)
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
                                    buckets=_LATENCY_BUCKETS, registry=r)
@@ -73,6 +80,9 @@ class Metrics:
         self.host_bytes.set(s.host_bytes_used)
         self.loading.set(s.adapters_loading)
         self.parked.set(s.adapters_parked)
+        self.prefix_queries.set(s.prefix_queries_tokens)
+        self.prefix_hits.set(s.prefix_hit_tokens)
+        self.prefix_free.set(s.prefix_cached_free_blocks)
         self.parked_bytes.set(s.host_parked_bytes)
         self.load_failures.set(s.host_load_failures)
 

@@ -69,6 +69,9 @@ class SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     prompt_logprobs: TopLogprobs | None = None
     priority: Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)] = 0
+    cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)] | None = Field(
+        None, description="vLLM's: only requests with the same salt (and tenant and adapter) share cached "
+                          "prompt blocks")
     # vLLM fields we know but do not implement: set to anything but their default, they are refused.
     use_beam_search: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None

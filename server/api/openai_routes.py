@@ -65,7 +65,7 @@ async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list
         for ids in prompts:
             params = sampling_params(req, max_tokens_for(req, tenant, len(ids), limit), vocab)
             gens.append(await Generation.start(state, tenant, endpoint, params, ids, record, req.priority,
-                                               arrived))
+                                               arrived, req.cache_salt))
     except BaseException:
         for gen in gens:
             await gen.close()

@@ -27,8 +27,13 @@ class BaselineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_batch: int = 32
+    # torch's intra-op threads on a CPU device, the count loraplex gets; None leaves torch's default,
+    # whose spin-waiting pool on a busy machine made one run 30x slower than the next.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"baseline threads must be >= 1, got {self.threads}")
         if self.max_batch < 1:
             raise ValueError(f"baseline max_batch must be >= 1, got {self.max_batch}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -56,6 +61,8 @@ class PeftBaseline:
 
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu" and cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)  # process-wide, as loraplex's engine does in its own
         model = base_model if base_model is not None else AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, cfg.dtype)).to(self.device)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0

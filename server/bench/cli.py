@@ -38,16 +38,25 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf (default) = all at once")
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of arrivals (1 = Poisson)")
     w.add_argument("--alpha", type=float, default=1.0, help="power-law popularity (1 uniform, <1 skewed)")
-    w.add_argument("--prompt-len", type=_range, default=(8, 64), metavar="LO:HI")
+    w.add_argument("--prompt-len", type=_range, default=None, metavar="LO:HI",
+                   help="default 8:64; with --workload prefix, each turn's new user message (default 64:64)")
     w.add_argument("--output-len", type=_range, default=(16, 64), metavar="LO:HI")
     w.add_argument("--tenants", type=int, default=4, help="adapter i belongs to tenant i mod T")
     w.add_argument("--base-share", type=float, default=0.0, help="share of requests for the base model")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--rank", type=int, default=8, help="rank of the generated adapters (all 7 projections)")
     w.add_argument("--ttft-slo", type=float, default=6.0, help="TTFT SLO in seconds (S-LoRA: 6)")
+    w.add_argument("--workload", choices=("mixed", "prefix"), default="mixed",
+                   help="prefix: chat with a system prompt per tenant and multi-turn history, run through the "
+                        "in-process engine with its prefix cache off, then on (--requests counts turns)")
+    w.add_argument("--shared-prefix", type=int, default=512, metavar="N", help="prefix workload: system prompt tokens")
+    w.add_argument("--turns", type=int, default=3, help="prefix workload: turns per conversation")
+    w.add_argument("--turn-gap", type=float, default=1.0, metavar="S",
+                   help="prefix workload: seconds between a conversation's turns")
     s = p.add_argument_group("systems")
-    s.add_argument("--target", choices=("http", "engine"), default="http",
-                   help="http: a `loraplex serve` child (default); engine: in-process LLMEngine")
+    s.add_argument("--target", choices=("http", "engine"), default=None,
+                   help="http: a `loraplex serve` child (default); engine: in-process LLMEngine "
+                        "(the default, and the only choice, for --workload prefix)")
     s.add_argument("--compare-peft", action="store_true", help="also run the transformers + peft baseline")
     s.add_argument("--baseline-max-batch", type=int, default=32)
     s.add_argument("--model", default=None, help="model directory (default: the demo model)")
@@ -58,6 +67,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-loras", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
+                   help="torch threads for every side on a CPU device, recorded in the JSON (default auto)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default="bench-out/bench.json", help="where to write the JSON")
     o.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
@@ -79,14 +90,19 @@ def config_from_args(args):
         args.requests = 64
     device = args.device or ("cuda" if args.gpu else "cpu")
     dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
+    prefix = args.workload == "prefix"
+    prompt_len = args.prompt_len or ((64, 64) if prefix else (8, 64))
+    target = args.target or ("engine" if prefix else "http")
     return BenchConfig(
         adapter_counts=args.adapters, num_requests=args.requests, duration_s=args.duration, rate=args.rate,
-        cv=args.cv, alpha=args.alpha, prompt_len=args.prompt_len, output_len=args.output_len,
+        cv=args.cv, alpha=args.alpha, prompt_len=prompt_len, output_len=args.output_len,
         num_tenants=args.tenants, base_share=args.base_share, seed=args.seed, rank=args.rank,
-        target=args.target, compare_peft=args.compare_peft, model_dir=args.model, gpu=args.gpu,
+        target=target, compare_peft=args.compare_peft, model_dir=args.model, gpu=args.gpu,
         gpu_layers=args.gpu_layers, device=device, dtype=dtype, max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        ttft_slo_s=args.ttft_slo, baseline_max_batch=args.baseline_max_batch, work_dir=args.work_dir)
+        ttft_slo_s=args.ttft_slo, baseline_max_batch=args.baseline_max_batch, work_dir=args.work_dir,
+        cpu_threads=args.cpu_threads, workload_type=args.workload, shared_prefix_len=args.shared_prefix,
+        turns=args.turns, turn_gap_s=args.turn_gap)
 
 
 def run_bench(args) -> int:

@@ -18,12 +18,17 @@ def _params(max_tokens: int):
 
 
 class EngineTarget:
-    def __init__(self, model_dir: str | Path, adapter_dirs: dict[str, Path], **engine_kwargs) -> None:
-        """engine_kwargs: EngineConfig fields (device, dtype, max_loras, max_lora_rank, ...)."""
+    def __init__(self, model_dir: str | Path, adapter_dirs: dict[str, Path], prefix_caching: bool | None = None,
+                 **engine_kwargs) -> None:
+        """engine_kwargs: EngineConfig fields (device, dtype, max_loras, max_lora_rank, ...);
+        prefix_caching: turn the engine's prefix cache on or off (None: the engine's default)."""
         from adapters.format import load_adapter_dir
         from server.engine import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
+        if prefix_caching is not None:
+            self.engine.set_prefix_cache_policy(prefix_caching)
+        self.outputs: dict[int, list[int]] = {}  # request index -> its output token ids, once finished
         for name, path in adapter_dirs.items():
             adapter = load_adapter_dir(path, self.engine.adapter_shape, self.engine.config.max_lora_rank)
             self.engine.add_adapter(name, adapter)  # the name doubles as the version id: added once
@@ -37,7 +42,7 @@ class EngineTarget:
         for r in requests:
             seen.setdefault(r.adapter_name, r)
         for name, r in seen.items():
-            self.engine.add_request(f"warm-{r.index}", list(r.prompt_ids[:4]), _params(2), name)
+            self.engine.add_request(f"warm-{r.index}", list(r.prompt_ids[:4]), _params(2), name, r.tenant)
         self._drain()
 
     def run(self, requests: list[BenchRequest]) -> list[RequestRecord]:
@@ -49,7 +54,9 @@ class EngineTarget:
             now = time.perf_counter() - t0
             while pending and pending[0].arrival_s <= now:
                 r = pending.popleft()
-                self.engine.add_request(f"r{r.index}", list(r.prompt_ids), _params(r.max_tokens), r.adapter_name)
+                # The tenant keys the prefix cache (and fair share), as the HTTP side's does.
+                self.engine.add_request(f"r{r.index}", list(r.prompt_ids), _params(r.max_tokens), r.adapter_name,
+                                        r.tenant)
             if not self.engine.has_unfinished_requests():
                 time.sleep(max(0.0, pending[0].arrival_s - now))
                 continue
@@ -66,4 +73,5 @@ class EngineTarget:
                     rec.output_tokens = len(out.token_ids)
                 if out.finished:
                     rec.end_s = t
+                    self.outputs[rec.index] = list(out.token_ids)
         return [records[f"r{r.index}"] for r in requests]

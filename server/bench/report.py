@@ -18,6 +18,10 @@ def _row(n: int, system: str, s: dict) -> str:
 
 
 def format_table(doc: dict, per_tenant: bool = False) -> str:
+    if doc.get("workload") == "prefix":
+        from server.bench.prefix import format_prefix_table
+
+        return format_prefix_table(doc)
     head = (f"{'adapters':>8} {'system':<9} {'done':>9} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>8} "
             f"{'p90':>8} {'p99':>8} {'ITL p50':>7} {'p99':>7} {'SLO':>5}   (times in ms)")
     lines = [head, "-" * len(head)]
@@ -28,6 +32,11 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
             lines.append(f"{'':>8} ratio     throughput x{p['throughput_ratio_vs_peft']:.2f} (out tok/s), "
                          f"x{p['request_throughput_ratio_vs_peft']:.2f} (req/s); "
                          f"TTFT p50 peft/loraplex x{_f(p['ttft_p50_ratio_peft_over_loraplex'])}")
+        if p.get("peer"):
+            peer = doc.get("peer", {}).get("name", "peer")
+            lines.append(_row(p["num_adapters"], peer, p["peer"]))
+            lines.append(f"{'':>8} ratio     loraplex/{peer} x{_f(p.get('throughput_ratio_vs_peer'))} (out tok/s); "
+                         f"TTFT p50 {peer}/loraplex x{_f(p.get('ttft_p50_ratio_peer_over_loraplex'))}")
         if per_tenant:
             for tenant, s in p["loraplex"]["per_tenant"].items():
                 lines.append(f"{'':>8}   {tenant:<12} {s['completed']:>4}/{s['requests']:<4} "
@@ -45,6 +54,11 @@ def write_json(doc: dict, path: Path) -> None:
 
 def plot(doc: dict, path: Path) -> None:
     """Output tokens/s and TTFT (p50, p99) against the number of adapters."""
+    if doc.get("workload") == "prefix":
+        from server.bench.prefix import plot_prefix
+
+        plot_prefix(doc, path)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,6 +70,8 @@ def plot(doc: dict, path: Path) -> None:
     systems = [("loraplex", "loraplex", "tab:blue")]
     if any(p.get("baseline") for p in points):
         systems.append(("baseline", "transformers + peft", "tab:red"))
+    if any(p.get("peer") for p in points):
+        systems.append(("peer", doc.get("peer", {}).get("name", "peer"), "tab:green"))
     for key, label, color in systems:
         pts = [(p["num_adapters"], p[key]) for p in points if p.get(key)]
         ax1.plot([x for x, _ in pts], [s["throughput_tok_s"] for _, s in pts], "o-", color=color, label=label)

@@ -18,10 +18,12 @@ from typing import Callable
 import torch
 
 from server.bench.metrics import summarize
+from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
 from server.bench.workload import (BenchRequest, WorkloadConfig, adapter_name, adapters_used, generate_workload,
                                    tenants_used)
 
 TARGETS = ("http", "engine")
+WORKLOADS = ("mixed", "prefix")  # generate_workload; generate_conversations, cache off and on (server.bench.prefix)
 
 
 class BenchConfigError(ValueError):
@@ -54,8 +56,13 @@ class BenchConfig:
     max_num_batched_tokens: int = 4096
     ttft_slo_s: float = 6.0
     baseline_max_batch: int = 32
+    cpu_threads: str | int = "auto"       # every side on a CPU device gets this many torch threads
     work_dir: str = "bench-out"
     model_label: str = ""
+    workload_type: str = "mixed"
+    shared_prefix_len: int = 512          # prefix workload: each tenant's system prompt, in tokens
+    turns: int = 3                        # prefix workload: turns per conversation, each resending history
+    turn_gap_s: float = 1.0               # prefix workload: seconds between a conversation's turns
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -67,10 +74,25 @@ class BenchConfig:
             raise BenchConfigError(f"--rank must be >= 1, got {self.rank}")
         if self.ttft_slo_s <= 0:
             raise BenchConfigError(f"--ttft-slo must be > 0, got {self.ttft_slo_s}")
+        try:
+            object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))
+        except CpuThreadsError as e:
+            raise BenchConfigError(f"--cpu-threads: {e}") from None
+        if self.cpu_threads is None:
+            raise BenchConfigError("--cpu-threads: both sides need a recorded count, auto or N")
         if self.gpu and not torch.cuda.is_available():
             raise BenchConfigError("--gpu needs a CUDA device; none is visible to torch")
+        if self.workload_type not in WORKLOADS:
+            raise BenchConfigError(f"--workload must be one of {WORKLOADS}, got {self.workload_type!r}")
+        if self.workload_type == "prefix" and (self.target != "engine" or self.compare_peft):
+            raise BenchConfigError("--workload prefix runs the in-process engine with its prefix cache off and on: "
+                                   "use --target engine, without --compare-peft")
         # Validates the workload fields once, before any model is built.
         self.workload(max(self.adapter_counts), 512)
+
+    def threads(self) -> int:
+        """The one thread count loraplex, the PEFT baseline and a peer all get, resolved here."""
+        return resolve_cpu_threads(self.cpu_threads)
 
     def workload(self, num_adapters: int, vocab: int) -> WorkloadConfig:
         return WorkloadConfig(
@@ -78,7 +100,9 @@ class BenchConfig:
             rate=self.rate, cv=self.cv, alpha=self.alpha, prompt_len=self.prompt_len, output_len=self.output_len,
             num_tenants=max(1, min(self.num_tenants, num_adapters or 1)), base_share=self.base_share,
             # ids 0-2 are special in the demo and Llama 2; below 512 is ordinary text in Llama 3 and Qwen2.
-            token_range=(3, min(vocab, 512)), seed=self.seed)
+            token_range=(3, min(vocab, 512)), seed=self.seed,
+            **(dict(shared_prefix_len=self.shared_prefix_len, turns=self.turns, turn_gap_s=self.turn_gap_s)
+               if self.workload_type == "prefix" else {}))
 
 
 def environment(cfg: BenchConfig) -> dict:
@@ -89,6 +113,7 @@ def environment(cfg: BenchConfig) -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "peft": peft.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_threads": cfg.threads(), "affinity_cores": len(os.sched_getaffinity(0)),
             "device_name": gpu or f"CPU ({os.cpu_count()} cores)",
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -102,7 +127,7 @@ def _serve_args(cfg: BenchConfig, n_used: int) -> list[str]:
     max_loras = cfg.max_loras or max(1, min(n_used, cap))
     return ["--device", cfg.device.split(":")[0], "--dtype", cfg.dtype, "--max-loras", str(max_loras),
             "--max-lora-rank", str(cfg.rank), "--max-num-seqs", str(cfg.max_num_seqs),
-            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--cpu-threads", str(cfg.threads())]
 
 
 def _run_http(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path],
@@ -132,7 +157,8 @@ def _run_engine(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], nam
     cap = 32 if cfg.device.startswith("cuda") else 128
     target = EngineTarget(model_dir, named, device=cfg.device, dtype=cfg.dtype,
                           max_loras=cfg.max_loras or max(1, min(n_used, cap)), max_lora_rank=cfg.rank,
-                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens)
+                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          cpu_threads=cfg.threads())
     target.warmup(reqs)
     records = target.run(reqs)
     del target
@@ -142,7 +168,8 @@ def _run_engine(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], nam
 def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path]):
     from server.bench.baseline import BaselineConfig, PeftBaseline
 
-    base = PeftBaseline(model_dir, named, BaselineConfig(cfg.device, cfg.dtype, cfg.baseline_max_batch))
+    base = PeftBaseline(model_dir, named, BaselineConfig(cfg.device, cfg.dtype, cfg.baseline_max_batch,
+                                                         threads=cfg.threads()))
     base.warmup(reqs)
     records = base.run(reqs)
     del base
@@ -163,16 +190,21 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
     log(f"[{n} adapters] {len(reqs)} requests over {len(used)} adapters in use, "
         f"{sum(r.max_tokens for r in reqs)} output tokens")
     t = time.perf_counter()
+    # A busy machine skews whichever side ran while it was busy: the load average says so.
+    load = {"loraplex": {"before": os.getloadavg()}}
     if cfg.target == "http":
         records = _run_http(cfg, model_dir, reqs, named, len(used), log)
     else:
         records = _run_engine(cfg, model_dir, reqs, named, len(used))
-    point = {"num_adapters": n, "adapters_in_use": len(used), "target": cfg.target,
-             "loraplex": summarize(records, cfg.ttft_slo_s), "baseline": None}
+    load["loraplex"]["after"] = os.getloadavg()
+    point = {"num_adapters": n, "adapters_in_use": len(used), "target": cfg.target, "cpu_threads": cfg.threads(),
+             "load_avg": load, "loraplex": summarize(records, cfg.ttft_slo_s), "baseline": None}
     log(f"  loraplex ({cfg.target}) done in {time.perf_counter() - t:.1f}s")
     if cfg.compare_peft:
         t = time.perf_counter()
+        load["baseline"] = {"before": os.getloadavg()}
         point["baseline"] = summarize(_run_baseline(cfg, model_dir, reqs, named), cfg.ttft_slo_s)
+        load["baseline"]["after"] = os.getloadavg()
         log(f"  transformers + peft done in {time.perf_counter() - t:.1f}s")
         lp, bl = point["loraplex"], point["baseline"]
         point["throughput_ratio_vs_peft"] = _ratio(lp["throughput_tok_s"], bl["throughput_tok_s"])
@@ -199,6 +231,10 @@ def resolve_model(cfg: BenchConfig, log: Callable[[str], None]) -> tuple[Path, s
 
 
 def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[str], None] = print) -> dict:
+    if cfg.workload_type == "prefix":
+        from server.bench.prefix import run_prefix_bench
+
+        return run_prefix_bench(cfg, json_path, log)
     model_dir, label = resolve_model(cfg, log)
     cfg_dict = asdict(cfg)
     cfg_dict.pop("extra")

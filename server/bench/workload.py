@@ -8,6 +8,15 @@ rate = inf sends everything at t = 0, which measures capacity). Prompt and
 output lengths are uniform integers over inclusive ranges. Adapter i belongs to
 tenant i mod num_tenants. One `random.Random(seed)` draws everything in a fixed
 order, so a seed always gives the same trace.
+
+The prefix workload (`generate_conversations`) is chat traffic: every tenant
+has a system prompt of `shared_prefix_len` tokens that starts all its
+prompts, and each conversation runs `turns` turns `turn_gap_s` apart, each
+resending the conversation so far (system prompt, earlier user messages and
+replies) plus a new user message of `prompt_len` tokens. The resent replies
+are drawn tokens of each turn's output length, standing for what the client
+would resend; the server's own output is not fed back, so every run gets the
+same prompts.
 """
 from __future__ import annotations
 
@@ -34,6 +43,10 @@ class WorkloadConfig:
     base_share: float = 0.0            # share of requests for the base model (no adapter)
     token_range: tuple[int, int] = (3, 512)  # prompt token ids drawn from [lo, hi): skips special tokens
     seed: int = 0
+    # generate_conversations only: num_requests counts turns; rate and cv pace conversation starts.
+    shared_prefix_len: int = 0         # each tenant's system prompt, starting all its prompts
+    turns: int = 1                     # turns per conversation, each resending the conversation so far
+    turn_gap_s: float = 0.0            # between the arrivals of a conversation's turns
 
     def __post_init__(self) -> None:
         if self.num_adapters < 0:
@@ -67,6 +80,12 @@ class WorkloadConfig:
         lo, hi = self.token_range
         if not 0 <= lo < hi:
             raise WorkloadError(f"token_range must be 0 <= lo < hi, got {self.token_range}")
+        if self.shared_prefix_len < 0:
+            raise WorkloadError(f"shared_prefix_len must be >= 0, got {self.shared_prefix_len}")
+        if self.turns < 1:
+            raise WorkloadError(f"turns must be >= 1, got {self.turns}")
+        if not self.turn_gap_s >= 0:
+            raise WorkloadError(f"turn_gap_s must be >= 0, got {self.turn_gap_s}")
 
     @property
     def total_requests(self) -> int:
@@ -83,6 +102,7 @@ class BenchRequest:
     tenant: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    turn: int = 0               # generate_conversations: the turn within its conversation
 
     @property
     def adapter_name(self) -> str | None:
@@ -123,6 +143,35 @@ def generate_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
         prompt = tuple(rng.randrange(*cfg.token_range) for _ in range(n_prompt))
         out.append(BenchRequest(i, t, adapter, tenant, prompt, rng.randint(*cfg.output_len)))
     return out
+
+
+def generate_conversations(cfg: WorkloadConfig) -> list[BenchRequest]:
+    """The prefix workload (see the module's doc), in arrival order."""
+    rng = random.Random(cfg.seed)
+    shape, scale = 1.0 / (cfg.cv * cfg.cv), cfg.cv * cfg.cv / cfg.rate
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(*cfg.token_range) for _ in range(n)]
+
+    system = {tenant_name(i): tokens(cfg.shared_prefix_len) for i in range(cfg.num_tenants)}
+    turns: list[tuple[float, int, int | None, str, tuple[int, ...], int]] = []
+    start = 0.0
+    for c in range(math.ceil(cfg.total_requests / cfg.turns)):
+        if math.isfinite(cfg.rate):
+            start += rng.gammavariate(shape, scale)
+        base = rng.random() < cfg.base_share
+        adapter = None if base else power_index(rng, cfg.num_adapters, cfg.alpha)
+        tenant = (tenant_name(rng.randrange(cfg.num_tenants)) if adapter is None
+                  else tenant_of_adapter(adapter, cfg.num_tenants))
+        history = list(system[tenant])
+        for turn in range(min(cfg.turns, cfg.total_requests - c * cfg.turns)):
+            history += tokens(rng.randint(*cfg.prompt_len))
+            max_tokens = rng.randint(*cfg.output_len)
+            turns.append((start + turn * cfg.turn_gap_s, turn, adapter, tenant, tuple(history), max_tokens))
+            history += tokens(max_tokens)  # the reply, as the client resends it next turn
+    turns.sort(key=lambda t: t[0])  # stable: a conversation's turns keep their order
+    return [BenchRequest(i, t, adapter, tenant, prompt, max_tokens, turn)
+            for i, (t, turn, adapter, tenant, prompt, max_tokens) in enumerate(turns)]
 
 
 def adapters_used(requests: list[BenchRequest]) -> list[int]:

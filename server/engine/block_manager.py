@@ -1,13 +1,20 @@
-"""Fixed-size KV blocks handed to sequences, with reference counts.
+"""Fixed-size KV blocks handed to sequences, with reference counts, and the index of cached blocks.
 
 Reference counts let several sequences share a block (the prompt of a
-request's n choices); a block returns to the free list when its last holder
-lets go. A shared block is never written: a sequence about to write into one
-first takes a private copy (copy-on-write).
+request's n choices, or a prefix found in the cache); a block returns to the
+pool when its last holder lets go. A shared block is never written: a
+sequence about to write into one first takes a private copy (copy-on-write).
+
+A full block whose K/V are computed may be indexed under its content hash
+(server.engine.prefix_cache computes it). An indexed block nobody references
+stays indexed, "evictable": it counts as free, and is handed out again, least
+recently released first, only once no never-indexed block is left, dropping
+its index entry then. So the cache only ever holds blocks nobody needs, and
+never shrinks the pool that running sequences can draw from.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class BlockManager:
@@ -16,15 +23,30 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # unreferenced and not indexed
+        # Unreferenced indexed blocks in release order: the first is the least recently used.
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.cached: dict[bytes, int] = {}  # content hash -> block
+        self.entries: dict[int, tuple[bytes, str | None]] = {}  # indexed block -> (hash, adapter version)
+        self.by_version: dict[str, set[int]] = {}  # adapter version -> its indexed blocks, for retirement
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks a sequence can get now: never-indexed ones and evictable cached ones."""
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        """Blocks some sequence references."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self.evictable)
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """Extra blocks for a sequence holding `block_table` to cover `num_tokens` tokens."""
@@ -32,17 +54,14 @@ class BlockManager:
         return max(0, want - len(block_table))
 
     def can_grow(self, block_table: list[int], num_tokens: int, reserve: int = 0) -> bool:
-        return self.blocks_needed(block_table, num_tokens) + reserve <= len(self.free_blocks)
+        return self.blocks_needed(block_table, num_tokens) + reserve <= self.num_free_blocks
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append blocks to `block_table` (in place) until it covers `num_tokens` tokens."""
         need = self.blocks_needed(block_table, num_tokens)
-        assert need <= len(self.free_blocks), "caller must check can_grow first"
+        assert need <= self.num_free_blocks, "caller must check can_grow first"
         for _ in range(need):
-            block = self.free_blocks.popleft()
-            assert self.ref_counts[block] == 0
-            self.ref_counts[block] = 1
-            block_table.append(block)
+            block_table.append(self._allocate())
 
     def fork(self, block_table: list[int]) -> list[int]:
         """A new table holding the same blocks (one more reference to each)."""
@@ -61,19 +80,87 @@ class BlockManager:
         """
         src = block_table[i]
         assert self.ref_counts[src] > 1, "copy-on-write of a block that is not shared"
-        assert self.free_blocks, "caller must check for a free block first"
-        dst = self.free_blocks.popleft()
-        assert self.ref_counts[dst] == 0
-        self.ref_counts[dst] = 1
+        assert self.num_free_blocks, "caller must check for a free block first"
+        dst = self._allocate()
         self.ref_counts[src] -= 1
         block_table[i] = dst
         return src, dst
 
     def free(self, block_table: list[int]) -> None:
-        """Drop one reference to each block of `block_table` and empty it."""
+        """Drop one reference to each block of `block_table` and empty it.
+
+        Last blocks first: a released prefix is then evicted from its tail, so what stays cached
+        longest is the part other prompts share most (its head).
+        """
         for block in reversed(block_table):
             assert self.ref_counts[block] > 0, f"double free of block {block}"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if block in self.entries:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
         block_table.clear()
+
+    # ---- the index of cached blocks ----
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def num_unreferenced(self, blocks: list[int]) -> int:
+        """How many of `blocks` (cached ones) taking would draw from the free pool."""
+        return sum(self.ref_counts[b] == 0 for b in blocks)
+
+    def take(self, blocks: list[int]) -> None:
+        """One more reference to each cached block of `blocks`: a new sequence reuses them."""
+        for block in blocks:
+            assert block in self.entries, f"take of uncached block {block}"
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+
+    def index(self, block: int, block_hash: bytes, version: str | None) -> bool:
+        """Index a referenced, full, computed block under `block_hash`; False if that content is
+        indexed already (two sequences computed it at once: the other copy stays private)."""
+        assert self.ref_counts[block] > 0, f"index of free block {block}"
+        if block_hash in self.cached or block in self.entries:
+            return False
+        self.cached[block_hash] = block
+        self.entries[block] = (block_hash, version)
+        if version is not None:
+            self.by_version.setdefault(version, set()).add(block)
+        return True
+
+    def drop_version(self, version: str) -> None:
+        """Unindex every block computed with adapter `version`; the unreferenced ones are free at once,
+        ahead of everything else, and the referenced ones once their holders let go."""
+        for block in list(self.by_version.get(version, ())):
+            self._unindex(block)
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+                self.free_blocks.appendleft(block)
+
+    def drop_all(self) -> None:
+        """Unindex every block (the cache was turned off or its keys changed)."""
+        for block in list(self.entries):
+            self._unindex(block)
+        self.free_blocks.extend(self.evictable)
+        self.evictable.clear()
+
+    def _allocate(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)  # the least recently released cached block
+            self._unindex(block)
+        assert self.ref_counts[block] == 0
+        self.ref_counts[block] = 1
+        return block
+
+    def _unindex(self, block: int) -> None:
+        block_hash, version = self.entries.pop(block)
+        del self.cached[block_hash]
+        if version is not None:
+            mine = self.by_version[version]
+            mine.discard(block)
+            if not mine:
+                del self.by_version[version]

@@ -8,8 +8,16 @@ from typing import Any
 
 import torch
 
+from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# One step's tokens at most. Kernel offsets are int64, so this is not about overflow: it bounds one
+# step's activations (Llama-3-8B's gate_up output alone is 3.8 GB at this many bf16 tokens) and the
+# LoRA scratch allocated up front ([3, tokens, max_lora_rank]), and keeps every launch grid's y and z
+# within CUDA's 65535. Prefill is chunked, so a larger budget buys nothing: a few thousand tokens per
+# step already saturate an H100.
+MAX_NUM_BATCHED_TOKENS = 65536
 
 
 class ModelConfigError(ValueError):
@@ -121,9 +129,14 @@ class EngineConfig:
     block_size: int = 16
     kernels: str = "auto"
     seed: int = 0
-    # Intra-op threads for the CPU device. The engine's ops are many and small: with more threads
-    # torch's pool spin-waits between them, which measured ~20x slower on a loaded 2-core machine.
-    cpu_threads: int | None = 1
+    # Prefix caching (server.engine.prefix_cache): full prompt blocks are reused across requests of one
+    # tenant, adapter version and cache_salt. Sharing base-model blocks across tenants lets one tenant
+    # learn from time to first token whether another sent a prompt: off unless the operator opts in.
+    enable_prefix_caching: bool = True
+    share_base_prefix_cache: bool = False
+    # Intra-op threads for the CPU device: "auto" (the affinity mask, less a core for the HTTP side
+    # on larger machines; server.engine.cpu_threads says why), an int, or None to leave torch's alone.
+    cpu_threads: int | str | None = AUTO
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -135,6 +148,8 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
+            raise ValueError(f"max_num_batched_tokens must be <= {MAX_NUM_BATCHED_TOKENS}")
         if self.max_lora_rank > 512:
             raise ValueError("max_lora_rank must be <= 512")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
@@ -143,15 +158,29 @@ class EngineConfig:
             raise ValueError("kv_cache_blocks must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError("cpu_threads must be >= 1")
+        for name in ("enable_prefix_caching", "share_base_prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false")
+        object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))  # "4" -> 4; raises
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 
+    def resolve_cpu_threads(self) -> int | None:
+        """torch's intra-op thread count for a CPU device; None leaves it as it is."""
+        return resolve_cpu_threads(self.cpu_threads)
+
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """cpu, or cuda with an explicit index: "cuda" means this thread's current device, named so
+        that the engine's other threads bind the same one (server.engine.cuda_device)."""
+        if self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} needs CUDA, which this machine does not have")
+        device = torch.device(self.device if self.device != "auto" else "cuda")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device cuda:{index} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", index)
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

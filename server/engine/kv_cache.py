@@ -12,13 +12,34 @@ def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * elem
 
 
+def activation_bytes(mcfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """An upper bound on one step's live activations, which the KV pool must leave room for.
+
+    Per token at the MLP, the widest point: the residual, the normed input, gate_up's output (2 x I),
+    silu(gate) and its product with up (I each), down's output, plus the attention's q/k/v; per sampled
+    row, the logits in the model dtype and their float32 copies.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 4 * mcfg.hidden_size + 4 * mcfg.intermediate_size + mcfg.q_size + 2 * mcfg.kv_size
+    return max_num_batched_tokens * per_token * elem + max_num_seqs * mcfg.vocab_size * (elem + 8)
+
+
+def kv_pool_bytes(free: int, total: int, utilization: float, reserve: int) -> int:
+    """Bytes the KV pool may take: the engine may use `utilization` of the device in all; what is in use
+    already (weights, LoRA slots, other processes) and `reserve` (one step's activations) come off."""
+    return int(total * utilization) - (total - free) - reserve
+
+
 def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
     if cfg.kv_cache_blocks is not None:
         return cfg.kv_cache_blocks
     per_block = kv_bytes_per_block(mcfg, cfg.block_size, dtype)
     if device.type == "cuda":
+        # Freed tensors (the unfused projections) stay in PyTorch's cache, invisible to mem_get_info.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - total * (1.0 - cfg.gpu_memory_utilization)
+        reserve = activation_bytes(mcfg, cfg.max_num_batched_tokens, cfg.max_num_seqs, dtype)
+        budget = kv_pool_bytes(free, total, cfg.gpu_memory_utilization, reserve)
     else:
         budget = cfg.cpu_kv_cache_bytes
     return max(1, int(budget // per_block))

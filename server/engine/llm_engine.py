@@ -55,6 +55,13 @@ class EngineStats:
     host_parked_bytes: int = 0
     device_hits: int = 0
     device_evictions: int = 0
+    # Prefix cache (server.engine.prefix_cache). Tokens counted at each admission, readmissions after
+    # preemption included; hit rate = prefix_hit_tokens / prefix_queries_tokens.
+    prefix_cache_enabled: bool = False
+    prefix_queries_tokens: int = 0  # tokens of the sequences looked up
+    prefix_hit_tokens: int = 0  # of those, tokens whose KV came from the cache
+    prefix_cached_blocks: int = 0  # KV blocks indexed in the cache (in use or not)
+    prefix_cached_free_blocks: int = 0  # of those, blocks no request holds: evictable, counted as free
 
 
 class LLMEngine(OutputProcessing):
@@ -70,8 +77,8 @@ class LLMEngine(OutputProcessing):
         self.bind_thread = thread_binder(self.device)
         self.bind_thread()
         self.dtype = config.resolve_dtype(mcfg, self.device)
-        if self.device.type == "cpu" and config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)  # process-wide: the engine owns its process
+        if self.device.type == "cpu" and (threads := config.resolve_cpu_threads()) is not None:
+            torch.set_num_threads(threads)  # process-wide: the engine owns its process
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
@@ -131,6 +138,8 @@ class LLMEngine(OutputProcessing):
         self.seqs: dict[str, Sequence] = {}
         self.aborted: list[Sequence] = []
         self.arrivals = 0
+        self.set_prefix_cache_policy(getattr(config, "enable_prefix_caching", True),
+                                     getattr(config, "share_base_prefix_cache", False))
 
     # ---- adapters (keyed by immutable version id) ----
     def add_adapter(self, adapter_id: str, adapter: LoraAdapter) -> None:
@@ -138,11 +147,24 @@ class LLMEngine(OutputProcessing):
         if adapter.rank > self.config.max_lora_rank:
             raise RequestError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
         self.host.add(adapter_id, adapter)
+        self.scheduler.prefix_cache.restore(adapter_id)
 
     def remove_adapter(self, adapter_id: str) -> None:
-        """A deleted or replaced version leaves every tier once no request uses it."""
+        """A deleted or replaced version leaves every tier once no request uses it; its cached KV
+        blocks leave the prefix cache at once."""
         self.host.remove(adapter_id)
         self.slots.remove(adapter_id)
+        self.scheduler.prefix_cache.retire(adapter_id)
+
+    # ---- prefix cache ----
+    def set_prefix_cache_policy(self, enabled: bool = True, share_base_across_tenants: bool = False) -> None:
+        """Turn prefix caching on or off, and allow base-model blocks to be reused across tenants
+        (never adapter blocks). Sharing lets a tenant tell, from time to first token, whether another
+        sent a prompt; off by default. A change drops everything cached."""
+        if self.scheduler.prefix_cache.set_policy(enabled, share_base_across_tenants):
+            for first in self.seqs.values():
+                for seq in first.group.seqs:
+                    seq.block_hashes.clear()  # hashed under the old keys: recomputed when needed
 
     def has_adapter(self, adapter_id: str) -> bool:
         return self.host.ready(adapter_id)
@@ -162,11 +184,15 @@ class LLMEngine(OutputProcessing):
         tenant: str | None = None,
         priority: int = 0,
         tenant_weight: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. `tenant_weight` (the tenant's fair-share weight) updates the scheduler's copy.
 
-        Lower `priority` values are served first within a tenant.
+        Lower `priority` values are served first within a tenant. Only requests with the same tenant
+        and `cache_salt` (and adapter version) reuse each other's cached prompt blocks.
         """
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError("cache_salt must be a string")
         ids = self.tokenize(prompt)
         self.validate(ids, params, adapter_id)
         if request_id in self.seqs:
@@ -177,7 +203,8 @@ class LLMEngine(OutputProcessing):
             stop_ids = tuple(sorted(t for t in held if t < self.model_config.vocab_size))
         group = SequenceGroup(request_id, params.prompt_logprobs is not None, stop_ids)
         for index in range(params.n):  # choices 1.. wait, unscheduled, for choice 0's prefill
-            seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority, index, group)
+            seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority, index, group,
+                           cache_salt)
             seq.detok_state = self.detokenizer.new_state(start=len(ids))
             seq.stop = StopChecker(params.stop)
         self.arrivals += 1
@@ -228,6 +255,7 @@ class LLMEngine(OutputProcessing):
         return self.postprocess(batch, results)
 
     def stats(self) -> EngineStats:
+        prefix = self.scheduler.prefix_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -249,6 +277,11 @@ class LLMEngine(OutputProcessing):
             host_parked_bytes=self.host.parked_bytes,
             device_hits=self.slots.hits,
             device_evictions=self.slots.evictions,
+            prefix_cache_enabled=prefix.enabled,
+            prefix_queries_tokens=prefix.queries_tokens,
+            prefix_hit_tokens=prefix.hit_tokens,
+            prefix_cached_blocks=self.blocks.num_cached_blocks,
+            prefix_cached_free_blocks=self.blocks.num_evictable_blocks,
         )
 
     def shutdown(self) -> None:

@@ -3,16 +3,25 @@
 Every slot is sized for `max_lora_rank`; an adapter of smaller rank fills the
 leading rows and the rest stay zero. A slot is zero-filled before reuse so a
 smaller adapter never reads its predecessor's rows (a bug SGLang shipped).
+
+B is stored rank-major: a slot's first r ranks of A and of B are each one
+contiguous block, as in the host tier's packed buffer (adapters.packed), so a
+slot load is one host->device copy per staging range plus one batched
+device copy, and zeroing a slot is one batched fill.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from adapters.format import LoraAdapter
+from adapters.packed import PackedLoraAdapter
+
+# An adapter reaches its slot through a device staging buffer of this size, a range of modules at a
+# time: the buffer is allocated before the KV pool is sized, and stays small whatever the rank
+# (a rank-512 Llama-3-8B adapter is 2.7 GB in bf16).
+STAGING_BYTES = 64 << 20
 
 # projection -> (group, slice within the group's fused output)
 PROJECTION_SLICES = {
@@ -31,8 +40,8 @@ class LoraGroupBuffers:
     """One fused linear layer's slots: S slices sharing an input."""
 
     a: torch.Tensor  # [S, L, R, in]
-    b: tuple[torch.Tensor, ...]  # S x [L, n_i, R]
-    scaling: torch.Tensor  # [S, L] float32
+    b: tuple[torch.Tensor, ...]  # S x [L, n_i, R], stored as [L, R, n_i] (strides (R*n_i, 1, n_i))
+    scaling: torch.Tensor  # [S, L] float32, stored as [L, S]: a slot's scalings are contiguous
     offsets: tuple[int, ...]  # column offset of each slice in the fused output
 
     @classmethod
@@ -40,16 +49,17 @@ class LoraGroupBuffers:
         offsets = tuple(sum(out_sizes[:i]) for i in range(len(out_sizes)))
         return cls(
             a=torch.zeros(len(out_sizes), max_loras, max_rank, in_features, dtype=dtype, device=device),
-            b=tuple(torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device) for n in out_sizes),
-            scaling=torch.zeros(len(out_sizes), max_loras, dtype=torch.float32, device=device),
+            b=tuple(torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device).transpose(1, 2)
+                    for n in out_sizes),
+            scaling=torch.zeros(max_loras, len(out_sizes), dtype=torch.float32, device=device).t(),
             offsets=offsets,
         )
 
-    def clear(self, slot: int) -> None:
-        self.a[:, slot].zero_()
-        for b in self.b:
-            b[slot].zero_()
-        self.scaling[:, slot] = 0.0
+    def slot_views(self, slot: int, rank: int) -> list[torch.Tensor]:
+        """The slot's first `rank` ranks, per slice A [rank, in] and B^T [rank, n_i], and its scalings [S];
+        each contiguous."""
+        return ([self.a[i, slot, :rank] for i in range(self.a.shape[0])] + [b[slot, :, :rank].t() for b in self.b]
+                + [self.scaling[:, slot]])
 
 
 class AdapterSlots:
@@ -73,7 +83,16 @@ class AdapterSlots:
         self.hits = 0
         self.loads = 0
         self.evictions = 0
-        self.copy_stream = torch.cuda.Stream() if layers and layers[0]["o"].a.is_cuda else None
+        some = layers[0]["o"].a if layers else torch.empty(0)
+        cuda = some.is_cuda
+        # Explicit device: the caller's thread may not have it current (server.engine.cuda_device).
+        self.copy_stream = torch.cuda.Stream(device=some.device) if cuda else None
+        groups = [g for layer in layers for g in layer.values()]
+        modules = sum(g.a.shape[0] for g in groups)
+        slot_elems = sum(g.a[:, 0].numel() + sum(b[0].numel() for b in g.b) for g in groups)
+        staging = min(STAGING_BYTES // some.element_size(), slot_elems)
+        self.staging = torch.empty(staging, dtype=some.dtype, device=some.device) if cuda else None
+        self.scaling_staging = torch.empty(modules, dtype=torch.float32, device=some.device) if cuda else None
 
     @property
     def num_resident(self) -> int:
@@ -82,7 +101,7 @@ class AdapterSlots:
     def can_acquire(self, version: str) -> bool:
         return version in self.slot_of or bool(self.free_slots) or bool(self.idle)
 
-    def acquire(self, version: str, adapter: LoraAdapter) -> int:
+    def acquire(self, version: str, adapter: PackedLoraAdapter) -> int:
         """Pin `version` in a slot for one more request, copying it in from the host tier if needed."""
         slot = self.slot_of.get(version)
         if slot is None:
@@ -119,33 +138,57 @@ class AdapterSlots:
     def sync(self) -> None:
         """Make the compute stream wait for slot copies issued on the copy stream."""
         if self.copy_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.copy_stream)
+            torch.cuda.current_stream(self.copy_stream.device).wait_stream(self.copy_stream)
 
     def _evict(self, version: str) -> None:
         slot = self.slot_of.pop(version, None)
         if slot is None:
             return
         self.idle.pop(slot, None)
-        for groups in self.layers:
-            for buffers in groups.values():
-                buffers.clear(slot)
+        rank = self.slot_ranks[slot]  # rows past it were never written
+        views = [v for groups in self.layers for buffers in groups.values() for v in buffers.slot_views(slot, rank)]
+        torch._foreach_zero_(views)
         self.slot_ranks[slot] = 0
         self.free_slots.append(slot)
 
-    def _load(self, slot: int, adapter: LoraAdapter) -> None:
-        # Free slots are already zero (initial state, or cleared by _evict). On CUDA the copies
-        # run on a side stream from pinned host memory, overlapping the running batch's compute.
+    def _targets(self, slot: int, adapter: PackedLoraAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per module of `adapter`, in its order: the slot's A and B^T views, and its scaling entry."""
+        dst, scales = [], []
+        for (layer, proj), w in adapter.weights.items():
+            group, i = PROJECTION_SLICES[proj]
+            buffers = self.layers[layer][group]
+            r = w.a.shape[0]
+            dst += [buffers.a[i, slot, :r], buffers.b[i][slot, :, :r].t()]
+            scales.append(buffers.scaling[i, slot])
+        return dst, scales
+
+    def _load(self, slot: int, adapter: PackedLoraAdapter) -> None:
+        # Free slots are already zero (initial state, or cleared by _evict). On CUDA the copies run on a
+        # side stream from pinned host memory, overlapping the running batch's compute.
+        assert isinstance(adapter, PackedLoraAdapter), "adapters reach slots through the host tier"
         self.loads += 1
         self.slot_ranks[slot] = adapter.rank
-        if self.copy_stream is not None:
-            # The slot was zeroed, and last read, on the compute stream: copy only after that.
-            self.copy_stream.wait_stream(torch.cuda.current_stream())
-        stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
-        with stream:
-            for (layer, proj), w in adapter.weights.items():
-                group, i = PROJECTION_SLICES[proj]
-                buffers = self.layers[layer][group]
-                r = w.a.shape[0]
-                buffers.a[i, slot, :r].copy_(w.a, non_blocking=True)
-                buffers.b[i][slot, :, :r].copy_(w.b, non_blocking=True)
-                buffers.scaling[i, slot] = w.scaling
+        dst, scales = self._targets(slot, adapter)
+        src = adapter.tensors()
+        if self.copy_stream is None:
+            torch._foreach_copy_(dst, src)
+            torch._foreach_copy_(scales, list(adapter.scalings.unbind()))
+            return
+        # The slot was zeroed, and last read, on the compute stream: copy only after that.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
+        with torch.cuda.stream(self.copy_stream):
+            for first, last in adapter.spans(self.staging.numel()):
+                lo, hi = adapter.extent(first, last)
+                part = slice(2 * first, 2 * last)
+                if hi - lo > self.staging.numel():  # one module larger than the staging buffer
+                    for d, s_ in zip(dst[part], src[part]):
+                        d.copy_(s_, non_blocking=True)
+                    continue
+                stage = self.staging[: hi - lo]
+                stage.copy_(adapter.flat[lo:hi], non_blocking=True)  # one copy for the whole range
+                staged = [stage[o - lo: o - lo + s_.numel()].view(s_.shape)
+                          for o, s_ in zip(adapter.offsets[part], src[part])]
+                torch._foreach_copy_(dst[part], staged)
+            n = len(scales)
+            self.scaling_staging[:n].copy_(adapter.scalings, non_blocking=True)
+            torch._foreach_copy_(scales, list(self.scaling_staging[:n].unbind()))

@@ -33,6 +33,9 @@ class OutputProcessing:
             outputs += self._fail(seq, f"adapter {seq.adapter_id} could not be loaded: {error}")
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             seq.num_computed_tokens += n
+            # Blocks this step filled are computed now, so others may reuse them (before a fork copies
+            # the sequence's progress to its siblings).
+            self.scheduler.prefix_cache.register(seq)
             result = results.get(i)
             if result is None:
                 continue  # a prompt chunk

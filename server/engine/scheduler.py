@@ -12,6 +12,11 @@ A request for n choices is admitted as its choice 0 alone; once that prompt
 is prefilled the other choices fork from it, sharing its blocks. A sequence
 about to write into a shared block gets a private copy first: the copies are
 listed in the batch, for the runner to make before the forward pass.
+
+An admitted sequence starts with the longest run of its full blocks found in
+the prefix cache (server.engine.prefix_cache) and computes only the rest, in
+chunks as usual. Cached blocks nobody holds count as free: taking one costs a
+block like allocating one does, so the cache never crowds out running work.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
 from server.engine.fair_queue import FairQueue
 from server.engine.lora_slots import AdapterSlots
+from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
 
 # After this many steps blocked on an adapter slot, the head of the queue stops
@@ -61,6 +67,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: AdapterSlots, host: HostTier) -> None:
         self.config = config
         self.blocks = blocks
+        self.prefix_cache = PrefixCache(blocks)
         self.slots = slots
         self.host = host
         self.waiting = FairQueue()
@@ -117,6 +124,9 @@ class Scheduler:
         for child in children:
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_table = self.blocks.fork(parent.block_table)
+            # Same tokens so far: the same block hashes, and the same blocks already indexed.
+            child.block_hashes = list(parent.block_hashes)
+            child.num_registered_blocks = parent.num_registered_blocks
             if parent in self.slot_of_seq:
                 version = child.adapter_id
                 self.slot_of_seq[child] = self.slots.acquire(version, self.host.get(version))
@@ -189,14 +199,23 @@ class Scheduler:
                 # a head blocked on slots, and only for a while: then the queue drains to let it in.
                 if self.head_blocked_steps > MAX_BYPASS_STEPS or (version is not None and version not in self.slots.users):
                     continue
-            n = min(seq.num_pending_tokens, budget)
-            # Keep one block spare so running sequences can decode without preempting at once.
-            reserve = 1 if self.running else 0
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n, reserve):
+            assert not seq.block_table and seq.num_computed_tokens == 0, "a waiting sequence holds no KV"
+            hit = self.prefix_cache.lookup(seq)
+            table = hit or []
+            start = len(table) * self.blocks.block_size
+            n = min(len(seq.token_ids) - start, budget)
+            # Keep one block spare so running sequences can decode without preempting at once; cached
+            # blocks nobody holds come out of the free pool when taken.
+            reserve = (1 if self.running else 0) + self.blocks.num_unreferenced(table)
+            if not self.blocks.can_grow(table, start + n, reserve):
                 admit = False
                 continue
-            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
-            self.waiting.admitted(seq)
+            self.blocks.take(table)  # before grow, which could otherwise evict them
+            seq.block_table = table
+            seq.num_computed_tokens = start
+            self.prefix_cache.admitted(seq, hit)
+            self.blocks.grow(seq.block_table, start + n)
+            self.waiting.admitted(seq)  # charges the uncached tokens only
             if version is not None:
                 if seq not in self.waited_for_load:
                     self.host.note_hit()
@@ -223,6 +242,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
         self.num_preemptions += 1
         self.waiting.push(seq)
         if seq in batch.seqs:

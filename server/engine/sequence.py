@@ -52,6 +52,8 @@ class RequestOutput:
     index: int = 0  # the choice, 0..n-1
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Prompt tokens served from the prefix cache at the request's first admission (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens): always < len(prompt_token_ids); 0 with the cache off.
     num_cached_tokens: int = 0
     # LLM.generate only, when n > 1: every choice in index order (this object is choice 0).
     choices: list[RequestOutput] | None = None
@@ -69,7 +71,8 @@ class RequestOutput:
 class SequenceGroup:
     """The n choices of one request, and what they share: the prompt and its logprobs."""
 
-    __slots__ = ("request_id", "seqs", "needs_fork", "prompt_logprobs", "min_tokens_stop_ids", "_prompt_tensor")
+    __slots__ = ("request_id", "seqs", "needs_fork", "prompt_logprobs", "min_tokens_stop_ids", "num_cached_tokens",
+                 "_prompt_tensor")
 
     def __init__(self, request_id: str, prompt_logprobs: bool, min_tokens_stop_ids: tuple[int, ...]) -> None:
         self.request_id = request_id
@@ -78,6 +81,9 @@ class SequenceGroup:
         self.needs_fork = False
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if prompt_logprobs else None
         self.min_tokens_stop_ids = min_tokens_stop_ids  # EOS (unless ignored) and stop ids, masked by min_tokens
+        # Prompt tokens whose KV came from the prefix cache when choice 0 was first admitted (vLLM
+        # counts that admission only); None until then. Forked choices share that prefill.
+        self.num_cached_tokens: int | None = None
         self._prompt_tensor: torch.Tensor | None = None
 
     @property
@@ -101,7 +107,8 @@ class Sequence:
     __slots__ = (
         "request_id", "prompt_token_ids", "token_ids", "params", "adapter_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
-        "detok_state", "stop", "_num_prompt", "index", "group", "logprobs",
+        "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
+        "num_registered_blocks",
     )
 
     def __init__(
@@ -115,6 +122,7 @@ class Sequence:
         priority: int = 0,
         index: int = 0,
         group: SequenceGroup | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -142,6 +150,12 @@ class Sequence:
         if index:
             group.needs_fork = True
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # Prefix cache (server.engine.prefix_cache): the hash chain of token_ids' leading full blocks,
+        # as far as it was needed (it depends on the tokens alone, so it survives preemption), and how
+        # many leading blocks of block_table have been offered to the cache.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -177,4 +191,5 @@ class Sequence:
             index=self.index,
             logprobs=None if self.logprobs is None else self.logprobs[:],
             prompt_logprobs=self.group.prompt_logprobs,
+            num_cached_tokens=self.group.num_cached_tokens or 0,
         )

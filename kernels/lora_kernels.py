@@ -1,0 +1,191 @@
+"""The @triton.jit bodies of the multi-LoRA shrink/expand (entry points: kernels.lora_triton).
+
+Argument conventions shared by all four:
+- x [T, in], out / h [S, T, R], y [T, >= off_i + n_i]: token rows, addressed in int64;
+- lora_a [S, L, R, in], b_i [L, n_i, R], scaling [S, L] float32: slot buffers at max rank;
+- gather [n, 2] int32 (token, slot) and tiles [n, 4] int32 (first token, rows, slot, 0):
+  the step's plan (kernels.launch_plan), one program (row of the grid's axis 0) per entry;
+- R: the effective rank (columns past it are not computed); never specialised on, it changes
+  from step to step. Nor is stride_sl (the slice count, scalings being stored slot-major), so one
+  variant serves every projection group.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pick_slice(sl, v0, v1, v2):
+    """Per-slice scalar by the program's slice index (constexpr-safe, unlike an if-chain)."""
+    return tl.where(sl == 0, v0, tl.where(sl == 1, v1, v2))
+
+
+@triton.jit
+def _slice_of(c, nb0, nb1):
+    """(slice, column tile within it) of flat column tile c; slices 0 and 1 have nb0 and nb1 tiles."""
+    sl = (c >= nb0).to(tl.int32) + (c >= nb0 + nb1).to(tl.int32)
+    return sl, c - tl.where(sl == 0, 0, tl.where(sl == 1, nb0, nb0 + nb1))
+
+
+@triton.jit(do_not_specialize=["R", "stride_sl"])
+def _sgmv_shrink_kernel(
+    x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr,
+    K, R,
+    stride_xt, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_ss, stride_sl,
+    stride_os, stride_ot, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Semantics: program (tile, slice i, rank tile) writes out[i, rows, ranks] = scaling[i, slot] *
+    x[rows] @ lora_a[i, slot, ranks].T for the tile's rows (< BLOCK_M) and ranks (< R).
+    Shape: grid (tiles, S, cdiv(R, BLOCK_R)); K = in features."""
+    tile = tl.program_id(0)
+    sl = tl.program_id(1).to(tl.int64)
+    start = tl.load(tiles_ptr + tile * 4).to(tl.int64)
+    length = tl.load(tiles_ptr + tile * 4 + 1)
+    slot = tl.load(tiles_ptr + tile * 4 + 2).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = start + offs_m  # [BM] int64
+    row_ok = offs_m < length
+    ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rank_ok = ranks < R
+    a_base = a_ptr + sl * stride_as + slot * stride_al
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xk,
+                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # [BM, BK]
+        a = tl.load(a_base + ks[:, None] * stride_ak + ranks[None, :] * stride_ar,
+                    mask=(ks[:, None] < K) & rank_ok[None, :], other=0.0)  # [BK, BR]
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, a)
+    scale = tl.load(scaling_ptr + sl * stride_ss + slot * stride_sl)
+    out = (acc * scale).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + sl * stride_os + rows[:, None] * stride_ot + ranks[None, :] * stride_or,
+             out, mask=row_ok[:, None] & rank_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["R", "stride_sl"])
+def _bgmv_shrink_kernel(
+    x_ptr, a_ptr, scaling_ptr, out_ptr, gather_ptr,
+    K, R,
+    stride_xt, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_ss, stride_sl,
+    stride_os, stride_ot, stride_or,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Semantics: program (entry, slice i, rank tile) writes out[i, t, ranks] = scaling[i, slot] *
+    x[t] @ lora_a[i, slot, ranks].T for its (token t, slot), reducing in fp32 registers.
+    Shape: grid (gathered tokens, S, cdiv(R, BLOCK_R))."""
+    entry = tl.program_id(0)
+    sl = tl.program_id(1).to(tl.int64)
+    t = tl.load(gather_ptr + entry * 2).to(tl.int64)
+    slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
+    ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rank_ok = ranks < R
+    a_base = a_ptr + sl * stride_as + slot * stride_al
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t * stride_xt + ks * stride_xk, mask=ks < K, other=0.0).to(tl.float32)  # [BK]
+        a = tl.load(a_base + ranks[:, None] * stride_ar + ks[None, :] * stride_ak,
+                    mask=rank_ok[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)  # [BR, BK]
+        acc += tl.sum(a * x[None, :], axis=1)
+    scale = tl.load(scaling_ptr + sl * stride_ss + slot * stride_sl)
+    tl.store(out_ptr + sl * stride_os + t * stride_ot + ranks * stride_or,
+             (acc * scale).to(out_ptr.dtype.element_ty), mask=rank_ok)
+
+
+@triton.jit(do_not_specialize=["R", "nb0", "nb1"])
+def _sgmv_expand_kernel(
+    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr,
+    R,
+    n0, n1, n2, off0, off1, off2, nb0, nb1,
+    sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
+    stride_hs, stride_ht, stride_hr,
+    stride_yt, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Semantics: program (tile, column tile c) adds h[i, rows, :R] @ b_i[slot, cols, :R].T onto
+    y[rows, off_i + cols], where (i, cols) is column tile c of the slices taken in order (nb0 tiles
+    of slice 0, nb1 of slice 1, the rest of slice 2); rank is looped over in BLOCK_R steps.
+    Shape: grid (tiles, total column tiles)."""
+    tile = tl.program_id(0)
+    sl, n_blk = _slice_of(tl.program_id(1), nb0, nb1)
+    if sl == 0:
+        b_ptr = b0_ptr
+    elif sl == 1:
+        b_ptr = b1_ptr
+    else:
+        b_ptr = b2_ptr
+    start = tl.load(tiles_ptr + tile * 4).to(tl.int64)
+    length = tl.load(tiles_ptr + tile * 4 + 1)
+    slot = tl.load(tiles_ptr + tile * 4 + 2).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = start + offs_m  # [BM] int64
+    row_ok = offs_m < length
+    cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    col_ok = cols < _pick_slice(sl, n0, n1, n2)
+    h_base = h_ptr + sl.to(tl.int64) * stride_hs + rows[:, None] * stride_ht
+    b_base = b_ptr + slot * _pick_slice(sl, sbl0, sbl1, sbl2) + cols[None, :] * _pick_slice(sl, sbn0, sbn1, sbn2)
+    sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        ranks = r0 + tl.arange(0, BLOCK_R)
+        rank_ok = ranks < R
+        h = tl.load(h_base + ranks[None, :] * stride_hr, mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+        b = tl.load(b_base + ranks[:, None] * sbr, mask=rank_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            acc += tl.dot(h.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(h, b)
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + (_pick_slice(sl, off0, off1, off2) + cols[None, :]) * stride_yn
+    ok = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["R", "nb0", "nb1"])
+def _bgmv_expand_kernel(
+    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, gather_ptr,
+    R,
+    n0, n1, n2, off0, off1, off2, nb0, nb1,
+    sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
+    stride_hs, stride_ht, stride_hr,
+    stride_yt, stride_yn,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Semantics: program (entry, column tile c) adds h[i, t, :R] @ b_i[slot, cols, :R].T onto
+    y[t, off_i + cols] for its (token t, slot); column tiles as in _sgmv_expand_kernel.
+    Shape: grid (gathered tokens, total column tiles)."""
+    entry = tl.program_id(0)
+    sl, n_blk = _slice_of(tl.program_id(1), nb0, nb1)
+    if sl == 0:
+        b_ptr = b0_ptr
+    elif sl == 1:
+        b_ptr = b1_ptr
+    else:
+        b_ptr = b2_ptr
+    t = tl.load(gather_ptr + entry * 2).to(tl.int64)
+    slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
+    cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    col_ok = cols < _pick_slice(sl, n0, n1, n2)
+    h_base = h_ptr + sl.to(tl.int64) * stride_hs + t * stride_ht
+    b_base = b_ptr + slot * _pick_slice(sl, sbl0, sbl1, sbl2) + cols[:, None] * _pick_slice(sl, sbn0, sbn1, sbn2)
+    sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        ranks = r0 + tl.arange(0, BLOCK_R)
+        rank_ok = ranks < R
+        h = tl.load(h_base + ranks * stride_hr, mask=rank_ok, other=0.0).to(tl.float32)  # [BR]
+        b = tl.load(b_base + ranks[None, :] * sbr, mask=col_ok[:, None] & rank_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BN, BR]
+        acc += tl.sum(b * h[None, :], axis=1)
+    y_ptrs = y_ptr + t * stride_yt + (_pick_slice(sl, off0, off1, off2) + cols) * stride_yn
+    y = tl.load(y_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=col_ok)

@@ -1,0 +1,130 @@
+"""Prefix caching: a new sequence reuses the KV of full blocks that an earlier one computed.
+
+A full block is named by a hash chain: sha256 over (the previous block's hash,
+the block's token ids, and a seed made of the adapter *version* id, the
+tenant's id and the request's cache_salt). Equal names mean the same tokens
+at the same positions after the same prefix under the same weights, so equal
+K/V. The version id (never the adapter's name) keeps KV computed with old
+weights from serving an adapter replaced under the same name; the tenant keeps
+one tenant from learning, by time to first token, what another one sent (the
+cache is never shared across tenants unless the operator allows it for
+base-model blocks); the salt partitions further within a tenant. A
+cryptographic hash because the index matches on the hash alone: Python's
+`hash` can be made to collide, which would serve one prompt another's KV.
+
+Hashes depend only on a sequence's tokens, so each is computed once per
+sequence (kept in `Sequence.block_hashes`, surviving preemption) and never per
+step. A block is indexed after the step that computed its last token, so a
+block still being written is never shared. Lookups stop one token short of
+the end: the last token must run to give the logits of the next.
+The index itself lives in the BlockManager, with the blocks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+from server.engine.block_manager import BlockManager
+from server.engine.sequence import Sequence
+
+ROOT = bytes(32)  # the "previous block" of a sequence's first block
+
+
+class PrefixCache:
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.pack = struct.Struct(f"<{blocks.block_size}q").pack
+        self.enabled = True
+        # Base-model blocks shared by every tenant: an operator's choice (the timing side channel).
+        self.share_base_across_tenants = False
+        # Deleted or replaced adapter versions: their blocks were dropped, and their requests still
+        # running index nothing more. Ids are never reused, so this only grows with deletions.
+        self.retired: set[str] = set()
+        self.queries_tokens = 0  # tokens of the sequences looked up (at admission)
+        self.hit_tokens = 0  # of those, tokens whose KV came from the cache
+
+    def set_policy(self, enabled: bool, share_base_across_tenants: bool) -> bool:
+        """True if the keys changed: every indexed block is dropped, and the caller must clear every
+        live sequence's `block_hashes` (they were computed under the old seeds)."""
+        if (enabled, share_base_across_tenants) == (self.enabled, self.share_base_across_tenants):
+            return False
+        self.enabled, self.share_base_across_tenants = enabled, share_base_across_tenants
+        self.blocks.drop_all()
+        return True
+
+    def lookup(self, seq: Sequence) -> list[int] | None:
+        """The cached blocks that start `seq` (not yet referenced: BlockManager.take does that), or
+        None when `seq` may not use the cache."""
+        if not self.enabled or seq.adapter_id in self.retired:
+            return None
+        limit = len(seq.token_ids) - 1  # at least the last token runs: its logits give the next token
+        owed = seq.group.prompt_logprobs
+        if owed is not None and len(owed) < seq.num_prompt_tokens:
+            # Prompt logprobs still owed need the logits of the positions before them: from entry
+            # len(owed) on, computed at positions len(owed) - 1 on, which must run.
+            limit = min(limit, len(owed) - 1)
+        if limit < self.block_size:
+            return None
+        n = limit // self.block_size
+        hashes = self._hashes(seq, n)
+        hit: list[int] = []
+        for i in range(n):
+            block = self.blocks.lookup(hashes[i])
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def admitted(self, seq: Sequence, hit: list[int] | None) -> None:
+        """`seq` starts with the `hit` blocks (now in its block table): count the query and the hit."""
+        cached = len(hit) * self.block_size if hit else 0
+        seq.num_registered_blocks = len(hit) if hit else 0
+        if hit is not None:
+            self.queries_tokens += len(seq.token_ids)
+            self.hit_tokens += cached
+        if seq.group.num_cached_tokens is None:
+            seq.group.num_cached_tokens = cached
+
+    def register(self, seq: Sequence) -> None:
+        """Index the blocks that `seq`'s last step filled (after its num_computed_tokens grew)."""
+        full = seq.num_computed_tokens // self.block_size
+        done = seq.num_registered_blocks
+        if full <= done or not self.enabled:
+            return
+        seq.num_registered_blocks = full
+        version = seq.adapter_id
+        if version in self.retired:
+            return
+        hashes = self._hashes(seq, full)
+        table = seq.block_table
+        for i in range(done, full):
+            self.blocks.index(table[i], hashes[i], version)
+
+    def retire(self, version: str) -> None:
+        """`version` was deleted or replaced: nothing may reuse its KV; its free blocks go back first."""
+        self.retired.add(version)
+        self.blocks.drop_version(version)
+
+    def restore(self, version: str) -> None:
+        """`version` is served again (the same id is the same weights)."""
+        self.retired.discard(version)
+
+    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """`seq.block_hashes`, extended to at least its first n full blocks (each computed once)."""
+        hashes = seq.block_hashes
+        if len(hashes) < n:
+            seed = self._seed(seq)
+            tokens, size, pack = seq.token_ids, self.block_size, self.pack
+            parent = hashes[-1] if hashes else ROOT
+            for i in range(len(hashes), n):
+                parent = hashlib.sha256(parent + seed + pack(*tokens[i * size : (i + 1) * size])).digest()
+                hashes.append(parent)
+        return hashes
+
+    def _seed(self, seq: Sequence) -> bytes:
+        """What besides the tokens decides a block's KV, and who may reuse it."""
+        shared = seq.adapter_id is None and self.share_base_across_tenants
+        key = [seq.adapter_id, None if shared else seq.tenant, shared, seq.cache_salt]
+        return hashlib.sha256(json.dumps(key).encode()).digest()

@@ -1,0 +1,213 @@
+"""scripts/bench.py's peer mode and thread fairness: argument handling, the vLLM command and
+environment it would build, and the thread count and load averages the JSON records. The vLLM
+run itself is not in CI (docs/benchmarks/cpu-vs-vllm.md)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.bench.peer import (PeerConfigError, VllmPeerConfig, check_peer_arguments, core_list, find_preloads,
+                               peer_config, python_executable)
+from server.bench.report import format_table
+from server.bench.runner import BenchConfig, BenchConfigError, _serve_args, run_bench
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench_script():
+    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def peer_env(tmp_path) -> Path:
+    root = tmp_path / "vllm-venv"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").write_text("#!/bin/sh\n")
+    lib = root / "lib" / "python3.11" / "site-packages" / "intel_openmp" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libiomp5.so").write_bytes(b"")
+    return root
+
+
+def test_core_lists_use_ranges():
+    assert core_list([1, 0]) == "0-1"
+    assert core_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert core_list([3]) == "3"
+
+
+def test_peer_python_is_a_venv_root_or_its_python(peer_env, tmp_path):
+    assert python_executable(peer_env) == peer_env / "bin" / "python"
+    assert python_executable(peer_env / "bin" / "python") == peer_env / "bin" / "python"
+    with pytest.raises(PeerConfigError, match="--peer-python"):
+        python_executable(tmp_path / "nowhere")
+
+
+def test_preloads_come_from_the_peer_env_then_the_system(peer_env, tmp_path):
+    system = tmp_path / "syslib"
+    system.mkdir()
+    (system / "libjemalloc.so.2").write_bytes(b"")
+    found = find_preloads(peer_env, lib_dirs=(str(system),))
+    assert found == [str(system / "libjemalloc.so.2"),
+                     str(peer_env / "lib/python3.11/site-packages/intel_openmp/lib/libiomp5.so")]
+    assert find_preloads(tmp_path / "empty", lib_dirs=()) == []
+
+
+def _parse(bench_script, *extra):
+    return bench_script.build_parser().parse_args(list(extra))
+
+
+def test_peer_arguments_are_checked_before_anything_runs(bench_script, peer_env):
+    assert check_peer_arguments(_parse(bench_script)) is None
+    assert check_peer_arguments(_parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env))) \
+        == peer_env / "bin" / "python"
+    with pytest.raises(PeerConfigError, match="needs --peer-python"):
+        check_peer_arguments(_parse(bench_script, "--peer", "vllm"))
+    with pytest.raises(PeerConfigError, match="needs --peer vllm"):
+        check_peer_arguments(_parse(bench_script, "--peer-python", str(peer_env)))
+    with pytest.raises(PeerConfigError, match="--device cpu"):
+        check_peer_arguments(_parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env),
+                                    "--device", "cuda"))
+    with pytest.raises(PeerConfigError, match="mixed workload"):
+        check_peer_arguments(_parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env),
+                                    "--workload", "prefix"))
+    with pytest.raises(SystemExit):
+        _parse(bench_script, "--peer", "sglang")
+
+
+def test_a_missing_peer_env_fails_fast_with_exit_2(bench_script, tmp_path, capsys):
+    rc = bench_script.main(["--peer", "vllm", "--peer-python", str(tmp_path / "nope"),
+                            "--json", str(tmp_path / "out.json"), "--work-dir", str(tmp_path)])
+    assert rc == 2
+    assert "--peer-python" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+    assert bench_script.main(["--model-shape", "smol135", "--model", str(tmp_path), "--work-dir", str(tmp_path)]) == 2
+
+
+def test_command_and_env_match_loraplex_settings(bench_script, peer_env, tiny_model_dir, tmp_path):
+    args = _parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env), "--peer-kv-gib", "2",
+                  "--cpu-threads", "2", "--rank", "16", "--max-num-seqs", "64")
+    python = check_peer_arguments(args)
+    cfg = BenchConfig(model_dir=str(tiny_model_dir), cpu_threads=args.cpu_threads, rank=16, max_num_seqs=64,
+                      work_dir=str(tmp_path))
+    adapters = {"lora-0000": tmp_path / "a0", "lora-0003": tmp_path / "a3"}
+    pcfg = peer_config(cfg, args, python, tiny_model_dir, adapters, affinity=frozenset({4, 5, 6, 7}))
+    argv = pcfg.command()
+    assert argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in (("--model", str(tiny_model_dir)), ("--max-loras", "2"), ("--max-lora-rank", "16"),
+                        ("--max-model-len", "1024"), ("--dtype", "float32"), ("--max-num-seqs", "64"),
+                        ("--port", "8001")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert "--enable-lora" in argv
+    i = argv.index("--lora-modules")
+    assert argv[i + 1:i + 3] == [f"lora-0000={tmp_path / 'a0'}", f"lora-0003={tmp_path / 'a3'}"]
+    env = pcfg.env({"PATH": "/bin", "PYTHONPATH": "/work/main", "LD_PRELOAD": "/x.so"})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "2"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "4-5"  # the first cores of the mask, one per thread
+    assert "PYTHONPATH" not in env and env["PATH"] == "/bin"
+    assert env["LD_PRELOAD"].split(":")[-1] == "/x.so" and "libiomp5.so" in env["LD_PRELOAD"]
+
+
+def test_peer_config_refuses_more_threads_than_cores(tmp_path):
+    with pytest.raises(PeerConfigError):
+        VllmPeerConfig(python=tmp_path, model_dir=tmp_path, adapters=(), max_loras=1, max_lora_rank=8,
+                       max_model_len=64, dtype="float32", threads=3, cores=(0, 1))
+
+
+def test_bench_threads_are_validated_and_reach_the_server(tiny_model_dir):
+    assert "--cpu-threads" in _serve_args(BenchConfig(cpu_threads=3), 4)
+    assert _serve_args(BenchConfig(cpu_threads="3"), 4)[-2:] == ["--cpu-threads", "3"]
+    assert BenchConfig().threads() >= 1
+    for bad in ("zero", 0, None):
+        with pytest.raises(BenchConfigError, match="--cpu-threads"):
+            BenchConfig(cpu_threads=bad)
+
+
+def test_both_sides_get_the_same_threads_and_the_json_records_load(tiny_model_dir, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cfg = BenchConfig(adapter_counts=(2,), num_requests=3, prompt_len=(4, 6), output_len=(2, 3), target="engine",
+                          compare_peft=True, model_dir=str(tiny_model_dir), cpu_threads=1, work_dir=str(tmp_path))
+        doc = run_bench(cfg, None, log=lambda m: None)
+        assert torch.get_num_threads() == 1  # the baseline, run last, was held to the same count
+    finally:
+        torch.set_num_threads(before)
+    point = doc["points"][0]
+    assert doc["environment"]["cpu_threads"] == 1 and point["cpu_threads"] == 1
+    for side in ("loraplex", "baseline"):
+        for when in ("before", "after"):
+            assert len(point["load_avg"][side][when]) == 3
+    point["peer"] = point["loraplex"]
+    point["throughput_ratio_vs_peer"], point["ttft_p50_ratio_peer_over_loraplex"] = 1.25, 0.5
+    table = format_table({**doc, "peer": {"name": "vllm"}})
+    assert "vllm" in table and "loraplex/vllm x1.25" in table
+
+
+def test_affinity_is_what_auto_counts():
+    assert BenchConfig(cpu_threads="auto").threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+FAKE_SERVER = '''
+import argparse, json, sys
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+p = argparse.ArgumentParser()
+p.add_argument("-m"); p.add_argument("--port", type=int); p.add_argument("--lora-modules", nargs="*", default=[])
+args, _ = p.parse_known_args()
+names = {"base", *(m.split("=")[0] for m in args.lora_modules)}
+
+async def models(request):
+    return JSONResponse({"data": [{"id": n} for n in sorted(names)]})
+
+async def completions(request):
+    body = await request.json()
+    if body["model"] not in names:
+        return JSONResponse({"error": {"message": "unknown model"}}, status_code=404)
+    def chunks():
+        for i in range(body["max_tokens"]):
+            yield "data: " + json.dumps({"choices": [{"text": "x"}], "usage": None}) + "\\n\\n"
+        usage = {"completion_tokens": body["max_tokens"]}
+        yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\\n\\n" + "data: [DONE]\\n\\n"
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+'''
+
+
+def test_run_peer_drives_the_same_requests_through_a_stand_in_server(bench_script, tiny_model_dir, tmp_path):
+    """A stand-in for vLLM's server (same flags, same OpenAI streaming) run through the real path."""
+    import sys
+
+    from server.bench.peer import run_peer
+    from server.bench.server_proc import free_port
+
+    (tmp_path / "fake_vllm.py").write_text(FAKE_SERVER)
+    python = tmp_path / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.0-fake; exit 0; fi\n'
+                      f'exec {sys.executable} {tmp_path / "fake_vllm.py"} "$@"\n')
+    python.chmod(0o755)
+    args = _parse(bench_script, "--peer", "vllm", "--peer-python", str(python.parent.parent), "--cpu-threads", "1",
+                  "--peer-port", str(free_port()), "--peer-preload", "none")
+    cfg = BenchConfig(adapter_counts=(3,), num_requests=4, output_len=(2, 3), model_dir=str(tiny_model_dir),
+                      cpu_threads=1, work_dir=str(tmp_path / "work"))
+    lp = {"completed": 4, "requests": 4, "throughput_tok_s": 10.0, "ttft_s": {"p50": 0.2}}
+    doc = {"points": [{"num_adapters": 3, "loraplex": lp}]}
+    run_peer(cfg, args, check_peer_arguments(args), tiny_model_dir, doc, log=lambda m: None)
+    point = doc["points"][0]
+    assert point["peer"]["completed"] == 4 == point["peer"]["requests"]
+    assert point["throughput_ratio_vs_peer"] == pytest.approx(10.0 / point["peer"]["throughput_tok_s"])
+    assert doc["peer"]["version"] == "0.0-fake" and doc["peer"]["threads"] == 1
+    assert set(point["load_avg"]["peer"]) == {"before", "after"}

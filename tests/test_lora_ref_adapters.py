@@ -1,0 +1,73 @@
+"""The CPU LoRA path gives each token PEFT's result whatever else is in the batch: the same rows
+with 1, 8 or 32 distinct adapters (the batched path from BATCHED_MIN_SLOTS on, the per-adapter
+path below it), equal to y = x W + (x A^T B^T) * scaling computed token by token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import lora_ref
+from kernels.metadata import LoraBatch
+
+HIDDEN, RANK, SLOTS = 48, 8, 32
+WIDTHS = (48, 16, 16)  # q, k, v of a fused qkv projection
+
+
+def _weights():
+    g = torch.Generator().manual_seed(7)
+    lora_a = torch.randn(len(WIDTHS), SLOTS, RANK, HIDDEN, generator=g) / HIDDEN ** 0.5  # [S, L, R, in]
+    lora_b = tuple(torch.randn(SLOTS, n, RANK, generator=g) / RANK ** 0.5 for n in WIDTHS)  # S x [L, n, R]
+    scaling = torch.rand(len(WIDTHS), SLOTS, generator=g) + 0.5  # [S, L]
+    return lora_a, lora_b, scaling
+
+
+def _peft_rows(x, slots, lora_a, lora_b, scaling):
+    """PEFT's formula, one token at a time: delta = scaling * (x @ A^T) @ B^T per slice."""
+    rows = []
+    for t, s in enumerate(slots):
+        parts = [torch.zeros(n) if s < 0 else
+                 (x[t] @ lora_a[i, s].T) @ lora_b[i][s].T * scaling[i, s] for i, n in enumerate(WIDTHS)]
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)  # [T, sum(WIDTHS)]
+
+
+def _run(x, slots, lora_a, lora_b, scaling):
+    batch = LoraBatch.build(slots)
+    h = torch.zeros(len(WIDTHS), len(slots), RANK)  # [S, T, R]
+    lora_ref.lora_shrink(x, lora_a, batch, scaling, h)
+    y = torch.zeros(len(slots), sum(WIDTHS))  # [T, sum n]
+    offsets = tuple(sum(WIDTHS[:i]) for i in range(len(WIDTHS)))
+    lora_ref.lora_expand(h, lora_b, batch, y, offsets)
+    return y
+
+
+def _slots(num_adapters: int, tokens_per_request: int = 3) -> list[int]:
+    """Requests of a few tokens each, adapters round-robin, one base-model request in the middle."""
+    out = []
+    for req in range(max(num_adapters, 4)):
+        out += [req % num_adapters] * tokens_per_request
+    out[len(out) // 2:len(out) // 2] = [-1, -1]
+    return out
+
+
+@pytest.mark.parametrize("num_adapters", [1, 8, 32])
+def test_each_token_gets_the_peft_delta(num_adapters):
+    lora_a, lora_b, scaling = _weights()
+    slots = _slots(num_adapters)
+    x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(num_adapters))  # [T, in]
+    got = _run(x, slots, lora_a, lora_b, scaling)
+    torch.testing.assert_close(got, _peft_rows(x, slots, lora_a, lora_b, scaling), rtol=1e-5, atol=1e-5)
+    assert got[[i for i, s in enumerate(slots) if s < 0]].abs().max() == 0  # base rows untouched
+
+
+def test_a_request_gets_the_same_rows_with_1_8_or_32_adapters_beside_it():
+    lora_a, lora_b, scaling = _weights()
+    probe = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(99))  # adapter 0's request
+    results = []
+    for num_adapters in (1, 8, 32):
+        others = _slots(num_adapters)
+        x = torch.cat([probe, torch.randn(len(others), HIDDEN)])
+        results.append(_run(x, [0] * 5 + others, lora_a, lora_b, scaling)[:5])
+    assert num_adapters >= lora_ref.BATCHED_MIN_SLOTS > 1  # both code paths were exercised
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0], rtol=1e-6, atol=1e-6)
