@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any, Callable
 
 # adapter_config.json nests 2 levels and a safetensors header 3; 32 leaves room

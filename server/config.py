@@ -143,7 +143,8 @@ class ServerConfig:
                                           lambda: "lpadm-" + secrets.token_urlsafe(32))
         return cls(
             data_dir=data_dir, admin_token=token, admin_token_generated=generated,
-            model=args.model, served_model_name=args.served_model_name, redis_url=args.redis_url or env.get("LORAPLEX_REDIS_URL") or None,
+            model=args.model, served_model_name=args.served_model_name,
+            redis_url=args.redis_url or env.get("LORAPLEX_REDIS_URL") or None,
             host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             adapters=tuple(parse_adapter_flag(a) for a in args.adapter or ()),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
@@ -154,7 +155,8 @@ class ServerConfig:
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
             kernels=args.kernels, cpu_threads=getattr(args, "cpu_threads", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
-            enable_prefix_caching=args.enable_prefix_caching, share_base_prefix_cache=args.share_base_prefix_cache,
+            enable_prefix_caching=args.enable_prefix_caching,
+            share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,
             metrics_public=args.metrics_public,
             replica_name=getattr(args, "replica_name", None) or None)

@@ -93,6 +93,9 @@ def test_generated_credentials_are_kept_and_reused(tiny_model_dir, redis_server,
     assert token_file.read_text().strip() == first.admin_token and token_file.stat().st_mode & 0o077 == 0
     given = ServerConfig.from_args(_serve_args(tmp_path, "--admin-token", "operator-token-0123456789"))
     assert given.admin_token == "operator-token-0123456789" and not given.admin_token_generated
+    # A Redis URL with a password can come from the environment, out of `ps`.
+    url = "redis://:secret@10.0.0.5:6379/0"
+    assert ServerConfig.from_args(_serve_args(tmp_path), env={"LORAPLEX_REDIS_URL": url}).redis_url == url
 
     url = api_redis_url(redis_server)
     config = server_config(tiny_model_dir, tmp_path, url, demo_tenant=True)

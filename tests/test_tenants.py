@@ -173,7 +173,7 @@ def test_key_create_authenticate_revoke(store: TenantStore) -> None:
 def test_each_key_is_independent(store: TenantStore) -> None:
     store.create("acme")
     store.create("beta")
-    (id1, k1), (id2, k2) = store.create_key("acme"), store.create_key("acme")
+    (id1, k1), (_, k2) = store.create_key("acme"), store.create_key("acme")
     _, k3 = store.create_key("beta")
     assert len({k1, k2, k3}) == 3
     store.revoke_key("acme", id1)

@@ -7,6 +7,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.api.admin_models import QuotaFields, TenantCreate, TenantPatch
+from server.api.admin_views import require_admin_tenant
 from server.api.auth import require_admin, state_of
 from server.api.body import read_json_object
 from server.api.errors import not_found
@@ -30,13 +31,8 @@ async def list_tenants(request: Request) -> Response:
 
 
 async def get_tenant(request: Request) -> Response:
-    require_admin(request)
-    state = state_of(request)
-    name = request.path_params["name"]
-    tenant = await run_in_threadpool(state.tenants.get, name)
-    if tenant is None:
-        raise not_found(f"tenant {name!r}")
-    keys = await run_in_threadpool(state.tenants.list_keys, name)
+    state, tenant = await require_admin_tenant(request)
+    keys = await run_in_threadpool(state.tenants.list_keys, tenant.name)
     adapters = await run_in_threadpool(state.registry.count, tenant.id)
     return JSONResponse({**tenant.to_dict(), "keys": keys, "adapters": adapters})
 

@@ -16,7 +16,8 @@ from tenants import Tenant
 MAX_PAGE = 500
 
 
-async def _tenant(request: Request) -> tuple[ServerState, Tenant]:
+async def require_admin_tenant(request: Request) -> tuple[ServerState, Tenant]:
+    """The admin check, then the tenant the path names (404 if there is none)."""
     require_admin(request)
     state = state_of(request)
     name = request.path_params["name"]
@@ -27,12 +28,12 @@ async def _tenant(request: Request) -> tuple[ServerState, Tenant]:
 
 
 async def tenant_usage(request: Request) -> Response:
-    state, tenant = await _tenant(request)
+    state, tenant = await require_admin_tenant(request)
     return JSONResponse(await usage_report(state, tenant, request))
 
 
 async def tenant_keys(request: Request) -> Response:
-    state, tenant = await _tenant(request)
+    state, tenant = await require_admin_tenant(request)
     keys = await run_in_threadpool(state.tenants.list_keys, tenant.name)
     return JSONResponse({"object": "list", "data": keys})
 

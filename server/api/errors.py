@@ -92,7 +92,7 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, "internal server error", "internal_error")
 
 
-async def _handle(request: Request, exc: Exception) -> JSONResponse:
+async def _handle(request: Request, exc: Exception) -> Response:
     return to_api_error(exc).response()
 
 

@@ -48,10 +48,10 @@ class Metrics:
         self.parked_bytes = Gauge("loraplex_adapter_host_parked_bytes", "Bytes of parked adapters", registry=r)
         self.loading = Gauge("loraplex_adapter_loads_in_flight", "Adapter loads from Redis under way", registry=r)
         # Prefix cache: cumulative token counts from the engine, set at scrape time (as the tier counters).
-        self.prefix_queries = Gauge("loraplex_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
-                                    registry=r)
-        self.prefix_hits = Gauge("loraplex_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache",
-                                 registry=r)
+        self.prefix_queries = Gauge("loraplex_prefix_cache_queries_tokens",
+                                    "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Gauge("loraplex_prefix_cache_hits_tokens",
+                                 "Prompt tokens served from the prefix cache", registry=r)
         self.prefix_free = Gauge("loraplex_prefix_cache_cached_free_blocks",
                                  "KV blocks cached but held by no request (evictable, counted as free)", registry=r)
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)

@@ -8,19 +8,7 @@ Memoised per id: only ids that were actually returned are ever decoded.
 """
 from __future__ import annotations
 
-
-def _unicode_to_byte() -> dict[str, int]:
-    """The inverse of GPT-2's bytes_to_unicode (printable stand-ins for the 256 byte values)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars = keep[:]
-    n = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(keep, chars)}
+from server.engine.detokenizer import bytes_to_unicode
 
 
 class TokenText:
@@ -28,7 +16,7 @@ class TokenText:
         self._tok = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
-        self._table = _unicode_to_byte() if self._byte_level else {}
+        self._table = {c: b for b, c in bytes_to_unicode().items()} if self._byte_level else {}
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def _entry(self, token_id: int) -> tuple[str, bytes]:

@@ -14,7 +14,7 @@ import codecs
 from dataclasses import dataclass, field
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (the ByteLevel alphabet)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     chars = list(keep)
@@ -83,7 +83,7 @@ class IncrementalDetokenizer:
             return None
         if getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
             return None  # decode() would also rewrite spaces; keep its exact output
-        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
         special = set(self.tokenizer.all_special_ids) if self.skip else set()
         added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
         table: list[bytes] = []
