@@ -19,7 +19,7 @@ from pathlib import Path
 # Runnable as a plain script from a checkout, without installing the project.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.bench.cli import DESCRIPTION, add_bench_arguments, config_from_args  # noqa: E402
+from server.bench.cli import DESCRIPTION, add_bench_arguments, config_from_args, report  # noqa: E402
 from server.bench.model_shape import MODEL_SHAPES, build_model_shape  # noqa: E402
 from server.bench.peer import PeerConfigError, add_peer_arguments, check_peer_arguments, run_peer  # noqa: E402
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
     from server.bench.client import BenchClientError
-    from server.bench.report import format_table, plot, write_json
+    from server.bench.report import write_json
     from server.bench.runner import BenchConfigError, resolve_model, run_bench
     from server.bench.workload import WorkloadError
 
@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchConfigError, PeerConfigError, WorkloadError, BenchClientError, ValueError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
-    png = Path(args.plot) if args.plot else json_path.with_suffix(".png")
-    plot(doc, png)
-    print(format_table(doc, per_tenant=args.per_tenant))
-    print(f"wrote {json_path} and {png}")
+    report(doc, args, json_path)
     return 0
 
 

@@ -107,7 +107,6 @@ def config_from_args(args):
 
 def run_bench(args) -> int:
     from server.bench.client import BenchClientError
-    from server.bench.report import format_table, plot
     from server.bench.runner import BenchConfigError, run_bench as run
     from server.bench.workload import WorkloadError
 
@@ -118,11 +117,18 @@ def run_bench(args) -> int:
     except (BenchConfigError, WorkloadError, BenchClientError, ValueError) as e:
         print(f"loraplex bench: error: {e}", file=sys.stderr)
         return 2
+    report(doc, args, json_path)
+    return 0
+
+
+def report(doc: dict, args, json_path: Path) -> None:
+    """The plot beside the JSON (or at --plot), then the table on stdout."""
+    from server.bench.report import format_table, plot
+
     png = Path(args.plot) if args.plot else json_path.with_suffix(".png")
     plot(doc, png)
     print(format_table(doc, per_tenant=args.per_tenant))
     print(f"wrote {json_path} and {png}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
