@@ -64,13 +64,13 @@ def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int)
         "schedule": Timer(engine.scheduler.schedule),
         "prepare": Timer(engine.runner.prepare),
         "forward": Timer(engine.runner.model.forward),
-        "sample": Timer(model_runner.sample),
+        "sample": Timer(model_runner.sample_rows),
         "postprocess": Timer(engine.postprocess),
     }
     engine.scheduler.schedule = timers["schedule"]
     engine.runner.prepare = timers["prepare"]
     engine.runner.model.forward = timers["forward"]
-    model_runner.sample = timers["sample"]
+    model_runner.sample_rows = timers["sample"]
     engine.postprocess = timers["postprocess"]
     per_step, overhead = [], []
     try:
@@ -82,7 +82,7 @@ def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int)
             per_step.append(dt)
             overhead.append(dt - (timers["forward"].total - before))
     finally:
-        model_runner.sample = timers["sample"].fn
+        model_runner.sample_rows = timers["sample"].fn
         for rid in list(engine.seqs):
             engine.abort_request(rid)
         engine.step()

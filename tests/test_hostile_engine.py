@@ -18,7 +18,7 @@ from kernels import attention_ref, attention_triton
 from kernels.metadata import AttentionBatch
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.async_engine import AsyncEngine, EngineDeadError
-from server.engine.sampler import sample
+from server.engine.sampler import SamplingRow, sample_rows
 from tests.engine_helpers import drive, greedy, random_prompts
 
 VOCAB = 512
@@ -102,7 +102,8 @@ def test_sampler_survives_extreme_finite_logits():
               for t, p, k in ((0.5, 1.0, 0), (1e-5, 1e-320, 0), (2.0, 1e-46, 3), (1.0, 1.0, 0))]
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
-        assert sample(logits, params, [0, 1, 2, 3], gen)[:3] == [7, 7, 9]
+        rows = [SamplingRow(p, 0, i) for i, p in enumerate(params)]
+        assert sample_rows(logits, rows, gen).tokens[:3] == [7, 7, 9]
 
 
 # ---- a broken adapter fails its own requests only ----

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from server.bench.metrics import percentile, summarize
+from server.bench.report import save_figure, write_json
 from server.bench.workload import adapter_name, adapters_used, generate_conversations
 
 CACHE_RUNS = (("cache_off", False), ("cache_on", True))
@@ -96,7 +97,6 @@ def run_prefix_point(cfg, model_dir: Path, n: int, log: Callable[[str], None]) -
 
 
 def run_prefix_bench(cfg, json_path: Path | None = None, log: Callable[[str], None] = print) -> dict:
-    from server.bench.report import write_json
     from server.bench.runner import environment, resolve_model
 
     model_dir, label = resolve_model(cfg, log)
@@ -168,8 +168,4 @@ def plot_prefix(doc: dict, path: Path) -> None:
     c = doc["config"]
     fig.suptitle(f"prefix cache: {c.get('model_label', '')}, {c['shared_prefix_len']}-token system prompts, "
                  f"{c['turns']} turns", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -90,6 +90,13 @@ def plot(doc: dict, path: Path) -> None:
     env = doc.get("environment", {})
     fig.suptitle(f"loraplex bench: {doc['config'].get('model_label', '')} on {env.get('device_name', '?')}, "
                  f"{doc['config']['num_requests']} requests per point", fontsize=10)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path) -> None:
+    """Lay out, write (creating the folder) and release a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,10 +16,9 @@ from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.ops import KernelOps
 from server.engine.logprobs import gather_logprobs
 from server.engine.model import CausalLM, StepContext
-from server.engine.sampler import SampleFailure, SamplingRow
+from server.engine.sampler import SampleFailure, SamplingRow, sample_rows
 # Bound as `sample`: the runner looks it up as a module global each step, so a profiler
 # (scripts/bench_engine.py) can wrap model_runner.sample.
-from server.engine.sampler import sample_rows as sample
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Sequence, TokenLogprobs
 
@@ -159,7 +158,7 @@ class ModelRunner:
             if len(inputs.rows) != len(sampled):  # a request forks now: its n choices share one row
                 owner = [s for s in range(len(sampled)) for _ in range(starts[s + 1] - starts[s])]
                 row_logits = row_logits.index_select(0, torch.tensor(owner, device=logits.device))
-            out = sample(row_logits, inputs.rows, self.generator)
+            out = sample_rows(row_logits, inputs.rows, self.generator)
             for s, i in enumerate(sampled):
                 a, b = starts[s], starts[s + 1]
                 results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])

@@ -55,14 +55,6 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None unless asked for (or the row failed)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
-           engine_generator: torch.Generator) -> list[int | SampleFailure]:
-    """The plain form: one token per row of `logits` [N, V], choice 0 of each request, no
-    penalty or min_tokens state (what sample_rows does with rows that need none)."""
-    rows = [SamplingRow(p, 0, i) for p, i in zip(params, output_indices)]
-    return sample_rows(logits, rows, engine_generator).tokens
-
-
 def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_generator: torch.Generator) -> SamplerOutput:
     """logits: [N, V] float32, one row per SamplingRow.
 
