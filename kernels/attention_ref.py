@@ -85,7 +85,10 @@ def _decode_plan(batch: AttentionBatch, block_size: int, device) -> tuple | None
         blocks = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(len(which), -1))
         slots = blocks * block_size + pos % block_size  # [Bd, L]
         valid = pos[None, :] < lens[:, None]  # [Bd, L]
-        plan = (rows.to(device), slots.masked_fill(~valid, 0).to(device), valid.to(device))
+        # Padding reads the sequence's own newest slot, written this step: never another
+        # sequence's leftovers (which may be NaN, and a masked NaN still poisons: 0 * NaN = NaN).
+        own = slots.gather(1, (lens - 1)[:, None])  # [Bd, 1]
+        plan = (rows.to(device), torch.where(valid, slots, own).to(device), valid.to(device))
     batch.scratch[key] = plan
     return plan
 
@@ -95,14 +98,10 @@ def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor
     rows, slots, valid = plan
     num_blocks, block_size, hkv, d = k_cache.shape
     bd, hq = rows.shape[0], q.shape[1]
-    # Padding positions read slot 0, which may hold anything another sequence left there, NaN
-    # included; the mask alone does not stop NaN (its weight is 0, and 0 * NaN = NaN), so they are
-    # zeroed: a masked position can never contribute.
-    keep = valid[:, :, None, None]  # [Bd, L, 1, 1]
+    # Padding positions read the sequence's own newest K/V (see _decode_plan), so they are finite
+    # whenever the sequence's own are, and the mask gives them weight 0.
     k = k_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()  # [Bd, L, Hkv, D]
     v = v_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()
-    k = torch.where(keep, k, 0.0)
-    v = torch.where(keep, v, 0.0)
     qd = q.index_select(0, rows).float().unsqueeze(2)  # [Bd, Hq, 1, D]
     o = F.scaled_dot_product_attention(
         qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True

@@ -3,19 +3,29 @@
 Slot buffers hold every loaded adapter at the maximum rank; rows beyond an
 adapter's own rank are zero (the slot is zero-filled before reuse), so only
 the first `batch.rank_bound` rank columns carry anything and the rest are
-skipped. With few adapters in the batch, tokens are grouped by slot and each
-group is one matmul across all slices. With many, the groups are cut into
-chunks of one width, each chunk's adapter weights are gathered, and all chunks
-go through one batched matmul per projection slice: per-adapter Python loops
-dominated CPU steps with dozens of adapters.
+skipped. Two forms, chosen per run of one adapter's consecutive tokens (a step
+may use both; profiled with scripts/profile_step.py):
+
+- gathered chunks, for short runs (decodes): however many
+  adapters a batch mixes, each projection's LoRA is a fixed handful of ops.
+  The adapter tokens are cut into chunks of one width (each one adapter's),
+  each chunk's weights are gathered, one batched matmul per side does every
+  chunk and fused slice at once, and the deltas land on the base output with
+  one contiguous index_add_. A loop per adapter or per slice made the op
+  count, not the math, dominate such steps.
+- segments, for long runs (prefill chunks): a matmul per run, added in
+  place onto the base output's rows; gathering and scattering prefill-sized
+  deltas cost more than the matmuls.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from kernels.metadata import LoraBatch
 
-BATCHED_MIN_SLOTS = 4  # from this many adapters in a batch on, one padded bmm beats a loop per adapter
+SEGMENT_MIN_RUN = 32  # adapter tokens in a run from which a matmul of its own beats gathered chunks
 
 
 def lora_shrink(
@@ -35,22 +45,21 @@ def lora_shrink(
     """
     if not batch.any_lora:
         return
-    r = batch.effective_rank(lora_a.shape[2])
-    groups = _groups(batch)
-    if groups is not None:
-        slots, rows, picks, flat = groups  # [G], [G, M], [n] into G*M, [n] token rows
-        a = lora_a[:, :, :r].index_select(1, slots).float()  # [S, G, r, in]
-        xs = x.float()[rows]  # [G, M, in]
-        h = torch.matmul(xs.unsqueeze(0), a.transpose(-1, -2))  # [S, G, M, r]
-        h = h * scaling.index_select(1, slots)[:, :, None, None]
-        out[:, :, :r].index_copy_(1, flat, h.flatten(1, 2).index_select(1, picks).to(out.dtype))
+    num_slices, r = lora_a.shape[0], batch.effective_rank(lora_a.shape[2])
+    for start, n, s in _long_runs(batch):
+        a = lora_a[:, s, :r].reshape(num_slices * r, x.shape[1]).float()  # [S*r, in]
+        hs = torch.mm(x[start : start + n].float(), a.t()).view(n, num_slices, r)  # [n, S, r]
+        out[:, start : start + n, :r] = (hs * scaling[:, s, None]).transpose(0, 1).to(out.dtype)
+    g = _groups(batch)
+    if g is None:
         return
-    for s in batch.active_slots:
-        rows = (batch.token_slots == s).nonzero().squeeze(1)  # [n]
-        xs = x.index_select(0, rows).float()  # [n, in]
-        h = torch.matmul(xs, lora_a[:, s, :r].float().transpose(1, 2))  # [S, n, r]
-        h = h * scaling[:, s, None, None]
-        out[:, :, :r].index_copy_(1, rows, h.to(out.dtype))
+    chunks, width = g.rows.shape
+    a = lora_a[:, :, :r].transpose(0, 1).index_select(0, g.slots)  # [C, S, r, in]
+    a = a.view(chunks, num_slices * r, x.shape[1]).float()  # [C, S*r, in]: the slices' rows stacked
+    h = torch.bmm(x[g.rows].float(), a.transpose(1, 2)).view(chunks, width, num_slices, r)  # [C, M, S, r]
+    h = h * scaling.index_select(1, g.slots).t()[:, None, :, None]  # [C, 1, S, 1] per chunk and slice
+    h = h.flatten(0, 1).index_select(0, g.picks)  # [n, S, r], the real rows
+    out[:, :, :r].index_copy_(1, g.flat, h.transpose(0, 1).to(out.dtype))
 
 
 def lora_expand(
@@ -73,60 +82,113 @@ def lora_expand(
     if not batch.any_lora:
         return
     r = batch.effective_rank(h.shape[2])
-    groups = _groups(batch)
-    if groups is not None:
-        slots, rows, picks, flat = groups
+    for start, n, s in _long_runs(batch):
         for i, (b, off) in enumerate(zip(lora_b, slice_offsets)):
-            bs = b[:, :, :r].index_select(0, slots).float()  # [G, n_i, r]
-            hs = h[i, :, :r].float()[rows]  # [G, M, r]
-            delta = torch.matmul(hs, bs.transpose(1, 2)).flatten(0, 1).index_select(0, picks)  # [n, n_i]
-            _add_rows(y, off, b.shape[1], flat, delta)
+            dst = y[start : start + n, off : off + b.shape[1]]  # [n, n_i]
+            hs, bs = h[i, start : start + n, :r], b[s, :, :r]  # [n, r], [n_i, r]
+            if y.dtype == torch.float32:
+                dst.addmm_(hs.float(), bs.float().t())  # in place: no delta the size of the output
+            else:
+                dst.copy_(dst.float().addmm_(hs.float(), bs.float().t()))  # rounded once
+    g = _groups(batch)
+    if g is None:
         return
-    for s in batch.active_slots:
-        rows = (batch.token_slots == s).nonzero().squeeze(1)  # [n]
-        for i, (b, off) in enumerate(zip(lora_b, slice_offsets)):
-            delta = h[i, :, :r].index_select(0, rows).float() @ b[s, :, :r].float().t()  # [n, n_i]
-            _add_rows(y, off, b.shape[1], rows, delta)
+    # Padding rows repeat their chunk's first token; `keep` zeroes their share so they add nothing.
+    hs = h[:, :, :r][:, g.rows].float() * g.keep[None, :, :, None]  # [S, C, M, r]
+    gathered = [b[:, :, :r].index_select(0, g.slots).float() for b in lora_b]  # S x [C, n_i, r]
+    width_out = sum(b.shape[1] for b in lora_b)
+    if slice_offsets != _packed_offsets(lora_b) or y.shape[1] != width_out or not y.is_contiguous():
+        for hi, bi, off in zip(hs, gathered, slice_offsets):
+            _add_rows(y[:, off : off + bi.shape[1]], g.rows.flatten(), torch.bmm(hi, bi.transpose(1, 2)).flatten(0, 1))
+        return
+    _add_rows(y, g.rows.flatten(), _packed_delta(hs, gathered).flatten(0, 1))
 
 
-def _groups(batch: LoraBatch):
-    """Tokens grouped by adapter in chunks of equal width: (slots [C], rows [C, M], picks [n], flat [n]).
+def _packed_delta(hs: torch.Tensor, gathered: list[torch.Tensor]) -> torch.Tensor:
+    """Every slice's delta side by side, [C, M, sum n_i], from hs [S, C, M, r] and S x [C, n_i, r].
+
+    Wide chunks (prefill) multiply once against block-diagonal weights: building them writes
+    C x S*r x sum n_i values where gluing per-slice products writes C x M x sum n_i, and a
+    last-dimension cat of prefill-sized blocks cost more than the matmuls.
+    """
+    num_slices, chunks, width, r = hs.shape
+    if num_slices == 1:
+        return torch.bmm(hs[0], gathered[0].transpose(1, 2))
+    if width <= num_slices * r:
+        return torch.cat([torch.bmm(hi, bi.transpose(1, 2)) for hi, bi in zip(hs, gathered)], dim=-1)
+    diag = hs.new_zeros(chunks, num_slices * r, sum(b.shape[1] for b in gathered))  # [C, S*r, sum n_i]
+    off = 0
+    for i, bi in enumerate(gathered):
+        diag[:, i * r : (i + 1) * r, off : off + bi.shape[1]] = bi.transpose(1, 2)
+        off += bi.shape[1]
+    return torch.bmm(hs.permute(1, 2, 0, 3).reshape(chunks, width, num_slices * r), diag)
+
+
+def _long_runs(batch: LoraBatch) -> list[tuple[int, int, int]]:
+    """(start, length, slot) of each adapter run of SEGMENT_MIN_RUN tokens or more (prefill chunks):
+    each is a matmul straight on its rows, with no gather, padding or output-sized delta."""
+    return [(start, n, s) for start, n, s in zip(*batch.runs_host) if s >= 0 and n >= SEGMENT_MIN_RUN]
+
+
+class _Groups(NamedTuple):
+    slots: torch.Tensor  # [C] the adapter slot of each chunk
+    rows: torch.Tensor  # [C, M] token rows of each chunk; padding repeats the chunk's first row
+    keep: torch.Tensor  # [C, M] float32: 1 for a real row, 0 for padding
+    picks: torch.Tensor  # [n] the real entries of a flattened [C*M]
+    flat: torch.Tensor  # [n] their token rows
+
+
+def _groups(batch: LoraBatch) -> _Groups | None:
+    """The tokens of short runs grouped by adapter in chunks of equal width; None when there are none.
+
+    Built once per step (all layers share it).
 
     Each adapter's tokens are cut into chunks of at most M = ceil(n / G) rows (n adapter tokens,
     G adapters), and every chunk is one matrix of the batched matmul, its adapter's weights gathered
-    for it. Padding each adapter to the longest group instead made a step that mixes one 128-token
+    for it. Padding each adapter to its longest group instead made a step that mixes one 128-token
     prefill with 31 decode tokens compute 32 x 128 rows; chunks bound the padded rows by 2n + G
-    whatever the mix. `picks` indexes the real (unpadded) entries of a flattened [C*M] tensor;
-    `flat` are their token rows.
-
-    None when the batch has too few adapters for batching to pay. Built once per step.
+    whatever the mix.
     """
-    if len(batch.active_slots) < BATCHED_MIN_SLOTS:
-        return None
     if "groups" not in batch.scratch:
         token_slots = batch.token_slots.long()
         device = token_slots.device
-        lora_rows = (token_slots >= 0).nonzero().squeeze(1)  # [n]
+        short = token_slots >= 0  # [T]
+        for start, n, _ in _long_runs(batch):
+            short[start : start + n] = False
+        lora_rows = short.nonzero().squeeze(1)  # [n]
+        if lora_rows.numel() == 0:
+            batch.scratch["groups"] = None
+            return None
         order = lora_rows[torch.sort(token_slots[lora_rows], stable=True).indices]  # [n] token rows by slot
-        sorted_slots = token_slots[order]  # [n]
-        slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)  # [G], [G]
+        slots, counts = torch.unique_consecutive(token_slots[order], return_counts=True)  # [G], [G]
         width = -(-order.numel() // slots.numel())  # M
         chunks = (counts + width - 1) // width  # [G] chunks per adapter
         first_chunk = torch.cumsum(chunks, 0) - chunks  # [G]
         group_start = torch.cumsum(counts, 0) - counts  # [G]
         group = torch.repeat_interleave(torch.arange(slots.numel(), device=device), counts)  # [n]
         pos = torch.arange(order.numel(), device=device) - group_start[group]  # [n] place in its group
-        picks = (first_chunk[group] + pos // width) * width + pos % width  # [n] into C*M
-        rows = torch.zeros(int(chunks.sum()) * width, dtype=torch.long, device=device)  # padded with row 0
+        chunk = first_chunk[group] + pos // width  # [n]
+        picks = chunk * width + pos % width  # [n] into C*M
+        num_chunks = int(chunks.sum())
+        rows = torch.empty(num_chunks, dtype=torch.long, device=device).scatter_(0, chunk, order)  # a row per chunk
+        rows = rows[:, None].repeat(1, width).flatten()  # [C*M]
         rows[picks] = order
-        batch.scratch["groups"] = (torch.repeat_interleave(slots, chunks), rows.view(-1, width), picks, order)
+        keep = torch.zeros(num_chunks * width, dtype=torch.float32, device=device)
+        keep[picks] = 1.0
+        batch.scratch["groups"] = _Groups(torch.repeat_interleave(slots, chunks), rows.view(-1, width),
+                                          keep.view(-1, width), picks, order)
     return batch.scratch["groups"]
 
 
-def _add_rows(y: torch.Tensor, off: int, n: int, rows: torch.Tensor, delta: torch.Tensor) -> None:
-    """y[rows, off:off+n] += delta, computed in float32 and rounded once to y's dtype."""
+def _packed_offsets(lora_b: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    return tuple(sum(b.shape[1] for b in lora_b[:i]) for i in range(len(lora_b)))
+
+
+def _add_rows(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """y[rows] += delta (rows may repeat: padding, whose delta is 0), rounded once to y's dtype."""
     if y.dtype == torch.float32:
-        y[:, off : off + n].index_add_(0, rows, delta)  # rows are distinct: the same single rounding
+        y.index_add_(0, rows, delta)
         return
-    cur = y[:, off : off + n].index_select(0, rows).float()
-    y[:, off : off + n].index_copy_(0, rows, (cur + delta).to(y.dtype))
+    acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    acc.index_add_(0, rows, delta)
+    y.add_(acc)  # computed in float32 and rounded once; rows without LoRA add exactly 0

@@ -1,6 +1,6 @@
 """The CPU LoRA path gives each token PEFT's result whatever else is in the batch: the same rows
-with 1, 8 or 32 distinct adapters (the batched path from BATCHED_MIN_SLOTS on, the per-adapter
-path below it), equal to y = x W + (x A^T B^T) * scaling computed token by token."""
+with 1, 8 or 32 distinct adapters (chunks of different widths, padded differently), equal to
+y = x W + (x A^T B^T) * scaling computed token by token."""
 from __future__ import annotations
 
 import pytest
@@ -31,11 +31,12 @@ def _peft_rows(x, slots, lora_a, lora_b, scaling):
     return torch.stack(rows)  # [T, sum(WIDTHS)]
 
 
-def _run(x, slots, lora_a, lora_b, scaling):
+def _run(x, slots, lora_a, lora_b, scaling, dtype=torch.float32):
     batch = LoraBatch.build(slots)
-    h = torch.zeros(len(WIDTHS), len(slots), RANK)  # [S, T, R]
-    lora_ref.lora_shrink(x, lora_a, batch, scaling, h)
-    y = torch.zeros(len(slots), sum(WIDTHS))  # [T, sum n]
+    h = torch.zeros(len(WIDTHS), len(slots), RANK, dtype=dtype)  # [S, T, R]
+    lora_ref.lora_shrink(x.to(dtype), lora_a.to(dtype), batch, scaling, h)
+    lora_b = tuple(b.to(dtype) for b in lora_b)
+    y = torch.zeros(len(slots), sum(WIDTHS), dtype=dtype)  # [T, sum n]
     offsets = tuple(sum(WIDTHS[:i]) for i in range(len(WIDTHS)))
     lora_ref.lora_expand(h, lora_b, batch, y, offsets)
     return y
@@ -51,13 +52,30 @@ def _slots(num_adapters: int, tokens_per_request: int = 3) -> list[int]:
 
 
 @pytest.mark.parametrize("num_adapters", [1, 8, 32])
-def test_each_token_gets_the_peft_delta(num_adapters):
+@pytest.mark.parametrize("prefill", [0, 1, 3], ids=["decodes", "one-prefill", "prefills"])
+def test_each_token_gets_the_peft_delta(num_adapters, prefill):
+    """Short runs (gathered chunks) alone and beside runs long enough for a matmul of their own."""
     lora_a, lora_b, scaling = _weights()
     slots = _slots(num_adapters)
-    x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(num_adapters))  # [T, in]
+    for i in range(prefill):
+        at = (i * 7) % len(slots)
+        slots[at:at] = [(5 * i) % num_adapters] * (lora_ref.SEGMENT_MIN_RUN + 3 * i)
+    x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(num_adapters + 100 * prefill))  # [T, in]
     got = _run(x, slots, lora_a, lora_b, scaling)
     torch.testing.assert_close(got, _peft_rows(x, slots, lora_a, lora_b, scaling), rtol=1e-5, atol=1e-5)
     assert got[[i for i, s in enumerate(slots) if s < 0]].abs().max() == 0  # base rows untouched
+
+
+def test_bfloat16_rows_are_the_float32_delta_rounded():
+    """Padding repeats a chunk's first row with a zero share: in bf16 the sum is still rounded once."""
+    lora_a, lora_b, scaling = _weights()
+    slots = _slots(8, tokens_per_request=5) + [3] * lora_ref.SEGMENT_MIN_RUN
+    x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(5))
+    got = _run(x, slots, lora_a, lora_b, scaling, torch.bfloat16)
+    a16, b16 = lora_a.bfloat16().float(), tuple(b.bfloat16().float() for b in lora_b)
+    want = _peft_rows(x.bfloat16().float(), slots, a16, b16, scaling)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert got[[i for i, s in enumerate(slots) if s < 0]].abs().max() == 0
 
 
 def test_a_request_gets_the_same_rows_with_1_8_or_32_adapters_beside_it():
@@ -68,6 +86,5 @@ def test_a_request_gets_the_same_rows_with_1_8_or_32_adapters_beside_it():
         others = _slots(num_adapters)
         x = torch.cat([probe, torch.randn(len(others), HIDDEN)])
         results.append(_run(x, [0] * 5 + others, lora_a, lora_b, scaling)[:5])
-    assert num_adapters >= lora_ref.BATCHED_MIN_SLOTS > 1  # both code paths were exercised
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], rtol=1e-6, atol=1e-6)
