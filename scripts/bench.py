@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchConfigError("--model-shape and --model are alternatives: give one")
         python = check_peer_arguments(args)
         cfg = config_from_args(args)
+        if python is not None:  # the same KV pool on both sides: a smaller one preempts sooner
+            cfg = replace(cfg, kv_cache_bytes=args.peer_kv_gib << 30)
         if args.model_shape:
             log(f"building the {args.model_shape} model shape (random weights)")
             model_dir = build_model_shape(args.model_shape, Path(args.work_dir) / "models" / args.model_shape)

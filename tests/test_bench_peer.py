@@ -115,10 +115,41 @@ def test_command_and_env_match_loraplex_settings(bench_script, peer_env, tiny_mo
     assert env["LD_PRELOAD"].split(":")[-1] == "/x.so" and "libiomp5.so" in env["LD_PRELOAD"]
 
 
+def test_relative_directories_reach_the_peer_absolute(bench_script, peer_env, tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM takes a relative model directory for a hub repo id (and fails offline)."""
+    monkeypatch.chdir(tiny_model_dir.parent)
+    args = _parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env))
+    cfg = BenchConfig(model_dir=tiny_model_dir.name, cpu_threads=1, work_dir=str(tmp_path))
+    pcfg = peer_config(cfg, args, check_peer_arguments(args), Path(tiny_model_dir.name),
+                       {"lora-0000": Path("a0")}, affinity=frozenset({0}))
+    argv = pcfg.command()
+    assert argv[argv.index("--model") + 1] == str(tiny_model_dir.resolve())
+    assert argv[argv.index("--lora-modules") + 1] == f"lora-0000={tiny_model_dir.parent.resolve() / 'a0'}"
+
+
 def test_peer_config_refuses_more_threads_than_cores(tmp_path):
     with pytest.raises(PeerConfigError):
         VllmPeerConfig(python=tmp_path, model_dir=tmp_path, adapters=(), max_loras=1, max_lora_rank=8,
                        max_model_len=64, dtype="float32", threads=3, cores=(0, 1))
+
+
+def test_loraplex_gets_the_peers_kv_pool(tiny_model_dir):
+    """With --peer, loraplex's KV pool is the peer's size in whole blocks of this model: a smaller pool
+    preempts sooner, which would make the comparison unfair."""
+    from server.bench.runner import kv_cache_blocks
+    from server.engine.config import ModelConfig
+    from server.engine.kv_cache import kv_bytes_per_block
+
+    cfg = BenchConfig(kv_cache_bytes=1 << 30)
+    per_block = kv_bytes_per_block(ModelConfig.from_dir(tiny_model_dir), 16, torch.float32)
+    blocks = kv_cache_blocks(cfg, tiny_model_dir)
+    assert blocks == (1 << 30) // per_block and blocks * per_block <= 1 << 30 < (blocks + 1) * per_block
+    args = _serve_args(cfg, 2, blocks)
+    assert args[args.index("--kv-cache-blocks") + 1] == str(blocks)
+    assert kv_cache_blocks(BenchConfig(), tiny_model_dir) is None
+    assert "--kv-cache-blocks" not in _serve_args(BenchConfig(), 2)
+    with pytest.raises(BenchConfigError, match="KV pool"):
+        BenchConfig(kv_cache_bytes=0)
 
 
 def test_bench_threads_are_validated_and_reach_the_server(tiny_model_dir):

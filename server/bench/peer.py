@@ -210,7 +210,9 @@ def peer_config(cfg, args, python: Path, model_dir: Path, adapters: dict[str, Pa
     model = json.loads((Path(model_dir) / "config.json").read_text())
     env_root = python.parent.parent
     return VllmPeerConfig(
-        python=python, model_dir=Path(model_dir), adapters=tuple(adapters.items()),
+        # Absolute: vLLM takes a relative directory that does not look local for a hub repo id.
+        python=python, model_dir=Path(model_dir).resolve(),
+        adapters=tuple((name, Path(path).resolve()) for name, path in adapters.items()),
         max_loras=cfg.max_loras or max(1, min(len(adapters), 128)), max_lora_rank=cfg.rank,
         max_model_len=model.get("max_position_embeddings", 2048), dtype=cfg.dtype, threads=threads,
         cores=tuple(mask[:threads]), kv_cache_gib=args.peer_kv_gib, max_num_seqs=cfg.max_num_seqs,

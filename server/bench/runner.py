@@ -57,6 +57,7 @@ class BenchConfig:
     ttft_slo_s: float = 6.0
     baseline_max_batch: int = 32
     cpu_threads: str | int = "auto"       # every side on a CPU device gets this many torch threads
+    kv_cache_bytes: int | None = None     # loraplex's KV pool (a peer's, matched); None: the engine's default
     work_dir: str = "bench-out"
     model_label: str = ""
     workload_type: str = "mixed"
@@ -80,6 +81,8 @@ class BenchConfig:
             raise BenchConfigError(f"--cpu-threads: {e}") from None
         if self.cpu_threads is None:
             raise BenchConfigError("--cpu-threads: both sides need a recorded count, auto or N")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise BenchConfigError(f"the KV pool needs a positive size, got {self.kv_cache_bytes} bytes")
         if self.gpu and not torch.cuda.is_available():
             raise BenchConfigError("--gpu needs a CUDA device; none is visible to torch")
         if self.workload_type not in WORKLOADS:
@@ -114,6 +117,7 @@ def environment(cfg: BenchConfig) -> dict:
             "transformers": transformers.__version__, "peft": peft.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cpu_threads": cfg.threads(), "affinity_cores": len(os.sched_getaffinity(0)),
+            "kv_cache_bytes": cfg.kv_cache_bytes,
             "device_name": gpu or f"CPU ({os.cpu_count()} cores)",
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -122,12 +126,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _serve_args(cfg: BenchConfig, n_used: int) -> list[str]:
+def kv_cache_blocks(cfg: BenchConfig, model_dir: Path) -> int | None:
+    """cfg.kv_cache_bytes as whole blocks of this model at the bench's dtype; None: the engine's default."""
+    if cfg.kv_cache_bytes is None:
+        return None
+    from server.engine.config import EngineConfig, ModelConfig
+    from server.engine.kv_cache import kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(ModelConfig.from_dir(model_dir), EngineConfig.block_size, getattr(torch, cfg.dtype))
+    return max(1, cfg.kv_cache_bytes // per_block)
+
+
+def _serve_args(cfg: BenchConfig, n_used: int, kv_blocks: int | None = None) -> list[str]:
     cap = 32 if cfg.device.startswith("cuda") else 128
     max_loras = cfg.max_loras or max(1, min(n_used, cap))
+    kv = ["--kv-cache-blocks", str(kv_blocks)] if kv_blocks is not None else []
     return ["--device", cfg.device.split(":")[0], "--dtype", cfg.dtype, "--max-loras", str(max_loras),
             "--max-lora-rank", str(cfg.rank), "--max-num-seqs", str(cfg.max_num_seqs),
-            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--cpu-threads", str(cfg.threads())]
+            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), *kv, "--cpu-threads", str(cfg.threads())]
 
 
 def _run_http(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path],
@@ -140,7 +156,7 @@ def _run_http(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named
     data_dir = Path(tempfile.mkdtemp(prefix="serve-", dir=work))
     try:
         with ServerProcess(data_dir, work / "logs" / f"serve-{len(named)}-adapters.log", model_dir=model_dir,
-                           serve_args=_serve_args(cfg, n_used)) as srv:
+                           serve_args=_serve_args(cfg, n_used, kv_cache_blocks(cfg, model_dir))) as srv:
             owners = {r.adapter_name: r.tenant for r in reqs if r.adapter_name is not None}
             keys, base = provision(srv.url, srv.admin_token, tenants_used(reqs),
                                    {name: (owners[name], path) for name, path in named.items()})
@@ -158,7 +174,7 @@ def _run_engine(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], nam
     target = EngineTarget(model_dir, named, device=cfg.device, dtype=cfg.dtype,
                           max_loras=cfg.max_loras or max(1, min(n_used, cap)), max_lora_rank=cfg.rank,
                           max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                          cpu_threads=cfg.threads())
+                          kv_cache_blocks=kv_cache_blocks(cfg, model_dir), cpu_threads=cfg.threads())
     target.warmup(reqs)
     records = target.run(reqs)
     del target
