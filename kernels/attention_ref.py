@@ -58,9 +58,12 @@ def paged_attention(
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)  # [Hkv, slen, D]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)
         qs = q[start : start + qlen].float().transpose(0, 1)  # [Hq, qlen, D]
-        pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)  # [qlen, 1]
-        keep = torch.arange(slen, device=q.device).unsqueeze(0) <= pos  # [qlen, slen], causal from the prefix on
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale, enable_gqa=True)  # [Hq, qlen, D]
+        if qlen == slen:  # a whole prompt: plain causal, which needs no mask tensor
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [Hq, qlen, D]
+        else:
+            pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)  # [qlen, 1]
+            keep = torch.arange(slen, device=q.device).unsqueeze(0) <= pos  # [qlen, slen], causal from the prefix on
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
         out[start : start + qlen] = o.transpose(0, 1).to(out.dtype)
         start += qlen
 

@@ -54,9 +54,13 @@ def lora_shrink(
     if g is None:
         return
     chunks, width = g.rows.shape
-    a = lora_a[:, :, :r].transpose(0, 1).index_select(0, g.slots)  # [C, S, r, in]
-    a = a.view(chunks, num_slices * r, x.shape[1]).float()  # [C, S*r, in]: the slices' rows stacked
-    h = torch.bmm(x[g.rows].float(), a.transpose(1, 2)).view(chunks, width, num_slices, r)  # [C, M, S, r]
+    xs = x[g.rows].float()  # [C, M, in]
+    if g.span is None:
+        a = lora_a[:, :, :r].transpose(0, 1).index_select(0, g.slots)  # [C, S, r, in]
+        a = a.view(chunks, num_slices * r, x.shape[1]).float()  # [C, S*r, in]: the slices' rows stacked
+        h = torch.bmm(xs, a.transpose(1, 2)).view(chunks, width, num_slices, r)  # [C, M, S, r]
+    else:  # the slots' own rows, read in place: no copy of the weights
+        h = torch.stack([torch.bmm(xs, _chunk_weights(a[:, :r], g).float().transpose(1, 2)) for a in lora_a], 2)
     h = h * scaling.index_select(1, g.slots).t()[:, None, :, None]  # [C, 1, S, 1] per chunk and slice
     h = h.flatten(0, 1).index_select(0, g.picks)  # [n, S, r], the real rows
     out[:, :, :r].index_copy_(1, g.flat, h.transpose(0, 1).to(out.dtype))
@@ -95,7 +99,7 @@ def lora_expand(
         return
     # Padding rows repeat their chunk's first token; `keep` zeroes their share so they add nothing.
     hs = h[:, :, :r][:, g.rows].float() * g.keep[None, :, :, None]  # [S, C, M, r]
-    gathered = [b[:, :, :r].index_select(0, g.slots).float() for b in lora_b]  # S x [C, n_i, r]
+    gathered = [_chunk_weights(b[:, :, :r], g).float() for b in lora_b]  # S x [C, n_i, r]
     width_out = sum(b.shape[1] for b in lora_b)
     if slice_offsets != _packed_offsets(lora_b) or y.shape[1] != width_out or not y.is_contiguous():
         for hi, bi, off in zip(hs, gathered, slice_offsets):
@@ -132,10 +136,16 @@ def _long_runs(batch: LoraBatch) -> list[tuple[int, int, int]]:
 
 class _Groups(NamedTuple):
     slots: torch.Tensor  # [C] the adapter slot of each chunk
-    rows: torch.Tensor  # [C, M] token rows of each chunk; padding repeats the chunk's first row
+    rows: torch.Tensor  # [C, M] token rows of each chunk; padding repeats a real row
     keep: torch.Tensor  # [C, M] float32: 1 for a real row, 0 for padding
     picks: torch.Tensor  # [n] the real entries of a flattened [C*M]
     flat: torch.Tensor  # [n] their token rows
+    span: tuple[int, int] | None  # chunk c is slot lo + c, for c < hi - lo: weights are a view
+
+
+def _chunk_weights(w: torch.Tensor, g: _Groups) -> torch.Tensor:
+    """w [L, ...] per slot -> [C, ...] per chunk: a view of the span, else gathered."""
+    return w[g.span[0] : g.span[1]] if g.span is not None else w.index_select(0, g.slots)
 
 
 def _groups(batch: LoraBatch) -> _Groups | None:
@@ -143,8 +153,10 @@ def _groups(batch: LoraBatch) -> _Groups | None:
 
     Built once per step (all layers share it).
 
-    Each adapter's tokens are cut into chunks of at most M = ceil(n / G) rows (n adapter tokens,
-    G adapters), and every chunk is one matrix of the batched matmul, its adapter's weights gathered
+    When the adapters sit in slots close together and no adapter has far more tokens than the rest
+    (decodes), each slot of the span is one chunk and its weights are read in place. Otherwise each
+    adapter's tokens are cut into chunks of at most M = ceil(n / G) rows (n adapter tokens, G
+    adapters), and every chunk is one matrix of the batched matmul, its adapter's weights gathered
     for it. Padding each adapter to its longest group instead made a step that mixes one 128-token
     prefill with 31 decode tokens compute 32 x 128 rows; chunks bound the padded rows by 2n + G
     whatever the mix.
@@ -161,22 +173,32 @@ def _groups(batch: LoraBatch) -> _Groups | None:
             return None
         order = lora_rows[torch.sort(token_slots[lora_rows], stable=True).indices]  # [n] token rows by slot
         slots, counts = torch.unique_consecutive(token_slots[order], return_counts=True)  # [G], [G]
-        width = -(-order.numel() // slots.numel())  # M
-        chunks = (counts + width - 1) // width  # [G] chunks per adapter
-        first_chunk = torch.cumsum(chunks, 0) - chunks  # [G]
+        n, num_adapters = order.numel(), slots.numel()
         group_start = torch.cumsum(counts, 0) - counts  # [G]
-        group = torch.repeat_interleave(torch.arange(slots.numel(), device=device), counts)  # [n]
-        pos = torch.arange(order.numel(), device=device) - group_start[group]  # [n] place in its group
-        chunk = first_chunk[group] + pos // width  # [n]
+        group = torch.repeat_interleave(torch.arange(num_adapters, device=device), counts)  # [n]
+        pos = torch.arange(n, device=device) - group_start[group]  # [n] place in its group
+        lo, hi, most = int(slots[0]), int(slots[-1]) + 1, int(counts.max())
+        span = None
+        if hi - lo <= 2 * num_adapters and (hi - lo) * most <= 4 * n:
+            # Decodes over slots close together: one chunk per slot of the span, as wide as the
+            # busiest adapter. Reading each slot's weights in place saves copying them per step,
+            # which grew with the number of adapters; the padding costs rank-r products only.
+            span, width, chunk_slots = (lo, hi), most, torch.arange(lo, hi, device=device)
+            chunk = slots[group] - lo  # [n]
+        else:
+            width = -(-n // num_adapters)  # M
+            chunks = (counts + width - 1) // width  # [G] chunks per adapter
+            first_chunk = torch.cumsum(chunks, 0) - chunks  # [G]
+            chunk = first_chunk[group] + pos // width  # [n]
+            chunk_slots = torch.repeat_interleave(slots, chunks)
         picks = chunk * width + pos % width  # [n] into C*M
-        num_chunks = int(chunks.sum())
-        rows = torch.empty(num_chunks, dtype=torch.long, device=device).scatter_(0, chunk, order)  # a row per chunk
-        rows = rows[:, None].repeat(1, width).flatten()  # [C*M]
+        num_chunks = chunk_slots.numel()
+        rows = order[:1].repeat(num_chunks * width)  # [C*M], padding: a real LoRA row (its share is 0)
         rows[picks] = order
         keep = torch.zeros(num_chunks * width, dtype=torch.float32, device=device)
         keep[picks] = 1.0
-        batch.scratch["groups"] = _Groups(torch.repeat_interleave(slots, chunks), rows.view(-1, width),
-                                          keep.view(-1, width), picks, order)
+        batch.scratch["groups"] = _Groups(chunk_slots, rows.view(-1, width), keep.view(-1, width), picks, order,
+                                          span)
     return batch.scratch["groups"]
 
 

@@ -66,6 +66,20 @@ def test_each_token_gets_the_peft_delta(num_adapters, prefill):
     assert got[[i for i, s in enumerate(slots) if s < 0]].abs().max() == 0  # base rows untouched
 
 
+@pytest.mark.parametrize("slots, span", [
+    ([3, 4, 5, 3, -1, 4, 5, 3], True),  # slots close together, even counts: weights read in place
+    ([0, 31, 0, -1, 31, 16], False),  # a sparse span: gathered
+    ([2] * 30 + [3, -1, 4, 5, 6], False),  # one adapter far busier (a short prefill chunk): gathered
+])
+def test_both_chunk_forms_give_the_peft_delta(slots, span):
+    lora_a, lora_b, scaling = _weights()
+    x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(len(slots)))
+    assert (lora_ref._groups(LoraBatch.build(slots)).span is not None) == span
+    got = _run(x, slots, lora_a, lora_b, scaling)
+    torch.testing.assert_close(got, _peft_rows(x, slots, lora_a, lora_b, scaling), rtol=1e-5, atol=1e-5)
+    assert got[[i for i, s in enumerate(slots) if s < 0]].abs().max() == 0
+
+
 def test_bfloat16_rows_are_the_float32_delta_rounded():
     """Padding repeats a chunk's first row with a zero share: in bf16 the sum is still rounded once."""
     lora_a, lora_b, scaling = _weights()

@@ -64,13 +64,15 @@ class DecoderLayer:
         self.down = LoraLinear(w["down_proj.weight"], w.get("down_proj.bias"), lora["down"])
         self.scale = cfg.head_dim**-0.5
 
-    def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext,
+                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """rope: the step's rotary tables (RotaryEmbedding.tables), shared by all layers."""
         cfg = self.cfg
         x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
         q, k, v = self.qkv(x, ctx).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         t = x.shape[0]
-        q = self.rope.apply(q.reshape(t, cfg.num_heads, cfg.head_dim), ctx.positions)  # [T, Hq, D]
-        k = self.rope.apply(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), ctx.positions)  # [T, Hkv, D]
+        q = self.rope.apply(q.reshape(t, cfg.num_heads, cfg.head_dim), rope)  # [T, Hq, D]
+        k = self.rope.apply(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), rope)  # [T, Hkv, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv
         ctx.ops.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
@@ -95,6 +97,7 @@ class CausalLM:
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
         self.norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]  # [V, H]
+        self.rope = rope
         self.layers = [
             DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope) for i in range(cfg.num_layers)
         ]
@@ -108,8 +111,9 @@ class CausalLM:
         logits_indices: torch.Tensor,  # [N] rows whose next token is sampled
     ) -> torch.Tensor:
         h = self.embed.index_select(0, input_ids)  # [T, H]
+        rope = self.rope.tables(ctx.positions)
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, kv, ctx)
+            h = layer(h, kv, ctx, rope)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, self.cfg.rms_norm_eps)  # [N, H]
         return F.linear(h, self.lm_head).float()  # [N, V]
 

@@ -36,12 +36,20 @@ class RotaryEmbedding:
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = emb.cos().to(dtype=dtype, device=device)  # [P, D]
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # rotate_half(x) * sin = cat(-x2, x1) * sin = cat(x2, x1) * cat(-sin1, sin2): the sign moves
+        # into the table (exact: negation commutes with rounding), one op less per call.
+        half = head_dim // 2
+        sin = emb.sin()
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype=dtype, device=device)  # [P, D]
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; positions: [T]."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's rows of the tables, gathered once for all its layers: (cos, signed sin), each
+        [T, 1, D], from positions [T]."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.signed_sin.index_select(0, positions).unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, H, D]; tables: from tables() for the step's positions."""
+        cos, sin = tables
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
