@@ -7,7 +7,10 @@ from typing import Callable
 
 import torch
 
+import torch.nn.functional as F
+
 from kernels import attention_ref, lora_ref
+from kernels.cpu_linear import linear_for
 
 KERNEL_KINDS = ("auto", "triton", "torch")
 
@@ -19,26 +22,29 @@ class KernelOps:
     lora_expand: Callable[..., None]  # see kernels.lora_ref.lora_expand
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
+    linear: Callable[..., torch.Tensor] = F.linear  # the base projections (kernels.cpu_linear on some CPUs)
 
 
-def torch_ops() -> KernelOps:
+def torch_ops(linear: Callable[..., torch.Tensor] = F.linear) -> KernelOps:
     return KernelOps(
         name="torch",
         lora_shrink=lora_ref.lora_shrink,
         lora_expand=lora_ref.lora_expand,
         write_kv=attention_ref.write_kv,
         paged_attention=attention_ref.paged_attention,
+        linear=linear,
     )
 
 
-def select_kernels(kind: str, device: torch.device) -> KernelOps:
-    """`auto` is Triton on CUDA and the torch reference elsewhere."""
+def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
+    """`auto` is Triton on CUDA and the torch reference elsewhere; on a CPU without native
+    half-precision matmuls, half-precision projections compute in float32 (kernels.cpu_linear)."""
     if kind not in KERNEL_KINDS:
         raise ValueError(f"kernels must be one of {KERNEL_KINDS}, got {kind!r}")
     if kind == "auto":
         kind = "triton" if device.type == "cuda" else "torch"
     if kind == "torch":
-        return torch_ops()
+        return torch_ops(linear_for(device, dtype))
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
     from kernels.triton_ops import triton_ops

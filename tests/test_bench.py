@@ -80,6 +80,22 @@ def test_bad_workloads_are_refused_with_a_reason(kw, needle):
         WorkloadConfig(**kw)
 
 
+def test_output_agreement_counts_requests_both_sides_completed():
+    from server.bench.metrics import RequestRecord, agreement, output_digests
+
+    def rec(i, text, ok=True):
+        r = RequestRecord(i, "t", None, 0.0, 4, 2, text=text)
+        if ok:
+            r.first_token_s, r.end_s = 0.1, 0.2
+        return r
+
+    mine = output_digests([rec(0, "ab"), rec(1, "cd"), rec(2, "ef"), rec(3, "gh", ok=False)])
+    theirs = output_digests([rec(0, "ab"), rec(1, "cx"), rec(2, "ef", ok=False), rec(3, "gh")])
+    assert mine[3] is None and theirs[2] is None and mine[0] == theirs[0] != mine[1]
+    assert agreement(mine, theirs) == {"compared": 2, "same": 1}
+    assert agreement(None, theirs) is None
+
+
 def test_percentiles_and_summary():
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) is None
     recs = []
@@ -134,6 +150,8 @@ def test_cli_run_against_the_demo_model_writes_json_and_png(demo_paths, tmp_path
         assert lp["output_tokens"] == bl["output_tokens"] > 0     # ignore_eos: the same work on both sides
         assert p["throughput_ratio_vs_peft"] == pytest.approx(lp["throughput_tok_s"] / bl["throughput_tok_s"])
         assert lp["ttft_s"]["p50"] > 0 and set(lp["per_tenant"]) <= {"bench-t000", "bench-t001"}
+        digests = p["loraplex_output_digests"]  # the streamed texts, to compare with a peer's
+        assert len(digests) == 6 and None not in digests and len(set(digests)) > 1
     assert doc["throughput_ratio_vs_peft"] == doc["points"][-1]["throughput_ratio_vs_peft"]
     assert math.isfinite(doc["throughput_ratio_vs_peft"])
     png = out.with_suffix(".png")

@@ -37,5 +37,6 @@ def test_bf16_cpu_matches_peft_within_tolerance(tiny_model_dir, tiny_adapters):
             agree += int(row.argmax()) == token
             total += 1
             worst = max(worst, abs(float(row.max()) - out.logprobs[j].logprob))
+    print(f"bf16 CPU vs peft: greedy agreement {agree}/{total}, worst top-logprob difference {worst:.4f}")
     assert agree / total >= AGREEMENT, f"greedy agreement {agree}/{total}"
     assert worst <= LOGPROB_TOL, f"top logprob differs by {worst:.4f}"

@@ -50,6 +50,7 @@ async def _one(client: httpx.AsyncClient, r: BenchRequest, key: str, model: str,
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
                 if chunk.get("choices"):
+                    rec.text += chunk["choices"][0].get("text") or ""
                     chunks_with_text += 1
                     rec.token_times_s.append(now)
                     if rec.first_token_s is None:

@@ -8,6 +8,8 @@ several tokens; its gap is counted once).
 """
 from __future__ import annotations
 
+import hashlib
+
 import math
 from dataclasses import dataclass, field
 
@@ -25,6 +27,7 @@ class RequestRecord:
     end_s: float | None = None
     output_tokens: int = 0
     error: str | None = None
+    text: str = ""  # the streamed completion (HTTP targets), to compare two servers' outputs
 
     @property
     def ok(self) -> bool:
@@ -96,3 +99,18 @@ def summarize(records: list[RequestRecord], ttft_slo_s: float) -> dict:
                               **block}
     summary["per_tenant"] = per_tenant
     return summary
+
+
+def output_digests(records: list[RequestRecord]) -> list[str | None]:
+    """Per request, a digest of its completion text (None where it failed): two servers given the
+    same seeded greedy workload should agree, and a fast server with other outputs is no win."""
+    return [hashlib.sha256(r.text.encode("utf-8")).hexdigest()[:16] if r.ok else None for r in records]
+
+
+def agreement(a: list[str | None] | None, b: list[str | None] | None) -> dict | None:
+    """How many requests both sides completed with the same text; None without both lists."""
+    if a is None or b is None:
+        return None
+    assert len(a) == len(b), (len(a), len(b))
+    both = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return {"compared": len(both), "same": sum(x == y for x, y in both)}

@@ -232,7 +232,7 @@ def run_peer(cfg, args, python: Path, model_dir: Path, doc: dict, log) -> None:
     import torch
 
     from server.bench import client
-    from server.bench.metrics import summarize
+    from server.bench.metrics import agreement, output_digests, summarize
     from server.bench.synth_adapters import ensure_adapters
     from server.bench.workload import adapter_name, adapters_used, generate_workload, tenants_used
 
@@ -257,7 +257,10 @@ def run_peer(cfg, args, python: Path, model_dir: Path, doc: dict, log) -> None:
             records = asyncio.run(client.drive(peer.url, reqs, keys, SERVED_NAME))
             point.setdefault("load_avg", {})["peer"] = {"before": before, "after": os.getloadavg()}
         point["peer"] = summarize(records, cfg.ttft_slo_s)
+        point["outputs_vs_peer"] = agreement(point.get("loraplex_output_digests"), output_digests(records))
         lp, pe = point["loraplex"], point["peer"]
         point["throughput_ratio_vs_peer"] = _ratio(lp["throughput_tok_s"], pe["throughput_tok_s"])
         point["ttft_p50_ratio_peer_over_loraplex"] = _ratio(pe["ttft_s"]["p50"], lp["ttft_s"]["p50"])
-        log(f"  {args.peer} peer done: x{point['throughput_ratio_vs_peer'] or 0:.2f} loraplex/peer out tok/s")
+        same = point["outputs_vs_peer"]
+        log(f"  {args.peer} peer done: x{point['throughput_ratio_vs_peer'] or 0:.2f} loraplex/peer out tok/s"
+            + (f", same text for {same['same']}/{same['compared']} requests" if same else ""))

@@ -35,8 +35,10 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
         if p.get("peer"):
             peer = doc.get("peer", {}).get("name", "peer")
             lines.append(_row(p["num_adapters"], peer, p["peer"]))
+            same = p.get("outputs_vs_peer")
             lines.append(f"{'':>8} ratio     loraplex/{peer} x{_f(p.get('throughput_ratio_vs_peer'))} (out tok/s); "
-                         f"TTFT p50 {peer}/loraplex x{_f(p.get('ttft_p50_ratio_peer_over_loraplex'))}")
+                         f"TTFT p50 {peer}/loraplex x{_f(p.get('ttft_p50_ratio_peer_over_loraplex'))}"
+                         + (f"; same text {same['same']}/{same['compared']}" if same else ""))
         if per_tenant:
             for tenant, s in p["loraplex"]["per_tenant"].items():
                 lines.append(f"{'':>8}   {tenant:<12} {s['completed']:>4}/{s['requests']:<4} "

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from server.bench.metrics import summarize
+from server.bench.metrics import output_digests, summarize
 from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
 from server.bench.workload import (BenchRequest, WorkloadConfig, adapter_name, adapters_used, generate_workload,
                                    tenants_used)
@@ -215,6 +215,8 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
     load["loraplex"]["after"] = os.getloadavg()
     point = {"num_adapters": n, "adapters_in_use": len(used), "target": cfg.target, "cpu_threads": cfg.threads(),
              "load_avg": load, "loraplex": summarize(records, cfg.ttft_slo_s), "baseline": None}
+    if cfg.target == "http":
+        point["loraplex_output_digests"] = output_digests(records)
     log(f"  loraplex ({cfg.target}) done in {time.perf_counter() - t:.1f}s")
     if cfg.compare_peft:
         t = time.perf_counter()

@@ -121,7 +121,10 @@ class LLMEngine(OutputProcessing):
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.slots, self.host
         )
-        self.kernels = select_kernels(config.kernels, self.device)
+        self.kernels = select_kernels(config.kernels, self.device, self.dtype)
+        if self.kernels.linear is not torch.nn.functional.linear:
+            log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",
+                     self.dtype, self.dtype)
         self.runner = ModelRunner(
             self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks, self.device,
             config.seed,

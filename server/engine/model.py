@@ -44,7 +44,7 @@ class LoraLinear:
         self.lora = lora
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # x: [T, in] -> y: [T, out]
+        y = ctx.ops.linear(x, self.weight, self.bias)  # x: [T, in] -> y: [T, out]
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             ctx.ops.lora_shrink(x, self.lora.a, ctx.lora, self.lora.scaling, h)
@@ -115,7 +115,7 @@ class CausalLM:
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(h, kv, ctx, rope)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, self.cfg.rms_norm_eps)  # [N, H]
-        return F.linear(h, self.lm_head).float()  # [N, V]
+        return ctx.ops.linear(h, self.lm_head).float()  # [N, V]
 
 
 def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
