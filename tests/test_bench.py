@@ -152,11 +152,12 @@ def test_cli_run_against_the_demo_model_writes_json_and_png(demo_paths, tmp_path
         assert lp["ttft_s"]["p50"] > 0 and set(lp["per_tenant"]) <= {"bench-t000", "bench-t001"}
         digests = p["loraplex_output_digests"]  # the streamed texts, to compare with a peer's
         assert len(digests) == 6 and None not in digests and len(set(digests)) > 1
+        assert p["outputs_vs_peft"] == {"compared": 6, "same": 6}  # greedy float32: PEFT's text exactly
     assert doc["throughput_ratio_vs_peft"] == doc["points"][-1]["throughput_ratio_vs_peft"]
     assert math.isfinite(doc["throughput_ratio_vs_peft"])
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert "ratio" in capsys.readouterr().out
+    assert "text = peft 6/6" in capsys.readouterr().out
 
 
 # ---- the prefix workload: system prompts per tenant, multi-turn history, cache off and on ----

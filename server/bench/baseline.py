@@ -72,8 +72,12 @@ class PeftBaseline:
             model = PeftModel.from_pretrained(model, str(adapter_dirs[names[0]]), adapter_name=names[0])
             for name in names[1:]:
                 model.load_adapter(str(adapter_dirs[name]), adapter_name=name)
+        # generate() fills an unset eos from the model's own generation config and would stop (and
+        # pad) at EOS, while the servers ignore_eos: unset it there too, so all sides do the same work.
+        model.generation_config.eos_token_id = None
         self.model = model.eval()
         self.has_adapters = bool(names)
+        self.tokenizer = _tokenizer(model_dir)  # texts, to compare with a server's; None without one
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -84,7 +88,8 @@ class PeftBaseline:
                                 temperature=None, top_p=None, top_k=None, use_cache=True)
 
     @torch.inference_mode()
-    def _generate(self, group: list[BenchRequest], t0: float) -> list[float]:
+    def _generate(self, group: list[BenchRequest], t0: float) -> tuple[list[float], torch.Tensor]:
+        """Each step's time, and the generated ids [B, N]."""
         from transformers import StoppingCriteriaList
 
         width = max(len(r.prompt_ids) for r in group)
@@ -101,12 +106,12 @@ class PeftBaseline:
         adapter = group[0].adapter_name
         if adapter is None and self.has_adapters:
             with self.model.disable_adapter():
-                self.model.generate(**kwargs)
+                out = self.model.generate(**kwargs)
         else:
             if adapter is not None:
                 self.model.set_adapter(adapter)
-            self.model.generate(**kwargs)
-        return clock.times
+            out = self.model.generate(**kwargs)
+        return clock.times, out[:, width:].cpu()
 
     def warmup(self, requests: list[BenchRequest]) -> None:
         """One tiny generate per distinct adapter so first-call costs stay out of the numbers."""
@@ -134,10 +139,23 @@ class PeftBaseline:
             group = [r for r in queue if r.adapter == key][: self.cfg.max_batch]
             chosen = {r.index for r in group}
             queue = [r for r in queue if r.index not in chosen]
-            times = self._generate(group, t0)
-            for r in group:
+            times, generated = self._generate(group, t0)
+            for r, ids in zip(group, generated):
                 rec = records[r.index]
                 n = min(r.max_tokens, len(times))
                 rec.token_times_s = times[:n]
                 rec.first_token_s, rec.end_s, rec.output_tokens = times[0], times[n - 1], n
+                if self.tokenizer is not None:
+                    rec.text = self.tokenizer.decode(ids[:n].tolist(), skip_special_tokens=True)  # as the servers
         return [records[r.index] for r in requests]
+
+
+def _tokenizer(model_dir: str | Path | None):
+    from transformers import AutoTokenizer
+
+    if model_dir is None:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError):
+        return None

@@ -257,7 +257,9 @@ def run_peer(cfg, args, python: Path, model_dir: Path, doc: dict, log) -> None:
             records = asyncio.run(client.drive(peer.url, reqs, keys, SERVED_NAME))
             point.setdefault("load_avg", {})["peer"] = {"before": before, "after": os.getloadavg()}
         point["peer"] = summarize(records, cfg.ttft_slo_s)
-        point["outputs_vs_peer"] = agreement(point.get("loraplex_output_digests"), output_digests(records))
+        peer_digests = output_digests(records)
+        point["outputs_vs_peer"] = agreement(point.get("loraplex_output_digests"), peer_digests)
+        point["peer_outputs_vs_peft"] = agreement(peer_digests, point.get("baseline_output_digests"))
         lp, pe = point["loraplex"], point["peer"]
         point["throughput_ratio_vs_peer"] = _ratio(lp["throughput_tok_s"], pe["throughput_tok_s"])
         point["ttft_p50_ratio_peer_over_loraplex"] = _ratio(pe["ttft_s"]["p50"], lp["ttft_s"]["p50"])

@@ -17,6 +17,11 @@ def _row(n: int, system: str, s: dict) -> str:
             f"{_f(s['slo_attainment'], '.0%', 1.0):>5}")
 
 
+def _same(label: str, counts: dict | None) -> str:
+    """"; label same/compared" for an output agreement (server.bench.metrics.agreement), or ""."""
+    return f"; {label} {counts['same']}/{counts['compared']}" if counts else ""
+
+
 def format_table(doc: dict, per_tenant: bool = False) -> str:
     if doc.get("workload") == "prefix":
         from server.bench.prefix import format_prefix_table
@@ -31,14 +36,15 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
             lines.append(_row(p["num_adapters"], "peft", p["baseline"]))
             lines.append(f"{'':>8} ratio     throughput x{p['throughput_ratio_vs_peft']:.2f} (out tok/s), "
                          f"x{p['request_throughput_ratio_vs_peft']:.2f} (req/s); "
-                         f"TTFT p50 peft/loraplex x{_f(p['ttft_p50_ratio_peft_over_loraplex'])}")
+                         f"TTFT p50 peft/loraplex x{_f(p['ttft_p50_ratio_peft_over_loraplex'])}"
+                         + _same("text = peft", p.get("outputs_vs_peft")))
         if p.get("peer"):
             peer = doc.get("peer", {}).get("name", "peer")
             lines.append(_row(p["num_adapters"], peer, p["peer"]))
-            same = p.get("outputs_vs_peer")
             lines.append(f"{'':>8} ratio     loraplex/{peer} x{_f(p.get('throughput_ratio_vs_peer'))} (out tok/s); "
                          f"TTFT p50 {peer}/loraplex x{_f(p.get('ttft_p50_ratio_peer_over_loraplex'))}"
-                         + (f"; same text {same['same']}/{same['compared']}" if same else ""))
+                         + _same("text = loraplex", p.get("outputs_vs_peer"))
+                         + _same(f"{peer} text = peft", p.get("peer_outputs_vs_peft")))
         if per_tenant:
             for tenant, s in p["loraplex"]["per_tenant"].items():
                 lines.append(f"{'':>8}   {tenant:<12} {s['completed']:>4}/{s['requests']:<4} "

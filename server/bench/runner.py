@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from server.bench.metrics import output_digests, summarize
+from server.bench.metrics import agreement, output_digests, summarize
 from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
 from server.bench.workload import (BenchRequest, WorkloadConfig, adapter_name, adapters_used, generate_workload,
                                    tenants_used)
@@ -221,7 +221,11 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
     if cfg.compare_peft:
         t = time.perf_counter()
         load["baseline"] = {"before": os.getloadavg()}
-        point["baseline"] = summarize(_run_baseline(cfg, model_dir, reqs, named), cfg.ttft_slo_s)
+        base_records = _run_baseline(cfg, model_dir, reqs, named)
+        point["baseline"] = summarize(base_records, cfg.ttft_slo_s)
+        if any(r.text for r in base_records):
+            point["baseline_output_digests"] = output_digests(base_records)
+            point["outputs_vs_peft"] = agreement(point.get("loraplex_output_digests"), point["baseline_output_digests"])
         load["baseline"]["after"] = os.getloadavg()
         log(f"  transformers + peft done in {time.perf_counter() - t:.1f}s")
         lp, bl = point["loraplex"], point["baseline"]
