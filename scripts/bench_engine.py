@@ -27,24 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import server.engine.model_runner as model_runner  # noqa: E402
+from server.bench.step_phases import Timer, timed_phases  # noqa: E402
 from server.demo import ensure_demo  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
-
-
-class Timer:
-    """Wraps a callable and accumulates its wall time."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.total = 0.0
-
-    def __call__(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.total += time.perf_counter() - t
 
 
 def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int) -> dict:
@@ -60,33 +45,20 @@ def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int)
         s.num_pending_tokens > 1 for s in engine.scheduler.running
     ):
         engine.step()  # until every sequence is decoding
-    timers = {
-        "schedule": Timer(engine.scheduler.schedule),
-        "prepare": Timer(engine.runner.prepare),
-        "forward": Timer(engine.runner.model.forward),
-        "sample": Timer(model_runner.sample_rows),
-        "postprocess": Timer(engine.postprocess),
-    }
-    engine.scheduler.schedule = timers["schedule"]
-    engine.runner.prepare = timers["prepare"]
-    engine.runner.model.forward = timers["forward"]
-    model_runner.sample_rows = timers["sample"]
-    engine.postprocess = timers["postprocess"]
     per_step, overhead = [], []
-    try:
-        for _ in range(steps):
-            before = timers["forward"].total
-            t = time.perf_counter()
+    with timed_phases(engine) as timers:
+        try:
+            for _ in range(steps):
+                before = timers["forward"].total
+                t = time.perf_counter()
+                engine.step()
+                dt = time.perf_counter() - t
+                per_step.append(dt)
+                overhead.append(dt - (timers["forward"].total - before))
+        finally:
+            for rid in list(engine.seqs):
+                engine.abort_request(rid)
             engine.step()
-            dt = time.perf_counter() - t
-            per_step.append(dt)
-            overhead.append(dt - (timers["forward"].total - before))
-    finally:
-        model_runner.sample_rows = timers["sample"].fn
-        for rid in list(engine.seqs):
-            engine.abort_request(rid)
-        engine.step()
-        del engine.scheduler.schedule, engine.runner.prepare, engine.runner.model.forward, engine.postprocess
     ms = {k: 1000 * v.total / steps for k, v in timers.items()}
     return {
         "num_seqs": num_seqs,

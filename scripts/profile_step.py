@@ -32,28 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-import server.engine.model_runner as model_runner  # noqa: E402
 from server.bench.model_shape import MODEL_SHAPES, build_model_shape  # noqa: E402
+from server.bench.step_phases import PHASES, timed_phases  # noqa: E402
 from server.bench.synth_adapters import ensure_adapters  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
 
 KERNEL_PARTS = ("lora_shrink", "lora_expand", "write_kv", "paged_attention")
-PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
-
-
-class Timer:
-    """Wraps a callable and accumulates its wall time."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.total = 0.0
-
-    def __call__(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.total += time.perf_counter() - t
 
 
 def _labelled(name: str, fn):
@@ -63,24 +47,10 @@ def _labelled(name: str, fn):
     return run
 
 
-def _instrument(llm: LLM) -> dict[str, Timer]:
-    """Label the kernel entries and time the step's phases (on this engine instance only)."""
-    engine = llm.engine
-    ops = engine.runner.ops
-    engine.runner.ops = dataclasses.replace(ops, **{n: _labelled(n, getattr(ops, n)) for n in KERNEL_PARTS})
-    timers = {
-        "schedule": Timer(engine.scheduler.schedule),
-        "prepare": Timer(engine.runner.prepare),
-        "forward": Timer(engine.runner.model.forward),
-        "sample": Timer(model_runner.sample_rows),
-        "postprocess": Timer(engine.postprocess),
-    }
-    engine.scheduler.schedule = timers["schedule"]
-    engine.runner.prepare = timers["prepare"]
-    engine.runner.model.forward = timers["forward"]
-    model_runner.sample_rows = timers["sample"]
-    engine.postprocess = timers["postprocess"]
-    return timers
+def _label_kernels(llm: LLM) -> None:
+    """Each kernel entry runs inside a record_function of its name (on this engine instance only)."""
+    ops = llm.engine.runner.ops
+    llm.engine.runner.ops = dataclasses.replace(ops, **{n: _labelled(n, getattr(ops, n)) for n in KERNEL_PARTS})
 
 
 def _parts(prof, vocab: int, steps: int) -> dict[str, float]:
@@ -102,7 +72,7 @@ def _ops(prof, steps: int, top: int) -> list[dict]:
             for e in rows[:top] if e.key not in KERNEL_PARTS]
 
 
-def _profile_steps(llm: LLM, timers: dict[str, Timer], steps: int, vocab: int, top: int) -> dict:
+def _profile_steps(llm: LLM, timers: dict, steps: int, vocab: int, top: int) -> dict:
     engine = llm.engine
     for t in timers.values():
         t.total = 0.0
@@ -147,21 +117,21 @@ def run(args) -> dict:
     _add(llm, names, max(1, len(names)), 16, 2, rng, "warm")
     while engine.has_unfinished_requests():
         engine.step()
-    timers = _instrument(llm)
-
-    _add(llm, names, args.decode_seqs, args.context, args.steps + 64, rng, "d")
-    while any(s.num_pending_tokens > 1 for s in engine.scheduler.running) or engine.stats().num_waiting:
-        engine.step()  # until every sequence decodes
-    engine.step()
-    decode = _profile_steps(llm, timers, args.steps, vocab, args.top)
-    for rid in list(engine.seqs):
-        engine.abort_request(rid)
-    engine.step()
-
-    _add(llm, names, args.prefill_seqs, args.prefill_len, 1, rng, "p")
-    prefill = _profile_steps(llm, timers, 1, vocab, args.top)
-    while engine.has_unfinished_requests():
+    _label_kernels(llm)
+    with timed_phases(engine) as timers:
+        _add(llm, names, args.decode_seqs, args.context, args.steps + 64, rng, "d")
+        while any(s.num_pending_tokens > 1 for s in engine.scheduler.running) or engine.stats().num_waiting:
+            engine.step()  # until every sequence decodes
         engine.step()
+        decode = _profile_steps(llm, timers, args.steps, vocab, args.top)
+        for rid in list(engine.seqs):
+            engine.abort_request(rid)
+        engine.step()
+
+        _add(llm, names, args.prefill_seqs, args.prefill_len, 1, rng, "p")
+        prefill = _profile_steps(llm, timers, 1, vocab, args.top)
+        while engine.has_unfinished_requests():
+            engine.step()
     return {"model_shape": args.model_shape, "layers": args.layers, "dtype": args.dtype,
             "cpu_threads": torch.get_num_threads(), "adapters": args.adapters, "torch": torch.__version__,
             "decode": {"seqs": args.decode_seqs, "context": args.context, **decode},
