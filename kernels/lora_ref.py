@@ -9,7 +9,8 @@ may use both; profiled with scripts/profile_step.py):
 - gathered chunks, for short runs (decodes): however many
   adapters a batch mixes, each projection's LoRA is a fixed handful of ops.
   The adapter tokens are cut into chunks of one width (each one adapter's),
-  each chunk's weights are gathered, one batched matmul per side does every
+  each chunk's weights are gathered (or, when the step's slots lie close
+  together, read in place), one batched matmul per side does every
   chunk and fused slice at once, and the deltas land on the base output with
   one contiguous index_add_. A loop per adapter or per slice made the op
   count, not the math, dominate such steps.
@@ -97,7 +98,7 @@ def lora_expand(
     g = _groups(batch)
     if g is None:
         return
-    # Padding rows repeat their chunk's first token; `keep` zeroes their share so they add nothing.
+    # Padding rows repeat a real LoRA row; `keep` zeroes their share so they add nothing.
     hs = h[:, :, :r][:, g.rows].float() * g.keep[None, :, :, None]  # [S, C, M, r]
     gathered = [_chunk_weights(b[:, :, :r], g).float() for b in lora_b]  # S x [C, n_i, r]
     width_out = sum(b.shape[1] for b in lora_b)
