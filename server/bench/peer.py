@@ -229,22 +229,17 @@ def run_peer(cfg, args, python: Path, model_dir: Path, doc: dict, log) -> None:
     the loraplex/peer ratios to every point of doc, in place."""
     import asyncio
 
-    import torch
-
     from server.bench import client
     from server.bench.metrics import agreement, output_digests, summarize
-    from server.bench.synth_adapters import ensure_adapters
-    from server.bench.workload import adapter_name, adapters_used, generate_workload, tenants_used
+    from server.bench.runner import point_adapters
+    from server.bench.workload import adapters_used, generate_workload, tenants_used
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     doc["peer"] = {"name": args.peer, "python": str(python), "version": peer_version(python)}
     for point in doc["points"]:
         n = point["num_adapters"]
         reqs = generate_workload(cfg.workload(n, vocab))  # seeded: the requests loraplex got
-        used = adapters_used(reqs)
-        dtype = torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
-        dirs = ensure_adapters(model_dir, Path(cfg.work_dir) / "adapters", used, r=cfg.rank, dtype=dtype)
-        pcfg = peer_config(cfg, args, python, model_dir, {adapter_name(i): dirs[i] for i in used})
+        pcfg = peer_config(cfg, args, python, model_dir, point_adapters(cfg, model_dir, adapters_used(reqs)))
         cores = core_list(list(pcfg.cores))
         doc["peer"].update(command=pcfg.command()[:3] + ["..."], threads=pcfg.threads, cores=cores,
                            preloads=list(pcfg.preloads), kv_cache_gib=pcfg.kv_cache_gib)

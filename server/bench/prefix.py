@@ -19,7 +19,7 @@ import torch
 
 from server.bench.metrics import percentile, summarize
 from server.bench.report import save_figure, write_json
-from server.bench.workload import adapter_name, adapters_used, generate_conversations
+from server.bench.workload import adapters_used, generate_conversations
 
 CACHE_RUNS = (("cache_off", False), ("cache_on", True))
 
@@ -66,14 +66,12 @@ def _run_once(cfg, model_dir: Path, reqs, named: dict[str, Path], cache: bool) -
 
 
 def run_prefix_point(cfg, model_dir: Path, n: int, log: Callable[[str], None]) -> dict:
-    from server.bench.synth_adapters import ensure_adapters
+    from server.bench.runner import point_adapters
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     reqs = generate_conversations(cfg.workload(n, vocab))
     used = adapters_used(reqs)
-    adapter_dtype = torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
-    dirs = ensure_adapters(model_dir, Path(cfg.work_dir) / "adapters", used, r=cfg.rank, dtype=adapter_dtype)
-    named = {adapter_name(i): dirs[i] for i in used}
+    named = point_adapters(cfg, model_dir, used)
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
     log(f"[{n} adapters] {len(reqs)} turns over {len(used)} adapters in use, {prompt_tokens} prompt tokens, "
         f"{sum(r.max_tokens for r in reqs)} output tokens")

@@ -194,15 +194,19 @@ def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], n
     return records
 
 
-def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None]) -> dict:
+def point_adapters(cfg: BenchConfig, model_dir: Path, used: list[int]) -> dict[str, Path]:
+    """Adapter name -> its synthetic PEFT directory (made once, in the bench's dtype), for each index in use."""
     from server.bench.synth_adapters import ensure_adapters
 
+    dirs = ensure_adapters(model_dir, Path(cfg.work_dir) / "adapters", used, r=cfg.rank, dtype=getattr(torch, cfg.dtype))
+    return {adapter_name(i): dirs[i] for i in used}
+
+
+def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None]) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     reqs = generate_workload(cfg.workload(n, vocab))
     used = adapters_used(reqs)
-    adapter_dtype = torch.float32 if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
-    dirs = ensure_adapters(model_dir, Path(cfg.work_dir) / "adapters", used, r=cfg.rank, dtype=adapter_dtype)
-    named = {adapter_name(i): dirs[i] for i in used}
+    named = point_adapters(cfg, model_dir, used)
     log(f"[{n} adapters] {len(reqs)} requests over {len(used)} adapters in use, "
         f"{sum(r.max_tokens for r in reqs)} output tokens")
     t = time.perf_counter()
