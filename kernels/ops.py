@@ -9,7 +9,7 @@ import torch
 
 import torch.nn.functional as F
 
-from kernels import attention_ref, lora_ref
+from kernels import attention_ref, lora_cpu, lora_ref
 from kernels.cpu_linear import linear_for
 
 KERNEL_KINDS = ("auto", "triton", "torch")
@@ -20,9 +20,19 @@ class KernelOps:
     name: str
     lora_shrink: Callable[..., None]  # see kernels.lora_ref.lora_shrink
     lora_expand: Callable[..., None]  # see kernels.lora_ref.lora_expand
+    lora: Callable[..., None]  # one fused projection's LoRA, both sides: see kernels.lora_cpu.lora_apply
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
     linear: Callable[..., torch.Tensor] = F.linear  # the base projections (kernels.cpu_linear on some CPUs)
+
+
+def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:
+    """The `lora` entry as a shrink into the scratch h, then an expand from it."""
+    def lora(x, lora_a, lora_b, scaling, slice_offsets, batch, h, y) -> None:
+        if batch.any_lora:
+            shrink(x, lora_a, batch, scaling, h)
+            expand(h, lora_b, batch, y, slice_offsets)
+    return lora
 
 
 def torch_ops(linear: Callable[..., torch.Tensor] = F.linear) -> KernelOps:
@@ -30,6 +40,7 @@ def torch_ops(linear: Callable[..., torch.Tensor] = F.linear) -> KernelOps:
         name="torch",
         lora_shrink=lora_ref.lora_shrink,
         lora_expand=lora_ref.lora_expand,
+        lora=lora_cpu.lora_apply,
         write_kv=attention_ref.write_kv,
         paged_attention=attention_ref.paged_attention,
         linear=linear,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kernels import attention_triton, lora_triton
-from kernels.ops import KernelOps
+from kernels.ops import KernelOps, composed_lora
 
 
 def triton_ops() -> KernelOps:
@@ -11,6 +11,7 @@ def triton_ops() -> KernelOps:
         name="triton",
         lora_shrink=lora_triton.lora_shrink,
         lora_expand=lora_triton.lora_expand,
+        lora=composed_lora(lora_triton.lora_shrink, lora_triton.lora_expand),
         write_kv=attention_triton.write_kv,
         paged_attention=attention_triton.paged_attention,
     )

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server.bench.cli import DESCRIPTION, add_bench_arguments, config_from_args, report  # noqa: E402
 from server.bench.model_shape import MODEL_SHAPES, build_model_shape  # noqa: E402
-from server.bench.peer import PeerConfigError, add_peer_arguments, check_peer_arguments, run_peer  # noqa: E402
+from server.bench.peer import PeerConfigError, add_peer_arguments, check_peer_arguments, peer_runner  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"building the {args.model_shape} model shape (random weights)")
             model_dir = build_model_shape(args.model_shape, Path(args.work_dir) / "models" / args.model_shape)
             cfg = replace(cfg, model_dir=str(model_dir), model_label=f"{args.model_shape} shape (random weights)")
-        doc = run_bench(cfg, json_path, log=log)
-        if python is not None:
-            run_peer(cfg, args, python, resolve_model(cfg, log)[0], doc, log)
+        peer, run_peer = (None, None) if python is None else peer_runner(cfg, args, python,
+                                                                         resolve_model(cfg, log)[0], log)
+        doc = run_bench(cfg, json_path, log=log, after_point=run_peer)
+        if peer is not None:
+            doc["peer"] = peer
             write_json(doc, json_path)
     except (BenchConfigError, PeerConfigError, WorkloadError, BenchClientError, ValueError) as e:
         print(f"bench: error: {e}", file=sys.stderr)

@@ -142,7 +142,8 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
     slots = token_slots(cfg)
     batch = LoraBatch.build(slots, device)
     x = torch.randn(cfg.tokens, hidden, device=device, generator=g).to(dtype)
-    lora_a = (torch.randn(nslices, num_slots, cfg.rank, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
+    lora_a = (torch.randn(num_slots, nslices, cfg.rank, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
+    lora_a = lora_a.transpose(0, 1)  # [S, L, R, in] stored slot-major, as the engine's slots
     lora_b = tuple((torch.randn(num_slots, cfg.rank, n, device=device, generator=g) / cfg.rank**0.5).to(dtype)
                    .transpose(1, 2) for n in widths)  # [L, n, R] stored rank-major, as the engine's slots
     scaling = torch.full((nslices, num_slots), 2.0, device=device)
@@ -155,13 +156,11 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
     for impl in ("torch", "triton"):
         h = torch.empty(nslices, cfg.tokens, cfg.rank, device=device, dtype=dtype)
         y = y0.clone()
-        ops[impl].lora_shrink(x, lora_a, batch, scaling, h)
-        ops[impl].lora_expand(h, lora_b, batch, y, offsets)
+        ops[impl].lora(x, lora_a, lora_b, scaling, offsets, batch, h, y)
         outputs[impl] = y.float()
 
         def step(impl=impl, h=h, y=y):
-            ops[impl].lora_shrink(x, lora_a, batch, scaling, h)
-            ops[impl].lora_expand(h, lora_b, batch, y, offsets)
+            ops[impl].lora(x, lora_a, lora_b, scaling, offsets, batch, h, y)
 
         ms = median_ms(step, device, warmup, iters)
         gbps = moved / (ms * 1e-3) / 1e9

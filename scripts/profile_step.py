@@ -7,7 +7,7 @@ projections, fills the engine with `--decode-seqs` sequences decoding at `--cont
 steps that prefill `--prefill-seqs` prompts of `--prefill-len` tokens. Three views per step kind:
 
 - phase: the engine step's own parts (schedule, prepare, forward, sample, postprocess), wall time;
-- part: the forward's kernels (LoRA shrink/expand, KV write, attention; each a record_function
+- part: the forward's kernels (LoRA, both sides fused; KV write; attention; each a record_function
   around the engine's KernelOps entry), the base projections (aten::linear on the layers), the
   lm_head (aten::linear on the vocabulary) and the rest (norms, rope, activations, copies);
 - op: torch.profiler's self CPU time per aten op, top `--top`.
@@ -37,7 +37,7 @@ from server.bench.step_phases import PHASES, timed_phases  # noqa: E402
 from server.bench.synth_adapters import ensure_adapters  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
 
-KERNEL_PARTS = ("lora_shrink", "lora_expand", "write_kv", "paged_attention")
+KERNEL_PARTS = ("lora", "write_kv", "paged_attention")
 
 
 def _labelled(name: str, fn):

@@ -225,3 +225,34 @@ def test_prefix_workload_needs_the_engine_target():
         BenchConfig(workload_type="prefix", target="http")
     with pytest.raises(BenchConfigError, match="--workload"):
         BenchConfig(workload_type="burst")
+
+
+def _round(tok_s: float, ratio: float | None = None) -> dict:
+    return {"num_adapters": 8, "loraplex": {"throughput_tok_s": tok_s}, "throughput_ratio_vs_peft": ratio}
+
+
+def test_rounds_report_the_median_round_and_median_paired_ratios():
+    from server.bench.rounds import combine_rounds, round_order, scaling_vs_fewest
+
+    assert round_order((1, 8, 32), 0) == (1, 8, 32) and round_order((1, 8, 32), 1) == (32, 8, 1)
+    single = _round(5.0, 2.0)
+    assert combine_rounds([single]) is single
+    rounds = [_round(10.0, 1.5), _round(30.0, 1.1), _round(20.0, 1.9)]
+    point = combine_rounds(rounds)
+    assert point["loraplex"]["throughput_tok_s"] == 20.0  # the median round's own numbers
+    assert point["throughput_ratio_vs_peft"] == 1.5  # the median of the rounds' paired ratios
+    assert [r["loraplex_tok_s"] for r in point["rounds"]] == [10.0, 30.0, 20.0]
+    assert combine_rounds(rounds[:2])["loraplex"]["throughput_tok_s"] == 10.0  # even: the lower median
+    # Paired by round: the slow round's 1-adapter run is compared with the slow round's 32-adapter run.
+    scaling = scaling_vs_fewest({1: [_round(100.0), _round(50.0)], 32: [_round(90.0), _round(46.0)]})
+    assert scaling == {"32": pytest.approx((0.9 + 0.92) / 2)}
+    assert scaling_vs_fewest({8: rounds}) is None
+
+
+def test_repeats_are_validated():
+    from server.bench.runner import BenchConfig, BenchConfigError
+
+    with pytest.raises(BenchConfigError, match="--repeats"):
+        BenchConfig(repeats=0)
+    with pytest.raises(BenchConfigError, match="--repeats"):
+        BenchConfig(workload_type="prefix", target="engine", repeats=2)

@@ -217,11 +217,13 @@ uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 '''
 
 
-def test_run_peer_drives_the_same_requests_through_a_stand_in_server(bench_script, tiny_model_dir, tmp_path):
-    """A stand-in for vLLM's server (same flags, same OpenAI streaming) run through the real path."""
+def test_the_peer_runs_each_point_right_after_loraplex_every_round(bench_script, tiny_model_dir, tmp_path):
+    """A stand-in for vLLM's server (same flags, same OpenAI streaming) run through the real path, beside
+    the in-process engine, two rounds of a two-point sweep: ratios are paired within rounds."""
     import sys
+    import statistics
 
-    from server.bench.peer import run_peer
+    from server.bench.peer import peer_runner
     from server.bench.server_proc import free_port
 
     (tmp_path / "fake_vllm.py").write_text(FAKE_SERVER)
@@ -232,13 +234,21 @@ def test_run_peer_drives_the_same_requests_through_a_stand_in_server(bench_scrip
     python.chmod(0o755)
     args = _parse(bench_script, "--peer", "vllm", "--peer-python", str(python.parent.parent), "--cpu-threads", "1",
                   "--peer-port", str(free_port()), "--peer-preload", "none")
-    cfg = BenchConfig(adapter_counts=(3,), num_requests=4, output_len=(2, 3), model_dir=str(tiny_model_dir),
-                      cpu_threads=1, work_dir=str(tmp_path / "work"))
-    lp = {"completed": 4, "requests": 4, "throughput_tok_s": 10.0, "ttft_s": {"p50": 0.2}}
-    doc = {"points": [{"num_adapters": 3, "loraplex": lp}]}
-    run_peer(cfg, args, check_peer_arguments(args), tiny_model_dir, doc, log=lambda m: None)
-    point = doc["points"][0]
-    assert point["peer"]["completed"] == 4 == point["peer"]["requests"]
-    assert point["throughput_ratio_vs_peer"] == pytest.approx(10.0 / point["peer"]["throughput_tok_s"])
-    assert doc["peer"]["version"] == "0.0-fake" and doc["peer"]["threads"] == 1
-    assert set(point["load_avg"]["peer"]) == {"before", "after"}
+    cfg = BenchConfig(adapter_counts=(1, 3), num_requests=4, prompt_len=(4, 6), output_len=(2, 3),
+                      model_dir=str(tiny_model_dir), target="engine", cpu_threads=1, repeats=2,
+                      work_dir=str(tmp_path / "work"))
+    meta, run_peer = peer_runner(cfg, args, check_peer_arguments(args), tiny_model_dir, log=lambda m: None)
+    order = []
+    doc = run_bench(cfg, None, log=order.append, after_point=run_peer)
+    assert [m for m in order if m.startswith("round")] == ["round 1/2: adapters 1, 3", "round 2/2: adapters 3, 1"]
+    assert meta["version"] == "0.0-fake" and meta["threads"] == 1
+    assert [p["num_adapters"] for p in doc["points"]] == [1, 3]
+    for point in doc["points"]:
+        assert point["peer"]["completed"] == 4 == point["peer"]["requests"]
+        assert len(point["rounds"]) == 2 and all(r["peer_tok_s"] > 0 < r["loraplex_tok_s"] for r in point["rounds"])
+        paired = [r["loraplex_tok_s"] / r["peer_tok_s"] for r in point["rounds"]]
+        assert point["throughput_ratio_vs_peer"] == pytest.approx(statistics.median(paired))
+        assert set(point["load_avg"]["peer"]) == {"before", "after"}
+    by_round = [p["rounds"] for p in doc["points"]]
+    want = statistics.median(b["loraplex_tok_s"] / a["loraplex_tok_s"] for a, b in zip(*by_round))
+    assert doc["throughput_vs_fewest_adapters"] == {"3": pytest.approx(want)}

@@ -212,6 +212,7 @@ def test_slot_load_and_evict_are_batched_copies(tiny_model_dir, tiny_adapters, m
         assert torch.equal(buffers.a[i, slot, :8], w.a) and torch.equal(buffers.b[i][slot, :, :8], w.b)
         assert float(buffers.scaling[i, slot]) == pytest.approx(w.scaling)
         assert buffers.b[i][slot, :, :8].t().is_contiguous()  # rank-major: one block per slot and rank
+        assert buffers.a.transpose(0, 1)[slot].is_contiguous()  # slot-major: a slot's slices are one matrix
     slots.release("v")
     slots.remove("v")
     for layer in slots.layers:

@@ -44,5 +44,5 @@ def test_no_adapters_means_no_lora_time(profile_step, tmp_path):
     doc = _run(profile_step, tmp_path, adapters=0)
     for kind in ("decode", "prefill"):
         parts = doc[kind]["part_ms"]
-        assert parts["lora_shrink"] == parts["lora_expand"] == 0
+        assert parts["lora"] == 0
         assert parts["paged_attention"] > 0 and parts["lm_head"] > 0

@@ -44,6 +44,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tenants", type=int, default=4, help="adapter i belongs to tenant i mod T")
     w.add_argument("--base-share", type=float, default=0.0, help="share of requests for the base model")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run the sweep N times, the order of points alternating; each point reports its median "
+                        "round and ratios paired within rounds (for noisy machines)")
     w.add_argument("--rank", type=int, default=8, help="rank of the generated adapters (all 7 projections)")
     w.add_argument("--ttft-slo", type=float, default=6.0, help="TTFT SLO in seconds (S-LoRA: 6)")
     w.add_argument("--workload", choices=("mixed", "prefix"), default="mixed",
@@ -102,7 +105,7 @@ def config_from_args(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_slo_s=args.ttft_slo, baseline_max_batch=args.baseline_max_batch, work_dir=args.work_dir,
         cpu_threads=args.cpu_threads, workload_type=args.workload, shared_prefix_len=args.shared_prefix,
-        turns=args.turns, turn_gap_s=args.turn_gap)
+        turns=args.turns, turn_gap_s=args.turn_gap, repeats=args.repeats)
 
 
 def run_bench(args) -> int:

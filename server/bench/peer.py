@@ -15,7 +15,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import httpx
 
@@ -224,9 +224,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def run_peer(cfg, args, python: Path, model_dir: Path, doc: dict, log) -> None:
-    """Each point's workload through the peer, after loraplex (and PEFT) ran it; adds "peer" and
-    the loraplex/peer ratios to every point of doc, in place."""
+def peer_runner(cfg, args, python: Path, model_dir: Path, log) -> tuple[dict, Callable[[dict], None]]:
+    """(the peer's description for the JSON, a function that runs one point's workload through the
+    peer right after loraplex (and PEFT) ran it, adding "peer" and the loraplex/peer ratios to it)."""
     import asyncio
 
     from server.bench import client
@@ -235,14 +235,15 @@ def run_peer(cfg, args, python: Path, model_dir: Path, doc: dict, log) -> None:
     from server.bench.workload import adapters_used, generate_workload, tenants_used
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    doc["peer"] = {"name": args.peer, "python": str(python), "version": peer_version(python)}
-    for point in doc["points"]:
+    meta = {"name": args.peer, "python": str(python), "version": peer_version(python)}
+
+    def run_point(point: dict) -> None:
         n = point["num_adapters"]
         reqs = generate_workload(cfg.workload(n, vocab))  # seeded: the requests loraplex got
         pcfg = peer_config(cfg, args, python, model_dir, point_adapters(cfg, model_dir, adapters_used(reqs)))
         cores = core_list(list(pcfg.cores))
-        doc["peer"].update(command=pcfg.command()[:3] + ["..."], threads=pcfg.threads, cores=cores,
-                           preloads=list(pcfg.preloads), kv_cache_gib=pcfg.kv_cache_gib)
+        meta.update(command=pcfg.command()[:3] + ["..."], threads=pcfg.threads, cores=cores,
+                    preloads=list(pcfg.preloads), kv_cache_gib=pcfg.kv_cache_gib)
         log(f"[{n} adapters] {args.peer} peer: starting ({pcfg.threads} threads on cores {cores})")
         log_path = (Path(cfg.work_dir) / "logs" / f"peer-{n}-adapters.log").resolve()
         with PeerProcess(pcfg, log_path) as peer:
@@ -261,3 +262,5 @@ def run_peer(cfg, args, python: Path, model_dir: Path, doc: dict, log) -> None:
         same = point["outputs_vs_peer"]
         log(f"  {args.peer} peer done: x{point['throughput_ratio_vs_peer'] or 0:.2f} loraplex/peer out tok/s"
             + (f", same text for {same['same']}/{same['compared']} requests" if same else ""))
+
+    return meta, run_point

@@ -30,6 +30,10 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
     head = (f"{'adapters':>8} {'system':<9} {'done':>9} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>8} "
             f"{'p90':>8} {'p99':>8} {'ITL p50':>7} {'p99':>7} {'SLO':>5}   (times in ms)")
     lines = [head, "-" * len(head)]
+    repeats = doc.get("config", {}).get("repeats", 1)
+    if repeats > 1:
+        lines.append(f"each row: the median of {repeats} rounds (order alternating); ratios: medians of the "
+                     f"rounds' paired ratios")
     for p in doc["points"]:
         lines.append(_row(p["num_adapters"], "loraplex", p["loraplex"]))
         if p.get("baseline"):
@@ -51,6 +55,12 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
                              f"{_f(s['throughput_tok_s'], '.1f'):>9} tok/s  TTFT p50 "
                              f"{_f(s['ttft_s']['p50'], '.0f', 1e3)} ms  p99 {_f(s['ttft_s']['p99'], '.0f', 1e3)} ms"
                              f"  SLO {_f(s['slo_attainment'], '.0%', 1.0)}")
+    scaling = doc.get("throughput_vs_fewest_adapters")
+    if scaling:
+        fewest = min(p["num_adapters"] for p in doc["points"])
+        lines.append(f"loraplex out tok/s vs {fewest} adapter(s): "
+                     + ", ".join(f"{n}: x{r:.2f}" for n, r in scaling.items())
+                     + (" (median of paired rounds)" if repeats > 1 else ""))
     return "\n".join(lines)
 
 

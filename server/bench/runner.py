@@ -64,6 +64,7 @@ class BenchConfig:
     shared_prefix_len: int = 512          # prefix workload: each tenant's system prompt, in tokens
     turns: int = 3                        # prefix workload: turns per conversation, each resending history
     turn_gap_s: float = 1.0               # prefix workload: seconds between a conversation's turns
+    repeats: int = 1                      # rounds of the sweep, order alternating (server.bench.rounds)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +88,10 @@ class BenchConfig:
             raise BenchConfigError("--gpu needs a CUDA device; none is visible to torch")
         if self.workload_type not in WORKLOADS:
             raise BenchConfigError(f"--workload must be one of {WORKLOADS}, got {self.workload_type!r}")
+        if self.repeats < 1:
+            raise BenchConfigError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.workload_type == "prefix" and self.repeats != 1:
+            raise BenchConfigError("--repeats applies to the mixed workload (the prefix workload runs once)")
         if self.workload_type == "prefix" and (self.target != "engine" or self.compare_peft):
             raise BenchConfigError("--workload prefix runs the in-process engine with its prefix cache off and on: "
                                    "use --target engine, without --compare-peft")
@@ -256,25 +261,40 @@ def resolve_model(cfg: BenchConfig, log: Callable[[str], None]) -> tuple[Path, s
     return ensure_demo(Path(cfg.work_dir) / "demo").model_dir, "demo model (Llama, 4 layers, hidden 128)"
 
 
-def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[str], None] = print) -> dict:
+def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[str], None] = print,
+              after_point: Callable[[dict], None] | None = None) -> dict:
+    """The sweep, cfg.repeats times; after_point(point) runs another system on a point right after
+    loraplex (and PEFT) did (scripts/bench.py's peer), adding its results to the point."""
     if cfg.workload_type == "prefix":
         from server.bench.prefix import run_prefix_bench
 
         return run_prefix_bench(cfg, json_path, log)
+    from server.bench.rounds import combine_rounds, round_order, scaling_vs_fewest
+
     model_dir, label = resolve_model(cfg, log)
     cfg_dict = asdict(cfg)
     cfg_dict.pop("extra")
     cfg_dict["model_label"] = cfg.model_label or label
     cfg_dict["rate"] = None if math.isinf(cfg.rate) else cfg.rate  # JSON has no infinity
     doc = {"config": cfg_dict, "environment": environment(cfg), "points": []}
-    for n in cfg.adapter_counts:
-        doc["points"].append(run_point(cfg, model_dir, n, log))
-        ratios = {str(p["num_adapters"]): p.get("throughput_ratio_vs_peft") for p in doc["points"]}
-        doc["throughput_ratio_vs_peft_by_adapters"] = ratios
-        # The headline (the minimum interface's key): the ratio at the largest adapter count run.
-        doc["throughput_ratio_vs_peft"] = ratios[str(max(p["num_adapters"] for p in doc["points"]))]
-        if json_path is not None:
-            from server.bench.report import write_json
+    counts = tuple(dict.fromkeys(cfg.adapter_counts))
+    rounds: dict[int, list[dict]] = {n: [] for n in counts}
+    for r in range(cfg.repeats):
+        if cfg.repeats > 1:
+            log(f"round {r + 1}/{cfg.repeats}: adapters {', '.join(map(str, round_order(counts, r)))}")
+        for n in round_order(counts, r):
+            point = run_point(cfg, model_dir, n, log)
+            if after_point is not None:
+                after_point(point)
+            rounds[n].append(point)
+            doc["points"] = [combine_rounds(rounds[m]) for m in counts if rounds[m]]
+            ratios = {str(p["num_adapters"]): p.get("throughput_ratio_vs_peft") for p in doc["points"]}
+            doc["throughput_ratio_vs_peft_by_adapters"] = ratios
+            # The headline (the minimum interface's key): the ratio at the largest adapter count run.
+            doc["throughput_ratio_vs_peft"] = ratios[str(max(p["num_adapters"] for p in doc["points"]))]
+            doc["throughput_vs_fewest_adapters"] = scaling_vs_fewest({m: v for m, v in rounds.items() if v})
+            if json_path is not None:
+                from server.bench.report import write_json
 
-            write_json(doc, json_path)  # after every point, so a long sweep keeps what it has
+                write_json(doc, json_path)  # after every point, so a long sweep keeps what it has
     return doc

@@ -39,7 +39,7 @@ PROJECTION_SLICES = {
 class LoraGroupBuffers:
     """One fused linear layer's slots: S slices sharing an input."""
 
-    a: torch.Tensor  # [S, L, R, in]
+    a: torch.Tensor  # [S, L, R, in], stored slot-major as [L, S, R, in]: a slot's slices are one matrix
     b: tuple[torch.Tensor, ...]  # S x [L, n_i, R], stored as [L, R, n_i] (strides (R*n_i, 1, n_i))
     scaling: torch.Tensor  # [S, L] float32, stored as [L, S]: a slot's scalings are contiguous
     offsets: tuple[int, ...]  # column offset of each slice in the fused output
@@ -48,7 +48,8 @@ class LoraGroupBuffers:
     def allocate(cls, in_features: int, out_sizes: tuple[int, ...], max_loras: int, max_rank: int, dtype, device):
         offsets = tuple(sum(out_sizes[:i]) for i in range(len(out_sizes)))
         return cls(
-            a=torch.zeros(len(out_sizes), max_loras, max_rank, in_features, dtype=dtype, device=device),
+            # Slot-major A lets the CPU shrink read a span of slots, every slice, in one batched matmul.
+            a=torch.zeros(max_loras, len(out_sizes), max_rank, in_features, dtype=dtype, device=device).transpose(0, 1),
             b=tuple(torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device).transpose(1, 2)
                     for n in out_sizes),
             scaling=torch.zeros(max_loras, len(out_sizes), dtype=torch.float32, device=device).t(),

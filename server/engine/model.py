@@ -47,8 +47,8 @@ class LoraLinear:
         y = ctx.ops.linear(x, self.weight, self.bias)  # x: [T, in] -> y: [T, out]
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
-            ctx.ops.lora_shrink(x, self.lora.a, ctx.lora, self.lora.scaling, h)
-            ctx.ops.lora_expand(h, self.lora.b, ctx.lora, y, self.lora.offsets)
+            lora = self.lora
+            ctx.ops.lora(x, lora.a, lora.b, lora.scaling, lora.offsets, ctx.lora, h, y)
         return y
 
 

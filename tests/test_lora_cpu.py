@@ -1,12 +1,12 @@
-"""The CPU LoRA path gives each token PEFT's result whatever else is in the batch: the same rows
-with 1, 8 or 32 distinct adapters (chunks of different widths, padded differently), equal to
-y = x W + (x A^T B^T) * scaling computed token by token."""
+"""The CPU LoRA path (kernels.lora_cpu) gives each token PEFT's result whatever else is in the batch:
+the same rows with 1, 8 or 32 distinct adapters (chunks of different widths, padded differently),
+equal to y = x W + (x A^T B^T) * scaling computed token by token, and to the reference shrink + expand."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import lora_ref
+from kernels import lora_cpu, lora_ref
 from kernels.metadata import LoraBatch
 
 HIDDEN, RANK, SLOTS = 48, 8, 32
@@ -34,11 +34,10 @@ def _peft_rows(x, slots, lora_a, lora_b, scaling):
 def _run(x, slots, lora_a, lora_b, scaling, dtype=torch.float32):
     batch = LoraBatch.build(slots)
     h = torch.zeros(len(WIDTHS), len(slots), RANK, dtype=dtype)  # [S, T, R]
-    lora_ref.lora_shrink(x.to(dtype), lora_a.to(dtype), batch, scaling, h)
     lora_b = tuple(b.to(dtype) for b in lora_b)
     y = torch.zeros(len(slots), sum(WIDTHS), dtype=dtype)  # [T, sum n]
     offsets = tuple(sum(WIDTHS[:i]) for i in range(len(WIDTHS)))
-    lora_ref.lora_expand(h, lora_b, batch, y, offsets)
+    lora_cpu.lora_apply(x.to(dtype), lora_a.to(dtype), lora_b, scaling, offsets, batch, h, y)
     return y
 
 
@@ -59,7 +58,7 @@ def test_each_token_gets_the_peft_delta(num_adapters, prefill):
     slots = _slots(num_adapters)
     for i in range(prefill):
         at = (i * 7) % len(slots)
-        slots[at:at] = [(5 * i) % num_adapters] * (lora_ref.SEGMENT_MIN_RUN + 3 * i)
+        slots[at:at] = [(5 * i) % num_adapters] * (lora_cpu.SEGMENT_MIN_RUN + 3 * i)
     x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(num_adapters + 100 * prefill))  # [T, in]
     got = _run(x, slots, lora_a, lora_b, scaling)
     torch.testing.assert_close(got, _peft_rows(x, slots, lora_a, lora_b, scaling), rtol=1e-5, atol=1e-5)
@@ -74,7 +73,7 @@ def test_each_token_gets_the_peft_delta(num_adapters, prefill):
 def test_both_chunk_forms_give_the_peft_delta(slots, span):
     lora_a, lora_b, scaling = _weights()
     x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(len(slots)))
-    assert (lora_ref._groups(LoraBatch.build(slots)).span is not None) == span
+    assert (lora_cpu._groups(LoraBatch.build(slots)).span is not None) == span
     got = _run(x, slots, lora_a, lora_b, scaling)
     torch.testing.assert_close(got, _peft_rows(x, slots, lora_a, lora_b, scaling), rtol=1e-5, atol=1e-5)
     assert got[[i for i, s in enumerate(slots) if s < 0]].abs().max() == 0
@@ -83,7 +82,7 @@ def test_both_chunk_forms_give_the_peft_delta(slots, span):
 def test_bfloat16_rows_are_the_float32_delta_rounded():
     """Padding repeats a chunk's first row with a zero share: in bf16 the sum is still rounded once."""
     lora_a, lora_b, scaling = _weights()
-    slots = _slots(8, tokens_per_request=5) + [3] * lora_ref.SEGMENT_MIN_RUN
+    slots = _slots(8, tokens_per_request=5) + [3] * lora_cpu.SEGMENT_MIN_RUN
     x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(5))
     got = _run(x, slots, lora_a, lora_b, scaling, torch.bfloat16)
     a16, b16 = lora_a.bfloat16().float(), tuple(b.bfloat16().float() for b in lora_b)
@@ -102,3 +101,35 @@ def test_a_request_gets_the_same_rows_with_1_8_or_32_adapters_beside_it():
         results.append(_run(x, [0] * 5 + others, lora_a, lora_b, scaling)[:5])
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("slot_major", [True, False], ids=["slot-major", "slice-major"])
+@pytest.mark.parametrize("rank_bound", [RANK, 5])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "offset-columns"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_equals_the_reference_shrink_then_expand(slot_major, rank_bound, packed, dtype):
+    """Every layout the engine or a caller may hand over: A stored slot-major (as the engine allocates
+    it) or not, adapters of a lower rank than the buffers, slices at offsets inside a wider output."""
+    lora_a, lora_b, scaling = _weights()
+    lora_a[:, :, rank_bound:] = 0  # rows past an adapter's rank are zero in real slots
+    lora_b = tuple(b.clone().index_fill_(2, torch.arange(rank_bound, RANK), 0) for b in lora_b)
+    if slot_major:
+        lora_a = lora_a.transpose(0, 1).contiguous().transpose(0, 1)
+    lora_a, lora_b = lora_a.to(dtype), tuple(b.to(dtype) for b in lora_b)
+    slots = _slots(32) + [7] * lora_cpu.SEGMENT_MIN_RUN + [3, 9, -1, 3]
+    batch = LoraBatch.build(slots, slot_ranks=[rank_bound] * SLOTS)
+    x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(11)).to(dtype)
+    pad = 0 if packed else 5
+    offsets = tuple(pad + sum(WIDTHS[:i]) for i in range(len(WIDTHS)))
+    y0 = torch.randn(len(slots), pad + sum(WIDTHS) + pad, generator=torch.Generator().manual_seed(12)).to(dtype)
+    want, got = y0.clone(), y0.clone()
+    h = torch.zeros(len(WIDTHS), len(slots), RANK, dtype=dtype)
+    lora_ref.lora_shrink(x, lora_a, batch, scaling, h)
+    lora_ref.lora_expand(h, lora_b, batch, want, offsets)
+    lora_cpu.lora_apply(x, lora_a, lora_b, scaling, offsets, batch, torch.empty_like(h), got)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    base = [i for i, s in enumerate(slots) if s < 0]
+    assert torch.equal(got[base], y0[base])  # rows without an adapter are bit-identical
+    if not packed:
+        assert torch.equal(got[:, :pad], y0[:, :pad]) and torch.equal(got[:, -pad:], y0[:, -pad:])

@@ -1,0 +1,200 @@
+"""Multi-LoRA on the CPU: shrink and expand of one fused projection in one pass, a fixed handful of ops
+whatever the number of adapters in the batch.
+
+Same result as kernels.lora_ref's shrink then expand; profiled with scripts/profile_step.py.
+Slot buffers hold every loaded adapter at the maximum rank; rows beyond an adapter's own rank are
+zero, so only the first `batch.rank_bound` rank columns are computed. Two forms, chosen per run of
+one adapter's consecutive tokens (a step may use both):
+
+- runs of SEGMENT_MIN_RUN tokens or more (prefill chunks): a matmul per run and side, the expand
+  added in place onto the base output's rows; gathering and scattering prefill-sized deltas cost
+  more than the matmuls.
+- shorter runs (decodes): the tokens are grouped in chunks of one adapter each, and one batched
+  matmul per side does every chunk (and, for the shrink, every fused slice) at once; the deltas land
+  on the base output with one contiguous index_add_. A loop per adapter made the op count, not the
+  math, dominate such steps, and so did going through the composed form's [S, T, R] scratch: with
+  32 adapters the gathers, copies and scatters around the matmuls took twice the matmuls' time.
+
+A is best stored slot-major ([L, S, R, in] in memory, viewed as [S, L, R, in]; see
+server.engine.lora_slots): then one slot's slices are one [S*R, in] matrix, and a span of slots is
+read in place by the shrink's single batched matmul. Other layouts give the same result with a copy.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.metadata import LoraBatch
+
+SEGMENT_MIN_RUN = 32  # adapter tokens in a run from which a matmul of its own beats gathered chunks
+
+
+def lora_apply(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: tuple[torch.Tensor, ...],
+    scaling: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    batch: LoraBatch,
+    h: torch.Tensor,
+    y: torch.Tensor,
+) -> None:
+    """Add each token's LoRA delta onto the base output, every slice of a fused projection.
+
+    Semantics: kernels.lora_ref.lora_shrink(x, lora_a, batch, scaling, h) then
+        kernels.lora_ref.lora_expand(h, lora_b, batch, y, slice_offsets): for t with s = slot[t] >= 0,
+        y[t, off[i] : off[i] + n_i] += round(scaling[i, s] * (x[t] @ lora_a[i, s].T)) @ lora_b[i][s].T,
+        where round is to h's dtype (the composed form's scratch), the sum is in float32 and y is
+        rounded once. Rows with slot -1 are left bit-identical; h is not written.
+    Shape: x [T, in]; lora_a [S, L, R, in]; lora_b: S tensors [L, n_i, R]; scaling [S, L] float32;
+        slice_offsets: S column offsets into y; h [S, T, R] (only its dtype is used); y [T, >= sum n_i].
+    """
+    if not batch.any_lora:
+        return
+    num_slices, r = lora_a.shape[0], batch.effective_rank(lora_a.shape[2])
+    by_slot = lora_a.transpose(0, 1)[:, :, :r]  # [L, S, r, in]: a view, contiguous per slot when slot-major
+    for start, n, s in _long_runs(batch):
+        a = by_slot[s].reshape(num_slices * r, x.shape[1]).float()  # [S*r, in]
+        hs = torch.mm(x[start : start + n].float(), a.t()).view(n, num_slices, r)  # [n, S, r]
+        hs = _rounded(hs * scaling[:, s, None], h.dtype)
+        for i, (b, off) in enumerate(zip(lora_b, slice_offsets)):
+            dst = y[start : start + n, off : off + b.shape[1]]  # [n, n_i]
+            if y.dtype == torch.float32:
+                dst.addmm_(hs[:, i], b[s, :, :r].float().t())  # in place: no delta the size of the output
+            else:
+                dst.copy_(dst.float().addmm_(hs[:, i], b[s, :, :r].float().t()))  # rounded once
+    g = _groups(batch)
+    if g is not None:
+        _apply_chunks(x, by_slot, lora_b, scaling, slice_offsets, g, r, h.dtype, y)
+
+
+def _apply_chunks(x, by_slot, lora_b, scaling, slice_offsets, g: _Groups, r: int, h_dtype, y) -> None:
+    """The short runs' tokens, chunk by chunk: x [T, in]; by_slot [L, S, r, in]."""
+    chunks, width = g.rows.shape
+    num_slices = by_slot.shape[1]
+    xs = x[g.rows].float()  # [C, M, in]
+    a = _chunk_weights(by_slot, g).reshape(chunks, num_slices * r, x.shape[1]).float()  # [C, S*r, in]
+    hs = torch.bmm(xs, a.transpose(1, 2)).view(chunks, width, num_slices, r)  # [C, M, S, r]
+    # Padding rows repeat a real row; `keep` zeroes their share so they add nothing.
+    hs = _rounded(hs * (g.keep[:, :, None, None] * _chunk_weights(scaling.t(), g)[:, None, :, None]), h_dtype)
+    hs = hs.permute(2, 0, 1, 3)  # [S, C, M, r]
+    weights = [_chunk_weights(b.transpose(1, 2)[:, :r], g).float() for b in lora_b]  # S x [C, r, n_i]
+    width_out = sum(b.shape[1] for b in lora_b)
+    if slice_offsets != _packed_offsets(lora_b) or y.shape[1] != width_out or not y.is_contiguous():
+        for hi, wi, off in zip(hs, weights, slice_offsets):
+            _add_rows(y[:, off : off + wi.shape[2]], g.rows.flatten(), torch.bmm(hi, wi).flatten(0, 1))
+        return
+    _add_rows(y, g.rows.flatten(), _packed_delta(hs, weights).flatten(0, 1))
+
+
+def _rounded(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """h as the composed form stores it between shrink and expand (its scratch's dtype), in float32."""
+    return h if dtype == torch.float32 else h.to(dtype).float()
+
+
+def _packed_delta(hs: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """Every slice's delta side by side, [C, M, sum n_i], from hs [S, C, M, r] and S x [C, r, n_i].
+
+    Wide chunks multiply once against block-diagonal weights: building them writes C x S*r x sum n_i
+    values where gluing per-slice products writes C x M x sum n_i, and a last-dimension cat of wide
+    blocks cost more than the matmuls.
+    """
+    num_slices, chunks, width, r = hs.shape
+    if num_slices == 1:
+        return torch.bmm(hs[0], weights[0])
+    if width <= num_slices * r:
+        return torch.cat([torch.bmm(hi, wi) for hi, wi in zip(hs, weights)], dim=-1)
+    diag = hs.new_zeros(chunks, num_slices * r, sum(w.shape[2] for w in weights))  # [C, S*r, sum n_i]
+    off = 0
+    for i, wi in enumerate(weights):
+        diag[:, i * r : (i + 1) * r, off : off + wi.shape[2]] = wi
+        off += wi.shape[2]
+    return torch.bmm(hs.permute(1, 2, 0, 3).reshape(chunks, width, num_slices * r), diag)
+
+
+def _long_runs(batch: LoraBatch) -> list[tuple[int, int, int]]:
+    """(start, length, slot) of each adapter run of SEGMENT_MIN_RUN tokens or more (prefill chunks)."""
+    return [(start, n, s) for start, n, s in zip(*batch.runs_host) if s >= 0 and n >= SEGMENT_MIN_RUN]
+
+
+class _Groups(NamedTuple):
+    slots: torch.Tensor  # [C] the adapter slot of each chunk
+    rows: torch.Tensor  # [C, M] token rows of each chunk; padding repeats a real row
+    keep: torch.Tensor  # [C, M] float32: 1 for a real row, 0 for padding
+    span: tuple[int, int] | None  # chunk c is slot lo + c, for c < hi - lo: weights are a view
+
+
+def _chunk_weights(w: torch.Tensor, g: _Groups) -> torch.Tensor:
+    """w [L, ...] per slot -> [C, ...] per chunk: a view of the span, else gathered."""
+    return w[g.span[0] : g.span[1]] if g.span is not None else w.index_select(0, g.slots)
+
+
+def _groups(batch: LoraBatch) -> _Groups | None:
+    """The tokens of short runs grouped by adapter in chunks of equal width; None when there are none.
+
+    Built once per step (all layers share it).
+
+    When the adapters sit in slots close together and no adapter has far more tokens than the rest
+    (decodes), each slot of the span is one chunk and its weights are read in place. Otherwise each
+    adapter's tokens are cut into chunks of at most M = ceil(n / G) rows (n adapter tokens, G
+    adapters), and every chunk is one matrix of the batched matmul, its adapter's weights gathered
+    for it. Padding each adapter to its longest group instead made a step that mixes one 128-token
+    prefill with 31 decode tokens compute 32 x 128 rows; chunks bound the padded rows by 2n + G
+    whatever the mix.
+    """
+    if "cpu_groups" not in batch.scratch:
+        batch.scratch["cpu_groups"] = _build_groups(batch)
+    return batch.scratch["cpu_groups"]
+
+
+def _build_groups(batch: LoraBatch) -> _Groups | None:
+    token_slots = batch.token_slots.long()
+    device = token_slots.device
+    short = token_slots >= 0  # [T]
+    for start, n, _ in _long_runs(batch):
+        short[start : start + n] = False
+    lora_rows = short.nonzero().squeeze(1)  # [n]
+    if lora_rows.numel() == 0:
+        return None
+    order = lora_rows[torch.sort(token_slots[lora_rows], stable=True).indices]  # [n] token rows by slot
+    slots, counts = torch.unique_consecutive(token_slots[order], return_counts=True)  # [G], [G]
+    n, num_adapters = order.numel(), slots.numel()
+    group_start = torch.cumsum(counts, 0) - counts  # [G]
+    group = torch.repeat_interleave(torch.arange(num_adapters, device=device), counts)  # [n]
+    pos = torch.arange(n, device=device) - group_start[group]  # [n] place in its group
+    lo, hi, most = int(slots[0]), int(slots[-1]) + 1, int(counts.max())
+    span = None
+    if hi - lo <= 2 * num_adapters and (hi - lo) * most <= 4 * n:
+        # Decodes over slots close together: one chunk per slot of the span, as wide as the busiest
+        # adapter. Reading each slot's weights in place saves copying them per step, which grew with
+        # the number of adapters; the padding costs rank-r products only.
+        span, width, chunk_slots = (lo, hi), most, torch.arange(lo, hi, device=device)
+        chunk = slots[group] - lo  # [n]
+    else:
+        width = -(-n // num_adapters)  # M
+        chunks = (counts + width - 1) // width  # [G] chunks per adapter
+        first_chunk = torch.cumsum(chunks, 0) - chunks  # [G]
+        chunk = first_chunk[group] + pos // width  # [n]
+        chunk_slots = torch.repeat_interleave(slots, chunks)
+    picks = chunk * width + pos % width  # [n] into C*M
+    num_chunks = chunk_slots.numel()
+    rows = order[:1].repeat(num_chunks * width)  # [C*M], padding: a real LoRA row (its share is 0)
+    rows[picks] = order
+    keep = torch.zeros(num_chunks * width, dtype=torch.float32, device=device)
+    keep[picks] = 1.0
+    return _Groups(chunk_slots, rows.view(-1, width), keep.view(-1, width), span)
+
+
+def _packed_offsets(lora_b: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    return tuple(sum(b.shape[1] for b in lora_b[:i]) for i in range(len(lora_b)))
+
+
+def _add_rows(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """y[rows] += delta (rows may repeat: padding, whose delta is 0), rounded once to y's dtype."""
+    if y.dtype == torch.float32:
+        y.index_add_(0, rows, delta)
+        return
+    acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    acc.index_add_(0, rows, delta)
+    y.add_(acc)  # computed in float32 and rounded once; rows without LoRA add exactly 0
