@@ -116,8 +116,11 @@ def test_fused_equals_the_reference_shrink_then_expand(slot_major, rank_bound, p
     if slot_major:
         lora_a = lora_a.transpose(0, 1).contiguous().transpose(0, 1)
     lora_a, lora_b = lora_a.to(dtype), tuple(b.to(dtype) for b in lora_b)
-    slots = _slots(32) + [7] * lora_cpu.SEGMENT_MIN_RUN + [3, 9, -1, 3]
+    run = lora_cpu.SEGMENT_MIN_RUN
+    slots = _slots(32) + [7] * run + [2] * (run + 8) + [3, 9, -1, 3] + [5] * (run + 1)
     batch = LoraBatch.build(slots, slot_ranks=[rank_bound] * SLOTS)
+    # Two stretches of prefill-sized runs: adjacent runs of adapters 7 and 2 share grouped matmuls.
+    assert [b.offs.tolist() for b in lora_cpu._long_blocks(batch)] == [[run, 2 * run + 8], [run + 1]]
     x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(11)).to(dtype)
     pad = 0 if packed else 5
     offsets = tuple(pad + sum(WIDTHS[:i]) for i in range(len(WIDTHS)))
