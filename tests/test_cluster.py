@@ -120,9 +120,15 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Cluster:
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
-            for pid in [r["pid"] for r in state["replicas"]] + [p["pid"] for p in state["proxies"]]:
+            pidfile = data / "cluster" / "redis" / "redis.pid"  # the embedded Redis (server.redis_embedded)
+            children = {**{r["name"]: r["pid"] for r in state["replicas"]},
+                        **{p["kind"]: p["pid"] for p in state["proxies"]},
+                        **({"redis": int(pidfile.read_text())} if pidfile.is_file() else {})}
+            running = [name for name, pid in children.items() if _alive(pid)]
+            for pid in children.values():
                 _kill(pid)
-            pytest.fail("scripts/cluster did not stop within 30 s of Ctrl-C")
+            pytest.fail(f"scripts/cluster did not stop within 30 s of Ctrl-C; still running then: {running}\n"
+                        f"{output.read_text(errors='replace')[-2000:]}")
         alive = [r["name"] for r in state["replicas"] if _alive(r["pid"])]
         assert not alive, f"replicas left running after Ctrl-C: {alive}"
 
