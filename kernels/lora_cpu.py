@@ -76,8 +76,8 @@ def _apply_block(x, by_slot, lora_b, scaling, slice_offsets, blk: _Block, r: int
     hs = _grouped_mm(x[rows].float(), a.transpose(1, 2), blk.offs)  # [n, S*r]
     hs = _rounded(hs.view(blk.rows, num_slices, r) * scaling.t().index_select(0, blk.row_slots)[:, :, None], h_dtype)
     weights = [(b.transpose(1, 2)[:, :r], off, off + b.shape[1]) for b, off in zip(lora_b, slice_offsets)]
-    for (start, n, s), first in zip(blk.runs, blk.firsts):
-        y_run, hs_run = y[start : start + n], hs[first : first + n]  # [n, W], [n, S, r]
+    for start, n, s in blk.runs:
+        y_run, hs_run = y[start : start + n], hs[start - blk.start : start - blk.start + n]  # [n, W], [n, S, r]
         for i, (w, lo, hi) in enumerate(weights):  # w [L, r, n_i]
             dst = y_run[:, lo:hi]
             if y.dtype == torch.float32:
@@ -163,7 +163,6 @@ class _Block(NamedTuple):
     offs: torch.Tensor  # [G] int32, each run's end row, counted from start (torch._grouped_mm's offsets)
     row_slots: torch.Tensor  # [rows] int64, each row's slot
     runs: list[tuple[int, int, int]]  # (start, length, slot) of each run
-    firsts: list[int]  # each run's first row, counted from start
 
 
 def _long_blocks(batch: LoraBatch) -> list[_Block]:
@@ -183,7 +182,7 @@ def _long_blocks(batch: LoraBatch) -> list[_Block]:
             ends = torch.tensor(lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             rows = int(ends[-1])
             blocks.append(_Block(start, rows, torch.tensor(slots, device=device), ends.to(device),
-                                 batch.token_slots[start : start + rows].long(), runs, [s - start for s, _, _ in runs]))
+                                 batch.token_slots[start : start + rows].long(), runs))
         batch.scratch["cpu_long_blocks"] = blocks
     return batch.scratch["cpu_long_blocks"]
 
