@@ -129,8 +129,9 @@ class Specialiser:
         backend, binder = cached
         kwargs = dict(launch.kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # as JITFunction.run passes them
+            if hasattr(knobs.compilation, knob):  # absent from older Triton (3.6 has no fpsan_*)
+                kwargs[knob] = getattr(knobs.compilation, knob)
         bound, specialization, options = binder(*launch.args, **kwargs)
         return backend, kwargs, bound, specialization, options
 
