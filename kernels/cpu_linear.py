@@ -33,19 +33,37 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, written into `out` when given (the model's preallocated workspace).
+
+    Semantics: y = x @ weight.T + bias, through the same addmm / mm that F.linear calls for 2-D
+    inputs, so the result is bit for bit F.linear's.
+    Shape: x [T, in]; weight [out, in]; bias [out] or None; out [T, out] contiguous or None;
+    returns [T, out] (`out` itself when given).
+    """
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear computed in float32 from half-precision operands, rounded once to x's dtype.
 
     Semantics: y = round_to(x.dtype)(float(x) @ float(weight).T + float(bias)).
-    Shape: x [T, in]; weight [out, in]; bias [out] or None; returns [T, out] in x's dtype.
+    Shape: x [T, in]; weight [out, in]; bias [out] or None; out [T, out] in x's dtype or None;
+    returns [T, out] in x's dtype (`out` itself when given).
     """
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return y.to(x.dtype)
+    return y.to(x.dtype) if out is None else out.copy_(y)
 
 
 def linear_for(device: torch.device, dtype: torch.dtype, flags: frozenset[str] | None = None) -> Callable:
-    """F.linear where the device multiplies `dtype` natively; upcast_linear on a CPU that cannot."""
+    """`linear` where the device multiplies `dtype` natively; upcast_linear on a CPU that cannot."""
     if device.type != "cpu" or dtype not in NATIVE_FLAGS:
-        return F.linear
+        return linear
     flags = cpu_flags() if flags is None else flags
-    return F.linear if flags & set(NATIVE_FLAGS[dtype]) else upcast_linear
+    return linear if flags & set(NATIVE_FLAGS[dtype]) else upcast_linear

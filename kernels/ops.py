@@ -7,10 +7,9 @@ from typing import Callable
 
 import torch
 
-import torch.nn.functional as F
 
 from kernels import attention_ref, lora_cpu, lora_ref
-from kernels.cpu_linear import linear_for
+from kernels.cpu_linear import linear, linear_for
 
 KERNEL_KINDS = ("auto", "triton", "torch")
 
@@ -23,7 +22,7 @@ class KernelOps:
     lora: Callable[..., None]  # one fused projection's LoRA, both sides: see kernels.lora_cpu.lora_apply
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
-    linear: Callable[..., torch.Tensor] = F.linear  # the base projections (kernels.cpu_linear on some CPUs)
+    linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
 
 
 def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:
@@ -35,7 +34,7 @@ def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> C
     return lora
 
 
-def torch_ops(linear: Callable[..., torch.Tensor] = F.linear) -> KernelOps:
+def torch_ops(linear: Callable[..., torch.Tensor] = linear) -> KernelOps:
     return KernelOps(
         name="torch",
         lora_shrink=lora_ref.lora_shrink,

@@ -8,8 +8,8 @@ steps that prefill `--prefill-seqs` prompts of `--prefill-len` tokens. Three vie
 
 - phase: the engine step's own parts (schedule, prepare, forward, sample, postprocess), wall time;
 - part: the forward's kernels (LoRA, both sides fused; KV write; attention; each a record_function
-  around the engine's KernelOps entry), the base projections (aten::linear on the layers), the
-  lm_head (aten::linear on the vocabulary) and the rest (norms, rope, activations, copies);
+  around the engine's KernelOps entry), the base projections (KernelOps.linear into the workspace),
+  the lm_head (KernelOps.linear on the vocabulary) and the rest (norms, rope, activations, copies);
 - op: torch.profiler's self CPU time per aten op, top `--top`.
 
 Prints the tables and writes JSON. Absolute times are this machine's; shares are what to attack.
@@ -38,6 +38,7 @@ from server.bench.synth_adapters import ensure_adapters  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
 
 KERNEL_PARTS = ("lora", "write_kv", "paged_attention")
+PARTS = (*KERNEL_PARTS, "base linear", "lm_head")
 
 
 def _labelled(name: str, fn):
@@ -47,32 +48,37 @@ def _labelled(name: str, fn):
     return run
 
 
+def _labelled_linear(linear):
+    """The layers' projections write into the workspace (out=); the lm_head's logits are a new tensor."""
+    def run(*args, out=None, **kwargs):
+        with record_function("lm_head" if out is None else "base linear"):
+            return linear(*args, out=out, **kwargs)
+    return run
+
+
 def _label_kernels(llm: LLM) -> None:
     """Each kernel entry runs inside a record_function of its name (on this engine instance only)."""
     ops = llm.engine.runner.ops
-    llm.engine.runner.ops = dataclasses.replace(ops, **{n: _labelled(n, getattr(ops, n)) for n in KERNEL_PARTS})
+    labelled = {n: _labelled(n, getattr(ops, n)) for n in KERNEL_PARTS}
+    llm.engine.runner.ops = dataclasses.replace(ops, linear=_labelled_linear(ops.linear), **labelled)
 
 
-def _parts(prof, vocab: int, steps: int) -> dict[str, float]:
+def _parts(prof, steps: int) -> dict[str, float]:
     """ms per step of each part of the forward, from the profiler's events."""
-    ms = {n: 0.0 for n in (*KERNEL_PARTS, "base linear", "lm_head")}
-    for e in prof.key_averages(group_by_input_shape=True):
-        if e.key in KERNEL_PARTS:
+    ms = {n: 0.0 for n in PARTS}
+    for e in prof.key_averages():
+        if e.key in PARTS:
             ms[e.key] += e.cpu_time_total / 1000
-        elif e.key == "aten::linear":
-            shapes = e.input_shapes or []
-            head = len(shapes) > 1 and shapes[1] and shapes[1][0] == vocab
-            ms["lm_head" if head else "base linear"] += e.cpu_time_total / 1000
     return {k: v / steps for k, v in ms.items()}
 
 
 def _ops(prof, steps: int, top: int) -> list[dict]:
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count // steps}
-            for e in rows[:top] if e.key not in KERNEL_PARTS]
+            for e in rows[:top] if e.key not in PARTS]
 
 
-def _profile_steps(llm: LLM, timers: dict, steps: int, vocab: int, top: int) -> dict:
+def _profile_steps(llm: LLM, timers: dict, steps: int, top: int) -> dict:
     engine = llm.engine
     for t in timers.values():
         t.total = 0.0
@@ -83,7 +89,7 @@ def _profile_steps(llm: LLM, timers: dict, steps: int, vocab: int, top: int) -> 
             engine.step()
             walls.append(time.perf_counter() - t)
     phases = {k: 1000 * timers[k].total / steps for k in PHASES}
-    parts = _parts(prof, vocab, steps)
+    parts = _parts(prof, steps)
     parts["rest of forward"] = max(0.0, phases["forward"] - sum(parts.values()))
     return {"steps": steps, "step_ms_median": 1000 * statistics.median(walls), "phase_ms": phases,
             "part_ms": parts, "top_ops": _ops(prof, steps, top)}
@@ -110,7 +116,6 @@ def run(args) -> dict:
     names = [f"a{i}" for i in adapters]
     for i, path in adapters.items():
         llm.add_adapter(f"a{i}", path)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
     engine = llm.engine
     # Warm: every adapter resident and every code path run once before anything is timed.
@@ -123,13 +128,13 @@ def run(args) -> dict:
         while any(s.num_pending_tokens > 1 for s in engine.scheduler.running) or engine.stats().num_waiting:
             engine.step()  # until every sequence decodes
         engine.step()
-        decode = _profile_steps(llm, timers, args.steps, vocab, args.top)
+        decode = _profile_steps(llm, timers, args.steps, args.top)
         for rid in list(engine.seqs):
             engine.abort_request(rid)
         engine.step()
 
         _add(llm, names, args.prefill_seqs, args.prefill_len, 1, rng, "p")
-        prefill = _profile_steps(llm, timers, 1, vocab, args.top)
+        prefill = _profile_steps(llm, timers, 1, args.top)
         while engine.has_unfinished_requests():
             engine.step()
     return {"model_shape": args.model_shape, "layers": args.layers, "dtype": args.dtype,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import cpu_flags, linear_for, upcast_linear
+from kernels.cpu_linear import cpu_flags, linear, linear_for, upcast_linear
 from kernels.ops import select_kernels
 
 
@@ -23,12 +23,12 @@ def test_upcast_linear_is_the_float32_product_rounded_once():
 
 def test_the_cpu_flags_pick_the_matmul(tmp_path):
     cpu = torch.device("cpu")
-    assert linear_for(cpu, torch.float32, frozenset()) is F.linear
+    assert linear_for(cpu, torch.float32, frozenset()) is linear
     assert linear_for(cpu, torch.bfloat16, frozenset({"avx2", "fma"})) is upcast_linear  # an AVX2 EPYC
-    assert linear_for(cpu, torch.bfloat16, frozenset({"avx512f", "avx512_bf16"})) is F.linear
-    assert linear_for(cpu, torch.bfloat16, frozenset({"amx_bf16", "amx_tile"})) is F.linear
+    assert linear_for(cpu, torch.bfloat16, frozenset({"avx512f", "avx512_bf16"})) is linear
+    assert linear_for(cpu, torch.bfloat16, frozenset({"amx_bf16", "amx_tile"})) is linear
     assert linear_for(cpu, torch.float16, frozenset({"amx_bf16"})) is upcast_linear
-    assert linear_for(torch.device("meta"), torch.bfloat16, frozenset()) is F.linear  # not a CPU
+    assert linear_for(torch.device("meta"), torch.bfloat16, frozenset()) is linear  # not a CPU
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
     assert cpu_flags(info) == {"fpu", "avx2", "amx_bf16"}
@@ -37,6 +37,24 @@ def test_the_cpu_flags_pick_the_matmul(tmp_path):
 
 def test_the_engine_kernels_carry_the_choice():
     cpu = torch.device("cpu")
-    assert select_kernels("torch", cpu, torch.float32).linear is F.linear
+    assert select_kernels("torch", cpu, torch.float32).linear is linear
     want = linear_for(cpu, torch.bfloat16)  # this machine's answer, whichever it is
     assert select_kernels("auto", cpu, torch.bfloat16).linear is want
+
+
+def test_linear_into_a_buffer_is_f_linear_bit_for_bit():
+    """The model writes projections into its preallocated workspace: same numbers as a fresh F.linear."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(37, 96, generator=g).to(dtype)
+        w = torch.randn(80, 96, generator=g).to(dtype)
+        b = torch.randn(80, generator=g).to(dtype)
+        buf = torch.full((64, 80), float("nan"), dtype=dtype)
+        for bias in (None, b):
+            out = buf[:37]
+            y = linear(x, w, bias, out=out)
+            assert y.data_ptr() == buf.data_ptr() and torch.equal(y, F.linear(x, w, bias))
+            assert buf[37:].isnan().all()  # rows past T are left alone
+            y = upcast_linear(x, w, bias, out=out)
+            assert y.data_ptr() == buf.data_ptr() and torch.equal(y, upcast_linear(x, w, bias))
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # no buffer: F.linear itself

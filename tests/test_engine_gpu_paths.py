@@ -143,7 +143,7 @@ def test_kv_sizing_empties_the_allocator_cache_first(monkeypatch) -> None:
 def test_building_the_model_frees_the_unfused_projections() -> None:
     cfg = ModelConfig.from_dict({**MODELS["qwen2-7b"], "num_hidden_layers": 2})
     weights = meta_weights(cfg, torch.bfloat16)
-    CausalLM(cfg, weights, allocate_lora_slots(cfg, 2, 8, torch.bfloat16, "meta"), 64)
+    CausalLM(cfg, weights, allocate_lora_slots(cfg, 2, 8, torch.bfloat16, "meta"), 64, 32)
     assert not [k for k in weights if k.startswith("model.layers.")]  # every layer's tensors were taken
     assert set(weights) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
 

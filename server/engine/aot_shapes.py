@@ -79,7 +79,7 @@ def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, 
     cfg = ModelConfig.from_dict({**MODELS[shape.model], "num_hidden_layers": 1})
     dtype = DTYPES[shape.dtype]
     lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta")
-    model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len)
+    model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len, shape.max_num_batched_tokens)
     pool = (shape.num_kv_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
     kv = [(torch.empty(pool, dtype=dtype, device="meta"), torch.empty(pool, dtype=dtype, device="meta"))]
     scratch = torch.empty(3, shape.max_num_batched_tokens, shape.max_lora_rank, dtype=dtype, device="meta")

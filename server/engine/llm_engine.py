@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from adapters.format import LoraAdapter, ModelShape
 from adapters.host_tier import Fetch, HostTier
+from kernels.cpu_linear import upcast_linear
 from kernels.ops import select_kernels
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
@@ -105,7 +106,8 @@ class LLMEngine(OutputProcessing):
 
         lora_layers = allocate_lora_slots(mcfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         weights = load_weights(config.model, mcfg, self.dtype, self.device)
-        self.model = CausalLM(mcfg, weights, lora_layers, self.max_model_len)  # frees the unfused projections
+        self.model = CausalLM(mcfg, weights, lora_layers, self.max_model_len,  # frees the unfused projections
+                              config.max_num_batched_tokens)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
         self.slots = AdapterSlots(lora_layers, config.max_loras)
@@ -122,7 +124,7 @@ class LLMEngine(OutputProcessing):
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.slots, self.host
         )
         self.kernels = select_kernels(config.kernels, self.device, self.dtype)
-        if self.kernels.linear is not torch.nn.functional.linear:
+        if self.kernels.linear is upcast_linear:
             log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",
                      self.dtype, self.dtype)
         self.runner = ModelRunner(

@@ -15,6 +15,7 @@ from kernels.ops import KernelOps
 from server.engine.config import ModelConfig
 from server.engine.lora_slots import LoraGroupBuffers
 from server.engine.rope import RotaryEmbedding
+from server.engine.workspace import Workspace
 
 
 @dataclass
@@ -43,8 +44,9 @@ class LoraLinear:
         self.bias = bias  # [out] or None
         self.lora = lora
 
-    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        y = ctx.ops.linear(x, self.weight, self.bias)  # x: [T, in] -> y: [T, out]
+    def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
+        """out: [T, out] workspace rows the result is written into (and returned)."""
+        y = ctx.ops.linear(x, self.weight, self.bias, out=out)  # x: [T, in] -> y: [T, out]
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             lora = self.lora
@@ -65,23 +67,26 @@ class DecoderLayer:
         self.scale = cfg.head_dim**-0.5
 
     def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext,
-                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """rope: the step's rotary tables (RotaryEmbedding.tables), shared by all layers."""
+                 rope: tuple[torch.Tensor, torch.Tensor], ws: Workspace) -> torch.Tensor:
+        """Adds the layer onto the residual h [T, H] in place and returns it. rope: the step's rotary
+        tables (RotaryEmbedding.tables), shared by all layers; ws: the model's activation buffers."""
         cfg = self.cfg
+        t = h.shape[0]
         x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
-        q, k, v = self.qkv(x, ctx).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        t = x.shape[0]
+        q, k, v = self.qkv(x, ctx, ws.qkv[:t]).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = self.rope.apply(q.reshape(t, cfg.num_heads, cfg.head_dim), rope)  # [T, Hq, D]
         k = self.rope.apply(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), rope)  # [T, Hkv, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv
         ctx.ops.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        attn = torch.empty_like(q)
+        attn = ws.attn[:t]  # [T, Hq, D]
         ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn)
-        h = h + self.o(attn.reshape(t, cfg.q_size), ctx)
+        h += self.o(attn.view(t, cfg.q_size), ctx, ws.o[:t])
         x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(x, ctx).split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
-        return h + self.down(F.silu(gate) * up, ctx)
+        gate, up = self.gate_up(x, ctx, ws.gate_up[:t]).split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
+        act = torch.mul(F.silu(gate, inplace=True), up, out=ws.act[:t])  # gate is workspace: overwrite it
+        h += self.down(act, ctx, ws.down[:t])
+        return h
 
 
 class CausalLM:
@@ -90,9 +95,12 @@ class CausalLM:
     Consumes `weights`: each layer's tensors are taken out of the dict as it is built.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int,
+                 max_tokens: int) -> None:
+        """max_tokens: the most tokens one forward takes (max_num_batched_tokens), the workspace's rows."""
         self.cfg = cfg
         some = weights["model.embed_tokens.weight"]
+        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
         self.norm = weights["model.norm.weight"]
@@ -110,10 +118,11 @@ class CausalLM:
         ctx: StepContext,
         logits_indices: torch.Tensor,  # [N] rows whose next token is sampled
     ) -> torch.Tensor:
-        h = self.embed.index_select(0, input_ids)  # [T, H]
+        assert input_ids.shape[0] <= self.workspace.max_tokens, "the scheduler bounds a step's tokens"
+        h = self.embed.index_select(0, input_ids)  # [T, H], a new tensor: the layers add onto it in place
         rope = self.rope.tables(ctx.positions)
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, kv, ctx, rope)
+            h = layer(h, kv, ctx, rope, self.workspace)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, self.cfg.rms_norm_eps)  # [N, H]
         return ctx.ops.linear(h, self.lm_head).float()  # [N, V]
 
