@@ -7,7 +7,6 @@ from typing import Callable
 
 import torch
 
-
 from kernels import attention_ref, lora_cpu, lora_ref
 from kernels.cpu_linear import linear, linear_for
 
