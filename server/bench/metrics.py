@@ -43,6 +43,11 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either side is missing (or b is 0): a point some system did not run."""
+    return a / b if a is not None and b else None
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not values:

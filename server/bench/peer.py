@@ -220,17 +220,13 @@ def peer_config(cfg, args, python: Path, model_dir: Path, adapters: dict[str, Pa
         preloads=tuple(find_preloads(env_root)) if args.peer_preload == "auto" else ())
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def peer_runner(cfg, args, python: Path, model_dir: Path, log) -> tuple[dict, Callable[[dict], None]]:
     """(the peer's description for the JSON, a function that runs one point's workload through the
     peer right after loraplex (and PEFT) ran it, adding "peer" and the loraplex/peer ratios to it)."""
     import asyncio
 
     from server.bench import client
-    from server.bench.metrics import agreement, output_digests, summarize
+    from server.bench.metrics import agreement, output_digests, ratio, summarize
     from server.bench.runner import point_adapters
     from server.bench.workload import adapters_used, generate_workload, tenants_used
 
@@ -257,8 +253,8 @@ def peer_runner(cfg, args, python: Path, model_dir: Path, log) -> tuple[dict, Ca
         point["outputs_vs_peer"] = agreement(point.get("loraplex_output_digests"), peer_digests)
         point["peer_outputs_vs_peft"] = agreement(peer_digests, point.get("baseline_output_digests"))
         lp, pe = point["loraplex"], point["peer"]
-        point["throughput_ratio_vs_peer"] = _ratio(lp["throughput_tok_s"], pe["throughput_tok_s"])
-        point["ttft_p50_ratio_peer_over_loraplex"] = _ratio(pe["ttft_s"]["p50"], lp["ttft_s"]["p50"])
+        point["throughput_ratio_vs_peer"] = ratio(lp["throughput_tok_s"], pe["throughput_tok_s"])
+        point["ttft_p50_ratio_peer_over_loraplex"] = ratio(pe["ttft_s"]["p50"], lp["ttft_s"]["p50"])
         same = point["outputs_vs_peer"]
         log(f"  {args.peer} peer done: x{point['throughput_ratio_vs_peer'] or 0:.2f} loraplex/peer out tok/s"
             + (f", same text for {same['same']}/{same['compared']} requests" if same else ""))

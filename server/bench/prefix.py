@@ -17,15 +17,11 @@ from typing import Callable
 
 import torch
 
-from server.bench.metrics import percentile, summarize
+from server.bench.metrics import percentile, ratio, summarize
 from server.bench.report import save_figure, write_json
 from server.bench.workload import adapters_used, generate_conversations
 
 CACHE_RUNS = (("cache_off", False), ("cache_on", True))
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def _engine_kwargs(cfg, n_used: int) -> dict:
@@ -83,10 +79,10 @@ def run_prefix_point(cfg, model_dir: Path, n: int, log: Callable[[str], None]) -
         point[key], outputs[key] = _run_once(cfg, model_dir, reqs, named, cache)
         log(f"  prefix cache {'on' if cache else 'off'}: done in {time.perf_counter() - t:.1f}s")
     off, on = point["cache_off"], point["cache_on"]
-    point["ttft_p50_ratio_off_over_on"] = _ratio(off["ttft_s"]["p50"], on["ttft_s"]["p50"])
-    point["ttft_p90_ratio_off_over_on"] = _ratio(off["ttft_s"]["p90"], on["ttft_s"]["p90"])
-    point["throughput_ratio_on_over_off"] = _ratio(on["throughput_tok_s"], off["throughput_tok_s"])
-    point["request_throughput_ratio_on_over_off"] = _ratio(on["throughput_req_s"], off["throughput_req_s"])
+    point["ttft_p50_ratio_off_over_on"] = ratio(off["ttft_s"]["p50"], on["ttft_s"]["p50"])
+    point["ttft_p90_ratio_off_over_on"] = ratio(off["ttft_s"]["p90"], on["ttft_s"]["p90"])
+    point["throughput_ratio_on_over_off"] = ratio(on["throughput_tok_s"], off["throughput_tok_s"])
+    point["request_throughput_ratio_on_over_off"] = ratio(on["throughput_req_s"], off["throughput_req_s"])
     point["hit_rate"] = on["prefix_cache"]["hit_rate"]
     same = [i for i in outputs["cache_off"] if outputs["cache_on"].get(i) == outputs["cache_off"][i]]
     point["outputs_identical"] = len(same) == len(reqs) == len(outputs["cache_on"])

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from server.bench.metrics import agreement, output_digests, summarize
+from server.bench.metrics import agreement, output_digests, ratio, summarize
 from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
 from server.bench.workload import (BenchRequest, WorkloadConfig, adapter_name, adapters_used, generate_workload,
                                    tenants_used)
@@ -127,10 +127,6 @@ def environment(cfg: BenchConfig) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def kv_cache_blocks(cfg: BenchConfig, model_dir: Path) -> int | None:
     """cfg.kv_cache_bytes as whole blocks of this model at the bench's dtype; None: the engine's default."""
     if cfg.kv_cache_bytes is None:
@@ -238,9 +234,9 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
         load["baseline"]["after"] = os.getloadavg()
         log(f"  transformers + peft done in {time.perf_counter() - t:.1f}s")
         lp, bl = point["loraplex"], point["baseline"]
-        point["throughput_ratio_vs_peft"] = _ratio(lp["throughput_tok_s"], bl["throughput_tok_s"])
-        point["request_throughput_ratio_vs_peft"] = _ratio(lp["throughput_req_s"], bl["throughput_req_s"])
-        point["ttft_p50_ratio_peft_over_loraplex"] = _ratio(bl["ttft_s"]["p50"], lp["ttft_s"]["p50"])
+        point["throughput_ratio_vs_peft"] = ratio(lp["throughput_tok_s"], bl["throughput_tok_s"])
+        point["request_throughput_ratio_vs_peft"] = ratio(lp["throughput_req_s"], bl["throughput_req_s"])
+        point["ttft_p50_ratio_peft_over_loraplex"] = ratio(bl["ttft_s"]["p50"], lp["ttft_s"]["p50"])
     return point
 
 
