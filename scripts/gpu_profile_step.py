@@ -1,9 +1,10 @@
-"""Where a CUDA engine step's time goes: wall time against GPU busy time, and the top ops.
+"""Where a CUDA engine step's time goes: wall time, the forward eager against a replayed CUDA graph, top ops.
 
 Builds the Llama-3-8B-shaped random model in tmpfs, fills the engine with --seqs requests (one adapter
 each, round-robin over --adapters; 0: base model), runs their prefill, then times decode steps:
-wall time per step (synchronized), then torch.profiler over a few steps for the ops' host and device
-time. A step whose wall time is far over its device time is bound by the host (Python, launches).
+wall time per step (synchronized); one step's forward alone, eager and replayed as a CUDA graph (the
+replay has no host work, so it is the device's time); then torch.profiler over a few steps for the ops'
+host and device time. A forward whose eager time is far over its replay is bound by the host.
 """
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ from server.bench.synth_adapters import write_adapter  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
 
 
+def median_ms(fn, n: int = 20) -> float:
+    """Median wall time of fn() in ms, synchronized before and after each call."""
+    walls = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(walls)
+
+
 def graph_replay(eng, adapters: int) -> None:
     """The same decode forward eager and as a replayed CUDA graph: the host's share of a step."""
     model = eng.runner.model
@@ -36,16 +49,6 @@ def graph_replay(eng, adapters: int) -> None:
     eng.step()
     model.forward = forward
     a, k = seen["call"]
-
-    def median_ms(fn, n: int = 20) -> float:
-        walls = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            walls.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(walls)
 
     print(f"decode forward alone, {adapters} adapters: eager {median_ms(lambda: forward(*a, **k)):.2f} ms")
     try:
@@ -93,13 +96,8 @@ def main() -> int:
         steps += 1
     torch.cuda.synchronize()
     print(f"prefill of {args.seqs} x {args.prompt_len} tokens: {steps} steps, {time.perf_counter() - t:.2f} s")
-    walls = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        eng.step()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t)
-    print(f"decode step, {args.seqs} seqs, {args.adapters} adapters: wall median {1e3 * statistics.median(walls):.1f} ms")
+    print(f"decode step, {args.seqs} seqs, {args.adapters} adapters: wall median "
+          f"{median_ms(eng.step, args.steps):.1f} ms")
     graph_replay(eng, args.adapters)
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,9 +105,7 @@ def main() -> int:
         for _ in range(5):
             eng.step()
         torch.cuda.synchronize()
-    ka = prof.key_averages()
-    dev = sum(e.self_device_time_total for e in ka) / 5 / 1e3
-    print(f"profiled 5 steps: device busy {dev:.1f} ms/step")
+    ka = prof.key_averages()  # an op's CUDA time and its kernels' appear on separate rows: don't sum them
     print(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     print(ka.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
     return 0
