@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
     from server.bench.client import BenchClientError
-    from server.bench.report import write_json
-    from server.bench.runner import BenchConfigError, resolve_model, run_bench
+    from server.bench.artifacts import write_json
+    from server.bench.model_setup import resolve_model
+    from server.bench.runner import BenchConfigError, run_bench
     from server.bench.workload import WorkloadError
 
     args = build_parser().parse_args(argv)

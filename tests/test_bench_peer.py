@@ -13,7 +13,8 @@ import torch
 from server.bench.peer import (PeerConfigError, VllmPeerConfig, check_peer_arguments, core_list, find_preloads,
                                peer_config, python_executable)
 from server.bench.report import format_table
-from server.bench.runner import BenchConfig, BenchConfigError, _serve_args, run_bench
+from server.bench.model_setup import serve_args as _serve_args
+from server.bench.runner import BenchConfig, BenchConfigError, run_bench
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
@@ -95,7 +96,7 @@ def test_command_and_env_match_loraplex_settings(bench_script, peer_env, tiny_mo
     args = _parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env), "--peer-kv-gib", "2",
                   "--cpu-threads", "2", "--rank", "16", "--max-num-seqs", "64")
     python = check_peer_arguments(args)
-    cfg = BenchConfig(model_dir=str(tiny_model_dir), cpu_threads=args.cpu_threads, rank=16, max_num_seqs=64,
+    cfg = BenchConfig(model_dir=str(tiny_model_dir), cpu_threads=args.cpu_threads, ranks=(16,), max_num_seqs=64,
                       work_dir=str(tmp_path))
     adapters = {"lora-0000": tmp_path / "a0", "lora-0003": tmp_path / "a3"}
     pcfg = peer_config(cfg, args, python, tiny_model_dir, adapters, affinity=frozenset({4, 5, 6, 7}))
@@ -136,7 +137,7 @@ def test_peer_config_refuses_more_threads_than_cores(tmp_path):
 def test_loraplex_gets_the_peers_kv_pool(tiny_model_dir):
     """With --peer, loraplex's KV pool is the peer's size in whole blocks of this model: a smaller pool
     preempts sooner, which would make the comparison unfair."""
-    from server.bench.runner import kv_cache_blocks
+    from server.bench.model_setup import kv_cache_blocks
     from server.engine.config import ModelConfig
     from server.engine.kv_cache import kv_bytes_per_block
 

@@ -77,6 +77,7 @@ class PeftBaseline:
         model.generation_config.eos_token_id = None
         self.model = model.eval()
         self.has_adapters = bool(names)
+        self.outputs: dict[int, list[int]] = {}  # request index -> its generated token ids, once run
         self.tokenizer = _tokenizer(model_dir)  # texts, to compare with a server's; None without one
 
     def _generation_config(self, max_new_tokens: int):
@@ -145,6 +146,7 @@ class PeftBaseline:
                 n = min(r.max_tokens, len(times))
                 rec.token_times_s = times[:n]
                 rec.first_token_s, rec.end_s, rec.output_tokens = times[0], times[n - 1], n
+                self.outputs[r.index] = ids[:n].tolist()
                 if self.tokenizer is not None:
                     rec.text = self.tokenizer.decode(ids[:n].tolist(), skip_special_tokens=True)  # as the servers
         return [records[r.index] for r in requests]

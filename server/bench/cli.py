@@ -29,11 +29,24 @@ def _counts(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected N or N,N,... (integers), got {text!r}") from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _pair(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    try:
+        return int(a), int(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ADAPTERS:SLOTS (integers), got {text!r}") from None
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--adapters", type=_counts, default=(8,), help="adapter count, or a sweep: 1,8,64,256")
     n = w.add_mutually_exclusive_group()
-    n.add_argument("--requests", type=int, default=None, help="requests per point (default 64)")
+    n.add_argument("--requests", type=int, default=None,
+                   help="requests per point (default 64; steady: the trace's length, default 20000)")
     n.add_argument("--duration", type=float, default=None, help="seconds of arrivals (needs --rate)")
     w.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf (default) = all at once")
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of arrivals (1 = Poisson)")
@@ -47,15 +60,41 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run the sweep N times, the order of points alternating; each point reports its median "
                         "round and ratios paired within rounds (for noisy machines)")
-    w.add_argument("--rank", type=int, default=8, help="rank of the generated adapters (all 7 projections)")
+    w.add_argument("--rank", type=_counts, default=(16,), metavar="R[,R...]",
+                   help="rank of the generated adapters, all 7 projections (default 16); several (16,8) are a "
+                        "steady-workload sweep, run in the order given")
     w.add_argument("--ttft-slo", type=float, default=6.0, help="TTFT SLO in seconds (S-LoRA: 6)")
-    w.add_argument("--workload", choices=("mixed", "prefix"), default="mixed",
-                   help="prefix: chat with a system prompt per tenant and multi-turn history, run through the "
-                        "in-process engine with its prefix cache off, then on (--requests counts turns)")
+    w.add_argument("--workload", choices=("mixed", "prefix", "steady"), default="mixed",
+                   help="mixed (default): the trace as a burst or schedule; prefix: chat with a system prompt per "
+                        "tenant and multi-turn history, run through the in-process engine with its prefix cache "
+                        "off, then on (--requests counts turns); steady: fixed concurrency, measured over a "
+                        "window after a warm-up, base against each adapter case (docs/benchmarks/gpu.md)")
     w.add_argument("--shared-prefix", type=int, default=512, metavar="N", help="prefix workload: system prompt tokens")
     w.add_argument("--turns", type=int, default=3, help="prefix workload: turns per conversation")
     w.add_argument("--turn-gap", type=float, default=1.0, metavar="S",
                    help="prefix workload: seconds between a conversation's turns")
+    st = p.add_argument_group("steady workload")
+    st.add_argument("--concurrency", type=_counts, default=(64,), metavar="C[,C...]",
+                    help="requests kept in flight, refilled as they finish (default 64)")
+    st.add_argument("--steady-duration", type=float, default=60.0, metavar="S",
+                    help="seconds of the measured window after the warm-up (default 60)")
+    st.add_argument("--warmup", type=float, default=10.0, metavar="S",
+                    help="seconds at full concurrency before the window opens (default 10)")
+    st.add_argument("--popularity", type=_names, default=("uniform",), metavar="uniform,power",
+                    help="adapter popularity cases: uniform, power (floor(n*u), u ~ power(--power-alpha)); "
+                         "default uniform")
+    st.add_argument("--power-alpha", type=float, default=0.3, help="power-law exponent (default 0.3)")
+    st.add_argument("--churn", type=_pair, default=None, metavar="ADAPTERS:SLOTS",
+                    help="also run a churn case: ADAPTERS adapters through SLOTS slots (default: none)")
+    st.add_argument("--peft-check", type=int, default=0, metavar="N",
+                    help="per adapter case, compare the trace's first N requests' token ids with "
+                         "transformers + peft (default 0: no check)")
+    st.add_argument("--device-bandwidth-gbps", type=float, default=None, metavar="GB/S",
+                    help="memory bandwidth for the bounds (default: known devices' figure, H100 SXM 3350; "
+                         "none on a CPU)")
+    st.add_argument("--enforce-eager", action="store_true",
+                    help="no CUDA graphs, where the engine has them (default off; an engine without graphs "
+                         "runs eager anyway)")
     s = p.add_argument_group("systems")
     s.add_argument("--target", choices=("http", "engine"), default=None,
                    help="http: a `loraplex serve` child (default); engine: in-process LLMEngine "
@@ -90,7 +129,8 @@ def config_from_args(args):
     from server.bench.runner import BenchConfig
 
     if args.requests is None and args.duration is None:
-        args.requests = 64
+        # steady: the trace the concurrency loop draws from, long enough for the window
+        args.requests = 20000 if args.workload == "steady" else 64
     device = args.device or ("cuda" if args.gpu else "cpu")
     dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
     prefix = args.workload == "prefix"
@@ -99,13 +139,16 @@ def config_from_args(args):
     return BenchConfig(
         adapter_counts=args.adapters, num_requests=args.requests, duration_s=args.duration, rate=args.rate,
         cv=args.cv, alpha=args.alpha, prompt_len=prompt_len, output_len=args.output_len,
-        num_tenants=args.tenants, base_share=args.base_share, seed=args.seed, rank=args.rank,
+        num_tenants=args.tenants, base_share=args.base_share, seed=args.seed, ranks=args.rank,
         target=target, compare_peft=args.compare_peft, model_dir=args.model, gpu=args.gpu,
         gpu_layers=args.gpu_layers, device=device, dtype=dtype, max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_slo_s=args.ttft_slo, baseline_max_batch=args.baseline_max_batch, work_dir=args.work_dir,
         cpu_threads=args.cpu_threads, workload_type=args.workload, shared_prefix_len=args.shared_prefix,
-        turns=args.turns, turn_gap_s=args.turn_gap, repeats=args.repeats)
+        turns=args.turns, turn_gap_s=args.turn_gap, repeats=args.repeats, concurrency=args.concurrency,
+        steady_s=args.steady_duration, warmup_s=args.warmup, popularity=args.popularity,
+        power_alpha=args.power_alpha, churn=args.churn, peft_check=args.peft_check,
+        device_bandwidth_gbps=args.device_bandwidth_gbps, enforce_eager=args.enforce_eager)
 
 
 def run_bench(args) -> int:

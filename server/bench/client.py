@@ -75,6 +75,40 @@ async def drive(base_url: str, requests: list[BenchRequest], keys: dict[str, str
     return records
 
 
+async def drive_closed_loop(base_url: str, trace: list[BenchRequest], keys: dict[str, str], base_model: str,
+                            concurrency: int, stop_s: float, timeout_s: float = 600.0):
+    """`concurrency` clients, each sending the trace's next request (in order) when its last one
+    finished, until stop_s seconds; requests in flight then run to their end. A request's arrival
+    is when it was sent. Returns server.bench.engine_target.ClosedLoopRun."""
+    from dataclasses import replace
+
+    from server.bench.engine_target import ClosedLoopRun
+
+    records: list[RequestRecord] = []
+    state = {"next": 0, "held_until": stop_s, "exhausted": False}
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while True:
+                now = time.perf_counter() - t0
+                if now >= stop_s:
+                    return
+                if state["next"] >= len(trace):
+                    if not state["exhausted"]:  # the first free client with nothing to send
+                        state["exhausted"], state["held_until"] = True, now
+                    return
+                r = replace(trace[state["next"]], arrival_s=now)
+                state["next"] += 1
+                rec = RequestRecord(r.index, r.tenant, r.adapter_name, now, len(r.prompt_ids), r.max_tokens)
+                records.append(rec)
+                await _one(client, r, keys[r.tenant], r.adapter_name or base_model, t0, rec)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return ClosedLoopRun(records, min(state["held_until"], stop_s), state["exhausted"])
+
+
 async def warmup(base_url: str, requests: list[BenchRequest], keys: dict[str, str], base_model: str) -> None:
     """One 2-token request per distinct adapter, all at once: adapters become
     resident and first-call costs stay out of the measured run."""

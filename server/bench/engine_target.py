@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from server.bench.metrics import RequestRecord
 from server.bench.workload import BenchRequest
+
+
+@dataclass
+class ClosedLoopRun:
+    """A fixed-concurrency run: every request sent, and when the concurrency stopped being held
+    (the deadline, or the trace running out with a slot to refill, whichever came first)."""
+    records: list[RequestRecord]
+    held_until_s: float
+    trace_exhausted: bool
 
 
 def _params(max_tokens: int):
@@ -70,8 +80,55 @@ class EngineTarget:
                 if new > 0:
                     rec.first_token_s = t if rec.first_token_s is None else rec.first_token_s
                     rec.token_times_s.append(t)
+                    rec.token_counts.append(new)
                     rec.output_tokens = len(out.token_ids)
                 if out.finished:
                     rec.end_s = t
                     self.outputs[rec.index] = list(out.token_ids)
         return [records[f"r{r.index}"] for r in requests]
+
+    def run_closed_loop(self, trace: list[BenchRequest], concurrency: int, stop_s: float) -> ClosedLoopRun:
+        """Keep `concurrency` requests of the trace (in order) in flight, sending the next as one
+        finishes, until stop_s seconds; then abort what runs. A request's arrival is when it was sent."""
+        records: list[RequestRecord] = []
+        running: dict[str, RequestRecord] = {}
+        nxt, held_until, exhausted = 0, stop_s, False
+        t0 = time.perf_counter()
+        while True:
+            now = time.perf_counter() - t0
+            if now >= stop_s:
+                break
+            while len(running) < concurrency and nxt < len(trace):
+                r = replace(trace[nxt], arrival_s=now)
+                nxt += 1
+                rec = RequestRecord(r.index, r.tenant, r.adapter_name, now, len(r.prompt_ids), r.max_tokens)
+                rid = f"c{r.index}"
+                self.engine.add_request(rid, list(r.prompt_ids), _params(r.max_tokens), r.adapter_name, r.tenant)
+                running[rid] = rec
+                records.append(rec)
+            if len(running) < concurrency and not exhausted:
+                exhausted, held_until = True, now  # a slot no request can refill: the steady state ends
+            if not running:
+                break
+            outputs = self.engine.step()
+            t = time.perf_counter() - t0
+            for out in outputs:
+                rec = running.get(out.request_id)
+                if rec is None:
+                    continue
+                if out.error:
+                    rec.error = out.error
+                new = len(out.token_ids) - rec.output_tokens
+                if new > 0:
+                    rec.first_token_s = t if rec.first_token_s is None else rec.first_token_s
+                    rec.token_times_s.append(t)
+                    rec.token_counts.append(new)
+                    rec.output_tokens = len(out.token_ids)
+                if out.finished:
+                    rec.end_s = t
+                    del running[out.request_id]
+        for rid in running:
+            self.engine.abort_request(rid)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return ClosedLoopRun(records, min(held_until, stop_s), exhausted)

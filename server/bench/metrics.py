@@ -24,6 +24,7 @@ class RequestRecord:
     expected_tokens: int
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # arrival time of each chunk of output
+    token_counts: list[int] = field(default_factory=list)  # tokens in each chunk, where known (else 1 each)
     end_s: float | None = None
     output_tokens: int = 0
     error: str | None = None
@@ -104,6 +105,36 @@ def summarize(records: list[RequestRecord], ttft_slo_s: float) -> dict:
                               **block}
     summary["per_tenant"] = per_tenant
     return summary
+
+
+def window_summary(records: list[RequestRecord], start_s: float, end_s: float) -> dict:
+    """A steady-state window [start_s, end_s): only what happened inside it counts.
+
+    Output tokens are those whose chunk arrived in the window (decode tok/s = tokens / window);
+    TTFT is over requests sent in the window whose first token came (in it or after); ITL over the
+    gaps that end in the window. Requests still running at either edge count for the tokens they
+    produced inside, so neither the ramp-up nor the drain is in the numbers.
+    """
+    span = end_s - start_s
+    if span <= 0:
+        return {"window_s": max(span, 0.0), "output_tokens": 0, "throughput_tok_s": None, "requests_sent": 0,
+                "requests_finished": 0, "ttft_s": {"p50": None, "p90": None, "p99": None},
+                "itl_s": {"p50": None, "p90": None, "p99": None}}
+
+    def inside(t: float) -> bool:
+        return start_s <= t < end_s
+
+    tokens = sum(n for r in records
+                 for t, n in zip(r.token_times_s, r.token_counts or [1] * len(r.token_times_s)) if inside(t))
+    sent = [r for r in records if inside(r.arrival_s)]
+    ttft = [r.ttft_s for r in sent if r.first_token_s is not None]
+    gaps = [b - a for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:]) if inside(b)]
+    return {
+        "window_s": span, "output_tokens": tokens, "throughput_tok_s": tokens / span, "requests_sent": len(sent),
+        "requests_finished": sum(r.end_s is not None and inside(r.end_s) for r in records),
+        "ttft_s": {q: percentile(ttft, int(q[1:])) for q in ("p50", "p90", "p99")},
+        "itl_s": {q: percentile(gaps, int(q[1:])) for q in ("p50", "p90", "p99")},
+    }
 
 
 def output_digests(records: list[RequestRecord]) -> list[str | None]:

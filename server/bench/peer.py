@@ -203,6 +203,8 @@ def check_peer_arguments(args) -> Path | None:
 def peer_config(cfg, args, python: Path, model_dir: Path, adapters: dict[str, Path],
                 affinity: frozenset[int] | None = None) -> VllmPeerConfig:
     """The peer's settings for one point, from the bench's config (cfg: runner.BenchConfig)."""
+    from server.bench.model_setup import lora_slots
+
     threads = cfg.threads()
     mask = sorted(affinity if affinity is not None else os.sched_getaffinity(0))
     if threads > len(mask):
@@ -213,7 +215,7 @@ def peer_config(cfg, args, python: Path, model_dir: Path, adapters: dict[str, Pa
         # Absolute: vLLM takes a relative directory that does not look local for a hub repo id.
         python=python, model_dir=Path(model_dir).resolve(),
         adapters=tuple((name, Path(path).resolve()) for name, path in adapters.items()),
-        max_loras=cfg.max_loras or max(1, min(len(adapters), 128)), max_lora_rank=cfg.rank,
+        max_loras=lora_slots(cfg.max_loras, len(adapters)), max_lora_rank=cfg.rank,
         max_model_len=model.get("max_position_embeddings", 2048), dtype=cfg.dtype, threads=threads,
         cores=tuple(mask[:threads]), kv_cache_gib=args.peer_kv_gib, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, port=args.peer_port,
@@ -227,7 +229,7 @@ def peer_runner(cfg, args, python: Path, model_dir: Path, log) -> tuple[dict, Ca
 
     from server.bench import client
     from server.bench.metrics import agreement, output_digests, ratio, summarize
-    from server.bench.runner import point_adapters
+    from server.bench.model_setup import point_adapters
     from server.bench.workload import adapters_used, generate_workload, tenants_used
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -17,18 +17,19 @@ from typing import Callable
 
 import torch
 
+from server.bench.artifacts import save_figure, write_json
+from server.bench.environment import environment
 from server.bench.metrics import percentile, ratio, summarize
-from server.bench.report import save_figure, write_json
+from server.bench.model_setup import engine_flags, lora_slots, point_adapters, resolve_model
 from server.bench.workload import adapters_used, generate_conversations
 
 CACHE_RUNS = (("cache_off", False), ("cache_on", True))
 
 
 def _engine_kwargs(cfg, n_used: int) -> dict:
-    cap = 32 if cfg.device.startswith("cuda") else 128
-    return dict(device=cfg.device, dtype=cfg.dtype, max_loras=cfg.max_loras or max(1, min(n_used, cap)),
+    return dict(device=cfg.device, dtype=cfg.dtype, max_loras=lora_slots(cfg.max_loras, n_used),
                 max_lora_rank=cfg.rank, max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, cpu_threads=cfg.threads())
+                max_num_batched_tokens=cfg.max_num_batched_tokens, cpu_threads=cfg.threads(), **engine_flags(cfg))
 
 
 def _run_once(cfg, model_dir: Path, reqs, named: dict[str, Path], cache: bool) -> tuple[dict, dict[int, list[int]]]:
@@ -62,8 +63,6 @@ def _run_once(cfg, model_dir: Path, reqs, named: dict[str, Path], cache: bool) -
 
 
 def run_prefix_point(cfg, model_dir: Path, n: int, log: Callable[[str], None]) -> dict:
-    from server.bench.runner import point_adapters
-
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     reqs = generate_conversations(cfg.workload(n, vocab))
     used = adapters_used(reqs)
@@ -91,8 +90,6 @@ def run_prefix_point(cfg, model_dir: Path, n: int, log: Callable[[str], None]) -
 
 
 def run_prefix_bench(cfg, json_path: Path | None = None, log: Callable[[str], None] = print) -> dict:
-    from server.bench.runner import environment, resolve_model
-
     model_dir, label = resolve_model(cfg, log)
     cfg_dict = asdict(cfg)
     cfg_dict.pop("extra")

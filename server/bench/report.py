@@ -1,8 +1,9 @@
 """The bench's outputs: a console table, the JSON document and a PNG plot."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from server.bench.artifacts import save_figure
 
 
 def _f(x, spec: str = ".2f", scale: float = 1.0) -> str:
@@ -27,6 +28,10 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
         from server.bench.prefix import format_prefix_table
 
         return format_prefix_table(doc)
+    if doc.get("workload") == "steady":
+        from server.bench.steady import format_steady_table
+
+        return format_steady_table(doc)
     head = (f"{'adapters':>8} {'system':<9} {'done':>9} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>8} "
             f"{'p90':>8} {'p99':>8} {'ITL p50':>7} {'p99':>7} {'SLO':>5}   (times in ms)")
     lines = [head, "-" * len(head)]
@@ -41,7 +46,8 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
             lines.append(f"{'':>8} ratio     throughput x{p['throughput_ratio_vs_peft']:.2f} (out tok/s), "
                          f"x{p['request_throughput_ratio_vs_peft']:.2f} (req/s); "
                          f"TTFT p50 peft/loraplex x{_f(p['ttft_p50_ratio_peft_over_loraplex'])}"
-                         + _same("text = peft", p.get("outputs_vs_peft")))
+                         + _same("text = peft", p.get("outputs_vs_peft"))
+                         + _same("token ids = peft", p.get("token_ids_vs_peft")))
         if p.get("peer"):
             peer = doc.get("peer", {}).get("name", "peer")
             lines.append(_row(p["num_adapters"], peer, p["peer"]))
@@ -64,18 +70,17 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
     return "\n".join(lines)
 
 
-def write_json(doc: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
-
-
 def plot(doc: dict, path: Path) -> None:
     """Output tokens/s and TTFT (p50, p99) against the number of adapters."""
     if doc.get("workload") == "prefix":
         from server.bench.prefix import plot_prefix
 
         plot_prefix(doc, path)
+        return
+    if doc.get("workload") == "steady":
+        from server.bench.steady import plot_steady
+
+        plot_steady(doc, path)
         return
     import matplotlib
 
@@ -109,14 +114,3 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"loraplex bench: {doc['config'].get('model_label', '')} on {env.get('device_name', '?')}, "
                  f"{doc['config']['num_requests']} requests per point", fontsize=10)
     save_figure(fig, path)
-
-
-def save_figure(fig, path) -> None:
-    """Lay out, write (creating the folder) and release a matplotlib figure."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -26,17 +26,26 @@ def _tok_s(point: dict, system: str) -> float | None:
     return summary["throughput_tok_s"] if summary else None
 
 
+def spread(values: list[float]) -> dict:
+    """Median, range and the range relative to the median of a point's rounds."""
+    assert values
+    med = statistics.median(values)
+    return {"median": med, "min": min(values), "max": max(values),
+            "rel_range": (max(values) - min(values)) / med if med else None, "n": len(values)}
+
+
 def combine_rounds(rounds: list[dict]) -> dict:
     """One point from its rounds (each a runner.run_point result, in round order).
 
     The summaries (throughput, TTFT, ...) are the median round's, by loraplex output tok/s (the
     lower median for an even count), so every number in them comes from one run; the paired
-    ratios are the medians of the rounds' own; "rounds" keeps each round's throughputs and ratios.
+    ratios are the medians of the rounds' own; "rounds" keeps each round's throughputs and ratios,
+    and "loraplex_tok_s_spread" their spread (rounds with no throughput, an empty window, rank lowest).
     """
     assert rounds
     if len(rounds) == 1:
         return rounds[0]
-    by_speed = sorted(rounds, key=lambda p: _tok_s(p, "loraplex"))
+    by_speed = sorted(rounds, key=lambda p: _tok_s(p, "loraplex") or 0.0)
     point = dict(by_speed[(len(by_speed) - 1) // 2])
     for key in PAIRED_RATIOS:
         values = [p[key] for p in rounds if p.get(key) is not None]
@@ -46,6 +55,8 @@ def combine_rounds(rounds: list[dict]) -> dict:
         {**{f"{s}_tok_s": _tok_s(p, s) for s in SYSTEMS if p.get(s)},
          **{k: p[k] for k in PAIRED_RATIOS if p.get(k) is not None}}
         for p in rounds]
+    speeds = [_tok_s(p, "loraplex") for p in rounds if _tok_s(p, "loraplex") is not None]
+    point["loraplex_tok_s_spread"] = spread(speeds) if speeds else None
     return point
 
 

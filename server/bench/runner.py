@@ -7,9 +7,6 @@ import asyncio
 import json
 import math
 import os
-import platform
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,13 +14,19 @@ from typing import Callable
 
 import torch
 
+from server.bench.environment import environment, machine_state
 from server.bench.metrics import agreement, output_digests, ratio, summarize
+from server.bench.model_setup import (engine_kwargs, kv_cache_blocks, lora_slots, point_adapters, resolve_model,
+                                      serve_args)
 from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
-from server.bench.workload import (BenchRequest, WorkloadConfig, adapter_name, adapters_used, generate_workload,
-                                   tenants_used)
+from server.bench.workload import (BenchRequest, WorkloadConfig, adapters_used, check_same_trace, generate_workload,
+                                   trace_totals)
 
 TARGETS = ("http", "engine")
-WORKLOADS = ("mixed", "prefix")  # generate_workload; generate_conversations, cache off and on (server.bench.prefix)
+# generate_workload as a timed burst or schedule; generate_conversations, cache off and on (server.bench.prefix);
+# fixed concurrency for a steady window, base against adapter cases (server.bench.steady).
+WORKLOADS = ("mixed", "prefix", "steady")
+POPULARITY = ("uniform", "power")
 
 
 class BenchConfigError(ValueError):
@@ -43,7 +46,7 @@ class BenchConfig:
     num_tenants: int = 4
     base_share: float = 0.0
     seed: int = 0
-    rank: int = 8
+    ranks: tuple[int, ...] = (16,)        # adapter ranks; mixed and prefix use the first, steady runs each
     target: str = "http"
     compare_peft: bool = False
     model_dir: str | None = None          # None: the demo model (or the 8B shape with gpu)
@@ -65,6 +68,16 @@ class BenchConfig:
     turns: int = 3                        # prefix workload: turns per conversation, each resending history
     turn_gap_s: float = 1.0               # prefix workload: seconds between a conversation's turns
     repeats: int = 1                      # rounds of the sweep, order alternating (server.bench.rounds)
+    # steady workload (server.bench.steady)
+    concurrency: tuple[int, ...] = (64,)  # requests kept in flight, refilled as they finish
+    steady_s: float = 60.0                # the measured window, after the warm-up
+    warmup_s: float = 10.0                # at full concurrency before the window opens
+    popularity: tuple[str, ...] = ("uniform",)  # adapter popularity cases: uniform and/or power(power_alpha)
+    power_alpha: float = 0.3
+    churn: tuple[int, int] | None = None  # (adapters, slots): a case with more adapters than slots
+    peft_check: int = 0                   # per adapter case, this many trace requests checked on token ids
+    device_bandwidth_gbps: float | None = None  # HBM GB/s for the bounds; None: known devices' (bandwidth.py)
+    enforce_eager: bool = False           # no CUDA graphs, where the engine has them (feature-detected)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,8 +85,10 @@ class BenchConfig:
             raise BenchConfigError(f"--adapters needs counts >= 0, got {self.adapter_counts}")
         if self.target not in TARGETS:
             raise BenchConfigError(f"--target must be one of {TARGETS}, got {self.target!r}")
-        if self.rank < 1:
-            raise BenchConfigError(f"--rank must be >= 1, got {self.rank}")
+        if not self.ranks or any(r < 1 for r in self.ranks):
+            raise BenchConfigError(f"--rank needs ranks >= 1, got {self.ranks}")
+        if len(self.ranks) > 1 and self.workload_type != "steady":
+            raise BenchConfigError("several --rank values are a steady-workload sweep; the others take one rank")
         if self.ttft_slo_s <= 0:
             raise BenchConfigError(f"--ttft-slo must be > 0, got {self.ttft_slo_s}")
         try:
@@ -95,8 +110,43 @@ class BenchConfig:
         if self.workload_type == "prefix" and (self.target != "engine" or self.compare_peft):
             raise BenchConfigError("--workload prefix runs the in-process engine with its prefix cache off and on: "
                                    "use --target engine, without --compare-peft")
+        self._check_steady()
         # Validates the workload fields once, before any model is built.
         self.workload(max(self.adapter_counts), 512)
+
+    def _check_steady(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise BenchConfigError(f"--concurrency needs counts >= 1, got {self.concurrency}")
+        if not self.steady_s > 0 or not self.warmup_s >= 0:
+            raise BenchConfigError(f"--steady-duration must be > 0 and --warmup >= 0, got "
+                                   f"{self.steady_s} and {self.warmup_s}")
+        if not self.popularity or any(p not in POPULARITY for p in self.popularity):
+            raise BenchConfigError(f"--popularity must name some of {POPULARITY}, got {self.popularity}")
+        if not self.power_alpha > 0:
+            raise BenchConfigError(f"--power-alpha must be > 0, got {self.power_alpha}")
+        if self.churn is not None and not 1 <= self.churn[1] < self.churn[0]:
+            raise BenchConfigError(f"--churn ADAPTERS:SLOTS needs 1 <= SLOTS < ADAPTERS, got {self.churn}")
+        if self.peft_check < 0:
+            raise BenchConfigError(f"--peft-check must be >= 0, got {self.peft_check}")
+        if self.device_bandwidth_gbps is not None and not self.device_bandwidth_gbps > 0:
+            raise BenchConfigError(f"--device-bandwidth-gbps must be > 0, got {self.device_bandwidth_gbps}")
+        steady_only = {"--concurrency": self.concurrency != (64,), "--churn": self.churn is not None,
+                       "--peft-check": self.peft_check > 0, "--popularity": self.popularity != ("uniform",)}
+        if self.workload_type != "steady":
+            for flag, given in steady_only.items():
+                if given:
+                    raise BenchConfigError(f"{flag} applies to --workload steady")
+        elif self.num_requests is None or math.isfinite(self.rate):
+            raise BenchConfigError("--workload steady sends from the trace at fixed concurrency: --requests sets "
+                                   "its length; --rate and --duration do not apply")
+        elif self.compare_peft:
+            raise BenchConfigError("--workload steady checks peft on token ids (--peft-check N), not by speed: "
+                                   "drop --compare-peft")
+
+    @property
+    def rank(self) -> int:
+        """The rank of the mixed and prefix workloads' adapters (the first asked)."""
+        return self.ranks[0]
 
     def threads(self) -> int:
         """The one thread count loraplex, the PEFT baseline and a peer all get, resolved here."""
@@ -113,73 +163,26 @@ class BenchConfig:
                if self.workload_type == "prefix" else {}))
 
 
-def environment(cfg: BenchConfig) -> dict:
-    import peft
-    import transformers
-
-    gpu = torch.cuda.get_device_name(0) if cfg.device.startswith("cuda") and torch.cuda.is_available() else None
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "peft": peft.__version__,
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cpu_threads": cfg.threads(), "affinity_cores": len(os.sched_getaffinity(0)),
-            "kv_cache_bytes": cfg.kv_cache_bytes,
-            "device_name": gpu or f"CPU ({os.cpu_count()} cores)",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def kv_cache_blocks(cfg: BenchConfig, model_dir: Path) -> int | None:
-    """cfg.kv_cache_bytes as whole blocks of this model at the bench's dtype; None: the engine's default."""
-    if cfg.kv_cache_bytes is None:
-        return None
-    from server.engine.config import EngineConfig, ModelConfig
-    from server.engine.kv_cache import kv_bytes_per_block
-
-    per_block = kv_bytes_per_block(ModelConfig.from_dir(model_dir), EngineConfig.block_size, getattr(torch, cfg.dtype))
-    return max(1, cfg.kv_cache_bytes // per_block)
-
-
-def _serve_args(cfg: BenchConfig, n_used: int, kv_blocks: int | None = None) -> list[str]:
-    cap = 32 if cfg.device.startswith("cuda") else 128
-    max_loras = cfg.max_loras or max(1, min(n_used, cap))
-    kv = ["--kv-cache-blocks", str(kv_blocks)] if kv_blocks is not None else []
-    return ["--device", cfg.device.split(":")[0], "--dtype", cfg.dtype, "--max-loras", str(max_loras),
-            "--max-lora-rank", str(cfg.rank), "--max-num-seqs", str(cfg.max_num_seqs),
-            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), *kv, "--cpu-threads", str(cfg.threads())]
-
-
 def _run_http(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path],
               n_used: int, log: Callable[[str], None]):
     from server.bench import client
-    from server.bench.server_proc import ServerProcess, provision
+    from server.bench.server_proc import bench_server
 
-    work = Path(cfg.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    data_dir = Path(tempfile.mkdtemp(prefix="serve-", dir=work))
-    try:
-        with ServerProcess(data_dir, work / "logs" / f"serve-{len(named)}-adapters.log", model_dir=model_dir,
-                           serve_args=_serve_args(cfg, n_used, kv_cache_blocks(cfg, model_dir))) as srv:
-            owners = {r.adapter_name: r.tenant for r in reqs if r.adapter_name is not None}
-            keys, base = provision(srv.url, srv.admin_token, tenants_used(reqs),
-                                   {name: (owners[name], path) for name, path in named.items()})
-            log(f"  server up at {srv.url}, {len(keys)} tenants, {len(named)} adapters uploaded")
-            asyncio.run(client.warmup(srv.url, reqs, keys, base))
-            return asyncio.run(client.drive(srv.url, reqs, keys, base))
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)
+    args = serve_args(cfg, n_used, kv_cache_blocks(cfg, model_dir))
+    with bench_server(cfg.work_dir, model_dir, args, reqs, named, log) as (url, keys, base):
+        return asyncio.run(client.drive(url, reqs, keys, base)), None
 
 
 def _run_engine(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path], n_used: int):
     from server.bench.engine_target import EngineTarget
 
-    cap = 32 if cfg.device.startswith("cuda") else 128
-    target = EngineTarget(model_dir, named, device=cfg.device, dtype=cfg.dtype,
-                          max_loras=cfg.max_loras or max(1, min(n_used, cap)), max_lora_rank=cfg.rank,
-                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                          kv_cache_blocks=kv_cache_blocks(cfg, model_dir), cpu_threads=cfg.threads())
+    target = EngineTarget(model_dir, named, **engine_kwargs(cfg, model_dir, lora_slots(cfg.max_loras, n_used)))
     target.warmup(reqs)
     records = target.run(reqs)
+    outputs = target.outputs
+    target.engine.shutdown()
     del target
-    return records
+    return records, outputs
 
 
 def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path]):
@@ -189,18 +192,11 @@ def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], n
                                                          threads=cfg.threads()))
     base.warmup(reqs)
     records = base.run(reqs)
+    outputs = base.outputs
     del base
     if cfg.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return records
-
-
-def point_adapters(cfg: BenchConfig, model_dir: Path, used: list[int]) -> dict[str, Path]:
-    """Adapter name -> its synthetic PEFT directory (made once, in the bench's dtype), for each index in use."""
-    from server.bench.synth_adapters import ensure_adapters
-
-    dirs = ensure_adapters(model_dir, Path(cfg.work_dir) / "adapters", used, r=cfg.rank, dtype=getattr(torch, cfg.dtype))
-    return {adapter_name(i): dirs[i] for i in used}
+    return records, outputs
 
 
 def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None]) -> dict:
@@ -212,22 +208,28 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
         f"{sum(r.max_tokens for r in reqs)} output tokens")
     t = time.perf_counter()
     # A busy machine skews whichever side ran while it was busy: the load average says so.
-    load = {"loraplex": {"before": os.getloadavg()}}
+    start = machine_state(log)
+    load = {"loraplex": {"before": start["load_avg"]}}
     if cfg.target == "http":
-        records = _run_http(cfg, model_dir, reqs, named, len(used), log)
+        records, token_ids = _run_http(cfg, model_dir, reqs, named, len(used), log)
     else:
-        records = _run_engine(cfg, model_dir, reqs, named, len(used))
+        records, token_ids = _run_engine(cfg, model_dir, reqs, named, len(used))
     load["loraplex"]["after"] = os.getloadavg()
     point = {"num_adapters": n, "adapters_in_use": len(used), "target": cfg.target, "cpu_threads": cfg.threads(),
-             "load_avg": load, "loraplex": summarize(records, cfg.ttft_slo_s), "baseline": None}
+             "trace": trace_totals(reqs), "gpu_clocks": start["gpu_clocks"], "load_avg": load,
+             "loraplex": summarize(records, cfg.ttft_slo_s), "baseline": None}
     if cfg.target == "http":
         point["loraplex_output_digests"] = output_digests(records)
     log(f"  loraplex ({cfg.target}) done in {time.perf_counter() - t:.1f}s")
     if cfg.compare_peft:
         t = time.perf_counter()
         load["baseline"] = {"before": os.getloadavg()}
-        base_records = _run_baseline(cfg, model_dir, reqs, named)
+        base_records, base_ids = _run_baseline(cfg, model_dir, reqs, named)
         point["baseline"] = summarize(base_records, cfg.ttft_slo_s)
+        if token_ids is not None:  # the engine target's token ids; over HTTP only the text is seen
+            from server.bench.token_check import compare_token_ids
+
+            point["token_ids_vs_peft"] = compare_token_ids(reqs, token_ids, base_ids)
         if any(r.text for r in base_records):
             point["baseline_output_digests"] = output_digests(base_records)
             point["outputs_vs_peft"] = agreement(point.get("loraplex_output_digests"), point["baseline_output_digests"])
@@ -240,23 +242,6 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
     return point
 
 
-def resolve_model(cfg: BenchConfig, log: Callable[[str], None]) -> tuple[Path, str]:
-    if cfg.model_dir:
-        return Path(cfg.model_dir), Path(cfg.model_dir).name
-    if cfg.gpu:
-        from server.bench.gpu_model import make_llama3_8b_shaped
-
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        layers = cfg.gpu_layers
-        log(f"building a Llama-3-8B-shaped random model ({layers or 32} layers) in {shm}")
-        out = make_llama3_8b_shaped(shm / f"loraplex-llama3-8b-shaped-{layers or 32}l",
-                                    dtype=getattr(torch, cfg.dtype), num_layers=layers)
-        return out, f"Llama-3-8B-shaped ({layers or 32} layers, random)"
-    from server.demo import ensure_demo
-
-    return ensure_demo(Path(cfg.work_dir) / "demo").model_dir, "demo model (Llama, 4 layers, hidden 128)"
-
-
 def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[str], None] = print,
               after_point: Callable[[dict], None] | None = None) -> dict:
     """The sweep, cfg.repeats times; after_point(point) runs another system on a point right after
@@ -265,6 +250,10 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[st
         from server.bench.prefix import run_prefix_bench
 
         return run_prefix_bench(cfg, json_path, log)
+    if cfg.workload_type == "steady":
+        from server.bench.steady import run_steady_bench
+
+        return run_steady_bench(cfg, json_path, log)
     from server.bench.rounds import combine_rounds, round_order, scaling_vs_fewest
 
     model_dir, label = resolve_model(cfg, log)
@@ -283,6 +272,8 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[st
             if after_point is not None:
                 after_point(point)
             rounds[n].append(point)
+            # One trace for every point: the base run is the same requests with no adapter.
+            check_same_trace([p["trace"] for ps in rounds.values() for p in ps])
             doc["points"] = [combine_rounds(rounds[m]) for m in counts if rounds[m]]
             ratios = {str(p["num_adapters"]): p.get("throughput_ratio_vs_peft") for p in doc["points"]}
             doc["throughput_ratio_vs_peft_by_adapters"] = ratios
@@ -290,7 +281,7 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[st
             doc["throughput_ratio_vs_peft"] = ratios[str(max(p["num_adapters"] for p in doc["points"]))]
             doc["throughput_vs_fewest_adapters"] = scaling_vs_fewest({m: v for m, v in rounds.items() if v})
             if json_path is not None:
-                from server.bench.report import write_json
+                from server.bench.artifacts import write_json
 
                 write_json(doc, json_path)  # after every point, so a long sweep keeps what it has
     return doc

@@ -2,13 +2,18 @@
 tenants and keys via /admin, adapters via POST /v1/adapters (the way a user would)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import httpx
 
@@ -109,3 +114,28 @@ def provision(url: str, admin_token: str, tenants: list[str], adapters: dict[str
         models = _check(c.get("/v1/models", headers={"Authorization": f"Bearer {keys[tenants[0]]}"}), "models")
     base = next(m["id"] for m in models["data"] if m.get("parent") is None)
     return keys, base
+
+
+@contextmanager
+def bench_server(work_dir: str | Path, model_dir: Path, serve_args: list[str], requests, named: dict[str, Path],
+                 log: Callable[[str], None]) -> Iterator[tuple[str, dict[str, str], str]]:
+    """A provisioned, warmed-up server for a run: (url, tenant -> key, base model id). The warm-up
+    sends a short request per adapter, so each is loaded before the timed part (requests:
+    server.bench.workload.BenchRequest, their adapters' owners are their tenants)."""
+    from server.bench import client
+    from server.bench.workload import tenants_used
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(tempfile.mkdtemp(prefix="serve-", dir=work))
+    try:
+        with ServerProcess(data_dir, work / "logs" / f"serve-{len(named)}-adapters.log", model_dir=model_dir,
+                           serve_args=serve_args) as srv:
+            owners = {r.adapter_name: r.tenant for r in requests if r.adapter_name is not None}
+            keys, base = provision(srv.url, srv.admin_token, tenants_used(requests),
+                                   {name: (owners[name], path) for name, path in named.items()})
+            log(f"  server up at {srv.url}, {len(keys)} tenants, {len(named)} adapters uploaded")
+            asyncio.run(client.warmup(srv.url, requests, keys, base))
+            yield srv.url, keys, base
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)

@@ -6,8 +6,14 @@ smaller alpha piles requests onto the first few adapters. Arrivals: gamma
 inter-arrival times with shape 1/cv^2 and scale cv^2/rate (cv = 1 is Poisson;
 rate = inf sends everything at t = 0, which measures capacity). Prompt and
 output lengths are uniform integers over inclusive ranges. Adapter i belongs to
-tenant i mod num_tenants. One `random.Random(seed)` draws everything in a fixed
-order, so a seed always gives the same trace.
+tenant i mod num_tenants.
+
+Two seeded streams, so a seed always gives the same trace: the trace's
+(arrivals, prompts, output lengths) from `random.Random(seed)`, and who each
+request goes to (base or adapter, which adapter, a base request's tenant) from
+its own `adapter_rng(seed)`. The adapter count, popularity and base share so
+never move a prompt or a length: the base run is the same trace with no
+adapter, and both have the same prompt and output token totals (ignore_eos).
 
 The prefix workload (`generate_conversations`) is chat traffic: every tenant
 has a system prompt of `shared_prefix_len` tokens that starts all its
@@ -20,6 +26,7 @@ same prompts.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import dataclass
@@ -127,18 +134,29 @@ def power_index(rng: random.Random, n: int, alpha: float) -> int:
     return min(int(n * u), n - 1)
 
 
+def adapter_rng(seed: int) -> random.Random:
+    """The stream that assigns requests to adapters, apart from the trace's own."""
+    return random.Random(f"{seed}:adapters")
+
+
+def assign(rng: random.Random, cfg: WorkloadConfig) -> tuple[int | None, str]:
+    """(adapter or None for the base model, tenant) for one request, from the adapter stream."""
+    base = rng.random() < cfg.base_share
+    adapter = None if base else power_index(rng, cfg.num_adapters, cfg.alpha)
+    tenant = (tenant_name(rng.randrange(cfg.num_tenants)) if adapter is None
+              else tenant_of_adapter(adapter, cfg.num_tenants))
+    return adapter, tenant
+
+
 def generate_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
-    rng = random.Random(cfg.seed)
+    rng, arng = random.Random(cfg.seed), adapter_rng(cfg.seed)
     shape, scale = 1.0 / (cfg.cv * cfg.cv), cfg.cv * cfg.cv / cfg.rate
     out: list[BenchRequest] = []
     t = 0.0
     for i in range(cfg.total_requests):
         if math.isfinite(cfg.rate):
             t += rng.gammavariate(shape, scale)
-        base = rng.random() < cfg.base_share
-        adapter = None if base else power_index(rng, cfg.num_adapters, cfg.alpha)
-        tenant = (tenant_name(rng.randrange(cfg.num_tenants)) if adapter is None
-                  else tenant_of_adapter(adapter, cfg.num_tenants))
+        adapter, tenant = assign(arng, cfg)
         n_prompt = rng.randint(*cfg.prompt_len)
         prompt = tuple(rng.randrange(*cfg.token_range) for _ in range(n_prompt))
         out.append(BenchRequest(i, t, adapter, tenant, prompt, rng.randint(*cfg.output_len)))
@@ -147,7 +165,7 @@ def generate_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
 
 def generate_conversations(cfg: WorkloadConfig) -> list[BenchRequest]:
     """The prefix workload (see the module's doc), in arrival order."""
-    rng = random.Random(cfg.seed)
+    rng, arng = random.Random(cfg.seed), adapter_rng(cfg.seed)
     shape, scale = 1.0 / (cfg.cv * cfg.cv), cfg.cv * cfg.cv / cfg.rate
 
     def tokens(n: int) -> list[int]:
@@ -159,10 +177,7 @@ def generate_conversations(cfg: WorkloadConfig) -> list[BenchRequest]:
     for c in range(math.ceil(cfg.total_requests / cfg.turns)):
         if math.isfinite(cfg.rate):
             start += rng.gammavariate(shape, scale)
-        base = rng.random() < cfg.base_share
-        adapter = None if base else power_index(rng, cfg.num_adapters, cfg.alpha)
-        tenant = (tenant_name(rng.randrange(cfg.num_tenants)) if adapter is None
-                  else tenant_of_adapter(adapter, cfg.num_tenants))
+        adapter, tenant = assign(arng, cfg)
         history = list(system[tenant])
         for turn in range(min(cfg.turns, cfg.total_requests - c * cfg.turns)):
             history += tokens(rng.randint(*cfg.prompt_len))
@@ -172,6 +187,23 @@ def generate_conversations(cfg: WorkloadConfig) -> list[BenchRequest]:
     turns.sort(key=lambda t: t[0])  # stable: a conversation's turns keep their order
     return [BenchRequest(i, t, adapter, tenant, prompt, max_tokens, turn)
             for i, (t, turn, adapter, tenant, prompt, max_tokens) in enumerate(turns)]
+
+
+def trace_totals(requests: list[BenchRequest]) -> dict:
+    """What a trace asks for, whoever serves it: requests, prompt and output tokens (ignore_eos makes
+    the output exactly max_tokens), and a digest of the prompts and lengths in order."""
+    h = hashlib.sha256()
+    for r in requests:
+        h.update(repr((r.prompt_ids, r.max_tokens)).encode())
+    return {"requests": len(requests), "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+            "output_tokens": sum(r.max_tokens for r in requests), "digest": h.hexdigest()[:16]}
+
+
+def check_same_trace(totals: list[dict]) -> None:
+    """Every run of a comparison served the same trace; raises naming the first that did not."""
+    for t in totals[1:]:
+        if t != totals[0]:
+            raise AssertionError(f"the runs did not serve the same trace: {totals[0]} vs {t}")
 
 
 def adapters_used(requests: list[BenchRequest]) -> list[int]:
