@@ -19,6 +19,7 @@ transformers + peft (server.bench.token_check).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import time
@@ -100,6 +101,7 @@ def _engine_runs(cfg, model_dir: Path, case: Case, trace, named, log, check: int
     target.engine.shutdown()
     del target
     if cfg.device.startswith("cuda"):
+        gc.collect()  # the next case's engine (or server) needs this one's memory back
         torch.cuda.empty_cache()
     return out, ids
 
