@@ -212,3 +212,31 @@ def test_token_id_mismatches_are_reported_per_request():
     assert check["compared"] == 3 and check["same"] == 1
     assert [(m["index"], m["first_mismatch"], m["peft_tokens"]) for m in check["mismatches"]] == [(1, 1, 2),
                                                                                                  (2, None, None)]
+
+
+def test_rows_carry_the_bound_from_the_measured_base_step_and_the_batch1_floor():
+    from server.bench import bandwidth
+    from server.bench.gpu_model import LLAMA3_8B
+    from server.bench.runner import BenchConfig
+    from server.bench.steady import combine
+
+    def run(case, n, c, tok_s, rank=16):
+        return {"case": case, "num_adapters": n, "rank": rank if n else None, "alpha": 1.0, "slots": max(n, 1),
+                "concurrency": c, "target": "engine", "loraplex": {"throughput_tok_s": tok_s}}
+
+    rounds = {("base", 64, "engine"): [run("base", 0, 64, 6400.0), run("base", 0, 64, 6000.0)],
+              ("r16-64-uniform", 64, "engine"): [run("r16-64-uniform", 64, 64, 4800.0),
+                                                 run("r16-64-uniform", 64, 64, 4800.0)],
+              ("base", 1, "engine"): [run("base", 0, 1, 150.0)]}
+    rows = {(r["case"], r["concurrency"]): r for r in combine(BenchConfig(dtype="bfloat16"), rounds, LLAMA3_8B, 3350.0)}
+    adapter = rows[("r16-64-uniform", 64)]
+    assert adapter["ratio_vs_base"]["median"] == pytest.approx((0.75 + 0.8) / 2)  # paired by round
+    b = adapter["bounds"]
+    step = 64 / 6000.0  # the median base round (the lower of two): 6000 tok/s, one token per sequence per step
+    extra = bandwidth.expected_distinct(64, 64) * 83_886_080
+    assert b["extra_bytes"] == pytest.approx(extra) and b["distinct_per_step"] == pytest.approx(40.64, abs=0.01)
+    assert b["time_bound"] == pytest.approx(step / (step + extra / 3.35e12))
+    assert b["share_of_bound"] == pytest.approx(0.775 / b["time_bound"])
+    floor = rows[("base", 1)]["bounds"]
+    assert floor["weight_read_floor_ms"] == pytest.approx(1e3 * bandwidth.base_weight_bytes(LLAMA3_8B, 2) / 3.35e12)
+    assert floor["base_step_over_floor"] == pytest.approx((1 / 150.0) / (floor["weight_read_floor_ms"] / 1e3))

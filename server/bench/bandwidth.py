@@ -8,8 +8,9 @@ those extra bytes at the device's bandwidth:
     bound = t_base / (t_base + extra_bytes / bandwidth)
 
 with t_base the measured base step (concurrency / base decode tok/s in steady state). Without a
-measured base step, the bytes-only bound base_bytes / (base_bytes + extra_bytes) is the same
-formula for a base step at its own HBM floor. Example (issue 21): a rank-16 adapter on all seven
+measured base step or a bandwidth, the bytes-only figure base_bytes / (base_bytes + extra_bytes) is
+the same formula for a base step at its own HBM floor: a reference, not a ceiling, since a base
+step slower than its floor (host-bound, compute-bound) pays relatively less for the same bytes. Example (issue 21): a rank-16 adapter on all seven
 projections of Llama-3-8B is 83.9 MB; 64 distinct ones in a step read 5.4 GB more, about 1.6 ms at
 an H100's 3350 GB/s beside a graphed base step of 9-12 ms: a bound of about 0.85-0.88x.
 """
