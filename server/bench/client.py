@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from server.bench.metrics import RequestRecord
+from server.bench.metrics import ClosedLoopRun, RequestRecord
 from server.bench.workload import BenchRequest
 
 
@@ -76,13 +76,11 @@ async def drive(base_url: str, requests: list[BenchRequest], keys: dict[str, str
 
 
 async def drive_closed_loop(base_url: str, trace: list[BenchRequest], keys: dict[str, str], base_model: str,
-                            concurrency: int, stop_s: float, timeout_s: float = 600.0):
+                            concurrency: int, stop_s: float, timeout_s: float = 600.0) -> ClosedLoopRun:
     """`concurrency` clients, each sending the trace's next request (in order) when its last one
     finished, until stop_s seconds; requests in flight then run to their end. A request's arrival
-    is when it was sent. Returns server.bench.engine_target.ClosedLoopRun."""
+    is when it was sent."""
     from dataclasses import replace
-
-    from server.bench.engine_target import ClosedLoopRun
 
     records: list[RequestRecord] = []
     state = {"next": 0, "held_until": stop_s, "exhausted": False}

@@ -5,26 +5,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from server.bench.metrics import RequestRecord
+from server.bench.metrics import ClosedLoopRun, RequestRecord
 from server.bench.workload import BenchRequest
-
-
-@dataclass
-class ClosedLoopRun:
-    """A fixed-concurrency run: every request sent, and when the concurrency stopped being held
-    (the deadline, or the trace running out with a slot to refill, whichever came first)."""
-    records: list[RequestRecord]
-    held_until_s: float
-    trace_exhausted: bool
 
 
 def _params(max_tokens: int):
     from server.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _record(rec: RequestRecord, out, t: float) -> bool:
+    """Fold one step's output for a request (out: the engine's RequestOutput) into its record at
+    time t; whether the request finished."""
+    if out.error:
+        rec.error = out.error
+    new = len(out.token_ids) - rec.output_tokens
+    if new > 0:
+        rec.first_token_s = t if rec.first_token_s is None else rec.first_token_s
+        rec.token_times_s.append(t)
+        rec.token_counts.append(new)
+        rec.output_tokens = len(out.token_ids)
+    if out.finished:
+        rec.end_s = t
+    return out.finished
 
 
 class EngineTarget:
@@ -73,18 +80,8 @@ class EngineTarget:
             outputs = self.engine.step()
             t = time.perf_counter() - t0
             for out in outputs:
-                rec = records[out.request_id]
-                if out.error:
-                    rec.error = out.error
-                new = len(out.token_ids) - rec.output_tokens
-                if new > 0:
-                    rec.first_token_s = t if rec.first_token_s is None else rec.first_token_s
-                    rec.token_times_s.append(t)
-                    rec.token_counts.append(new)
-                    rec.output_tokens = len(out.token_ids)
-                if out.finished:
-                    rec.end_s = t
-                    self.outputs[rec.index] = list(out.token_ids)
+                if _record(records[out.request_id], out, t):
+                    self.outputs[records[out.request_id].index] = list(out.token_ids)
         return [records[f"r{r.index}"] for r in requests]
 
     def run_closed_loop(self, trace: list[BenchRequest], concurrency: int, stop_s: float) -> ClosedLoopRun:
@@ -113,19 +110,7 @@ class EngineTarget:
             outputs = self.engine.step()
             t = time.perf_counter() - t0
             for out in outputs:
-                rec = running.get(out.request_id)
-                if rec is None:
-                    continue
-                if out.error:
-                    rec.error = out.error
-                new = len(out.token_ids) - rec.output_tokens
-                if new > 0:
-                    rec.first_token_s = t if rec.first_token_s is None else rec.first_token_s
-                    rec.token_times_s.append(t)
-                    rec.token_counts.append(new)
-                    rec.output_tokens = len(out.token_ids)
-                if out.finished:
-                    rec.end_s = t
+                if out.request_id in running and _record(running[out.request_id], out, t):
                     del running[out.request_id]
         for rid in running:
             self.engine.abort_request(rid)

@@ -44,6 +44,15 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+@dataclass
+class ClosedLoopRun:
+    """A fixed-concurrency run: every request sent, and when the concurrency stopped being held
+    (the deadline, or the trace running out with a slot to refill, whichever came first)."""
+    records: list[RequestRecord]
+    held_until_s: float
+    trace_exhausted: bool
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, or None where either side is missing (or b is 0): a point some system did not run."""
     return a / b if a is not None and b else None

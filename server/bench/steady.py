@@ -71,7 +71,7 @@ def case_trace(cfg, case: Case, vocab: int) -> list[BenchRequest]:
 
 
 def _measure(run, cfg, case: Case, concurrency: int, target: str, state: dict) -> dict:
-    """One closed-loop run's result (run: engine_target.ClosedLoopRun)."""
+    """One closed-loop run's result (run: metrics.ClosedLoopRun)."""
     window = window_summary(run.records, cfg.warmup_s, run.held_until_s)
     done = [r for r in run.records if r.ok]
     return {"case": case.name, "num_adapters": case.num_adapters, "rank": case.rank, "alpha": case.alpha,
