@@ -32,12 +32,13 @@ def test_adapter_assignment_has_its_own_rng():
     (the first H100 run's base point drew a different workload: 10,497 against 10,241 tokens)."""
     ref = _trace(rate=50.0)
     for kw in (dict(num_adapters=0), dict(num_adapters=1), dict(num_adapters=64), dict(alpha=0.2),
-               dict(base_share=0.3)):
+               dict(base_share=0.3), dict(round_robin=True)):
         other = _trace(rate=50.0, **kw)
         assert [(r.prompt_ids, r.max_tokens, r.arrival_s) for r in other] == \
                [(r.prompt_ids, r.max_tokens, r.arrival_s) for r in ref]
     assert [r.adapter for r in _trace(num_adapters=64)] != [r.adapter for r in ref]  # the assignment does move
     assert [r.adapter for r in _trace(seed=7)] == [r.adapter for r in ref]            # and is seeded
+    assert [r.adapter for r in _trace(round_robin=True)] == [i % 8 for i in range(300)]  # "distinct"
 
 
 def _rec(arrival, times, counts=None, end=None):
@@ -116,6 +117,8 @@ def test_slots_cover_the_adapters_and_churn_is_its_own_case():
     assert [c.name for c in plan_cases(cfg)] == [
         "base", "r16-1-uniform", "r16-1-power", "r16-8-uniform", "r16-8-power", "r8-1-uniform", "r8-1-power",
         "r8-8-uniform", "r8-8-power", "churn-r16-16-over-4"]
+    distinct = plan_cases(replace(cfg, popularity=("distinct",), churn=None))[1]
+    assert distinct.name == "r16-1-distinct" and distinct.popularity == "distinct" and distinct.alpha == 1.0
     churn = plan_cases(cfg)[-1]
     assert churn.churn and churn.slots == 4 and churn.num_adapters == 16
     for kw, flag in ((dict(churn=(4, 4)), "--churn"), (dict(concurrency=(0,)), "--concurrency"),

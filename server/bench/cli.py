@@ -80,8 +80,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                     help="seconds of the measured window after the warm-up (default 60)")
     st.add_argument("--warmup", type=float, default=10.0, metavar="S",
                     help="seconds at full concurrency before the window opens (default 10)")
-    st.add_argument("--popularity", type=_names, default=("uniform",), metavar="uniform,power",
-                    help="adapter popularity cases: uniform, power (floor(n*u), u ~ power(--power-alpha)); "
+    st.add_argument("--popularity", type=_names, default=("uniform",), metavar="uniform,power,distinct",
+                    help="adapter popularity cases: uniform, power (floor(n*u), u ~ power(--power-alpha)), "
+                         "distinct (request i -> adapter i mod n: every adapter in each n in a row); "
                          "default uniform")
     st.add_argument("--power-alpha", type=float, default=0.3, help="power-law exponent (default 0.3)")
     st.add_argument("--churn", type=_pair, default=None, metavar="ADAPTERS:SLOTS",

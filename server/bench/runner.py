@@ -26,7 +26,7 @@ TARGETS = ("http", "engine")
 # generate_workload as a timed burst or schedule; generate_conversations, cache off and on (server.bench.prefix);
 # fixed concurrency for a steady window, base against adapter cases (server.bench.steady).
 WORKLOADS = ("mixed", "prefix", "steady")
-POPULARITY = ("uniform", "power")
+POPULARITY = ("uniform", "power", "distinct")
 
 
 class BenchConfigError(ValueError):
@@ -72,7 +72,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (64,)  # requests kept in flight, refilled as they finish
     steady_s: float = 60.0                # the measured window, after the warm-up
     warmup_s: float = 10.0                # at full concurrency before the window opens
-    popularity: tuple[str, ...] = ("uniform",)  # adapter popularity cases: uniform and/or power(power_alpha)
+    popularity: tuple[str, ...] = ("uniform",)  # adapter popularity cases: uniform, power(power_alpha), distinct
     power_alpha: float = 0.3
     churn: tuple[int, int] | None = None  # (adapters, slots): a case with more adapters than slots
     peft_check: int = 0                   # per adapter case, this many trace requests checked on token ids

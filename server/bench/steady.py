@@ -45,29 +45,31 @@ class Case:
     num_adapters: int       # 0: the base model
     rank: int | None
     alpha: float            # popularity: 1 uniform, < 1 power law
+    popularity: str         # uniform | power | distinct (round robin: request i -> adapter i mod n)
     slots: int
     churn: bool = False
 
 
 def plan_cases(cfg) -> list[Case]:
     """cfg: a BenchConfig. Base first, then rank x adapters x popularity, then churn."""
-    cases = [Case("base", 0, None, 1.0, 1)]
+    cases = [Case("base", 0, None, 1.0, "uniform", 1)]
     for rank in cfg.ranks:
         for n in dict.fromkeys(cfg.adapter_counts):
             if n == 0:
                 continue
             for pop in cfg.popularity:
-                alpha = 1.0 if pop == "uniform" else cfg.power_alpha
-                cases.append(Case(f"r{rank}-{n}-{pop}", n, rank, alpha, lora_slots(cfg.max_loras, n)))
+                alpha = cfg.power_alpha if pop == "power" else 1.0
+                cases.append(Case(f"r{rank}-{n}-{pop}", n, rank, alpha, pop, lora_slots(cfg.max_loras, n)))
     if cfg.churn is not None:
         n, slots = cfg.churn
-        cases.append(Case(f"churn-r{cfg.ranks[0]}-{n}-over-{slots}", n, cfg.ranks[0], 1.0,
+        cases.append(Case(f"churn-r{cfg.ranks[0]}-{n}-over-{slots}", n, cfg.ranks[0], 1.0, "uniform",
                           lora_slots(slots, n, churn=True), churn=True))
     return cases
 
 
 def case_trace(cfg, case: Case, vocab: int) -> list[BenchRequest]:
-    return generate_workload(replace(cfg.workload(case.num_adapters, vocab), alpha=case.alpha))
+    return generate_workload(replace(cfg.workload(case.num_adapters, vocab), alpha=case.alpha,
+                                     round_robin=case.popularity == "distinct"))
 
 
 def _measure(run, cfg, case: Case, concurrency: int, target: str, state: dict) -> dict:
@@ -75,6 +77,7 @@ def _measure(run, cfg, case: Case, concurrency: int, target: str, state: dict) -
     window = window_summary(run.records, cfg.warmup_s, run.held_until_s)
     done = [r for r in run.records if r.ok]
     return {"case": case.name, "num_adapters": case.num_adapters, "rank": case.rank, "alpha": case.alpha,
+            "popularity": case.popularity,
             "slots": case.slots, "churn": case.churn, "concurrency": concurrency, "target": target,
             "machine": state, "loraplex": window, "requests_sent": len(run.records), "completed": len(done),
             "short_outputs": sum(r.output_tokens < r.expected_tokens for r in done),
@@ -143,8 +146,10 @@ def _bounds(cfg, model_cfg: dict, row: dict, base_row: dict | None, bw: float | 
         if row["concurrency"] == 1 and base_step_s:
             out["base_step_over_floor"] = base_step_s / floor
     if row["num_adapters"]:
-        distinct = min(bandwidth.expected_distinct(row["num_adapters"], row["concurrency"], row["alpha"]),
-                       row["slots"])
+        n, c = row["num_adapters"], row["concurrency"]
+        expected = (min(n, c) if row.get("popularity") == "distinct"
+                    else bandwidth.expected_distinct(n, c, row["alpha"]))
+        distinct = min(expected, row["slots"])
         one = bandwidth.adapter_bytes(model_cfg, row["rank"], elt)
         b = bandwidth.bound(base_bytes, distinct * one, base_step_s, bw)
         out.update(adapter_bytes=one, distinct_per_step=distinct, **b)

@@ -2,7 +2,9 @@
 
 Adapter popularity: adapter = floor(n * u) with u ~ power(alpha) on [0, 1)
 (density alpha * u^(alpha-1), numpy.random.power's law): alpha = 1 is uniform,
-smaller alpha piles requests onto the first few adapters. Arrivals: gamma
+smaller alpha piles requests onto the first few adapters; round_robin instead
+sends request i to adapter i mod n (Punica's "distinct": every n requests in a
+row use every adapter once). Arrivals: gamma
 inter-arrival times with shape 1/cv^2 and scale cv^2/rate (cv = 1 is Poisson;
 rate = inf sends everything at t = 0, which measures capacity). Prompt and
 output lengths are uniform integers over inclusive ranges. Adapter i belongs to
@@ -44,6 +46,7 @@ class WorkloadConfig:
     rate: float = math.inf             # requests per second; inf = all at t = 0
     cv: float = 1.0                    # coefficient of variation of inter-arrival times
     alpha: float = 1.0                 # power-law popularity exponent; 1 = uniform
+    round_robin: bool = False          # adapter = request index mod n (Punica's "distinct"), alpha unused
     prompt_len: tuple[int, int] = (8, 64)   # inclusive token range
     output_len: tuple[int, int] = (8, 64)   # inclusive token range
     num_tenants: int = 1
@@ -139,10 +142,15 @@ def adapter_rng(seed: int) -> random.Random:
     return random.Random(f"{seed}:adapters")
 
 
-def assign(rng: random.Random, cfg: WorkloadConfig) -> tuple[int | None, str]:
-    """(adapter or None for the base model, tenant) for one request, from the adapter stream."""
+def assign(rng: random.Random, cfg: WorkloadConfig, index: int) -> tuple[int | None, str]:
+    """(adapter or None for the base model, tenant) for request `index`, from the adapter stream."""
     base = rng.random() < cfg.base_share
-    adapter = None if base else power_index(rng, cfg.num_adapters, cfg.alpha)
+    if base:
+        adapter = None
+    elif cfg.round_robin:
+        adapter = index % cfg.num_adapters
+    else:
+        adapter = power_index(rng, cfg.num_adapters, cfg.alpha)
     tenant = (tenant_name(rng.randrange(cfg.num_tenants)) if adapter is None
               else tenant_of_adapter(adapter, cfg.num_tenants))
     return adapter, tenant
@@ -156,7 +164,7 @@ def generate_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
     for i in range(cfg.total_requests):
         if math.isfinite(cfg.rate):
             t += rng.gammavariate(shape, scale)
-        adapter, tenant = assign(arng, cfg)
+        adapter, tenant = assign(arng, cfg, i)
         n_prompt = rng.randint(*cfg.prompt_len)
         prompt = tuple(rng.randrange(*cfg.token_range) for _ in range(n_prompt))
         out.append(BenchRequest(i, t, adapter, tenant, prompt, rng.randint(*cfg.output_len)))
@@ -177,7 +185,7 @@ def generate_conversations(cfg: WorkloadConfig) -> list[BenchRequest]:
     for c in range(math.ceil(cfg.total_requests / cfg.turns)):
         if math.isfinite(cfg.rate):
             start += rng.gammavariate(shape, scale)
-        adapter, tenant = assign(arng, cfg)
+        adapter, tenant = assign(arng, cfg, c)
         history = list(system[tenant])
         for turn in range(min(cfg.turns, cfg.total_requests - c * cfg.turns)):
             history += tokens(rng.randint(*cfg.prompt_len))
