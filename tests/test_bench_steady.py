@@ -128,8 +128,10 @@ def test_slots_cover_the_adapters_and_churn_is_its_own_case():
             BenchConfig(**{**dict(workload_type="steady", target="engine"), **kw})
     with pytest.raises(BenchConfigError, match="steady"):
         BenchConfig(ranks=(16, 8))
-    with pytest.raises(BenchConfigError, match="--concurrency"):
-        BenchConfig(concurrency=(8,))
+    for kw, flag in ((dict(concurrency=(8,)), "--concurrency"), (dict(device_bandwidth_gbps=3350.0), "--device"),
+                     (dict(steady_s=5.0), "--steady-duration")):
+        with pytest.raises(BenchConfigError, match=flag):
+            BenchConfig(**kw)  # the mixed workload would ignore them
 
 
 def _steady(tiny_model_dir, tmp_path, **kw):

@@ -131,7 +131,10 @@ class BenchConfig:
         if self.device_bandwidth_gbps is not None and not self.device_bandwidth_gbps > 0:
             raise BenchConfigError(f"--device-bandwidth-gbps must be > 0, got {self.device_bandwidth_gbps}")
         steady_only = {"--concurrency": self.concurrency != (64,), "--churn": self.churn is not None,
-                       "--peft-check": self.peft_check > 0, "--popularity": self.popularity != ("uniform",)}
+                       "--peft-check": self.peft_check > 0, "--popularity": self.popularity != ("uniform",),
+                       "--steady-duration": self.steady_s != 60.0, "--warmup": self.warmup_s != 10.0,
+                       "--power-alpha": self.power_alpha != 0.3,
+                       "--device-bandwidth-gbps": self.device_bandwidth_gbps is not None}
         if self.workload_type != "steady":
             for flag, given in steady_only.items():
                 if given:
