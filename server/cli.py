@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replica-name", help="this replica's name among several behind one proxy, shown in "
                                           "/health, /version, the x-loraplex-replica header and /metrics "
                                           "(default: hostname:port)")
+    s.add_argument("--lease-ttl", type=float, default=10.0, metavar="SECONDS",
+                   help="a replica beats the heartbeat of its requests' concurrency slots every third of this; "
+                        "a replica unheard for this long (killed, frozen) has its slots reclaimed by the others "
+                        "(default 10, at least 1)")
+    s.add_argument("--usage-settle-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="running requests' usage (tokens delivered so far) is recorded this often, so a crash "
+                        "loses at most this much of it (default 2)")
     s.add_argument("--data-dir", help="embedded Redis and demo model live here (or "
                                       "$LORAPLEX_DATA_DIR; default ~/.local/share/loraplex)")
     from server.bench.cli import add_bench_parser  # argparse only at import: --help stays fast

@@ -96,14 +96,15 @@ class ServerState:
             retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(async_engine),
                                              retired=registry.retired_versions)
-            limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds)
+            limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds,
+                              lease_seconds=config.lease_ttl, holder=config.replica)
             usage = UsageLog(client, config.redis_prefix)
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 registry=registry, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
-                settlements=Settlements(limiter, usage), history=EngineHistory(), demo=demo,
+                settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
             if client is not None:
