@@ -21,7 +21,7 @@ from server.demo import DemoPaths, ensure_demo
 from server.engine import EngineConfig, LLMEngine
 from server.engine.async_engine import AsyncEngine
 from server.redis_embedded import EmbeddedRedis
-from tenants import Limiter, TenantStore, UsageLog
+from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class ServerState:
     redis: redis.Redis
     tenants: TenantStore
     limiter: Limiter
+    auth_throttle: AuthThrottle
     usage: UsageLog
     registry: AdapterRegistry
     retirements: RetirementListener
@@ -102,6 +103,8 @@ class ServerState:
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
+                auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
+                                           window_seconds=config.auth_failure_window_seconds),
                 registry=registry, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(), demo=demo,
