@@ -136,7 +136,7 @@ class Settlements:
 
     def record_progress(self) -> None:
         """Record every followed request's usage since the last record (blocking). A Redis fault
-        skips the request until the next round, which records the larger delta."""
+        ends the round; the next one records the larger deltas."""
         for running in list(self._running.values()):
             with running.lock:
                 if running.closed or running.progress is None:
@@ -148,9 +148,10 @@ class Settlements:
                 try:
                     self._record(running.tenant, delta, running.adapter)
                 except redis.RedisError as e:
+                    # Redis is most likely away for every request: leave them all to the next round.
                     log.warning("recording the usage of running request %s failed (%r); next round",
                                 running.admission.request_id, e)
-                    continue
+                    return
                 running.recorded = so_far
 
     def start(self) -> None:
