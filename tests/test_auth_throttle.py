@@ -73,6 +73,9 @@ def test_unknown_key_ids_and_garbage_count_against_the_address(server):
              for token in ["not-a-key", "lp-0123456789abcdef." + "x" * 43, "Bearer-ish", "lp-", "x" * 200,
                            "lp-fedcba9876543210." + "y" * 43]]
     assert codes == [401] * LIMIT + [429]
+    metrics = server.admin("GET", "/metrics").text
+    assert 'loraplex_auth_failures_total{outcome="throttled"}' in metrics
+    assert 'loraplex_auth_failures_total{outcome="invalid"}' in metrics
 
 
 def test_throttle_counts_in_redis_and_windows_expire(redis_client):

@@ -41,6 +41,7 @@ def _authenticate(state: ServerState, token: str, address: str | None) -> Tenant
     """Blocking: the throttle check, the key check, and the count of a failure."""
     wait = state.auth_throttle.blocked(address)
     if wait is not None:
+        state.metrics.auth_failures.labels("throttled").inc()
         raise _throttled(wait, "from this address")
     tenant = state.tenants.authenticate(token)
     if tenant is not None:
@@ -48,7 +49,9 @@ def _authenticate(state: ServerState, token: str, address: str | None) -> Tenant
     parsed = parse_key(token)
     wait = state.auth_throttle.failed(address, None if parsed is None else parsed[0])
     if wait is not None:
+        state.metrics.auth_failures.labels("throttled").inc()
         raise _throttled(wait, "for this key or from this address")
+    state.metrics.auth_failures.labels("invalid").inc()
     raise APIError(401, "invalid API key", "invalid_api_key", _CHALLENGE)
 
 
