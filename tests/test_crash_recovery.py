@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 import httpx
-import pytest
+import redis
 
 from server.bench.server_proc import ServerProcess
 from server.redis_embedded import free_port
@@ -159,13 +159,8 @@ def test_a_killed_replica_loses_at_most_the_settle_interval_of_usage(tiny_model_
     delivered = sum(n for _, n in arrived)
     # Recorded at least what had arrived a settle interval (plus slack) before the kill.
     floor = sum(n for t, n in arrived if t <= killed_at - interval - 1.0)
-    store = TenantStore(_client(url))
-    usage = UsageLog(_client(url)).get(store.get("crash"))["total"]
+    with redis.Redis.from_url(url) as client:
+        usage = UsageLog(client).get(TenantStore(client).get("crash"))["total"]
     assert usage["requests"] == 1 and usage["prompt_tokens"] == 3
     assert floor > 0 and floor <= usage["completion_tokens"] <= delivered + 16, (floor, usage, delivered)
 
-
-def _client(url: str):
-    import redis
-
-    return redis.Redis.from_url(url)
