@@ -76,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replica-name", help="this replica's name among several behind one proxy, shown in "
                                           "/health, /version, the x-loraplex-replica header and /metrics "
                                           "(default: hostname:port)")
+    s.add_argument("--lease-ttl", type=float, default=10.0, metavar="SECONDS",
+                   help="a replica beats the heartbeat of its requests' concurrency slots every third of this; "
+                        "a replica unheard for this long (killed, frozen) has its slots reclaimed by the others "
+                        "(default 10, at least 1)")
+    s.add_argument("--usage-settle-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="running requests' usage (tokens delivered so far) is recorded this often, so a crash "
+                        "loses at most this much of it (default 2)")
+    s.add_argument("--auth-failure-limit", type=_positive_int, default=30, metavar="N",
+                   help="failed API-key checks a minute allowed per client address and per key id; past it "
+                        "an address gets 429 before its key is checked, and a key id's failing attempts get "
+                        "429 while its right secret still works (default 30)")
     s.add_argument("--data-dir", help="embedded Redis and demo model live here (or "
                                       "$LORAPLEX_DATA_DIR; default ~/.local/share/loraplex)")
     from server.bench.cli import add_bench_parser  # argparse only at import: --help stays fast

@@ -75,6 +75,10 @@ class ServerConfig:
     demo_tenant: bool = True              # create the `demo` tenant and a key on start
     seed: int = 0
     replica_name: str | None = None       # --replica-name; None: hostname:port (see `replica`)
+    lease_ttl: float = 10.0               # --lease-ttl: a silent replica's concurrency slots come back after this
+    usage_settle_interval: float = 2.0    # --usage-settle-interval: running requests' usage recorded this often
+    auth_failure_limit: int = 30          # --auth-failure-limit: failed key checks per window, per address and key id
+    auth_failure_window_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -92,6 +96,12 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ConfigError("--metrics-token must be at least 16 characters")
+        if not 1.0 <= self.lease_ttl <= 3600.0:
+            raise ConfigError(f"--lease-ttl must be in 1..3600 seconds, got {self.lease_ttl}")
+        if not 0.1 <= self.usage_settle_interval <= 3600.0:
+            raise ConfigError(f"--usage-settle-interval must be in 0.1..3600 seconds, got {self.usage_settle_interval}")
+        if self.auth_failure_limit < 1 or not self.auth_failure_window_seconds > 0:
+            raise ConfigError("--auth-failure-limit must be >= 1 (and its window > 0 s)")
         if not self.rate_window_seconds > 0:
             raise ConfigError("rate_window_seconds must be > 0")
         if self.max_cpu_lora_bytes < 0:
@@ -159,4 +169,6 @@ class ServerConfig:
             share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,
             metrics_public=args.metrics_public,
-            replica_name=getattr(args, "replica_name", None) or None)
+            replica_name=getattr(args, "replica_name", None) or None,
+            lease_ttl=args.lease_ttl, usage_settle_interval=args.usage_settle_interval,
+            auth_failure_limit=args.auth_failure_limit)

@@ -2,6 +2,7 @@
 
 Imports nothing from server/. Every Redis key lives under a prefix ("lp:" by default).
 """
+from tenants.auth_throttle import AuthThrottle
 from tenants.errors import (QuotaError, QuotaExceeded, RequestTooLarge, TenantConcurrentChange,
                             TenantError, TenantExists, TenantIdError, TenantNameError,
                             TenantNotFound)
@@ -12,7 +13,7 @@ from tenants.store import TenantStore
 from tenants.usage import UsageLog
 
 __all__ = [
-    "Admission", "Keyspace", "Limiter", "Quota", "QuotaError", "QuotaExceeded",
+    "Admission", "AuthThrottle", "Keyspace", "Limiter", "Quota", "QuotaError", "QuotaExceeded",
     "RequestTooLarge", "Tenant", "TenantConcurrentChange", "TenantError", "TenantExists",
     "TenantIdError", "TenantNameError", "TenantNotFound", "TenantStore", "UsageLog",
     "check_request_tokens", "validate_tenant_id", "validate_tenant_name",

@@ -58,6 +58,14 @@ class Keyspace:
     def api_key_prefix(self) -> str:
         return f"{self.prefix}apikey:"
 
+    # Failed authentications in the current window (tenants.auth_throttle): per client address
+    # (or IPv6 /64) and per key id.
+    def auth_failures_by_address(self, bucket: str) -> str:
+        return f"{self.prefix}authfail:addr:{bucket}"
+
+    def auth_failures_by_key(self, key_id: str) -> str:
+        return f"{self.prefix}authfail:key:{key_id}"
+
     # Usage: one hash per tenant per UTC day, plus an index of those hashes
     # (ZSET key name -> expiry time) so deleting the tenant finds every one.
     def usage(self, tenant_id: str, day: str) -> str:

@@ -3,6 +3,13 @@ enforced atomically in Redis (see limits_lua.py for the data layout).
 
 Time: `now=None` (the normal case) uses Redis's clock inside the script, so
 processes with skewed clocks share one consistent window; tests pass `now`.
+Leases: a concurrency slot is a member `<holder>/<request id>#<random>` of the tenant's lease
+set, scored by its expiry. `holder` names the process that admitted it (its replica name plus a
+per-process suffix), so an operator can tell whose slots a tenant holds. The holder's heartbeat
+(renew(), every lease_seconds / 3 or so) keeps every lease it holds alive, however long its
+request runs; a holder that stops beating (kill -9, a frozen host) loses them lease_seconds
+after its last beat, when any process's admit purges them (atomically, in the admit script).
+
 Token charges: admit() charges an estimate (prompt + max completion tokens);
 release() corrects it to the actual count while the charge is still inside the
 window. A request that outlives the window keeps its estimate as charged.
@@ -10,7 +17,9 @@ window. A request that outlives the window keeps its estimate as charged.
 from __future__ import annotations
 
 import math
+import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +61,19 @@ def _limit(value: int | None) -> int:
     return -1 if value is None else value
 
 
+_HOLDER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+# Leases renewed per script call: bounds one call's time inside Redis.
+_RENEW_BATCH = 500
+
+
 class Limiter:
     def __init__(self, client: redis.Redis, prefix: str = "lp:", *,
-                 window_seconds: float = 60.0, lease_seconds: float = 120.0) -> None:
+                 window_seconds: float = 60.0, lease_seconds: float = 10.0, holder: str = "anonymous") -> None:
+        """`holder` names this process's leases (a replica name); a random suffix tells apart two
+        processes given the same name, or a restart from the process it replaced."""
+        if not isinstance(holder, str) or not _HOLDER_RE.fullmatch(holder):
+            raise ValueError(f"holder must match {_HOLDER_RE.pattern}, got {holder!r}")
+        self.holder = f"{holder}.{secrets.token_hex(4)}"
         for name, value in (("window_seconds", window_seconds), ("lease_seconds", lease_seconds)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
@@ -85,7 +104,7 @@ class Limiter:
                 f"this request may use up to {estimated_tokens} tokens, more than the tenant's "
                 f"tokens_per_minute of {quota.tokens_per_minute}; lower max_tokens or the prompt",
                 "tokens_per_minute")
-        slot_id = f"{request_id}#{secrets.token_hex(6)}"
+        slot_id = f"{self.holder}/{request_id}#{secrets.token_hex(6)}"
         reply = self._admit(
             keys=self._ks.limit_keys(tenant.id),
             args=["" if now is None else repr(float(now)), repr(self.window_seconds),
@@ -113,12 +132,18 @@ class Limiter:
                              args=[admission.slot_id, actual_tokens])
         return int(held) == 1
 
-    def renew(self, admission: Admission, now: float | None = None) -> bool:
-        """Extend a long request's lease by lease_seconds from now; False if already lost."""
-        ok = self._renew(keys=[self._ks.leases(admission.tenant)],
-                         args=["" if now is None else repr(float(now)), repr(self.window_seconds),
-                               admission.slot_id, repr(self.lease_seconds), self._ttl])
-        return int(ok) == 1
+    def renew(self, admissions: Sequence[Admission], now: float | None = None) -> list[Admission]:
+        """The heartbeat: extend every lease in `admissions` to lease_seconds from now, in one
+        round trip per few hundred. Returns those already gone (released, or reclaimed after a
+        silence longer than lease_seconds); they are not brought back."""
+        lost: list[Admission] = []
+        for start in range(0, len(admissions), _RENEW_BATCH):
+            batch = admissions[start:start + _RENEW_BATCH]
+            gone = self._renew(keys=[self._ks.leases(a.tenant) for a in batch],
+                               args=["" if now is None else repr(float(now)), repr(self.window_seconds),
+                                     repr(self.lease_seconds), self._ttl, *(a.slot_id for a in batch)])
+            lost.extend(batch[int(i) - 1] for i in gone)
+        return lost
 
     def current(self, tenant: Tenant, now: float | None = None) -> dict[str, Any]:
         """What the tenant has in the window now (for /v1/usage)."""

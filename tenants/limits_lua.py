@@ -22,7 +22,8 @@ local window = tonumber(ARGV[2])
 """
 
 # Drop charges that left the window and subtract them from the running sum,
-# then drop leases that expired (a crashed process's slots come back here).
+# then drop leases that expired: a lease is extended by its replica's heartbeat (RENEW), so one
+# past its expiry belongs to a replica that stopped beating (crashed), and its slot comes back here.
 _PURGE = """
 local cutoff = now - window
 local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff)
@@ -128,14 +129,25 @@ end
 return held
 """
 
-# KEYS: the leases ZSET. ARGV: now, (unused window), slot, lease, key ttl.
-# Returns 1 and extends the lease if it is still held, else 0.
+# The heartbeat of one replica's leases. KEYS: a leases ZSET per lease (repeats allowed).
+# ARGV: now, (unused window), lease seconds, key ttl, then one slot per key. A lease still in
+# its set (even one past its expiry that no admit has purged yet: nobody else got that slot) is
+# extended to now + lease; one that is gone stays gone (XX): a heartbeat racing the request's own
+# release must never bring a freed slot back. Returns the 1-based positions of the gone ones.
 RENEW = _NOW + """
-local s = redis.call('ZSCORE', KEYS[1], ARGV[3])
-if (not s) or tonumber(s) <= now then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[3])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
-return 1
+local lease = tonumber(ARGV[3])
+local ttl = tonumber(ARGV[4])
+local lost = {}
+for i = 1, #KEYS do
+  local slot = ARGV[4 + i]
+  if redis.call('ZADD', KEYS[i], 'XX', 'CH', now + lease, slot) == 0
+      and not redis.call('ZSCORE', KEYS[i], slot) then
+    lost[#lost + 1] = i
+  else
+    redis.call('EXPIRE', KEYS[i], ttl)
+  end
+end
+return lost
 """
 
 # ARGV: now, window. Returns {requests in window, tokens in window, leases held}.

@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "cluster-admin-token-0123456789"
 REPLICAS = 3
+SETTLE_INTERVAL = 1.0  # --usage-settle-interval of the replicas; --lease-ttl stays at its default
 
 K8S = ROOT / "deploy" / "kubernetes"
 
@@ -99,7 +100,8 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Cluster:
     cmd = [sys.executable, str(ROOT / "scripts" / "cluster"), "--replicas", str(REPLICAS), "--port", "0",
            "--replica-base-port", "0", *proxies, "--model", str(tiny_model_dir), "--data-dir", str(data),
            "--admin-token", TOKEN, "--start-timeout", "120",
-           "--device", "cpu", "--kv-cache-blocks", "64", "--max-model-len", "512"]
+           "--device", "cpu", "--kv-cache-blocks", "64", "--max-model-len", "512",
+           "--usage-settle-interval", str(SETTLE_INTERVAL)]
     with open(output, "wb") as out:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     state_file = data / "cluster" / "run" / "cluster.json"
@@ -152,12 +154,13 @@ class Stream(threading.Thread):
     """Reads one SSE completion (in the background, or by run()): when each event arrived, in how
     many network reads, whether it ended with [DONE], or the error that ended it."""
 
-    def __init__(self, url: str, key: str, model: str, max_tokens: int = 480) -> None:
+    def __init__(self, url: str, key: str, model: str, max_tokens: int = 480, count_tokens: bool = False) -> None:
         super().__init__(daemon=True)
         self.request = (url, key, {"model": model, "prompt": "once", "max_tokens": max_tokens,
-                                "ignore_eos": True, "stream": True})
+                                "ignore_eos": True, "stream": True, **({"logprobs": 0} if count_tokens else {})})
         self.started = threading.Event()
         self.arrivals: list[float] = []
+        self.tokens: list[tuple[float, int]] = []  # (arrival, tokens in the event), with count_tokens
         self.reads = 0
         self.done = False
         self.error: Exception | None = None
@@ -177,6 +180,11 @@ class Stream(threading.Thread):
                     *events, pending = (pending + chunk).split(b"\n\n")
                     for event in events:
                         self.arrivals.append(time.monotonic() - t0)
+                        if event.startswith(b"data: {"):
+                            choices = json.loads(event[6:])["choices"]
+                            logprobs = choices[0].get("logprobs") if choices else None
+                            if logprobs:
+                                self.tokens.append((time.monotonic(), len(logprobs["tokens"])))
                         self.done = event == b"data: [DONE]"
                         self.started.set()
         except Exception as e:  # noqa: BLE001 - recorded for the test to judge
@@ -271,19 +279,44 @@ def test_adapter_upload_and_replace_through_the_proxy(cluster, tiny_adapters):
 
 def test_stopping_a_replica_moves_only_its_tenants(cluster):
     """Kill -9 one replica mid-stream: its stream ends (no hang), its tenants are served by
-    another replica, and every other tenant keeps its replica and its stream."""
+    another replica, and every other tenant keeps its replica and its stream. A tenant whose
+    max_concurrent_requests were all held on the dead replica is admitted elsewhere within 15 s
+    (the leases lapse after --lease-ttl without the dead replica's heartbeat), and its usage
+    holds the tokens its streams delivered, less at most a settle interval's worth."""
     owners = {proxy: cluster.keys_on(REPLICAS, proxy=proxy) for proxy in cluster.proxies}
     victim = sorted(cluster.replicas)[0]
     others = set(cluster.replicas) - {victim}
+    limited = cluster.keys_on(REPLICAS, quota={"max_concurrent_requests": 2})[victim]
     bystander_keys = [cluster.new_key(cluster.new_tenant()) for _ in range(8)]
     before = {proxy: {key: cluster.replica_of(key, proxy) for key in bystander_keys} for proxy in cluster.proxies}
     survivor = Stream(cluster.url, owners["nginx"][sorted(others)[0]], cluster.model)
     doomed = Stream(cluster.url, owners["nginx"][victim], cluster.model)
-    for s in (survivor, doomed):
+    held = [Stream(cluster.url, limited, cluster.model, max_tokens=400, count_tokens=True) for _ in range(2)]
+    for s in (survivor, doomed, *held):
         s.start()
         assert s.started.wait(30) and s.arrivals, s.error
+    assert all(s.replica == victim for s in held)
+    refused = _complete(cluster.url, limited, cluster.model)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "max_concurrent_requests"
+    time.sleep(max(0.0, SETTLE_INTERVAL + 2.0 - (time.monotonic() - min(s.tokens[0][0] for s in held))))
+    assert not any(s.done for s in held), "the held streams ended before the kill: make them longer"
     os.kill(cluster.replicas[victim]["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
+
+    while (r := _complete(cluster.url, limited, cluster.model)).status_code != 200:
+        assert r.status_code == 429 and time.monotonic() - killed_at < 15, (r.status_code, r.text)
+        time.sleep(0.25)
+    assert r.headers["x-loraplex-replica"] in others
+    admitted_after = time.monotonic() - killed_at
+    for s in held:
+        s.join(15)
+        assert not s.done
+    delivered = sum(n for s in held for _, n in s.tokens)
+    floor = sum(n for s in held for t, n in s.tokens if t <= killed_at - SETTLE_INTERVAL - 1.0)
+    recorded = httpx.get(f"{cluster.url}/v1/usage", headers=_auth(limited), timeout=30).json()["total"]
+    recorded_tokens = recorded["completion_tokens"] - r.json()["usage"]["completion_tokens"]
+    assert recorded["requests"] == 3 and 0 < floor <= recorded_tokens <= delivered + 16, \
+        (floor, recorded, delivered, admitted_after)
 
     doomed.join(15)
     assert not doomed.is_alive(), "the stream on the killed replica hangs"

@@ -114,12 +114,46 @@ def test_expired_lease_is_reclaimed_and_renew_extends_it(redis_client: redis.Red
     with pytest.raises(QuotaExceeded):
         limiter.admit(t, "b", 0, now=T0 + 4)
     live = limiter.admit(t, "b", 0, now=T0 + 5.5)  # the crashed process's slot expired
-    assert limiter.renew(crashed, now=T0 + 5.5) is False
+    assert limiter.renew([crashed, live], now=T0 + 5.5) == [crashed]
     assert limiter.release(crashed, 0) is False
-    assert limiter.renew(live, now=T0 + 9) is True  # now held until T0 + 14
+    assert limiter.renew([live], now=T0 + 9) == []  # now held until T0 + 14
     with pytest.raises(QuotaExceeded):
         limiter.admit(t, "c", 0, now=T0 + 12)
     limiter.admit(t, "c", 0, now=T0 + 14.5)
+
+
+def test_a_heartbeat_never_brings_back_a_released_lease(redis_client: redis.Redis) -> None:
+    limiter = Limiter(redis_client, lease_seconds=5)
+    t = make_tenant(max_concurrent_requests=1)
+    done = limiter.admit(t, "done", 0, now=T0)
+    assert limiter.release(done, 0) is True
+    assert limiter.renew([done], now=T0 + 1) == [done]
+    limiter.admit(t, "next", 0, now=T0 + 1)  # the slot stayed free
+
+
+def test_leases_name_their_holder_and_only_the_silent_holder_loses_them(redis_client: redis.Redis) -> None:
+    """Two replicas' limiters on one Redis: the one that keeps beating keeps its long request's
+    lease past many lease times; the silent one's lease is reclaimed by the live one's admit."""
+    live, dead = Limiter(redis_client, lease_seconds=3, holder="r1"), Limiter(redis_client, lease_seconds=3,
+                                                                               holder="r2")
+    assert live.holder.startswith("r1.") and live.holder != Limiter(redis_client, holder="r1").holder
+    t = make_tenant(max_concurrent_requests=2)
+    long_request = live.admit(t, "long", 0, now=T0)
+    orphan = dead.admit(t, "orphan", 0, now=T0)
+    assert long_request.slot_id.startswith(f"{live.holder}/long#")
+    assert orphan.slot_id.startswith(f"{dead.holder}/orphan#")
+    members = {m.decode() for m in redis_client.zrange(f"lp:t:{t.id}:rl:conc", 0, -1)}
+    assert members == {long_request.slot_id, orphan.slot_id}
+    with pytest.raises(QuotaExceeded):
+        live.admit(t, "x", 0, now=T0 + 2)
+    for beat in range(1, 11):  # ten beats a second apart: the long request's lease never lapses
+        assert live.renew([long_request], now=T0 + beat) == []
+    third = live.admit(t, "third", 0, now=T0 + 10)  # the orphan's slot, reclaimed
+    with pytest.raises(QuotaExceeded):
+        live.admit(t, "fourth", 0, now=T0 + 10)
+    assert live.current(t, now=T0 + 10)["concurrent_requests"] == 2
+    assert dead.release(orphan, 0) is False and live.release(long_request, 0) is True
+    assert live.release(third, 0) is True
 
 
 def test_default_clock_is_redis_time(redis_client: redis.Redis) -> None:

@@ -37,6 +37,7 @@ def create_app(config: ServerConfig,
         try:
             state.engine.start()
             state.retirements.start()
+            state.settlements.start()
             info = await run_in_threadpool(bootstrap, state, _base_url(config))
             background = [asyncio.create_task(run_upkeep(state)), asyncio.create_task(state.settlements.run()),
                           asyncio.create_task(state.history.run(state.engine.stats))]
@@ -48,6 +49,7 @@ def create_app(config: ServerConfig,
             for task in background:
                 task.cancel()
         finally:
+            await run_in_threadpool(state.settlements.stop)
             await run_in_threadpool(state.close)
 
     routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *ops_routes.ROUTES,

@@ -1,4 +1,10 @@
-"""Bearer authentication: tenant API keys for /v1, the admin token for /admin."""
+"""Bearer authentication: tenant API keys for /v1, the admin token for /admin.
+
+Failed tenant-key attempts are throttled per client address and per key id (tenants.auth_throttle
+says why the two differ: an address over the limit is refused before its key is checked, a key
+id under attack still admits its right secret). The client address is the connection's peer, or
+what a trusted proxy put in X-Forwarded-For (uvicorn's --forwarded-allow-ips, FORWARDED_ALLOW_IPS).
+"""
 from __future__ import annotations
 
 import hmac
@@ -26,15 +32,36 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.lp
 
 
+def _throttled(wait: int, why: str) -> APIError:
+    return APIError(429, f"too many failed authentications {why}; retry after {wait} s", "auth_throttled",
+                    {"Retry-After": str(wait)})
+
+
+def _authenticate(state: ServerState, token: str, address: str | None) -> Tenant:
+    """Blocking: the throttle check, the key check, and the count of a failure."""
+    wait = state.auth_throttle.blocked(address)
+    if wait is not None:
+        state.metrics.auth_failures.labels("throttled").inc()
+        raise _throttled(wait, "from this address")
+    tenant = state.tenants.authenticate(token)
+    if tenant is not None:
+        return tenant
+    parsed = parse_key(token)
+    wait = state.auth_throttle.failed(address, None if parsed is None else parsed[0])
+    if wait is not None:
+        state.metrics.auth_failures.labels("throttled").inc()
+        raise _throttled(wait, "for this key or from this address")
+    state.metrics.auth_failures.labels("invalid").inc()
+    raise APIError(401, "invalid API key", "invalid_api_key", _CHALLENGE)
+
+
 async def require_tenant(request: Request) -> Tenant:
     token = bearer_token(request)
     if token is None:
         raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                        "missing_api_key", _CHALLENGE)
-    tenant = await run_in_threadpool(state_of(request).tenants.authenticate, token)
-    if tenant is None:
-        raise APIError(401, "invalid API key", "invalid_api_key", _CHALLENGE)
-    return tenant
+    address = request.client.host if request.client is not None else None
+    return await run_in_threadpool(_authenticate, state_of(request), token, address)
 
 
 def _matches(token: str, expected: str | None) -> bool:

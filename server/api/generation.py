@@ -95,6 +95,8 @@ class Generation:
         request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         admission = await run_in_threadpool(state.limiter.admit, tenant, request_id,
                                             len(prompt_ids) + params.max_tokens * params.n)
+        adapter = None if record is None else record.name
+        state.settlements.open(tenant, admission, len(prompt_ids), adapter)  # its lease's heartbeat
         version = None if record is None else record.version
         try:
             # The engine pages the adapter in from Redis if it is not resident; this request
@@ -105,8 +107,9 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await run_in_threadpool(state.settlements.settle, tenant, admission, 0, 0)
             raise
-        return cls(state, tenant, endpoint, prompt_ids, params, admission, stream, arrived,
-                   None if record is None else record.name)
+        generation = cls(state, tenant, endpoint, prompt_ids, params, admission, stream, arrived, adapter)
+        state.settlements.follow(admission, lambda: generation.completion_tokens)  # usage while it runs
+        return generation
 
     @property
     def completion_tokens(self) -> int:

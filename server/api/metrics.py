@@ -57,6 +57,14 @@ class Metrics:
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.auth_failures = Counter("loraplex_auth_failures",
+                                     "Failed API-key checks: invalid (401) or throttled (429)", ["outcome"],
+                                     registry=r)
+        # Crash recovery (server.api.settlement), set from its counters at scrape time.
+        self.running_leases = Gauge("loraplex_running_leases", "Concurrency leases this replica beats", registry=r)
+        self.leases_lost = Gauge("loraplex_leases_lost",
+                                 "Running requests whose lease lapsed (this replica unheard for --lease-ttl)",
+                                 registry=r)
         # An info metric (`loraplex_replica_info{replica=...} 1`) rather than a replica label on every
         # series: Prometheus already labels each scrape target, and a join on this one names it.
         self.replica = Info("loraplex_replica", "Which replica this is, and what it serves", registry=r)

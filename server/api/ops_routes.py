@@ -48,6 +48,8 @@ async def metrics(request: Request) -> Response:
                                    loraplex_version())
     state.metrics.observe_engine(state.engine.stats())
     state.metrics.observe_load_times(state.engine.engine.host.load_seconds)
+    state.metrics.running_leases.set(state.settlements.running)
+    state.metrics.leases_lost.set(state.settlements.leases_lost)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

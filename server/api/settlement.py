@@ -1,17 +1,26 @@
-"""Settling a finished request in Redis (concurrency lease, token charge, usage), with retries.
+"""Settling requests in Redis (concurrency lease, token charge, usage): while they run, and when
+they end, with retries.
 
-A request that ends while Redis is unreachable must not leak its lease until
-it expires, nor lose its usage: the settlement is queued and retried in the
-background until Redis answers again. Retries are bounded in count and age,
-so a long outage cannot grow the queue without limit (a lease left behind
-then expires on its own after the limiter's lease time).
+While a request runs, a keeper thread of this replica beats the heartbeat of every lease it holds
+(every lease time / 3), so a long request never loses its slot while a crashed replica's slots
+come back within the lease time; and it records each request's usage so far as a delta over what
+was already recorded (every usage-settle interval), so a crash loses at most that interval of
+usage. A thread, not a task on the event loop: a loop that one request stalls must not cost every
+other request its lease.
+
+A request that ends while Redis is unreachable must not leak its lease until it expires, nor lose
+its usage: the rest of its settlement is queued and retried in the background until Redis
+answers again. Retries are bounded in count and age, so a long outage cannot grow the queue
+without limit (a lease left behind then expires on its own after the limiter's lease time).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -24,33 +33,174 @@ log = logging.getLogger(__name__)
 MAX_PENDING = 100_000
 MAX_AGE_SECONDS = 3600.0
 RETRY_INTERVAL_SECONDS = 0.5
+# Beats per lease time: two may fail (or come late) before a live request's lease lapses.
+BEATS_PER_LEASE = 3
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Counters for the usage log: a request's whole usage, or the part not yet recorded."""
+
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    def minus(self, recorded: "Usage") -> "Usage":
+        # Counts only grow while a request runs, so the part not yet recorded is never negative.
+        delta = Usage(self.requests - recorded.requests, self.prompt_tokens - recorded.prompt_tokens,
+                      self.completion_tokens - recorded.completion_tokens)
+        assert min(delta.requests, delta.prompt_tokens, delta.completion_tokens) >= 0, (self, recorded)
+        return delta
+
+    def __bool__(self) -> bool:
+        return bool(self.requests or self.prompt_tokens or self.completion_tokens)
+
+
+NOTHING = Usage(0, 0, 0)
+
+
+class _Running:
+    """A request admitted on this replica and not yet settled: what was recorded of it so far.
+    `lock` orders the keeper's incremental records against the final one."""
+
+    __slots__ = ("tenant", "admission", "prompt_tokens", "adapter", "progress", "recorded", "closed", "lock")
+
+    def __init__(self, tenant: Tenant, admission: Admission, prompt_tokens: int, adapter: str | None) -> None:
+        self.tenant = tenant
+        self.admission = admission
+        self.prompt_tokens = prompt_tokens
+        self.adapter = adapter
+        self.progress: Callable[[], int] | None = None   # completion tokens delivered so far
+        self.recorded = NOTHING
+        self.closed = False
+        self.lock = threading.Lock()
 
 
 @dataclass(frozen=True)
 class Settlement:
     tenant: Tenant
     admission: Admission
-    prompt_tokens: int
-    completion_tokens: int
-    adapter: str | None    # the adapter's name, None for the base model
+    charged_tokens: int     # the request's actual tokens, for the limiter's window
+    usage: Usage            # what the usage log still lacks
+    adapter: str | None     # the adapter's name, None for the base model
     created: float
 
 
 class Settlements:
-    def __init__(self, limiter: Limiter, usage: UsageLog) -> None:
+    def __init__(self, limiter: Limiter, usage: UsageLog, settle_interval: float = 2.0) -> None:
+        if not settle_interval > 0:
+            raise ValueError(f"settle_interval must be > 0, got {settle_interval!r}")
         self._limiter = limiter
         self._usage = usage
+        self.settle_interval = float(settle_interval)
+        self.beat_interval = limiter.lease_seconds / BEATS_PER_LEASE
         self._pending: deque[tuple[Settlement, bool]] = deque()  # (what, lease already released)
+        self._running: dict[str, _Running] = {}                  # slot id -> request
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
         self.dropped = 0
+        self.leases_lost = 0
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # ---- while a request runs ------------------------------------------
+
+    def open(self, tenant: Tenant, admission: Admission, prompt_tokens: int, adapter: str | None = None) -> None:
+        """From admission on, the keeper beats this request's lease."""
+        self._running[admission.slot_id] = _Running(tenant, admission, prompt_tokens, adapter)
+
+    def follow(self, admission: Admission, progress: Callable[[], int]) -> None:
+        """From now on the keeper records the request's usage so far: the request and its prompt,
+        and `progress()` completion tokens (thread-safe to call; it only grows)."""
+        running = self._running.get(admission.slot_id)
+        if running is not None:
+            running.progress = progress
+
+    def beat(self) -> None:
+        """One heartbeat of every running request's lease (blocking; raises RedisError)."""
+        admissions = [r.admission for r in list(self._running.values())]
+        if not admissions:
+            return
+        lost = [a for a in self._limiter.renew(admissions) if a.slot_id in self._running]
+        if lost:
+            # Only after this replica went unheard for a lease time (a Redis outage, a frozen host).
+            self.leases_lost += len(lost)
+            log.warning("%d running requests lost their concurrency leases (unheard for %.0f s)",
+                        len(lost), self._limiter.lease_seconds)
+
+    def record_progress(self) -> None:
+        """Record every followed request's usage since the last record (blocking). A Redis fault
+        ends the round; the next one records the larger deltas."""
+        for running in list(self._running.values()):
+            with running.lock:
+                if running.closed or running.progress is None:
+                    continue
+                so_far = Usage(1, running.prompt_tokens, running.progress())
+                delta = so_far.minus(running.recorded)
+                if not delta:
+                    continue
+                try:
+                    self._record(running.tenant, delta, running.adapter)
+                except redis.RedisError as e:
+                    # Redis is most likely away for every request: leave them all to the next round.
+                    log.warning("recording the usage of running request %s failed (%r); next round",
+                                running.admission.request_id, e)
+                    return
+                running.recorded = so_far
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._keeper = threading.Thread(target=self._keep, name="loraplex-settlement-keeper", daemon=True)
+        self._keeper.start()
+
+    def stop(self) -> None:
+        """Stop the keeper after a last record of whatever still runs (the replica is exiting)."""
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(30)
+            self._keeper = None
+        try:
+            self.record_progress()
+        except redis.RedisError:
+            log.warning("could not record the usage of running requests at exit", exc_info=True)
+
+    def _keep(self) -> None:
+        next_beat = next_record = time.monotonic()
+        while not self._stop.wait(max(0.0, min(next_beat, next_record) - time.monotonic())):
+            now = time.monotonic()
+            try:
+                if now >= next_beat:
+                    next_beat = now + self.beat_interval
+                    self.beat()
+                if now >= next_record:
+                    next_record = now + self.settle_interval
+                    self.record_progress()
+            except redis.RedisError as e:
+                log.warning("lease heartbeat failed (%r); next round", e)
+            except Exception:  # noqa: BLE001 - a bug here must not end the heartbeat of every lease
+                log.exception("settlement keeper round failed")
+
+    # ---- when a request ends -------------------------------------------
+
     def settle(self, tenant: Tenant, admission: Admission, prompt_tokens: int, completion_tokens: int,
                adapter: str | None = None) -> None:
-        """Blocking; never raises for a Redis fault (the settlement is queued instead)."""
-        item = Settlement(tenant, admission, prompt_tokens, completion_tokens, adapter, time.monotonic())
+        """Blocking; never raises for a Redis fault (the settlement is queued instead). Records only
+        what the keeper has not recorded yet, so the totals are exact."""
+        whole = Usage(1, prompt_tokens, completion_tokens)
+        running = self._running.pop(admission.slot_id, None)
+        if running is None:
+            rest = whole
+        else:
+            with running.lock:
+                running.closed = True
+                rest = whole.minus(running.recorded)
+        item = Settlement(tenant, admission, prompt_tokens + completion_tokens, rest, adapter, time.monotonic())
         done = self._try(item, released=False)
         if done is not True:
             if len(self._pending) >= MAX_PENDING:
@@ -59,13 +209,18 @@ class Settlements:
                 return
             self._pending.append((item, done == "released"))
 
+    def _record(self, tenant: Tenant, usage: Usage, adapter: str | None) -> None:
+        self._usage.record(tenant, usage.prompt_tokens, usage.completion_tokens, requests=usage.requests,
+                           adapter=adapter)
+
     def _try(self, item: Settlement, released: bool) -> bool | str:
         """True when fully settled, "released" when only the lease went back, False when nothing did."""
         try:
             if not released:
-                self._limiter.release(item.admission, item.prompt_tokens + item.completion_tokens)
+                self._limiter.release(item.admission, item.charged_tokens)
                 released = True
-            self._usage.record(item.tenant, item.prompt_tokens, item.completion_tokens, adapter=item.adapter)
+            if item.usage:
+                self._record(item.tenant, item.usage, item.adapter)
             return True
         except redis.RedisError as e:
             log.warning("settling request %s failed (%r); will retry", item.admission.request_id, e)

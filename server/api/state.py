@@ -21,7 +21,7 @@ from server.demo import DemoPaths, ensure_demo
 from server.engine import EngineConfig, LLMEngine
 from server.engine.async_engine import AsyncEngine
 from server.redis_embedded import EmbeddedRedis
-from tenants import Limiter, TenantStore, UsageLog
+from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class ServerState:
     redis: redis.Redis
     tenants: TenantStore
     limiter: Limiter
+    auth_throttle: AuthThrottle
     usage: UsageLog
     registry: AdapterRegistry
     retirements: RetirementListener
@@ -96,14 +97,17 @@ class ServerState:
             retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(async_engine),
                                              retired=registry.retired_versions)
-            limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds)
+            limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds,
+                              lease_seconds=config.lease_ttl, holder=config.replica)
             usage = UsageLog(client, config.redis_prefix)
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
+                auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
+                                           window_seconds=config.auth_failure_window_seconds),
                 registry=registry, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
-                settlements=Settlements(limiter, usage), history=EngineHistory(), demo=demo,
+                settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
             if client is not None:
