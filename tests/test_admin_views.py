@@ -3,6 +3,7 @@ per adapter) and keys (last used, never the secret), every adapter with its resi
 live state; a tenant key gets 403 on each; / and /version."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,37 @@ def test_version_health_landing_and_cli(api_server):
     out = subprocess.run([sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0 and version["version"] in out.stdout
+
+
+def test_every_response_carries_the_hardening_headers(api_server):
+    """Pages: scripts and styles from this origin's files only, no inline code; everything else (JSON,
+    errors, SSE): nothing may load. None may be framed, sniffed or leak a referrer."""
+    base = api_server.url
+    _, key = api_server.new_tenant()
+    pages = {path: httpx.get(f"{base}{path}") for path in ("/", "/admin/ui", "/docs")}
+    for path, page in pages.items():
+        csp = dict(d.strip().split(" ", 1) for d in page.headers["content-security-policy"].split(";"))
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), path
+        assert csp["script-src"] == "'self'" and csp["style-src"] == "'self'" and csp["default-src"] == "'none'"
+        assert csp["frame-ancestors"] == "'none'" and csp["require-trusted-types-for"] == "'script'"
+        assert "<script>" not in page.text and "<style>" not in page.text and " style=" not in page.text
+        assert not re.search(r"\son[a-z]+=", page.text), f"an inline handler on {path}"
+        for asset in re.findall(r'(?:src|href)="(/assets/[^"]+)"', page.text):
+            served = httpx.get(f"{base}{asset}")
+            kind = "text/javascript" if asset.endswith(".js") else "text/css"
+            assert served.status_code == 200 and served.headers["content-type"].startswith(kind), asset
+    assert {"/assets/console.js", "/assets/console.css", "/assets/docs.js"} <= set(
+        re.findall(r'"(/assets/[^"]+)"', pages["/admin/ui"].text + pages["/docs"].text))
+    with api_server.http(key) as h:
+        answers = [h.get("/v1/models"), h.get("/v1/adapters/nope"), httpx.get(f"{base}/health"),
+                   httpx.get(f"{base}/v1/models"), httpx.get(f"{base}/assets/../console.py"),
+                   httpx.get(f"{base}/assets/app.py")]
+        with h.stream("POST", "/v1/completions", json={"model": api_server.state.model_id, "prompt": "hi",
+                                                       "max_tokens": 2, "stream": True}) as sse:
+            answers.append(sse)
+    assert [r.status_code for r in answers] == [200, 404, 200, 401, 404, 404, 200]
+    for r in [*pages.values(), *answers]:
+        assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+        assert r.headers["referrer-policy"] == "no-referrer"
+    for r in answers:
+        assert r.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'"

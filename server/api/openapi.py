@@ -1,19 +1,17 @@
-"""The OpenAPI 3.1 document, generated from the pydantic models, and the /docs page that renders it.
+"""The OpenAPI 3.1 document at /openapi.json, generated from the pydantic models (server.api.pages
+serves the /docs page that renders it).
 
 Every operation lists the errors it can answer (OpenAI's error shape), so a
-schema-driven client or fuzzer can hold the server to it. The page is one
-self-contained HTML file with no external assets: servers and their users may
-be air-gapped.
+schema-driven client or fuzzer can hold the server to it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.api import admin_models as am
@@ -21,7 +19,6 @@ from server.api import openai_requests as rq
 from server.api import openai_responses as rs
 from server.version import loraplex_version
 
-_DOCS_PAGE = Path(__file__).parent / "docs_page.html"
 _ERRORS = {400: "invalid input or an unsupported field", 401: "missing or invalid credentials",
            403: "not allowed for this credential", 404: "no such model, adapter or tenant",
            409: "already exists", 413: "body or adapter too large", 422: "a body of the wrong shape",
@@ -141,11 +138,6 @@ async def openapi_json(request: Request) -> Response:
     return JSONResponse(doc)
 
 
-async def docs(request: Request) -> Response:
-    return HTMLResponse(_DOCS_PAGE.read_text(encoding="utf-8"))
-
-
 ROUTES = [
     Route("/openapi.json", openapi_json, methods=["GET"]),
-    Route("/docs", docs, methods=["GET"]),
 ]
