@@ -132,3 +132,30 @@ def test_every_response_carries_the_hardening_headers(api_server):
         assert r.headers["referrer-policy"] == "no-referrer"
     for r in answers:
         assert r.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'"
+
+
+def test_the_mismatches_schemathesis_found_stay_fixed(api_server):
+    """A 405 names every method of its path; the published bounds are the enforced ones; a quota is a JSON
+    number; PATCH takes what its published schema says (wrapped, unwrapped, or {})."""
+    base = api_server.url
+    admin = {"Authorization": f"Bearer {api_server.config.admin_token}"}
+    name, key = api_server.new_tenant()
+    for path, methods in ((f"/admin/tenants/{name}", "DELETE, GET, HEAD, PATCH"), ("/admin/tenants", "GET, HEAD, POST"),
+                          ("/v1/adapters/x", "DELETE, GET, HEAD"), (f"/admin/tenants/{name}/keys", "GET, HEAD, POST")):
+        r = httpx.request("OPTIONS", f"{base}{path}", headers=admin)
+        assert r.status_code == 405 and r.headers["allow"] == methods, path
+    doc = httpx.get(f"{base}/openapi.json").json()
+    offset = next(p for p in doc["paths"]["/admin/adapters"]["get"]["parameters"] if p["name"] == "offset")
+    top = offset["schema"]["maximum"]
+    assert httpx.get(f"{base}/admin/adapters", params={"offset": top}, headers=admin).status_code == 200
+    assert httpx.get(f"{base}/admin/adapters", params={"offset": top + 1}, headers=admin).status_code == 400
+    vocab = api_server.state.engine.engine.model_config.vocab_size
+    assert doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == vocab - 1
+    for bad in ("5", True):
+        r = httpx.post(f"{base}/admin/tenants", json={"name": "typed-quota", "quota": {"max_adapters": bad}},
+                       headers=admin)
+        assert r.status_code == 422 and "max_adapters" in r.json()["error"]["message"]
+    for body, rpm in (({}, None), ({"requests_per_minute": 7}, 7), ({"quota": {"requests_per_minute": 9}}, 9)):
+        r = httpx.patch(f"{base}/admin/tenants/{name}", json=body, headers=admin)
+        assert r.status_code == 200 and r.json()["quota"]["requests_per_minute"] == rpm
+    assert httpx.patch(f"{base}/admin/tenants/{name}", json={"quota": {}, "weight": 2}, headers=admin).status_code == 422

@@ -63,7 +63,7 @@ OPERATIONS = (
     Op("post", "/admin/tenants", "Create a tenant", "admin", am.TenantOut, am.TenantCreate, status=201),
     Op("get", "/admin/tenants", "All tenants", "admin", am.TenantList),
     Op("get", "/admin/tenants/{name}", "A tenant, its keys and adapter count", "admin", am.TenantDetail),
-    Op("patch", "/admin/tenants/{name}", "Change a tenant's quota", "admin", am.TenantOut, am.TenantPatch),
+    Op("patch", "/admin/tenants/{name}", "Change a tenant's quota", "admin", am.TenantOut, am.TenantPatchBody),
     Op("delete", "/admin/tenants/{name}", "Delete a tenant and everything it owns", "admin", am.TenantDeleted),
     Op("post", "/admin/tenants/{name}/keys", "Issue an API key (shown once)", "admin", am.KeyCreated,
        status=201),
@@ -117,8 +117,22 @@ def _operation(op: Op, refs: dict) -> dict:
     return out
 
 
-def build_openapi(version: str) -> dict:
+def _bound_token_ids(schema: object, vocab_size: int) -> None:
+    """Every token id in the document (marked x-token-id) is below the served model's vocabulary size."""
+    if isinstance(schema, dict):
+        if schema.pop("x-token-id", False):
+            schema["maximum"] = vocab_size - 1
+        for value in schema.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            _bound_token_ids(value, vocab_size)
+
+
+def build_openapi(version: str, vocab_size: int = 1 << 31) -> dict:
+    """The document for a server whose model has `vocab_size` tokens."""
     refs, defs = _schemas()
+    _bound_token_ids(defs, vocab_size)
     paths: dict = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
@@ -134,7 +148,8 @@ def build_openapi(version: str) -> dict:
 async def openapi_json(request: Request) -> Response:
     doc = getattr(request.app.state, "openapi", None)
     if doc is None:
-        doc = request.app.state.openapi = build_openapi(loraplex_version())
+        vocab = request.app.state.lp.engine.engine.model_config.vocab_size
+        doc = request.app.state.openapi = build_openapi(loraplex_version(), vocab)
     return JSONResponse(doc)
 
 
