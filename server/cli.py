@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes a tenant sent before, per adapter version (default on)")
     s.add_argument("--share-base-prefix-cache", action="store_true",
-                   help="let base-model prefix blocks be reused across tenants: faster, but a tenant can tell "
-                        "from time to first token whether another sent a prompt (off by default)")
+                   help="let unsalted base-model prefix blocks be reused across tenants: faster, but a tenant "
+                        "can tell from time to first token whether another sent a prompt (off by default)")
     s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
                    help="most prompts in one /v1/completions batch (a list of prompts); default 64")
     s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "

@@ -1,6 +1,8 @@
 """The admin console in a real headless Chromium (Debian's, driven by playwright): sign in with the
 admin token, create a tenant, set a quota, issue a key and see it once, revoke it, watch an adapter
-become resident after a request; a wrong token shows an error, not a blank page."""
+become resident after a request; a wrong token shows an error, not a blank page. Under the pages' CSP all
+of that runs without a single violation, /docs renders offline, and script injected into the DOM (an
+inline handler, a script element, markup) never runs: the browser blocks it and reports it."""
 from __future__ import annotations
 
 import shutil
@@ -23,6 +25,9 @@ def page():
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         context = browser.new_context(viewport={"width": 1280, "height": 900})
+        # Every CSP or Trusted Types violation of a document, as the browser reports it to the page.
+        context.add_init_script("window.__violations = []; document.addEventListener('securitypolicyviolation',"
+                                " e => window.__violations.push(e.effectiveDirective));")
         tab = context.new_page()
         tab.set_default_timeout(20_000)
         yield tab
@@ -84,6 +89,7 @@ def test_console_runs_a_day_of_the_service(api_server, page, tiny_adapters, tmp_
         assert h.get("/v1/models").status_code == 401
     page.click("header nav button[data-tab=engine]")
     page.wait_for_selector("#engine-stats .stat")
+    assert page.evaluate("window.__violations") == []  # the whole console ran under its CSP
     shot = tmp_path / "console-engine.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
@@ -119,3 +125,54 @@ def test_console_pages_through_200_tenants_and_2000_adapters(api_server, page, t
     page.fill("#adapter-filter", "scale-1")
     page.wait_for_selector("#adapter-count:has-text('1000 adapters, page 1 of 10')")
     assert page.locator("#adapter-rows tr").count() == 100
+
+
+def _until(page, condition: str, seconds: float = 20.0) -> None:
+    """Polls `condition` with evaluate (DevTools, outside the page's CSP; wait_for_function would eval a
+    string inside the page, which a policy without 'unsafe-eval' refuses)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not page.evaluate(condition):
+        assert time.monotonic() < deadline, f"never true: {condition}"
+        page.wait_for_timeout(100)
+
+
+def test_csp_blocks_and_reports_injected_script(api_server, page):
+    page.goto(f"{api_server.url}/docs")  # the reference renders from this server alone, under its CSP
+    page.wait_for_selector("details.op .path:has-text('/v1/completions')")
+    assert page.evaluate("window.__violations") == []
+    loaded = page.evaluate("performance.getEntriesByType('resource').map(e => e.name)")
+    assert f"{api_server.url}/openapi.json" in loaded and all(u.startswith(api_server.url) for u in loaded)
+    page.evaluate("token => sessionStorage.setItem('loraplex-admin-token', token)", api_server.config.admin_token)
+
+    # Markup injected into the page as served (what a stored XSS would be), the server's real headers
+    # kept: its inline script and inline handler are blocked by script-src and reported.
+    injected = '<img src="/no-such-image" onerror="window.__pwned = 1"><script>window.__pwned = 2</script>'
+
+    def inject(route):
+        served = route.fetch()
+        route.fulfill(response=served, body=served.text().replace("</body>", injected + "</body>"))
+
+    page.route(f"{api_server.url}/admin/ui", inject)
+    try:
+        page.goto(f"{api_server.url}/admin/ui")
+        page.wait_for_selector("#engine-stats .stat")  # the console itself runs (signed in: session storage)
+        _until(page, "['script-src-attr', 'script-src-elem'].every(d => window.__violations.includes(d))")
+    finally:
+        page.unroute(f"{api_server.url}/admin/ui", inject)
+    assert page.locator("img[onerror]").count() == 1 and page.evaluate("window.__pwned") is None
+    # Script put into the DOM at run time (a handler attribute, a script element's text, markup): the
+    # page's Trusted Types policy refuses each string before it reaches the DOM, and reports it.
+    reported = page.evaluate("window.__violations.length")
+    for attempt in ("""() => document.createElement("img").setAttribute("onerror", "window.__pwned = 3")""",
+                    """() => { document.createElement("script").text = "window.__pwned = 4"; }""",
+                    """() => document.body.insertAdjacentHTML("beforeend", '<img src=/x onerror="window.__pwned = 5">')"""):
+        with pytest.raises(playwright_api.Error, match="requires 'Trusted(Script|HTML)' assignment"):
+            page.evaluate(attempt)
+    _until(page, f"window.__violations.length === {reported} + 3")
+    assert page.evaluate("window.__violations").count("require-trusted-types-for") == 3
+    assert page.evaluate("window.__pwned") is None
+    # The page keeps working under the same policy.
+    page.click("header nav button[data-tab=tenants]")
+    page.wait_for_selector("#tenant-count:has-text('tenants')")

@@ -3,6 +3,7 @@ per adapter) and keys (last used, never the secret), every adapter with its resi
 live state; a tenant key gets 403 on each; / and /version."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,64 @@ def test_version_health_landing_and_cli(api_server):
     out = subprocess.run([sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0 and version["version"] in out.stdout
+
+
+def test_every_response_carries_the_hardening_headers(api_server):
+    """Pages: scripts and styles from this origin's files only, no inline code; everything else (JSON,
+    errors, SSE): nothing may load. None may be framed, sniffed or leak a referrer."""
+    base = api_server.url
+    _, key = api_server.new_tenant()
+    pages = {path: httpx.get(f"{base}{path}") for path in ("/", "/admin/ui", "/docs")}
+    for path, page in pages.items():
+        csp = dict(d.strip().split(" ", 1) for d in page.headers["content-security-policy"].split(";"))
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), path
+        assert csp["script-src"] == "'self'" and csp["style-src"] == "'self'" and csp["default-src"] == "'none'"
+        assert csp["frame-ancestors"] == "'none'" and csp["require-trusted-types-for"] == "'script'"
+        assert "<script>" not in page.text and "<style>" not in page.text and " style=" not in page.text
+        assert not re.search(r"\son[a-z]+=", page.text), f"an inline handler on {path}"
+        for asset in re.findall(r'(?:src|href)="(/assets/[^"]+)"', page.text):
+            served = httpx.get(f"{base}{asset}")
+            kind = "text/javascript" if asset.endswith(".js") else "text/css"
+            assert served.status_code == 200 and served.headers["content-type"].startswith(kind), asset
+    assert {"/assets/console.js", "/assets/console.css", "/assets/docs.js"} <= set(
+        re.findall(r'"(/assets/[^"]+)"', pages["/admin/ui"].text + pages["/docs"].text))
+    with api_server.http(key) as h:
+        answers = [h.get("/v1/models"), h.get("/v1/adapters/nope"), httpx.get(f"{base}/health"),
+                   httpx.get(f"{base}/v1/models"), httpx.get(f"{base}/assets/../console.py"),
+                   httpx.get(f"{base}/assets/app.py")]
+        with h.stream("POST", "/v1/completions", json={"model": api_server.state.model_id, "prompt": "hi",
+                                                       "max_tokens": 2, "stream": True}) as sse:
+            answers.append(sse)
+    assert [r.status_code for r in answers] == [200, 404, 200, 401, 404, 404, 200]
+    for r in [*pages.values(), *answers]:
+        assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY"
+        assert r.headers["referrer-policy"] == "no-referrer"
+    for r in answers:
+        assert r.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'"
+
+
+def test_the_mismatches_schemathesis_found_stay_fixed(api_server):
+    """A 405 names every method of its path; the published bounds are the enforced ones; a quota is a JSON
+    number; PATCH takes what its published schema says (wrapped, unwrapped, or {})."""
+    base = api_server.url
+    admin = {"Authorization": f"Bearer {api_server.config.admin_token}"}
+    name, key = api_server.new_tenant()
+    for path, methods in ((f"/admin/tenants/{name}", "DELETE, GET, HEAD, PATCH"), ("/admin/tenants", "GET, HEAD, POST"),
+                          ("/v1/adapters/x", "DELETE, GET, HEAD"), (f"/admin/tenants/{name}/keys", "GET, HEAD, POST")):
+        r = httpx.request("OPTIONS", f"{base}{path}", headers=admin)
+        assert r.status_code == 405 and r.headers["allow"] == methods, path
+    doc = httpx.get(f"{base}/openapi.json").json()
+    offset = next(p for p in doc["paths"]["/admin/adapters"]["get"]["parameters"] if p["name"] == "offset")
+    top = offset["schema"]["maximum"]
+    assert httpx.get(f"{base}/admin/adapters", params={"offset": top}, headers=admin).status_code == 200
+    assert httpx.get(f"{base}/admin/adapters", params={"offset": top + 1}, headers=admin).status_code == 400
+    vocab = api_server.state.engine.engine.model_config.vocab_size
+    assert doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == vocab - 1
+    for bad in ("5", True):
+        r = httpx.post(f"{base}/admin/tenants", json={"name": "typed-quota", "quota": {"max_adapters": bad}},
+                       headers=admin)
+        assert r.status_code == 422 and "max_adapters" in r.json()["error"]["message"]
+    for body, rpm in (({}, None), ({"requests_per_minute": 7}, 7), ({"quota": {"requests_per_minute": 9}}, 9)):
+        r = httpx.patch(f"{base}/admin/tenants/{name}", json=body, headers=admin)
+        assert r.status_code == 200 and r.json()["quota"]["requests_per_minute"] == rpm
+    assert httpx.patch(f"{base}/admin/tenants/{name}", json={"quota": {}, "weight": 2}, headers=admin).status_code == 422

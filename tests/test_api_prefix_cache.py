@@ -1,6 +1,7 @@
 """Prefix caching through the HTTP API: a repeated prompt reports cached tokens and answers the same;
 another tenant, another cache_salt or a replaced adapter gets no hit; metrics and the admin view count
-it; --no-enable-prefix-caching turns it off."""
+it; --no-enable-prefix-caching turns it off; --share-base-prefix-cache never tells a tenant what another
+sent, nor lets one reach another's salted blocks."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -70,3 +71,26 @@ def test_caching_can_be_turned_off(tiny_model_dir, redis_server, tmp_path):
         assert _complete(server, key, model)[1] == 0
         assert _complete(server, key, model)[1] == 0
         assert server.admin("GET", "/admin/engine").json()["prefix_cache"]["enabled"] is False
+
+
+def test_share_base_tells_no_tenant_what_another_sent(tiny_model_dir, redis_server, tmp_path):
+    config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server, flush=False),
+                           share_base_prefix_cache=True)
+    with running_server(replace(config, port=free_port())) as server:
+        engine, model = server.state.engine, server.state.model_id
+        _, a = server.new_tenant()
+        _, b = server.new_tenant()
+        text, _ = _complete(server, a, model)
+        hits = engine.stats().prefix_hit_tokens
+        # B's first copy of A's prompt reuses A's KV (the point of the option) but reports nothing,
+        # exactly as if A had never sent it; B's second copy reports what B itself sent.
+        assert _complete(server, b, model) == (text, 0)
+        assert engine.stats().prefix_hit_tokens == hits + 96
+        assert _complete(server, b, model) == (text, 96)
+
+        # A salt is the tenant's own: B sending A's salt string reaches none of A's salted blocks.
+        assert _complete(server, a, model, cache_salt="a-secret") == (text, 0)
+        assert _complete(server, a, model, cache_salt="a-secret") == (text, 96)
+        hits = engine.stats().prefix_hit_tokens
+        assert _complete(server, b, model, cache_salt="a-secret") == (text, 0)
+        assert engine.stats().prefix_hit_tokens == hits

@@ -1,47 +1,73 @@
-"""Schema-driven fuzzing: schemathesis generates requests from /openapi.json (bounded, seeded) and
-checks every answer: no 5xx, only documented status codes and media types, bodies that match the
-published response schemas."""
+"""Schema-driven fuzzing: schemathesis (its own runner, as `st run`) generates requests from
+/openapi.json, bounded and seeded, in its coverage phase (boundary values, missing and wrong-typed
+fields, undeclared methods, missing credentials) and its fuzzing phase, and holds every answer to the
+document: no 5xx; only documented status codes, media types and headers; bodies that match the published
+response schemas; every schema-violating request refused; schema-valid requests accepted; a 405 whose
+`Allow` lists the path's methods. The run must end with no failure of any check."""
 from __future__ import annotations
 
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
-                                 status_code_conformance)
+import subprocess
+import sys
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-EXAMPLES = 12  # per operation; seeded (derandomize), so a run is repeatable
+EXAMPLES = 5  # per operation in the fuzzing phase; seeded, so a run is repeatable
+# Bodies whose validity a JSON schema cannot say in full, so "schema-valid yet refused" is expected
+# there: every JSON body may carry fields we ignore, and their values too must keep the body's bounds
+# (integers of at most 24 digits, nesting at most 32: README, "Limits and isolation"); the generation
+# endpoints also refuse prompts longer than the context, vLLM fields we know but do not implement unless
+# left at their defaults, and combinations such as stream_options without stream; an adapter upload must
+# be a PEFT config and safetensors that fit the base model. Everything else (query parameters, the
+# PATCH body, which takes no unknown field) must be accepted whenever it is schema-valid.
+SEMANTIC_REFUSALS = "^post__(v1_(chat_completions|completions|adapters)|tokenize|detokenize|admin_tenants)$"  # operationIds
 
 
-def _credentials(api_server, tiny_adapters) -> dict:
+def _config(api_server, tiny_adapters, path) -> None:
     _, key = api_server.new_tenant()
     assert api_server.upload(key, "fz", tiny_adapters["r4_qv"]).status_code == 201
-    return {"tenant": key, "admin": api_server.config.admin_token}
+    admin = api_server.config.admin_token
+    path.write_text(f'''
+seed = 1
+continue-on-failure = true
+request-timeout = 60
+suppress-health-check = ["all"]
+[checks]
+enabled = true
+[phases.examples]
+enabled = false
+[phases.coverage]
+enabled = true
+[phases.fuzzing]
+enabled = true
+[phases.stateful]
+enabled = false
+[generation]
+max-examples = {EXAMPLES}
+
+[[operations]]
+include-path-regex = "^/(v1|tokenize|detokenize)"
+headers = {{ Authorization = "Bearer {key}" }}
+
+[[operations]]
+include-path-regex = "^/(admin|metrics|health|version|openapi)"
+headers = {{ Authorization = "Bearer {admin}" }}
+
+[[operations]]
+include-operation-id-regex = "{SEMANTIC_REFUSALS}"
+checks.positive_data_acceptance.enabled = false
+
+# Deleting the fuzzing tenant itself would only test that it is gone afterwards.
+[[operations]]
+include-operation-id = "delete__admin_tenants_{{name}}"
+enabled = false
+''')
 
 
-def _shorten(case) -> None:
-    """Keep generations short: the point is validation and response shapes, not decoding."""
-    body = case.body
-    if isinstance(body, dict) and isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
-        body["max_tokens"] = 4
-
-
-def test_every_operation_keeps_its_schema(api_server, tiny_adapters):
-    creds = _credentials(api_server, tiny_adapters)
-    loaded = schemathesis.openapi.from_url(f"{api_server.url}/openapi.json")
-    operations = [result.ok() for result in loaded.get_all_operations()]
-    assert len(operations) >= 19
-    for operation in operations:
-        if operation.method.upper() == "DELETE" and operation.path.startswith("/admin/tenants/"):
-            continue  # deleting the fuzzing tenant itself would only test that it is gone afterwards
-        admin = operation.path.startswith(("/admin", "/metrics"))
-        headers = {"Authorization": f"Bearer {creds['admin' if admin else 'tenant']}"}
-
-        @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        def call(case) -> None:
-            _shorten(case)
-            case.call_and_validate(base_url=api_server.url, headers=headers, checks=CHECKS, timeout=60)
-
-        call()
+def test_every_operation_keeps_its_schema(api_server, tiny_adapters, tmp_path):
+    config = tmp_path / "schemathesis.toml"
+    _config(api_server, tiny_adapters, config)
+    run = subprocess.run([sys.executable, "-m", "schemathesis.cli", "--no-color", "--config-file", str(config),
+                          "run", f"{api_server.url}/openapi.json", "--workers", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    report = run.stdout + run.stderr
+    assert run.returncode == 0, report
+    assert "Operations:       23 selected / 24 total" in report and "passed" in report, report
     assert api_server.state.engine.is_healthy

@@ -41,6 +41,7 @@ def check_blocks(engine) -> None:
     assert free | evictable == {b for b in range(blocks.num_blocks) if not held[b]}
     assert evictable <= set(blocks.entries)
     assert {b: h for h, b in blocks.cached.items()} == {b: h for b, (h, _) in blocks.entries.items()}
+    assert set(blocks.senders) == set(blocks.entries) and all(blocks.senders.values())
     for version, mine in blocks.by_version.items():
         assert mine and all(blocks.entries[b][1] == version for b in mine)
     for seq in engine.scheduler.running:
@@ -220,8 +221,41 @@ def test_tenants_never_share_base_blocks_unless_allowed(tiny_model_dir):
     engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
     assert engine.blocks.num_cached_blocks == 0  # new keys: nothing old is reachable
     run(llm, {"a3": req(prompt, tenant="A")})
+    hits = engine.stats().prefix_hit_tokens
     b2 = run(llm, {"b2": req(prompt, tenant="B")})["b2"]
-    assert b2.num_cached_tokens == 48 and b2.token_ids == a.token_ids
+    # B reuses A's blocks (the compute is saved) but is not told: that would say what A sent.
+    assert engine.stats().prefix_hit_tokens == hits + 48
+    assert b2.num_cached_tokens == 0 and b2.token_ids == a.token_ids
+    b3 = run(llm, {"b3": req(prompt, tenant="B")})["b3"]
+    assert b3.num_cached_tokens == 48  # B sent it itself now, as it would be had A never sent it
+
+
+def test_share_base_reports_what_the_tenant_sent_never_what_others_did(tiny_model_dir):
+    # What B is told for the same requests is the same whether or not A sent the prompt first.
+    prompt = random_prompts(1, (70, 70), VOCAB, seed=14)[0]
+    longer = prompt + random_prompts(1, (40, 40), VOCAB, seed=15)[0]
+    told = {}
+    for a_first in (False, True):
+        llm = make_llm(tiny_model_dir)
+        llm.engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
+        if a_first:
+            run(llm, {"a": req(prompt, tenant="A")})
+        outs = [run(llm, {f"b{i}": req(p, tenant="B")})[f"b{i}"] for i, p in enumerate([prompt, prompt, longer])]
+        told[a_first] = [o.num_cached_tokens for o in outs]
+        if a_first:  # the compute was saved all the same
+            assert llm.engine.stats().prefix_hit_tokens == 64 + 64 + 64
+    assert told[False] == told[True] == [0, 64, 64]
+
+
+def test_a_salt_is_never_shared_across_tenants(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    llm.engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
+    prompt = random_prompts(1, (40, 40), VOCAB, seed=16)[0]
+    run(llm, {"a": req(prompt, tenant="A", cache_salt="s")})
+    hits = llm.engine.stats().prefix_hit_tokens
+    b = run(llm, {"b": req(prompt, tenant="B", cache_salt="s")})["b"]
+    assert b.num_cached_tokens == 0 and llm.engine.stats().prefix_hit_tokens == hits
+    assert run(llm, {"a2": req(prompt, tenant="A", cache_salt="s")})["a2"].num_cached_tokens == 32
 
 
 def test_share_base_never_shares_adapter_blocks(tiny_model_dir, tiny_adapters):
@@ -334,8 +368,10 @@ def test_policy_changes_mid_run_drop_the_cache_and_rekey(tiny_model_dir, peft_or
     engine.step()
     engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
     drive(engine, check_blocks)
+    hits = engine.stats().prefix_hit_tokens
     d = run(llm, {"d": req(prompt, 6, tenant="B")})["d"]
-    assert d.num_cached_tokens == 32 and d.token_ids == peft_oracle(tiny_model_dir, None, prompt, 6)
+    assert engine.stats().prefix_hit_tokens == hits + 32 and d.num_cached_tokens == 0  # A's blocks: not told
+    assert d.token_ids == peft_oracle(tiny_model_dir, None, prompt, 6)
 
 
 def test_async_engine_passes_the_cache_salt(tiny_model_dir):
@@ -381,3 +417,18 @@ def test_block_manager_evicts_least_recently_released_tails_first():
     bm.grow(c, 12)  # the never-indexed block 5, then the least recently released: 2, 1
     assert c == [5, 2, 1] and bm.lookup(bytes([2]) * 32) is None and bm.lookup(bytes([1]) * 32) is None
     assert list(bm.evictable) == [4, 3] and bm.num_free_blocks == 2
+
+
+def test_block_manager_counts_the_blocks_a_tenant_sent_up_to_the_first_it_did_not():
+    bm = BlockManager(6, 4)
+    a, b = [], []
+    bm.grow(a, 12)
+    bm.grow(b, 4)
+    for i, block in enumerate(a):
+        assert bm.index(block, bytes([i]) * 32, None, "A")
+    assert not bm.index(b[0], bytes([0]) * 32, None, "B")  # B computed block 0's content at the same time
+    assert bm.sent_before(a, "A") == 3 and bm.sent_before(a, "B") == 1 and bm.sent_before(a, "C") == 0
+    bm.add_sender(a[2:], "C")
+    assert bm.sent_before(a, "C") == 0  # a later block alone says nothing: the count stops at the first
+    bm.add_sender(a, "B")
+    assert bm.sent_before(a, "B") == 3

@@ -7,9 +7,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, RootModel, StringConstraints
 
-Limit = Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None
+
+def _json_number(value: Any) -> Any:
+    """A quota is a JSON number: pydantic's lax mode would take "5" or true (the published schema says
+    integer or number, and a client sending a string has a bug worth hearing about)."""
+    if isinstance(value, (bool, str)):
+        raise ValueError("must be a number")
+    return value
+
+
+Limit = Annotated[int, Field(ge=0, le=(1 << 63) - 1), BeforeValidator(_json_number)] | None
 TenantName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 
 
@@ -24,7 +33,7 @@ class QuotaFields(BaseModel):
     max_adapter_bytes: Limit = None
     max_lora_rank: Limit = None
     max_tokens_per_request: Limit = None
-    weight: Annotated[float, Field(gt=0.0, le=1e6, allow_inf_nan=False)] = 1.0
+    weight: Annotated[float, Field(gt=0.0, le=1e6, allow_inf_nan=False), BeforeValidator(_json_number)] = 1.0
 
 
 class TenantCreate(BaseModel):
@@ -38,6 +47,11 @@ class TenantPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     quota: QuotaFields
+
+
+class TenantPatchBody(RootModel[TenantPatch | QuotaFields]):
+    """PATCH /admin/tenants/{name} as published: {"quota": {...}}, or the quota fields unwrapped ({} is a
+    patch that changes nothing)."""
 
 
 class Quota(QuotaFields):

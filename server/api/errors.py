@@ -9,6 +9,7 @@ import redis
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
 
 from adapters.format import AdapterFormatError
 from adapters.registry import AdapterExists, AdapterNotFound, AdapterQuotaExceeded
@@ -92,8 +93,22 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, "internal server error", "internal_error")
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path: a path's methods may be split over several routes,
+    and Starlette's own 405 names only those of the first one that matched."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 async def _handle(request: Request, exc: Exception) -> Response:
-    return to_api_error(exc).response()
+    error = to_api_error(exc)
+    if error.status == 405:
+        error.headers["Allow"] = _allowed_methods(request)
+    return error.response()
 
 
 EXCEPTION_HANDLERS = {Exception: _handle, HTTPException: _handle, APIError: _handle,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -21,7 +21,8 @@ MAX_NAME_CHARS = 256
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 ModelId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
-TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+# x-token-id: server.api.openapi publishes the served model's vocabulary as the bound.
+TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1, json_schema_extra={"x-token-id": True})]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
@@ -138,7 +139,8 @@ class CompletionRequest(SamplingFields):
     logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
-    max_completion_tokens: int | None = None  # not an OpenAI completions field: refused if set
+    # Not an OpenAI completions field: refused if set (and published as null only).
+    max_completion_tokens: Annotated[int | None, WithJsonSchema({"type": "null"})] = None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one entry per prompt."""
@@ -241,7 +243,10 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's shape): a prompt or chat messages."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Published as the validator below reads: exactly one of the two, not null.
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: ModelId
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None

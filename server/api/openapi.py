@@ -1,19 +1,17 @@
-"""The OpenAPI 3.1 document, generated from the pydantic models, and the /docs page that renders it.
+"""The OpenAPI 3.1 document at /openapi.json, generated from the pydantic models (server.api.pages
+serves the /docs page that renders it).
 
 Every operation lists the errors it can answer (OpenAI's error shape), so a
-schema-driven client or fuzzer can hold the server to it. The page is one
-self-contained HTML file with no external assets: servers and their users may
-be air-gapped.
+schema-driven client or fuzzer can hold the server to it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.api import admin_models as am
@@ -21,7 +19,6 @@ from server.api import openai_requests as rq
 from server.api import openai_responses as rs
 from server.version import loraplex_version
 
-_DOCS_PAGE = Path(__file__).parent / "docs_page.html"
 _ERRORS = {400: "invalid input or an unsupported field", 401: "missing or invalid credentials",
            403: "not allowed for this credential", 404: "no such model, adapter or tenant",
            409: "already exists", 413: "body or adapter too large", 422: "a body of the wrong shape",
@@ -66,7 +63,7 @@ OPERATIONS = (
     Op("post", "/admin/tenants", "Create a tenant", "admin", am.TenantOut, am.TenantCreate, status=201),
     Op("get", "/admin/tenants", "All tenants", "admin", am.TenantList),
     Op("get", "/admin/tenants/{name}", "A tenant, its keys and adapter count", "admin", am.TenantDetail),
-    Op("patch", "/admin/tenants/{name}", "Change a tenant's quota", "admin", am.TenantOut, am.TenantPatch),
+    Op("patch", "/admin/tenants/{name}", "Change a tenant's quota", "admin", am.TenantOut, am.TenantPatchBody),
     Op("delete", "/admin/tenants/{name}", "Delete a tenant and everything it owns", "admin", am.TenantDeleted),
     Op("post", "/admin/tenants/{name}/keys", "Issue an API key (shown once)", "admin", am.KeyCreated,
        status=201),
@@ -120,8 +117,22 @@ def _operation(op: Op, refs: dict) -> dict:
     return out
 
 
-def build_openapi(version: str) -> dict:
+def _bound_token_ids(schema: object, vocab_size: int) -> None:
+    """Every token id in the document (marked x-token-id) is below the served model's vocabulary size."""
+    if isinstance(schema, dict):
+        if schema.pop("x-token-id", False):
+            schema["maximum"] = vocab_size - 1
+        for value in schema.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            _bound_token_ids(value, vocab_size)
+
+
+def build_openapi(version: str, vocab_size: int = 1 << 31) -> dict:
+    """The document for a server whose model has `vocab_size` tokens."""
     refs, defs = _schemas()
+    _bound_token_ids(defs, vocab_size)
     paths: dict = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
@@ -137,15 +148,11 @@ def build_openapi(version: str) -> dict:
 async def openapi_json(request: Request) -> Response:
     doc = getattr(request.app.state, "openapi", None)
     if doc is None:
-        doc = request.app.state.openapi = build_openapi(loraplex_version())
+        vocab = request.app.state.lp.engine.engine.model_config.vocab_size
+        doc = request.app.state.openapi = build_openapi(loraplex_version(), vocab)
     return JSONResponse(doc)
-
-
-async def docs(request: Request) -> Response:
-    return HTMLResponse(_DOCS_PAGE.read_text(encoding="utf-8"))
 
 
 ROUTES = [
     Route("/openapi.json", openapi_json, methods=["GET"]),
-    Route("/docs", docs, methods=["GET"]),
 ]

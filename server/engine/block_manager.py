@@ -11,6 +11,11 @@ stays indexed, "evictable": it counts as free, and is handed out again, least
 recently released first, only once no never-indexed block is left, dropping
 its index entry then. So the cache only ever holds blocks nobody needs, and
 never shrinks the pool that running sequences can draw from.
+
+Each indexed block also records the tenants that sent its content (the one
+whose request computed it and every one that reused it): a hit is reported
+to a tenant as cached only on blocks it had itself sent before, so the
+report never says whether another tenant sent them (prefix_cache has why).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # content hash -> block
         self.entries: dict[int, tuple[bytes, str | None]] = {}  # indexed block -> (hash, adapter version)
         self.by_version: dict[str, set[int]] = {}  # adapter version -> its indexed blocks, for retirement
+        self.senders: dict[int, set[str | None]] = {}  # indexed block -> tenants that sent its content
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,17 +124,36 @@ class BlockManager:
                 del self.evictable[block]
             self.ref_counts[block] += 1
 
-    def index(self, block: int, block_hash: bytes, version: str | None) -> bool:
-        """Index a referenced, full, computed block under `block_hash`; False if that content is
-        indexed already (two sequences computed it at once: the other copy stays private)."""
+    def index(self, block: int, block_hash: bytes, version: str | None, tenant: str | None = None) -> bool:
+        """Index a referenced, full, computed block under `block_hash`, sent by `tenant`; False if that
+        content is indexed already (two sequences computed it at once: this copy stays private, and
+        `tenant` counts as a sender of the indexed one, as if its request had hit it)."""
         assert self.ref_counts[block] > 0, f"index of free block {block}"
-        if block_hash in self.cached or block in self.entries:
+        if block in self.entries:
+            return False
+        if block_hash in self.cached:
+            self.senders[self.cached[block_hash]].add(tenant)
             return False
         self.cached[block_hash] = block
         self.entries[block] = (block_hash, version)
+        self.senders[block] = {tenant}
         if version is not None:
             self.by_version.setdefault(version, set()).add(block)
         return True
+
+    def sent_before(self, blocks: list[int], tenant: str | None) -> int:
+        """How many of the cached `blocks` (a prefix, in order) `tenant` had sent itself, counted up to
+        the first it had not: a block recomputed by someone else after eviction stops the count, so
+        the count never depends on what other tenants sent."""
+        n = 0
+        while n < len(blocks) and tenant in self.senders[blocks[n]]:
+            n += 1
+        return n
+
+    def add_sender(self, blocks: list[int], tenant: str | None) -> None:
+        """`tenant` sent the content of the cached `blocks` (its request reuses them)."""
+        for block in blocks:
+            self.senders[block].add(tenant)
 
     def drop_version(self, version: str) -> None:
         """Unindex every block computed with adapter `version`; the unreferenced ones are free at once,
@@ -159,6 +184,7 @@ class BlockManager:
     def _unindex(self, block: int) -> None:
         block_hash, version = self.entries.pop(block)
         del self.cached[block_hash]
+        del self.senders[block]
         if version is not None:
             mine = self.by_version[version]
             mine.discard(block)

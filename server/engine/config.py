@@ -130,8 +130,8 @@ class EngineConfig:
     kernels: str = "auto"
     seed: int = 0
     # Prefix caching (server.engine.prefix_cache): full prompt blocks are reused across requests of one
-    # tenant, adapter version and cache_salt. Sharing base-model blocks across tenants lets one tenant
-    # learn from time to first token whether another sent a prompt: off unless the operator opts in.
+    # tenant, adapter version and cache_salt. Sharing unsalted base-model blocks across tenants lets one
+    # tenant learn from time to first token whether another sent a prompt: off unless the operator opts in.
     enable_prefix_caching: bool = True
     share_base_prefix_cache: bool = False
     # Intra-op threads for the CPU device: "auto" (the affinity mask, less a core for the HTTP side

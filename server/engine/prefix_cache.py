@@ -8,7 +8,9 @@ K/V. The version id (never the adapter's name) keeps KV computed with old
 weights from serving an adapter replaced under the same name; the tenant keeps
 one tenant from learning, by time to first token, what another one sent (the
 cache is never shared across tenants unless the operator allows it for
-base-model blocks); the salt partitions further within a tenant. A
+base-model blocks without a salt); the salt partitions further within a
+tenant, and is always the tenant's own: a salted block is never shared, so
+one tenant's salt string used by another reaches nothing. A
 cryptographic hash because the index matches on the hash alone: Python's
 `hash` can be made to collide, which would serve one prompt another's KV.
 
@@ -18,6 +20,14 @@ step. A block is indexed after the step that computed its last token, so a
 block still being written is never shared. Lookups stop one token short of
 the end: the last token must run to give the logits of the next.
 The index itself lives in the BlockManager, with the blocks.
+
+What a request is told (`num_cached_tokens`, OpenAI's `cached_tokens`) is not
+the hit but the part of it the request's tenant had itself sent before: under
+shared base blocks a hit on blocks only another tenant sent still saves the
+compute, but reporting it would say exactly what the other tenant sent. Not
+"the blocks this tenant wrote" either: a tenant sending a prompt twice would
+learn from the second answer whether its first had been a hit. Time to first
+token still tells, roughly: that channel is what the operator's option accepts.
 """
 from __future__ import annotations
 
@@ -78,14 +88,17 @@ class PrefixCache:
         return hit
 
     def admitted(self, seq: Sequence, hit: list[int] | None) -> None:
-        """`seq` starts with the `hit` blocks (now in its block table): count the query and the hit."""
-        cached = len(hit) * self.block_size if hit else 0
-        seq.num_registered_blocks = len(hit) if hit else 0
+        """`seq` starts with the `hit` blocks (now in its block table): count the query and the hit, and
+        report to the request the part its tenant had sent before."""
         if hit is not None:
             self.queries_tokens += len(seq.token_ids)
-            self.hit_tokens += cached
+            self.hit_tokens += len(hit) * self.block_size
+        hit = hit or []
+        seq.num_registered_blocks = len(hit)
+        known = self.blocks.sent_before(hit, seq.tenant)
+        self.blocks.add_sender(hit, seq.tenant)
         if seq.group.num_cached_tokens is None:
-            seq.group.num_cached_tokens = cached
+            seq.group.num_cached_tokens = known * self.block_size
 
     def register(self, seq: Sequence) -> None:
         """Index the blocks that `seq`'s last step filled (after its num_computed_tokens grew)."""
@@ -100,7 +113,7 @@ class PrefixCache:
         hashes = self._hashes(seq, full)
         table = seq.block_table
         for i in range(done, full):
-            self.blocks.index(table[i], hashes[i], version)
+            self.blocks.index(table[i], hashes[i], version, seq.tenant)
 
     def retire(self, version: str) -> None:
         """`version` was deleted or replaced: nothing may reuse its KV; its free blocks go back first."""
@@ -125,6 +138,7 @@ class PrefixCache:
 
     def _seed(self, seq: Sequence) -> bytes:
         """What besides the tokens decides a block's KV, and who may reuse it."""
-        shared = seq.adapter_id is None and self.share_base_across_tenants
+        # A salt is the tenant's own: another tenant sending the same string must reach nothing.
+        shared = seq.adapter_id is None and self.share_base_across_tenants and seq.cache_salt is None
         key = [seq.adapter_id, None if shared else seq.tenant, shared, seq.cache_salt]
         return hashlib.sha256(json.dumps(key).encode()).digest()

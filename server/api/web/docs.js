@@ -1,35 +1,3 @@
-<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>loraplex API</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<style>
-  body { font: 14px/1.45 system-ui, sans-serif; margin: 0; color: #1d2330; background: #f6f7f9; }
-  header { background: #1d2330; color: #fff; padding: 14px 24px; }
-  header h1 { margin: 0; font-size: 20px; }
-  header p { margin: 4px 0 0; color: #c9cfdb; }
-  main { max-width: 1100px; margin: 0 auto; padding: 16px 24px 48px; }
-  details.op { background: #fff; border: 1px solid #dde1e8; border-radius: 6px; margin: 8px 0; }
-  details.op > summary { cursor: pointer; padding: 8px 12px; list-style: none; display: flex; gap: 12px;
-                         align-items: baseline; }
-  .method { font: bold 12px monospace; text-transform: uppercase; border-radius: 4px; padding: 2px 8px;
-            color: #fff; min-width: 52px; text-align: center; }
-  .get { background: #2f7dd1; } .post { background: #2f9e5b; } .patch { background: #c98a16; }
-  .delete { background: #c9412f; }
-  .path { font-family: monospace; font-weight: 600; }
-  .auth { margin-left: auto; color: #6b7385; font-size: 12px; }
-  .body { padding: 0 16px 12px; border-top: 1px solid #eef0f4; }
-  h3 { font-size: 13px; margin: 12px 0 4px; color: #4a5366; }
-  pre { background: #f3f4f7; border-radius: 4px; padding: 8px; overflow-x: auto; font-size: 12px; }
-  .status { font-family: monospace; }
-  #error { color: #b3261e; }
-</style>
-</head>
-<body>
-<header><h1>loraplex API</h1><p id="info">loading /openapi.json&hellip;</p></header>
-<main><p id="error"></p><div id="ops"></div></main>
-<script>
 "use strict";
 // Renders /openapi.json with no external code: schemas are shown as JSON with $refs resolved.
 function resolve(schema, doc, seen) {
@@ -86,6 +54,3 @@ fetch("openapi.json").then(r => r.json()).then(doc => {
     }
   }
 }).catch(e => { document.getElementById("error").textContent = `could not load /openapi.json: ${e}`; });
-</script>
-</body>
-</html>

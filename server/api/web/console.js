@@ -1,107 +1,9 @@
-<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>loraplex console</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<style>
-  :root { --ink: #1d2330; --muted: #6b7385; --line: #dde1e8; --bg: #f6f7f9; --accent: #2f7dd1; --bad: #b3261e; }
-  * { box-sizing: border-box; }
-  body { font: 14px/1.45 system-ui, sans-serif; margin: 0; color: var(--ink); background: var(--bg); }
-  header { background: var(--ink); color: #fff; padding: 10px 20px; display: flex; gap: 16px; align-items: center; }
-  header h1 { font-size: 18px; margin: 0; }
-  header nav button { background: none; border: 0; color: #c9cfdb; font: inherit; cursor: pointer; padding: 4px 8px; }
-  header nav button.on { color: #fff; border-bottom: 2px solid #fff; }
-  header .right { margin-left: auto; color: #c9cfdb; font-size: 12px; }
-  main { max-width: 1200px; margin: 0 auto; padding: 16px 20px 48px; }
-  section { display: none; } section.on { display: block; }
-  .card { background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 12px 16px; margin: 12px 0; }
-  .grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(170px, 1fr)); gap: 10px; }
-  .stat { background: #fff; border: 1px solid var(--line); border-radius: 6px; padding: 8px 12px; }
-  .stat b { display: block; font-size: 20px; }
-  .stat span { color: var(--muted); font-size: 12px; }
-  table { width: 100%; border-collapse: collapse; background: #fff; }
-  th, td { text-align: left; padding: 5px 8px; border-bottom: 1px solid var(--line); font-size: 13px; }
-  th { color: var(--muted); font-weight: 600; }
-  tr.pick { cursor: pointer; } tr.pick:hover { background: #eef4fc; }
-  input, button.act { font: inherit; padding: 5px 8px; border: 1px solid var(--line); border-radius: 4px; }
-  button.act { background: var(--accent); color: #fff; border-color: var(--accent); cursor: pointer; }
-  button.act.danger { background: var(--bad); border-color: var(--bad); }
-  .row { display: flex; gap: 8px; align-items: center; flex-wrap: wrap; margin: 6px 0; }
-  .err { color: var(--bad); min-height: 1.2em; }
-  .once { background: #fff8e1; border: 1px solid #e6c76a; padding: 8px; border-radius: 4px; font-family: monospace;
-          word-break: break-all; }
-  .badge { border-radius: 10px; padding: 1px 8px; font-size: 12px; color: #fff; }
-  .device { background: #2f9e5b; } .host { background: #c98a16; } .redis { background: #8a93a6; }
-  svg.chart { width: 100%; height: 120px; background: #fff; border: 1px solid var(--line); border-radius: 6px; }
-  .muted { color: var(--muted); }
-  #login { max-width: 420px; margin: 80px auto; }
-</style>
-</head>
-<body>
-<div id="login" class="card">
-  <h2>loraplex console</h2>
-  <p class="muted">The admin token (printed at start, or in the data dir's <code>admin-token</code>).
-    It stays in this tab's session storage only.</p>
-  <form id="login-form" class="row">
-    <input id="token" type="password" placeholder="admin token" autocomplete="off" size="32">
-    <button class="act" type="submit">Sign in</button>
-  </form>
-  <p id="login-error" class="err"></p>
-</div>
-<div id="app" hidden>
-<header>
-  <h1>loraplex</h1>
-  <nav><button data-tab="engine" class="on">Engine</button><button data-tab="tenants">Tenants</button>
-       <button data-tab="adapters">Adapters</button></nav>
-  <span class="right" id="whoami"></span>
-  <button class="act" id="logout" type="button">Sign out</button>
-</header>
-<main>
-  <p id="app-error" class="err"></p>
-  <section id="engine" class="on">
-    <div class="grid" id="engine-stats"></div>
-    <div class="card"><b>Generated tokens per second</b><svg class="chart" id="chart-tps"></svg></div>
-    <div class="card"><b>Time to first token, median (s)</b><svg class="chart" id="chart-ttft"></svg></div>
-    <div class="card"><b>Running (blue) and waiting (orange) requests</b><svg class="chart" id="chart-queue"></svg></div>
-  </section>
-  <section id="tenants">
-    <div class="card">
-      <b>New tenant</b>
-      <form id="create-form" class="row">
-        <input id="new-name" placeholder="name (a-z 0-9 _ -)" required>
-        <input id="new-rpm" type="number" min="0" placeholder="requests/min">
-        <input id="new-weight" type="number" min="0.001" step="any" placeholder="weight (1)">
-        <button class="act" type="submit">Create</button>
-      </form>
-    </div>
-    <div class="row"><input id="tenant-filter" placeholder="filter by name"><span class="muted" id="tenant-count"></span>
-      <button class="act" id="tenant-prev" type="button">&lt;</button><button class="act" id="tenant-next" type="button">&gt;</button></div>
-    <table><thead><tr><th>name</th><th>id</th><th>req/min</th><th>tokens/min</th><th>concurrent</th>
-      <th>adapters</th><th>weight</th><th>requests today</th><th>tokens today</th></tr></thead>
-      <tbody id="tenant-rows"></tbody></table>
-    <div class="card" id="tenant-detail" hidden>
-      <h3 id="detail-title"></h3>
-      <form id="quota-form" class="grid"></form>
-      <div class="row"><button class="act" id="save-quota" type="button">Save quota</button>
-        <span id="quota-saved" class="muted"></span></div>
-      <h4>API keys</h4>
-      <table><thead><tr><th>id</th><th>created</th><th>last used</th><th></th></tr></thead><tbody id="key-rows"></tbody></table>
-      <div class="row"><button class="act" id="issue-key" type="button">Issue a key</button></div>
-      <div id="new-key" class="once" hidden></div>
-    </div>
-  </section>
-  <section id="adapters">
-    <div class="row"><input id="adapter-filter" placeholder="filter by tenant"><span class="muted" id="adapter-count"></span>
-      <button class="act" id="adapter-prev" type="button">&lt;</button><button class="act" id="adapter-next" type="button">&gt;</button></div>
-    <table><thead><tr><th>tenant</th><th>name</th><th>version</th><th>rank</th><th>modules</th><th>size</th>
-      <th>created</th><th>resident</th></tr></thead><tbody id="adapter-rows"></tbody></table>
-  </section>
-</main>
-</div>
-<script>
 "use strict";
 // The console: the admin API of this server, no framework and no external assets (air-gapped sites).
+// The admin token lives in this tab's sessionStorage: gone when the tab closes, never sent by the browser
+// on its own (so no cross-site request can use it, unlike a cookie), and readable only by script of
+// this origin, which the page's CSP limits to this server's own files (no inline script or handler,
+// Trusted Types for DOM sinks; server.api.security_headers).
 const KEY = "loraplex-admin-token";
 const QUOTA_FIELDS = ["requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_adapters",
                       "max_adapter_bytes", "max_lora_rank", "max_tokens_per_request", "weight"];
@@ -136,7 +38,7 @@ function chart(svg, series) {
   const top = Math.max(0, ...all);
   const max = top > 0 ? top : 1;
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
-  svg.innerHTML = "";
+  svg.replaceChildren();
   for (const s of series) {
     const n = s.values.length;
     const pts = s.values.map((v, i) => v === null ? null :
@@ -170,7 +72,7 @@ async function refreshEngine() {
                    : `${(100 * e.prefix_cache.hit_rate).toFixed(1)}%`) : "off"],
                  ["engine", e.healthy ? "healthy" : `down: ${e.error}`]];
   const box = $("engine-stats");
-  box.innerHTML = "";
+  box.replaceChildren();
   for (const [name, value] of stats) {
     const d = document.createElement("div"); d.className = "stat";
     const b = document.createElement("b"); b.textContent = value;
@@ -200,7 +102,7 @@ async function renderTenants() {
   const page = list.slice(state.tenantPage * PAGE, (state.tenantPage + 1) * PAGE);
   $("tenant-count").textContent = `${list.length} tenants, page ${state.tenantPage + 1} of ${pages}`;
   const rows = $("tenant-rows");
-  rows.innerHTML = "";
+  rows.replaceChildren();
   for (const t of page) {
     const tr = document.createElement("tr"); tr.className = "pick"; tr.dataset.name = t.name;
     const q = t.quota;
@@ -228,7 +130,7 @@ async function selectTenant(name) {
   $("new-key").hidden = true;
   $("quota-saved").textContent = "";
   const form = $("quota-form");
-  form.innerHTML = "";
+  form.replaceChildren();
   for (const f of QUOTA_FIELDS) {
     const label = document.createElement("label");
     label.textContent = f + " ";
@@ -244,7 +146,7 @@ async function selectTenant(name) {
 async function renderKeys() {
   const keys = (await api("GET", `/admin/tenants/${encodeURIComponent(state.selected)}/keys`)).data;
   const rows = $("key-rows");
-  rows.innerHTML = "";
+  rows.replaceChildren();
   for (const k of keys) {
     const tr = document.createElement("tr");
     const td = document.createElement("td");
@@ -299,7 +201,7 @@ async function refreshAdapters() {
   const page = await api("GET", `/admin/adapters?${q}`);
   $("adapter-count").textContent = `${page.total} adapters, page ${state.adapterPage + 1} of ${Math.max(1, Math.ceil(page.total / 100))}`;
   const rows = $("adapter-rows");
-  rows.innerHTML = "";
+  rows.replaceChildren();
   for (const a of page.data) {
     const tr = document.createElement("tr");
     const td = document.createElement("td");
@@ -362,6 +264,3 @@ $("adapter-filter").addEventListener("input", () => { state.adapterPage = 0; ref
 $("adapter-prev").addEventListener("click", () => { state.adapterPage = Math.max(0, state.adapterPage - 1); tick(); });
 $("adapter-next").addEventListener("click", () => { state.adapterPage += 1; tick(); });
 if (sessionStorage.getItem(KEY)) signIn(sessionStorage.getItem(KEY));
-</script>
-</body>
-</html>
