@@ -9,6 +9,7 @@ import redis
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
 
 from adapters.format import AdapterFormatError
 from adapters.registry import AdapterExists, AdapterNotFound, AdapterQuotaExceeded
@@ -92,8 +93,21 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, "internal server error", "internal_error")
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path: Starlette's 405 names only the first route's,
+    and a path such as /admin/tenants/{name} is served by several routes."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
+
+
 async def _handle(request: Request, exc: Exception) -> Response:
-    return to_api_error(exc).response()
+    error = to_api_error(exc)
+    if error.status == 405:
+        error.headers["Allow"] = _allowed_methods(request)
+    return error.response()
 
 
 EXCEPTION_HANDLERS = {Exception: _handle, HTTPException: _handle, APIError: _handle,
