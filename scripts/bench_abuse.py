@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         from server.demo import ensure_demo
         model = str(ensure_demo(work / "demo").model_dir)
     budget = ServerConfig.max_logprob_entries
+    shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
     with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
                        serve_args=["--device", "cpu"]) as srv:
         admin = {"Authorization": f"Bearer {srv.admin_token}"}

@@ -11,9 +11,11 @@ by at most 20% against the baseline and /health p99 stays at most 100 ms.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,32 +116,51 @@ def _health(target: Target, phase: Callable[[], Phase], stop: threading.Event) -
             time.sleep(HEALTH_INTERVAL_S)
 
 
-def _attacks(target: Target, keys: dict[str, str]) -> dict[str, tuple[str, int, Callable[[httpx.Client], int]]]:
-    """name -> (attacker tenant, parallel loops, one attack request returning its status)."""
+@dataclass(frozen=True)
+class Attack:
+    tenant: str        # which attacker: "open" (no limits), "limited" (1 request a minute), "capped"
+    loops: int         # parallel request loops
+    path: str
+    body: bytes        # encoded once: building it per request would load the attacker, not the server
+
+
+def _attacks(target: Target) -> dict[str, Attack]:
     m, limit = target.model, target.max_model_len
+
+    def body(obj: dict) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
     huge = ('{"model":"%s","prompt":[%s],"max_tokens":1}' % (m, ",".join(["1234"] * 3_000_000))).encode()
-    json_headers = {"Content-Type": "application/json"}
     text = ("hello world " * limit)[:limit - 8]  # fits the context even at one token per character
     logprob_heavy = {"model": m, "prompt": [[5] * (limit - 2)] * 64, "max_tokens": 1, "echo": True,
                      "logprobs": 20, "prompt_logprobs": 20}
     # the largest echo the output budget lets through: prompts x (prompt tokens + 1) x 21 <= the budget
     fits = max(1, min(64, target.max_logprob_entries // ((limit - 1) * 21)))
-    allowed = {"model": m, "prompt": [[5] * (limit - 2)] * fits, "max_tokens": 1, "echo": True, "logprobs": 20}
-
-    def post(path: str, **kw) -> Callable[[httpx.Client], int]:
-        return lambda c: c.post(path, **kw).status_code
-
+    allowed = {**logprob_heavy, "prompt": [[5] * (limit - 2)] * fits, "prompt_logprobs": None}
     return {
-        "huge_token_body": ("open", 1, post("/v1/completions", content=huge, headers=json_headers)),
-        "huge_body_over_quota": ("limited", 1, post("/v1/completions", content=huge, headers=json_headers)),
-        "tokenize_flood": ("open", 4, post("/tokenize", json={"model": m, "prompt": text})),
-        "detokenize_flood": ("open", 4, post("/detokenize", json={"model": m, "tokens": [7] * limit})),
-        "detokenize_2e20_ids": ("open", 2, post("/detokenize", json={"model": m, "tokens": [7] * (1 << 20)})),
-        "logprob_echo_200mb": ("open", 1, post("/v1/completions", json=logprob_heavy)),
-        "logprob_echo_in_budget": ("open", 1, post("/v1/completions", json=allowed)),
-        "n_x_max_tokens": ("capped", 2, post("/v1/completions", json={
+        "huge_token_body": Attack("open", 1, "/v1/completions", huge),
+        "huge_body_over_quota": Attack("limited", 1, "/v1/completions", huge),
+        "tokenize_flood": Attack("open", 4, "/tokenize", body({"model": m, "prompt": text})),
+        "detokenize_flood": Attack("open", 4, "/detokenize", body({"model": m, "tokens": [7] * limit})),
+        "detokenize_2e20_ids": Attack("open", 2, "/detokenize", body({"model": m, "tokens": [7] * (1 << 20)})),
+        "logprob_echo_200mb": Attack("open", 1, "/v1/completions", body(logprob_heavy)),
+        "logprob_echo_in_budget": Attack("open", 1, "/v1/completions", body(allowed)),
+        "n_x_max_tokens": Attack("capped", 2, "/v1/completions", body({
             "model": m, "prompt": ["hello"] * 64, "n": 16, "max_tokens": 10, "ignore_eos": True})),
     }
+
+
+def _attack_loop(url: str, key: str, path: str, body: bytes, phase_s: float) -> Counter:
+    """One attacker loop (in its own process, so its client work never delays the victim's clock)."""
+    statuses: Counter = Counter()
+    deadline = time.monotonic() + phase_s
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}",
+                                             "Content-Type": "application/json"}, timeout=300) as c:
+        while time.monotonic() < deadline:
+            try:
+                statuses[str(c.post(path, content=body).status_code)] += 1
+            except httpx.HTTPError as e:
+                statuses[type(e).__name__] += 1
+    return statuses
 
 
 def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
@@ -150,13 +171,15 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
             "open": _tenant(target, f"open-{tag}", {}),
             "limited": _tenant(target, f"limited-{tag}", {"requests_per_minute": 1}),
             "capped": _tenant(target, f"capped-{tag}", {"max_tokens_per_request": 10})}
-    attacks = _attacks(target, keys)
+    attacks = _attacks(target)
     names = [n for n in attacks if only is None or n in only]
     phases = [Phase("baseline")] + [Phase(n) for n in names]
     current = [phases[0]]
     stop = threading.Event()
     background = [threading.Thread(target=_victim, args=(target, keys["victim"], lambda: current[0], stop)),
                   threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
+    pool = ProcessPoolExecutor(max_workers=max(a.loops for a in attacks.values()),
+                               mp_context=multiprocessing.get_context("spawn"))
     for t in background:
         t.start()
     try:
@@ -166,43 +189,28 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
             if phase.name == "baseline":
                 time.sleep(phase_s)
                 continue
-            tenant, loops, attack = attacks[phase.name]
-            if tenant == "limited":
+            attack = attacks[phase.name]
+            if attack.tenant == "limited":
                 # Spend its one request a minute: refused requests never count, so only a tenant
                 # that used its quota is over it (and then its bodies are refused unread).
-                with _client(target, keys[tenant]) as c:
+                with _client(target, keys[attack.tenant]) as c:
                     c.post("/v1/completions", json={"model": target.model, "prompt": "hi", "max_tokens": 1})
-            _attack(phase, keys[tenant], target, loops, attack, phase_s)
+            loops = [pool.submit(_attack_loop, target.url, keys[attack.tenant], attack.path, attack.body, phase_s)
+                     for _ in range(attack.loops)]
+            for loop in loops:
+                phase.statuses.update(loop.result())
+            time.sleep(0.5)  # the last attack request's work drains before the next phase is measured
     finally:
         stop.set()
         for t in background:
             t.join(300)
+        pool.shutdown()
     baseline = phases[0]
     out = {"phase_s": phase_s, "victim_tokens_per_request": VICTIM_TOKENS,
            "targets": {"itl_p99_ratio": ITL_TARGET_RATIO, "health_p99_ms": HEALTH_TARGET_S * 1000},
            "phases": {p.name: p.summary(None if p is baseline else baseline) for p in phases}}
     out["met"] = all(s.get("met", True) for s in out["phases"].values())
     return out
-
-
-def _attack(phase: Phase, key: str, target: Target, loops: int, attack: Callable[[httpx.Client], int],
-            phase_s: float) -> None:
-    deadline = time.monotonic() + phase_s
-
-    def loop() -> None:
-        with _client(target, key) as c:
-            while time.monotonic() < deadline:
-                try:
-                    phase.statuses[attack(c)] += 1
-                except httpx.HTTPError as e:
-                    phase.statuses[type(e).__name__] += 1
-    threads = [threading.Thread(target=loop) for _ in range(loops)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(phase_s + 300)
-    # let the last attack request's work drain before the next phase is measured
-    time.sleep(0.5)
 
 
 def table(report: dict) -> str:
