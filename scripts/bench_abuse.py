@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default="bench-out/abuse", help="demo model, Redis data, server log "
                                                                  "(default bench-out/abuse)")
     p.add_argument("--json", default=None, help="write the report here (default: print only)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-num-batched-tokens=256)")
     return p
 
 
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = ServerConfig.max_logprob_entries
     shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
     with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
-                       serve_args=["--device", "cpu"]) as srv:
+                       serve_args=["--device", "cpu", *args.serve_arg]) as srv:
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         httpx.post(srv.url + "/admin/tenants", json={"name": "probe"}, headers=admin).raise_for_status()
         key = httpx.post(srv.url + "/admin/tenants/probe/keys", headers=admin).json()["key"]
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                            log=lambda s: print(s, file=sys.stderr, flush=True))
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": Path(model).name,
-                         "max_model_len": target.max_model_len, "max_logprob_entries": budget}
+                         "max_model_len": target.max_model_len, "max_logprob_entries": budget,
+                         "serve_args": args.serve_arg}
     print(abuse.table(report))
     print(f"target met: {report['met']}")
     if args.json:

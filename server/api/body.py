@@ -39,6 +39,7 @@ MAX_STRINGS = 1 << 16
 BASE_VALUES = 1 << 16
 # Bodies up to this size are parsed on the event loop: a thread hop would cost more than the parse.
 INLINE_PARSE_BYTES = 64 << 10
+SCAN_WINDOW_CHARS = 1 << 20
 _DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
 
 
@@ -118,9 +119,12 @@ def check_value_count(text: str, max_values: int) -> None:
     pos, values, strings = 0, 0, 0
     while True:
         quote = text.find('"', pos)
-        values += text.count(",", pos, len(text) if quote < 0 else quote)
-        if values > max_values:
-            raise _too_many_values(max_values, "values (array elements and object members)")
+        end = len(text) if quote < 0 else quote
+        # In windows: a C call holds the GIL throughout, and 16 MB of ids is refused after the first.
+        for lo in range(pos, end, SCAN_WINDOW_CHARS):
+            values += text.count(",", lo, min(end, lo + SCAN_WINDOW_CHARS))
+            if values > max_values:
+                raise _too_many_values(max_values, "values (array elements and object members)")
         if quote < 0:
             return
         strings += 1
