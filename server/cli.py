@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "can tell from time to first token whether another sent a prompt (off by default)")
     s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
                    help="most prompts in one /v1/completions batch (a list of prompts); default 64")
+    s.add_argument("--max-logprob-entries", type=_positive_int, default=1 << 16,
+                   help="most logprob entries one response may carry: prompts x n x (max_tokens + prompt "
+                        "tokens when echoed or with prompt_logprobs) x (logprobs + 1); more is a 400 "
+                        "(default 65536)")
     s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "
                                            "(or $LORAPLEX_METRICS_TOKEN), for Prometheus' bearer_token")
     s.add_argument("--metrics-public", action="store_true",

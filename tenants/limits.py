@@ -45,15 +45,16 @@ class Admission:
     lease_expires_at: float
 
 
-def check_request_tokens(tenant: Tenant, requested_max_tokens: int) -> None:
-    """Refuse a request whose own max_tokens exceeds the tenant's per-request cap.
+def check_request_tokens(tenant: Tenant, requested_max_tokens: int, what: str = "max_tokens") -> None:
+    """Refuse a request whose completion tokens (all its prompts and choices: `what` says how they
+    add up) exceed the tenant's per-request cap.
 
     It could never succeed, so this is RequestTooLarge (HTTP 400), not QuotaExceeded.
     """
     cap = tenant.quota.max_tokens_per_request
     if cap is not None and requested_max_tokens > cap:
         raise RequestTooLarge(
-            f"max_tokens {requested_max_tokens} exceeds this tenant's max_tokens_per_request "
+            f"{what} {requested_max_tokens} exceeds this tenant's max_tokens_per_request "
             f"of {cap}", "max_tokens_per_request")
 
 
@@ -87,6 +88,7 @@ class Limiter:
         self._release = client.register_script(limits_lua.RELEASE)
         self._renew = client.register_script(limits_lua.RENEW)
         self._snapshot = client.register_script(limits_lua.SNAPSHOT)
+        self._cancel = client.register_script(limits_lua.CANCEL)
 
     def admit(self, tenant: Tenant, request_id: str, estimated_tokens: int,
               now: float | None = None) -> Admission:
@@ -131,6 +133,11 @@ class Limiter:
         held = self._release(keys=self._ks.limit_keys(admission.tenant),
                              args=[admission.slot_id, actual_tokens])
         return int(held) == 1
+
+    def cancel(self, admission: Admission) -> None:
+        """Undo an admission whose request was refused before it ran: it no longer counts in the
+        window (requests or tokens) and its concurrency slot is free. Safe to call twice."""
+        self._cancel(keys=self._ks.limit_keys(admission.tenant), args=[admission.slot_id])
 
     def renew(self, admissions: Sequence[Admission], now: float | None = None) -> list[Admission]:
         """The heartbeat: extend every lease in `admissions` to lease_seconds from now, in one

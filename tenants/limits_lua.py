@@ -154,3 +154,17 @@ return lost
 SNAPSHOT = _NOW + _PURGE + """
 return {nreq, used, nconc}
 """
+
+# ARGV: slot. Removes a request that was refused after its admission (a 4xx found once its
+# body was read) as if it had never been admitted: out of the window log, its charge out of
+# the running sum, its lease freed. Idempotent.
+CANCEL = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+local cur = redis.call('HGET', KEYS[2], ARGV[1])
+if cur then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  if redis.call('DECRBY', KEYS[3], tonumber(cur)) <= 0 then redis.call('DEL', KEYS[3]) end
+end
+return 1
+"""

@@ -10,7 +10,7 @@ from server.api.admin_models import QuotaFields, TenantCreate, TenantPatch
 from server.api.admin_views import require_admin_tenant
 from server.api.auth import require_admin, state_of
 from server.api.body import read_json_object
-from server.api.errors import not_found
+from server.api.errors import APIError, not_found
 from server.api.housekeeping import purge_tenant
 from server.api.validation import parse_model
 from tenants import Quota, validate_tenant_name
@@ -40,6 +40,10 @@ async def get_tenant(request: Request) -> Response:
 async def patch_tenant(request: Request) -> Response:
     require_admin(request)
     body = await read_json_object(request)
+    if not body:
+        # The schema requires `quota`; an empty body changes nothing and is most likely a mistake.
+        raise APIError(400, "'quota': required; send {\"quota\": {...}} with the fields to change",
+                       "invalid_value")
     # {"quota": {...}} or the quota fields themselves
     fields = parse_model(TenantPatch, body, 422).quota if "quota" in body else \
         parse_model(QuotaFields, body, 422)

@@ -7,12 +7,22 @@ parse itself is bounded too: integer literals longer than any real field
 NaN/Infinity literals, nesting deeper than any OpenAI body, and lone UTF-16
 surrogates (valid JSON escapes that no UTF-8 encoder accepts, so they would
 fail later, wherever the string is encoded) are all a 400 that says which.
+
+The size of the document is bounded before it is built: a pre-scan (C-speed
+string searches, one Python step per string literal) counts the values outside
+strings and refuses a body with more than its endpoint can use (a completions
+body's token ids are at most `--max-batch-prompts` x `max_model_len`), so 16 MB
+of token ids is a 400 in milliseconds, not 8 million ints built and then
+refused. A large body is scanned and parsed on a worker thread, never on the
+event loop.
 """
 from __future__ import annotations
 
 import json
+from json.decoder import scanstring
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from server.api.errors import APIError
@@ -22,6 +32,15 @@ from server.api.errors import APIError
 MAX_JSON_DEPTH = 32
 # A 64-bit integer has at most 20 digits; anything longer is no field we know.
 MAX_INT_DIGITS = 24
+# String literals (object keys included) in one body: 4,096 chat messages of a few fields each,
+# 1,024 logit_bias keys and 64 prompts stay far below it.
+MAX_STRINGS = 1 << 16
+# Values besides token ids that a body may carry (messages and their fields, logit_bias, stop ids).
+BASE_VALUES = 1 << 16
+# Bodies up to this size are parsed on the event loop: a thread hop would cost more than the parse.
+INLINE_PARSE_BYTES = 64 << 10
+SCAN_WINDOW_CHARS = 1 << 20
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
 
 
 def _too_large(cap: int) -> APIError:
@@ -87,11 +106,48 @@ def _check_tree(doc: Any) -> None:
             stack.extend((value, depth + 1) for value in node)
 
 
-def parse_json(raw: bytes) -> Any:
+def _too_many_values(cap: int, what: str) -> APIError:
+    return APIError(400, f"the body has more than {cap} {what}; no request to this endpoint needs that many "
+                         f"(token ids are bounded by max_model_len per prompt and --max-batch-prompts)",
+                    "too_many_values")
+
+
+def check_value_count(text: str, max_values: int) -> None:
+    """Refuse a document with more than `max_values` values outside strings (counted by their
+    separating commas) or more than MAX_STRINGS string literals, before any of them is built.
+    Strings are skipped with the JSON decoder's own C scanner, so a comma inside one never counts."""
+    pos, values, strings = 0, 0, 0
+    while True:
+        quote = text.find('"', pos)
+        end = len(text) if quote < 0 else quote
+        # In windows: a C call holds the GIL throughout, and 16 MB of ids is refused after the first.
+        for lo in range(pos, end, SCAN_WINDOW_CHARS):
+            values += text.count(",", lo, min(end, lo + SCAN_WINDOW_CHARS))
+            if values > max_values:
+                raise _too_many_values(max_values, "values (array elements and object members)")
+        if quote < 0:
+            return
+        strings += 1
+        if strings > MAX_STRINGS:
+            raise _too_many_values(MAX_STRINGS, "strings")
+        try:
+            _, pos = scanstring(text, quote + 1, True)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
+
+
+def parse_json(raw: bytes, max_values: int = BASE_VALUES) -> Any:
     """Parse a bounded JSON document; every malformed input is a 400 naming the problem."""
     try:
-        doc = json.loads(raw, parse_int=_parse_int, parse_constant=_parse_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
+    check_value_count(text, max_values)
+    # Python's own int parsing is C-speed; the per-literal digit check only where a long digit run exists.
+    long_digits = b"0" * (MAX_INT_DIGITS + 1) in raw.translate(_DIGITS_AS_ZERO)
+    try:
+        doc = json.loads(text, parse_int=_parse_int if long_digits else None, parse_constant=_parse_constant)
+    except json.JSONDecodeError as e:
         raise APIError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
     except RecursionError:
         raise APIError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels",
@@ -100,13 +156,17 @@ def parse_json(raw: bytes) -> Any:
     return doc
 
 
-def parse_json_object(raw: bytes) -> dict:
-    body = parse_json(raw)
+def parse_json_object(raw: bytes, max_values: int = BASE_VALUES) -> dict:
+    body = parse_json(raw, max_values)
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", "invalid_json")
     return body
 
 
-async def read_json_object(request: Request) -> dict:
-    """Read (capped by the server's --max-request-bytes) and parse a JSON object body."""
-    return parse_json_object(await read_capped(request, request.app.state.lp.config.max_request_bytes))
+async def read_json_object(request: Request, max_values: int = BASE_VALUES) -> dict:
+    """Read (capped by the server's --max-request-bytes) and parse a JSON object body of at most
+    `max_values` values; a large body is parsed on a worker thread."""
+    raw = await read_capped(request, request.app.state.lp.config.max_request_bytes)
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return parse_json_object(raw, max_values)
+    return await run_in_threadpool(parse_json_object, raw, max_values)

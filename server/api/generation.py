@@ -17,12 +17,13 @@ import anyio
 from starlette.concurrency import run_in_threadpool
 
 from adapters.registry import AdapterRecord, validate_name
+from server.api.admission import cancel_admission
 from server.api.errors import APIError
 from server.api.state import ServerState
 from server.engine import SamplingParams
 from server.engine.async_engine import RequestStream
 from server.engine.sequence import RequestOutput, TokenLogprobs
-from tenants import Admission, Tenant, check_request_tokens
+from tenants import Admission, Tenant
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,6 @@ class Generation:
         if len(prompt_ids) + params.max_tokens > limit:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                 f"the maximum context length of {limit} tokens", "context_length_exceeded")
-        check_request_tokens(tenant, params.max_tokens)
         request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         admission = await run_in_threadpool(state.limiter.admit, tenant, request_id,
                                             len(prompt_ids) + params.max_tokens * params.n)
@@ -104,8 +104,7 @@ class Generation:
             stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.id,
                                                priority, tenant.quota.weight, cache_salt=cache_salt)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await run_in_threadpool(state.settlements.settle, tenant, admission, 0, 0)
+            await cancel_admission(state, admission)  # refused by the engine: neither counted nor billed
             raise
         generation = cls(state, tenant, endpoint, prompt_ids, params, admission, stream, arrived, adapter)
         state.settlements.follow(admission, lambda: generation.completion_tokens)  # usage while it runs
@@ -157,6 +156,15 @@ class Generation:
             delta = self._delta(out)
             if delta is not None:
                 yield delta
+
+    async def refuse(self) -> None:
+        """Undo a generation whose request was refused as a whole (another prompt of its batch was):
+        aborted, its admission cancelled, nothing billed. Idempotent, and a no-op after close()."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stream.abort()
+        await cancel_admission(self.state, self._admission)
 
     async def close(self) -> None:
         """Idempotent; aborts the engine request if it is still running."""

@@ -47,9 +47,12 @@ def _top_dict(texts: TokenText, top) -> dict[str, float]:
 
 
 def merge_blocks(a: dict | None, b: dict) -> dict:
+    """`a` with `b`'s lists appended (in place: a choice's lists grow by one block per delta)."""
     if a is None:
         return b
-    return {k: a[k] + b[k] for k in a}
+    for k in a:
+        a[k].extend(b[k])
+    return a
 
 
 def chat_content(texts: TokenText, entries: Sequence[TokenLogprobs]) -> list[dict]:

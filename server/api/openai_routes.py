@@ -1,6 +1,7 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions."""
 from __future__ import annotations
 
+import json
 import time
 
 from starlette.concurrency import run_in_threadpool
@@ -9,8 +10,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from adapters.registry import AdapterRecord
+from server.api.admission import gated
 from server.api.auth import require_tenant, state_of
-from server.api.body import read_json_object
+from server.api.body import BASE_VALUES, read_json_object
+from server.api.budget import check_request_cost
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -55,41 +58,60 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, chat=True)
 
 
-async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list[int]],
+async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list[int]], max_tokens: list[int],
                      record: AdapterRecord | None, arrived: float, endpoint: str) -> list[Generation]:
-    """One generation per prompt; all or none (a refused one closes those already started)."""
+    """One generation per prompt; all or none (a refused one undoes those already started: a refused
+    batch counts in no window and is not billed)."""
     gens: list[Generation] = []
     vocab = state.engine.engine.model_config.vocab_size
-    limit = state.engine.engine.max_model_len
     try:
-        for ids in prompts:
-            params = sampling_params(req, max_tokens_for(req, tenant, len(ids), limit), vocab)
+        for ids, limit in zip(prompts, max_tokens):
+            params = sampling_params(req, limit, vocab)
             gens.append(await Generation.start(state, tenant, endpoint, params, ids, record, req.priority,
                                                arrived, req.cache_salt))
     except BaseException:
         for gen in gens:
-            await gen.close()
+            await gen.refuse()
         raise
     return gens
+
+
+def max_body_values(state: ServerState) -> int:
+    """The most values a generation body can need: a full batch of token-id prompts plus the rest."""
+    return state.config.max_batch_prompts * state.engine.engine.max_model_len + BASE_VALUES
+
+
+def _render(body: dict) -> bytes:
+    # JSONResponse's encoding, on a worker thread: a large logprobs body is megabytes of JSON.
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 async def _generate(request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
     tenant = await require_tenant(request)
     state = state_of(request)
-    req = parse_model(ChatCompletionRequest if chat else CompletionRequest, await read_json_object(request))
-    record = await resolve_model(state, tenant, req.model)
+    # Admitted (rate, concurrency) before the body is read: an over-quota tenant's body is never parsed.
+    async with gated(state, tenant) as gate:
+        req = parse_model(ChatCompletionRequest if chat else CompletionRequest,
+                          await read_json_object(request, max_body_values(state)))
+        record = await resolve_model(state, tenant, req.model)
+        if chat:
+            prompts = [await state.prompts.encode_chat([m.for_template() for m in req.messages])]
+        else:
+            batch = req.prompts()
+            cap = state.config.max_batch_prompts
+            if len(batch) > cap:
+                raise APIError(400, f"'prompt' is a batch of {len(batch)} prompts; at most {cap} "
+                                    f"(--max-batch-prompts)", "invalid_value")
+            prompts = [await state.prompts.encode(p) for p in batch]
+        limit = state.engine.engine.max_model_len
+        max_tokens = [max_tokens_for(req, tenant, len(ids), limit) for ids in prompts]
+        check_request_cost(req, tenant, [len(ids) for ids in prompts], max_tokens,
+                           state.config.max_logprob_entries)
+        await gate.hand_over()
+        gens = await _start_all(state, tenant, req, prompts, max_tokens, record, arrived,
+                                "chat" if chat else "completions")
     texts = state.prompts.token_texts
-    if chat:
-        prompts = [await state.prompts.encode_chat([m.for_template() for m in req.messages])]
-    else:
-        batch = req.prompts()
-        cap = state.config.max_batch_prompts
-        if len(batch) > cap:
-            raise APIError(400, f"'prompt' is a batch of {len(batch)} prompts; at most {cap} "
-                                f"(--max-batch-prompts)", "invalid_value")
-        prompts = [await state.prompts.encode(p) for p in batch]
-    gens = await _start_all(state, tenant, req, prompts, record, arrived, "chat" if chat else "completions")
     if chat:
         renderer = ChatRenderer(req, gens, texts, req.model)
     else:
@@ -108,7 +130,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         await close()
     if not completed:
         return Response(status_code=499)  # nobody is listening; the engine requests were aborted
-    return JSONResponse(renderer.body())
+    return Response(await run_in_threadpool(lambda: _render(renderer.body())), media_type="application/json")
 
 
 ROUTES = [

@@ -75,6 +75,7 @@ class Renderer:
         self.model = model
         self.n = req.n
         self.choices: dict[int, _Choice] = {}
+        self._collected: list[tuple[int, Delta]] = []
 
     def _choice(self, gen_index: int, d: Delta) -> tuple[int, _Choice]:
         index = gen_index * self.n + d.index
@@ -86,11 +87,16 @@ class Renderer:
         return None
 
     async def collect(self) -> None:
+        """Gather every delta; the text and logprobs are built by body(), off the event loop."""
         async for gen_index, d in merged(self.gens):
-            index, choice = self._choice(gen_index, d)
-            self._absorb(gen_index, choice, d)
+            self._collected.append((gen_index, d))
 
     def body(self) -> dict:
+        """The whole response (CPU-heavy for large logprobs: the caller runs it on a worker thread)."""
+        for gen_index, d in self._collected:
+            _, choice = self._choice(gen_index, d)
+            self._absorb(gen_index, choice, d)
+        self._collected = []
         first = self.gens[0]
         return {"id": first.request_id, "object": self.kind, "created": first.created, "model": self.model,
                 "choices": [self._final_choice(i, c) for i, c in sorted(self.choices.items())],

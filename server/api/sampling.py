@@ -21,7 +21,7 @@ def max_tokens_for(req: CompletionRequest | ChatCompletionRequest, tenant: Tenan
     room = max_model_len - prompt_len
     q = tenant.quota
     if q.max_tokens_per_request is not None:
-        room = min(room, q.max_tokens_per_request)
+        room = min(room, q.max_tokens_per_request // req.n)  # the cap bounds all n choices together
     if q.tokens_per_minute is not None:
         room = min(room, (q.tokens_per_minute - prompt_len) // req.n)
     return max(1, room)
@@ -40,6 +40,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        if req.echo and max_tokens == 0 and prompt_logprobs is None:
+            # vLLM's echo with max_tokens 0: the prompt comes back as the text. The engine runs such a
+            # request only as scoring, so it scores the prompt (no alternatives); nothing of it is returned.
+            prompt_logprobs = 0
     else:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = req.prompt_logprobs

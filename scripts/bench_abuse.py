@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Fair under abuse (issue 22): a victim tenant's inter-token latency and /health latency while
+another tenant runs each attack in turn, against a quiet baseline. Prints a table, writes JSON.
+
+    .venv/bin/python scripts/bench_abuse.py --json docs/benchmarks/abuse-cpu.json
+    .venv/bin/python scripts/bench_abuse.py --phase-s 5 --only huge_token_body,tokenize_flood
+
+Starts `loraplex serve` on the demo model (or --model) with an embedded Redis under --work-dir.
+Target: each attack moves the victim's p99 ITL by at most 20% and /health p99 stays <= 100 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+# Runnable as a plain script from a checkout, without installing the project.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from server.bench import abuse  # noqa: E402
+from server.bench.server_proc import ServerProcess  # noqa: E402
+from server.config import ServerConfig  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench_abuse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
+    p.add_argument("--only", default=None, help="comma-separated attacks to run (default: all)")
+    p.add_argument("--work-dir", default="bench-out/abuse", help="demo model, Redis data, server log "
+                                                                 "(default bench-out/abuse)")
+    p.add_argument("--json", default=None, help="write the report here (default: print only)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-num-batched-tokens=256)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    work = Path(args.work_dir)
+    model = args.model
+    if model is None:
+        from server.demo import ensure_demo
+        model = str(ensure_demo(work / "demo").model_dir)
+    budget = ServerConfig.max_logprob_entries
+    shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
+    with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
+                       serve_args=["--device", "cpu", *args.serve_arg]) as srv:
+        admin = {"Authorization": f"Bearer {srv.admin_token}"}
+        httpx.post(srv.url + "/admin/tenants", json={"name": "probe"}, headers=admin).raise_for_status()
+        key = httpx.post(srv.url + "/admin/tenants/probe/keys", headers=admin).json()["key"]
+        card = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]
+        target = abuse.Target(srv.url, srv.admin_token, card["id"], card["max_model_len"], budget)
+        report = abuse.run(target, args.phase_s, args.only.split(",") if args.only else None,
+                           log=lambda s: print(s, file=sys.stderr, flush=True))
+    report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                         "python": platform.python_version(), "model": Path(model).name,
+                         "max_model_len": target.max_model_len, "max_logprob_entries": budget,
+                         "serve_args": args.serve_arg}
+    print(abuse.table(report))
+    print(f"target met: {report['met']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
