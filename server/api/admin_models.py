@@ -50,8 +50,10 @@ class TenantPatch(BaseModel):
 
 
 class TenantPatchBody(RootModel[TenantPatch | QuotaFields]):
-    """PATCH /admin/tenants/{name} as published: {"quota": {...}}, or the quota fields unwrapped ({} is a
-    patch that changes nothing)."""
+    """PATCH /admin/tenants/{name} as published: {"quota": {...}}, or the quota fields unwrapped. An empty
+    body is refused (400 naming `quota`): it changes nothing and is most likely a mistake."""
+
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1})
 
 
 class Quota(QuotaFields):
