@@ -4,7 +4,8 @@ Argument conventions shared by all four:
 - x [T, in], out / h [S, T, R], y [T, >= off_i + n_i]: token rows, addressed in int64;
 - lora_a [S, L, R, in], b_i [L, n_i, R], scaling [S, L] float32: slot buffers at max rank;
 - gather [n, 2] int32 (token, slot) and tiles [n, 4] int32 (first token, rows, slot, 0):
-  the step's plan (kernels.launch_plan), one program (row of the grid's axis 0) per entry;
+  the step's plan (kernels.launch_plan), one program (row of the grid's axis 0) per entry; a
+  gathered entry of slot -1 (a padded decode batch's base-model and padding rows) exits at once;
 - R: the effective rank (columns past it are not computed); never specialised on, it changes
   from step to step. Nor is stride_sl (the slice count, scalings being stored slot-major), so one
   variant serves every projection group.
@@ -86,6 +87,8 @@ def _bgmv_shrink_kernel(
     sl = tl.program_id(1).to(tl.int64)
     t = tl.load(gather_ptr + entry * 2).to(tl.int64)
     slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
+    if slot < 0:  # a base-model or padding row of a padded decode batch's work list: no work
+        return
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_ok = ranks < R
     a_base = a_ptr + sl * stride_as + slot * stride_al
@@ -173,6 +176,8 @@ def _bgmv_expand_kernel(
         b_ptr = b2_ptr
     t = tl.load(gather_ptr + entry * 2).to(tl.int64)
     slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
+    if slot < 0:  # a base-model or padding row of a padded decode batch's work list: no work
+        return
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < _pick_slice(sl, n0, n1, n2)
     h_base = h_ptr + sl.to(tl.int64) * stride_hs + t * stride_ht
