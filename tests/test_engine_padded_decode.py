@@ -258,3 +258,20 @@ def test_padded_forward_reads_nothing_back_to_the_host(tiny_model_dir, tiny_adap
     with pytest.raises(HostSyncForbidden):  # the guard works: the unpadded path reads host values
         _forbid_host_sync(monkeypatch)
         torch.tensor([1, 0]).nonzero()
+
+
+def test_enforce_eager_flag_reaches_the_engine(tiny_model_dir, tmp_path):
+    from server.cli import build_parser
+    from server.config import ServerConfig
+    from server.engine.config import EngineConfig
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).enforce_eager is False
+    args = parser.parse_args(["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16, "--enforce-eager"])
+    assert ServerConfig.from_args(args, env={}).enforce_eager is True
+    with pytest.raises(ValueError, match="enforce_eager must be true or false"):
+        EngineConfig(model="m", enforce_eager="yes")
+    # A CPU device has no CUDA graphs: eager and unpadded whatever the flag says, and it says so.
+    for eager in (True, False):
+        llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=64, enforce_eager=eager)
+        assert llm.engine.runner.padded is None and llm.engine.stats().cuda_graphs == 0
