@@ -85,6 +85,8 @@ class DecodeBuffers:
         pin = device.type == "cuda"
         self.host_bytes = torch.zeros(offset, dtype=torch.uint8, pin_memory=pin)
         self.device_bytes = torch.zeros(offset, dtype=torch.uint8, device=device)
+        # Marks the last copy out of the pinned staging buffer, which the next fill must not overtake.
+        self.copied = torch.cuda.Event() if pin else None
         self.host = {s.name: self._view(self.host_bytes, s) for s in sections}
         self.dev = {s.name: self._view(self.device_bytes, s) for s in sections}
         self.host["gather"][:, 0] = torch.arange(b, dtype=torch.int32)  # constant: program i takes row i
@@ -106,6 +108,8 @@ class DecodeBuffers:
         """
         n = len(input_ids)
         assert n <= rows <= self.max_rows, (n, rows, self.max_rows)
+        if self.copied is not None:
+            self.copied.synchronize()  # done long ago when the last step sampled (its logits synchronized)
         self._pad(n, rows)
         if not n:
             return
@@ -134,10 +138,12 @@ class DecodeBuffers:
 
     def copy_in(self, rows: int) -> None:
         """One host-to-device copy of everything a step of `rows` rows reads (non-blocking from pinned
-        memory: the next fill comes after this step's sampling has synchronized)."""
+        memory: the next fill waits for it)."""
         tables = self.sections["block_tables"]
         end = tables.offset + rows * self.max_blocks * 4
         self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
     def rows(self, name: str, rows: int) -> torch.Tensor:
         """The device view of input `name` for a bucket of `rows` rows."""
