@@ -137,7 +137,8 @@ def test_padding_rows_write_no_kv(tiny_model_dir, tiny_adapters):
 
 
 class LaunchLog:
-    """Every Triton launch: (kernel, grid, non-tensor arguments, tensor shapes and strides)."""
+    """Every Triton launch: (kernel, grid, non-tensor arguments, tensor shapes and strides, and the
+    addresses of integer tensors: the step's metadata, which a replayed graph reads where it was)."""
 
     def __init__(self, monkeypatch) -> None:
         self.launches: list[tuple] = []
@@ -147,8 +148,8 @@ class LaunchLog:
 
     def _wrap(self, name, run):
         def logged(*args, grid, warmup, **kwargs):
-            described = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
-                              for a in args)
+            described = tuple((tuple(a.shape), a.stride(), a.dtype, None if a.is_floating_point() else a.data_ptr())
+                              if isinstance(a, torch.Tensor) else a for a in args)
             self.launches.append((name, tuple(grid), described, tuple(sorted(kwargs.items()))))
             self.inside = True
             try:
