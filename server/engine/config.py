@@ -137,9 +137,9 @@ class EngineConfig:
     # Intra-op threads for the CPU device: "auto" (the affinity mask, less a core for the HTTP side
     # on larger machines; server.engine.cpu_threads says why), an int, or None to leave torch's alone.
     cpu_threads: int | str | None = AUTO
-    # vLLM's flag: no CUDA graphs, every step eager and unpadded. Off: on CUDA, decode-only steps are
-    # padded to a bucket and replay a graph captured at start-up (server.engine.decode_graphs); CPU
-    # devices have no graphs and always run eager.
+    # vLLM's flag: no CUDA graphs, every step eager and unpadded. Off: on CUDA with the Triton kernels,
+    # decode-only steps are padded to a bucket and replay a graph captured at start-up
+    # (server.engine.decode_graphs); CPU devices have no graphs and always run eager.
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

@@ -116,7 +116,8 @@ class PaddedDecode:
                     self._forward(key)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: an adapter loader thread's allocations or copies meanwhile do not abort it.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = self._forward(key)
             self.graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)

@@ -144,8 +144,10 @@ class LLMEngine(OutputProcessing):
         )
         if self.warmup_seconds:
             log.info("compiled every kernel variant in %.1f s", self.warmup_seconds)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            # Decode steps of up to the largest batch the scheduler forms replay a captured graph.
+        if self.device.type == "cuda" and self.kernels.name == "triton" and not config.enforce_eager:
+            # Decode steps of up to the largest batch the scheduler forms replay a captured graph. Not with
+            # the torch kernels: their padded LoRA gathers every row's weights (kernels.lora_cpu), which a
+            # graph would keep for good (~1 GB at Llama-3-8B widths and 256 rows).
             rows = min(config.max_num_seqs, config.max_num_batched_tokens)
             self.runner.use_padded_decode(config.max_loras, rows, self.max_model_len).capture()
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
