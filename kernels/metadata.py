@@ -29,6 +29,9 @@ class LoraBatch:
     # A padded decode batch (padded_decode): one token per row, every launch sized by the row count
     # alone; active_slots is then every slot that may occur (a bound, not the data) and rank_bound None.
     padded: bool = False
+    # [L] int32 on the device: each slot's own rank (0 = free), for kernels that stop there; None: every
+    # slot taken at full rank.
+    slot_rank_table: torch.Tensor | None = None
     # Per-step derived data an implementation computes once and every layer reuses.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -62,9 +65,11 @@ class LoraBatch:
 
     @classmethod
     def build(
-        cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None
+        cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None,
+        slot_rank_table: torch.Tensor | None = None,
     ) -> "LoraBatch":
-        """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional)."""
+        """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional);
+        slot_rank_table the same on the device (optional)."""
         starts, lens, slots = runs(token_slots)
         gather, tiles = lora_work(starts, lens, slots, GATHER_MAX_SEG_LEN)
         views = pack_int32([token_slots, starts, lens, slots, gather, *(tiles[h] for h in TILE_ROWS)], device)
@@ -79,17 +84,19 @@ class LoraBatch:
             plan=lora_plan(gather, tiles, views[4:]),
             runs_host=(tuple(starts), tuple(lens), tuple(slots)),
             rank_bound=max((slot_ranks[s] for s in active), default=0) if slot_ranks is not None else None,
+            slot_rank_table=slot_rank_table,
         )
 
-
     @classmethod
-    def padded_decode(cls, token_slots: torch.Tensor, gather: torch.Tensor, num_slots: int) -> "LoraBatch":
+    def padded_decode(cls, token_slots: torch.Tensor, gather: torch.Tensor, num_slots: int,
+                      slot_rank_table: torch.Tensor | None = None) -> "LoraBatch":
         """A padded decode batch over persistent buffers that each step refills in place.
 
         token_slots: [B] int32 view, -1 for base-model and padding rows; gather: [B, 2] int32 view of
         (row, slot) per row: the gathered kernels' work list at its worst-case length, a program per
         row, those of slot -1 exiting at once. num_slots: 0 for a batch without adapters (no LoRA
         launch at all), else the slot count: any of them may occur. Nothing here depends on which.
+        slot_rank_table: [L] int32, each slot's own rank, updated in place as adapters come and go.
         """
         rows = token_slots.shape[0]
         assert gather.shape == (rows, 2), (gather.shape, rows)
@@ -104,6 +111,7 @@ class LoraBatch:
             plan=LoraLaunchPlan(gather=gather, tiles={h: empty for h in TILE_ROWS}),
             runs_host=((), (), ()),  # unknown on the host: the kernels take the padded path
             padded=True,
+            slot_rank_table=slot_rank_table,
         )
 
 

@@ -56,7 +56,8 @@ class Metrics:
                                  "KV blocks cached but held by no request (evictable, counted as free)", registry=r)
         self.graph_replays = Gauge("loraplex_graph_replays_total",
                                    "Decode steps that replayed a captured CUDA graph", registry=r)
-        self.cuda_graphs = Gauge("loraplex_cuda_graphs", "Decode CUDA graphs captured at start-up", registry=r)
+        self.cuda_graphs = Gauge("loraplex_cuda_graphs", "Decode CUDA graphs captured at start-up",
+                                 registry=r)
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
                                    buckets=_LATENCY_BUCKETS, registry=r)

@@ -45,7 +45,9 @@ class PaddedDecode:
     """Runs decode-only steps padded to a bucket; `capture()` turns each bucket into a CUDA graph."""
 
     def __init__(self, model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torch.Tensor,
-                 num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+                 num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
+                 rank_table: torch.Tensor | None = None) -> None:
+        """rank_table: AdapterSlots.rank_table, each slot's own rank [L] int32 (None: full rank)."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -61,7 +63,7 @@ class PaddedDecode:
                 self.contexts[rows, lora] = StepContext(
                     ops=ops, positions=buf.rows("positions", rows), attn=attn,
                     lora=LoraBatch.padded_decode(buf.rows("token_slots", rows), buf.rows("gather", rows),
-                                                 num_slots if lora else 0),
+                                                 num_slots if lora else 0, rank_table),
                     lora_scratch=lora_scratch)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0

@@ -133,7 +133,8 @@ class LLMEngine(OutputProcessing):
             log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",
                      self.dtype, self.dtype)
         self.runner = ModelRunner(
-            self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks, self.device,
+            self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks,
+            self.slots.rank_table, self.device,
             config.seed,
         )
         # Every Triton variant is compiled now, not in the middle of serving (server.engine.warmup).

@@ -79,10 +79,12 @@ class ModelRunner:
         block_size: int,
         lora_scratch: torch.Tensor,  # [3, max_tokens, R]
         slot_ranks: list[int],  # live view of AdapterSlots.slot_ranks
+        rank_table: torch.Tensor | None,  # AdapterSlots.rank_table: the same on the device, [L] int32
         device: torch.device,
         seed: int,
     ) -> None:
         self.slot_ranks = slot_ranks
+        self.rank_table = rank_table
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops
@@ -97,7 +99,7 @@ class ModelRunner:
     def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
         """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
         self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
-                                   max_model_len, self.block_size, self.device)
+                                   max_model_len, self.block_size, self.device, self.rank_table)
         return self.padded
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -155,7 +157,7 @@ class ModelRunner:
             ops=self.ops,
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev, self.slot_ranks),
+            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table),
             lora_scratch=self.lora_scratch,
         )
         return StepInputs(torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True), ctx,
