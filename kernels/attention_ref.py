@@ -25,6 +25,31 @@ def write_kv(
     v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def write_kv_padded(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """write_kv where a negative slot (a padded decode batch's padding row) writes nothing, with no
+    host value read from the data.
+
+    Semantics: k_cache.flat[slot_mapping[t]] = k[t] for slot_mapping[t] >= 0; v_cache likewise.
+    Shape: as write_kv. A padding row rewrites row 0's destination with row 0's value (or, when row 0
+    is padding too, the value already there): duplicate indices then carry equal values, so the
+    scatter is deterministic and leaves every other slot alone.
+    """
+    keep = slot_mapping >= 0  # [T]
+    first = slot_mapping[:1].clamp(min=0)  # [1]
+    dst = torch.where(keep, slot_mapping, first)  # [T]
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        num_blocks, block_size, hkv, d = cache.shape
+        flat = cache.view(num_blocks * block_size, hkv, d)
+        row0 = torch.where(keep[:1, None, None], new[:1].to(cache.dtype), flat.index_select(0, first))  # [1, Hkv, D]
+        flat.index_copy_(0, dst, torch.where(keep[:, None, None], new.to(cache.dtype), row0))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -42,6 +67,9 @@ def paged_attention(
     Shape: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
         out [T, Hq, D], written in place.
     """
+    if batch.padded:
+        _decode_attention(q, k_cache, v_cache, _padded_decode_plan(batch, k_cache.shape[1]), scale, out)
+        return
     decode = _decode_plan(batch, k_cache.shape[1], q.device)
     if decode is not None:
         _decode_attention(q, k_cache, v_cache, decode, scale, out)
@@ -94,6 +122,20 @@ def _decode_plan(batch: AttentionBatch, block_size: int, device) -> tuple | None
         plan = (rows.to(device), torch.where(valid, slots, own).to(device), valid.to(device))
     batch.scratch[key] = plan
     return plan
+
+
+def _padded_decode_plan(batch: AttentionBatch, block_size: int) -> tuple:
+    """_decode_plan's tuple for a padded decode batch, from its device tensors alone (no host value
+    read from the data). Every row reads the pool's full width, masked past its own length; rebuilt
+    by each layer, since the persistent batch's buffers change from step to step."""
+    lens = batch.seq_lens.long()  # [B]
+    rows = batch.query_start_loc[:-1].long()  # [B]
+    tables = batch.block_tables.long()  # [B, W]
+    pos = torch.arange(tables.shape[1] * block_size, device=tables.device)  # [L]
+    slots = tables.gather(1, (pos // block_size).expand(tables.shape[0], -1)) * block_size + pos % block_size
+    valid = pos[None, :] < lens[:, None]  # [B, L]
+    own = slots.gather(1, (lens - 1).clamp(min=0)[:, None])  # [B, 1], as in _decode_plan
+    return rows, torch.where(valid, slots, own), valid
 
 
 def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:

@@ -53,6 +53,9 @@ def lora_apply(
     """
     if not batch.any_lora:
         return
+    if batch.padded:
+        _apply_padded(x, lora_a, lora_b, scaling, slice_offsets, batch, h.dtype, y)
+        return
     r = batch.effective_rank(lora_a.shape[2])
     by_slot = lora_a.transpose(0, 1)[:, :, :r]  # [L, S, r, in]: a view, contiguous per slot when slot-major
     for blk in _long_blocks(batch):
@@ -60,6 +63,25 @@ def lora_apply(
     g = _groups(batch)
     if g is not None:
         _apply_chunks(x, by_slot, lora_b, scaling, slice_offsets, g, r, h.dtype, y)
+
+
+def _apply_padded(x, lora_a, lora_b, scaling, slice_offsets, batch: LoraBatch, h_dtype, y) -> None:
+    """A padded decode batch: every row gathers its slot's weights, at the slots' full rank, with no
+    host value read from the data (no sync: the same ops whatever the step, so a CUDA graph can replay
+    them). Rows of slot -1 gather slot 0 and have their share masked off; y keeps them bit-identical.
+
+    x [T, in]; lora_a [S, L, R, in]; y [T, >= sum n_i].
+    """
+    slots = batch.token_slots.long()  # [T]
+    lora_rows = slots >= 0  # [T]
+    idx = slots.clamp(min=0)  # [T]
+    a = lora_a.index_select(1, idx).float()  # [S, T, R, in]
+    hs = torch.matmul(a, x.float()[None, :, :, None]).squeeze(-1)  # [S, T, R]
+    hs = _rounded(hs * (scaling.index_select(1, idx) * lora_rows)[:, :, None], h_dtype)
+    for hi, b, off in zip(hs, lora_b, slice_offsets):
+        dst = y[:, off : off + b.shape[1]]  # [T, n_i]
+        delta = torch.matmul(b.index_select(0, idx).float(), hi[:, :, None]).squeeze(-1)  # [T, n_i]
+        dst.copy_(torch.where(lora_rows[:, None], (dst.float() + delta).to(y.dtype), dst))
 
 
 def _apply_block(x, by_slot, lora_b, scaling, slice_offsets, blk: _Block, r: int, h_dtype, y) -> None:

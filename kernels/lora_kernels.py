@@ -4,10 +4,13 @@ Argument conventions shared by all four:
 - x [T, in], out / h [S, T, R], y [T, >= off_i + n_i]: token rows, addressed in int64;
 - lora_a [S, L, R, in], b_i [L, n_i, R], scaling [S, L] float32: slot buffers at max rank;
 - gather [n, 2] int32 (token, slot) and tiles [n, 4] int32 (first token, rows, slot, 0):
-  the step's plan (kernels.launch_plan), one program (row of the grid's axis 0) per entry;
+  the step's plan (kernels.launch_plan), one program (row of the grid's axis 0) per entry; a
+  gathered entry of slot -1 (a padded decode batch's base-model and padding rows) exits at once;
 - R: the effective rank (columns past it are not computed); never specialised on, it changes
   from step to step. Nor is stride_sl (the slice count, scalings being stored slot-major), so one
-  variant serves every projection group.
+  variant serves every projection group. The gathered kernels also read each slot's own rank
+  (slot_ranks [L] int32) and go no further than it, so their bytes follow the adapter's rank,
+  not the slots' maximum.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def _sgmv_shrink_kernel(
 
 @triton.jit(do_not_specialize=["R", "stride_sl"])
 def _bgmv_shrink_kernel(
-    x_ptr, a_ptr, scaling_ptr, out_ptr, gather_ptr,
+    x_ptr, a_ptr, scaling_ptr, out_ptr, gather_ptr, ranks_ptr,
     K, R,
     stride_xt, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
@@ -80,14 +83,21 @@ def _bgmv_shrink_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Semantics: program (entry, slice i, rank tile) writes out[i, t, ranks] = scaling[i, slot] *
-    x[t] @ lora_a[i, slot, ranks].T for its (token t, slot), reducing in fp32 registers.
-    Shape: grid (gathered tokens, S, cdiv(R, BLOCK_R))."""
+    x[t] @ lora_a[i, slot, ranks].T for its (token t, slot) and ranks < min(R, slot_ranks[slot]) (the
+    slot's rows past its own rank are zero: never read, and those columns of out never written),
+    reducing in fp32 registers.
+    Shape: grid (gathered tokens, S, cdiv(R, BLOCK_R)); slot_ranks (ranks_ptr) [L] int32."""
     entry = tl.program_id(0)
     sl = tl.program_id(1).to(tl.int64)
     t = tl.load(gather_ptr + entry * 2).to(tl.int64)
     slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
+    if slot < 0:  # a base-model or padding row of a padded decode batch's work list: no work
+        return
+    rank_end = tl.minimum(R, tl.load(ranks_ptr + slot))
+    if tl.program_id(2) * BLOCK_R >= rank_end:  # a rank tile past the slot's own rank: nothing to read
+        return
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rank_ok = ranks < R
+    rank_ok = ranks < rank_end
     a_base = a_ptr + sl * stride_as + slot * stride_al
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -152,7 +162,7 @@ def _sgmv_expand_kernel(
 
 @triton.jit(do_not_specialize=["R", "nb0", "nb1"])
 def _bgmv_expand_kernel(
-    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, gather_ptr,
+    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, gather_ptr, ranks_ptr,
     R,
     n0, n1, n2, off0, off1, off2, nb0, nb1,
     sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
@@ -160,9 +170,10 @@ def _bgmv_expand_kernel(
     stride_yt, stride_yn,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Semantics: program (entry, column tile c) adds h[i, t, :R] @ b_i[slot, cols, :R].T onto
-    y[t, off_i + cols] for its (token t, slot); column tiles as in _sgmv_expand_kernel.
-    Shape: grid (gathered tokens, total column tiles)."""
+    """Semantics: program (entry, column tile c) adds h[i, t, :r] @ b_i[slot, cols, :r].T onto
+    y[t, off_i + cols] for its (token t, slot), r = min(R, slot_ranks[slot]); column tiles as in
+    _sgmv_expand_kernel.
+    Shape: grid (gathered tokens, total column tiles); slot_ranks (ranks_ptr) [L] int32."""
     entry = tl.program_id(0)
     sl, n_blk = _slice_of(tl.program_id(1), nb0, nb1)
     if sl == 0:
@@ -173,15 +184,18 @@ def _bgmv_expand_kernel(
         b_ptr = b2_ptr
     t = tl.load(gather_ptr + entry * 2).to(tl.int64)
     slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
+    if slot < 0:  # a base-model or padding row of a padded decode batch's work list: no work
+        return
+    rank_end = tl.minimum(R, tl.load(ranks_ptr + slot))
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < _pick_slice(sl, n0, n1, n2)
     h_base = h_ptr + sl.to(tl.int64) * stride_hs + t * stride_ht
     b_base = b_ptr + slot * _pick_slice(sl, sbl0, sbl1, sbl2) + cols[:, None] * _pick_slice(sl, sbn0, sbn1, sbn2)
     sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(0, rank_end, BLOCK_R):
         ranks = r0 + tl.arange(0, BLOCK_R)
-        rank_ok = ranks < R
+        rank_ok = ranks < rank_end
         h = tl.load(h_base + ranks * stride_hr, mask=rank_ok, other=0.0).to(tl.float32)  # [BR]
         b = tl.load(b_base + ranks[None, :] * sbr, mask=col_ok[:, None] & rank_ok[None, :],
                     other=0.0).to(tl.float32)  # [BN, BR]

@@ -57,6 +57,17 @@ def use_gather(batch: LoraBatch) -> bool:
     return not any(batch.plan.num_tiles(h) for h in TILE_ROWS)
 
 
+def slot_ranks(batch: LoraBatch, num_slots: int) -> torch.Tensor:
+    """[L] int32: each slot's own rank for the gathered kernels; without the engine's table, every slot
+    at the buffers' full rank (made once per step)."""
+    if batch.slot_rank_table is not None:
+        return batch.slot_rank_table
+    key = ("full-ranks", num_slots)
+    if key not in batch.scratch:
+        batch.scratch[key] = torch.full((num_slots,), 1 << 30, dtype=torch.int32, device=batch.token_slots.device)
+    return batch.scratch[key]
+
+
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoraBatch, scaling: torch.Tensor,
                   out: torch.Tensor) -> None:
     num_slices, _, rank, hidden = lora_a.shape
@@ -106,7 +117,7 @@ def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan) -> 
     common = (*x.stride(), *lora_a.stride(), *scaling.stride(), *out.stride())
     if plan.num_gather:
         _bgmv_shrink_kernel[(plan.num_gather, num_slices, r_blocks)](
-            x, lora_a, scaling, out, plan.gather, hidden, rank, *common,
+            x, lora_a, scaling, out, plan.gather, slot_ranks(batch, lora_a.shape[1]), hidden, rank, *common,
             BLOCK_R=block_r, BLOCK_K=tiles.gather_block(block_r, hidden),
         )
     for rows in TILE_ROWS:
@@ -188,7 +199,7 @@ def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan)
             block_n = tiles.gather_block(block_r, max(widths))
             nb0, nb1, total = _column_tiles(widths, block_n)
             _bgmv_expand_kernel[(plan.num_gather, total)](
-                h_part, y, *tensors, plan.gather, rank, *ints, nb0, nb1, *common,
+                h_part, y, *tensors, plan.gather, slot_ranks(batch, lora_b[0].shape[0]), rank, *ints, nb0, nb1, *common,
                 BLOCK_N=block_n, BLOCK_R=block_r,
             )
         nb0, nb1, total = _column_tiles(widths, tiles.expand_n)

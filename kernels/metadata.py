@@ -26,6 +26,12 @@ class LoraBatch:
     plan: LoraLaunchPlan  # the Triton launches' work lists (kernels.launch_plan)
     runs_host: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # (starts, lens, slots) on the host
     rank_bound: int | None = None  # highest rank among active slots; slot rows past it are zero
+    # A padded decode batch (padded_decode): one token per row, every launch sized by the row count
+    # alone; active_slots is then every slot that may occur (a bound, not the data) and rank_bound None.
+    padded: bool = False
+    # [L] int32 on the device: each slot's own rank (0 = free), for kernels that stop there; None: every
+    # slot taken at full rank.
+    slot_rank_table: torch.Tensor | None = None
     # Per-step derived data an implementation computes once and every layer reuses.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -59,9 +65,11 @@ class LoraBatch:
 
     @classmethod
     def build(
-        cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None
+        cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None,
+        slot_rank_table: torch.Tensor | None = None,
     ) -> "LoraBatch":
-        """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional)."""
+        """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional);
+        slot_rank_table the same on the device (optional)."""
         starts, lens, slots = runs(token_slots)
         gather, tiles = lora_work(starts, lens, slots, GATHER_MAX_SEG_LEN)
         views = pack_int32([token_slots, starts, lens, slots, gather, *(tiles[h] for h in TILE_ROWS)], device)
@@ -76,6 +84,34 @@ class LoraBatch:
             plan=lora_plan(gather, tiles, views[4:]),
             runs_host=(tuple(starts), tuple(lens), tuple(slots)),
             rank_bound=max((slot_ranks[s] for s in active), default=0) if slot_ranks is not None else None,
+            slot_rank_table=slot_rank_table,
+        )
+
+    @classmethod
+    def padded_decode(cls, token_slots: torch.Tensor, gather: torch.Tensor, num_slots: int,
+                      slot_rank_table: torch.Tensor | None = None) -> "LoraBatch":
+        """A padded decode batch over persistent buffers that each step refills in place.
+
+        token_slots: [B] int32 view, -1 for base-model and padding rows; gather: [B, 2] int32 view of
+        (row, slot) per row: the gathered kernels' work list at its worst-case length, a program per
+        row, those of slot -1 exiting at once. num_slots: 0 for a batch without adapters (no LoRA
+        launch at all), else the slot count: any of them may occur. Nothing here depends on which.
+        slot_rank_table: [L] int32, each slot's own rank, updated in place as adapters come and go.
+        """
+        rows = token_slots.shape[0]
+        assert gather.shape == (rows, 2), (gather.shape, rows)
+        empty = gather.new_zeros(0, 4)
+        return cls(
+            token_slots=token_slots,
+            seg_starts=gather[:, 0],
+            seg_lens=gather.new_ones(rows),
+            seg_slots=token_slots,
+            max_seg_len=1,
+            active_slots=tuple(range(num_slots)),
+            plan=LoraLaunchPlan(gather=gather, tiles={h: empty for h in TILE_ROWS}),
+            runs_host=((), (), ()),  # unknown on the host: the kernels take the padded path
+            padded=True,
+            slot_rank_table=slot_rank_table,
         )
 
 
@@ -98,6 +134,9 @@ class AttentionBatch:
     max_seq_len: int
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # A padded decode batch (padded_decode): the host values are bounds, not the data, so every launch
+    # is sized the same whatever the step; the device tensors hold the data.
+    padded: bool = False
     # Per-step derived data an implementation computes once and every layer reuses.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -139,4 +178,29 @@ class AttentionBatch:
             max_seq_len=max(seq_lens, default=0),
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
+        )
+
+    @classmethod
+    def padded_decode(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, context_lens: torch.Tensor, max_seq_len: int) -> "AttentionBatch":
+        """B decode rows (one query token each) over persistent buffers that each step refills in place.
+
+        Shape: slot_mapping [B] int64 (-1: a padding row, which writes no KV); block_tables [B, W] int32
+        at the pool's full width; query_start_loc [B+1] int32 = 0..B; seq_lens, context_lens [B] int32
+        (a padding row: 1 and 0). Every sequence is taken to be max_seq_len long for the launch plans
+        (the most splits any step can need; the splits past a sequence's end exit at once).
+        """
+        rows = slot_mapping.shape[0]
+        assert block_tables.shape[0] == rows and query_start_loc.shape == (rows + 1,), (block_tables.shape, rows)
+        return cls(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_lens_host=(1,) * rows,
+            seq_lens_host=(max_seq_len,) * rows,
+            padded=True,
         )

@@ -20,6 +20,7 @@ class KernelOps:
     lora_expand: Callable[..., None]  # see kernels.lora_ref.lora_expand
     lora: Callable[..., None]  # one fused projection's LoRA, both sides: see kernels.lora_cpu.lora_apply
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
+    write_kv_padded: Callable[..., None]  # write_kv skipping negative slots: see kernels.attention_ref.write_kv_padded
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
     linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
 
@@ -40,6 +41,7 @@ def torch_ops(linear: Callable[..., torch.Tensor] = linear) -> KernelOps:
         lora_expand=lora_ref.lora_expand,
         lora=lora_cpu.lora_apply,
         write_kv=attention_ref.write_kv,
+        write_kv_padded=attention_ref.write_kv_padded,
         paged_attention=attention_ref.paged_attention,
         linear=linear,
     )

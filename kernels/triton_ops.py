@@ -13,5 +13,6 @@ def triton_ops() -> KernelOps:
         lora_expand=lora_triton.lora_expand,
         lora=composed_lora(lora_triton.lora_shrink, lora_triton.lora_expand),
         write_kv=attention_triton.write_kv,
+        write_kv_padded=attention_triton.write_kv,  # skips negative slots already
         paged_attention=attention_triton.paged_attention,
     )

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-cpu-lora-bytes", type=_positive_int,
                    help="host-tier budget: bytes of parsed adapters kept in host memory (default 1 GiB)")
     s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no CUDA graphs for decode steps (default off: on CUDA, decode "
+                        "steps replay graphs captured at start-up; a CPU device is always eager)")
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
                    help="torch threads on a CPU device: auto (default) = the cores in this process's "
                         "affinity mask, less one for the HTTP side when there is more than one")

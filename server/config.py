@@ -61,6 +61,7 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.9
     max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
     kernels: str = "auto"
+    enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
@@ -164,7 +165,8 @@ class ServerConfig:
             kv_cache_blocks=args.kv_cache_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
-            kernels=args.kernels, cpu_threads=getattr(args, "cpu_threads", "auto"),
+            kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
+            cpu_threads=getattr(args, "cpu_threads", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),
             enable_prefix_caching=args.enable_prefix_caching,

@@ -70,6 +70,9 @@ def test_engine_view_and_history(api_server):
                                               extra_body={"ignore_eos": True})
     view = api_server.admin("GET", "/admin/engine").json()
     assert view["healthy"] and view["kv_blocks"]["total"] == 64 and view["slots"]["total"] == 4
+    # A CPU device captures no CUDA graph (issue 21): every step eager, none replayed.
+    assert view["cuda_graphs"] == {"enabled": False, "graphs": 0, "replays": 0, "capture_seconds": 0.0,
+                                   "capture_bytes": 0}
     history = api_server.state.history
     point = history.sample(api_server.state.engine.stats())
     assert point["kv_blocks_total"] == 64 and point["tokens_per_s"] >= 0

@@ -150,3 +150,4 @@ def test_health_and_metrics(api_server):
                    "loraplex_queue_depth", "loraplex_running_batch_size", "loraplex_kv_blocks_used",
                    "loraplex_adapters_loaded"):
         assert family in metrics
+    assert "loraplex_graph_replays_total 0.0" in metrics and "loraplex_cuda_graphs 0.0" in metrics  # CPU: eager

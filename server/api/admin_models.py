@@ -206,4 +206,5 @@ class EngineView(BaseModel):
     slots: dict[str, int]
     host: dict[str, int | None]
     prefix_cache: dict[str, bool | int | float | None]
+    cuda_graphs: dict[str, bool | int | float]  # decode graphs captured, replays, capture seconds and bytes
     history: list[EnginePoint]

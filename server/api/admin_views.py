@@ -84,6 +84,8 @@ async def engine(request: Request) -> Response:
                          "hit_tokens": s.prefix_hit_tokens,
                          "hit_rate": s.prefix_hit_tokens / s.prefix_queries_tokens if s.prefix_queries_tokens else None,
                          "cached_blocks": s.prefix_cached_blocks, "cached_free_blocks": s.prefix_cached_free_blocks},
+        "cuda_graphs": {"enabled": bool(s.cuda_graphs), "graphs": s.cuda_graphs, "replays": s.graph_replays,
+                        "capture_seconds": s.graph_capture_seconds, "capture_bytes": s.graph_capture_bytes},
         "history": list(state.history.points)})
 
 

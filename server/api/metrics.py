@@ -54,6 +54,10 @@ class Metrics:
                                  "Prompt tokens served from the prefix cache", registry=r)
         self.prefix_free = Gauge("loraplex_prefix_cache_cached_free_blocks",
                                  "KV blocks cached but held by no request (evictable, counted as free)", registry=r)
+        self.graph_replays = Gauge("loraplex_graph_replays_total",
+                                   "Decode steps that replayed a captured CUDA graph", registry=r)
+        self.cuda_graphs = Gauge("loraplex_cuda_graphs", "Decode CUDA graphs captured at start-up",
+                                 registry=r)
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
                                    buckets=_LATENCY_BUCKETS, registry=r)
@@ -93,6 +97,8 @@ class Metrics:
         self.prefix_free.set(s.prefix_cached_free_blocks)
         self.parked_bytes.set(s.host_parked_bytes)
         self.load_failures.set(s.host_load_failures)
+        self.graph_replays.set(s.graph_replays)
+        self.cuda_graphs.set(s.cuda_graphs)
 
     def observe_identity(self, replica: str, model: str, version: str) -> None:
         self.replica.info({"replica": replica, "model": model, "version": version})

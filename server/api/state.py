@@ -88,7 +88,7 @@ class ServerState:
                 kv_cache_blocks=config.kv_cache_blocks,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 max_cpu_lora_bytes=config.max_cpu_lora_bytes,
-                kernels=config.kernels, seed=config.seed,
+                kernels=config.kernels, seed=config.seed, enforce_eager=config.enforce_eager,
                 enable_prefix_caching=config.enable_prefix_caching,
                 share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads)
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))

@@ -137,6 +137,10 @@ class EngineConfig:
     # Intra-op threads for the CPU device: "auto" (the affinity mask, less a core for the HTTP side
     # on larger machines; server.engine.cpu_threads says why), an int, or None to leave torch's alone.
     cpu_threads: int | str | None = AUTO
+    # vLLM's flag: no CUDA graphs, every step eager and unpadded. Off: on CUDA with the Triton kernels,
+    # decode-only steps are padded to a bucket and replay a graph captured at start-up
+    # (server.engine.decode_graphs); CPU devices have no graphs and always run eager.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -158,7 +162,7 @@ class EngineConfig:
             raise ValueError("kv_cache_blocks must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        for name in ("enable_prefix_caching", "share_base_prefix_cache"):
+        for name in ("enable_prefix_caching", "share_base_prefix_cache", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))  # "4" -> 4; raises

@@ -80,11 +80,14 @@ class AdapterSlots:
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
         self.free_slots = list(range(max_loras - 1, -1, -1))
         self.slot_ranks = [0] * max_loras  # rank of the adapter in each slot (0 = free); bounds kernel work
+        some = layers[0]["o"].a if layers else torch.empty(0)
+        # The same on the device, [L] int32, for kernels that stop at each slot's own rank; updated in
+        # place, so a captured graph reads the current ranks.
+        self.rank_table = torch.zeros(max_loras, dtype=torch.int32, device=some.device)
         self.retiring: set[str] = set()  # removed while in use: evicted when idle
         self.hits = 0
         self.loads = 0
         self.evictions = 0
-        some = layers[0]["o"].a if layers else torch.empty(0)
         cuda = some.is_cuda
         # Explicit device: the caller's thread may not have it current (server.engine.cuda_device).
         self.copy_stream = torch.cuda.Stream(device=some.device) if cuda else None
@@ -150,6 +153,7 @@ class AdapterSlots:
         views = [v for groups in self.layers for buffers in groups.values() for v in buffers.slot_views(slot, rank)]
         torch._foreach_zero_(views)
         self.slot_ranks[slot] = 0
+        self.rank_table[slot] = 0
         self.free_slots.append(slot)
 
     def _targets(self, slot: int, adapter: PackedLoraAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -169,6 +173,7 @@ class AdapterSlots:
         assert isinstance(adapter, PackedLoraAdapter), "adapters reach slots through the host tier"
         self.loads += 1
         self.slot_ranks[slot] = adapter.rank
+        self.rank_table[slot] = adapter.rank
         dst, scales = self._targets(slot, adapter)
         src = adapter.tensors()
         if self.copy_stream is None:

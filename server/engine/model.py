@@ -78,7 +78,8 @@ class DecoderLayer:
         k = self.rope.apply(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), rope)  # [T, Hkv, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv
-        ctx.ops.write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        write_kv = ctx.ops.write_kv_padded if ctx.attn.padded else ctx.ops.write_kv
+        write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         attn = ws.attn[:t]  # [T, Hq, D]
         ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn)
         h += self.o(attn.view(t, cfg.q_size), ctx, ws.o[:t])

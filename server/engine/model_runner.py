@@ -14,6 +14,7 @@ import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.ops import KernelOps
+from server.engine.decode_graphs import PaddedDecode
 from server.engine.logprobs import gather_logprobs
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, SamplingRow, sample_rows
@@ -35,14 +36,18 @@ class SeqResult:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    ctx: StepContext
-    logits_indices: torch.Tensor  # [S + Q]: the S sampled sequences' last tokens, then Q prompt positions
+    input_ids: torch.Tensor | None  # [T]; None for a padded decode step (its inputs are staged)
+    ctx: StepContext | None
+    # [S + Q]: the S sampled sequences' last tokens, then Q prompt positions; None for a padded decode step
+    # whose rows are those: its logits' leading S + Q rows
+    logits_indices: torch.Tensor | None
+    num_logits: int  # S + Q
     sampled_seqs: list[int]  # batch positions of the S sequences that get a token this step
     scored_seqs: list[int]  # batch positions whose prompt is in and that generate nothing (max_tokens 0)
     rows: list[SamplingRow]  # tokens to choose: one per choice
     row_starts: list[int]  # sampled sequence s chooses rows[row_starts[s]:row_starts[s + 1]]
     prompt: _PromptPositions | None = None
+    padded: tuple[int, bool] | None = None  # a padded decode step's (bucket, LoRA) key (decode_graphs)
 
 
 @dataclass
@@ -74,10 +79,12 @@ class ModelRunner:
         block_size: int,
         lora_scratch: torch.Tensor,  # [3, max_tokens, R]
         slot_ranks: list[int],  # live view of AdapterSlots.slot_ranks
+        rank_table: torch.Tensor | None,  # AdapterSlots.rank_table: the same on the device, [L] int32
         device: torch.device,
         seed: int,
     ) -> None:
         self.slot_ranks = slot_ranks
+        self.rank_table = rank_table
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops
@@ -85,6 +92,15 @@ class ModelRunner:
         self.lora_scratch = lora_scratch
         self.device = device
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # Decode-only steps padded to a bucket and run from persistent buffers (replayed as CUDA graphs
+        # once captured); None: every step eager, unpadded.
+        self.padded: PaddedDecode | None = None
+
+    def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
+        """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
+        self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
+                                   max_model_len, self.block_size, self.device, self.rank_table)
+        return self.padded
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         input_ids: list[int] = []
@@ -121,6 +137,19 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(i)
         dev = self.device
+        if prompt is not None:
+            logits_indices += prompt.rows
+        common = dict(num_logits=len(logits_indices), sampled_seqs=sampled, scored_seqs=scored, rows=rows,
+                      row_starts=row_starts, prompt=prompt)
+        padded = self.padded
+        if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows:  # one token each
+            bs = self.block_size
+            tables = [s.block_table for s in batch.seqs]
+            key = padded.stage(input_ids, positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)],
+                               tables, token_slots)
+            leading = logits_indices == list(range(len(logits_indices)))  # the usual case: no copy to make
+            indices = None if leading else torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True)
+            return StepInputs(None, None, indices, padded=key, **common)
         attn = AttentionBatch.build(
             [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev
         )
@@ -128,21 +157,11 @@ class ModelRunner:
             ops=self.ops,
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev, self.slot_ranks),
+            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table),
             lora_scratch=self.lora_scratch,
         )
-        if prompt is not None:
-            logits_indices += prompt.rows
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            ctx=ctx,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True),
-            sampled_seqs=sampled,
-            scored_seqs=scored,
-            rows=rows,
-            row_starts=row_starts,
-            prompt=prompt,
-        )
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True), ctx,
+                          torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True), **common)
 
     def run(self, batch: ScheduledBatch) -> dict[int, SeqResult]:
         """Batch position -> what that sequence got, for sequences that finished their pending tokens
@@ -150,7 +169,7 @@ class ModelRunner:
         inputs = self.prepare(batch)
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
-        logits = self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)  # [S+Q, V]
+        logits = self.forward(inputs)  # [S+Q, V]
         results = {i: SeqResult(True) for i in inputs.scored_seqs}
         sampled, starts = inputs.sampled_seqs, inputs.row_starts
         if sampled:
@@ -172,6 +191,15 @@ class ModelRunner:
                     result.prompt_logprobs = []
                 result.prompt_logprobs.append(entry)
         return results
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [S+Q, V] of the step's sampled and prompt-logprob rows."""
+        if inputs.padded is None:
+            return self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
+        logits = self.padded.run(inputs.padded)  # [bucket, V]: every row, padding included
+        if inputs.logits_indices is None:
+            return logits[: inputs.num_logits]
+        return logits.index_select(0, inputs.logits_indices)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, copy) block's K/V, every layer, before the forward writes."""

@@ -1,0 +1,131 @@
+"""Decode steps padded to a bucket, run from persistent buffers; on CUDA, one captured graph per bucket.
+
+A decode-only step (every scheduled sequence computes one token) of n rows is
+padded to the smallest bucket that holds it (server.engine.decode_buffers)
+and its inputs are refilled in place. The forward then reads nothing that
+depends on the step: each bucket has one StepContext, built once, whose
+tensors are views of the persistent buffers and whose host values are bounds
+(every adapter slot may occur, every sequence may be max_model_len long), so
+each launch's grid and scalar arguments are fixed per bucket. A bucket has
+two contexts: with LoRA launches (any row has an adapter) and without (a
+base-model step launches none); which one runs is chosen on the host from the
+schedule, outside the forward.
+
+On CUDA each (bucket, LoRA) context is captured once as a CUDA graph during
+warm-up, largest first into one memory pool, and a decode step replays it:
+no kernel launch from the host at all. Prefill and mixed steps stay eager.
+On CPU there is nothing to capture (CUDA graphs are a CUDA feature); the
+padded path still runs eagerly there when asked (tests, profiling), through
+the same contexts.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.ops import KernelOps
+from server.engine.decode_buffers import DecodeBuffers, bucket_for, decode_buckets
+from server.engine.model import CausalLM, StepContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    graphs: int
+    seconds: float
+    bytes: int  # device memory the graphs' pool took (mem_get_info before and after)
+
+
+class PaddedDecode:
+    """Runs decode-only steps padded to a bucket; `capture()` turns each bucket into a CUDA graph."""
+
+    def __init__(self, model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torch.Tensor,
+                 num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
+                 rank_table: torch.Tensor | None = None) -> None:
+        """rank_table: AdapterSlots.rank_table, each slot's own rank [L] int32 (None: full rank)."""
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        self.buckets = decode_buckets(max_rows)
+        self.buffers = DecodeBuffers(self.buckets[-1], -(-max_model_len // block_size), device)
+        buf = self.buffers
+        self.contexts: dict[tuple[int, bool], StepContext] = {}
+        for rows in self.buckets:
+            attn = AttentionBatch.padded_decode(
+                buf.rows("slot_mapping", rows), buf.rows("block_tables", rows), buf.query_start_loc[: rows + 1],
+                buf.rows("seq_lens", rows), buf.rows("context_lens", rows), max_model_len)
+            for lora in (False, True):
+                self.contexts[rows, lora] = StepContext(
+                    ops=ops, positions=buf.rows("positions", rows), attn=attn,
+                    lora=LoraBatch.padded_decode(buf.rows("token_slots", rows), buf.rows("gather", rows),
+                                                 num_slots if lora else 0, rank_table),
+                    lora_scratch=lora_scratch)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+        self.eager_steps = 0
+        self.capture_stats: CaptureStats | None = None
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+              block_tables: list[list[int]], token_slots: list[int]) -> tuple[int, bool]:
+        """Write a step's rows and their padding, copy them to the device; returns the (bucket, LoRA)
+        key the step runs with."""
+        rows = bucket_for(len(input_ids), self.buckets)
+        self.buffers.fill(rows, input_ids, positions, slot_mapping, block_tables, token_slots)
+        self.buffers.copy_in(rows)
+        return rows, any(s >= 0 for s in token_slots)
+
+    def run(self, key: tuple[int, bool]) -> torch.Tensor:
+        """Logits [bucket, V] of every row of the staged step, padding included."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph[0].replay()
+            self.replays += 1
+            return graph[1]
+        self.eager_steps += 1
+        return self._forward(key)
+
+    def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
+        rows = key[0]
+        return self.model.forward(self.buffers.rows("input_ids", rows), self.kv_caches, self.contexts[key],
+                                  self.buffers.logits_rows[:rows])
+
+    def capture(self) -> CaptureStats:
+        """Capture every (bucket, LoRA) context as a CUDA graph, largest bucket first into one pool
+        (smaller graphs reuse its memory). Each is run eagerly first on a side stream, so that what is
+        built once per context (attention plans, split partials) exists before capture and nothing is
+        allocated or copied from the host inside it."""
+        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        self.buffers.fill(self.max_rows, [], [], [], [], [])  # every row padding: writes no KV
+        self.buffers.copy_in(self.max_rows)
+        side = torch.cuda.Stream(self.device)
+        for key in sorted(self.contexts, reverse=True):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(key)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: an adapter loader thread's allocations or copies meanwhile do not abort it.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = self._forward(key)
+            self.graphs[key] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        stats = CaptureStats(len(self.graphs), time.perf_counter() - start,
+                             free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("captured %d decode CUDA graphs (buckets %s) in %.1f s, %.0f MiB", stats.graphs,
+                 ",".join(map(str, self.buckets)), stats.seconds, stats.bytes / (1 << 20))
+        self.capture_stats = stats
+        return stats
