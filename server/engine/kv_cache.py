@@ -76,11 +76,20 @@ def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype,
     chosen length fits is server.engine.context_len's to say."""
     blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len)
     shape = (blocks, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim)
-    caches = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(mcfg.num_layers)
-    ]
+    zeros = _lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
+    caches = [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
+              for _ in range(mcfg.num_layers)]
     return caches, blocks
+
+
+def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros whose pages the OS maps on first touch: numpy's zeros is calloc, which takes fresh
+    (already zero) pages for large sizes, where torch.zeros writes every byte. A pool of gigabytes
+    then costs nothing at start-up and only the memory that sequences use."""
+    import numpy as np
+
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
