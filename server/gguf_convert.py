@@ -5,8 +5,8 @@ tokenizer with its chat template.
 Converted directories are cached under the data dir, one per file content: `<stem>-<sha256[:16]>`.
 Keyed by content, an edited or replaced file is never served from a stale conversion, and two paths
 to the same bytes share one. Hashing costs ~0.3 s per 100 MB, so each entry also records the path,
-size and mtime it was made from (`source.json`): a restart with that file unchanged finds its entry
-without reading it (what make and pip trust), and only a changed stat costs a hash.
+size and mtime it was last found for (`source.json`): a restart with that file unchanged finds its
+entry without reading it (what make and pip trust), and only a changed stat costs a hash.
 
 Weight names and layouts follow llama.cpp's convert_hf_to_gguf: llama's q/k rows are permuted for
 its rotary layout, and are permuted back here (qwen2's are not). transformers' own GGUF loader is the
@@ -146,17 +146,17 @@ def ensure_converted(gguf: str | Path, cache_root: Path, say: Say) -> Path:
     """The converted directory for this GGUF under cache_root, made on first use (see the module doc)."""
     path = Path(gguf).resolve()
     source = _stat_key(path)
-    if cache_root.is_dir():
-        for entry in sorted(cache_root.iterdir()):
-            recorded = entry / "source.json"
-            if is_complete(entry, CONVERTED_FILES) and _read_json(recorded).get("stat") == source:
-                return entry
+    entries = sorted(e for e in cache_root.iterdir() if is_complete(e, CONVERTED_FILES)) if cache_root.is_dir() else []
+    for entry in entries:
+        if _read_json(entry / "source.json").get("stat") == source:
+            return entry
     digest = file_sha256(path)
-    dest = cache_root / _entry_name(path, digest)
     record = json.dumps({"sha256": digest, "stat": source}, indent=2, sort_keys=True) + "\n"
-    if is_complete(dest, CONVERTED_FILES):
-        (dest / "source.json").write_text(record, encoding="utf-8")  # same bytes from another path or mtime
-        return dest
+    for entry in entries:
+        if _read_json(entry / "source.json").get("sha256") == digest:
+            (entry / "source.json").write_text(record, encoding="utf-8")  # the same bytes, another path or mtime
+            return entry
+    dest = cache_root / _entry_name(path, digest)
     say(f"converting {path.name} ({source['size'] / 2**20:.0f} MiB) once into {dest}")
     started = time.monotonic()
 
