@@ -31,12 +31,16 @@ def default_data_dir(env: Mapping[str, str]) -> Path:
     return Path(base).expanduser() / "loraplex"
 
 
+def valid_adapter_name(name: str) -> bool:
+    return _ADAPTER_NAME_RE.fullmatch(name) is not None
+
+
 def parse_adapter_flag(value: str) -> tuple[str, str]:
     """`NAME=DIR` -> (name, dir)."""
     name, sep, path = value.partition("=")
     if not sep or not path:
         raise ConfigError(f"--adapter expects NAME=DIR, got {value!r}")
-    if not _ADAPTER_NAME_RE.fullmatch(name):
+    if not valid_adapter_name(name):
         raise ConfigError(f"--adapter name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ -")
     return name, path
 

@@ -45,3 +45,29 @@ def test_default_model_answers_in_english_over_http(smol_server):
     text = reply.choices[0].message.content
     assert "Paris" in text and text.isascii() and text[0].isupper(), text
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_adapters_under_the_data_dir_go_to_the_demo_tenant(request, tmp_path):
+    import shutil
+
+    from server.model_source import DEFAULT_MODEL_ADAPTERS_DIR, resolve_model
+
+    try:
+        default_model.packaged_gguf()
+    except DefaultModelMissing as e:
+        pytest.skip(str(e))
+    data_dir = request.config.cache.mkdir("loraplex-default-model")  # the conversion smol_server made
+    root = data_dir / DEFAULT_MODEL_ADAPTERS_DIR
+    for name, files in (("french", ("adapter_config.json", "adapter_model.safetensors")),
+                        ("half-written", ("adapter_config.json",)),
+                        ("bad name!", ("adapter_config.json", "adapter_model.safetensors"))):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            (root / name / f).write_bytes(b"{}")
+    try:
+        resolved = resolve_model(None, data_dir, lambda line: None)
+    finally:
+        shutil.rmtree(root)
+    assert resolved.demo is not None and resolved.demo.adapters == {"french": root / "french"}
+    assert resolved.demo.model_dir == resolved.model_dir and resolved.model_dir.parent == data_dir / "models"
+    assert resolve_model(None, data_dir, lambda line: None).demo is None
