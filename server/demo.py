@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable
 
 import torch
+
+from server.atomic_dir import build_atomically, is_complete
 
 CORPUS_PATH = Path(__file__).parent / "assets" / "demo_corpus.txt"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -267,41 +266,19 @@ def make_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, r:
     return out
 
 
-def _complete(d: Path, files: tuple[str, ...]) -> bool:
-    return all((d / f).is_file() for f in files)
-
-
-def _build_atomically(dest: Path, files: tuple[str, ...], build: Callable[[Path], object]) -> None:
-    """Build into a sibling temp dir, then rename, so a crash never leaves a
-    half-written directory at dest; a concurrent builder's result is kept
-    (the output is deterministic, so either copy is the same)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        build(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
-        if not _complete(dest, files):
-            if dest.exists():
-                shutil.rmtree(dest)  # a leftover from an interrupted build
-            os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
 def ensure_demo(root: str | os.PathLike) -> DemoPaths:
     """Make (once) the demo model under root/model and its adapters under root/adapters/<name>."""
     root = Path(root).resolve()
     model_dir = root / "model"
     model_files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-    if not _complete(model_dir, model_files):
-        _build_atomically(model_dir, model_files, lambda d: make_base_model(d, vocab_size=DEMO_VOCAB, **DEMO_MODEL))
+    if not is_complete(model_dir, model_files):
+        build_atomically(model_dir, model_files, lambda d: make_base_model(d, vocab_size=DEMO_VOCAB, **DEMO_MODEL))
     adapter_files = ("adapter_config.json", "adapter_model.safetensors")
     adapters = {}
     for name, spec in DEMO_ADAPTERS.items():
         adir = root / "adapters" / name
-        if not _complete(adir, adapter_files):
-            _build_atomically(adir, adapter_files, lambda d, s=spec: make_adapter(
+        if not is_complete(adir, adapter_files):
+            build_atomically(adir, adapter_files, lambda d, s=spec: make_adapter(
                 model_dir, d, r=s.r, lora_alpha=s.lora_alpha, target_modules=s.target_modules,
                 use_rslora=s.use_rslora, rank_pattern=s.rank_pattern, alpha_pattern=s.alpha_pattern, seed=s.seed))
         adapters[name] = adir

@@ -1,5 +1,6 @@
-"""`scripts/serve` from an empty data dir: it builds the demo model, starts the
-embedded Redis, prints an admin token, a demo key and a curl line that works."""
+"""`scripts/serve --model demo` from an empty data dir: it builds the demo model, starts the
+embedded Redis, prints an admin token, a demo key and a curl line that works. (The default real
+model's start is tests/test_default_model.py's.)"""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ def test_serve_script_prints_a_working_curl_line(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LORAPLEX_ADMIN_TOKEN"}
     proc = subprocess.Popen([str(ROOT / "scripts" / "serve"), "--data-dir", str(tmp_path / "data"),
-                             "--port", str(port), "--kv-cache-blocks", "64",
+                             "--port", str(port), "--model", "demo", "--kv-cache-blocks", "64",
                              "--max-model-len", "512"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -50,7 +51,7 @@ def test_serve_script_prints_a_working_curl_line(tmp_path):
         assert f"127.0.0.1:{port}" in curl
         result = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
         body = json.loads(result.stdout)
-        assert body["object"] == "text_completion" and body["choices"][0]["text"]
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] >= 1
         # the embedded Redis keeps its data under the data dir
         assert (tmp_path / "data" / "redis" / "redis.log").exists()

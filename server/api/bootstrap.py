@@ -25,8 +25,9 @@ class StartupInfo:
     demo_adapters: tuple[str, ...]
 
     def curl_line(self) -> str:
-        body = f'{{"model": "{self.model_id}", "prompt": "Once upon a time", "max_tokens": 16}}'
-        return (f"curl -s {self.base_url}/v1/completions -H 'Authorization: Bearer {self.demo_key}' "
+        body = (f'{{"model": "{self.model_id}", "messages": [{{"role": "user", "content": '
+                f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}')
+        return (f"curl -s {self.base_url}/v1/chat/completions -H 'Authorization: Bearer {self.demo_key}' "
                 f"-H 'Content-Type: application/json' -d '{body}'")
 
 

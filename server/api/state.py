@@ -17,9 +17,10 @@ from server.api.engine_history import EngineHistory
 from server.api.prompts import PromptTokenizer
 from server.api.settlement import Settlements
 from server.config import ServerConfig
-from server.demo import DemoPaths, ensure_demo
+from server.demo import DemoPaths
 from server.engine import EngineConfig, LLMEngine
 from server.engine.async_engine import AsyncEngine
+from server.model_source import resolve_model
 from server.redis_embedded import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
 
@@ -76,8 +77,8 @@ class ServerState:
                                           socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
                                           health_check_interval=30)
             client.ping()
-            demo = ensure_demo(Path(config.data_dir) / "demo") if config.model is None else None
-            model_dir = str(demo.model_dir) if demo is not None else config.model
+            resolved = resolve_model(config.model, Path(config.data_dir), log.info)  # done once by the CLI
+            demo, model_dir = resolved.demo, str(resolved.model_dir)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
             engine_config = EngineConfig(

@@ -124,7 +124,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 256 << 20
+    cpu_kv_cache_bytes: int | None = None  # the CPU KV pool; None: a share of memory (server.engine.kv_cache)
     max_cpu_lora_bytes: int | None = None  # host-tier budget for adapters loaded on demand; None = unbounded
     block_size: int = 16
     kernels: str = "auto"
@@ -160,6 +160,8 @@ class EngineConfig:
             raise ValueError("max_cpu_lora_bytes must be >= 0")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError("kv_cache_blocks must be >= 1")
+        if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes < 1:
+            raise ValueError("cpu_kv_cache_bytes must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         for name in ("enable_prefix_caching", "share_base_prefix_cache", "enforce_eager"):

@@ -1,6 +1,8 @@
 """Preallocated device memory: the paged KV pool and the LoRA slot buffers, at maximum sizes."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from server.engine.config import EngineConfig, ModelConfig
@@ -30,7 +32,28 @@ def kv_pool_bytes(free: int, total: int, utilization: float, reserve: int) -> in
     return int(total * utilization) - (total - free) - reserve
 
 
-def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+# The CPU pool's default share of the machine's memory, and its cap. vLLM's CPU backend reserves a
+# fixed KV space (VLLM_CPU_KVCACHE_SPACE, 4 GiB by default for years); on a small machine a fixed 4 GiB
+# is a large share of memory, so here it is a tenth of physical memory up to that same 4 GiB.
+CPU_KV_MEMORY_FRACTION = 0.1
+CPU_KV_MAX_BYTES = 4 << 30
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_kv_budget_bytes(total_memory: int, per_block: int, max_num_seqs: int, blocks_per_seq: int) -> int:
+    """The CPU pool's bytes when not given: CPU_KV_MEMORY_FRACTION of the machine's memory up to
+    CPU_KV_MAX_BYTES, and never more than max_num_seqs sequences of the model's full length can use
+    (the pool is zeroed, so every byte of it is resident)."""
+    useful = max_num_seqs * blocks_per_seq * per_block
+    return min(int(total_memory * CPU_KV_MEMORY_FRACTION), CPU_KV_MAX_BYTES, useful)
+
+
+def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+                  max_len: int) -> int:
+    """max_len: the longest sequence the pool may have to hold (the model's limit when unset)."""
     if cfg.kv_cache_blocks is not None:
         return cfg.kv_cache_blocks
     per_block = kv_bytes_per_block(mcfg, cfg.block_size, dtype)
@@ -40,26 +63,33 @@ def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
         free, total = torch.cuda.mem_get_info(device)
         reserve = activation_bytes(mcfg, cfg.max_num_batched_tokens, cfg.max_num_seqs, dtype)
         budget = kv_pool_bytes(free, total, cfg.gpu_memory_utilization, reserve)
-    else:
+    elif cfg.cpu_kv_cache_bytes is not None:
         budget = cfg.cpu_kv_cache_bytes
+    else:
+        blocks_per_seq = -(-max_len // cfg.block_size)
+        budget = cpu_kv_budget_bytes(physical_memory_bytes(), per_block, cfg.max_num_seqs, blocks_per_seq)
     return max(1, int(budget // per_block))
 
 
-def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_model_len: int, dtype, device):
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]."""
-    blocks = num_kv_blocks(mcfg, cfg, dtype, device)
-    need = (max_model_len + cfg.block_size - 1) // cfg.block_size
-    if blocks < need:
-        raise ValueError(
-            f"the KV pool has {blocks} blocks of {cfg.block_size} tokens but one max_model_len "
-            f"({max_model_len}) sequence needs {need}: raise kv_cache_blocks or lower max_model_len"
-        )
+def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device):
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]; whether a sequence of the
+    chosen length fits is server.engine.context_len's to say."""
+    blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len)
     shape = (blocks, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim)
-    caches = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(mcfg.num_layers)
-    ]
+    zeros = _lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
+    caches = [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
+              for _ in range(mcfg.num_layers)]
     return caches, blocks
+
+
+def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros whose pages the OS maps on first touch: numpy's zeros is calloc, which takes fresh
+    (already zero) pages for large sizes, where torch.zeros writes every byte. A pool of gigabytes
+    then costs nothing at start-up and only the memory that sequences use."""
+    import numpy as np
+
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):

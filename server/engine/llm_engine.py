@@ -13,6 +13,7 @@ from kernels.cpu_linear import upcast_linear
 from kernels.ops import select_kernels
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
+from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
@@ -85,17 +86,9 @@ class LLMEngine(OutputProcessing):
         self.dtype = config.resolve_dtype(mcfg, self.device)
         if self.device.type == "cpu" and (threads := config.resolve_cpu_threads()) is not None:
             torch.set_num_threads(threads)  # process-wide: the engine owns its process
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{mcfg.max_position_embeddings}"
-            )
-        if mcfg.sliding_window is not None and self.max_model_len > mcfg.sliding_window:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the sliding window {mcfg.sliding_window}; "
-                "sliding-window attention is not implemented, lower max_model_len"
-            )
+        # Until the KV pool is sized, the longest context the model allows (or the one asked for).
+        limit = model_limit(mcfg, config.max_model_len)
+        max_len = config.max_model_len or limit
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -111,7 +104,7 @@ class LLMEngine(OutputProcessing):
 
         lora_layers = allocate_lora_slots(mcfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         weights = load_weights(config.model, mcfg, self.dtype, self.device)
-        self.model = CausalLM(mcfg, weights, lora_layers, self.max_model_len,  # frees the unfused projections
+        self.model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
                               config.max_num_batched_tokens)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
@@ -119,7 +112,10 @@ class LLMEngine(OutputProcessing):
         scratch = torch.empty(
             3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
         )
-        kv_caches, num_blocks = allocate_kv_cache(mcfg, config, self.max_model_len, self.dtype, self.device)
+        kv_caches, num_blocks = allocate_kv_cache(mcfg, config, max_len, self.dtype, self.device)
+        context = choose_max_model_len(config.max_model_len, limit, num_blocks, config.block_size)
+        self.max_model_len = context.max_model_len
+        log.info("%s", context.reason)
         self.blocks = BlockManager(num_blocks, config.block_size)
         # Parking places for finished loads match the scheduler's prefetch window: every adapter it
         # prefetches can wait, loaded, for room, instead of being fetched again.
