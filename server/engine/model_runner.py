@@ -14,6 +14,7 @@ import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.ops import KernelOps
+from server.engine.grammar_mask import GrammarMask
 from server.engine.logprobs import gather_logprobs
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, SamplingRow, sample_rows
@@ -76,6 +77,7 @@ class ModelRunner:
         slot_ranks: list[int],  # live view of AdapterSlots.slot_ranks
         device: torch.device,
         seed: int,
+        grammar_mask: GrammarMask | None = None,
     ) -> None:
         self.slot_ranks = slot_ranks
         self.model = model
@@ -85,6 +87,7 @@ class ModelRunner:
         self.lora_scratch = lora_scratch
         self.device = device
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.grammar_mask = grammar_mask
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         input_ids: list[int] = []
@@ -148,6 +151,8 @@ class ModelRunner:
         """Batch position -> what that sequence got, for sequences that finished their pending tokens
         or made prompt logprobs. An exception here is the engine's, not one request's: it ends the loop."""
         inputs = self.prepare(batch)
+        mask = self.grammar_mask
+        pending_mask = mask.fill_async([r.grammar for r in inputs.rows]) if mask is not None else None
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
         logits = self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)  # [S+Q, V]
@@ -158,7 +163,8 @@ class ModelRunner:
             if len(inputs.rows) != len(sampled):  # a request forks now: its n choices share one row
                 owner = [s for s in range(len(sampled)) for _ in range(starts[s + 1] - starts[s])]
                 row_logits = row_logits.index_select(0, torch.tensor(owner, device=logits.device))
-            out = sample_rows(row_logits, inputs.rows, self.generator)
+            bitmask = pending_mask.result() if pending_mask is not None else None  # [rows, W] int32
+            out = sample_rows(row_logits, inputs.rows, self.generator, mask, bitmask)
             for s, i in enumerate(sampled):
                 a, b = starts[s], starts[s + 1]
                 results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
@@ -193,5 +199,5 @@ def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:
     output_ids = seq.output_token_ids if p.has_penalties else ()
     prompt_ids = group.prompt_tensor() if p.repetition_penalty != 1.0 else None
     stop_ids = group.min_tokens_stop_ids if output_index < p.min_tokens else ()
-    rows += [SamplingRow(p, c, output_index, output_ids, prompt_ids, stop_ids)
+    rows += [SamplingRow(p, c, output_index, output_ids, prompt_ids, stop_ids, group.seqs[c].grammar)
              for c in (range(group.n) if fork else (seq.index,))]
