@@ -190,4 +190,5 @@ class EngineView(BaseModel):
     slots: dict[str, int]
     host: dict[str, int | None]
     prefix_cache: dict[str, bool | int | float | None]
+    structured_output: dict[str, int | float]
     history: list[EnginePoint]

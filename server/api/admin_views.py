@@ -84,6 +84,10 @@ async def engine(request: Request) -> Response:
                          "hit_tokens": s.prefix_hit_tokens,
                          "hit_rate": s.prefix_hit_tokens / s.prefix_queries_tokens if s.prefix_queries_tokens else None,
                          "cached_blocks": s.prefix_cached_blocks, "cached_free_blocks": s.prefix_cached_free_blocks},
+        "structured_output": {"constrained_requests": s.constrained_requests, "compiles": s.grammar_compiles,
+                              "cache_hits": s.grammar_cache_hits, "compile_seconds": s.grammar_compile_seconds,
+                              "failures": s.grammar_failures, "cached_grammars": s.grammars_cached,
+                              "compile_timeouts": state.grammar_compiler.timeouts},
         "history": list(state.history.points)})
 
 

@@ -11,6 +11,7 @@ from starlette.routing import Route
 from adapters.registry import AdapterRecord
 from server.api.auth import require_tenant, state_of
 from server.api.body import read_json_object
+from server.api.constraints import constraint_of
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -61,11 +62,13 @@ async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list
     gens: list[Generation] = []
     vocab = state.engine.engine.model_config.vocab_size
     limit = state.engine.engine.max_model_len
+    constraint = constraint_of(req, state.config.max_schema_bytes)
     try:
         for ids in prompts:
-            params = sampling_params(req, max_tokens_for(req, tenant, len(ids), limit), vocab)
+            params = sampling_params(req, max_tokens_for(req, tenant, len(ids), limit), vocab,
+                                     None if constraint is None else constraint.spec)
             gens.append(await Generation.start(state, tenant, endpoint, params, ids, record, req.priority,
-                                               arrived, req.cache_salt))
+                                               arrived, req.cache_salt, constraint))
     except BaseException:
         for gen in gens:
             await gen.close()

@@ -20,6 +20,7 @@ from server.config import ServerConfig
 from server.demo import DemoPaths, ensure_demo
 from server.engine import EngineConfig, LLMEngine
 from server.engine.async_engine import AsyncEngine
+from server.engine.grammar_worker import GrammarCompileService
 from server.redis_embedded import EmbeddedRedis
 from tenants import Limiter, TenantStore, UsageLog
 
@@ -55,6 +56,7 @@ class ServerState:
     prompts: PromptTokenizer
     settlements: Settlements
     history: EngineHistory
+    grammar_compiler: GrammarCompileService
     demo: DemoPaths | None
     embedded_redis: EmbeddedRedis | None
 
@@ -103,7 +105,8 @@ class ServerState:
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 registry=registry, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
-                settlements=Settlements(limiter, usage), history=EngineHistory(), demo=demo,
+                settlements=Settlements(limiter, usage), history=EngineHistory(),
+                grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
             if client is not None:
@@ -116,6 +119,7 @@ class ServerState:
         self.retirements.stop()
         self.engine.shutdown()
         self.engine.engine.shutdown()
+        self.grammar_compiler.shutdown()
         self.redis.close()
         if self.embedded_redis is not None:
             self.embedded_redis.stop()
