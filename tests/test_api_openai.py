@@ -98,7 +98,7 @@ def test_chat_uses_the_tokenizers_template(api_server):
 def _error(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "code"} and err["message"]
+    assert {"message", "type", "code"} <= set(err) <= {"message", "type", "param", "code"} and err["message"]
     return err
 
 

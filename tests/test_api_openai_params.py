@@ -117,8 +117,8 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
     def response_format():
         schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
                   "additionalProperties": False}
-        text = calls.text(chat, max_tokens=60, response_format={
-            "type": "json_schema", "json_schema": {"name": "flag", "schema": schema, "strict": True}})
+        text = calls.text(chat, max_tokens=60, extra_body={"response_format": {
+            "type": "json_schema", "json_schema": {"name": "flag", "schema": schema, "strict": True}}})
         assert isinstance(json.loads(text)["a"], bool)
 
     def guided():
