@@ -8,7 +8,6 @@ constrained one shares their batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -17,6 +16,10 @@ import xgrammar as xgr
 class GrammarMask:
     """Owned by the model runner: the batch matcher (its thread pool) lives across steps.
 
+    The runner fills the mask after the forward call returns: on a GPU the forward's kernels are
+    still running then, so the fill overlaps them; on a CPU the forward's own threads hold every
+    core, and a fill beside it (tried: a thread of its own) slowed the whole step by 15-40%.
+
     `vocab_size` is the grammar tokenizer's width (server.engine.grammar.tokenizer_info), at
     least the logits' width; the mask is applied to the logits' width.
     """
@@ -24,16 +27,6 @@ class GrammarMask:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._batch = xgr.BatchGrammarMatcher()
-        # Filling runs beside the forward pass (xgrammar releases the GIL): the step waits for
-        # the mask only when it samples.
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar-mask")
-
-    def fill_async(self, matchers: Sequence[xgr.GrammarMatcher | None]) -> Future | None:
-        """`fill` on the mask's own thread; None when no row is constrained. The matchers must not
-        advance until the future is done (they advance in post-processing, after sampling)."""
-        if all(m is None for m in matchers):
-            return None
-        return self._filler.submit(self.fill, list(matchers))
 
     def fill(self, matchers: Sequence[xgr.GrammarMatcher | None]) -> torch.Tensor | None:
         """[N, ceil(V / 32)] int32 on the CPU, bit t of row i set when row i may take token t;

@@ -116,11 +116,17 @@ class GrammarCompileService:
                 raise GrammarTimeout(self.timeout_ms)
             status, payload = proc.conn.recv()
             seconds = time.perf_counter() - start
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the process died under this constraint
             if proc is not None:
                 proc.kill()
                 proc = None
+            self.grammars.count_failure()
             raise GrammarError("the grammar compiler failed on this constraint") from None
+        except GrammarCompilerBusy:  # it never started: a fresh one gets the next try
+            if proc is not None:
+                proc.kill()
+                proc = None
+            raise
         finally:
             if proc is not None:
                 with self._lock:

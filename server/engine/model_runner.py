@@ -151,8 +151,6 @@ class ModelRunner:
         """Batch position -> what that sequence got, for sequences that finished their pending tokens
         or made prompt logprobs. An exception here is the engine's, not one request's: it ends the loop."""
         inputs = self.prepare(batch)
-        mask = self.grammar_mask
-        pending_mask = mask.fill_async([r.grammar for r in inputs.rows]) if mask is not None else None
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
         logits = self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)  # [S+Q, V]
@@ -163,7 +161,8 @@ class ModelRunner:
             if len(inputs.rows) != len(sampled):  # a request forks now: its n choices share one row
                 owner = [s for s in range(len(sampled)) for _ in range(starts[s + 1] - starts[s])]
                 row_logits = row_logits.index_select(0, torch.tensor(owner, device=logits.device))
-            bitmask = pending_mask.result() if pending_mask is not None else None  # [rows, W] int32
+            mask = self.grammar_mask
+            bitmask = mask.fill([r.grammar for r in inputs.rows]) if mask is not None else None  # [rows, W] int32
             out = sample_rows(row_logits, inputs.rows, self.generator, mask, bitmask)
             for s, i in enumerate(sampled):
                 a, b = starts[s], starts[s + 1]
