@@ -163,3 +163,35 @@ def test_compiled_grammars_are_cached_by_canonical_schema(llm):
     after = llm.engine.stats()
     assert after.grammar_cache_hits >= before.grammar_cache_hits + 2
     assert after.constrained_requests == before.constrained_requests + 3
+
+
+def test_padded_lm_head_rows_are_never_chosen(tmp_path, tiny_model_dir):
+    """A model whose lm_head has more rows than the tokenizer has tokens (vocabularies padded to a
+    multiple of 64): the grammar's mask covers the extra rows and never allows them, even where
+    their logits are the largest."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    padded = tmp_path / "padded"
+    shutil.copytree(tiny_model_dir, padded)
+    weights = load_file(padded / "model.safetensors")
+    extra = 64
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        w = weights[name]
+        # The padding rows point along the hidden states' typical direction, scaled up: they win the argmax.
+        weights[name] = torch.cat([w, w[:extra] * 50.0]).contiguous()
+    save_file(weights, padded / "model.safetensors")
+    config = json.loads((padded / "config.json").read_text())
+    config["vocab_size"] += extra
+    (padded / "config.json").write_text(json.dumps(config))
+    llm = LLM(padded, device="cpu", kv_cache_blocks=64, max_model_len=256)
+    prompt = random_prompts(1, (8, 8), VOCAB, seed=36)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert any(t >= VOCAB for t in free.token_ids)  # unconstrained, the padding rows do win
+    out = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0,
+                                                structured_outputs=SPECS["grammar"]))[0]
+    assert all(t < VOCAB for t in out.token_ids)
+    if out.finish_reason == "stop":
+        check("grammar", out.text)

@@ -17,8 +17,8 @@ class GrammarMask:
     """Owned by the model runner: the batch matcher (its thread pool) lives across steps.
 
     The runner fills the mask after the forward call returns: on a GPU the forward's kernels are
-    still running then, so the fill overlaps them; on a CPU the forward's own threads hold every
-    core, and a fill beside it (tried: a thread of its own) slowed the whole step by 15-40%.
+    still running then, so the fill overlaps them; on a CPU the forward's own threads use every
+    core, so a fill on a thread beside it (tried first) only competes with them.
 
     `vocab_size` is the grammar tokenizer's width (server.engine.grammar.tokenizer_info), at
     least the logits' width; the mask is applied to the logits' width.
