@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "generated and printed when neither is set)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="largest JSON request body accepted, in bytes (default 16 MiB); larger is a 413")
+    s.add_argument("--max-grammar-compile-ms", type=_positive_int, default=5000,
+                   help="deadline for compiling one structured-output constraint (JSON schema, regex, grammar), "
+                        "in ms; the compile is killed past it and the request gets a 400 (default 5000)")
+    s.add_argument("--max-schema-bytes", type=_positive_int, default=64 << 10,
+                   help="largest structured-output constraint accepted, in bytes of canonical JSON schema, "
+                        "regex or grammar; larger is a 400 (default 65536)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes a tenant sent before, per adapter version (default on)")
     s.add_argument("--share-base-prefix-cache", action="store_true",

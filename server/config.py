@@ -73,6 +73,8 @@ class ServerConfig:
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
     max_batch_prompts: int = 64           # prompts in one /v1/completions batch (--max-batch-prompts)
     max_logprob_entries: int = 1 << 16    # logprob entries one response may carry (--max-logprob-entries)
+    max_grammar_compile_ms: int = 5000    # a structured-output constraint's compile deadline (killed past it)
+    max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
     enable_prefix_caching: bool = True    # --enable-prefix-caching / --no-enable-prefix-caching
     share_base_prefix_cache: bool = False  # --share-base-prefix-cache (a cross-tenant timing channel)
     metrics_token: str | None = None      # bearer token for /metrics besides the admin token
@@ -99,7 +101,8 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens",
-                     "max_upload_bytes", "max_request_bytes", "max_batch_prompts", "max_logprob_entries"):
+                     "max_upload_bytes", "max_request_bytes", "max_batch_prompts", "max_logprob_entries",
+                     "max_grammar_compile_ms", "max_schema_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
@@ -183,6 +186,7 @@ class ServerConfig:
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),
+            max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,
             enable_prefix_caching=args.enable_prefix_caching,
             share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,

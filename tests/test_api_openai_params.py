@@ -2,6 +2,7 @@
 their effect, refused ones for the 400 that names them, ignored ones for an unchanged answer."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -113,6 +114,17 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
             return gen(extra_body={"cache_salt": s}, **long).usage.prompt_tokens_details.cached_tokens
         assert cached(salt) == 0 and cached(salt) >= 16 and cached(salt + "-other") == 0
 
+    def response_format():
+        schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+                  "additionalProperties": False}
+        text = calls.text(chat, max_tokens=60, extra_body={"response_format": {
+            "type": "json_schema", "json_schema": {"name": "flag", "schema": schema, "strict": True}}})
+        assert isinstance(json.loads(text)["a"], bool)
+
+    def guided():
+        choices = ["alpha", "beta"]
+        assert calls.text(chat, max_tokens=20, extra_body={"guided_choice": choices}) in choices
+
     def priority():
         assert calls.text(chat, extra_body={"priority": -5}) == greedy  # ordering only: same answer
 
@@ -147,15 +159,17 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
         "stop_token_ids": min_tokens,
         "prompt_logprobs": prompt_logprobs,
         "priority": priority,
+        "response_format": response_format,
+        "guided_json": guided,
         "cache_salt": cache_salt,
     }
 
 
 REFUSED_VALUES = {
-    "max_completion_tokens": 4, "echo": True, "suffix": "x", "response_format": {"type": "json_object"},
+    "max_completion_tokens": 4, "echo": True, "suffix": "x",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "use_beam_search": True,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "truncate_prompt_tokens": 4,
-    "allowed_token_ids": [1, 2], "guided_json": {"type": "object"}, "chat_template": "{{ messages }}",
+    "allowed_token_ids": [1, 2], "chat_template": "{{ messages }}",
 }
 
 

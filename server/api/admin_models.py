@@ -207,4 +207,5 @@ class EngineView(BaseModel):
     host: dict[str, int | None]
     prefix_cache: dict[str, bool | int | float | None]
     cuda_graphs: dict[str, bool | int | float]  # decode graphs captured, replays, capture seconds and bytes
+    structured_output: dict[str, int | float]
     history: list[EnginePoint]

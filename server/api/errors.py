@@ -32,8 +32,9 @@ REDIS_RETRY_AFTER_SECONDS = 2
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
+        self.param = param  # the request field at fault, when one is (OpenAI's error.param)
         assert status in _TYPES, status
         self.status = status
         self.message = message
@@ -41,7 +42,10 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES[self.status], "code": self.code}}
+        error = {"message": self.message, "type": _TYPES[self.status], "code": self.code}
+        if self.param is not None:
+            error["param"] = self.param
+        return {"error": error}
 
     def response(self) -> Response:
         # ASCII-escaped: a message may quote client input, and no input can make the error unsendable.

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters.registry import AdapterRecord, validate_name
 from server.api.admission import cancel_admission
+from server.api.constraints import Constraint, compile_constraint
 from server.api.errors import APIError
 from server.api.state import ServerState
 from server.engine import SamplingParams
@@ -87,7 +88,8 @@ class Generation:
     @classmethod
     async def start(cls, state: ServerState, tenant: Tenant, endpoint: str, params: SamplingParams,
                     prompt_ids: list[int], record: AdapterRecord | None, priority: int,
-                    arrived: float, cache_salt: str | None = None) -> "Generation":
+                    arrived: float, cache_salt: str | None = None,
+                    constraint: Constraint | None = None) -> "Generation":
         limit = state.engine.engine.max_model_len
         if len(prompt_ids) + params.max_tokens > limit:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -99,10 +101,14 @@ class Generation:
         state.settlements.open(tenant, admission, len(prompt_ids), adapter)  # its lease's heartbeat
         version = None if record is None else record.version
         try:
+            # Compiled while the request holds its admission (the tenant's concurrency), and before
+            # the engine sees it: the step loop never waits on a compile.
+            grammar = None if constraint is None else await compile_constraint(state.grammar_compiler, constraint)
             # The engine pages the adapter in from Redis if it is not resident; this request
             # waits for it without holding up anyone else's.
             stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.id,
-                                               priority, tenant.quota.weight, cache_salt=cache_salt)
+                                               priority, tenant.quota.weight, cache_salt=cache_salt,
+                                               grammar=grammar)
         except BaseException:
             await cancel_admission(state, admission)  # refused by the engine: neither counted nor billed
             raise

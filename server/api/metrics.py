@@ -58,6 +58,17 @@ class Metrics:
                                    "Decode steps that replayed a captured CUDA graph", registry=r)
         self.cuda_graphs = Gauge("loraplex_cuda_graphs", "Decode CUDA graphs captured at start-up",
                                  registry=r)
+        # Structured output: cumulative counts from the engine's grammar cache, set at scrape time.
+        self.constrained = Gauge("loraplex_constrained_requests", "Requests admitted with a structured-output "
+                                 "constraint", registry=r)
+        self.grammar_compiles = Gauge("loraplex_grammar_compiles", "Structured-output grammars compiled",
+                                      registry=r)
+        self.grammar_cache_hits = Gauge("loraplex_grammar_cache_hits", "Constraints served from the compiled-"
+                                        "grammar cache", registry=r)
+        self.grammar_compile_seconds = Gauge("loraplex_grammar_compile_seconds", "Time spent compiling grammars",
+                                             registry=r)
+        self.grammar_failures = Gauge("loraplex_grammar_failures", "Constraints refused: malformed or past "
+                                      "--max-grammar-compile-ms", registry=r)
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
                                    buckets=_LATENCY_BUCKETS, registry=r)
@@ -99,6 +110,11 @@ class Metrics:
         self.load_failures.set(s.host_load_failures)
         self.graph_replays.set(s.graph_replays)
         self.cuda_graphs.set(s.cuda_graphs)
+        self.constrained.set(s.constrained_requests)
+        self.grammar_compiles.set(s.grammar_compiles)
+        self.grammar_cache_hits.set(s.grammar_cache_hits)
+        self.grammar_compile_seconds.set(s.grammar_compile_seconds)
+        self.grammar_failures.set(s.grammar_failures)
 
     def observe_identity(self, replica: str, model: str, version: str) -> None:
         self.replica.info({"replica": replica, "model": model, "version": version})

@@ -83,11 +83,12 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    guided_json: Any = None
+    # Structured output (server.api.constraints reads and bounds them): vLLM's fields.
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: Any = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -114,17 +115,12 @@ class SamplingFields(BaseModel):
         """Raise Unsupported for the first field set to a value we cannot honour."""
         defaults = {"use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
                     "skip_special_tokens": True, "spaces_between_special_tokens": True,
-                    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None,
-                    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-                    "structured_outputs": None}
+                    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None}
         for field, default in defaults.items():
             if getattr(self, field) != default:
                 raise Unsupported(field, "is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise Unsupported("best_of", "other than n is not supported")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise Unsupported("response_format", "other than {\"type\": \"text\"} is not supported yet "
-                                                 "(guided decoding)")
         if self.stream_options is not None and not self.stream:
             raise Unsupported("stream_options", "is only allowed with stream: true")
 
@@ -225,7 +221,7 @@ class ChatCompletionRequest(SamplingFields):
         for field in ("tools", "functions", "function_call", "chat_template", "chat_template_kwargs",
                       "documents", "audio", "prediction", "reasoning_effort"):
             if getattr(self, field):
-                raise Unsupported(field, "is not supported (no tool calling or guided decoding yet)")
+                raise Unsupported(field, "is not supported (no tool calling yet)")
         if self.tool_choice not in (None, "none"):
             raise Unsupported("tool_choice", "is not supported (no tool calling yet)")
         if self.modalities not in (None, ["text"]):

@@ -14,6 +14,7 @@ from server.api.admission import gated
 from server.api.auth import require_tenant, state_of
 from server.api.body import BASE_VALUES, read_json_object
 from server.api.budget import check_request_cost
+from server.api.constraints import constraint_of
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -64,11 +65,12 @@ async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list
     batch counts in no window and is not billed)."""
     gens: list[Generation] = []
     vocab = state.engine.engine.model_config.vocab_size
+    constraint = constraint_of(req, state.config.max_schema_bytes)
     try:
         for ids, limit in zip(prompts, max_tokens):
-            params = sampling_params(req, limit, vocab)
+            params = sampling_params(req, limit, vocab, None if constraint is None else constraint.spec)
             gens.append(await Generation.start(state, tenant, endpoint, params, ids, record, req.priority,
-                                               arrived, req.cache_salt))
+                                               arrived, req.cache_salt, constraint))
     except BaseException:
         for gen in gens:
             await gen.refuse()

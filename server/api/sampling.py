@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from server.api.errors import APIError
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest, Unsupported
-from server.engine import SamplingParams
+from server.engine import SamplingParams, StructuredOutputsParams
 from tenants import Tenant
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -27,7 +27,8 @@ def max_tokens_for(req: CompletionRequest | ChatCompletionRequest, tenant: Tenan
     return max(1, room)
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, vocab_size: int) -> SamplingParams:
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, vocab_size: int,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     try:
         bias = req.token_bias()
     except Unsupported as e:
@@ -54,6 +55,6 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, n=req.n,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, logit_bias=bias,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
     except ValueError as e:
         raise APIError(400, str(e), "invalid_value") from None

@@ -21,6 +21,7 @@ from server.demo import DemoPaths
 from server.engine import EngineConfig, LLMEngine
 from server.engine.async_engine import AsyncEngine
 from server.model_source import resolve_model
+from server.engine.grammar_worker import GrammarCompileService
 from server.redis_embedded import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
 
@@ -57,6 +58,7 @@ class ServerState:
     prompts: PromptTokenizer
     settlements: Settlements
     history: EngineHistory
+    grammar_compiler: GrammarCompileService
     demo: DemoPaths | None
     embedded_redis: EmbeddedRedis | None
 
@@ -108,7 +110,8 @@ class ServerState:
                                            window_seconds=config.auth_failure_window_seconds),
                 registry=registry, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
-                settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(), demo=demo,
+                settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
+                grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
             if client is not None:
@@ -121,6 +124,7 @@ class ServerState:
         self.retirements.stop()
         self.engine.shutdown()
         self.engine.engine.shutdown()
+        self.grammar_compiler.shutdown()
         self.redis.close()
         if self.embedded_redis is not None:
             self.embedded_redis.stop()

@@ -9,6 +9,7 @@ from server.engine.llm import LLM
 from server.engine.llm_engine import EngineStats, LLMEngine, RequestError
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import RequestOutput
+from server.engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -19,4 +20,5 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -138,14 +138,15 @@ class AsyncEngine:
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      adapter_id: str | None = None, tenant: str | None = None,
                      priority: int = 0, tenant_weight: float | None = None,
-                     cache_salt: str | None = None) -> RequestStream:
+                     cache_salt: str | None = None, grammar=None) -> RequestStream:
         """Add the request; raises RequestError (too long, unknown adapter...) before any output.
-        `cache_salt` partitions the prefix cache within the tenant (LLMEngine.add_request)."""
+        `cache_salt` partitions the prefix cache within the tenant; `grammar` is the request's
+        constraint compiled already (LLMEngine.add_request), so the loop never compiles."""
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue(), params.n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request_id, prompt, params, adapter_id, tenant, priority, tenant_weight, cache_salt,
-                    sink, accepted))
+                    grammar, sink, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -235,10 +236,10 @@ class AsyncEngine:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, adapter_id, tenant, priority, weight, salt, sink, accepted = cmd
+                _, rid, prompt, params, adapter_id, tenant, priority, weight, salt, grammar, sink, accepted = cmd
                 try:
                     self.engine.add_request(rid, prompt, params, adapter_id, tenant, priority, weight,
-                                            cache_salt=salt)
+                                            cache_salt=salt, grammar=grammar)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     accepted.set_exception(e)
                     continue

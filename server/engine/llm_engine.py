@@ -16,6 +16,8 @@ from server.engine.config import EngineConfig, ModelConfig
 from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.grammar import GrammarError, Grammars
+from server.engine.grammar_mask import GrammarMask
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.lora_slots import AdapterSlots
 from server.engine.model import CausalLM
@@ -69,6 +71,14 @@ class EngineStats:
     graph_replays: int = 0  # decode steps that replayed one
     graph_capture_seconds: float = 0.0
     graph_capture_bytes: int = 0
+    # Structured output (server.engine.grammar): requests admitted with a constraint, and the
+    # compiled-grammar cache's counters.
+    constrained_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_failures: int = 0
+    grammars_cached: int = 0
 
 
 class LLMEngine(OutputProcessing):
@@ -128,11 +138,14 @@ class LLMEngine(OutputProcessing):
         if self.kernels.linear is upcast_linear:
             log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",
                      self.dtype, self.dtype)
+        # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
+        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(
             self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks,
             self.slots.rank_table, self.device,
-            config.seed,
+            config.seed, GrammarMask(self.grammars.info.vocab_size),
         )
+        self.constrained_requests = 0
         # Every Triton variant is compiled now, not in the middle of serving (server.engine.warmup).
         self.warmup_seconds = warm_up(
             self.model, kv_caches, self.kernels, scratch, block_size=config.block_size,
@@ -198,8 +211,12 @@ class LLMEngine(OutputProcessing):
         priority: int = 0,
         tenant_weight: float | None = None,
         cache_salt: str | None = None,
+        grammar=None,
     ) -> None:
         """Queue a request. `tenant_weight` (the tenant's fair-share weight) updates the scheduler's copy.
+
+        `grammar` is params.structured_outputs compiled already (the server compiles off this
+        thread, under a deadline); without it a constraint is compiled here, from the cache if it can.
 
         Lower `priority` values are served first within a tenant. Only requests with the same tenant
         and `cache_salt` (and adapter version) reuse each other's cached prompt blocks.
@@ -214,12 +231,20 @@ class LLMEngine(OutputProcessing):
         if params.min_tokens:
             held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             stop_ids = tuple(sorted(t for t in held if t < self.model_config.vocab_size))
+        if params.structured_outputs is not None and grammar is None:
+            try:
+                grammar = self.grammars.compile(params.structured_outputs)
+            except GrammarError as e:
+                raise RequestError(str(e)) from None
         group = SequenceGroup(request_id, params.prompt_logprobs is not None, stop_ids)
         for index in range(params.n):  # choices 1.. wait, unscheduled, for choice 0's prefill
             seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority, index, group,
                            cache_salt)
             seq.detok_state = self.detokenizer.new_state(start=len(ids))
             seq.stop = StopChecker(params.stop)
+            if grammar is not None:
+                seq.grammar = self.grammars.matcher(grammar)  # one per choice: each goes its own way
+        self.constrained_requests += grammar is not None
         self.arrivals += 1
         self.seqs[request_id] = group.seqs[0]
         if tenant_weight is not None:
@@ -271,6 +296,7 @@ class LLMEngine(OutputProcessing):
         prefix = self.scheduler.prefix_cache
         padded = self.runner.padded
         captured = padded.capture_stats if padded is not None else None
+        grammars = self.grammars.stats()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -301,6 +327,12 @@ class LLMEngine(OutputProcessing):
             graph_replays=padded.replays if padded is not None else 0,
             graph_capture_seconds=captured.seconds if captured else 0.0,
             graph_capture_bytes=captured.bytes if captured else 0,
+            constrained_requests=self.constrained_requests,
+            grammar_compiles=grammars.compiles,
+            grammar_cache_hits=grammars.cache_hits,
+            grammar_compile_seconds=grammars.compile_seconds,
+            grammar_failures=grammars.failures,
+            grammars_cached=grammars.cached,
         )
 
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ import torch
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.ops import KernelOps
 from server.engine.decode_graphs import PaddedDecode
+from server.engine.grammar_mask import GrammarMask
 from server.engine.logprobs import gather_logprobs
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, SamplingRow, sample_rows
@@ -82,6 +83,7 @@ class ModelRunner:
         rank_table: torch.Tensor | None,  # AdapterSlots.rank_table: the same on the device, [L] int32
         device: torch.device,
         seed: int,
+        grammar_mask: GrammarMask | None = None,
     ) -> None:
         self.slot_ranks = slot_ranks
         self.rank_table = rank_table
@@ -92,6 +94,7 @@ class ModelRunner:
         self.lora_scratch = lora_scratch
         self.device = device
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.grammar_mask = grammar_mask
         # Decode-only steps padded to a bucket and run from persistent buffers (replayed as CUDA graphs
         # once captured); None: every step eager, unpadded.
         self.padded: PaddedDecode | None = None
@@ -177,7 +180,9 @@ class ModelRunner:
             if len(inputs.rows) != len(sampled):  # a request forks now: its n choices share one row
                 owner = [s for s in range(len(sampled)) for _ in range(starts[s + 1] - starts[s])]
                 row_logits = row_logits.index_select(0, torch.tensor(owner, device=logits.device))
-            out = sample_rows(row_logits, inputs.rows, self.generator)
+            mask = self.grammar_mask
+            bitmask = mask.fill([r.grammar for r in inputs.rows]) if mask is not None else None  # [rows, W] int32
+            out = sample_rows(row_logits, inputs.rows, self.generator, mask, bitmask)
             for s, i in enumerate(sampled):
                 a, b = starts[s], starts[s + 1]
                 results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
@@ -221,5 +226,5 @@ def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:
     output_ids = seq.output_token_ids if p.has_penalties else ()
     prompt_ids = group.prompt_tensor() if p.repetition_penalty != 1.0 else None
     stop_ids = group.min_tokens_stop_ids if output_index < p.min_tokens else ()
-    rows += [SamplingRow(p, c, output_index, output_ids, prompt_ids, stop_ids)
+    rows += [SamplingRow(p, c, output_index, output_ids, prompt_ids, stop_ids, group.seqs[c].grammar)
              for c in (range(group.n) if fork else (seq.index,))]

@@ -66,6 +66,8 @@ class OutputProcessing:
             outputs += self._fail(seq, f"post-processing failed: {type(e).__name__}: {e}")
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> RequestOutput:
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
         seq.token_ids.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
@@ -115,6 +117,8 @@ class OutputProcessing:
             seq.text = seq.text[:cut]
             seq.text_cut = cut
             return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop"  # the constraint is complete (it ended on a stop token, even with ignore_eos)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None

@@ -3,7 +3,8 @@
 vLLM's order: logit_bias, min_tokens masking, penalties (penalties.py); greedy
 rows take the argmax there; sampled rows go on with temperature, top_k, top_p
 and min_p (truncation.py), then draw (a seeded row with its own generator).
-Logprobs are of the raw logits. A batch whose rows use none of these pays for
+A structured-output constraint's
+bitmask comes first (grammar_mask.py). Logprobs are of the raw logits. A batch whose rows use none of these pays for
 none of them.
 
 Numerically safe for every value SamplingParams accepts: temperatures below
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from server.engine.grammar_mask import GrammarMask
 from server.engine.logprobs import gather_logprobs
 from server.engine.penalties import LogitsProcessors
 from server.engine.sampling_params import SamplingParams
@@ -47,6 +49,7 @@ class SamplingRow(NamedTuple):
     output_ids: Sequence[int] = ()  # the choice's output so far; read only with a penalty
     prompt_ids: torch.Tensor | None = None  # [P] CPU; read only with a repetition penalty
     stop_ids: tuple[int, ...] = ()  # masked while output_index < min_tokens
+    grammar: object | None = None  # the choice's xgrammar GrammarMatcher, when constrained
 
 
 @dataclass(frozen=True)
@@ -55,21 +58,28 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None unless asked for (or the row failed)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_generator: torch.Generator) -> SamplerOutput:
-    """logits: [N, V] float32, one row per SamplingRow.
+def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_generator: torch.Generator,
+                grammar_mask: GrammarMask | None = None, bitmask: torch.Tensor | None = None) -> SamplerOutput:
+    """logits: [N, V] float32, one row per SamplingRow; bitmask: [N, W] int32 from
+    grammar_mask.fill (None: no row is constrained), applied before any other modification.
 
     A seeded row's draw depends only on (seed, choice, output index) and its own
     logits, so the same seed gives the same tokens whatever shares the batch,
     and a request resumed after preemption continues exactly.
     """
     processors = LogitsProcessors.build(rows, logits.device)
-    if processors is None:
+    if processors is None and bitmask is None:
         processed = logits  # [N, V]
         best, chosen = logits.max(dim=-1)  # [N] each; the first index of ties, as argmax
         raw_max = best
     else:
         raw_max = logits.amax(dim=-1)
-        processed = processors.apply(logits.clone())
+        processed = logits.clone()  # the raw logits stay for logprobs
+        if bitmask is not None:
+            assert grammar_mask is not None
+            grammar_mask.apply(processed, bitmask)
+        if processors is not None:
+            processed = processors.apply(processed)
         best, chosen = processed.max(dim=-1)
     # max propagates NaN and shows +inf, min shows -inf: two reductions instead of an [N, V] mask.
     finite = torch.isfinite(raw_max) & (logits.amin(dim=-1) > float("-inf"))  # [N]

@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+from server.engine.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): the distribution is one-hot to within
 # float32 precision there anyway, and dividing logits by a tiny or denormal value overflows to inf.
 SAMPLING_EPS = 1e-5
@@ -22,7 +24,13 @@ class SamplingParams:
     stop_token_ids, then repetition / presence / frequency penalties; greedy takes the argmax
     there, sampling goes on with temperature, top_k, top_p (which always keeps the top token),
     min_p. `logprobs` and `prompt_logprobs` report the model's own distribution, before any
-    of these modifications (what OpenAI reports).
+    of these modifications (what OpenAI reports): under a structured-output constraint too,
+    as vLLM reports by default (the raw distribution, not the one the grammar masked).
+
+    `structured_outputs` constrains every choice to a JSON schema, any JSON object, a regex,
+    one of a list of strings or an EBNF grammar (server.engine.grammar); a choice whose
+    grammar is complete ends with finish_reason "stop", and the grammar's mask is applied
+    before logit_bias, so no bias can unmask a token.
 
     `seed` makes choice i's samples depend only on (seed, i, the token's index in the
     output), never on its batch neighbours or on preemption. `n` choices share one prefill.
@@ -48,6 +56,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top alternatives per generated token (0: the token's own only)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +91,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
@@ -95,8 +106,9 @@ class SamplingParams:
 
     @cached_property
     def has_row_state(self) -> bool:
-        """Sampling reads more of the sequence than its params: its tokens (penalties) or stop ids."""
-        return self.has_penalties or self.min_tokens > 0
+        """Sampling reads more of the sequence than its params: its tokens (penalties), stop ids or
+        grammar matcher."""
+        return self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
 
 
 def _int(name: str, value) -> int:

@@ -108,7 +108,7 @@ class Sequence:
         "request_id", "prompt_token_ids", "token_ids", "params", "adapter_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
         "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
-        "num_registered_blocks",
+        "num_registered_blocks", "grammar",
     )
 
     def __init__(
@@ -156,6 +156,9 @@ class Sequence:
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        # xgrammar GrammarMatcher of a constrained choice (set by the engine), advanced with every
+        # accepted token. It follows the output tokens, which preemption keeps, so it stays valid.
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:

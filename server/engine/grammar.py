@@ -1,0 +1,132 @@
+"""Compiled grammars for one tokenizer (xgrammar), cached by the constraint's canonical hash.
+
+A StructuredOutputsParams becomes an xgrammar CompiledGrammar here, once per distinct
+constraint: the cache is keyed by `StructuredOutputsParams.key` (sha256 of the canonical
+constraint) and lives with the engine, whose tokenizer is fixed, so the key stands for
+(tokenizer, constraint). Each constrained choice then gets a GrammarMatcher of its own,
+advanced with every token it accepts. Compiling runs in the caller's thread (xgrammar
+releases the GIL while it works); server.engine.grammar_worker does it in another process
+under a hard deadline for the server.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xgrammar as xgr
+
+from server.engine.structured_outputs import StructuredOutputsParams
+
+DEFAULT_CACHE_ENTRIES = 512
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled (an unsupported or malformed schema, regex or grammar)."""
+
+
+@dataclass(frozen=True)
+class GrammarStats:
+    compiles: int  # grammars compiled (a cache miss that succeeded)
+    cache_hits: int
+    compile_seconds: float  # total time spent compiling
+    failures: int  # constraints refused as malformed or past a limit
+    cached: int  # grammars held now
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> xgr.TokenizerInfo:
+    """The tokenizer's vocabulary as xgrammar sees it, `vocab_size` wide: the model's lm_head may
+    have more rows than the tokenizer has tokens (padding), and those rows are never allowed."""
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=max(vocab_size, len(tokenizer)),
+                                              stop_token_ids=sorted(stop_token_ids))
+
+
+def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    """Compile one constraint; GrammarError says what is wrong with it."""
+    kind = spec.kind
+    try:
+        if kind == "json":
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        if kind == "json_object":
+            # Any JSON object (OpenAI's json_object), not xgrammar's built-in any-JSON-value grammar.
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(spec.regex)
+        if kind == "choice":
+            # Each choice verbatim: a JSON string literal is a valid EBNF literal (same escapes).
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        return compiler.compile_grammar(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise GrammarError(f"invalid {kind} constraint: {_first_line(e)}") from None
+
+
+class Grammars:
+    """The engine's compiled-grammar cache. Thread-safe: the server compiles off the engine
+    thread and hands the result in; the engine thread only looks up and makes matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+        assert max_entries > 0
+        self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.vocab_size = vocab_size
+        # xgrammar's own cache stays off: ours is bounded in entries and counted.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._max_entries = max_entries
+        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiles = self._hits = self._failures = 0
+        self._compile_seconds = 0.0
+
+    def lookup(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar | None:
+        with self._lock:
+            compiled = self._cache.get(spec.key)
+            if compiled is not None:
+                self._cache.move_to_end(spec.key)
+                self._hits += 1
+            return compiled
+
+    def store(self, spec: StructuredOutputsParams, compiled: xgr.CompiledGrammar, seconds: float) -> None:
+        with self._lock:
+            self._compiles += 1
+            self._compile_seconds += seconds
+            self._cache[spec.key] = compiled
+            self._cache.move_to_end(spec.key)
+            while len(self._cache) > self._max_entries:
+                self._cache.popitem(last=False)
+
+    def count_failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The cached grammar, or one compiled now in this thread (no deadline: the offline API's
+        path; the server compiles with server.engine.grammar_worker instead)."""
+        compiled = self.lookup(spec)
+        if compiled is None:
+            start = time.perf_counter()
+            try:
+                compiled = compile_constraint(self._compiler, spec)
+            except GrammarError:
+                self.count_failure()
+                raise
+            self.store(spec, compiled, time.perf_counter() - start)
+        return compiled
+
+    def deserialize(self, serialized: str) -> xgr.CompiledGrammar:
+        """A grammar compiled in another process (grammar_worker), bound to this tokenizer."""
+        return xgr.CompiledGrammar.deserialize_json(serialized, self.info)
+
+    @staticmethod
+    def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(compiled)
+
+    def stats(self) -> GrammarStats:
+        with self._lock:
+            return GrammarStats(self._compiles, self._hits, self._compile_seconds, self._failures, len(self._cache))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
