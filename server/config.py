@@ -1,6 +1,7 @@
 """ServerConfig: everything `loraplex serve` was told, resolved and validated once."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -27,6 +28,34 @@ def default_data_dir(env: Mapping[str, str]) -> Path:
         return Path(env["LORAPLEX_DATA_DIR"]).expanduser()
     base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base).expanduser() / "loraplex"
+
+
+def parse_lora_module(value: str) -> tuple[str, str]:
+    """vLLM's `--lora-modules` item: `NAME=PATH` or `{"name": ..., "path": ..., "base_model_name": ...}`
+    -> (name, path). The base model name, when given, must be the served model (checked by the caller)."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            item = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"--lora-modules: {value!r} is not valid JSON") from None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
+                or not isinstance(item.get("path"), str) or set(item) - {"name", "path", "base_model_name"}:
+            raise ConfigError(f"--lora-modules: {value!r}: give \"name\" and \"path\" (and optionally "
+                              "\"base_model_name\")")
+        name, path = item["name"], item["path"]
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ConfigError(f"--lora-modules expects NAME=PATH or a JSON object, got {value!r}")
+    if not _ADAPTER_NAME_RE.fullmatch(name) or not path:
+        raise ConfigError(f"--lora-modules {value!r}: name 1-64 characters from A-Z a-z 0-9 . _ -, and a path")
+    return name, path
+
+
+def _lora_module_base(value: str) -> str | None:
+    text = value.strip()
+    return json.loads(text).get("base_model_name") if text.startswith("{") else None
 
 
 def parse_adapter_flag(value: str) -> tuple[str, str]:
@@ -75,6 +104,15 @@ class ServerConfig:
     demo_tenant: bool = True              # create the `demo` tenant and a key on start
     seed: int = 0
     replica_name: str | None = None       # --replica-name; None: hostname:port (see `replica`)
+    max_cpu_loras: int | None = None      # vLLM's --max-cpu-loras: host room for N adapters of max rank
+    lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: operator adapters shared with tenants
+    adapter_sources: tuple[str, ...] = ()  # --adapter-sources: kinds tenants may register by reference
+    adapter_local_root: str | None = None  # --adapter-local-root
+    adapter_s3_endpoint: str | None = None  # --adapter-s3-endpoint (None: AWS)
+    adapter_s3_buckets: tuple[str, ...] = ()  # --adapter-s3-buckets (empty: any)
+    adapter_http_hosts: tuple[str, ...] = ()  # --adapter-http-hosts (empty: any public host)
+    adapter_allow_private_networks: bool = False  # --adapter-allow-private-networks
+    adapter_fetch_timeout: float = 30.0   # --adapter-fetch-timeout, seconds for one whole fetch
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -109,11 +147,30 @@ class ServerConfig:
             object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))
         except CpuThreadsError as e:
             raise ConfigError(f"--cpu-threads: {e}") from None
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ConfigError("--max-cpu-loras must be >= 1")
+        if len({n for n, _ in self.lora_modules}) != len(self.lora_modules):
+            raise ConfigError("--lora-modules names must be unique")
+        try:
+            self.source_policy()
+        except ValueError as e:
+            raise ConfigError(f"adapter sources: {e}") from None
         names = [n for n, _ in self.adapters]
         if len(set(names)) != len(names):
             raise ConfigError("--adapter names must be unique")
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"--model {self.model}: no config.json there (need a Hugging Face model dir)")
+
+    def source_policy(self):
+        """What tenants may register adapters from (adapters.sources.SourcePolicy)."""
+        from adapters.sources import SourcePolicy  # boto3 and httpx: only when serving
+
+        return SourcePolicy(kinds=frozenset(self.adapter_sources),
+                            local_root=Path(self.adapter_local_root) if self.adapter_local_root else None,
+                            s3_endpoint=self.adapter_s3_endpoint, s3_buckets=frozenset(self.adapter_s3_buckets),
+                            http_hosts=frozenset(self.adapter_http_hosts),
+                            allow_private_networks=self.adapter_allow_private_networks,
+                            max_file_bytes=self.max_upload_bytes, timeout_seconds=self.adapter_fetch_timeout)
 
     @property
     def replica(self) -> str:
@@ -159,4 +216,33 @@ class ServerConfig:
             share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,
             metrics_public=args.metrics_public,
-            replica_name=getattr(args, "replica_name", None) or None)
+            replica_name=getattr(args, "replica_name", None) or None,
+            max_cpu_loras=getattr(args, "max_cpu_loras", None),
+            lora_modules=tuple(_lora_modules(args, args.served_model_name or cls._model_id_of(args.model))),
+            adapter_sources=tuple(_csv(getattr(args, "adapter_sources", None))),
+            adapter_local_root=getattr(args, "adapter_local_root", None),
+            adapter_s3_endpoint=getattr(args, "adapter_s3_endpoint", None),
+            adapter_s3_buckets=tuple(_csv(getattr(args, "adapter_s3_buckets", None))),
+            adapter_http_hosts=tuple(_csv(getattr(args, "adapter_http_hosts", None))),
+            adapter_allow_private_networks=getattr(args, "adapter_allow_private_networks", False),
+            adapter_fetch_timeout=getattr(args, "adapter_fetch_timeout", None) or 30.0)
+
+    @staticmethod
+    def _model_id_of(model: str | None) -> str:
+        return DEMO_MODEL_NAME if model is None else Path(model).resolve().name
+
+
+def _csv(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _lora_modules(args, model_id: str) -> list[tuple[str, str]]:
+    modules = []
+    for value in getattr(args, "lora_modules", None) or ():
+        name, path = parse_lora_module(value)
+        base = _lora_module_base(value)
+        if base is not None and base != model_id:
+            raise ConfigError(f"--lora-modules {name}: base_model_name {base!r} is not the served model "
+                              f"{model_id!r}")
+        modules.append((name, path))
+    return modules

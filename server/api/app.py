@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 
 from server.api import (adapter_routes, admin_routes, admin_views, console, openai_routes, openapi,
-                        ops_routes, tokenize_routes)
+                        lora_routes, ops_routes, shared_adapter_routes, tokenize_routes)
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
@@ -50,8 +50,9 @@ def create_app(config: ServerConfig,
         finally:
             await run_in_threadpool(state.close)
 
-    routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *ops_routes.ROUTES,
-              *admin_routes.ROUTES, *admin_views.ROUTES, *openapi.ROUTES, *console.ROUTES]
+    routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *lora_routes.ROUTES,
+              *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
+              *openapi.ROUTES, *console.ROUTES]
     middleware = [Middleware(ReplicaHeader, replica=config.replica)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
                      lifespan=lifespan)

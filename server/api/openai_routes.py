@@ -9,6 +9,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from adapters.registry import AdapterRecord
+from adapters.sharing import OPERATOR_OWNER
+from server.api.adapter_references import resolve_lorax_adapter
 from server.api.auth import require_tenant, state_of
 from server.api.body import read_json_object
 from server.api.errors import APIError
@@ -20,6 +22,28 @@ from server.api.sse import SSEResponse, until_disconnect
 from server.api.state import ServerState
 from server.api.validation import parse_model
 from tenants import Tenant
+
+
+def _ref_card(state: ServerState, tenant: Tenant, name: str, created: float, owner: str) -> dict:
+    base = state.model_id
+    return {"id": name, "object": "model", "created": int(created), "owned_by": owner, "root": base,
+            "parent": base, "max_model_len": state.engine.engine.max_model_len}
+
+
+def _listing(state: ServerState, tenant: Tenant) -> list[dict]:
+    """The base model, the caller's adapters (fetched or not yet), then the operator's shared with it."""
+    records = state.registry.list(tenant.id)
+    cards = [_model_card(state, tenant, None)] + [_model_card(state, tenant, r) for r in records]
+    names = {r.name for r in records}
+    for name, ref in sorted(state.references.list(tenant.id).items()):
+        if name not in names:
+            names.add(name)
+            cards.append(_ref_card(state, tenant, name, ref.registered_at, tenant.name))
+    for name in state.sharing.visible_names(tenant.id):
+        record = state.registry.get(OPERATOR_OWNER, name)
+        if name not in names and record is not None:
+            cards.append(_ref_card(state, tenant, name, record.created_at, "operator"))
+    return cards
 
 
 def _model_card(state: ServerState, tenant: Tenant, record: AdapterRecord | None) -> dict:
@@ -35,9 +59,7 @@ def _model_card(state: ServerState, tenant: Tenant, record: AdapterRecord | None
 async def list_models(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
-    records = await run_in_threadpool(state.registry.list, tenant.id)
-    data = [_model_card(state, tenant, None)] + [_model_card(state, tenant, r) for r in records]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": await run_in_threadpool(_listing, state, tenant)})
 
 
 async def get_model(request: Request) -> Response:
@@ -73,12 +95,26 @@ async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list
     return gens
 
 
+async def _request_adapter(state: ServerState, tenant: Tenant, req) -> AdapterRecord | None:
+    """`model`, or LoRAX's `adapter_id` (+ `adapter_source`), where `model` is then the base model."""
+    if req.adapter_id is None:
+        if req.adapter_source is not None:
+            raise APIError(400, "'adapter_source' needs 'adapter_id'", "invalid_value")
+        return await resolve_model(state, tenant, req.model)
+    if req.model not in (state.model_id, req.adapter_id):
+        raise APIError(400, f"'adapter_id' {req.adapter_id[:200]!r} and 'model' {req.model[:200]!r} disagree: "
+                            f"with adapter_id, send the base model {state.model_id!r} as model", "invalid_value")
+    if req.adapter_source is None and req.adapter_id == state.model_id:
+        return None
+    return await resolve_lorax_adapter(state, tenant, req.adapter_id, req.adapter_source)
+
+
 async def _generate(request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
     tenant = await require_tenant(request)
     state = state_of(request)
     req = parse_model(ChatCompletionRequest if chat else CompletionRequest, await read_json_object(request))
-    record = await resolve_model(state, tenant, req.model)
+    record = await _request_adapter(state, tenant, req)
     texts = state.prompts.token_texts
     if chat:
         prompts = [await state.prompts.encode_chat([m.for_template() for m in req.messages])]

@@ -1,0 +1,74 @@
+"""GET from an S3-compatible endpoint the operator named, through boto3. The endpoint is the
+operator's (it is not a tenant's choice, so no address check); the bucket must be allowed. The
+object's size comes from a HEAD before any byte of it is read. Credentials come from boto3's own
+chain in the server's environment (AWS_ACCESS_KEY_ID..., AWS_PROFILE, instance roles): they are
+never part of a reference, a response, a log line or a metric."""
+from __future__ import annotations
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from adapters.sources.bounded_read import read_capped, remaining, timed_out
+from adapters.sources.errors import SourceError, refused, too_large
+from adapters.sources.policy import SourcePolicy
+
+_CHUNK = 1 << 16
+
+
+class S3Reader:
+    """One client for one fetch (boto3 clients are cheap next to a download, and not shared)."""
+
+    def __init__(self, policy: SourcePolicy, bucket: str, deadline: float) -> None:
+        if not policy.allows("s3"):
+            raise refused("s3:// adapter sources are not allowed on this server")
+        if policy.s3_buckets and bucket not in policy.s3_buckets:
+            raise refused(f"bucket {bucket!r} is not among the allowed adapter source buckets")
+        timeout = min(policy.timeout_seconds, remaining(deadline, f"s3://{bucket}"))
+        config = botocore.config.Config(connect_timeout=timeout, read_timeout=timeout,
+                                        retries={"max_attempts": 1}, signature_version="s3v4")
+        self._client = boto3.session.Session().client("s3", endpoint_url=policy.s3_endpoint,
+                                                      region_name=policy.s3_region, config=config)
+        self._bucket = bucket
+        self._deadline = deadline
+
+    def size(self, key: str) -> int | None:
+        """The object's size, None if it does not exist."""
+        try:
+            head = self._client.head_object(Bucket=self._bucket, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if str(e.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._failed(key, e) from None
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._failed(key, e) from None
+        return int(head["ContentLength"])
+
+    def get(self, key: str, cap: int) -> bytes:
+        what = f"s3://{self._bucket}/{key}"
+        size = self.size(key)
+        if size is None:
+            raise SourceError(404, f"{what} does not exist", "source_not_found")
+        if size > cap:
+            raise too_large(what, size, cap)  # from the HEAD: nothing downloaded
+        try:
+            body = self._client.get_object(Bucket=self._bucket, Key=key)["Body"]
+            try:
+                return read_capped(body.iter_chunks(_CHUNK), cap, self._deadline, what)
+            finally:
+                body.close()
+        except botocore.exceptions.ClientError as e:
+            raise self._failed(key, e) from None
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._failed(key, e) from None
+
+    def _failed(self, key: str, e: Exception) -> SourceError:
+        what = f"s3://{self._bucket}/{key}"
+        if isinstance(e, (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError)):
+            return timed_out(what)
+        if isinstance(e, botocore.exceptions.ClientError):
+            # The error code only (AccessDenied, NoSuchBucket, ...): never the request's signed headers.
+            code = e.response.get("Error", {}).get("Code", "error")
+            return SourceError(502, f"{what}: the object store answered {code}", "source_error")
+        return SourceError(502, f"{what}: the object store is unreachable ({type(e).__name__})",
+                           "source_unreachable")
