@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,6 +17,7 @@ class FileServer:
         self.files: dict[str, bytes] = {}
         self.redirects: dict[str, str] = {}
         self.huge: set[str] = set()        # paths that declare a 10 GiB body and then send little
+        self.drip: set[str] = set()        # paths that send one byte every 0.2 s until the client leaves
         self.requests: list[str] = []
         self.body_bytes_sent = 0
         handler = self._handler()
@@ -48,6 +50,16 @@ class FileServer:
                         for _ in range(16):
                             self.wfile.write(b"\0" * 4096)
                             owner.body_bytes_sent += 4096
+                    return
+                if self.path in owner.drip:
+                    self.send_response(200)
+                    self.send_header("Content-Length", "1000000")
+                    self.end_headers()
+                    with contextlib.suppress(OSError):
+                        for _ in range(600):
+                            self.wfile.write(b"\0")
+                            self.wfile.flush()
+                            time.sleep(0.2)
                     return
                 data = owner.files.get(self.path)
                 if data is None:

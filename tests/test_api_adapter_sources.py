@@ -8,10 +8,12 @@ import io
 import logging
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
 from tests.fixtures_server import api_redis_url, running_server, server_config
@@ -74,7 +76,7 @@ def server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server, s3_end
         tiny_model_dir, tmp_path_factory.mktemp("sources-data"), api_redis_url(redis_server),
         max_upload_bytes=MAX_FILE, adapter_sources=("s3", "http", "local"), adapter_local_root=str(local_root),
         adapter_s3_endpoint=s3_endpoint, adapter_s3_buckets=(BUCKET,), adapter_http_hosts=("127.0.0.1",),
-        adapter_allow_private_networks=True, adapter_fetch_timeout=10.0, max_cpu_loras=8,
+        adapter_allow_private_networks=True, adapter_fetch_timeout=5.0, max_cpu_loras=8,
         lora_modules=(("shared-sql", str(tiny_adapters["r16_rslora"])),))
     with running_server(config) as handle:
         yield handle
@@ -208,6 +210,21 @@ def test_http_sources_directory_archive_and_redirects(server, files, tiny_model_
     assert _greedy(server, key, "tgz") == tgz and _greedy(server, key, "moved") == tgz
 
 
+def test_a_slow_source_fails_its_own_registration_only(server, files):
+    files.drip.add("/drip.tar")
+    _, slow_key = server.new_tenant()
+    _, other_key = server.new_tenant()
+    with ThreadPoolExecutor(1) as pool, server.http(slow_key) as h:
+        slow = pool.submit(h.post, "/v1/load_lora_adapter", json={"lora_name": "s", "lora_path": files.url + "/drip.tar"})
+        while "/drip.tar" not in files.requests:
+            time.sleep(0.01)
+        # Meanwhile the server answers everyone else (the fetch is off the event loop).
+        assert _greedy(server, other_key, server.state.model_id, n=4)
+        assert not slow.done()
+        r = slow.result(60)
+    assert r.status_code == 504 and "timed out" in r.text, r.text
+
+
 def test_loopback_refused_unless_allowed(files, tiny_adapters):
     """The address check, with the operator's allowance off: no request reaches the server."""
     files.files["/only/adapter_config.json"] = b"{}"
@@ -300,3 +317,53 @@ def test_credentials_never_come_back_out(server, s3, caplog):
     # id (in the signed Authorization header), so the id is checked at the levels a server logs at.
     assert SECRET not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.INFO and "loraplex-test-key-id" in r.getMessage()]
+
+
+def _families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_vllm_router_metrics_match_the_engine(server, tiny_adapters):
+    a_name, a_key = server.new_tenant()
+    a_id = server.admin("GET", f"/admin/tenants/{a_name}").json()["id"]
+    names = sorted(tiny_adapters)
+    for name in names:
+        assert server.upload(a_key, name, tiny_adapters[name]).status_code == 201
+    expected = {f"{a_id}/{n}" for n in names} | {"shared-sql"}  # 5 adapters, max_loras 4: one waits
+    client = server.client(a_key)
+
+    def generate(model: str) -> None:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=100, temperature=0,
+                                  extra_body={"ignore_eos": True})
+
+    with server.engine_throttled(0.05), ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(generate, m) for m in names + ["shared-sql"]]
+        deadline = time.monotonic() + 60
+        while not (server.state.engine.stats().num_running >= 1
+                   and server.state.engine.stats().num_running + server.state.engine.stats().num_waiting == 5):
+            assert time.monotonic() < deadline, "the requests never reached the engine"
+            time.sleep(0.02)
+        with server.engine_paused():  # between steps: the engine's published state holds still
+            stats = server.state.engine.stats()
+            families = _families(server.admin("GET", "/metrics").text)
+        for f in futures:
+            f.result(60)
+    model = server.state.model_id
+    value = {name: {tuple(sorted(s.labels.items())): s.value for s in families[name].samples}
+             for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")}
+    assert value["vllm:num_requests_waiting"] == {(("model_name", model),): stats.num_waiting}
+    assert value["vllm:num_requests_running"] == {(("model_name", model),): stats.num_running}
+    assert value["vllm:kv_cache_usage_perc"] == {(("model_name", model),):
+                                                 pytest.approx(stats.kv_blocks_used / stats.kv_blocks_total)}
+    [info] = families["vllm:lora_requests_info"].samples
+    running = set(filter(None, info.labels["running_lora_adapters"].split(",")))
+    waiting = set(filter(None, info.labels["waiting_lora_adapters"].split(",")))
+    assert info.labels["max_lora"] == "4" and abs(info.value - time.time()) < 120
+    assert 1 <= len(running) <= 4 and running | waiting == expected and not running & waiting
+    label = {f"{a_id}/{r.name}": r.version for r in server.state.registry.list(a_id)}
+    label["shared-sql"] = server.state.registry.get("~operator", "shared-sql").version
+    assert {label[n] for n in running} == stats.running_adapters
+    assert {label[n] for n in waiting} == stats.waiting_adapters
+    # Behind the metrics credential: a tenant key is refused.
+    with server.http(a_key) as h:
+        assert h.get("/metrics").status_code == 403

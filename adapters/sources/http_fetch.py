@@ -13,7 +13,6 @@ from adapters.sources.errors import SourceError, refused, too_large
 from adapters.sources.policy import SourcePolicy
 
 _REDIRECTS = (301, 302, 303, 307, 308)
-_CHUNK = 1 << 16
 
 
 def _pinned(url: str, policy: SourcePolicy) -> tuple[str, str, str]:
@@ -61,7 +60,8 @@ def http_get(url: str, policy: SourcePolicy, cap: int, deadline: float, what: st
                     length = response.headers.get("content-length")
                     if length is not None and length.isdigit() and int(length) > cap:
                         raise too_large(what, int(length), cap)  # before reading a byte of the body
-                    return read_capped(response.iter_raw(_CHUNK), cap, deadline, what)
+                    # As received (no re-chunking, which would wait for a full chunk of a slow drip).
+                    return read_capped(response.iter_raw(), cap, deadline, what)
         except httpx.TimeoutException:
             raise timed_out(what) from None
         except httpx.HTTPError as e:

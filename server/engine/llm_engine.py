@@ -63,6 +63,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, tokens whose KV came from the cache
     prefix_cached_blocks: int = 0  # KV blocks indexed in the cache (in use or not)
     prefix_cached_free_blocks: int = 0  # of those, blocks no request holds: evictable, counted as free
+    running_adapters: frozenset[str] = frozenset()  # adapter versions of the running requests
+    waiting_adapters: frozenset[str] = frozenset()  # adapter versions of the waiting requests
 
 
 class LLMEngine(OutputProcessing):
@@ -261,6 +263,7 @@ class LLMEngine(OutputProcessing):
 
     def stats(self) -> EngineStats:
         prefix = self.scheduler.prefix_cache
+        running_adapters, waiting_adapters = self.scheduler.adapters_in_use()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -287,6 +290,8 @@ class LLMEngine(OutputProcessing):
             prefix_hit_tokens=prefix.hit_tokens,
             prefix_cached_blocks=self.blocks.num_cached_blocks,
             prefix_cached_free_blocks=self.blocks.num_evictable_blocks,
+            running_adapters=running_adapters,
+            waiting_adapters=waiting_adapters,
         )
 
     def shutdown(self) -> None:
