@@ -5,9 +5,13 @@ chain in the server's environment (AWS_ACCESS_KEY_ID..., AWS_PROFILE, instance r
 never part of a reference, a response, a log line or a metric."""
 from __future__ import annotations
 
+import threading
+import time
+
 import boto3
 import botocore.config
 import botocore.exceptions
+import urllib3.exceptions
 
 from adapters.sources.bounded_read import read_capped, remaining, timed_out
 from adapters.sources.errors import SourceError, refused, too_large
@@ -53,9 +57,18 @@ class S3Reader:
             raise too_large(what, size, cap)  # from the HEAD: nothing downloaded
         try:
             body = self._client.get_object(Bucket=self._bucket, Key=key)["Body"]
+            # A read blocks until a whole chunk arrives: a store that drips would hold it past the
+            # deadline, so the deadline closes the stream under it.
+            watchdog = threading.Timer(max(0.0, self._deadline - time.monotonic()), body.close)
+            watchdog.start()
             try:
                 return read_capped(body.iter_chunks(_CHUNK), cap, self._deadline, what)
+            except (OSError, ValueError, AttributeError, urllib3.exceptions.HTTPError) as e:
+                if time.monotonic() >= self._deadline:
+                    raise timed_out(what) from None
+                raise self._failed(key, e) from None
             finally:
+                watchdog.cancel()
                 body.close()
         except botocore.exceptions.ClientError as e:
             raise self._failed(key, e) from None
