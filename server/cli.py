@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--adapter-http-hosts", metavar="H1,H2",
                    help="hosts http(s) references and their redirects may name (default: any public host)")
     s.add_argument("--adapter-allow-private-networks", action="store_true",
-                   help="let http(s) references reach loopback, private and link-local addresses "
+                   help="let http(s) references reach loopback and private addresses, never link-local "
                         "(default off: SSRF protection)")
     s.add_argument("--adapter-fetch-timeout", type=float, metavar="SECONDS",
                    help="limit on one whole adapter fetch from a source (default 30)")

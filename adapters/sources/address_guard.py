@@ -20,6 +20,8 @@ def _normalised(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 def _forbidden(ip, policy: SourcePolicy) -> bool:
     if ip.is_multicast or ip.is_unspecified:
         return True  # never a file server
+    if ip.is_link_local:
+        return True  # cloud metadata (169.254.169.254, fe80::): refused even where private networks are allowed
     # not is_global: loopback, private (RFC 1918, ULA), link-local (cloud metadata), CGNAT, reserved ...
     return not ip.is_global and not policy.allow_private_networks
 
@@ -40,5 +42,6 @@ def checked_address(host: str, port: int, policy: SourcePolicy) -> str:
     bad = [str(ip) for ip in addresses if _forbidden(ip, policy)]
     if bad:
         raise refused(f"host {name!r} resolves to {bad[0]}, an address adapter sources may not use "
-                      "(loopback, private or link-local; the operator can allow private networks)")
+                      "(loopback, private or link-local; the operator can allow loopback and private networks, "
+                      "never link-local)")
     return str(addresses[0])

@@ -15,7 +15,7 @@ class SourcePolicy:
     s3_region: str = "us-east-1"
     s3_buckets: frozenset[str] = frozenset()      # empty: any bucket at the endpoint
     http_hosts: frozenset[str] = frozenset()      # empty: any host whose address is public
-    allow_private_networks: bool = False          # loopback, private, link-local, ... addresses
+    allow_private_networks: bool = False          # loopback, private, CGNAT addresses (link-local: never)
     max_file_bytes: int = 512 << 20               # each fetched file (or archive), checked before and while reading
     timeout_seconds: float = 30.0                 # a whole fetch, slow drips included
     max_redirects: int = 5
