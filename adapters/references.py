@@ -37,6 +37,10 @@ class ReferenceStore:
         self._redis.hset(self._key(owner), name, json.dumps(asdict(ref)))
         return ref
 
+    def restore(self, owner: str, ref: AdapterReference) -> None:
+        """Put back a reference as it was (a replacement whose fetch failed)."""
+        self._redis.hset(self._key(owner), ref.name, json.dumps(asdict(ref)))
+
     def get(self, owner: str, name: str) -> AdapterReference | None:
         raw = self._redis.hget(self._key(owner), name)
         return None if raw is None else AdapterReference(**json.loads(_text(raw)))

@@ -367,3 +367,26 @@ def test_vllm_router_metrics_match_the_engine(server, tiny_adapters):
     # Behind the metrics credential: a tenant key is refused.
     with server.http(a_key) as h:
         assert h.get("/metrics").status_code == 403
+
+
+def test_references_count_against_max_adapters_and_go_with_their_tenant(server, s3, tiny_adapters):
+    name, key = server.new_tenant(quota={"max_adapters": 1})
+    tenant_id = server.admin("GET", f"/admin/tenants/{name}").json()["id"]
+    for f, data in _files(tiny_adapters["r4_qv"]).items():
+        s3.put_object(Bucket=BUCKET, Key=f"quota/one/{f}", Body=data)
+    with server.http(key) as h:
+        first = h.post("/v1/adapters", json={"name": "one", "source": f"s3://{BUCKET}/quota/one"})
+        assert first.status_code == 201, first.text
+        second = h.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": "r4_qv", "prefetch": False})
+        assert second.status_code == 403 and "max_adapters" in second.text, second.text
+        # A replacement whose fetch fails leaves the adapter as it was; a failed first one, nothing.
+        failed = h.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": f"s3://{BUCKET}/nope",
+                                                       "load_inplace": True})
+        assert failed.status_code == 404
+        assert server.state.references.get(tenant_id, "one").source == f"s3://{BUCKET}/quota/one"
+        assert h.post("/v1/completions", json={"model": "one", "prompt": "x", "max_tokens": 2}).status_code == 200
+        assert h.post("/v1/unload_lora_adapter", json={"lora_name": "one"}).status_code == 200
+        failed = h.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": f"s3://{BUCKET}/nope"})
+        assert failed.status_code == 404 and server.state.references.get(tenant_id, "one") is None
+    assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+    assert server.state.references.list(tenant_id) == {}

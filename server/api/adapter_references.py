@@ -52,8 +52,8 @@ async def register_reference(state: ServerState, owner: str, quota: Quota | None
     if not policy.allows(ref.kind):
         raise APIError(403, f"{ref.kind} adapter sources are not allowed on this server (--adapter-sources)",
                        "source_not_allowed")
-    exists = await run_in_threadpool(state.registry.get, owner, name) is not None or \
-        await run_in_threadpool(state.references.get, owner, name) is not None
+    previous = await run_in_threadpool(state.references.get, owner, name)
+    exists = previous is not None or await run_in_threadpool(state.registry.get, owner, name) is not None
     if exists and not replace:
         raise APIError(409, f"adapter '{name}' already exists; send replace=true (load_inplace) to replace it",
                        "adapter_exists")
@@ -70,8 +70,11 @@ async def register_reference(state: ServerState, owner: str, quota: Quota | None
     try:
         record = await fetch_and_store(state, owner, quota, stored)
     except BaseException:
-        if not exists:  # a failed first registration leaves nothing behind
+        # A failed registration leaves things as they were: nothing, or the reference it replaced.
+        if previous is None:
             await run_in_threadpool(state.references.delete, owner, name)
+        else:
+            await run_in_threadpool(state.references.restore, owner, previous)
         raise
     return await run_in_threadpool(state.references.get, owner, name) or stored, record
 
