@@ -14,7 +14,7 @@ from adapters.sources.http_fetch import http_get
 from adapters.sources.local_fetch import read_local_file, resolve_local
 from adapters.sources.policy import SourcePolicy
 from adapters.sources.reference import SourceRef
-from adapters.sources.s3_fetch import S3Reader
+from adapters.sources.s3_fetch import S3Clients, S3Reader
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,8 @@ def _archive_cap(policy: SourcePolicy) -> int:
     return policy.max_file_bytes + MAX_CONFIG_BYTES
 
 
-def _from_s3(ref: SourceRef, policy: SourcePolicy, deadline: float) -> AdapterFiles:
-    reader = S3Reader(policy, ref.bucket, deadline)
+def _from_s3(ref: SourceRef, policy: SourcePolicy, deadline: float, clients: S3Clients) -> AdapterFiles:
+    reader = S3Reader(policy, ref.bucket, deadline, clients)
     if ref.is_archive:
         data = reader.get(ref.location, _archive_cap(policy))
         return AdapterFiles(*extract_adapter_files(data, ref.location, policy.max_file_bytes, str(ref)))
@@ -68,12 +68,13 @@ def _from_local(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
                         read_local_file(path / WEIGHTS_FILE, root, policy.max_file_bytes, ref.location))
 
 
-def fetch_adapter(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
+def fetch_adapter(ref: SourceRef, policy: SourcePolicy, s3_clients: S3Clients | None = None) -> AdapterFiles:
     """SourceError (with its HTTP status) when the source is not allowed, missing, too large,
-    failing or slower than policy.timeout_seconds in all."""
+    failing or slower than policy.timeout_seconds in all. `s3_clients`: a server's shared clients
+    (None: made for this fetch)."""
     deadline = time.monotonic() + policy.timeout_seconds
     if ref.kind == "s3":
-        return _from_s3(ref, policy, deadline)
+        return _from_s3(ref, policy, deadline, s3_clients or S3Clients())
     if ref.kind in ("http", "https"):
         return _from_http(ref, policy, deadline)
     assert ref.kind == "local", ref.kind

@@ -20,19 +20,37 @@ from adapters.sources.policy import SourcePolicy
 _CHUNK = 1 << 16
 
 
-class S3Reader:
-    """One client for one fetch (boto3 clients are cheap next to a download, and not shared)."""
+class S3Clients:
+    """boto3 clients by endpoint, made once and shared by the fetch threads (clients are thread-safe;
+    making one costs tens of milliseconds of the interpreter, which a storm of fetches would take
+    from the engine thread)."""
 
-    def __init__(self, policy: SourcePolicy, bucket: str, deadline: float) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[tuple, object] = {}
+
+    def get(self, policy: SourcePolicy):
+        key = (policy.s3_endpoint, policy.s3_region, policy.timeout_seconds)
+        with self._lock:
+            if key not in self._clients:
+                config = botocore.config.Config(connect_timeout=policy.timeout_seconds,
+                                                read_timeout=policy.timeout_seconds,
+                                                retries={"max_attempts": 1}, signature_version="s3v4")
+                self._clients[key] = boto3.session.Session().client(
+                    "s3", endpoint_url=policy.s3_endpoint, region_name=policy.s3_region, config=config)
+            return self._clients[key]
+
+
+class S3Reader:
+    """Reads of one fetch; the whole fetch's deadline bounds each (reads of a stream that drips, too)."""
+
+    def __init__(self, policy: SourcePolicy, bucket: str, deadline: float, clients: S3Clients) -> None:
         if not policy.allows("s3"):
             raise refused("s3:// adapter sources are not allowed on this server")
         if policy.s3_buckets and bucket not in policy.s3_buckets:
             raise refused(f"bucket {bucket!r} is not among the allowed adapter source buckets")
-        timeout = min(policy.timeout_seconds, remaining(deadline, f"s3://{bucket}"))
-        config = botocore.config.Config(connect_timeout=timeout, read_timeout=timeout,
-                                        retries={"max_attempts": 1}, signature_version="s3v4")
-        self._client = boto3.session.Session().client("s3", endpoint_url=policy.s3_endpoint,
-                                                      region_name=policy.s3_region, config=config)
+        remaining(deadline, f"s3://{bucket}")
+        self._client = clients.get(policy)
         self._bucket = bucket
         self._deadline = deadline
 

@@ -11,16 +11,29 @@ T = TypeVar("T")
 
 
 class FetchFlights:
-    def __init__(self) -> None:
+    """`max_concurrent` bounds the fetches under way at once: each runs Python code (signing, parsing,
+    validation) that competes with the engine thread for the interpreter, so a storm of cold adapters
+    must not take all of it."""
+
+    def __init__(self, max_concurrent: int = 4) -> None:
+        assert max_concurrent >= 1
         self._flights: dict[tuple[str, str], asyncio.Future] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self._max = max_concurrent
 
     async def run(self, key: tuple[str, str], start: Callable[[], Awaitable[T]]) -> T:
         flight = self._flights.get(key)
         if flight is None:
-            flight = asyncio.ensure_future(start())
+            flight = asyncio.ensure_future(self._bounded(start))
             self._flights[key] = flight
             flight.add_done_callback(lambda done: self._forget(key, done))
         return await asyncio.shield(flight)
+
+    async def _bounded(self, start: Callable[[], Awaitable[T]]) -> T:
+        if self._slots is None:  # made on the loop that uses it
+            self._slots = asyncio.Semaphore(self._max)
+        async with self._slots:
+            return await start()
 
     def _forget(self, key: tuple[str, str], done: asyncio.Future) -> None:
         if self._flights.get(key) is done:

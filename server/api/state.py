@@ -15,6 +15,7 @@ from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
 from adapters.sharing import SharingStore
 from adapters.sources import SourcePolicy
+from adapters.sources.s3_fetch import S3Clients
 from server.api.adapter_source import RetirementListener, registry_fetch
 from server.api.metrics import Metrics
 from server.api.engine_history import EngineHistory
@@ -67,6 +68,7 @@ class ServerState:
     sharing: SharingStore
     sources: SourcePolicy
     fetches: FetchFlights
+    s3_clients: S3Clients
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
@@ -125,7 +127,7 @@ class ServerState:
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 registry=registry, references=ReferenceStore(client, config.redis_prefix),
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
-                fetches=FetchFlights(), retirements=retirements, metrics=Metrics(),
+                fetches=FetchFlights(), s3_clients=S3Clients(), retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage), history=EngineHistory(), demo=demo,
                 embedded_redis=embedded)
