@@ -50,8 +50,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     s.add_argument("--adapter", action="append", metavar="NAME=DIR",
                    help="preload a PEFT adapter into the `default` tenant (repeatable)")
-    s.add_argument("--max-loras", type=_positive_int, default=8)
-    s.add_argument("--max-lora-rank", type=_positive_int, default=64)
+    s.add_argument("--max-loras", type=_positive_int, default=8,
+                   help="most distinct adapters in one batch (accelerator slots); default 8")
+    s.add_argument("--max-lora-rank", type=_positive_int, default=64,
+                   help="largest adapter rank accepted; default 64")
+    s.add_argument("--enable-lora", action="store_true",
+                   help="vLLM's flag, accepted for its scripts: loraplex always serves adapters (default on)")
+    s.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="vLLM's: operator adapters published at start and shared with tenants (all of them "
+                        "until the admin narrows it); PATH is a directory or any adapter source; also vLLM's "
+                        "JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (default none)")
+    s.add_argument("--adapter-sources", metavar="KINDS",
+                   help="comma-separated kinds tenants may register adapters from by reference: "
+                        "s3, https, http, local (default none: uploads only)")
+    s.add_argument("--adapter-local-root", metavar="DIR",
+                   help="the directory `local` references must lie under (default none)")
+    s.add_argument("--adapter-s3-endpoint", metavar="URL",
+                   help="S3-compatible endpoint for s3:// references; credentials from boto3's usual "
+                        "environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...) (default: AWS)")
+    s.add_argument("--adapter-s3-buckets", metavar="B1,B2",
+                   help="buckets s3:// references may name (default: any at the endpoint)")
+    s.add_argument("--adapter-http-hosts", metavar="H1,H2",
+                   help="hosts http(s) references and their redirects may name (default: any public host)")
+    s.add_argument("--adapter-allow-private-networks", action="store_true",
+                   help="let http(s) references reach loopback and private addresses, never link-local "
+                        "(default off: SSRF protection)")
+    s.add_argument("--adapter-fetch-timeout", type=float, metavar="SECONDS",
+                   help="limit on one whole adapter fetch from a source (default 30)")
     s.add_argument("--max-model-len", type=_positive_int,
                    help="longest prompt + completion in tokens (default: the model's, or less if the KV pool "
                         "cannot hold 4 sequences of that; the start-up log says which and why)")
@@ -60,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv = s.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=_positive_int)
     kv.add_argument("--gpu-memory-utilization", type=_fraction)
-    s.add_argument("--max-cpu-lora-bytes", type=_positive_int,
-                   help="host-tier budget: bytes of parsed adapters kept in host memory (default 1 GiB)")
+    cpu = s.add_mutually_exclusive_group()
+    cpu.add_argument("--max-cpu-lora-bytes", type=_positive_int,
+                     help="host-tier budget: bytes of parsed adapters kept in host memory (default 1 GiB)")
+    cpu.add_argument("--max-cpu-loras", type=_positive_int,
+                     help="vLLM's: host room for N adapters; loraplex budgets bytes, so this is N adapters "
+                          "of --max-lora-rank on all seven projections (default: --max-cpu-lora-bytes)")
     s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
     s.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no CUDA graphs for decode steps (default off: on CUDA, decode "

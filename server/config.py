@@ -1,6 +1,7 @@
 """ServerConfig: everything `loraplex serve` was told, resolved and validated once."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -33,6 +34,32 @@ def default_data_dir(env: Mapping[str, str]) -> Path:
 
 def valid_adapter_name(name: str) -> bool:
     return _ADAPTER_NAME_RE.fullmatch(name) is not None
+def parse_lora_module(value: str) -> tuple[str, str]:
+    """vLLM's `--lora-modules` item: `NAME=PATH` or `{"name": ..., "path": ..., "base_model_name": ...}`
+    -> (name, path). The base model name, when given, must be the served model (checked by the caller)."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            item = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"--lora-modules: {value!r} is not valid JSON") from None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
+                or not isinstance(item.get("path"), str) or set(item) - {"name", "path", "base_model_name"}:
+            raise ConfigError(f"--lora-modules: {value!r}: give \"name\" and \"path\" (and optionally "
+                              "\"base_model_name\")")
+        name, path = item["name"], item["path"]
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ConfigError(f"--lora-modules expects NAME=PATH or a JSON object, got {value!r}")
+    if not _ADAPTER_NAME_RE.fullmatch(name) or not path:
+        raise ConfigError(f"--lora-modules {value!r}: name 1-64 characters from A-Z a-z 0-9 . _ -, and a path")
+    return name, path
+
+
+def _lora_module_base(value: str) -> str | None:
+    text = value.strip()
+    return json.loads(text).get("base_model_name") if text.startswith("{") else None
 
 
 def parse_adapter_flag(value: str) -> tuple[str, str]:
@@ -89,6 +116,15 @@ class ServerConfig:
     usage_settle_interval: float = 2.0    # --usage-settle-interval: running requests' usage recorded this often
     auth_failure_limit: int = 30          # --auth-failure-limit: failed key checks per window, per address and key id
     auth_failure_window_seconds: float = 60.0
+    max_cpu_loras: int | None = None      # vLLM's --max-cpu-loras: host room for N adapters of max rank
+    lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: operator adapters shared with tenants
+    adapter_sources: tuple[str, ...] = ()  # --adapter-sources: kinds tenants may register by reference
+    adapter_local_root: str | None = None  # --adapter-local-root
+    adapter_s3_endpoint: str | None = None  # --adapter-s3-endpoint (None: AWS)
+    adapter_s3_buckets: tuple[str, ...] = ()  # --adapter-s3-buckets (empty: any)
+    adapter_http_hosts: tuple[str, ...] = ()  # --adapter-http-hosts (empty: any public host)
+    adapter_allow_private_networks: bool = False  # --adapter-allow-private-networks
+    adapter_fetch_timeout: float = 30.0   # --adapter-fetch-timeout, seconds for one whole fetch
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -130,6 +166,14 @@ class ServerConfig:
             object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))
         except CpuThreadsError as e:
             raise ConfigError(f"--cpu-threads: {e}") from None
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ConfigError("--max-cpu-loras must be >= 1")
+        if len({n for n, _ in self.lora_modules}) != len(self.lora_modules):
+            raise ConfigError("--lora-modules names must be unique")
+        try:
+            self.source_policy()
+        except ValueError as e:
+            raise ConfigError(f"adapter sources: {e}") from None
         names = [n for n, _ in self.adapters]
         if len(set(names)) != len(names):
             raise ConfigError("--adapter names must be unique")
@@ -139,6 +183,17 @@ class ServerConfig:
             if not is_gguf(self.model):
                 raise ConfigError(f"--model {self.model}: neither a Hugging Face model dir (no config.json there) "
                                   f"nor a GGUF file (use `{DEMO_MODEL_FLAG}` for the built-in random-weight model)")
+
+    def source_policy(self):
+        """What tenants may register adapters from (adapters.sources.SourcePolicy)."""
+        from adapters.sources import SourcePolicy  # boto3 and httpx: only when serving
+
+        return SourcePolicy(kinds=frozenset(self.adapter_sources),
+                            local_root=Path(self.adapter_local_root) if self.adapter_local_root else None,
+                            s3_endpoint=self.adapter_s3_endpoint, s3_buckets=frozenset(self.adapter_s3_buckets),
+                            http_hosts=frozenset(self.adapter_http_hosts),
+                            allow_private_networks=self.adapter_allow_private_networks,
+                            max_file_bytes=self.max_upload_bytes, timeout_seconds=self.adapter_fetch_timeout)
 
     @property
     def replica(self) -> str:
@@ -151,13 +206,7 @@ class ServerConfig:
 
     @property
     def model_id(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        if self.model is None:
-            return DEFAULT_MODEL_NAME
-        if self.model == DEMO_MODEL_FLAG:
-            return DEMO_MODEL_NAME
-        return Path(self.model).resolve().name.removesuffix(".gguf")
+        return _model_id(self.served_model_name, self.model)
 
     @classmethod
     def from_args(cls, args, env: Mapping[str, str] | None = None) -> "ServerConfig":
@@ -193,4 +242,40 @@ class ServerConfig:
             metrics_public=args.metrics_public,
             replica_name=getattr(args, "replica_name", None) or None,
             lease_ttl=args.lease_ttl, usage_settle_interval=args.usage_settle_interval,
-            auth_failure_limit=args.auth_failure_limit)
+            auth_failure_limit=args.auth_failure_limit,
+            max_cpu_loras=getattr(args, "max_cpu_loras", None),
+            lora_modules=tuple(_lora_modules(args, _model_id(args.served_model_name, args.model))),
+            adapter_sources=tuple(_csv(getattr(args, "adapter_sources", None))),
+            adapter_local_root=getattr(args, "adapter_local_root", None),
+            adapter_s3_endpoint=getattr(args, "adapter_s3_endpoint", None),
+            adapter_s3_buckets=tuple(_csv(getattr(args, "adapter_s3_buckets", None))),
+            adapter_http_hosts=tuple(_csv(getattr(args, "adapter_http_hosts", None))),
+            adapter_allow_private_networks=getattr(args, "adapter_allow_private_networks", False),
+            adapter_fetch_timeout=getattr(args, "adapter_fetch_timeout", None) or 30.0)
+
+
+def _model_id(served_model_name: str | None, model: str | None) -> str:
+    """The id clients send: --served-model-name, else the default or demo model's, else --model's name."""
+    if served_model_name:
+        return served_model_name
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    if model == DEMO_MODEL_FLAG:
+        return DEMO_MODEL_NAME
+    return Path(model).resolve().name.removesuffix(".gguf")
+
+
+def _csv(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _lora_modules(args, model_id: str) -> list[tuple[str, str]]:
+    modules = []
+    for value in getattr(args, "lora_modules", None) or ():
+        name, path = parse_lora_module(value)
+        base = _lora_module_base(value)
+        if base is not None and base != model_id:
+            raise ConfigError(f"--lora-modules {name}: base_model_name {base!r} is not the served model "
+                              f"{model_id!r}")
+        modules.append((name, path))
+    return modules

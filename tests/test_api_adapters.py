@@ -122,8 +122,11 @@ def test_bad_uploads_are_refused_and_leave_nothing(api_server, tiny_adapters, ca
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter"
     elif case == "not_multipart":
         with api_server.http(key) as h:
-            r = h.post("/v1/adapters", json={"name": "bad"})
+            r = h.post("/v1/adapters", data={"name": "bad"})  # form-urlencoded: no files
         assert r.status_code == 400
+        with api_server.http(key) as h:  # JSON registers by reference, and needs a source
+            r = h.post("/v1/adapters", json={"name": "bad"})
+        assert r.status_code == 422 and "source" in r.json()["error"]["message"]
     else:
         with api_server.http(key) as h:
             r = h.post("/v1/adapters", data={"name": "bad"},

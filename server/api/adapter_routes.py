@@ -10,11 +10,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from adapters.format import MAX_CONFIG_BYTES, inspect_adapter_bytes, load_adapter_bytes
+from adapters.format import MAX_CONFIG_BYTES
 from adapters.registry import validate_name
+from server.api.adapter_intake import store_adapter
+from server.api.adapter_references import register_reference, unregister
+from server.api.adapter_requests import AdapterByReference
 from server.api.auth import require_tenant, state_of
+from server.api.body import read_json_object
 from server.api.errors import APIError
 from server.api.upload import FORM_OVERHEAD_BYTES, read_adapter_upload
+from server.api.validation import parse_model
 
 
 def _path_name(request: Request) -> str | None:
@@ -28,6 +33,8 @@ def _path_name(request: Request) -> str | None:
 async def upload_adapter(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
+    if request.headers.get("content-type", "").split(";", 1)[0].strip() == "application/json":
+        return await _register_by_reference(request, tenant, state)
     quota = tenant.quota
     cap = state.config.max_upload_bytes
     if quota.max_adapter_bytes is not None:
@@ -39,41 +46,21 @@ async def upload_adapter(request: Request) -> Response:
         validate_name(upload.name)
     except ValueError as e:
         raise APIError(422, str(e), "invalid_field") from None
-    if upload.name == state.model_id:
-        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}",
-                       "invalid_field")
-    shape = state.engine.engine.adapter_shape
-    rank_cap = state.config.max_lora_rank
-    summary = await run_in_threadpool(inspect_adapter_bytes, upload.config_json, upload.weights,
-                                      shape, rank_cap)
-    if quota.max_lora_rank is not None and summary.rank > quota.max_lora_rank:
-        raise APIError(400, f"adapter rank {summary.rank} exceeds this tenant's max_lora_rank of "
-                            f"{quota.max_lora_rank}", "max_lora_rank")
-    if quota.max_adapter_bytes is not None and summary.size_bytes > quota.max_adapter_bytes:
-        raise APIError(413, f"adapter size {summary.size_bytes} bytes (as float32) exceeds this "
-                            f"tenant's max_adapter_bytes of {quota.max_adapter_bytes}",
-                       "max_adapter_bytes")
-    host_budget = state.config.max_cpu_lora_bytes
-    # The host tier keeps adapters in the serving dtype; the summary counts them as float32.
-    host_bytes = summary.size_bytes * state.engine.engine.dtype.itemsize // 4
-    if host_bytes > host_budget:
-        # It could never be paged in: every request for it would fail.
-        raise APIError(413, f"adapter size {host_bytes} bytes (in the serving dtype) exceeds the server's "
-                            f"host adapter budget of {host_budget} bytes (--max-cpu-lora-bytes)",
-                       "adapter_too_large")
-    # The engine loader's full rules (tensor values included), the same code that serves it.
-    await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, upload.weights,
-                            shape, rank_cap)
-    old = await run_in_threadpool(state.registry.get, tenant.id, upload.name)
-    # The canonical config is stored: the user's patterns were resolved once, above, and a
-    # later load never runs them again.
-    record = await run_in_threadpool(
-        lambda: state.registry.put(tenant.id, upload.name, summary.canonical_config_json, upload.weights,
-                                   summary=summary, replace=upload.replace,
-                                   max_adapters=quota.max_adapters))
-    if old is not None and old.version != record.version:
-        await state.engine.remove_adapter(old.version)  # other processes hear it via the registry's events
+    record = await store_adapter(state, tenant.id, quota, upload.name, upload.config_json, upload.weights,
+                                 upload.replace)
     return JSONResponse(_public(record), status_code=201)
+
+
+async def _register_by_reference(request: Request, tenant, state) -> Response:
+    body = parse_model(AdapterByReference, await read_json_object(request))
+    if body.name == state.model_id:
+        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field")
+    ref, record = await register_reference(state, tenant.id, tenant.quota, body.name, body.source,
+                                           prefetch=body.prefetch, replace=body.replace)
+    out = {"object": "adapter", "name": body.name, **ref.public()}
+    if record is not None:
+        out.update(_public(record))
+    return JSONResponse(out, status_code=201)
 
 
 def _public(record) -> dict:
@@ -100,12 +87,11 @@ async def delete_adapter(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
     name = _path_name(request)
-    record = None if name is None else await run_in_threadpool(state.registry.delete, tenant.id, name)
-    if record is None:
+    removed = False if name is None else await unregister(state, tenant.id, name)
+    if removed is False:
         raise APIError(404, f"adapter '{request.path_params['name']}' does not exist", "not_found")
-    await state.engine.remove_adapter(record.version)
-    return JSONResponse({"id": record.version, "name": record.name, "object": "adapter",
-                         "deleted": True})
+    return JSONResponse({"id": removed.version if removed is not True else None, "name": name,
+                         "object": "adapter", "deleted": True})
 
 
 ROUTES = [

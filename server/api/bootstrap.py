@@ -5,6 +5,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.format import CONFIG_FILE, WEIGHTS_FILE, inspect_adapter_bytes
+from adapters.sharing import ALL, OPERATOR_OWNER
+from adapters.sources import fetch_adapter, parse_reference
+from adapters.sources.policy import operator_policy
 from server.api.state import ServerState
 from server.credentials import ADMIN_TOKEN_FILE, DEMO_KEY_FILE, read_secret, write_secret
 from tenants import Tenant
@@ -34,15 +37,37 @@ class StartupInfo:
 def _put_dir(state: ServerState, tenant: Tenant, name: str, directory: str | Path) -> None:
     """Store a PEFT directory under the tenant unless the same adapter is already there."""
     d = Path(directory)
-    weights = (d / WEIGHTS_FILE).read_bytes()
-    summary = inspect_adapter_bytes((d / CONFIG_FILE).read_bytes(), weights,
-                                    state.engine.engine.adapter_shape, state.config.max_lora_rank)
+    _put_files(state, tenant.id, name, (d / CONFIG_FILE).read_bytes(), (d / WEIGHTS_FILE).read_bytes())
+
+
+def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, weights: bytes) -> None:
+    summary = inspect_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape,
+                                    state.config.max_lora_rank)
     # What is stored is the canonical config (user patterns resolved once, here).
     config_json = summary.canonical_config_json
-    existing = state.registry.get(tenant.id, name)
+    existing = state.registry.get(owner, name)
     if existing is not None and state.registry.read_files(existing.version) == (config_json, weights):
         return
-    state.registry.put(tenant.id, name, config_json, weights, summary=summary, replace=True)
+    state.registry.put(owner, name, config_json, weights, summary=summary, replace=True)
+
+
+def publish_lora_modules(state: ServerState) -> None:
+    """--lora-modules: fetch each (any source kind, any local path: the operator's own), store it under
+    the operator, and share it with all tenants unless the admin already chose otherwise. Operator
+    adapters no longer listed are retired."""
+    wanted = dict(state.config.lora_modules)
+    policy = operator_policy(state.sources)
+    for name, path in wanted.items():
+        files = fetch_adapter(parse_reference(path), policy, state.s3_clients)
+        _put_files(state, OPERATOR_OWNER, name, files.config_json, files.weights)
+        state.references.put(OPERATOR_OWNER, name, path, files.sha256)
+        state.sharing.set_default(name, ALL)
+    for name in set(state.sharing.all()) - set(wanted):
+        record = state.registry.delete(OPERATOR_OWNER, name)
+        if record is not None:
+            state.engine.remove_adapter_nowait(record.version)
+        state.references.delete(OPERATOR_OWNER, name)
+        state.sharing.delete(name)
 
 
 def _demo_key(state: ServerState, tenant: Tenant, path: Path) -> str:
@@ -76,6 +101,7 @@ def bootstrap(state: ServerState, base_url: str) -> StartupInfo:
     default = state.tenants.ensure(DEFAULT_TENANT)
     for name, directory in cfg.adapters:
         _put_dir(state, default, name, directory)
+    publish_lora_modules(state)
     demo_key = demo_key_file = None
     demo_adapters: tuple[str, ...] = ()
     if cfg.demo_tenant:

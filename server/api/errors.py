@@ -13,6 +13,7 @@ from starlette.routing import Match
 
 from adapters.format import AdapterFormatError
 from adapters.registry import AdapterExists, AdapterNotFound, AdapterQuotaExceeded
+from adapters.sources import SourceError
 from server.engine import RequestError
 from server.engine.async_engine import EngineDeadError
 from tenants import (QuotaError, QuotaExceeded, RequestTooLarge, TenantExists, TenantNameError,
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
           413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-          500: "internal_error", 503: "service_unavailable"}
+          500: "internal_error", 502: "upstream_error", 503: "service_unavailable", 504: "upstream_timeout"}
 
 
 # Redis restarts (or fails over) in seconds; clients should come back about then.
@@ -80,6 +81,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(409, f"{exc}; send replace=true to replace it", "adapter_exists")
     if isinstance(exc, AdapterNotFound):
         return APIError(404, "the adapter does not exist", "not_found")
+    if isinstance(exc, SourceError):
+        return APIError(exc.status, exc.message, exc.code)
     if isinstance(exc, AdapterFormatError):
         return APIError(400, str(exc), "invalid_adapter")
     if isinstance(exc, RequestError):
@@ -120,4 +123,4 @@ EXCEPTION_HANDLERS = {Exception: _handle, HTTPException: _handle, APIError: _han
                       RequestTooLarge: _handle, QuotaError: _handle, TenantNameError: _handle,
                       TenantExists: _handle, TenantNotFound: _handle, AdapterExists: _handle,
                       AdapterNotFound: _handle, AdapterFormatError: _handle, RequestError: _handle,
-                      EngineDeadError: _handle, redis.RedisError: _handle}
+                      EngineDeadError: _handle, redis.RedisError: _handle, SourceError: _handle}

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import anyio
 from starlette.concurrency import run_in_threadpool
 
-from adapters.registry import AdapterRecord, validate_name
+from adapters.registry import AdapterRecord
+from server.api.adapter_references import resolve_adapter
 from server.api.admission import cancel_admission
 from server.api.constraints import Constraint, compile_constraint
 from server.api.errors import APIError
@@ -37,19 +38,11 @@ class Delta:
 
 
 async def resolve_model(state: ServerState, tenant: Tenant, model: str) -> AdapterRecord | None:
-    """None for the base model, else the caller's own adapter of that name; 404 otherwise
-    (the same answer whether or not another tenant has one)."""
+    """None for the base model, else an adapter the caller may use (server.api.adapter_references);
+    404 otherwise (the same answer whether or not another tenant has one)."""
     if model == state.model_id:
         return None
-    try:
-        validate_name(model)
-    except ValueError:
-        record = None
-    else:
-        record = await run_in_threadpool(state.registry.get, tenant.id, model)
-    if record is None:
-        raise APIError(404, f"the model '{model}' does not exist", "model_not_found")
-    return record
+    return await resolve_adapter(state, tenant, model)
 
 
 class _Choice:

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 def purge_tenant(state: ServerState, tenant_id: str) -> int:
     """Retire every adapter of a deleted tenant (blocking); returns how many. Idempotent."""
     records = state.registry.delete_all(tenant_id)
+    state.references.delete_all(tenant_id)
     for record in records:
         # This process drops them from its tiers now; others hear the registry's events.
         state.engine.remove_adapter_nowait(record.version)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from server.api.vllm_metrics import VllmMetrics
 from server.engine import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -83,6 +84,7 @@ class Metrics:
         # An info metric (`loraplex_replica_info{replica=...} 1`) rather than a replica label on every
         # series: Prometheus already labels each scrape target, and a join on this one names it.
         self.replica = Info("loraplex_replica", "Which replica this is, and what it serves", registry=r)
+        self.vllm = VllmMetrics(r)
 
     def observe_engine(self, s: EngineStats) -> None:
         self.queue_depth.set(s.num_waiting)

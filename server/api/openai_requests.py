@@ -73,6 +73,9 @@ class SamplingFields(BaseModel):
     cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)] | None = Field(
         None, description="vLLM's: only requests with the same salt (and tenant and adapter) share cached "
                           "prompt blocks")
+    # LoRAX's per-request adapter (server.api.adapter_references.resolve_lorax_adapter)
+    adapter_id: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
+    adapter_source: Annotated[str, StringConstraints(min_length=1, max_length=16)] | None = None
     # vLLM fields we know but do not implement: set to anything but their default, they are refused.
     use_beam_search: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None

@@ -11,6 +11,8 @@ from starlette.routing import Route
 
 from adapters.registry import AdapterRecord
 from server.api.admission import gated
+from adapters.sharing import OPERATOR_OWNER
+from server.api.adapter_references import resolve_lorax_adapter
 from server.api.auth import require_tenant, state_of
 from server.api.body import BASE_VALUES, read_json_object
 from server.api.budget import check_request_cost
@@ -26,6 +28,28 @@ from server.api.validation import parse_model
 from tenants import Tenant
 
 
+def _ref_card(state: ServerState, tenant: Tenant, name: str, created: float, owner: str) -> dict:
+    base = state.model_id
+    return {"id": name, "object": "model", "created": int(created), "owned_by": owner, "root": base,
+            "parent": base, "max_model_len": state.engine.engine.max_model_len}
+
+
+def _listing(state: ServerState, tenant: Tenant) -> list[dict]:
+    """The base model, the caller's adapters (fetched or not yet), then the operator's shared with it."""
+    records = state.registry.list(tenant.id)
+    cards = [_model_card(state, tenant, None)] + [_model_card(state, tenant, r) for r in records]
+    names = {r.name for r in records}
+    for name, ref in sorted(state.references.list(tenant.id).items()):
+        if name not in names:
+            names.add(name)
+            cards.append(_ref_card(state, tenant, name, ref.registered_at, tenant.name))
+    for name in state.sharing.visible_names(tenant.id):
+        record = state.registry.get(OPERATOR_OWNER, name)
+        if name not in names and record is not None:
+            cards.append(_ref_card(state, tenant, name, record.created_at, "operator"))
+    return cards
+
+
 def _model_card(state: ServerState, tenant: Tenant, record: AdapterRecord | None) -> dict:
     base = state.model_id
     limit = state.engine.engine.max_model_len
@@ -39,9 +63,7 @@ def _model_card(state: ServerState, tenant: Tenant, record: AdapterRecord | None
 async def list_models(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
-    records = await run_in_threadpool(state.registry.list, tenant.id)
-    data = [_model_card(state, tenant, None)] + [_model_card(state, tenant, r) for r in records]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": await run_in_threadpool(_listing, state, tenant)})
 
 
 async def get_model(request: Request) -> Response:
@@ -88,6 +110,20 @@ def _render(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
+async def _request_adapter(state: ServerState, tenant: Tenant, req) -> AdapterRecord | None:
+    """`model`, or LoRAX's `adapter_id` (+ `adapter_source`), where `model` is then the base model."""
+    if req.adapter_id is None:
+        if req.adapter_source is not None:
+            raise APIError(400, "'adapter_source' needs 'adapter_id'", "invalid_value")
+        return await resolve_model(state, tenant, req.model)
+    if req.model not in (state.model_id, req.adapter_id):
+        raise APIError(400, f"'adapter_id' {req.adapter_id[:200]!r} and 'model' {req.model[:200]!r} disagree: "
+                            f"with adapter_id, send the base model {state.model_id!r} as model", "invalid_value")
+    if req.adapter_source is None and req.adapter_id == state.model_id:
+        return None
+    return await resolve_lorax_adapter(state, tenant, req.adapter_id, req.adapter_source)
+
+
 async def _generate(request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
     tenant = await require_tenant(request)
@@ -96,7 +132,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     async with gated(state, tenant) as gate:
         req = parse_model(ChatCompletionRequest if chat else CompletionRequest,
                           await read_json_object(request, max_body_values(state)))
-        record = await resolve_model(state, tenant, req.model)
+        record = await _request_adapter(state, tenant, req)
         if chat:
             prompts = [await state.prompts.encode_chat([m.for_template() for m in req.messages])]
         else:
@@ -113,6 +149,10 @@ async def _generate(request: Request, chat: bool) -> Response:
         await gate.hand_over()
         gens = await _start_all(state, tenant, req, prompts, max_tokens, record, arrived,
                                 "chat" if chat else "completions")
+
+
+    req = parse_model(ChatCompletionRequest if chat else CompletionRequest, await read_json_object(request))
+    record = await _request_adapter(state, tenant, req)
     texts = state.prompts.token_texts
     if chat:
         renderer = ChatRenderer(req, gens, texts, req.model)

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from server.api import adapter_requests as ar
 from server.api import admin_models as am
 from server.api import openai_requests as rq
 from server.api import openai_responses as rs
@@ -22,7 +23,8 @@ from server.version import loraplex_version
 _ERRORS = {400: "invalid input or an unsupported field", 401: "missing or invalid credentials",
            403: "not allowed for this credential", 404: "no such model, adapter or tenant",
            409: "already exists", 413: "body or adapter too large", 422: "a body of the wrong shape",
-           429: "a rate or concurrency limit (see Retry-After)", 503: "the engine or Redis is unavailable"}
+           429: "a rate or concurrency limit (see Retry-After)", 502: "an adapter source failed or is unreachable",
+           503: "the engine or Redis is unavailable", 504: "an adapter source timed out"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ OPERATIONS = (
     Op("get", "/v1/adapters/{name}", "One of the caller's adapters", "tenant", am.AdapterOut),
     Op("delete", "/v1/adapters/{name}", "Delete an adapter (running requests finish on it)", "tenant",
        am.AdapterDeleted),
+    Op("post", "/v1/load_lora_adapter", "vLLM's: load an adapter from a source the operator allows", "tenant",
+       None, ar.LoadLoraAdapter, text="text/plain"),
+    Op("post", "/v1/unload_lora_adapter", "vLLM's: unload one of the caller's adapters", "tenant", None,
+       ar.UnloadLoraAdapter, text="text/plain"),
     Op("get", "/v1/usage", "The caller's usage per UTC day, and its limits", "tenant", am.UsageOut,
        query=(("days", {"type": "integer", "minimum": 1, "maximum": 90, "default": 1}),)),
     Op("post", "/admin/tenants", "Create a tenant", "admin", am.TenantOut, am.TenantCreate, status=201),
@@ -76,6 +82,10 @@ OPERATIONS = (
        am.AdminAdapterList, query=(("tenant", {"type": "string", "maxLength": 64}),
                                    ("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}),
                                    ("offset", {"type": "integer", "minimum": 0, "maximum": 10**9, "default": 0}))),
+    Op("get", "/admin/shared-adapters", "The operator's adapters (--lora-modules) and who may use them", "admin",
+       None),
+    Op("put", "/admin/shared-adapters/{name}", "Share an operator adapter with all tenants or a list", "admin",
+       None, ar.SharedAdapterSharing),
     Op("get", "/admin/engine", "The engine's live state and its last minutes", "admin", am.EngineView),
     Op("get", "/health", "Liveness of the engine and Redis", None, am.Health),
     Op("get", "/metrics", "Prometheus metrics", "metrics", None, text="text/plain"),

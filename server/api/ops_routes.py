@@ -11,6 +11,7 @@ from starlette.routing import Route
 
 from server.api.auth import require_metrics_reader, require_tenant, state_of
 from server.api.usage_report import usage_report
+from server.api.vllm_metrics import adapter_label
 from server.version import loraplex_version, package_version
 
 
@@ -46,7 +47,10 @@ async def metrics(request: Request) -> Response:
     state = state_of(request)
     state.metrics.observe_identity(state.config.replica, state.model_id,
                                    loraplex_version())
-    state.metrics.observe_engine(state.engine.stats())
+    stats = state.engine.stats()
+    state.metrics.observe_engine(stats)
+    await run_in_threadpool(state.metrics.vllm.observe, stats, state.model_id, state.config.max_loras,
+                            lambda v: adapter_label(state.registry.get_version(v)))
     state.metrics.observe_load_times(state.engine.engine.host.load_seconds)
     state.metrics.running_leases.set(state.settlements.running)
     state.metrics.leases_lost.set(state.settlements.leases_lost)

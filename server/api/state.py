@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -9,16 +10,22 @@ from pathlib import Path
 
 import redis
 
-from adapters.format import ModelShape
+from adapters.format import PROJECTIONS, ModelShape
+from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
+from adapters.sharing import SharingStore
+from adapters.sources import SourcePolicy
+from adapters.sources.s3_fetch import S3Clients
 from server.api.adapter_source import RetirementListener, registry_fetch
 from server.api.metrics import Metrics
 from server.api.engine_history import EngineHistory
+from server.api.fetch_flights import FetchFlights
 from server.api.prompts import PromptTokenizer
 from server.api.settlement import Settlements
 from server.config import ServerConfig
 from server.demo import DemoPaths
 from server.engine import EngineConfig, LLMEngine
+from server.engine.config import ModelConfig
 from server.engine.async_engine import AsyncEngine
 from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
@@ -28,6 +35,13 @@ from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
 log = logging.getLogger(__name__)
 
 REDIS_TIMEOUT_SECONDS = 5.0
+
+
+def cpu_loras_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int, count: int) -> int:
+    """vLLM's --max-cpu-loras as a byte budget: room for `count` adapters of the largest rank on all
+    seven projections of every layer, in the serving dtype."""
+    per_layer = sum(max_lora_rank * sum(shape.in_out(p)) for p in PROJECTIONS)
+    return count * shape.num_layers * per_layer * itemsize
 
 
 def _held_versions(engine: AsyncEngine) -> set[str]:
@@ -53,6 +67,11 @@ class ServerState:
     auth_throttle: AuthThrottle
     usage: UsageLog
     registry: AdapterRegistry
+    references: ReferenceStore
+    sharing: SharingStore
+    sources: SourcePolicy
+    fetches: FetchFlights
+    s3_clients: S3Clients
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
@@ -95,6 +114,11 @@ class ServerState:
                 enable_prefix_caching=config.enable_prefix_caching,
                 share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads)
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+            if config.max_cpu_loras is not None:
+                itemsize = engine_config.resolve_dtype(ModelConfig.from_dir(model_dir),
+                                                       engine_config.resolve_device()).itemsize
+                engine_config = dataclasses.replace(engine_config, max_cpu_lora_bytes=cpu_loras_bytes(
+                    shape, config.max_lora_rank, itemsize, config.max_cpu_loras))
             engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank))
             async_engine = AsyncEngine(engine)
             retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
@@ -108,7 +132,9 @@ class ServerState:
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
                                            window_seconds=config.auth_failure_window_seconds),
-                registry=registry, retirements=retirements, metrics=Metrics(),
+                registry=registry, references=ReferenceStore(client, config.redis_prefix),
+                sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
+                fetches=FetchFlights(), s3_clients=S3Clients(), retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,

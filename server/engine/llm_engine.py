@@ -79,6 +79,8 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0
     grammar_failures: int = 0
     grammars_cached: int = 0
+    running_adapters: frozenset[str] = frozenset()  # adapter versions of the running requests
+    waiting_adapters: frozenset[str] = frozenset()  # adapter versions of the waiting requests
 
 
 class LLMEngine(OutputProcessing):
@@ -297,6 +299,7 @@ class LLMEngine(OutputProcessing):
         padded = self.runner.padded
         captured = padded.capture_stats if padded is not None else None
         grammars = self.grammars.stats()
+        running_adapters, waiting_adapters = self.scheduler.adapters_in_use()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -333,6 +336,8 @@ class LLMEngine(OutputProcessing):
             grammar_compile_seconds=grammars.compile_seconds,
             grammar_failures=grammars.failures,
             grammars_cached=grammars.cached,
+            running_adapters=running_adapters,
+            waiting_adapters=waiting_adapters,
         )
 
     def shutdown(self) -> None:

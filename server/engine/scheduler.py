@@ -88,6 +88,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def adapters_in_use(self) -> tuple[frozenset[str], frozenset[str]]:
+        """Distinct adapter versions of the running and of the waiting requests (the base model: none),
+        what a LoRA-aware router reads to send a request where its adapter is already loaded."""
+        running = frozenset(s.adapter_id for s in self.running if s.adapter_id is not None)
+        waiting = frozenset(entry[2].adapter_id for queue in self.waiting.queues.values() for entry in queue
+                            if entry[2].adapter_id is not None)
+        return running, waiting
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens

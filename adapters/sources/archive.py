@@ -1,0 +1,104 @@
+"""The two PEFT files out of a .tar, .tar.gz/.tgz or .zip held in memory, with every size bounded
+(decompressed bytes, member count, each member) and only regular files read: links, devices and
+paths are never followed or written anywhere."""
+from __future__ import annotations
+
+import gzip
+import io
+import posixpath
+import tarfile
+import zipfile
+import zlib
+
+from adapters.format import CONFIG_FILE, MAX_CONFIG_BYTES, PICKLE_FILE, WEIGHTS_FILE
+from adapters.sources.errors import SourceError, too_large
+
+MAX_MEMBERS = 256
+
+
+def _bad(what: str, why: str) -> SourceError:
+    return SourceError(400, f"{what}: {why}", "invalid_source")
+
+
+def _pick(names: list[str], what: str) -> tuple[str, str]:
+    """The shallowest directory holding both files."""
+    dirs = {}
+    for name in names:
+        d, base = posixpath.split(name.strip("/"))
+        dirs.setdefault(d, set()).add(base)
+    candidates = sorted((d for d, files in dirs.items() if {CONFIG_FILE, WEIGHTS_FILE} <= files),
+                        key=lambda d: (d.count("/"), d))
+    if not candidates:
+        if any(PICKLE_FILE in files for files in dirs.values()):
+            raise _bad(what, f"only {PICKLE_FILE} found; pickle files are never loaded, save the adapter with "
+                             f"safe_serialization=True")
+        raise _bad(what, f"the archive holds no directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    d = candidates[0]
+    return posixpath.join(d, CONFIG_FILE), posixpath.join(d, WEIGHTS_FILE)
+
+
+def _check_size(what: str, name: str, size: int, cap: int) -> None:
+    limit = MAX_CONFIG_BYTES if name.endswith(CONFIG_FILE) else cap
+    if size > limit:
+        raise too_large(f"{what}: {name}", size, limit)
+
+
+def _from_tar(data: bytes, cap: int, what: str) -> tuple[bytes, bytes]:
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+            members = {}
+            for i, member in enumerate(tf):
+                if i >= MAX_MEMBERS:
+                    raise _bad(what, f"more than {MAX_MEMBERS} archive members")
+                if member.isreg():
+                    members[member.name.strip("/")] = member
+            config_name, weights_name = _pick(list(members), what)
+            files = []
+            for name in (config_name, weights_name):
+                _check_size(what, name, members[name].size, cap)
+                f = tf.extractfile(members[name])
+                assert f is not None  # a regular file
+                files.append(f.read())
+            return files[0], files[1]
+    except tarfile.TarError as e:
+        raise _bad(what, f"not a readable tar archive ({e})") from None
+
+
+def _from_zip(data: bytes, cap: int, what: str) -> tuple[bytes, bytes]:
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            infos = zf.infolist()
+            if len(infos) > MAX_MEMBERS:
+                raise _bad(what, f"more than {MAX_MEMBERS} archive members")
+            regular = {i.filename.strip("/"): i for i in infos if not i.is_dir()}
+            config_name, weights_name = _pick(list(regular), what)
+            files = []
+            for name in (config_name, weights_name):
+                info = regular[name]
+                _check_size(what, name, info.file_size, cap)
+                if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                    raise _bad(what, f"{name}: unsupported zip compression")
+                with zf.open(info) as f:
+                    # zipfile stops at the declared size and checks the CRC.
+                    files.append(f.read(info.file_size + 1))
+            return files[0], files[1]
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise _bad(what, f"not a readable zip archive ({e})") from None
+
+
+def extract_adapter_files(data: bytes, name: str, cap: int, what: str) -> tuple[bytes, bytes]:
+    """(adapter_config.json, adapter_model.safetensors) from an archive named `name`."""
+    lower = name.lower().split("?", 1)[0]
+    if lower.endswith(".zip"):
+        return _from_zip(data, cap, what)
+    if lower.endswith((".tar.gz", ".tgz")):
+        limit = cap + MAX_CONFIG_BYTES + (1 << 20)  # both files plus tar headers
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as gz:
+                plain = gz.read(limit + 1)  # a gzip bomb stops here
+        except (OSError, EOFError, zlib.error) as e:
+            raise _bad(what, f"not a readable gzip stream ({e})") from None
+        if len(plain) > limit:
+            raise too_large(f"{what} (decompressed)", len(plain), limit)
+        return _from_tar(plain, cap, what)
+    return _from_tar(data, cap, what)

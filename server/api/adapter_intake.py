@@ -1,0 +1,53 @@
+"""One path from two PEFT files to a registry version, whatever brought them (an upload, a source
+fetch, the operator's --lora-modules): the tenant's quota, the server's caps, the engine loader's
+full rules (values included), the canonical config, then the registry."""
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+
+from adapters.format import inspect_adapter_bytes, load_adapter_bytes
+from adapters.registry import AdapterRecord
+from server.api.errors import APIError
+from server.api.state import ServerState
+from tenants import Quota
+
+
+async def store_adapter(state: ServerState, owner: str, quota: Quota | None, name: str, config_json: bytes,
+                        weights: bytes, replace: bool, keep_identical: bool = False) -> AdapterRecord:
+    """Validate and store; `quota` None: the operator's own adapter (no tenant's limits apply).
+    `keep_identical`: if the name already holds exactly these bytes, keep that version (its id is
+    what the KV cache and the tiers are keyed on) rather than make a new one."""
+    if name == state.model_id:
+        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field")
+    shape = state.engine.engine.adapter_shape
+    rank_cap = state.config.max_lora_rank
+    summary = await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)
+    if quota is not None and quota.max_lora_rank is not None and summary.rank > quota.max_lora_rank:
+        raise APIError(400, f"adapter rank {summary.rank} exceeds this tenant's max_lora_rank of "
+                            f"{quota.max_lora_rank}", "max_lora_rank")
+    if quota is not None and quota.max_adapter_bytes is not None and summary.size_bytes > quota.max_adapter_bytes:
+        raise APIError(413, f"adapter size {summary.size_bytes} bytes (as float32) exceeds this "
+                            f"tenant's max_adapter_bytes of {quota.max_adapter_bytes}", "max_adapter_bytes")
+    host_budget = state.engine.engine.config.max_cpu_lora_bytes
+    # The host tier keeps adapters in the serving dtype; the summary counts them as float32.
+    host_bytes = summary.size_bytes * state.engine.engine.dtype.itemsize // 4
+    if host_budget is not None and host_bytes > host_budget:
+        # It could never be paged in: every request for it would fail.
+        raise APIError(413, f"adapter size {host_bytes} bytes (in the serving dtype) exceeds the server's "
+                            f"host adapter budget of {host_budget} bytes (--max-cpu-lora-bytes)",
+                       "adapter_too_large")
+    # The engine loader's full rules (tensor values included), the same code that serves it.
+    await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, weights, shape, rank_cap)
+    old = await run_in_threadpool(state.registry.get, owner, name)
+    if keep_identical and old is not None:
+        stored = await run_in_threadpool(state.registry.read_files, old.version)
+        if stored == (summary.canonical_config_json, weights):
+            return old
+    # The canonical config is stored: the user's patterns were resolved once, above, and a
+    # later load never runs them again.
+    record = await run_in_threadpool(
+        lambda: state.registry.put(owner, name, summary.canonical_config_json, weights, summary=summary,
+                                   replace=replace, max_adapters=None if quota is None else quota.max_adapters))
+    if old is not None and old.version != record.version:
+        await state.engine.remove_adapter(old.version)  # other processes hear it via the registry's events
+    return record

@@ -1,0 +1,151 @@
+"""Adapters by reference and by sharing: registering a source for a name, fetching it on first use
+(or at once with prefetch), and resolving a request's adapter name among the caller's own adapters,
+its references, and the operator's adapters shared with it (read-only, outside its quota)."""
+from __future__ import annotations
+
+import hashlib
+
+from starlette.concurrency import run_in_threadpool
+
+from adapters.references import AdapterReference
+from adapters.registry import AdapterRecord, validate_name
+from adapters.sharing import OPERATOR_OWNER
+from adapters.sources import SourcePolicy, fetch_adapter, parse_reference
+from adapters.sources.policy import operator_policy
+from server.api.adapter_intake import store_adapter
+from server.api.errors import APIError
+from server.api.state import ServerState
+from tenants import Quota, Tenant
+
+
+def _policy(state: ServerState, owner: str) -> SourcePolicy:
+    return operator_policy(state.sources) if owner == OPERATOR_OWNER else state.sources
+
+
+async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
+                          ref: AdapterReference) -> AdapterRecord:
+    """Fetch a reference's files (off the event loop, bounded by the source policy), validate and
+    store them; the version stays the same when the content did. One fetch per (owner, name)."""
+
+    async def run() -> AdapterRecord:
+        files = await run_in_threadpool(fetch_adapter, parse_reference(ref.source), _policy(state, owner),
+                                        state.s3_clients)
+        record = await store_adapter(state, owner, quota, ref.name, files.config_json, files.weights,
+                                     replace=True, keep_identical=True)
+        current = await run_in_threadpool(state.references.get, owner, ref.name)
+        if current is None or current.registered_at != ref.registered_at:
+            # Unloaded (or registered anew) while this fetch ran: what it fetched is not wanted.
+            await run_in_threadpool(state.registry.delete, owner, ref.name)
+            await state.engine.remove_adapter(record.version)
+            raise APIError(409, f"adapter '{ref.name}' was unloaded or replaced during its fetch", "adapter_changed")
+        await run_in_threadpool(state.references.put, owner, ref.name, ref.source, files.sha256)
+        return record
+
+    return await state.fetches.run((owner, ref.name), run)
+
+
+async def register_reference(state: ServerState, owner: str, quota: Quota | None, name: str, source: str,
+                             prefetch: bool, replace: bool) -> tuple[AdapterReference, AdapterRecord | None]:
+    """Check the reference against the source policy now (so a refused one fails at once), keep it,
+    and fetch it now when `prefetch`, else on first use."""
+    ref = parse_reference(source)
+    policy = _policy(state, owner)
+    if not policy.allows(ref.kind):
+        raise APIError(403, f"{ref.kind} adapter sources are not allowed on this server (--adapter-sources)",
+                       "source_not_allowed")
+    previous = await run_in_threadpool(state.references.get, owner, name)
+    exists = previous is not None or await run_in_threadpool(state.registry.get, owner, name) is not None
+    if exists and not replace:
+        raise APIError(409, f"adapter '{name}' already exists; send replace=true (load_inplace) to replace it",
+                       "adapter_exists")
+    if not exists and quota is not None and quota.max_adapters is not None:
+        if await run_in_threadpool(_adapter_count, state, owner) >= quota.max_adapters:
+            raise APIError(403, f"tenant already has the maximum of {quota.max_adapters} adapters; delete one "
+                                "or ask the operator for a higher max_adapters", "max_adapters")
+    stored = await run_in_threadpool(state.references.put, owner, name, source)
+    if not prefetch:
+        old = await run_in_threadpool(state.registry.delete, owner, name)
+        if old is not None:  # the next use fetches the new reference
+            await state.engine.remove_adapter(old.version)
+        return stored, None
+    try:
+        record = await fetch_and_store(state, owner, quota, stored)
+    except BaseException:
+        # A failed registration leaves things as they were: nothing, or the reference it replaced.
+        if previous is None:
+            await run_in_threadpool(state.references.delete, owner, name)
+        else:
+            await run_in_threadpool(state.references.restore, owner, previous)
+        raise
+    return await run_in_threadpool(state.references.get, owner, name) or stored, record
+
+
+def _adapter_count(state: ServerState, owner: str) -> int:
+    names = {r.name for r in state.registry.list(owner)}
+    return len(names | set(state.references.list(owner)))
+
+
+async def unregister(state: ServerState, owner: str, name: str) -> AdapterRecord | None | bool:
+    """Forget a name's reference and stored version; False when it had neither."""
+    had_ref = await run_in_threadpool(state.references.delete, owner, name)
+    record = await run_in_threadpool(state.registry.delete, owner, name)
+    if record is not None:
+        await state.engine.remove_adapter(record.version)
+    return record if record is not None else had_ref
+
+
+def _not_found(model: str) -> APIError:
+    return APIError(404, f"the model '{model}' does not exist", "model_not_found")
+
+
+async def resolve_adapter(state: ServerState, tenant: Tenant, name: str) -> AdapterRecord:
+    """The caller's own adapter, else its reference (fetched now if never fetched), else an operator
+    adapter shared with it; 404 otherwise, the same whether or not another tenant has one."""
+    try:
+        validate_name(name)
+    except ValueError:
+        raise _not_found(name) from None
+    record = await run_in_threadpool(state.registry.get, tenant.id, name)
+    if record is not None:
+        return record
+    ref = await run_in_threadpool(state.references.get, tenant.id, name)
+    if ref is not None:
+        return await fetch_and_store(state, tenant.id, tenant.quota, ref)
+    if await run_in_threadpool(state.sharing.visible, name, tenant.id):
+        record = await run_in_threadpool(state.registry.get, OPERATOR_OWNER, name)
+        if record is not None:
+            return record
+        ref = await run_in_threadpool(state.references.get, OPERATOR_OWNER, name)
+        if ref is not None:
+            return await fetch_and_store(state, OPERATOR_OWNER, None, ref)
+    raise _not_found(name)
+
+
+_LORAX_SOURCES = {"s3": "s3://", "local": "", "https": "https://", "http": "http://", "url": ""}
+
+
+async def resolve_lorax_adapter(state: ServerState, tenant: Tenant, adapter_id: str,
+                                adapter_source: str | None) -> AdapterRecord:
+    """LoRAX's per-request `adapter_id` (+ `adapter_source`): without a source (or `name`), the name
+    of an adapter the caller may use; with one, a reference the caller may fetch, registered under a
+    name derived from it (`ref-` + its hash) the first time and reused after."""
+    if adapter_source in (None, "name"):
+        return await resolve_adapter(state, tenant, adapter_id)
+    if adapter_source not in _LORAX_SOURCES:
+        raise APIError(400, f"'adapter_source' {adapter_source!r} is not supported: use "
+                            f"{', '.join(sorted(_LORAX_SOURCES))} (no model hub is reachable from loraplex)",
+                       "invalid_value")
+    scheme = _LORAX_SOURCES[adapter_source]
+    source = adapter_id if not scheme or adapter_id.startswith(scheme) else scheme + adapter_id
+    kind = parse_reference(source).kind
+    if adapter_source not in ("url", kind) and not (adapter_source == "local" and kind == "local"):
+        raise APIError(400, f"'adapter_id' is not a {adapter_source} reference", "invalid_value")
+    name = "ref-" + hashlib.sha256(source.encode()).hexdigest()[:24]
+    record = await run_in_threadpool(state.registry.get, tenant.id, name)
+    if record is not None:
+        return record
+    ref = await run_in_threadpool(state.references.get, tenant.id, name)
+    if ref is None:
+        ref, _ = await register_reference(state, tenant.id, tenant.quota, name, source, prefetch=False,
+                                          replace=False)
+    return await fetch_and_store(state, tenant.id, tenant.quota, ref)

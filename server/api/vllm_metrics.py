@@ -1,0 +1,60 @@
+"""The metrics LoRA-aware routers and autoscalers read, with vLLM's names and meanings (the Gateway
+API Inference Extension's model-server protocol, llm-d, KEDA rules written for vLLM), beside ours.
+
+Adapters are named by their owner: `<tenant id>/<name>` for a tenant's (a tenant id is immutable, and
+another tenant's adapter of the same name is another adapter), the bare name for the operator's
+--lora-modules (global names, as in vLLM). They name tenants' adapters, so they sit behind the
+metrics credential with the rest of /metrics."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from adapters.sharing import OPERATOR_OWNER
+from server.engine import EngineStats
+
+# Versions are immutable, so their labels can be remembered; the bound keeps a long-lived server's
+# memory flat (a miss costs one Redis read).
+_LABEL_CACHE = 4096
+
+
+class VllmMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"],
+                             registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", ["model_name"],
+                             registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full (a fraction, as vLLM's)",
+                              ["model_name"], registry=r)
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running and waiting adapters; the value is the "
+                               "time of the last update", ["running_lora_adapters", "waiting_lora_adapters",
+                                                           "max_lora"], registry=r)
+        self._labels: dict[str, str | None] = {}
+
+    def observe(self, s: EngineStats, model: str, max_loras: int, label_of: Callable[[str], str | None]) -> None:
+        """`label_of(version)`: the adapter's label, None for a version gone from the registry."""
+        self.waiting.labels(model).set(s.num_waiting)
+        self.running.labels(model).set(s.num_running)
+        self.kv_usage.labels(model).set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        if len(self._labels) > _LABEL_CACHE:
+            self._labels.clear()
+        names = []
+        for versions in (s.running_adapters, s.waiting_adapters):
+            labels = []
+            for v in versions:
+                if v not in self._labels:
+                    self._labels[v] = label_of(v)
+                if self._labels[v] is not None:
+                    labels.append(self._labels[v])
+            names.append(",".join(sorted(labels)))
+        self.lora_info.clear()  # one series: the current sets, not every set ever seen
+        self.lora_info.labels(names[0], names[1], str(max_loras)).set(time.time())
+
+
+def adapter_label(record) -> str | None:
+    if record is None:
+        return None
+    return record.name if record.tenant == OPERATOR_OWNER else f"{record.tenant}/{record.name}"

@@ -1,0 +1,122 @@
+"""The source layer on its own, on real files and a real loopback HTTP server: archives read with
+every size bounded and only regular files, references parsed strictly, the local root not left by
+links, redirect chains bounded."""
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import tarfile
+import zipfile
+
+import pytest
+
+from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
+from adapters.sources.archive import extract_adapter_files
+from tests.source_servers import FileServer
+
+FILES = ("adapter_config.json", "adapter_model.safetensors")
+CAP = 1 << 20
+
+
+def _files(adapter_dir) -> dict[str, bytes]:
+    return {f: (adapter_dir / f).read_bytes() for f in FILES}
+
+
+def test_zip_and_tar_archives(tiny_adapters):
+    files = _files(tiny_adapters["r4_qv"])
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("README.md", "x")
+        for f, data in files.items():
+            zf.writestr(f"deep/er/{f}", b"decoy")
+            zf.writestr(f"top/{f}", data)
+    assert extract_adapter_files(buf.getvalue(), "a.zip", CAP, "a.zip") == tuple(files.values())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for f, data in files.items():
+            info = tarfile.TarInfo(f)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    assert extract_adapter_files(buf.getvalue(), "a.tar", CAP, "a.tar") == tuple(files.values())
+
+
+def test_archives_that_are_refused():
+    def tar(members) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            for info, data in members:
+                tf.addfile(info, io.BytesIO(data) if data is not None else None)
+        return buf.getvalue()
+
+    def reg(name, data):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        return info, data
+
+    link = tarfile.TarInfo("adapter_model.safetensors")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    with pytest.raises(SourceError) as e:  # a link is never read, so the pair is incomplete
+        extract_adapter_files(tar([reg("adapter_config.json", b"{}"), (link, None)]), "a.tar", CAP, "a")
+    assert e.value.status == 400
+    with pytest.raises(SourceError) as e:
+        extract_adapter_files(tar([reg("adapter_config.json", b"{}"), reg("adapter_model.bin", b"x")]),
+                              "a.tar", CAP, "a")
+    assert e.value.status == 400 and "pickle" in e.value.message
+    big = tar([reg("adapter_config.json", b"{}"), reg("adapter_model.safetensors", b"\0" * (CAP + 1))])
+    with pytest.raises(SourceError) as e:
+        extract_adapter_files(big, "a.tar", CAP, "a")
+    assert e.value.status == 413
+    bomb = gzip.compress(b"\0" * (4 * CAP))  # a few KiB that inflate past every cap
+    with pytest.raises(SourceError) as e:
+        extract_adapter_files(bomb, "a.tgz", CAP, "a")
+    assert e.value.status == 413 and "decompressed" in e.value.message
+    with pytest.raises(SourceError) as e:
+        extract_adapter_files(b"not an archive", "a.zip", CAP, "a")
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize("text", ["s3://bucket", "s3://bucket/", "ftp://h/x", "hf://org/m", "s3://u@b/k",
+                                  "http:///x", "https://h/x#frag", "", "x" * 3000, "a\nb"])
+def test_references_refused(text):
+    with pytest.raises(SourceError) as e:
+        parse_reference(text)
+    assert e.value.status == 400
+
+
+def test_local_root_is_not_left_by_links(tmp_path, tiny_adapters):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    for f, data in _files(tiny_adapters["r4_qv"]).items():
+        (outside / f).write_bytes(data)
+    os.symlink(outside, root / "linked-dir")
+    (root / "mixed").mkdir()
+    (root / "mixed" / "adapter_config.json").write_bytes(_files(tiny_adapters["r4_qv"])["adapter_config.json"])
+    os.symlink(outside / "adapter_model.safetensors", root / "mixed" / "adapter_model.safetensors")
+    policy = SourcePolicy(kinds=frozenset({"local"}), local_root=root)
+    for ref in ("linked-dir", str(outside), "../outside"):
+        with pytest.raises(SourceError) as e:
+            fetch_adapter(parse_reference(ref), policy)
+        assert e.value.status == 403, ref
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("mixed"), policy)
+    assert e.value.status == 404  # the weights file is a link out of the root: not read
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("mixed"), SourcePolicy(kinds=frozenset({"s3"})))
+    assert e.value.status == 403
+
+
+def test_redirect_chains_are_bounded():
+    with FileServer() as files:
+        for i in range(10):
+            files.redirects[f"/r{i}.tar"] = f"/r{i + 1}.tar"
+        policy = SourcePolicy(kinds=frozenset({"http"}), allow_private_networks=True, max_redirects=3)
+        with pytest.raises(SourceError) as e:
+            fetch_adapter(parse_reference(f"{files.url}/r0.tar"), policy)
+        assert e.value.status == 502 and "redirects" in e.value.message
+        assert files.requests == ["/r0.tar", "/r1.tar", "/r2.tar", "/r3.tar"]
+        files.redirects["/meta.tar"] = "http://169.254.169.254/latest/meta-data/"
+        with pytest.raises(SourceError) as e:  # link-local (cloud metadata) stays refused even so
+            fetch_adapter(parse_reference(f"{files.url}/meta.tar"), policy)
+        assert e.value.status == 403 and "169.254.169.254" in e.value.message
