@@ -10,9 +10,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from adapters.registry import AdapterRecord
-from server.api.admission import gated
 from adapters.sharing import OPERATOR_OWNER
 from server.api.adapter_references import resolve_lorax_adapter
+from server.api.admission import gated
 from server.api.auth import require_tenant, state_of
 from server.api.body import BASE_VALUES, read_json_object
 from server.api.budget import check_request_cost
@@ -149,10 +149,6 @@ async def _generate(request: Request, chat: bool) -> Response:
         await gate.hand_over()
         gens = await _start_all(state, tenant, req, prompts, max_tokens, record, arrived,
                                 "chat" if chat else "completions")
-
-
-    req = parse_model(ChatCompletionRequest if chat else CompletionRequest, await read_json_object(request))
-    record = await _request_adapter(state, tenant, req)
     texts = state.prompts.token_texts
     if chat:
         renderer = ChatRenderer(req, gens, texts, req.model)

@@ -3,7 +3,6 @@ adapter slots. Shared by every workload (mixed, prefix, steady) and by the peer 
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from pathlib import Path
 from typing import Callable
