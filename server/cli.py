@@ -6,7 +6,7 @@ import logging
 import socket
 import sys
 
-from server.config import ConfigError, ServerConfig
+from server.config import AUTO_PREFILL_CAP, CPU_PREFILL_CAP, ConfigError, ServerConfig
 from server.default_model import DefaultModelMissing
 from server.gguf_reader import GGUFError
 from server.version import loraplex_version
@@ -20,6 +20,12 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
+
+
+def _prefill_cap(text: str) -> int | str | None:
+    if text in (AUTO_PREFILL_CAP, "off"):
+        return None if text == "off" else text
+    return _positive_int(text)
 
 
 def _fraction(text: str) -> float:
@@ -81,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt + completion in tokens (default: the model's, or less if the KV pool "
                         "cannot hold 4 sequences of that; the start-up log says which and why)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                   help="tokens one engine step computes at most (prompt chunks and decodes); default 2048")
+    s.add_argument("--max-prefill-tokens-while-decoding", type=_prefill_cap, default=AUTO_PREFILL_CAP,
+                   metavar="N|auto|off",
+                   help="prompt tokens one step may compute while other requests decode, so one long prompt "
+                        "cannot stall everyone's next token; auto: %d on a CPU, off on a GPU (default auto)"
+                        % CPU_PREFILL_CAP)
     kv = s.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=_positive_int)
     kv.add_argument("--gpu-memory-utilization", type=_fraction)

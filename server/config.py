@@ -16,6 +16,10 @@ _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # A replica name goes into a response header and a Prometheus label: plain ASCII, no spaces.
 _REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
+AUTO_PREFILL_CAP = "auto"
+# On a 2-core CPU a 256-token chunk of the demo model's prompt keeps a decoding stream's worst gap under a
+# second where one 2,048-token step stalled it for ~6 s (docs/benchmarks/abuse.md).
+CPU_PREFILL_CAP = 256
 DEMO_MODEL_FLAG = "demo"  # --model demo: the built-in random-weight model
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # no --model: server.default_model
 
@@ -90,6 +94,9 @@ class ServerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # --max-prefill-tokens-while-decoding: an int, None (off), or "auto" (CPU_PREFILL_CAP on a CPU, off
+    # on a GPU, where a long prompt's step costs the others milliseconds, not seconds).
+    max_prefill_tokens_while_decoding: int | str | None = AUTO_PREFILL_CAP
     kv_cache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
@@ -141,6 +148,9 @@ class ServerConfig:
                      "max_grammar_compile_ms", "max_schema_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap != AUTO_PREFILL_CAP and cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ConfigError(f"--max-prefill-tokens-while-decoding must be >= 1, auto or off, got {cap!r}")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ConfigError("--metrics-token must be at least 16 characters")
         if not 1.0 <= self.lease_ttl <= 3600.0:
@@ -204,6 +214,12 @@ class ServerConfig:
         host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip(".-") or "localhost"
         return f"{host[:100]}:{self.port}"
 
+    def prefill_cap_for(self, device_type: str) -> int | None:
+        """--max-prefill-tokens-while-decoding for the engine on this device type."""
+        if self.max_prefill_tokens_while_decoding == AUTO_PREFILL_CAP:
+            return CPU_PREFILL_CAP if device_type == "cpu" else None
+        return self.max_prefill_tokens_while_decoding
+
     @property
     def model_id(self) -> str:
         return _model_id(self.served_model_name, self.model)
@@ -228,6 +244,7 @@ class ServerConfig:
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", AUTO_PREFILL_CAP),
             kv_cache_blocks=args.kv_cache_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,

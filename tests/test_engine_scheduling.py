@@ -170,3 +170,39 @@ def test_every_choice_counts_for_fair_share_and_max_num_seqs(tiny_model_dir):
     assert engine.scheduler.fork_seats == 0
     with pytest.raises(RequestError, match="n"):
         engine.add_request("five", prompt, SamplingParams(n=5, max_tokens=2))
+
+
+@pytest.mark.parametrize("cap", [None, 16])
+def test_prefill_tokens_are_capped_while_others_decode(tiny_model_dir, tiny_adapters, peft_oracle, cap):
+    """A long prompt that arrives while others decode is prefilled in chunks of at most the cap, each
+    step still carrying every decoding sequence; without a cap it takes one step. Tokens stay PEFT's."""
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=4, kv_cache_blocks=128, max_model_len=256,
+              max_num_batched_tokens=256, max_prefill_tokens_while_decoding=cap)
+    for name, path in tiny_adapters.items():
+        llm.add_adapter(name, path)
+    engine = llm.engine
+    names = ["r8_all", None, "r4_qv"]
+    prompts = random_prompts(2, (8, 12), VOCAB, seed=21) + random_prompts(1, (150, 150), VOCAB, seed=22)
+    for i, (prompt, name) in enumerate(zip(prompts[:2], names)):
+        engine.add_request(f"d{i}", prompt, greedy(40), llm._versions[name] if name else None)
+    engine.step()  # both short prompts prefilled: from here on they decode
+    steps: list[tuple[int, int]] = []  # (prompt tokens, decoding sequences) per step
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        steps.append((sum(n for n in batch.num_tokens if n > 1), sum(n == 1 for n in batch.num_tokens)))
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    engine.add_request("long", prompts[2], greedy(40), llm._versions["r4_qv"])
+    final = drive(engine)
+    prefill_steps = [p for p, _ in steps if p > 0]
+    assert sum(prefill_steps) == 150
+    if cap is None:
+        assert prefill_steps == [150]
+    else:
+        assert max(prefill_steps) <= cap and len(prefill_steps) >= 150 // cap
+        assert all(d >= 2 for p, d in steps if p > 0)  # every chunk's step still decodes both others
+    outs = [final["d0"], final["d1"], final["long"]]
+    assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 40, peft_oracle)

@@ -122,6 +122,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Prompt tokens one step may compute while other sequences decode (server.engine.scheduler); None:
+    # no cap beyond max_num_batched_tokens.
+    max_prefill_tokens_while_decoding: int | None = None
     kv_cache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int | None = None  # the CPU KV pool; None: a share of memory (server.engine.kv_cache)
@@ -158,6 +161,8 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be <= 512")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
             raise ValueError("max_cpu_lora_bytes must be >= 0")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError("kv_cache_blocks must be >= 1")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes < 1:

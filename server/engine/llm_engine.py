@@ -134,8 +134,8 @@ class LLMEngine(OutputProcessing):
         self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda",
                              max_parked=PREFETCH_WINDOW, dtype=self.dtype, init_thread=self.bind_thread)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks, self.slots, self.host
-        )
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            config.max_prefill_tokens_while_decoding), self.blocks, self.slots, self.host)
         self.kernels = select_kernels(config.kernels, self.device, self.dtype)
         if self.kernels.linear is upcast_linear:
             log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",

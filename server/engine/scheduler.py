@@ -8,6 +8,12 @@ loading never holds up the others. When blocks run out, the newest running
 sequence is preempted: its blocks are freed and it is recomputed from its
 tokens when readmitted.
 
+While any running sequence is decoding, the prompt tokens computed in one step
+are capped by `max_prefill_tokens_while_decoding` (when set): a long prompt is
+then prefilled in chunks between decode steps instead of in one step that
+stalls every decoding stream for its whole duration (one tenant's 2,000-token
+prompt would otherwise hold up everyone's next token for seconds on a CPU).
+
 A request for n choices is admitted as its choice 0 alone; once that prompt
 is prefilled the other choices fork from it, sharing its blocks. A sequence
 about to write into a shared block gets a private copy first: the copies are
@@ -44,9 +50,11 @@ SCAN_HORIZON = 1024
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_prefill_tokens_while_decoding: int | None = None  # None: prompts may take the whole token budget
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
+        assert self.max_prefill_tokens_while_decoding is None or self.max_prefill_tokens_while_decoding > 0
 
 
 @dataclass
@@ -99,18 +107,29 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget(budget)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_pending_tokens, budget)
-            if not self._make_room(seq, n, batch):
+            prefilling = seq.num_pending_tokens > 1
+            n = min(seq.num_pending_tokens, budget, prefill_budget if prefilling else budget)
+            if n == 0 or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n)
             budget -= n
-        self._admit(batch, budget, admit=not batch.preempted)
+            if prefilling:
+                prefill_budget -= n
+        self._admit(batch, min(budget, prefill_budget), admit=not batch.preempted)
         return batch
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may compute: capped while some running sequence decodes."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is not None and any(s.num_pending_tokens == 1 for s in self.running):
+            return min(cap, budget)
+        return budget
 
     def finish(self, seq: Sequence) -> None:
         """Return a finished (or aborted) sequence's blocks, adapter slot and host pin."""

@@ -1,0 +1,36 @@
+"""--max-prefill-tokens-while-decoding: parsed from the CLI, resolved per device, refused when invalid."""
+from __future__ import annotations
+
+import pytest
+
+from server.cli import build_parser
+from server.config import CPU_PREFILL_CAP, ConfigError, ServerConfig
+
+
+def _config(tmp_path, *flags: str) -> ServerConfig:
+    args = build_parser().parse_args(["serve", "--model", "demo", "--data-dir", str(tmp_path),
+                                      "--admin-token", "x" * 16, *flags])
+    return ServerConfig.from_args(args, env={})
+
+
+def test_auto_caps_a_cpu_and_not_a_gpu(tmp_path):
+    config = _config(tmp_path)
+    assert config.prefill_cap_for("cpu") == CPU_PREFILL_CAP
+    assert config.prefill_cap_for("cuda") is None
+
+
+@pytest.mark.parametrize("flag, cap", [("off", None), ("512", 512)])
+def test_an_explicit_value_holds_on_every_device(tmp_path, flag, cap):
+    config = _config(tmp_path, "--max-prefill-tokens-while-decoding", flag)
+    assert config.prefill_cap_for("cpu") == cap and config.prefill_cap_for("cuda") == cap
+
+
+@pytest.mark.parametrize("flag", ["0", "-3", "lots"])
+def test_bad_values_are_refused(flag):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", flag])
+
+
+def test_the_config_refuses_what_the_parser_would(tmp_path):
+    with pytest.raises(ConfigError, match="--max-prefill-tokens-while-decoding"):
+        ServerConfig(data_dir=tmp_path, admin_token="x" * 16, max_prefill_tokens_while_decoding=0)
