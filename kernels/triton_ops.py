@@ -1,8 +1,8 @@
-"""The Triton implementation of the kernel entry points (see kernels.ops)."""
+"""The Triton implementation of the kernel entry points (see kernels.kernel_ops)."""
 from __future__ import annotations
 
 from kernels import attention_triton, lora_triton
-from kernels.ops import KernelOps, composed_lora
+from kernels.kernel_ops import KernelOps, composed_lora
 
 
 def triton_ops() -> KernelOps:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from server.redis_embedded import EmbeddedRedis
+from server.embedded_redis.server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

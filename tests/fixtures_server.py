@@ -20,7 +20,7 @@ import uvicorn
 from server.api.app import create_app
 from server.api.state import ServerState
 from server.config import ServerConfig
-from server.redis_embedded import EmbeddedRedis, free_port
+from server.embedded_redis.server import EmbeddedRedis, free_port
 
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
 API_DB = 1  # the redis fixtures flush db 0 per test; servers live in db 1

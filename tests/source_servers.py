@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 
 
 class FileServer:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
 PROMPT = list(range(20, 120))  # 100 tokens: six full 16-token blocks

@@ -17,7 +17,7 @@ from server.api.errors import APIError
 from server.api.upload import read_adapter_upload
 
 from tests.fixtures_server import ADMIN_TOKEN, api_redis_url
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 
 
 def _complete(server, key, **kw) -> httpx.Response:

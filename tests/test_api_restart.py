@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

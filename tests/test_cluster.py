@@ -122,7 +122,7 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Cluster:
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
-            pidfile = data / "cluster" / "redis" / "redis.pid"  # the embedded Redis (server.redis_embedded)
+            pidfile = data / "cluster" / "redis" / "redis.pid"  # the embedded Redis (server.embedded_redis.server)
             children = {**{r["name"]: r["pid"] for r in state["replicas"]},
                         **{p["kind"]: p["pid"] for p in state["proxies"]},
                         **({"redis": int(pidfile.read_text())} if pidfile.is_file() else {})}

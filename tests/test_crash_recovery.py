@@ -14,7 +14,7 @@ import httpx
 import redis
 
 from server.bench.server_proc import ServerProcess
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 from tenants import TenantStore, UsageLog
 from tests.fixtures_server import api_redis_url, running_server, server_config
 

@@ -9,7 +9,7 @@ from server import default_model
 from server.default_model import DefaultModelMissing
 from server.gguf_reader import is_gguf
 from server.config import ServerConfig
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 from tests.fixtures_server import ADMIN_TOKEN, api_redis_url, running_server
 
 

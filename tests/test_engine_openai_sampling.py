@@ -10,7 +10,8 @@ import torch
 
 from server.engine import LLM, SamplingParams
 from server.engine.penalties import LogitsProcessors, apply_logit_bias, apply_penalties, mask_tokens
-from server.engine.sampler import SamplingRow, sample_rows
+from server.engine.sampler import sample_rows
+from server.engine.sampling_row import SamplingRow
 from server.engine.truncation import sampling_probs
 from tests.engine_helpers import random_prompts
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from adapters.format import inspect_adapter_bytes
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 from tests.fixtures_server import api_redis_url, running_server, server_config
 from tests.hostile_helpers import Victim, nan_like, stream_text, tampered_adapter, victim_body
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from server.redis_embedded import EmbeddedRedis, free_port
+from server.embedded_redis.server import EmbeddedRedis, free_port
 from tests.fixtures_server import running_server, server_config
 
 

@@ -17,7 +17,7 @@ from adapters.registry import AdapterNotFound
 from server.cli import build_parser
 from server.config import ServerConfig
 from server.credentials import ADMIN_TOKEN_FILE, DEMO_KEY_FILE
-from server.redis_embedded import free_port
+from server.embedded_redis.server import free_port
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
 ROOT = Path(__file__).resolve().parent.parent

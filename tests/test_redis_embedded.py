@@ -14,7 +14,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from server.redis_embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server, free_port
+from server.embedded_redis.server import EmbeddedRedis, EmbeddedRedisError, find_redis_server, free_port
 
 
 def test_find_redis_server_is_executable() -> None:

@@ -29,7 +29,7 @@ from server.engine.config import ModelConfig
 from server.engine.async_engine import AsyncEngine
 from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
-from server.redis_embedded import EmbeddedRedis
+from server.embedded_redis.server import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.ops import KernelOps
+from kernels.kernel_ops import KernelOps
 from server.engine.decode_buffers import DecodeBuffers, bucket_for, decode_buckets
 from server.engine.model import CausalLM, StepContext
 

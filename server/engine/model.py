@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.ops import KernelOps
+from kernels.kernel_ops import KernelOps
 from server.engine.config import ModelConfig
 from server.engine.lora_slots import LoraGroupBuffers
 from server.engine.rope import RotaryEmbedding

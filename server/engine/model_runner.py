@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.ops import KernelOps
+from kernels.kernel_ops import KernelOps
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar_mask import GrammarMask
 from server.engine.logprobs import gather_logprobs
 from server.engine.model import CausalLM, StepContext
-from server.engine.sampler import SampleFailure, SamplingRow, sample_rows
+from server.engine.sampler import SampleFailure, sample_rows
+from server.engine.sampling_row import SamplingRow
 # Bound as `sample`: the runner looks it up as a module global each step, so a profiler
 # (scripts/bench_engine.py) can wrap model_runner.sample.
 from server.engine.scheduler import ScheduledBatch

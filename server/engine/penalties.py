@@ -13,12 +13,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from server.engine.sampler import SamplingRow
+from server.engine.sampling_row import SamplingRow
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 

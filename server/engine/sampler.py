@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from server.engine.grammar_mask import GrammarMask
 from server.engine.logprobs import gather_logprobs
 from server.engine.penalties import LogitsProcessors
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_row import SamplingRow
 from server.engine.sequence import TokenLogprobs
 from server.engine.truncation import truncate
 
@@ -38,18 +37,6 @@ class SampleFailure:
 
     reason: str
     non_finite: bool = False  # the model (with the row's adapter) produced NaN/inf logits
-
-
-class SamplingRow(NamedTuple):
-    """One token to choose: a choice of a request, at one output position."""
-
-    params: SamplingParams
-    choice: int  # the choice's index in its request (seeds a stream of its own)
-    output_index: int  # index in the choice's output of the token being chosen
-    output_ids: Sequence[int] = ()  # the choice's output so far; read only with a penalty
-    prompt_ids: torch.Tensor | None = None  # [P] CPU; read only with a repetition penalty
-    stop_ids: tuple[int, ...] = ()  # masked while output_index < min_tokens
-    grammar: object | None = None  # the choice's xgrammar GrammarMatcher, when constrained
 
 
 @dataclass(frozen=True)

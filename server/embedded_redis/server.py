@@ -26,9 +26,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from server.redis_password import (PASSWORD_NAME, PasswordFileError, load_or_create_password,
+from server.embedded_redis.password import (PASSWORD_NAME, PasswordFileError, load_or_create_password,
                                    write_private)
-from server.redis_supervisor import SpawnError, Supervisor
+from server.embedded_redis.supervisor import SpawnError, Supervisor
 
 _LOG_NAME = "redis.log"
 _PID_NAME = "redis.pid"

@@ -1,0 +1,31 @@
+"""The kernel entry points as one set per implementation (kernels.ops for torch and the choice,
+kernels.triton_ops for Triton): what the model calls, whichever set it was given."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels.cpu_linear import linear
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str
+    lora_shrink: Callable[..., None]  # see kernels.lora_ref.lora_shrink
+    lora_expand: Callable[..., None]  # see kernels.lora_ref.lora_expand
+    lora: Callable[..., None]  # one fused projection's LoRA, both sides: see kernels.lora_cpu.lora_apply
+    write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
+    write_kv_padded: Callable[..., None]  # write_kv skipping negative slots: see kernels.attention_ref.write_kv_padded
+    paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
+    linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
+
+
+def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:
+    """The `lora` entry as a shrink into the scratch h, then an expand from it."""
+    def lora(x, lora_a, lora_b, scaling, slice_offsets, batch, h, y) -> None:
+        if batch.any_lora:
+            shrink(x, lora_a, batch, scaling, h)
+            expand(h, lora_b, batch, y, slice_offsets)
+    return lora

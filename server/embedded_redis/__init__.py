@@ -1,0 +1,2 @@
+"""The embedded Redis: a supervised, password-protected redis-server child bound to loopback
+(server.py), its restart policy (supervisor.py) and its password file (password.py)."""

@@ -1,0 +1,22 @@
+"""One token to choose: what the sampler (sampler.py) and the logit modifications (penalties.py)
+both read, in a module of its own so neither imports the other."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from server.engine.sampling_params import SamplingParams
+
+
+class SamplingRow(NamedTuple):
+    """One token to choose: a choice of a request, at one output position."""
+
+    params: SamplingParams
+    choice: int  # the choice's index in its request (seeds a stream of its own)
+    output_index: int  # index in the choice's output of the token being chosen
+    output_ids: Sequence[int] = ()  # the choice's output so far; read only with a penalty
+    prompt_ids: torch.Tensor | None = None  # [P] CPU; read only with a repetition penalty
+    stop_ids: tuple[int, ...] = ()  # masked while output_index < min_tokens
+    grammar: object | None = None  # the choice's xgrammar GrammarMatcher, when constrained
