@@ -9,6 +9,7 @@ import torch
 
 from kernels import attention_ref, lora_cpu, lora_ref
 from kernels.cpu_linear import linear, linear_for
+from kernels.int8_weights import int8_linear
 
 KERNEL_KINDS = ("auto", "triton", "torch")
 
@@ -22,6 +23,7 @@ class KernelOps:
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
     linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
+    int8_linear: Callable[..., torch.Tensor] = int8_linear  # the same on an Int8Weight (kernels.int8_weights)
 
 
 def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:

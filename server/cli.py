@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-cpu-lora-bytes", type=_positive_int,
                    help="host-tier budget: bytes of parsed adapters kept in host memory (default 1 GiB)")
     s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    s.add_argument("--quantization", metavar="int8",
+                   help="store the base model's decoder projections quantized: int8 is weight-only with "
+                        "per-output-channel scales, CPU only; adapters and lm_head stay float "
+                        "(default: none, the checkpoint's float weights)")
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
                    help="torch threads on a CPU device: auto (default) = the cores in this process's "
                         "affinity mask, less one for the HTTP side when there is more than one")

@@ -89,7 +89,8 @@ class ServerState:
                 max_cpu_lora_bytes=config.max_cpu_lora_bytes,
                 kernels=config.kernels, seed=config.seed,
                 enable_prefix_caching=config.enable_prefix_caching,
-                share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads)
+                share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
+                quantization=config.quantization)
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
             engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank))
             async_engine = AsyncEngine(engine)
