@@ -9,7 +9,7 @@ import torch
 
 from kernels import attention_ref, lora_cpu, lora_ref
 from kernels.cpu_linear import linear, linear_for
-from kernels.int8_weights import int8_linear
+from kernels.int8_weights import dequant_linear, int8_linear_for
 
 KERNEL_KINDS = ("auto", "triton", "torch")
 
@@ -23,7 +23,7 @@ class KernelOps:
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
     linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
-    int8_linear: Callable[..., torch.Tensor] = int8_linear  # the same on an Int8Weight (kernels.int8_weights)
+    int8_linear: Callable[..., torch.Tensor] = dequant_linear  # the same on an Int8Weight (kernels.int8_weights)
 
 
 def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:
@@ -35,7 +35,8 @@ def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> C
     return lora
 
 
-def torch_ops(linear: Callable[..., torch.Tensor] = linear) -> KernelOps:
+def torch_ops(linear: Callable[..., torch.Tensor] = linear,
+              int8_linear: Callable[..., torch.Tensor] = dequant_linear) -> KernelOps:
     return KernelOps(
         name="torch",
         lora_shrink=lora_ref.lora_shrink,
@@ -44,6 +45,7 @@ def torch_ops(linear: Callable[..., torch.Tensor] = linear) -> KernelOps:
         write_kv=attention_ref.write_kv,
         paged_attention=attention_ref.paged_attention,
         linear=linear,
+        int8_linear=int8_linear,
     )
 
 
@@ -55,7 +57,7 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.f
     if kind == "auto":
         kind = "triton" if device.type == "cuda" else "torch"
     if kind == "torch":
-        return torch_ops(linear_for(device, dtype))
+        return torch_ops(linear_for(device, dtype), int8_linear_for(device))
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
     from kernels.triton_ops import triton_ops

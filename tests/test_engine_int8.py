@@ -4,13 +4,15 @@ reference's nn.Linear weights): greedy tokens identical for mixed adapters and b
 within the issue's 1e-3."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.int8_weights import Int8Weight, dequantize_int8, int8_linear, quantize_int8
+from kernels.int8_weights import (Int8Weight, dequant_linear, dequantize_int8, int8_linear_for, int8pack_linear,
+                                  quantize_int8)
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.engine import LLM, SamplingParams
@@ -44,27 +46,41 @@ def test_fused_quantization_equals_per_projection():
     assert torch.equal(fused.scale, torch.cat([qa.scale, qb.scale]))
 
 
+MATMULS = {"int8pack": int8pack_linear, "dequant": dequant_linear}
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_matmul_equals_the_dequantized_matmul(dtype, tol, bias):
+@pytest.mark.parametrize("scratch", [False, True])
+def test_int8_matmul_equals_the_dequantized_matmul(matmul, dtype, tol, bias, scratch):
+    int8_linear = MATMULS[matmul]
     g = torch.Generator().manual_seed(2)
     w = torch.randn(200, 72, generator=g)
     x = torch.randn(11, 72, generator=g).to(dtype)  # [T, in]
     b = torch.randn(200, generator=g).to(dtype) if bias else None
     q = quantize_int8(w, scale_dtype=dtype)
     ref = torch.nn.functional.linear(x.float(), dequantize_int8(q), None if b is None else b.float())  # [T, out]
-    y = int8_linear(x, q, b)
+    buf = torch.full((200 * 72 + 5,), float("nan"), dtype=dtype) if scratch else None  # stale contents
+    y = int8_linear(x, q, b, scratch=buf)
     assert y.dtype == dtype and y.shape == (11, 200)
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
     out = torch.empty(11, 200, dtype=dtype)
-    assert int8_linear(x, q, b, out=out) is out and torch.equal(out, y)
+    assert int8_linear(x, q, b, out=out, scratch=buf) is out and torch.equal(out, y)
 
 
-def test_a_strided_input_is_accepted():
+@pytest.mark.parametrize("matmul", MATMULS)
+def test_a_strided_input_is_accepted(matmul):
     q = quantize_int8(torch.randn(8, 16))
     x = torch.randn(16, 5).t()  # [5, 16], not contiguous
     ref = x @ dequantize_int8(q).t()
-    assert torch.allclose(int8_linear(x, q), ref, atol=1e-5)
+    assert torch.allclose(MATMULS[matmul](x, q), ref, atol=1e-5)
+
+
+def test_the_int8_kernel_only_where_it_is_vectorized():
+    cpu = torch.device("cpu")
+    assert int8_linear_for(cpu, frozenset({"avx2", "avx512f"})) is int8pack_linear
+    assert int8_linear_for(cpu, frozenset({"avx2", "fma"})) is dequant_linear
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +100,14 @@ def quantized_reference_dir(tiny_model_dir, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir, tiny_adapters):
+@pytest.fixture(scope="module", params=list(MATMULS))
+def llm(request, tiny_model_dir, tiny_adapters):
+    """The int8 engine with each matmul, whichever this CPU would pick."""
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=256, max_model_len=512,
               quantization="int8")
+    engine = llm.engine
+    engine.kernels = dataclasses.replace(engine.kernels, int8_linear=MATMULS[request.param])
+    engine.runner.ops = engine.kernels
     for name, path in tiny_adapters.items():
         llm.add_adapter(name, path)
     return llm

@@ -40,15 +40,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LoraLinear:
     """A base linear layer (possibly several fused projections) plus its LoRA slots."""
 
-    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, lora: LoraGroupBuffers) -> None:
+    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, lora: LoraGroupBuffers,
+                 dequant_scratch: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out, in], float or int8 with per-row scales
         self.bias = bias  # [out] or None
         self.lora = lora
+        self.dequant_scratch = dequant_scratch  # the workspace's, for an int8 weight (Workspace.dequant)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
         """out: [T, out] workspace rows the result is written into (and returned)."""
-        linear = ctx.ops.int8_linear if isinstance(self.weight, Int8Weight) else ctx.ops.linear
-        y = linear(x, self.weight, self.bias, out=out)  # x: [T, in] -> y: [T, out]
+        if isinstance(self.weight, Int8Weight):
+            y = ctx.ops.int8_linear(x, self.weight, self.bias, out=out, scratch=self.dequant_scratch)  # [T, out]
+        else:
+            y = ctx.ops.linear(x, self.weight, self.bias, out=out)  # x: [T, in] -> y: [T, out]
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             lora = self.lora
@@ -58,7 +62,7 @@ class LoraLinear:
 
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, dequant_scratch: torch.Tensor | None = None) -> None:
         """quantization: None (float projections) or "int8" (kernels.int8_weights, quantized here after
         fusing: scales are per output row, so fused and unfused quantization agree)."""
         self.cfg = cfg
@@ -70,7 +74,7 @@ class DecoderLayer:
             weight = w.pop(f"{name}.weight")
             if quantization == "int8":
                 weight = quantize_int8(weight)
-            return LoraLinear(weight, w.get(f"{name}.bias"), lora[name.removesuffix("_proj")])
+            return LoraLinear(weight, w.get(f"{name}.bias"), lora[name.removesuffix("_proj")], dequant_scratch)
 
         self.qkv = base("qkv")
         self.o = base("o_proj")
@@ -115,14 +119,14 @@ class CausalLM:
         not save one) and the logits are where rounding shows most (GPTQ/AWQ keep it float too)."""
         self.cfg = cfg
         some = weights["model.embed_tokens.weight"]
-        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device)
+        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device, dequant=quantization is not None)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
         self.norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]  # [V, H]
         self.rope = rope
         self.layers = [
-            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization)
+            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant)
             for i in range(cfg.num_layers)
         ]
 
