@@ -3,10 +3,10 @@
 
 Three variants: float32; "int8", the engine's own choice of int8 matmul for this CPU
 (kernels.int8_weights.int8_linear_for); and "int8pack", torch's `aten._weight_int8pack_mm` forced,
-to show the measurement behind that choice. The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding sequences
-spread over `--adapters` adapter slots (one LoRA file loaded under each name: every slot is its own
-adapter to the kernels, which is what costs). Rounds alternate the two variants (the order flips
-each round) so a machine shared with other work loads both alike; each round times `--steps`
+to show the measurement behind that choice. The smol135 shape (server.bench.model_shape), one
+engine per variant, `--seqs` decoding sequences spread over `--adapters` adapter slots (one LoRA
+file loaded under each name: every slot is its own adapter to the kernels, which is what costs).
+Rounds alternate the variants (the order flips each round) so a machine shared with other work loads both alike; each round times `--steps`
 decode steps per variant and the table reports the median of the per-round ratios. Prints a table
 and writes JSON.
 
@@ -104,7 +104,8 @@ def main() -> None:
     }
     print(f"\n{'variant':>8} {'tok/s (median)':>15} {'proj. weight MB':>16}")
     for v in VARIANTS:
-        print(f"{v:>8} {summary['median_tok_s'][v]:>15.2f} {weight_bytes[v if v in weight_bytes else 'int8'] / 1e6:>16.1f}")
+        mb = weight_bytes["float32" if v == "float32" else "int8"] / 1e6
+        print(f"{v:>8} {summary['median_tok_s'][v]:>15.2f} {mb:>16.1f}")
     print(f"int8 ({summary['int8_matmul']})/float32: decode x{summary['median_ratio_int8_over_float32']:.3f}, "
           f"int8pack/float32 x{summary['median_ratio_int8pack_over_float32']:.3f} (medians of {args.rounds} paired "
           f"rounds); weight bytes x{summary['weight_bytes_ratio']:.3f}")

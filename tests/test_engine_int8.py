@@ -83,21 +83,24 @@ def test_the_int8_kernel_only_where_it_is_vectorized():
     assert int8_linear_for(cpu, frozenset({"avx2", "fma"})) is dequant_linear
 
 
-@pytest.fixture(scope="module")
-def quantized_reference_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with every decoder projection replaced by dequantize(quantize(w)): what the
+def write_quantized_reference(model_dir, out):
+    """`model_dir` with every decoder projection replaced by dequantize(quantize(w)): what the
     transformers + peft oracle runs."""
-    out = tmp_path_factory.mktemp("tiny-int8-reference")
-    for f in tiny_model_dir.iterdir():
+    for f in model_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
-    for f in tiny_model_dir.glob("*.safetensors"):
+    for f in model_dir.glob("*.safetensors"):
         tensors = load_file(f)
         for key, w in tensors.items():
             if key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS:
                 tensors[key] = dequantize_int8(quantize_int8(w), w.dtype).contiguous()
         save_file(tensors, out / f.name, metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def quantized_reference_dir(tiny_model_dir, tmp_path_factory):
+    return write_quantized_reference(tiny_model_dir, tmp_path_factory.mktemp("tiny-int8-reference"))
 
 
 @pytest.fixture(scope="module", params=list(MATMULS))
@@ -142,6 +145,17 @@ def test_mixed_adapters_and_base_rows_match_quantized_peft(llm, quantized_refere
     gap = max_logprob_gap(quantized_reference_dir, tiny_adapters, prompts, names, outs)
     print(f"int8 engine vs quantized peft: max |logprob diff| = {gap:.3g}")
     assert gap <= LOGPROB_TOL
+
+
+def test_biased_projections_match_quantized_peft(model_variant_dir, tmp_path, peft_oracle):
+    """Qwen2's q/k/v biases ride on the fused int8 qkv."""
+    model_dir = model_variant_dir("qwen2")
+    reference = write_quantized_reference(model_dir, tmp_path)
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=64, max_model_len=256, quantization="int8")
+    assert llm.engine.model.layers[0].qkv.bias is not None
+    prompts = random_prompts(3, (5, 20), VOCAB, seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+    assert_matches_peft(llm, reference, {}, prompts, [None] * 3, outs, 6, peft_oracle)
 
 
 def test_the_quantized_model_differs_from_the_float_one(llm, tiny_model_dir, peft_oracle):
