@@ -216,3 +216,19 @@ def test_cli_flag_reaches_the_server_config(tmp_path):
     assert ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={}).quantization == "int8"
     with pytest.raises(ConfigError, match="--quantization: quantization 'fp8' is not supported"):
         ServerConfig.from_args(parser.parse_args(base + ["--quantization", "fp8"]), env={})
+
+
+def test_a_server_started_with_int8_serves_the_quantized_model(tmp_path, tiny_model_dir, quantized_reference_dir,
+                                                               redis_server, peft_oracle):
+    from tests.fixtures_server import api_redis_url, running_server, server_config
+
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server), quantization="int8")
+    with running_server(config) as server:
+        engine = server.state.engine.engine
+        assert isinstance(engine.model.layers[0].gate_up.weight, Int8Weight)
+        _, key = server.new_tenant()
+        ids = random_prompts(1, (10, 10), VOCAB, seed=6)[0]
+        r = server.client(key).completions.create(model=server.state.model_id, prompt=ids, max_tokens=8,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+        expected = peft_oracle(quantized_reference_dir, None, ids, 8)
+        assert r.choices[0].text == engine.tokenizer.decode(expected)
