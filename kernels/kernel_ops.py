@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from kernels.cpu_linear import linear
+from kernels.int8_weights import dequant_linear
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class KernelOps:
     write_kv_padded: Callable[..., None]  # write_kv skipping negative slots: see kernels.attention_ref.write_kv_padded
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
     linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
+    int8_linear: Callable[..., torch.Tensor] = dequant_linear  # the same on an Int8Weight (kernels.int8_weights)
 
 
 def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:

@@ -8,12 +8,14 @@ import torch
 
 from kernels import attention_ref, lora_cpu, lora_ref
 from kernels.cpu_linear import linear, linear_for
+from kernels.int8_weights import dequant_linear, int8_linear_for
 from kernels.kernel_ops import KernelOps
 
 KERNEL_KINDS = ("auto", "triton", "torch")
 
 
-def torch_ops(linear: Callable[..., torch.Tensor] = linear) -> KernelOps:
+def torch_ops(linear: Callable[..., torch.Tensor] = linear,
+              int8_linear: Callable[..., torch.Tensor] = dequant_linear) -> KernelOps:
     return KernelOps(
         name="torch",
         lora_shrink=lora_ref.lora_shrink,
@@ -23,6 +25,7 @@ def torch_ops(linear: Callable[..., torch.Tensor] = linear) -> KernelOps:
         write_kv_padded=attention_ref.write_kv_padded,
         paged_attention=attention_ref.paged_attention,
         linear=linear,
+        int8_linear=int8_linear,
     )
 
 
@@ -34,7 +37,7 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.f
     if kind == "auto":
         kind = "triton" if device.type == "cuda" else "torch"
     if kind == "torch":
-        return torch_ops(linear_for(device, dtype))
+        return torch_ops(linear_for(device, dtype), int8_linear_for(device))
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
     from kernels.triton_ops import triton_ops

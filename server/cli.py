@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no CUDA graphs for decode steps (default off: on CUDA, decode "
                         "steps replay graphs captured at start-up; a CPU device is always eager)")
+    s.add_argument("--quantization", metavar="int8",
+                   help="store the base model's decoder projections quantized: int8 is weight-only with "
+                        "per-output-channel scales, CPU only; adapters and lm_head stay float "
+                        "(default: none, the checkpoint's float weights)")
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
                    help="torch threads on a CPU device: auto (default) = the cores in this process's "
                         "affinity mask, less one for the HTTP side when there is more than one")

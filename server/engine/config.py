@@ -18,6 +18,16 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # within CUDA's 65535. Prefill is chunked, so a larger budget buys nothing: a few thousand tokens per
 # step already saturate an H100.
 MAX_NUM_BATCHED_TOKENS = 65536
+# Base-weight quantizations served (kernels.int8_weights); None serves the checkpoint's floats.
+QUANTIZATIONS = ("int8",)
+
+
+def check_quantization_name(name: str | None) -> None:
+    """Raises ValueError, naming the supported values, for a quantization loraplex does not serve."""
+    if name is not None and name not in QUANTIZATIONS:
+        why = " (fp8 needs a Hopper GPU: not on CPU, and not implemented yet)" if name == "fp8" else ""
+        raise ValueError(f"quantization {name!r} is not supported{why}; supported: {', '.join(QUANTIZATIONS)} "
+                         "or none")
 
 
 class ModelConfigError(ValueError):
@@ -144,8 +154,12 @@ class EngineConfig:
     # decode-only steps are padded to a bucket and replay a graph captured at start-up
     # (server.engine.decode_graphs); CPU devices have no graphs and always run eager.
     enforce_eager: bool = False
+    # The decoder projections' weights: None (float, the activation dtype) or "int8" (weight-only,
+    # per-output-channel symmetric scales; LoRA stays in the activation dtype). CPU only for now.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        check_quantization_name(self.quantization)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", *DTYPES):
@@ -192,6 +206,12 @@ class EngineConfig:
         if index >= torch.cuda.device_count():
             raise ValueError(f"device cuda:{index} does not exist: {torch.cuda.device_count()} CUDA device(s)")
         return torch.device("cuda", index)
+
+    def check_quantization(self, device: torch.device) -> None:
+        """Refuses a quantization the resolved device cannot serve."""
+        if self.quantization == "int8" and device.type != "cpu":
+            raise ValueError(f"quantization 'int8' runs on the CPU only for now, not on {device}: "
+                             "serve float weights there (no --quantization)")
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

@@ -95,6 +95,7 @@ class LLMEngine(OutputProcessing):
         # Every thread that touches CUDA makes the engine's device current (server.engine.cuda_device).
         self.bind_thread = thread_binder(self.device)
         self.bind_thread()
+        config.check_quantization(self.device)
         self.dtype = config.resolve_dtype(mcfg, self.device)
         if self.device.type == "cpu" and (threads := config.resolve_cpu_threads()) is not None:
             torch.set_num_threads(threads)  # process-wide: the engine owns its process
@@ -117,7 +118,7 @@ class LLMEngine(OutputProcessing):
         lora_layers = allocate_lora_slots(mcfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         weights = load_weights(config.model, mcfg, self.dtype, self.device)
         self.model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
-                              config.max_num_batched_tokens)
+                              config.max_num_batched_tokens, config.quantization)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
         self.slots = AdapterSlots(lora_layers, config.max_loras)

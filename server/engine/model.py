@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.kernel_ops import KernelOps
 from server.engine.config import ModelConfig
@@ -39,14 +40,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LoraLinear:
     """A base linear layer (possibly several fused projections) plus its LoRA slots."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoraGroupBuffers) -> None:
-        self.weight = weight  # [out, in]
+    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, lora: LoraGroupBuffers,
+                 dequant_scratch: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out, in], float or int8 with per-row scales
         self.bias = bias  # [out] or None
         self.lora = lora
+        self.dequant_scratch = dequant_scratch  # the workspace's, for an int8 weight (Workspace.dequant)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
         """out: [T, out] workspace rows the result is written into (and returned)."""
-        y = ctx.ops.linear(x, self.weight, self.bias, out=out)  # x: [T, in] -> y: [T, out]
+        if isinstance(self.weight, Int8Weight):
+            y = ctx.ops.int8_linear(x, self.weight, self.bias, out=out, scratch=self.dequant_scratch)  # [T, out]
+        else:
+            y = ctx.ops.linear(x, self.weight, self.bias, out=out)  # x: [T, in] -> y: [T, out]
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             lora = self.lora
@@ -55,15 +61,25 @@ class LoraLinear:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope,
+                 quantization: str | None = None, dequant_scratch: torch.Tensor | None = None) -> None:
+        """quantization: None (float projections) or "int8" (kernels.int8_weights, quantized here after
+        fusing: scales are per output row, so fused and unfused quantization agree)."""
         self.cfg = cfg
         self.rope = rope
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
-        self.qkv = LoraLinear(w["qkv.weight"], w.get("qkv.bias"), lora["qkv"])
-        self.o = LoraLinear(w["o_proj.weight"], w.get("o_proj.bias"), lora["o"])
-        self.gate_up = LoraLinear(w["gate_up.weight"], w.get("gate_up.bias"), lora["gate_up"])
-        self.down = LoraLinear(w["down_proj.weight"], w.get("down_proj.bias"), lora["down"])
+
+        def base(name: str) -> LoraLinear:
+            weight = w.pop(f"{name}.weight")
+            if quantization == "int8":
+                weight = quantize_int8(weight)
+            return LoraLinear(weight, w.get(f"{name}.bias"), lora[name.removesuffix("_proj")], dequant_scratch)
+
+        self.qkv = base("qkv")
+        self.o = base("o_proj")
+        self.gate_up = base("gate_up")
+        self.down = base("down_proj")
         self.scale = cfg.head_dim**-0.5
 
     def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext,
@@ -97,18 +113,22 @@ class CausalLM:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int,
-                 max_tokens: int) -> None:
-        """max_tokens: the most tokens one forward takes (max_num_batched_tokens), the workspace's rows."""
+                 max_tokens: int, quantization: str | None = None) -> None:
+        """max_tokens: the most tokens one forward takes (max_num_batched_tokens), the workspace's rows.
+        quantization: None or "int8" for the decoder layers' projections. The lm_head stays float: it
+        is the embedding itself where tied (the gather needs float rows, so int8 would add a copy,
+        not save one) and the logits are where rounding shows most (GPTQ/AWQ keep it float too)."""
         self.cfg = cfg
         some = weights["model.embed_tokens.weight"]
-        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device)
+        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device, dequant=quantization is not None)
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
         self.norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]  # [V, H]
         self.rope = rope
         self.layers = [
-            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant)
+            for i in range(cfg.num_layers)
         ]
 
     @torch.inference_mode()

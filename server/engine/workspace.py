@@ -23,10 +23,16 @@ class Workspace:
     gate_up: torch.Tensor  # [max_tokens, 2 I]
     act: torch.Tensor  # [max_tokens, I], silu(gate) * up: down's input
     down: torch.Tensor  # [max_tokens, H]
+    # [largest projection's out * in], where an int8 weight is turned back into floats before its
+    # matmul (kernels.int8_weights.dequant_linear); None for float weights.
+    dequant: torch.Tensor | None = None
 
     @staticmethod
-    def allocate(cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device | str) -> Workspace:
+    def allocate(cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device | str,
+                 dequant: bool = False) -> Workspace:
         assert max_tokens >= 1
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        largest = max((cfg.q_size + 2 * cfg.kv_size) * h, cfg.q_size * h, 2 * i * h)
 
         def buf(*shape: int) -> torch.Tensor:
             return torch.empty(max_tokens, *shape, dtype=dtype, device=device)
@@ -34,6 +40,7 @@ class Workspace:
         return Workspace(
             qkv=buf(cfg.q_size + 2 * cfg.kv_size), attn=buf(cfg.num_heads, cfg.head_dim), o=buf(cfg.hidden_size),
             gate_up=buf(2 * cfg.intermediate_size), act=buf(cfg.intermediate_size), down=buf(cfg.hidden_size),
+            dequant=torch.empty(largest, dtype=dtype, device=device) if dequant else None,
         )
 
     @property

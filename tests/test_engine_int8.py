@@ -1,0 +1,234 @@
+"""`quantization="int8"`: the quantizer's bound, the int8 matmul against the dequantized one, and the
+engine against transformers + peft run on exactly the same quantized weights (dequantized into the
+reference's nn.Linear weights): greedy tokens identical for mixed adapters and base rows, logprobs
+within the issue's 1e-3."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels.int8_weights import (Int8Weight, dequant_linear, dequantize_int8, int8_linear_for, int8pack_linear,
+                                  quantize_int8)
+from server.cli import build_parser
+from server.config import ConfigError, ServerConfig
+from server.engine import LLM, SamplingParams
+from server.engine.config import EngineConfig
+from tests.engine_helpers import GREEDY, assert_matches_peft, drive, random_prompts
+
+VOCAB = 512
+LOGPROB_TOL = 1e-3  # the issue's target; the measured gap is printed by the test (-s)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_round_trip_error_is_at_most_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=g) * torch.logspace(-4, 1, 96)[:, None]  # rows of very different ranges
+    w[3] = 0.0  # a zero row must not divide by zero
+    q = quantize_int8(w)
+    assert q.qweight.dtype == torch.int8 and q.scale.shape == (96,) and q.scale.dtype == torch.float32
+    err = (dequantize_int8(q) - w).abs()  # [96, 80]
+    assert torch.all(err <= q.scale[:, None] / 2 * (1 + 1e-6))
+    assert torch.all(dequantize_int8(q)[3] == 0)
+    assert q.qweight.abs().amax(dim=1)[torch.arange(96) != 3].eq(127).all()  # each row uses the full range
+    assert int(q.qweight.min()) >= -127
+
+
+def test_fused_quantization_equals_per_projection():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(32, 48, generator=g), torch.randn(16, 48, generator=g) * 5
+    fused = quantize_int8(torch.cat([a, b]))
+    qa, qb = quantize_int8(a), quantize_int8(b)
+    assert torch.equal(fused.qweight, torch.cat([qa.qweight, qb.qweight]))
+    assert torch.equal(fused.scale, torch.cat([qa.scale, qb.scale]))
+
+
+MATMULS = {"int8pack": int8pack_linear, "dequant": dequant_linear}
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("scratch", [False, True])
+def test_int8_matmul_equals_the_dequantized_matmul(matmul, dtype, tol, bias, scratch):
+    int8_linear = MATMULS[matmul]
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(200, 72, generator=g)
+    x = torch.randn(11, 72, generator=g).to(dtype)  # [T, in]
+    b = torch.randn(200, generator=g).to(dtype) if bias else None
+    q = quantize_int8(w, scale_dtype=dtype)
+    ref = torch.nn.functional.linear(x.float(), dequantize_int8(q), None if b is None else b.float())  # [T, out]
+    buf = torch.full((200 * 72 + 5,), float("nan"), dtype=dtype) if scratch else None  # stale contents
+    y = int8_linear(x, q, b, scratch=buf)
+    assert y.dtype == dtype and y.shape == (11, 200)
+    assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
+    out = torch.empty(11, 200, dtype=dtype)
+    assert int8_linear(x, q, b, out=out, scratch=buf) is out and torch.equal(out, y)
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
+def test_a_strided_input_is_accepted(matmul):
+    q = quantize_int8(torch.randn(8, 16))
+    x = torch.randn(16, 5).t()  # [5, 16], not contiguous
+    ref = x @ dequantize_int8(q).t()
+    assert torch.allclose(MATMULS[matmul](x, q), ref, atol=1e-5)
+
+
+def test_the_int8_kernel_only_where_it_is_vectorized():
+    cpu = torch.device("cpu")
+    assert int8_linear_for(cpu, frozenset({"avx2", "avx512f"})) is int8pack_linear
+    assert int8_linear_for(cpu, frozenset({"avx2", "fma"})) is dequant_linear
+
+
+def write_quantized_reference(model_dir, out):
+    """`model_dir` with every decoder projection replaced by dequantize(quantize(w)): what the
+    transformers + peft oracle runs."""
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    for f in model_dir.glob("*.safetensors"):
+        tensors = load_file(f)
+        for key, w in tensors.items():
+            if key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS:
+                tensors[key] = dequantize_int8(quantize_int8(w), w.dtype).contiguous()
+        save_file(tensors, out / f.name, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized_reference_dir(tiny_model_dir, tmp_path_factory):
+    return write_quantized_reference(tiny_model_dir, tmp_path_factory.mktemp("tiny-int8-reference"))
+
+
+@pytest.fixture(scope="module", params=list(MATMULS))
+def llm(request, tiny_model_dir, tiny_adapters):
+    """The int8 engine with each matmul, whichever this CPU would pick."""
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=256, max_model_len=512,
+              quantization="int8")
+    engine = llm.engine
+    engine.kernels = dataclasses.replace(engine.kernels, int8_linear=MATMULS[request.param])
+    engine.runner.ops = engine.kernels
+    for name, path in tiny_adapters.items():
+        llm.add_adapter(name, path)
+    return llm
+
+
+def test_base_projection_weights_are_stored_in_int8(llm, tiny_model_dir):
+    float_llm_bytes = 0
+    for f in tiny_model_dir.glob("*.safetensors"):
+        float_llm_bytes += sum(w.float().nbytes for k, w in load_file(f).items()
+                               if k.split(".")[-2] in PROJECTIONS)
+    stored = []
+    for layer in llm.engine.model.layers:
+        stored += [layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight]
+    assert all(isinstance(w, Int8Weight) for w in stored)
+    assert sum(w.nbytes for w in stored) <= 0.27 * float_llm_bytes
+    assert not isinstance(llm.engine.model.lm_head, Int8Weight)  # kept float: see CausalLM
+
+
+def test_mixed_adapters_and_base_rows_match_quantized_peft(llm, quantized_reference_dir, tiny_adapters, peft_oracle):
+    names = [None, *tiny_adapters] * 4  # 20 requests: 4 adapters of ranks 4..32 plus base rows
+    prompts = random_prompts(len(names), (3, 40), VOCAB, seed=1)
+    engine = llm.engine
+    ids = [f"int8-mix-{i}" for i in range(len(names))]
+    for rid, prompt, name in zip(ids, prompts, names):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=8, logprobs=0, **GREEDY),
+                           llm._versions.get(name) if name else None)
+    engine.step()
+    assert engine.stats().num_running == len(names)  # one batch: every adapter and base rows together
+    final = drive(engine)
+    outs = [final[r] for r in ids]
+    assert_matches_peft(llm, quantized_reference_dir, tiny_adapters, prompts, names, outs, 8, peft_oracle)
+    gap = max_logprob_gap(quantized_reference_dir, tiny_adapters, prompts, names, outs)
+    print(f"int8 engine vs quantized peft: max |logprob diff| = {gap:.3g}")
+    assert gap <= LOGPROB_TOL
+
+
+def test_biased_projections_match_quantized_peft(model_variant_dir, tmp_path, peft_oracle):
+    """Qwen2's q/k/v biases ride on the fused int8 qkv."""
+    model_dir = model_variant_dir("qwen2")
+    reference = write_quantized_reference(model_dir, tmp_path)
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=64, max_model_len=256, quantization="int8")
+    assert llm.engine.model.layers[0].qkv.bias is not None
+    prompts = random_prompts(3, (5, 20), VOCAB, seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+    assert_matches_peft(llm, reference, {}, prompts, [None] * 3, outs, 6, peft_oracle)
+
+
+def test_the_quantized_model_differs_from_the_float_one(llm, tiny_model_dir, peft_oracle):
+    """The oracle would be vacuous if rounding changed nothing the test could see: the logits move."""
+    prompt = random_prompts(1, (30, 30), VOCAB, seed=3)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, logprobs=0, **GREEDY))[0]
+    float_lp = float_logprobs(tiny_model_dir, prompt + out.token_ids)
+    gaps = [abs(e.logprob - float(float_lp[len(prompt) - 1 + i][t]))
+            for i, (t, e) in enumerate(zip(out.token_ids, out.logprobs))]
+    assert max(gaps) > 1e-5
+
+
+@torch.inference_mode()
+def float_logprobs(model_dir, ids: list[int], adapter_dir=None) -> torch.Tensor:
+    """log_softmax of transformers (+ peft) float32 logits at every position: [len(ids), V]."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return torch.log_softmax(model.eval()(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def max_logprob_gap(model_dir, adapter_dirs, prompts, names, outs) -> float:
+    gap = 0.0
+    for prompt, name, out in zip(prompts, names, outs):
+        ref = float_logprobs(model_dir, prompt + out.token_ids, adapter_dirs[name] if name else None)  # [L, V]
+        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            gap = max(gap, abs(entry.logprob - float(ref[len(prompt) - 1 + i][token])))
+    return gap
+
+
+@pytest.mark.parametrize("value, message", [
+    ("fp8", "fp8 needs a Hopper GPU"),
+    ("int4", "supported: int8"),
+    ("", "supported: int8"),
+])
+def test_unsupported_quantizations_are_refused(tiny_model_dir, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(tiny_model_dir), quantization=value)
+
+
+def test_int8_is_refused_off_the_cpu(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), quantization="int8")
+    with pytest.raises(ValueError, match="CPU only"):
+        config.check_quantization(torch.device("cuda", 0))
+    config.check_quantization(torch.device("cpu"))
+
+
+def test_cli_flag_reaches_the_server_config(tmp_path):
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions[0].choices["serve"]._actions
+                 if a.dest == "quantization")
+    assert "default: none" in serve.help and serve.default is None
+    base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
+    assert ServerConfig.from_args(parser.parse_args(base), env={}).quantization is None
+    assert ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={}).quantization == "int8"
+    with pytest.raises(ConfigError, match="--quantization: quantization 'fp8' is not supported"):
+        ServerConfig.from_args(parser.parse_args(base + ["--quantization", "fp8"]), env={})
+
+
+def test_a_server_started_with_int8_serves_the_quantized_model(tmp_path, tiny_model_dir, quantized_reference_dir,
+                                                               redis_server, peft_oracle):
+    from tests.fixtures_server import api_redis_url, running_server, server_config
+
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server), quantization="int8")
+    with running_server(config) as server:
+        engine = server.state.engine.engine
+        assert isinstance(engine.model.layers[0].gate_up.weight, Int8Weight)
+        _, key = server.new_tenant()
+        ids = random_prompts(1, (10, 10), VOCAB, seed=6)[0]
+        r = server.client(key).completions.create(model=server.state.model_id, prompt=ids, max_tokens=8,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+        expected = peft_oracle(quantized_reference_dir, None, ids, 8)
+        assert r.choices[0].text == engine.tokenizer.decode(expected)
