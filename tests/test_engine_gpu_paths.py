@@ -133,7 +133,7 @@ def test_kv_sizing_empties_the_allocator_cache_first(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     cfg = EngineConfig(model="m", gpu_memory_utilization=0.9, max_num_batched_tokens=2048, max_num_seqs=256)
-    blocks = kv.num_kv_blocks(LLAMA3_8B, cfg, torch.bfloat16, torch.device("cuda", 1))
+    blocks = kv.num_kv_blocks(LLAMA3_8B, cfg, torch.bfloat16, torch.device("cuda", 1), max_len=8192)
     assert events == ["empty_cache", "mem_get_info(cuda:1)"]
     budget = int(80 * gib * 0.9) - 50 * gib - kv.activation_bytes(LLAMA3_8B, 2048, 256, torch.bfloat16)
     assert blocks == budget // kv.kv_bytes_per_block(LLAMA3_8B, 16, torch.bfloat16)

@@ -30,8 +30,10 @@ def _invalid(text: str, why: str) -> SourceError:
 
 
 def parse_reference(text: str) -> SourceRef:
-    if not isinstance(text, str) or not text or len(text) > MAX_REFERENCE_CHARS or not text.isprintable():
-        raise SourceError(400, f"an adapter source is 1-{MAX_REFERENCE_CHARS} printable characters",
+    if not isinstance(text, str) or not text or len(text) > MAX_REFERENCE_CHARS or not text.isascii() \
+            or not text.isprintable():
+        raise SourceError(400, f"an adapter source is 1-{MAX_REFERENCE_CHARS} printable ASCII characters "
+                               "(percent-encode the rest of a URL)",
                           "invalid_source")
     scheme = text.split("://", 1)[0].lower() if "://" in text else ""
     if scheme == "s3":

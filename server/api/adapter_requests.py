@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 
 from adapters.sources.reference import MAX_REFERENCE_CHARS
 
 AdapterName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
-Source = Annotated[str, StringConstraints(min_length=1, max_length=MAX_REFERENCE_CHARS)]
+# Printable ASCII, as adapters.sources.reference checks: a URL's other characters are percent-encoded.
+Source = Annotated[str, StringConstraints(min_length=1, max_length=MAX_REFERENCE_CHARS, pattern=r"^[ -~]+$")]
 
 
 class AdapterByReference(BaseModel):
@@ -38,8 +39,9 @@ class LoadLoraAdapter(BaseModel):
 class UnloadLoraAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: AdapterName
-    lora_int_id: int | None = Field(None, description="vLLM's; loraplex names adapters only, so it must be "
-                                                      "absent or null")
+    # Published as null only: any other value is refused (400 naming it) by the route.
+    lora_int_id: Annotated[int | None, WithJsonSchema({"type": "null"})] = Field(
+        None, description="vLLM's; loraplex names adapters only, so it must be absent or null")
 
 
 class SharedAdapterSharing(BaseModel):
