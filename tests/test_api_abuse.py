@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -87,15 +89,22 @@ def test_an_over_quota_tenant_gets_429_before_its_body_is_read(server):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         status, body = _answer_before_body(server, key, path, 16 << 20)
         assert status == 429 and body["error"]["code"] == "requests_per_minute", (path, body)
-    # the same for a tenant at its concurrency limit: its other requests wait for no body
+    # the same for a tenant at its concurrency limit: its other requests wait for no body. The held
+    # request runs in a thread (with the engine paused its answer only starts once the pause ends).
     _, busy = server.new_tenant({"max_concurrent_requests": 1})
+    held: list[httpx.Response] = []
     with server.engine_paused():
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {busy}"}, timeout=60) as h:
-            with h.stream("POST", "/v1/completions", json={"model": server.state.model_id, "prompt": "hi",
-                                                           "max_tokens": 4, "stream": True}) as held:
-                assert held.status_code == 200
-                status, body = _answer_before_body(server, busy, "/v1/completions", 1 << 20)
-                assert status == 429 and body["error"]["code"] == "max_concurrent_requests", body
+        holder = threading.Thread(target=lambda: held.append(_post(server, busy, "/v1/completions", {
+            "model": server.state.model_id, "prompt": "hi", "max_tokens": 4})), daemon=True)
+        holder.start()
+        deadline = time.monotonic() + 30
+        while _usage(server, busy)["current"]["concurrent_requests"] != 1:
+            assert time.monotonic() < deadline, "the held request never took its concurrency slot"
+            time.sleep(0.05)
+        status, body = _answer_before_body(server, busy, "/v1/completions", 1 << 20)
+        assert status == 429 and body["error"]["code"] == "max_concurrent_requests", body
+    holder.join(30)
+    assert held and held[0].status_code == 200
 
 
 def test_tokenize_and_detokenize_count_against_the_rate_and_are_capped(server):
