@@ -112,3 +112,25 @@ def peft_oracle():
         return new
 
     return generate
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_model_dir, tiny_adapters):
+    """hf_logprobs(adapter_name_or_None, ids) -> [len(ids), V]: log_softmax of the transformers
+    (+ peft) float32 logits at every position, i.e. of the next token's distribution."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str | None, torch.nn.Module] = {}
+
+    @torch.inference_mode()
+    def get(name: str | None, ids: list[int]) -> torch.Tensor:
+        if name not in models:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+            if name is not None:
+                model = PeftModel.from_pretrained(model, tiny_adapters[name])
+            models[name] = model.eval()
+        logits = models[name](input_ids=torch.tensor([ids])).logits[0].float()  # [L, V]
+        return torch.log_softmax(logits, dim=-1)
+
+    return get

@@ -45,26 +45,6 @@ def make_llm(model_dir, adapters, kernels: str = "torch", padded: bool = True, *
     return llm
 
 
-@pytest.fixture(scope="module")
-def hf_logprobs(tiny_model_dir, tiny_adapters):
-    """hf_logprobs(adapter_name_or_None, ids) -> [len(ids), V]: transformers + peft log_softmax."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    models: dict[str | None, torch.nn.Module] = {}
-
-    @torch.inference_mode()
-    def get(name: str | None, ids: list[int]) -> torch.Tensor:
-        if name not in models:
-            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-            if name is not None:
-                model = PeftModel.from_pretrained(model, tiny_adapters[name])
-            models[name] = model.eval()
-        return torch.log_softmax(models[name](input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return get
-
-
 def test_buckets_follow_vllm_sizes() -> None:
     assert decode_buckets(256) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
     assert decode_buckets(1) == (1,)
