@@ -91,3 +91,33 @@ def test_throttle_counts_in_redis_and_windows_expire(redis_client):
     assert throttle.blocked("10.0.0.1") is None
     assert address_bucket("2001:db8::1") == address_bucket("2001:db8::ffff") == "2001:db8::/64"
     assert address_bucket("::ffff:10.0.0.1") == "10.0.0.1" and address_bucket(None) == "unknown"
+
+
+def _admin_get(url: str, path: str, token: str, address: str) -> httpx.Response:
+    return httpx.get(f"{url}{path}", timeout=30,
+                     headers={"Authorization": f"Bearer {token}", "X-Forwarded-For": address})
+
+
+@pytest.mark.parametrize("path", ["/admin/tenants", "/metrics"])
+def test_an_address_guessing_the_admin_or_metrics_token_is_refused_before_it_is_checked(server, path):
+    attacker, operator = f"203.0.113.{100 + len(path)}", f"198.51.100.{100 + len(path)}"
+    admin_token = server.config.admin_token
+    codes = [_admin_get(server.url, path, f"guess-{i}", attacker).status_code for i in range(LIMIT)]
+    assert codes == [401] * LIMIT
+    r = _admin_get(server.url, path, "guess-next", attacker)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "auth_throttled", r.text
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    # Past the limit even the right token proves nothing from there...
+    assert _admin_get(server.url, path, admin_token, attacker).status_code == 429
+    # ...while the operator elsewhere is unaffected.
+    assert _admin_get(server.url, path, admin_token, operator).status_code == 200
+
+
+def test_admin_requests_without_a_token_or_with_a_tenant_key_are_not_counted_as_guesses(server):
+    _, key = server.new_tenant()
+    address = "203.0.113.150"
+    for _ in range(LIMIT + 3):
+        assert httpx.get(f"{server.url}/admin/tenants", timeout=30,
+                         headers={"X-Forwarded-For": address}).status_code == 401
+        assert _admin_get(server.url, "/admin/tenants", key, address).status_code == 403
+    assert _admin_get(server.url, "/admin/tenants", server.config.admin_token, address).status_code == 200

@@ -12,6 +12,7 @@ from starlette.middleware import Middleware
 
 from server.api import (adapter_routes, admin_routes, admin_views, lora_routes, openai_routes, openapi,
                         ops_routes, pages, shared_adapter_routes, tokenize_routes)
+from server.api.admin_auth_throttle import AdminAuthThrottle
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
@@ -56,6 +57,7 @@ def create_app(config: ServerConfig,
     routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *lora_routes.ROUTES,
               *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
               *openapi.ROUTES, *pages.ROUTES]
-    middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders)]
+    middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders),
+                  Middleware(AdminAuthThrottle)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
                      lifespan=lifespan)
