@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...) (default: AWS)")
     s.add_argument("--adapter-s3-buckets", metavar="B1,B2",
                    help="buckets s3:// references may name (default: any at the endpoint)")
+    s.add_argument("--source-credentials-key-file", metavar="FILE",
+                   help="the key that encrypts tenants' own adapter-source credentials in Redis; every "
+                        "replica sharing the Redis needs the same file (default: DATA_DIR/"
+                        "source-credentials.key, made at first start)")
     s.add_argument("--adapter-http-hosts", metavar="H1,H2",
                    help="hosts http(s) references and their redirects may name (default: any public host)")
     s.add_argument("--adapter-allow-private-networks", action="store_true",

@@ -3,12 +3,15 @@ data dir with owner-only permissions so every restart reuses them instead of
 minting new ones."""
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from pathlib import Path
 from typing import Callable
 
 ADMIN_TOKEN_FILE = "admin-token"
 DEMO_KEY_FILE = "demo-key"
+SOURCE_CREDENTIALS_KEY_FILE = "source-credentials.key"
 
 
 def read_secret(path: Path) -> str | None:
@@ -39,3 +42,15 @@ def load_or_create_secret(path: Path, make: Callable[[], str]) -> str:
         value = make()
         write_secret(path, value)
     return value
+
+
+def load_or_create_key(path: Path, nbytes: int) -> bytes:
+    """A random binary key of `nbytes`, kept base64 in `path` (owner-only); made at first use."""
+    text = load_or_create_secret(path, lambda: base64.b64encode(os.urandom(nbytes)).decode())
+    try:
+        key = base64.b64decode(text, validate=True)
+    except binascii.Error:
+        key = b""
+    if len(key) != nbytes:
+        raise ValueError(f"{path} does not hold a base64 key of {nbytes} bytes")
+    return key

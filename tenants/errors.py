@@ -26,6 +26,14 @@ class TenantConcurrentChange(TenantError):
     while an operation kept retrying against it."""
 
 
+class CredentialError(TenantError, ValueError):
+    """Adapter-source credentials a client sent that cannot be kept; `field` names the bad one."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class QuotaError(ValueError):
     """A quota dict with an unknown field or a bad value; the message names the field."""
 

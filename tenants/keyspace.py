@@ -88,6 +88,10 @@ class Keyspace:
     def leases(self, tenant_id: str) -> str:
         return f"{self.owned(tenant_id)}rl:conc"
 
+    # Adapter-source credentials (tenants.source_credentials): one hash, sealed values per kind.
+    def source_credentials(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}srccred"
+
     def limit_keys(self, tenant_id: str) -> list[str]:
         return [self.window(tenant_id), self.window_tokens(tenant_id),
                 self.window_token_sum(tenant_id), self.leases(tenant_id)]

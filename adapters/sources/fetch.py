@@ -14,7 +14,7 @@ from adapters.sources.http_fetch import http_get
 from adapters.sources.local_fetch import read_local_file, resolve_local
 from adapters.sources.policy import SourcePolicy
 from adapters.sources.reference import SourceRef
-from adapters.sources.s3_fetch import S3Clients, S3Reader
+from adapters.sources.s3_fetch import S3Clients, S3Keys, S3Reader
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,9 @@ def _archive_cap(policy: SourcePolicy) -> int:
     return policy.max_file_bytes + MAX_CONFIG_BYTES
 
 
-def _from_s3(ref: SourceRef, policy: SourcePolicy, deadline: float, clients: S3Clients) -> AdapterFiles:
-    reader = S3Reader(policy, ref.bucket, deadline, clients)
+def _from_s3(ref: SourceRef, policy: SourcePolicy, deadline: float, clients: S3Clients,
+             keys: S3Keys | None) -> AdapterFiles:
+    reader = S3Reader(policy, ref.bucket, deadline, clients, keys)
     if ref.is_archive:
         data = reader.get(ref.location, _archive_cap(policy))
         return AdapterFiles(*extract_adapter_files(data, ref.location, policy.max_file_bytes, str(ref)))
@@ -68,13 +69,14 @@ def _from_local(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
                         read_local_file(path / WEIGHTS_FILE, root, policy.max_file_bytes, ref.location))
 
 
-def fetch_adapter(ref: SourceRef, policy: SourcePolicy, s3_clients: S3Clients | None = None) -> AdapterFiles:
+def fetch_adapter(ref: SourceRef, policy: SourcePolicy, s3_clients: S3Clients | None = None,
+                  s3_keys: S3Keys | None = None) -> AdapterFiles:
     """SourceError (with its HTTP status) when the source is not allowed, missing, too large,
     failing or slower than policy.timeout_seconds in all. `s3_clients`: a server's shared clients
-    (None: made for this fetch)."""
+    (None: made for this fetch). `s3_keys`: the caller's own S3 credentials (None: the server's)."""
     deadline = time.monotonic() + policy.timeout_seconds
     if ref.kind == "s3":
-        return _from_s3(ref, policy, deadline, s3_clients or S3Clients())
+        return _from_s3(ref, policy, deadline, s3_clients or S3Clients(), s3_keys)
     if ref.kind in ("http", "https"):
         return _from_http(ref, policy, deadline)
     assert ref.kind == "local", ref.kind

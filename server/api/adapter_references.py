@@ -28,8 +28,11 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
     store them; the version stays the same when the content did. One fetch per (owner, name)."""
 
     async def run() -> AdapterRecord:
-        files = await run_in_threadpool(fetch_adapter, parse_reference(ref.source), _policy(state, owner),
-                                        state.s3_clients)
+        source = parse_reference(ref.source)
+        keys = None
+        if source.kind == "s3" and owner != OPERATOR_OWNER:
+            keys = await run_in_threadpool(state.source_credentials.get, owner, "s3")
+        files = await run_in_threadpool(fetch_adapter, source, _policy(state, owner), state.s3_clients, keys)
         record = await store_adapter(state, owner, quota, ref.name, files.config_json, files.weights,
                                      replace=True, keep_identical=True)
         current = await run_in_threadpool(state.references.get, owner, ref.name)

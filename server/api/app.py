@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 
 from server.api import (adapter_routes, admin_routes, admin_views, lora_routes, openai_routes, openapi,
-                        ops_routes, pages, shared_adapter_routes, tokenize_routes)
+                        ops_routes, pages, shared_adapter_routes, source_credential_routes, tokenize_routes)
 from server.api.admin_auth_throttle import AdminAuthThrottle
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
@@ -56,7 +56,7 @@ def create_app(config: ServerConfig,
 
     routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *lora_routes.ROUTES,
               *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
-              *openapi.ROUTES, *pages.ROUTES]
+              *source_credential_routes.ROUTES, *openapi.ROUTES, *pages.ROUTES]
     middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders),
                   Middleware(AdminAuthThrottle)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,

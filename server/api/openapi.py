@@ -18,6 +18,7 @@ from server.api import adapter_requests as ar
 from server.api import admin_models as am
 from server.api import openai_requests as rq
 from server.api import openai_responses as rs
+from server.api import source_credential_routes as sc
 from server.version import loraplex_version
 
 _ERRORS = {400: "invalid input or an unsupported field", 401: "missing or invalid credentials",
@@ -64,6 +65,12 @@ OPERATIONS = (
        None, ar.LoadLoraAdapter, text="text/plain"),
     Op("post", "/v1/unload_lora_adapter", "vLLM's: unload one of the caller's adapters", "tenant", None,
        ar.UnloadLoraAdapter, text="text/plain"),
+    Op("get", "/v1/adapter_source_credentials", "Which of the caller's own source credentials are set "
+       "(never the secrets)", "tenant", sc.SourceCredentialList),
+    Op("put", "/v1/adapter_source_credentials/{kind}", "Set the caller's own credentials for s3:// sources "
+       "(kept encrypted, never shown again)", "tenant", sc.SourceCredentialOut, sc.S3CredentialsIn),
+    Op("delete", "/v1/adapter_source_credentials/{kind}", "Forget the caller's credentials for a source kind",
+       "tenant", sc.SourceCredentialDeleted),
     Op("get", "/v1/usage", "The caller's usage per UTC day, and its limits", "tenant", am.UsageOut,
        query=(("days", {"type": "integer", "minimum": 1, "maximum": 90, "default": 1}),)),
     Op("post", "/admin/tenants", "Create a tenant", "admin", am.TenantOut, am.TenantCreate, status=201),

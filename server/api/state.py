@@ -23,6 +23,7 @@ from server.api.fetch_flights import FetchFlights
 from server.api.prompts import PromptTokenizer
 from server.api.settlement import Settlements
 from server.config import ServerConfig
+from server.credentials import SOURCE_CREDENTIALS_KEY_FILE, load_or_create_key
 from server.demo import DemoPaths
 from server.engine import EngineConfig, LLMEngine
 from server.engine.config import ModelConfig
@@ -31,6 +32,7 @@ from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
 from server.embedded_redis.server import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
+from tenants.source_credentials import KEY_BYTES, SourceCredentials
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class ServerState:
     tenants: TenantStore
     limiter: Limiter
     auth_throttle: AuthThrottle
+    source_credentials: SourceCredentials    # tenants' own credentials for adapter sources
     usage: UsageLog
     registry: AdapterRegistry
     references: ReferenceStore
@@ -135,6 +138,9 @@ class ServerState:
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
                                            window_seconds=config.auth_failure_window_seconds),
+                source_credentials=SourceCredentials(client, load_or_create_key(
+                    config.source_credentials_key_file or config.data_dir / SOURCE_CREDENTIALS_KEY_FILE,
+                    KEY_BYTES), config.redis_prefix),
                 registry=registry, references=ReferenceStore(client, config.redis_prefix),
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
                 fetches=FetchFlights(), s3_clients=S3Clients(), retirements=retirements, metrics=Metrics(),
