@@ -13,7 +13,7 @@ from server.embedded_redis.server import free_port
 
 
 class FileServer:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.files: dict[str, bytes] = {}
         self.redirects: dict[str, str] = {}
         self.huge: set[str] = set()        # paths that declare a 10 GiB body and then send little
@@ -21,10 +21,10 @@ class FileServer:
         self.requests: list[str] = []
         self.body_bytes_sent = 0
         handler = self._handler()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd = ThreadingHTTPServer((host, 0), handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     def _handler(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from adapters.sources.http_fetch import http_get
 from adapters.sources.local_fetch import read_local_file, resolve_local
 from adapters.sources.policy import SourcePolicy
 from adapters.sources.reference import SourceRef
+from adapters.sources.clients import SourceClients
 from adapters.sources.s3_fetch import S3Clients, S3Keys, S3Reader
 
 
@@ -46,16 +48,16 @@ def _from_s3(ref: SourceRef, policy: SourcePolicy, deadline: float, clients: S3C
     return AdapterFiles(config, reader.get(posixpath.join(ref.location, WEIGHTS_FILE), policy.max_file_bytes))
 
 
-def _from_http(ref: SourceRef, policy: SourcePolicy, deadline: float) -> AdapterFiles:
+def _from_http(ref: SourceRef, policy: SourcePolicy, deadline: float, tls: ssl.SSLContext) -> AdapterFiles:
     if not policy.allows(ref.kind):
         raise refused(f"{ref.kind}:// adapter sources are not allowed on this server")
     if ref.is_archive:
-        data = http_get(ref.location, policy, _archive_cap(policy), deadline, ref.location)
+        data = http_get(ref.location, policy, _archive_cap(policy), deadline, ref.location, tls)
         return AdapterFiles(*extract_adapter_files(data, ref.location, policy.max_file_bytes, ref.location))
     base = ref.location if ref.location.endswith("/") else ref.location + "/"
-    config = http_get(base + CONFIG_FILE, policy, MAX_CONFIG_BYTES, deadline, base + CONFIG_FILE)
+    config = http_get(base + CONFIG_FILE, policy, MAX_CONFIG_BYTES, deadline, base + CONFIG_FILE, tls)
     return AdapterFiles(config, http_get(base + WEIGHTS_FILE, policy, policy.max_file_bytes, deadline,
-                                         base + WEIGHTS_FILE))
+                                         base + WEIGHTS_FILE, tls))
 
 
 def _from_local(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
@@ -69,15 +71,16 @@ def _from_local(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
                         read_local_file(path / WEIGHTS_FILE, root, policy.max_file_bytes, ref.location))
 
 
-def fetch_adapter(ref: SourceRef, policy: SourcePolicy, s3_clients: S3Clients | None = None,
+def fetch_adapter(ref: SourceRef, policy: SourcePolicy, clients: SourceClients | None = None,
                   s3_keys: S3Keys | None = None) -> AdapterFiles:
     """SourceError (with its HTTP status) when the source is not allowed, missing, too large,
-    failing or slower than policy.timeout_seconds in all. `s3_clients`: a server's shared clients
+    failing or slower than policy.timeout_seconds in all. `clients`: a server's shared clients
     (None: made for this fetch). `s3_keys`: the caller's own S3 credentials (None: the server's)."""
     deadline = time.monotonic() + policy.timeout_seconds
+    clients = clients or SourceClients()
     if ref.kind == "s3":
-        return _from_s3(ref, policy, deadline, s3_clients or S3Clients(), s3_keys)
+        return _from_s3(ref, policy, deadline, clients.s3, s3_keys)
     if ref.kind in ("http", "https"):
-        return _from_http(ref, policy, deadline)
+        return _from_http(ref, policy, deadline, clients.tls)
     assert ref.kind == "local", ref.kind
     return _from_local(ref, policy)

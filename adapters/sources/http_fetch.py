@@ -3,6 +3,7 @@ the address the guard checked; the size is checked from Content-Length before re
 reading."""
 from __future__ import annotations
 
+import ssl
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
@@ -36,14 +37,15 @@ def _pinned(url: str, policy: SourcePolicy) -> tuple[str, str, str]:
     return urlunsplit((scheme, netloc, parts.path or "/", parts.query, "")), host_header, host
 
 
-def http_get(url: str, policy: SourcePolicy, cap: int, deadline: float, what: str) -> bytes:
-    """Blocking: call it off the event loop."""
+def http_get(url: str, policy: SourcePolicy, cap: int, deadline: float, what: str,
+             tls: ssl.SSLContext) -> bytes:
+    """Blocking: call it off the event loop. `tls`: a shared context (making one per client is slow)."""
     for _ in range(policy.max_redirects + 1):
         target, host_header, server_name = _pinned(url, policy)
         timeout = httpx.Timeout(min(policy.timeout_seconds, remaining(deadline, what)))
         extensions = {"sni_hostname": server_name} if target.startswith("https:") else {}
         try:
-            with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
+            with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False, verify=tls) as client:
                 with client.stream("GET", target, headers={"Host": host_header, "Accept-Encoding": "identity"},
                                    extensions=extensions) as response:
                     if response.status_code in _REDIRECTS:

@@ -32,7 +32,7 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
         keys = None
         if source.kind == "s3" and owner != OPERATOR_OWNER:
             keys = await run_in_threadpool(state.source_credentials.get, owner, "s3")
-        files = await run_in_threadpool(fetch_adapter, source, _policy(state, owner), state.s3_clients, keys)
+        files = await run_in_threadpool(fetch_adapter, source, _policy(state, owner), state.source_clients, keys)
         record = await store_adapter(state, owner, quota, ref.name, files.config_json, files.weights,
                                      replace=True, keep_identical=True)
         current = await run_in_threadpool(state.references.get, owner, ref.name)

@@ -58,7 +58,7 @@ def publish_lora_modules(state: ServerState) -> None:
     wanted = dict(state.config.lora_modules)
     policy = operator_policy(state.sources)
     for name, path in wanted.items():
-        files = fetch_adapter(parse_reference(path), policy, state.s3_clients)
+        files = fetch_adapter(parse_reference(path), policy, state.source_clients)
         _put_files(state, OPERATOR_OWNER, name, files.config_json, files.weights)
         state.references.put(OPERATOR_OWNER, name, path, files.sha256)
         state.sharing.set_default(name, ALL)

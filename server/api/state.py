@@ -15,7 +15,7 @@ from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
 from adapters.sharing import SharingStore
 from adapters.sources import SourcePolicy
-from adapters.sources.s3_fetch import S3Clients
+from adapters.sources.clients import SourceClients
 from server.api.adapter_source import RetirementListener, registry_fetch
 from server.api.metrics import Metrics
 from server.api.engine_history import EngineHistory
@@ -74,7 +74,7 @@ class ServerState:
     sharing: SharingStore
     sources: SourcePolicy
     fetches: FetchFlights
-    s3_clients: S3Clients
+    source_clients: SourceClients
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
@@ -143,7 +143,7 @@ class ServerState:
                     KEY_BYTES), config.redis_prefix),
                 registry=registry, references=ReferenceStore(client, config.redis_prefix),
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
-                fetches=FetchFlights(), s3_clients=S3Clients(), retirements=retirements, metrics=Metrics(),
+                fetches=FetchFlights(), source_clients=SourceClients(), retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
