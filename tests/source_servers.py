@@ -4,6 +4,7 @@ server (a real S3-compatible HTTP endpoint, threaded, in this process)."""
 from __future__ import annotations
 
 import contextlib
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from server.embedded_redis.server import free_port
 
 
 class FileServer:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
         self.files: dict[str, bytes] = {}
         self.redirects: dict[str, str] = {}
         self.huge: set[str] = set()        # paths that declare a 10 GiB body and then send little
@@ -23,8 +24,10 @@ class FileServer:
         handler = self._handler()
         self._httpd = ThreadingHTTPServer((host, 0), handler)
         self._httpd.daemon_threads = True
+        if tls is not None:  # HTTPS: every accepted connection does the server side of a TLS handshake
+            self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
         self.port = self._httpd.server_address[1]
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     def _handler(self):
