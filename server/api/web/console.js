@@ -146,7 +146,7 @@ function timeChart(svg, points, series, unit) {
     for (let t = Math.ceil(t0 / every) * every; t <= t1; t += every) {
       s.append(svgEl("line", {x1: x(t), x2: x(t), y1: g.ybase, y2: g.ybase + 4, class: "axis"}));
       s.append(svgEl("text", {x: x(t), y: g.h - 4, class: "tick x", "text-anchor": "middle"},
-                     new Date(t * 1000).toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"})));
+                     new Date(t * 1000).toLocaleTimeString([], {hour: "2-digit", minute: "2-digit", hourCycle: "h23"})));
     }
     for (const se of series) {
       let run = [];
@@ -181,7 +181,8 @@ function barChart(svg, labels, series, unit) {
         const v = se.values[i];
         if (v > 0) {
           const r = svgEl("rect", {x: (cx - bw / 2).toFixed(1), y: g.y(base + v).toFixed(1), width: bw.toFixed(1),
-                                   height: Math.max(1, g.y(base) - g.y(base + v)).toFixed(1), fill: se.color, class: "bar"});
+                                   height: Math.max(1, g.y(base) - g.y(base + v)).toFixed(1), fill: se.color, class: "bar",
+                                   "data-day": label, "data-series": se.name, "data-value": v});
           r.append(svgEl("title", {}, `${label} ${se.name}: ${v} ${unit}`));
           s.append(r);
         }
