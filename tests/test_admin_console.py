@@ -93,7 +93,7 @@ def test_console_runs_a_day_of_the_service(api_server, page, tiny_adapters, tmp_
     page.wait_for_selector("#new-key:has-text('lp-')")
     key = page.inner_text("#new-key").split(": ")[-1].strip()
     assert api_server.client(key).models.list().data
-    page.wait_for_selector("#key-rows tr")
+    page.wait_for_selector("#key-rows tr[data-id]")
 
     # Upload an adapter for the tenant from the console; the table counts it (1 of a quota of 3).
     page.fill("#upload-name", "console-ad")
@@ -167,10 +167,11 @@ def test_console_runs_a_day_of_the_service(api_server, page, tiny_adapters, tmp_
     _confirm(page, accept=False)
     with api_server.http(key) as h:
         assert h.get("/v1/models").status_code == 200
-    assert page.locator("#key-rows tr").count() == 1
+    assert page.locator("#key-rows tr[data-id]").count() == 1
     page.click("#key-rows tr button")
     _confirm(page, accept=True)
-    page.wait_for_selector("#key-rows tr", state="detached")
+    page.wait_for_selector("#key-rows tr[data-id]", state="detached")
+    page.wait_for_selector("#key-rows tr.empty")
     with api_server.http(key) as h:
         assert h.get("/v1/models").status_code == 401
 

@@ -32,6 +32,11 @@ function fmt(v) { return v === null || v === undefined ? "unlimited" : String(v)
 function when(t) { return t ? new Date(t * 1000).toLocaleString() : "never"; }
 function bytes(n) { return n === null || n === undefined ? "-" : n < 1048576 ? `${(n / 1024).toFixed(1)} KiB` : `${(n / 1048576).toFixed(1)} MiB`; }
 function plural(n, one, many) { return `${n} ${n === 1 ? one : (many || one + "s")}`; }
+function emptyRow(rows, columns, text) {
+  const tr = document.createElement("tr"), td = cell(text);
+  td.colSpan = columns; td.className = "muted"; tr.className = "empty";
+  tr.append(td); rows.append(tr);
+}
 function button(text, cls, onClick) {
   const b = document.createElement("button");
   b.type = "button"; b.className = cls; b.textContent = text;
@@ -312,7 +317,7 @@ async function refreshTenantDetail() {
     tr.append(cell(n || "base model"), cell(a.requests), cell(a.prompt_tokens), cell(a.completion_tokens));
     rows.append(tr);
   }
-  if (!names.length) { const tr = document.createElement("tr"); const td = cell("no requests in this period"); td.colSpan = 4; tr.append(td); rows.append(tr); }
+  if (!names.length) emptyRow(rows, 4, "no requests in this period");
   return adapters;
 }
 
@@ -333,6 +338,7 @@ async function renderTenantAdapters() {
               cell(when(a.created_at)), res, acts);
     rows.append(tr);
   }
+  if (!rows.children.length) emptyRow(rows, 7, "no adapters yet: upload one below");
 }
 
 async function renderKeys() {
@@ -346,6 +352,7 @@ async function renderKeys() {
     tr.append(cell(k.id), cell(when(k.created_at)), cell(when(k.last_used_at)), td);
     rows.append(tr);
   }
+  if (!keys.length) emptyRow(rows, 4, "no keys: this tenant cannot call the API until one is issued");
 }
 
 async function saveQuota() {
