@@ -64,3 +64,19 @@ def test_refusals_of_a_deleted_tenant_are_not_kept(redis_client: redis.Redis) ->
     assert list(redis_client.scan_iter("lp:t:*")) == []
     again = store.create("acme")  # the name reused: a new tenant starts with none
     assert refusals.get(again)["total"]["refused"] == 0
+
+
+def test_every_error_answer_maps_to_a_known_reason_or_none() -> None:
+    from server.api.refusal_count import refusal_reason
+
+    assert refusal_reason(429, "tokens_per_minute") == "tokens_per_minute"
+    assert refusal_reason(429, "auth_throttled") is None  # before any tenant is known
+    assert refusal_reason(422, "invalid_field") == refusal_reason(400, None) == "invalid_request"
+    assert refusal_reason(413, "request_too_large") == "too_large"
+    assert refusal_reason(403, "max_adapters") == "forbidden"
+    assert refusal_reason(503, "engine_unavailable") == "unavailable"
+    assert refusal_reason(503, "store_unavailable") is None  # Redis is down: it could not be counted
+    assert refusal_reason(500, "internal_error") == refusal_reason(504, None) == "server_error"
+    assert refusal_reason(401, "invalid_api_key") is None
+    statuses = (400, 403, 404, 405, 409, 413, 422, 429, 500, 502, 503, 504)
+    assert {refusal_reason(s, c) for s in statuses for c in (None, "requests_per_minute")} - {None} <= set(REFUSAL_REASONS)
