@@ -9,12 +9,14 @@ from tenants.errors import (QuotaError, QuotaExceeded, RequestTooLarge, TenantCo
 from tenants.keyspace import Keyspace
 from tenants.limits import Admission, Limiter, check_request_tokens
 from tenants.models import Quota, Tenant, validate_tenant_id, validate_tenant_name
+from tenants.refusals import REASONS as REFUSAL_REASONS
+from tenants.refusals import RefusalLog
 from tenants.store import TenantStore
 from tenants.usage import UsageLog
 
 __all__ = [
     "Admission", "AuthThrottle", "Keyspace", "Limiter", "Quota", "QuotaError", "QuotaExceeded",
-    "RequestTooLarge", "Tenant", "TenantConcurrentChange", "TenantError", "TenantExists",
+    "REFUSAL_REASONS", "RefusalLog", "RequestTooLarge", "Tenant", "TenantConcurrentChange", "TenantError", "TenantExists",
     "TenantIdError", "TenantNameError", "TenantNotFound", "TenantStore", "UsageLog",
     "check_request_tokens", "validate_tenant_id", "validate_tenant_name",
 ]

@@ -67,12 +67,17 @@ class Keyspace:
         return f"{self.prefix}authfail:key:{key_id}"
 
     # Usage: one hash per tenant per UTC day, plus an index of those hashes
-    # (ZSET key name -> expiry time) so deleting the tenant finds every one.
+    # (ZSET key name -> expiry time) so deleting the tenant finds every one
+    # (the refusal hashes below join the same index).
     def usage(self, tenant_id: str, day: str) -> str:
         return f"{self.owned(tenant_id)}usage:{day}"
 
     def usage_index(self, tenant_id: str) -> str:
         return f"{self.owned(tenant_id)}usage"
+
+    # Refusals (tenants.refusals): one hash per tenant per UTC day, in the usage index too.
+    def refusals(self, tenant_id: str, day: str) -> str:
+        return f"{self.owned(tenant_id)}refusals:{day}"
 
     # Limits: the sliding window log, its token charges and their running sum,
     # and the concurrency leases.

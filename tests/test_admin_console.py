@@ -1,10 +1,14 @@
-"""The admin console in a real headless Chromium (Debian's, driven by playwright): sign in with the
-admin token, create a tenant, set a quota, issue a key and see it once, revoke it, watch an adapter
-become resident after a request; a wrong token shows an error, not a blank page. Under the pages' CSP all
+"""The admin console in a real headless Chromium (Debian's, driven by playwright), against a real server:
+sign in with the admin token, create a tenant (an error stays on screen across refreshes until dismissed
+or the next action), set a quota, issue a key and see it once, upload, replace and delete an adapter,
+watch it become resident and its usage and the tenant's refusals charted from real traffic, revoke the
+key and delete the tenant (each asked first), read the engine's charts (time axis, units, gaps), and the
+same on a narrow window; a wrong token shows an error, not a blank page. Under the pages' CSP all
 of that runs without a single violation, /docs renders offline, and script injected into the DOM (an
 inline handler, a script element, markup) never runs: the browser blocks it and reports it."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -34,6 +38,13 @@ def page():
         browser.close()
 
 
+def _confirm(page, accept: bool) -> None:
+    """Answer the console's confirmation dialog, which must be open and modal."""
+    page.wait_for_selector("#confirm[open]")
+    page.click("#confirm-ok" if accept else "#confirm-cancel")
+    page.wait_for_selector("#confirm", state="hidden")
+
+
 def test_console_runs_a_day_of_the_service(api_server, page, tiny_adapters, tmp_path):
     base = api_server.url
     page.goto(f"{base}/admin/ui")
@@ -54,13 +65,27 @@ def test_console_runs_a_day_of_the_service(api_server, page, tiny_adapters, tmp_
     page.fill("#new-rpm", "30")
     page.click("#create-form button")
     page.wait_for_selector("#detail-title:has-text('console-acme')")
+    assert "0 adapters, 0 keys" in page.inner_text("#detail-title")
     tenant = api_server.admin("GET", "/admin/tenants/console-acme").json()
     assert tenant["quota"]["requests_per_minute"] == 30
 
-    # Edit a quota.
+    # Creating it again fails, and the error stays across the 3-second refreshes until dismissed.
+    page.fill("#new-name", "console-acme")
+    page.click("#create-form button")
+    page.wait_for_selector("#app-error:has-text(\"tenant 'console-acme' already exists\")")
+    page.wait_for_timeout(3500)
+    assert page.is_visible("#app-error") and "already exists" in page.inner_text("#app-error")
+    page.screenshot(path=str(tmp_path / "console-error-kept.png"))
+    page.click("#app-error-close")
+    assert page.is_hidden("#app-error")
+    # Another error is cleared by the next action instead.
+    page.fill("#new-name", "Not A Valid Name")
+    page.click("#create-form button")
+    page.wait_for_selector("#app-error:visible")
     page.fill("#quota-form input[name=max_adapters]", "3")
     page.click("#save-quota")
     page.wait_for_selector("#quota-saved:has-text('saved')")
+    assert page.is_hidden("#app-error")
     assert api_server.admin("GET", "/admin/tenants/console-acme").json()["quota"]["max_adapters"] == 3
 
     # Issue a key: shown once, and it works.
@@ -68,31 +93,134 @@ def test_console_runs_a_day_of_the_service(api_server, page, tiny_adapters, tmp_
     page.wait_for_selector("#new-key:has-text('lp-')")
     key = page.inner_text("#new-key").split(": ")[-1].strip()
     assert api_server.client(key).models.list().data
-    page.wait_for_selector("#key-rows tr")
+    page.wait_for_selector("#key-rows tr[data-id]")
 
-    # The tenant uploads an adapter and uses it: the adapters tab shows it resident.
-    assert api_server.upload(key, "console-ad", tiny_adapters["r4_qv"]).status_code == 201
-    api_server.client(key).completions.create(model="console-ad", prompt="hi", max_tokens=2)
+    # Upload an adapter for the tenant from the console; the table counts it (1 of a quota of 3).
+    page.fill("#upload-name", "console-ad")
+    page.set_input_files("#upload-config", str(tiny_adapters["r4_qv"] / "adapter_config.json"))
+    page.set_input_files("#upload-weights", str(tiny_adapters["r4_qv"] / "adapter_model.safetensors"))
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_selector("#upload-done:has-text('rank 4')")
+    page.wait_for_selector("#tenant-adapter-rows tr[data-name=console-ad]")
+    with api_server.http(key) as h:
+        assert h.get("/v1/adapters/console-ad").json()["rank"] == 4
+    page.fill("#tenant-filter", "console-acme")
+    page.wait_for_selector("#tenant-rows tr[data-name=console-acme] td[data-col=adapters]:text-is('1')")
+    assert page.locator("#tenant-rows tr[data-name=console-acme] td").nth(3).inner_text() == "3"
+    page.click("#tenant-rows tr[data-name=console-acme]")
+    page.wait_for_selector("#detail-title:has-text('1 adapter,')")
+
+    # Real traffic: the adapter and the base model, and refusals (an unknown model, a bad request).
+    c = api_server.client(key)
+    c.completions.create(model="console-ad", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    c.completions.create(model=api_server.state.model_id, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True})
+    with api_server.http(key) as h:
+        assert h.post("/v1/completions", json={"model": "nope", "prompt": "hi"}).status_code == 404
+        assert h.post("/v1/completions", json={"model": "console-ad", "prompt": "hi", "max_tokens": -1}).status_code in (400, 422)
+    usage = api_server.admin("GET", "/admin/tenants/console-acme/usage").json()["total"]["adapters"]
+    tokens = usage["console-ad"]["prompt_tokens"] + usage["console-ad"]["completion_tokens"]
+    # The charts show it at the next refresh: a bar per adapter for today, the refusals by reason.
+    page.wait_for_selector(f"#chart-tenant-tokens rect.bar[data-series=console-ad][data-value='{tokens}']")
+    page.wait_for_selector("#chart-tenant-refusals rect.bar[data-series=not_found][data-value='1']")
+    page.wait_for_selector("#chart-tenant-refusals rect.bar[data-series=invalid_request][data-value='1']")
+    assert page.locator("#chart-tenant-requests rect.bar").count() == 2  # console-ad and the base model today
+    assert {"console-ad", "base model"} <= set(page.locator("#chart-tenant-tokens text.legend").all_text_contents())
+    assert page.locator("#chart-tenant-tokens text.tick.y").count() >= 3
+    assert page.locator("#chart-tenant-tokens text.unit").text_content() == "tokens"
+    assert page.locator("#adapter-usage-rows tr:has-text('console-ad') td").nth(1).inner_text() == "1"
+    page.select_option("#usage-days", "30")
+    page.wait_for_selector("#chart-tenant-tokens text.tick.x >> nth=4")  # a month of days on the axis
+    page.locator("#tenant-detail").screenshot(path=str(tmp_path / "console-tenant-usage.png"))
+
+    # The adapters tab shows it resident after that request.
     page.click("header nav button[data-tab=adapters]")
     page.fill("#adapter-filter", "console-acme")
     page.wait_for_selector("#adapter-rows tr:has-text('console-ad') .badge.device")
     page.screenshot(path=str(tmp_path / "console-adapters.png"), full_page=True)
 
-    # Revoke the key: it stops working.
+    # Replace it (another rank), then delete it: asked first, and Cancel keeps it.
     page.click("header nav button[data-tab=tenants]")
-    page.fill("#tenant-filter", "console-acme")
     page.click("#tenant-rows tr[data-name=console-acme]")
-    page.wait_for_selector("#key-rows tr button")
+    page.click("#tenant-adapter-rows tr[data-name=console-ad] button:has-text('Replace')")
+    assert page.input_value("#upload-name") == "console-ad" and page.is_checked("#upload-replace")
+    page.set_input_files("#upload-config", str(tiny_adapters["r8_all"] / "adapter_config.json"))
+    page.set_input_files("#upload-weights", str(tiny_adapters["r8_all"] / "adapter_model.safetensors"))
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_selector("#upload-done:has-text('rank 8')")
+    with api_server.http(key) as h:
+        assert h.get("/v1/adapters/console-ad").json()["rank"] == 8
+    page.click("#tenant-adapter-rows tr[data-name=console-ad] button:has-text('Delete')")
+    _confirm(page, accept=False)
+    with api_server.http(key) as h:
+        assert h.get("/v1/adapters/console-ad").status_code == 200
+    page.click("#tenant-adapter-rows tr[data-name=console-ad] button:has-text('Delete')")
+    _confirm(page, accept=True)
+    page.wait_for_selector("#tenant-adapter-rows tr[data-name=console-ad]", state="detached")
+    with api_server.http(key) as h:
+        assert h.get("/v1/adapters/console-ad").status_code == 404
+
+    # Revoke the key: asked first; Cancel keeps it working, OK stops it.
     page.click("#key-rows tr button")
-    page.wait_for_selector("#key-rows tr", state="detached")
+    page.wait_for_selector("#confirm[open]")
+    assert "Revoke key" in page.inner_text("#confirm-text")
+    page.screenshot(path=str(tmp_path / "console-confirm-revoke.png"))
+    _confirm(page, accept=False)
+    with api_server.http(key) as h:
+        assert h.get("/v1/models").status_code == 200
+    assert page.locator("#key-rows tr[data-id]").count() == 1
+    page.click("#key-rows tr button")
+    _confirm(page, accept=True)
+    page.wait_for_selector("#key-rows tr[data-id]", state="detached")
+    page.wait_for_selector("#key-rows tr.empty")
     with api_server.http(key) as h:
         assert h.get("/v1/models").status_code == 401
+
+    # Delete the tenant: asked first, then gone with everything it owned.
+    page.click("#delete-tenant")
+    _confirm(page, accept=False)
+    assert api_server.admin("GET", "/admin/tenants/console-acme").status_code == 200
+    page.click("#delete-tenant")
+    _confirm(page, accept=True)
+    page.wait_for_selector("#tenant-rows tr[data-name=console-acme]", state="detached")
+    assert page.is_hidden("#tenant-detail")
+    assert api_server.admin("GET", "/admin/tenants/console-acme").status_code == 404
+
+    # The engine's charts: a time axis, y ticks with a unit, and an idle spell is a gap, not a line.
+    _, key2 = api_server.new_tenant()
+    c = api_server.client(key2)
+    c.completions.create(model=api_server.state.model_id, prompt="hi", max_tokens=2)
+    page.wait_for_timeout(4500)  # two samples (2 s apart) with no first token: no TTFT in them
+    c.completions.create(model=api_server.state.model_id, prompt="hi", max_tokens=2)
     page.click("header nav button[data-tab=engine]")
     page.wait_for_selector("#engine-stats .stat")
+    _until(page, "document.querySelectorAll('#chart-ttft .seg').length >= 2")
+    for chart, unit in (("#chart-tps", "tokens/s"), ("#chart-ttft", "seconds"), ("#chart-queue", "requests")):
+        assert page.locator(f"{chart} text.unit").text_content() == unit
+        assert page.locator(f"{chart} text.tick.y").count() >= 3
+        assert re.fullmatch(r"\d\d:\d\d", page.locator(f"{chart} text.tick.x").first.text_content()), chart
     assert page.evaluate("window.__violations") == []  # the whole console ran under its CSP
     shot = tmp_path / "console-engine.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
+
+    # A narrow window: one column, nothing wider than the window, the charts drawn again at their new width.
+    page.set_viewport_size({"width": 390, "height": 844})
+    try:
+        _until(page, "(() => { const s = document.getElementById('chart-tps');"
+                     " return s.viewBox.baseVal.width === Math.round(s.clientWidth) && s.clientWidth < 390; })()")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        page.screenshot(path=str(tmp_path / "console-narrow-engine.png"), full_page=True)
+        page.click("header nav button[data-tab=tenants]")
+        page.wait_for_selector("#tenant-count:has-text('tenant')")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390  # the wide table scrolls in its box
+        page.screenshot(path=str(tmp_path / "console-narrow-tenants.png"), full_page=True)
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 900})
+
+    # The favicon is served, not a 404.
+    icon = page.request.get(f"{base}/favicon.ico")
+    assert icon.status == 200 and icon.headers["content-type"] == "image/svg+xml"
+    assert page.evaluate("window.__violations") == []
     print(f"console screenshots: {tmp_path}")
 
 

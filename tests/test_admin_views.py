@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-ADMIN_VIEWS = ["/admin/tenants/{t}/usage", "/admin/tenants/{t}/keys", "/admin/adapters", "/admin/engine"]
+ADMIN_VIEWS = ["/admin/tenants/{t}/usage", "/admin/tenants/{t}/refusals", "/admin/tenants/{t}/keys", "/admin/adapters",
+               "/admin/engine"]
 
 
 def test_tenant_usage_and_keys(api_server, tiny_adapters):
@@ -64,6 +65,63 @@ def test_adapters_with_residency(api_server, tiny_adapters):
     assert api_server.admin("GET", "/admin/adapters", params={"limit": 0}).status_code == 400
 
 
+def test_refusals_by_tenant_from_real_traffic(api_server):
+    """Each refusal of an authenticated tenant is counted by reason: its 429s by the limit reached, its
+    bad requests, unknown models and oversized requests; a bad key names no tenant and counts for none."""
+    name, key = api_server.new_tenant({"requests_per_minute": 3, "max_tokens_per_request": 8})
+    other, other_key = api_server.new_tenant()
+    model = api_server.state.model_id
+    with api_server.http(key) as h:
+        codes = [h.post("/v1/completions", json=body).status_code for body in (
+            {"model": model, "prompt": "hi", "max_tokens": 1},     # 200
+            {"model": "no-such-adapter", "prompt": "hi", "max_tokens": 1},   # 404
+            {"model": model, "prompt": "hi", "max_tokens": 9},     # 400: over max_tokens_per_request
+            {"model": model, "prompt": "hi", "max_tokens": 1},     # 200: refusals are not in the window
+            {"model": model, "prompt": "hi", "max_tokens": 1},     # 200
+            {"model": model, "prompt": "hi", "max_tokens": 1},     # 429: the fourth in the minute
+            {"model": model, "prompt": "hi", "max_tokens": 1})]    # 429
+    assert codes == [200, 404, 400, 200, 200, 429, 429]
+    with api_server.http("lp-notakey.nope") as h:
+        assert h.get("/v1/models").status_code == 401
+    got = api_server.admin("GET", f"/admin/tenants/{name}/refusals", params={"days": 2}).json()
+    assert got["object"] == "refusals" and got["tenant"] == name and len(got["days"]) == 2
+    expected = {"requests_per_minute": 2, "not_found": 1, "invalid_request": 1}
+    assert got["total"] == {"refused": 4, "reasons": expected} and got["days"][-1]["reasons"] == expected
+    assert api_server.admin("GET", f"/admin/tenants/{other}/refusals").json()["total"] == {"refused": 0, "reasons": {}}
+    with api_server.http(other_key) as h:  # the tenant cannot read it
+        assert h.get(f"/admin/tenants/{other}/refusals").status_code == 403
+    assert api_server.admin("GET", f"/admin/tenants/{name}/refusals", params={"days": 91}).status_code == 400
+    assert api_server.admin("GET", "/admin/tenants/nobody/refusals").status_code == 404
+
+
+def test_the_operator_uploads_replaces_and_deletes_a_tenants_adapter(api_server, tiny_adapters):
+    """/admin/tenants/{t}/adapters takes the tenant's own multipart form, under the tenant's quota."""
+    name, key = api_server.new_tenant({"max_adapters": 1})
+
+    def upload(adapter, kind, replace=False):
+        d = tiny_adapters[kind]
+        files = {f: (f, (d / f).read_bytes()) for f in ("adapter_config.json", "adapter_model.safetensors")}
+        return api_server.admin("POST", f"/admin/tenants/{name}/adapters", files=files,
+                                data={"name": adapter, "replace": "true" if replace else "false"})
+
+    first = upload("ops", "r4_qv")
+    assert first.status_code == 201 and first.json()["rank"] == 4
+    assert upload("ops", "r4_qv").status_code == 409  # exists, no replace
+    assert upload("second", "r4_qv").status_code == 403  # the tenant's max_adapters
+    replaced = upload("ops", "r8_all", replace=True)
+    assert replaced.status_code == 201 and replaced.json()["rank"] == 8
+    assert replaced.json()["version"] != first.json()["version"]
+    with api_server.http(key) as h:  # the tenant serves it under its own name
+        assert h.get("/v1/adapters/ops").json()["rank"] == 8
+    api_server.client(key).completions.create(model="ops", prompt="hi", max_tokens=1)
+    assert api_server.admin("DELETE", f"/admin/tenants/{name}/adapters/ops").json()["deleted"] is True
+    assert api_server.admin("DELETE", f"/admin/tenants/{name}/adapters/ops").status_code == 404
+    with api_server.http(key) as h:
+        assert h.get("/v1/adapters/ops").status_code == 404
+        assert h.post(f"/admin/tenants/{name}/adapters", files={}, data={"name": "x"}).status_code == 403
+    assert api_server.admin("POST", "/admin/tenants/nobody/adapters", data={"name": "x"}).status_code == 404
+
+
 def test_engine_view_and_history(api_server):
     _, key = api_server.new_tenant()
     api_server.client(key).completions.create(model=api_server.state.model_id, prompt="hi", max_tokens=20,
@@ -96,6 +154,8 @@ def test_version_health_landing_and_cli(api_server):
     assert health["version"] == version["version"]
     landing = httpx.get(f"{api_server.url}/")
     assert landing.status_code == 200 and "/admin/ui" in landing.text and "/docs" in landing.text
+    icon = httpx.get(f"{api_server.url}/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml" and b"<svg" in icon.content
     page = httpx.get(f"{api_server.url}/admin/ui")
     assert page.status_code == 200 and "connect-src 'self'" in page.headers["content-security-policy"]
     out = subprocess.run([sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True,
@@ -118,7 +178,7 @@ def test_every_response_carries_the_hardening_headers(api_server):
         assert not re.search(r"\son[a-z]+=", page.text), f"an inline handler on {path}"
         for asset in re.findall(r'(?:src|href)="(/assets/[^"]+)"', page.text):
             served = httpx.get(f"{base}{asset}")
-            kind = "text/javascript" if asset.endswith(".js") else "text/css"
+            kind = {".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}[Path(asset).suffix]
             assert served.status_code == 200 and served.headers["content-type"].startswith(kind), asset
     assert {"/assets/console.js", "/assets/console.css", "/assets/docs.js"} <= set(
         re.findall(r'"(/assets/[^"]+)"', pages["/admin/ui"].text + pages["/docs"].text))

@@ -18,12 +18,17 @@ from server.api.adapter_requests import AdapterByReference
 from server.api.auth import require_tenant, state_of
 from server.api.body import read_json_object
 from server.api.errors import APIError
+from server.api.state import ServerState
 from server.api.upload import FORM_OVERHEAD_BYTES, read_adapter_upload
 from server.api.validation import parse_model
+from tenants import Tenant
 
 
 def _path_name(request: Request) -> str | None:
-    name = request.path_params["name"]
+    return _valid_or_none(request.path_params["name"])
+
+
+def _valid_or_none(name: str) -> str | None:
     try:
         return validate_name(name)
     except ValueError:
@@ -35,6 +40,11 @@ async def upload_adapter(request: Request) -> Response:
     state = state_of(request)
     if request.headers.get("content-type", "").split(";", 1)[0].strip() == "application/json":
         return await _register_by_reference(request, tenant, state)
+    return await store_upload(request, state, tenant)
+
+
+async def store_upload(request: Request, state: ServerState, tenant: Tenant) -> Response:
+    """Store the multipart upload in the request as `tenant`'s adapter, under its quota."""
     quota = tenant.quota
     cap = state.config.max_upload_bytes
     if quota.max_adapter_bytes is not None:
@@ -85,11 +95,15 @@ async def get_adapter(request: Request) -> Response:
 
 async def delete_adapter(request: Request) -> Response:
     tenant = await require_tenant(request)
-    state = state_of(request)
-    name = _path_name(request)
+    return await delete_named(state_of(request), tenant, request.path_params["name"])
+
+
+async def delete_named(state: ServerState, tenant: Tenant, raw_name: str) -> Response:
+    """Delete `tenant`'s adapter named `raw_name` (as the path gave it; 404 if it has none of that name)."""
+    name = _valid_or_none(raw_name)
     removed = False if name is None else await unregister(state, tenant.id, name)
     if removed is False:
-        raise APIError(404, f"adapter '{request.path_params['name']}' does not exist", "not_found")
+        raise APIError(404, f"adapter '{raw_name}' does not exist", "not_found")
     return JSONResponse({"id": removed.version if removed is not True else None, "name": name,
                          "object": "adapter", "deleted": True})
 

@@ -162,6 +162,23 @@ class UsageOut(BaseModel):
     total: UsageTotal
 
 
+class RefusalCounts(BaseModel):
+    refused: int
+    reasons: dict[str, int] = Field(description="refusals by reason (tenants.REFUSAL_REASONS); "
+                                                "a reason with none is absent")
+
+
+class RefusalDay(RefusalCounts):
+    date: str
+
+
+class RefusalsOut(BaseModel):
+    object: Literal["refusals"]
+    tenant: str
+    days: list[RefusalDay]
+    total: RefusalCounts
+
+
 class Health(BaseModel):
     model_config = ConfigDict(extra="allow")
     status: Literal["ok", "unavailable"]

@@ -1,4 +1,4 @@
-"""What an operator reads (admin token only): a tenant's usage and keys, every tenant's adapters with
+"""What an operator reads (admin token only): a tenant's usage, refusals and keys, every tenant's adapters with
 where each is resident now, and the engine's live state with its recent history."""
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ async def require_admin_tenant(request: Request) -> tuple[ServerState, Tenant]:
 async def tenant_usage(request: Request) -> Response:
     state, tenant = await require_admin_tenant(request)
     return JSONResponse(await usage_report(state, tenant, request))
+
+
+async def tenant_refusals(request: Request) -> Response:
+    state, tenant = await require_admin_tenant(request)
+    days = int_param(request, "days", 1, 1, state.refusals.retention_days)
+    log = await run_in_threadpool(state.refusals.get, tenant, days)
+    return JSONResponse({"object": "refusals", "tenant": tenant.name, **log})
 
 
 async def tenant_keys(request: Request) -> Response:
@@ -95,6 +102,7 @@ async def engine(request: Request) -> Response:
 
 ROUTES = [
     Route("/admin/tenants/{name}/usage", tenant_usage, methods=["GET"]),
+    Route("/admin/tenants/{name}/refusals", tenant_refusals, methods=["GET"]),
     Route("/admin/tenants/{name}/keys", tenant_keys, methods=["GET"]),
     Route("/admin/adapters", adapters, methods=["GET"]),
     Route("/admin/engine", engine, methods=["GET"]),

@@ -10,8 +10,9 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 
-from server.api import (adapter_routes, admin_routes, admin_views, lora_routes, openai_routes, openapi,
-                        ops_routes, pages, shared_adapter_routes, source_credential_routes, tokenize_routes)
+from server.api import (adapter_routes, admin_adapter_routes, admin_routes, admin_views, lora_routes,
+                        openai_routes, openapi, ops_routes, pages, shared_adapter_routes, source_credential_routes,
+                        tokenize_routes)
 from server.api.admin_auth_throttle import AdminAuthThrottle
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
@@ -55,7 +56,8 @@ def create_app(config: ServerConfig,
             await run_in_threadpool(state.close)
 
     routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *lora_routes.ROUTES,
-              *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
+              *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_adapter_routes.ROUTES,
+              *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
               *source_credential_routes.ROUTES, *openapi.ROUTES, *pages.ROUTES]
     middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders),
                   Middleware(AdminAuthThrottle)]

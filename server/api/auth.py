@@ -61,7 +61,10 @@ async def require_tenant(request: Request) -> Tenant:
         raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                        "missing_api_key", _CHALLENGE)
     address = request.client.host if request.client is not None else None
-    return await run_in_threadpool(_authenticate, state_of(request), token, address)
+    tenant = await run_in_threadpool(_authenticate, state_of(request), token, address)
+    # Who a refusal of this request is counted against (server.api.refusal_count).
+    request.state.tenant = tenant
+    return tenant
 
 
 def _matches(token: str, expected: str | None) -> bool:

@@ -14,6 +14,7 @@ from starlette.routing import Match
 from adapters.format import AdapterFormatError
 from adapters.registry import AdapterExists, AdapterNotFound, AdapterQuotaExceeded
 from adapters.sources import SourceError
+from server.api.refusal_count import count_refusal
 from server.engine import RequestError
 from server.engine.async_engine import EngineDeadError
 from tenants import (QuotaError, QuotaExceeded, RequestTooLarge, TenantExists, TenantNameError,
@@ -115,6 +116,7 @@ async def _handle(request: Request, exc: Exception) -> Response:
     error = to_api_error(exc)
     if error.status == 405:
         error.headers["Allow"] = _allowed_methods(request)
+    await count_refusal(request, error.status, error.code)
     return error.response()
 
 

@@ -31,7 +31,7 @@ from server.engine.async_engine import AsyncEngine
 from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
 from server.embedded_redis.server import EmbeddedRedis
-from tenants import AuthThrottle, Limiter, TenantStore, UsageLog
+from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
 from tenants.source_credentials import KEY_BYTES, SourceCredentials
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class ServerState:
     auth_throttle: AuthThrottle
     source_credentials: SourceCredentials    # tenants' own credentials for adapter sources
     usage: UsageLog
+    refusals: RefusalLog
     registry: AdapterRegistry
     references: ReferenceStore
     sharing: SharingStore
@@ -136,6 +137,7 @@ class ServerState:
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
+                refusals=RefusalLog(client, config.redis_prefix),
                 auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
                                            window_seconds=config.auth_failure_window_seconds),
                 source_credentials=SourceCredentials(client, load_or_create_key(
