@@ -13,6 +13,7 @@ import math
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from adapters.activation import invocation_config_problem
 from adapters.bounded_json import JsonLimitError, loads_bounded
 
 # A user regex is matched in a subprocess under a deadline, but its length is
@@ -46,7 +47,6 @@ _UNSUPPORTED_TRUTHY = MappingProxyType({
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
     "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
     "layer_replication": "layer_replication is not supported",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QALoRA (use_qalora) is not supported",
     "velora_config": "the VeLoRA variant (velora_config) is not supported",
     "monteclora_config": "the MonteCLoRA variant (monteclora_config) is not supported",
@@ -73,6 +73,9 @@ def _parse_config(raw: bytes, source: str) -> Mapping[str, Any]:
     for key, why in _UNSUPPORTED_TRUTHY.items():
         if cfg.get(key):
             raise bad(why)
+    # Activated LoRA is served (adapters.activation); its field is checked, never ignored.
+    if (why := invocation_config_problem(cfg)) is not None:
+        raise bad(why)
     if cfg.get("bias", "none") != "none":
         raise bad(f"bias={cfg['bias']!r} is not supported (trained base biases); need 'none'")
     init = cfg.get("init_lora_weights", True)
