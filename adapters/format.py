@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 
 # PROJECTIONS and AdapterFormatError stay importable from here: callers use adapters.format.
-from adapters.activation import invocation_vocab_problem
+from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
 from adapters.pattern_resolver import resolve_modules
 from adapters.peft_config import PROJECTIONS, AdapterFormatError, _parse_config, _positive_int
 from adapters.safetensors_header import (
@@ -215,7 +215,7 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     config_source = os.path.join(os.path.dirname(source), CONFIG_FILE)
     check_config_alphas(cfg, max_lora_rank, config_source)
     if (why := invocation_vocab_problem(cfg, shape.vocab_size)) is not None:
-        raise AdapterFormatError(f"{config_source}: {why}")
+        raise AdapterFormatError(f"{config_source}: {why}", param=INVOCATION_FIELD)
     names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers) for proj in PROJECTIONS}
     resolved = resolve_modules(cfg, list(names.values()), config_source)
     expected = {slot for slot, name in names.items() if name in resolved.ranks}

@@ -11,6 +11,7 @@ the same tenant, and never an adapter's blocks to anyone else.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from adapters.activation import NOT_INVOKED, activation_start
+from adapters.format import AdapterFormatError, ModelShape, load_adapter_dir
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import drive, greedy
 from tests.hostile_helpers import tampered_adapter
@@ -287,3 +289,11 @@ def test_same_blocks_with_the_point_elsewhere_are_not_shared(tiny_model_dir, ada
         out = drive(engine)[rid]
         assert out.token_ids == peft_oracle(tiny_model_dir, adapter_dirs["alora_a"], prompt, 4), rid
         assert engine.stats().prefix_hit_tokens - before == hits, rid
+
+
+@pytest.mark.parametrize("extra, why", [({"use_dora": True}, "use_dora"), ({"init_lora_weights": "mica"}, "mica")])
+def test_combinations_peft_has_no_variant_for_are_refused(tiny_model_dir, adapter_dirs, tmp_path, extra, why):
+    bad = tampered_adapter(adapter_dirs["alora_a"], tmp_path / "bad", config=extra)
+    with pytest.raises(AdapterFormatError, match=why):
+        load_adapter_dir(bad, ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text())),
+                         max_lora_rank=32)
