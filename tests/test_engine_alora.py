@@ -297,3 +297,20 @@ def test_combinations_peft_has_no_variant_for_are_refused(tiny_model_dir, adapte
     with pytest.raises(AdapterFormatError, match=why):
         load_adapter_dir(bad, ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text())),
                          max_lora_rank=32)
+
+
+def test_shared_base_blocks_follow_the_operators_policy(tiny_model_dir, adapter_dirs, peft_oracle):
+    # With --share-base-prefix-cache, an aLoRA's blocks before its point are base-model blocks like
+    # any other: another tenant's base request reuses them; its adapter blocks stay its own.
+    prompt = words(64, 60) + INV_A + words(29, 61)
+    llm = make_llm(tiny_model_dir, adapter_dirs, max_num_batched_tokens=128)
+    engine = llm.engine
+    engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
+    for rid, name, tenant, hits in (("a", "alora_a", "t1", 0), ("base", None, "t2", 64), ("a-t2", "alora_a", "t2", 64)):
+        before = engine.stats().prefix_hit_tokens
+        engine.add_request(rid, prompt, greedy(4), llm._versions[name] if name else None, tenant=tenant)
+        out = drive(engine)[rid]
+        assert out.token_ids == peft_oracle(tiny_model_dir, adapter_dirs[name] if name else None, prompt, 4), rid
+        assert engine.stats().prefix_hit_tokens - before == hits, rid
+        # cached_tokens reports only what the caller's own tenant sent before.
+        assert out.num_cached_tokens == (64 if rid == "a-t2" else 0), rid
