@@ -17,6 +17,7 @@ engine serves it from, and adds it to, the base model's prefix cache.
 from __future__ import annotations
 
 import sys
+from array import array
 from typing import Any, Mapping, Sequence
 
 FIELD = "alora_invocation_tokens"
@@ -27,6 +28,9 @@ MAX_INVOCATION_TOKENS = 128
 # The activation point of a prompt that lacks the invocation sequence: no
 # position reaches it, so the adapter never applies.
 NOT_INVOKED = sys.maxsize
+# Token ids are searched as int64 (activation_start); no vocabulary comes near this bound.
+MAX_TOKEN_ID = 2**31 - 1
+TOKEN_BYTES = array("q").itemsize
 
 
 def invocation_config_problem(cfg: Mapping[str, Any]) -> str | None:
@@ -42,8 +46,8 @@ def invocation_config_problem(cfg: Mapping[str, Any]) -> str | None:
         return f"{FIELD} is empty; give the invocation's token ids or leave the field out"
     if len(tokens) > MAX_INVOCATION_TOKENS:
         return f"{FIELD} has {len(tokens)} tokens; at most {MAX_INVOCATION_TOKENS} are served"
-    if any(t < 0 for t in tokens):
-        return f"{FIELD} holds a negative token id"
+    if any(t < 0 or t > MAX_TOKEN_ID for t in tokens):
+        return f"{FIELD} holds {next(t for t in tokens if t < 0 or t > MAX_TOKEN_ID)}, which is not a token id"
     # PEFT has no variant for these combinations: loading such an adapter raises there.
     if cfg.get("use_dora"):
         return f"{FIELD} cannot be combined with use_dora (PEFT has no such variant)"
@@ -72,11 +76,16 @@ def invocation_tokens(cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
 
 def activation_start(invocation: Sequence[int], prompt: Sequence[int]) -> int:
     """The first position the adapter applies to: where the last occurrence of `invocation` in
-    `prompt` starts, or NOT_INVOKED when it does not occur (PEFT's `calculate_alora_offsets`)."""
-    size = len(invocation)
-    assert size > 0, "an invocation sequence is never empty (invocation_config_problem)"
-    first, whole = invocation[0], list(invocation)
-    for start in range(len(prompt) - size, -1, -1):
-        if prompt[start] == first and list(prompt[start:start + size]) == whole:
-            return start
+    `prompt` starts, or NOT_INVOKED when it does not occur (PEFT's `calculate_alora_offsets`).
+
+    Searched as bytes (C's linear-time substring search; a prompt of thousands of tokens takes
+    microseconds, whatever the invocation): a match must start on a token's first byte."""
+    assert invocation, "an invocation sequence is never empty (invocation_config_problem)"
+    needle, hay = array("q", invocation).tobytes(), array("q", prompt).tobytes()
+    width = len(needle)
+    end = len(hay)
+    while (at := hay.rfind(needle, 0, end)) >= 0:
+        if at % TOKEN_BYTES == 0:
+            return at // TOKEN_BYTES
+        end = at + width - 1  # a misaligned match: look for the last one starting before it
     return NOT_INVOKED

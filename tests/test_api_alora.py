@@ -49,8 +49,9 @@ def test_uploaded_aloras_match_peft_and_share_the_prompt(api_server, tiny_model_
     ([], "empty"),
     ([7] * 129, "at most 128"),
     ([7, 512], "outside the base model's vocabulary of 512"),
-    ([-1], "negative"),
-], ids=["string", "mixed", "float", "bool", "nested", "empty", "too-long", "out-of-vocab", "negative"])
+    ([-1], "-1, which is not a token id"),
+    ([2**40], "not a token id"),
+], ids=["string", "mixed", "float", "bool", "nested", "empty", "too-long", "out-of-vocab", "negative", "huge"])
 def test_malformed_invocation_tokens_are_400(api_server, tiny_adapters, tmp_path, value, why):
     _, key = api_server.new_tenant()
     bad = tampered_adapter(tiny_adapters["r4_qv"], tmp_path / "bad", config={"alora_invocation_tokens": value})

@@ -82,10 +82,11 @@ def test_activation_point_is_peft_s(adapter_dirs):
     from peft.tuners.lora.variants import calculate_alora_offsets
 
     rng = random.Random(3)
-    for invocation in ([7], [7, 8], [5, 5], [5, 5, 5], [7, 8, 7]):
+    # 0 and 256 make byte patterns that match across token boundaries (activation_start searches bytes).
+    for invocation in ([7], [7, 8], [5, 5], [5, 5, 5], [7, 8, 7], [0, 0], [256, 0], [0, 1]):
         config = {"x": LoraConfig(alora_invocation_tokens=invocation, task_type="CAUSAL_LM")}
-        for _ in range(200):
-            prompt = [rng.choice((5, 7, 8, 11)) for _ in range(rng.randint(1, 12))]
+        for _ in range(300):
+            prompt = [rng.choice((0, 1, 5, 7, 8, 256)) for _ in range(rng.randint(1, 12))]
             (offset,) = calculate_alora_offsets(config, "x", torch.tensor([prompt]))
             start = activation_start(invocation, prompt)
             assert start == (NOT_INVOKED if offset is None else len(prompt) - offset), (invocation, prompt)
