@@ -26,6 +26,7 @@ import safetensors.torch
 import torch
 
 # PROJECTIONS and AdapterFormatError stay importable from here: callers use adapters.format.
+from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
 from adapters.pattern_resolver import resolve_modules
 from adapters.peft_config import PROJECTIONS, AdapterFormatError, _parse_config, _positive_int
 from adapters.safetensors_header import (
@@ -55,11 +56,14 @@ class ModelShape:
     q_size: int              # num_heads * head_dim
     kv_size: int             # num_kv_heads * head_dim
     intermediate_size: int
+    vocab_size: int | None = None  # bounds an aLoRA's invocation token ids; None: not checked
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {getattr(self, name)!r}")
+        if not (self.vocab_size is None or _positive_int(self.vocab_size)):
+            raise ValueError(f"ModelShape.vocab_size must be a positive int or None, got {self.vocab_size!r}")
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
@@ -68,7 +72,7 @@ class ModelShape:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
-                   kv_heads * head_dim, cfg["intermediate_size"])
+                   kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"))
 
     def in_out(self, proj: str) -> tuple[int, int]:
         """(in_features, out_features) of the base model's Linear `proj`."""
@@ -210,6 +214,8 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     # Refusals that come from the config alone name the config file next to the weights.
     config_source = os.path.join(os.path.dirname(source), CONFIG_FILE)
     check_config_alphas(cfg, max_lora_rank, config_source)
+    if (why := invocation_vocab_problem(cfg, shape.vocab_size)) is not None:
+        raise AdapterFormatError(f"{config_source}: {why}", param=INVOCATION_FIELD)
     names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers) for proj in PROJECTIONS}
     resolved = resolve_modules(cfg, list(names.values()), config_source)
     expected = {slot for slot, name in names.items() if name in resolved.ranks}

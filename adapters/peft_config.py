@@ -13,6 +13,7 @@ import math
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from adapters.activation import FIELD as INVOCATION_FIELD, invocation_config_problem
 from adapters.bounded_json import JsonLimitError, loads_bounded
 
 # A user regex is matched in a subprocess under a deadline, but its length is
@@ -24,7 +25,12 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 class AdapterFormatError(ValueError):
-    """The adapter cannot be served exactly; the message names the file/key/module and why."""
+    """The adapter cannot be served exactly; the message names the file/key/module and why, and
+    `param` the config field at fault where one is (the HTTP error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _positive_int(x: object) -> bool:
@@ -46,7 +52,6 @@ _UNSUPPORTED_TRUTHY = MappingProxyType({
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
     "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
     "layer_replication": "layer_replication is not supported",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QALoRA (use_qalora) is not supported",
     "velora_config": "the VeLoRA variant (velora_config) is not supported",
     "monteclora_config": "the MonteCLoRA variant (monteclora_config) is not supported",
@@ -73,6 +78,9 @@ def _parse_config(raw: bytes, source: str) -> Mapping[str, Any]:
     for key, why in _UNSUPPORTED_TRUTHY.items():
         if cfg.get(key):
             raise bad(why)
+    # Activated LoRA is served (adapters.activation); its field is checked, never ignored.
+    if (why := invocation_config_problem(cfg)) is not None:
+        raise AdapterFormatError(f"{source}: {why}", param=INVOCATION_FIELD)
     if cfg.get("bias", "none") != "none":
         raise bad(f"bias={cfg['bias']!r} is not supported (trained base biases); need 'none'")
     init = cfg.get("init_lora_weights", True)

@@ -19,7 +19,7 @@ from adapters.format import (
 
 HF_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=100)
-SHAPE = ModelShape(num_layers=2, hidden_size=32, q_size=32, kv_size=16, intermediate_size=64)
+SHAPE = ModelShape(num_layers=2, hidden_size=32, q_size=32, kv_size=16, intermediate_size=64, vocab_size=100)
 MAX_RANK = 16
 
 

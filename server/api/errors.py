@@ -85,7 +85,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, SourceError):
         return APIError(exc.status, exc.message, exc.code)
     if isinstance(exc, AdapterFormatError):
-        return APIError(400, str(exc), "invalid_adapter")
+        return APIError(400, str(exc), "invalid_adapter", param=exc.param)
     if isinstance(exc, RequestError):
         return APIError(400, str(exc), "invalid_request")
     if isinstance(exc, EngineDeadError):

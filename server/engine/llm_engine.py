@@ -113,6 +113,7 @@ class LLMEngine(OutputProcessing):
             q_size=mcfg.q_size,
             kv_size=mcfg.kv_size,
             intermediate_size=mcfg.intermediate_size,
+            vocab_size=mcfg.vocab_size,
         )
 
         lora_layers = allocate_lora_slots(mcfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)

@@ -14,6 +14,7 @@ import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.kernel_ops import KernelOps
+from server.engine.alora import token_slots as alora_token_slots
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar_mask import GrammarMask
 from server.engine.logprobs import gather_logprobs
@@ -122,7 +123,7 @@ class ModelRunner:
             first = len(input_ids)
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
-            token_slots += [slot] * n
+            token_slots += alora_token_slots(slot, start, n, seq.group.adapter_from)
             context_lens.append(start)
             prompt_lp = seq.group.prompt_logprobs
             if prompt_lp is not None and len(prompt_lp) < seq.num_prompt_tokens:

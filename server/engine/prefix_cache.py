@@ -14,6 +14,12 @@ one tenant's salt string used by another reaches nothing. A
 cryptographic hash because the index matches on the hash alone: Python's
 `hash` can be made to collide, which would serve one prompt another's KV.
 
+An activated LoRA's blocks wholly before its activation point hold base-model
+KV, so they are keyed (and indexed) as the base model's blocks of the same
+tenant and salt: the base model and every aLoRA on that prompt share them.
+Its blocks from the point on are keyed on the version and the point
+(server.engine.alora).
+
 Hashes depend only on a sequence's tokens, so each is computed once per
 sequence (kept in `Sequence.block_hashes`, surviving preemption) and never per
 step. A block is indexed after the step that computed its last token, so a
@@ -35,6 +41,7 @@ import hashlib
 import json
 import struct
 
+from server.engine.alora import base_blocks
 from server.engine.block_manager import BlockManager
 from server.engine.sequence import Sequence
 
@@ -112,8 +119,10 @@ class PrefixCache:
             return
         hashes = self._hashes(seq, full)
         table = seq.block_table
+        base = base_blocks(seq.group.adapter_from, self.block_size)
         for i in range(done, full):
-            self.blocks.index(table[i], hashes[i], version, seq.tenant)
+            # An aLoRA's blocks before its activation point are base-model KV: no version to retire.
+            self.blocks.index(table[i], hashes[i], None if i < base else version, seq.tenant)
 
     def retire(self, version: str) -> None:
         """`version` was deleted or replaced: nothing may reuse its KV; its free blocks go back first."""
@@ -128,17 +137,25 @@ class PrefixCache:
         """`seq.block_hashes`, extended to at least its first n full blocks (each computed once)."""
         hashes = seq.block_hashes
         if len(hashes) < n:
-            seed = self._seed(seq)
+            first_active = seq.group.adapter_from
+            # Blocks before an aLoRA's activation point are keyed as the base model's (server.engine.alora).
+            base = base_blocks(first_active, self.block_size)
+            own = self._seed(seq.adapter_id, seq, first_active)
+            base_seed = own if seq.adapter_id is None or not base else self._seed(None, seq, 0)
             tokens, size, pack = seq.token_ids, self.block_size, self.pack
             parent = hashes[-1] if hashes else ROOT
             for i in range(len(hashes), n):
+                seed = base_seed if i < base else own
                 parent = hashlib.sha256(parent + seed + pack(*tokens[i * size : (i + 1) * size])).digest()
                 hashes.append(parent)
         return hashes
 
-    def _seed(self, seq: Sequence) -> bytes:
-        """What besides the tokens decides a block's KV, and who may reuse it."""
+    def _seed(self, adapter_id: str | None, seq: Sequence, first_active: int) -> bytes:
+        """What besides the tokens decides a block's KV, and who may reuse it: the adapter version
+        (None: the base model) and, for an aLoRA, where it starts applying."""
         # A salt is the tenant's own: another tenant sending the same string must reach nothing.
-        shared = seq.adapter_id is None and self.share_base_across_tenants and seq.cache_salt is None
-        key = [seq.adapter_id, None if shared else seq.tenant, shared, seq.cache_salt]
+        shared = adapter_id is None and self.share_base_across_tenants and seq.cache_salt is None
+        key = [adapter_id, None if shared else seq.tenant, shared, seq.cache_salt]
+        if adapter_id is not None and first_active:
+            key.append(first_active)
         return hashlib.sha256(json.dumps(key).encode()).digest()

@@ -30,6 +30,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
+from server.engine.alora import adapter_from
 from server.engine.block_manager import BlockManager
 from server.engine.fair_queue import FairQueue
 from server.engine.lora_slots import AdapterSlots
@@ -227,6 +228,8 @@ class Scheduler:
                 if self.head_blocked_steps > MAX_BYPASS_STEPS or (version is not None and version not in self.slots.users):
                     continue
             assert not seq.block_table and seq.num_computed_tokens == 0, "a waiting sequence holds no KV"
+            if version is not None:  # before the lookup: the point decides which blocks are the base's
+                seq.group.adapter_from = adapter_from(self.host.get(version), seq.prompt_token_ids)
             hit = self.prefix_cache.lookup(seq)
             table = hit or []
             start = len(table) * self.blocks.block_size

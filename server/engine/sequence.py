@@ -72,7 +72,7 @@ class SequenceGroup:
     """The n choices of one request, and what they share: the prompt and its logprobs."""
 
     __slots__ = ("request_id", "seqs", "needs_fork", "prompt_logprobs", "min_tokens_stop_ids", "num_cached_tokens",
-                 "_prompt_tensor")
+                 "adapter_from", "_prompt_tensor")
 
     def __init__(self, request_id: str, prompt_logprobs: bool, min_tokens_stop_ids: tuple[int, ...]) -> None:
         self.request_id = request_id
@@ -84,6 +84,9 @@ class SequenceGroup:
         # Prompt tokens whose KV came from the prefix cache when choice 0 was first admitted (vLLM
         # counts that admission only); None until then. Forked choices share that prefill.
         self.num_cached_tokens: int | None = None
+        # The first position the adapter applies to (server.engine.alora): 0 but for an activated LoRA,
+        # whose point the scheduler finds at admission.
+        self.adapter_from = 0
         self._prompt_tensor: torch.Tensor | None = None
 
     @property
