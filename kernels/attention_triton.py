@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_decode
+from kernels.kv_quant import is_fp8, storage, stored
 from kernels.launch_plan import AttentionLaunchPlan, attention_plan
 from kernels.metadata import AttentionBatch
 
@@ -153,9 +154,12 @@ def write_kv(
 ) -> None:
     """Same contract as kernels.attention_ref.write_kv (a negative slot is skipped).
 
-    Semantics: k_cache.flat[slot_mapping[t]] = k[t]; v_cache likewise.
+    Semantics: k_cache.flat[slot_mapping[t]] = k[t] in the cache's dtype; v_cache likewise. An fp8
+        cache gets torch's saturating cast (kernels.kv_quant), which the kernel then copies as bytes.
     Shape: k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; slot_mapping [T].
     """
+    if is_fp8(k_cache.dtype):
+        k, v, k_cache, v_cache = stored(k, k_cache), stored(v, v_cache), storage(k_cache), storage(v_cache)
     num_tokens, num_heads, head_dim = k.shape
     assert v.shape == k.shape and k_cache.shape == v_cache.shape, (k.shape, v.shape, k_cache.shape)
     assert k_cache.shape[2:] == (num_heads, head_dim), (k.shape, k_cache.shape)

@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales, CPU only; adapters and lm_head stay float "
                         "(default: none, the checkpoint's float weights)")
+    s.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
+                   help="what the KV pool stores: auto (default) = the model dtype; fp8_e4m3 (alias fp8) or "
+                        "fp8_e5m2 take a quarter of float32's bytes, so the same memory holds 4x the tokens "
+                        "(e4m3 on a GPU needs compute capability >= 8.9)")
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
                    help="torch threads on a CPU device: auto (default) = the cores in this process's "
                         "affinity mask, less one for the HTTP side when there is more than one")

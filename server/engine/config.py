@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
+from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -157,9 +158,12 @@ class EngineConfig:
     # The decoder projections' weights: None (float, the activation dtype) or "int8" (weight-only,
     # per-output-channel symmetric scales; LoRA stays in the activation dtype). CPU only for now.
     quantization: str | None = None
+    # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_quantization_name(self.quantization)
+        check_kv_cache_dtype_name(self.kv_cache_dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", *DTYPES):
