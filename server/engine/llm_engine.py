@@ -96,8 +96,8 @@ class LLMEngine(OutputProcessing):
         # Every thread that touches CUDA makes the engine's device current (server.engine.cuda_device).
         self.bind_thread = thread_binder(self.device)
         self.bind_thread()
-        config.check_quantization(self.device)
         self.dtype = config.resolve_dtype(mcfg, self.device)
+        config.check_quantization(self.device, self.dtype)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)  # refused before loading
         if self.device.type == "cpu" and (threads := config.resolve_cpu_threads()) is not None:
             torch.set_num_threads(threads)  # process-wide: the engine owns its process
