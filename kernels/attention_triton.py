@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_decode
-from kernels.kv_quant import is_fp8, storage, stored
+from kernels.kv_quant import is_fp8, reads_exactly, storage, stored
 from kernels.launch_plan import AttentionLaunchPlan, attention_plan
 from kernels.metadata import AttentionBatch
 
@@ -126,6 +126,8 @@ def _paged_attention_kernel(
         if UPCAST:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
+            k = k.to(q.dtype)  # an fp8 cache's values are exact in bf16 / fp16: tensor cores stay in use
+            v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale  # [BM, BN], log2 domain
         visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
@@ -216,7 +218,7 @@ def _launch(q, k_cache, v_cache, batch: AttentionBatch, tiles: torch.Tensor, sca
             block_q: int, block_m: int) -> None:
     num_q_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    upcast = _interpreting() or q.dtype == torch.float32 or k_cache.dtype != q.dtype
+    upcast = _interpreting() or q.dtype == torch.float32 or not reads_exactly(k_cache.dtype, q.dtype)
     _paged_attention_kernel[(tiles.shape[0], num_kv_heads)](
         q, k_cache, v_cache, out,
         batch.block_tables, batch.query_start_loc, batch.seq_lens, tiles,

@@ -31,6 +31,12 @@ def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-limit, limit).to(cache_dtype)
 
 
+def reads_exactly(cache_dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether every cache value converts exactly to compute_dtype, so a kernel may read it in that
+    dtype (e4m3 and e5m2 are subsets of bfloat16 and float16: fewer mantissa bits, smaller range)."""
+    return cache_dtype == compute_dtype or (is_fp8(cache_dtype) and compute_dtype in (torch.bfloat16, torch.float16))
+
+
 def storage(t: torch.Tensor) -> torch.Tensor:
     """The tensor's memory as a dtype torch's CPU scatter ops support: uint8 for fp8, else itself.
 

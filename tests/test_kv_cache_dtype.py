@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernels import attention_ref, attention_triton
-from kernels.kv_quant import storage, to_cache_dtype
+from kernels.kv_quant import reads_exactly, storage, to_cache_dtype
 from kernels.metadata import AttentionBatch
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
@@ -46,6 +46,17 @@ def test_the_cast_saturates_and_rounds_to_nearest(name):
     fine = torch.linspace(-4, 4, 1001)
     rel = ((to_cache_dtype(fine, dtype).float() - fine).abs() / fine.abs().clamp(min=0.25)).max()
     assert rel <= {"fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}[name] * 1.0001  # half a step of 3 / 2 mantissa bits
+
+
+def test_fp8_values_read_exactly_in_half_precision():
+    """What lets the Triton kernels read an fp8 pool in bf16/fp16 on tensor cores (kernels.kv_quant)."""
+    for dtype in FP8.values():
+        values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        values = values[values.isfinite()]  # e5m2 has infinities, which the cast saturates
+        for half in (torch.bfloat16, torch.float16):
+            assert reads_exactly(dtype, half)
+            assert torch.equal(to_cache_dtype(values, dtype).to(half).float(), values)
+    assert not reads_exactly(torch.float32, torch.bfloat16) and reads_exactly(torch.bfloat16, torch.bfloat16)
 
 
 def fp8_case(dtype, context_lens, query_lens, block_size=16, hq=4, hkv=2, d=32, seed=0):
