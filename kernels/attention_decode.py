@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import reads_exactly
 from kernels.launch_plan import AttentionLaunchPlan
 from kernels.metadata import AttentionBatch
 
@@ -86,6 +87,8 @@ def _decode_kernel(
         if UPCAST:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
+            k = k.to(q.dtype)  # an fp8 cache's values are exact in bf16 / fp16: tensor cores stay in use
+            v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k))
         s = tl.where(k_ok[None, :], s * qk_scale, float("-inf"))  # every cached key is visible to a decode
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -156,7 +159,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     group = num_q_heads // num_kv_heads
     n, splits = plan.num_decode, plan.num_splits
     acc, ml = _partials(batch, (n, num_q_heads, splits, head_dim) if splits > 1 else (1, 1, 1, 1), q.device)
-    upcast = q.dtype == torch.float32 or k_cache.dtype != q.dtype or _interpreting()
+    upcast = q.dtype == torch.float32 or not reads_exactly(k_cache.dtype, q.dtype) or _interpreting()
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_kernel[(n, num_kv_heads, splits)](
         q, k_cache, v_cache, out, acc, ml,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import storage, stored
 from kernels.metadata import AttentionBatch
 
 
@@ -16,13 +17,14 @@ def write_kv(
 ) -> None:
     """Store the step's new keys and values in the block pool.
 
-    Semantics: k_cache.flat[slot_mapping[t]] = k[t]; v_cache likewise.
+    Semantics: k_cache.flat[slot_mapping[t]] = k[t] in the cache's dtype (an fp8 cache saturates:
+        kernels.kv_quant.to_cache_dtype); v_cache likewise.
     Shape: k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D],
         modified in place; slot_mapping [T] int64.
     """
     num_blocks, block_size, hkv, d = k_cache.shape
-    k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    storage(k_cache).view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, stored(k, k_cache))
+    storage(v_cache).view(num_blocks * block_size, hkv, d).index_copy_(0, slot_mapping, stored(v, v_cache))
 
 
 def write_kv_padded(
@@ -45,9 +47,10 @@ def write_kv_padded(
     dst = torch.where(keep, slot_mapping, first)  # [T]
     for new, cache in ((k, k_cache), (v, v_cache)):
         num_blocks, block_size, hkv, d = cache.shape
-        flat = cache.view(num_blocks * block_size, hkv, d)
-        row0 = torch.where(keep[:1, None, None], new[:1].to(cache.dtype), flat.index_select(0, first))  # [1, Hkv, D]
-        flat.index_copy_(0, dst, torch.where(keep[:, None, None], new.to(cache.dtype), row0))
+        flat = storage(cache).view(num_blocks * block_size, hkv, d)
+        new = stored(new, cache)  # [T, Hkv, D]
+        row0 = torch.where(keep[:1, None, None], new[:1], flat.index_select(0, first))  # [1, Hkv, D]
+        flat.index_copy_(0, dst, torch.where(keep[:, None, None], new, row0))
 
 
 def paged_attention(

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_decode
+from kernels.kv_quant import is_fp8, reads_exactly, storage, stored
 from kernels.launch_plan import AttentionLaunchPlan, attention_plan
 from kernels.metadata import AttentionBatch
 
@@ -125,6 +126,8 @@ def _paged_attention_kernel(
         if UPCAST:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
+            k = k.to(q.dtype)  # an fp8 cache's values are exact in bf16 / fp16: tensor cores stay in use
+            v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale  # [BM, BN], log2 domain
         visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
@@ -153,9 +156,12 @@ def write_kv(
 ) -> None:
     """Same contract as kernels.attention_ref.write_kv (a negative slot is skipped).
 
-    Semantics: k_cache.flat[slot_mapping[t]] = k[t]; v_cache likewise.
+    Semantics: k_cache.flat[slot_mapping[t]] = k[t] in the cache's dtype; v_cache likewise. An fp8
+        cache gets torch's saturating cast (kernels.kv_quant), which the kernel then copies as bytes.
     Shape: k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; slot_mapping [T].
     """
+    if is_fp8(k_cache.dtype):
+        k, v, k_cache, v_cache = stored(k, k_cache), stored(v, v_cache), storage(k_cache), storage(v_cache)
     num_tokens, num_heads, head_dim = k.shape
     assert v.shape == k.shape and k_cache.shape == v_cache.shape, (k.shape, v.shape, k_cache.shape)
     assert k_cache.shape[2:] == (num_heads, head_dim), (k.shape, k_cache.shape)
@@ -212,7 +218,7 @@ def _launch(q, k_cache, v_cache, batch: AttentionBatch, tiles: torch.Tensor, sca
             block_q: int, block_m: int) -> None:
     num_q_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    upcast = _interpreting() or q.dtype == torch.float32 or k_cache.dtype != q.dtype
+    upcast = _interpreting() or q.dtype == torch.float32 or not reads_exactly(k_cache.dtype, q.dtype)
     _paged_attention_kernel[(tiles.shape[0], num_kv_heads)](
         q, k_cache, v_cache, out,
         batch.block_tables, batch.query_start_loc, batch.seq_lens, tiles,

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from kernels.cpu_linear import linear
+from kernels.fp8_weights import scaled_mm_linear
 from kernels.int8_weights import dequant_linear
 
 
@@ -22,6 +23,7 @@ class KernelOps:
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
     linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
     int8_linear: Callable[..., torch.Tensor] = dequant_linear  # the same on an Int8Weight (kernels.int8_weights)
+    fp8_linear: Callable[..., torch.Tensor] = scaled_mm_linear  # the same on an Fp8Weight (kernels.fp8_weights)
 
 
 def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from kernels import aot  # noqa: E402
 from kernels.triton_ops import triton_ops  # noqa: E402
 from server.engine.aot_shapes import DTYPES, MODELS, EngineShape, meta_engine, scenarios  # noqa: E402
+from server.engine.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 from server.engine.warmup import step_inputs, warmup_steps  # noqa: E402
 
 TARGETS = (90, 80)
@@ -65,7 +66,8 @@ def capture_and_specialise(shape: EngineShape) -> tuple[dict, dict[str, int], li
     """One engine shape's variants ({(kernel, key, capability): Variant}), launches per kernel, and errors."""
     by_scenario, warm = capture_shape(shape)
     spec = aot.Specialiser()
-    warm_keys = {spec.key(w, cap) for w in warm for cap in TARGETS}
+    targets = [cap for cap in TARGETS if shape.runs_on(cap)]
+    warm_keys = {spec.key(w, cap) for w in warm for cap in targets}
     variants: dict[tuple, aot.Variant] = {}
     launches: dict[str, int] = {}
     errors: list[str] = []
@@ -73,7 +75,7 @@ def capture_and_specialise(shape: EngineShape) -> tuple[dict, dict[str, int], li
         for launch in captured:
             launches[launch.name] = launches.get(launch.name, 0) + 1
             errors += [f"{shape.label} {name}: {e}" for e in aot.grid_errors(launch)]
-            for cap in TARGETS:
+            for cap in targets:
                 key = spec.key(launch, cap)
                 if key not in variants:
                     variants[key] = spec.variant(launch, cap)
@@ -156,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: bf16 fp32 (all with --full)")
     p.add_argument("--full", action="store_true", help="every dtype")
     p.add_argument("--max-lora-ranks", nargs="+", type=int, default=[64, 512])
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
+                   help="KV pool dtypes (default auto); an e4m3 pool compiles for sm_90 only (refused below 8.9)")
     p.add_argument("--compile-only", nargs="+", metavar="KERNEL", help="compile only these kernels' variants")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     dtypes = args.dtypes or (list(DTYPES) if args.full else ["bf16", "fp32"])
-    shapes = [EngineShape(m, d, r) for m in args.models for d in dtypes for r in args.max_lora_ranks]
+    shapes = [EngineShape(m, d, r, kv_cache_dtype=kv) for m in args.models for d in dtypes
+              for r in args.max_lora_ranks for kv in args.kv_cache_dtypes]
     # A meta torch.cat imports torch._dynamo (2 s): once here, not once per forked worker.
     torch.cat([torch.empty(1, device="meta")] * 2)
     out = check(shapes, args.jobs, set(args.compile_only) if args.compile_only else None)

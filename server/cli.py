@@ -111,10 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no CUDA graphs for decode steps (default off: on CUDA, decode "
                         "steps replay graphs captured at start-up; a CPU device is always eager)")
-    s.add_argument("--quantization", metavar="int8",
+    s.add_argument("--quantization", metavar="int8|fp8",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
-                        "per-output-channel scales, CPU only; adapters and lm_head stay float "
-                        "(default: none, the checkpoint's float weights)")
+                        "per-output-channel scales, CPU only; fp8 (e4m3, per-channel weight and per-token "
+                        "activation scales) needs a GPU of compute capability >= 8.9 and --dtype bfloat16; "
+                        "adapters and lm_head stay float (default: none, the checkpoint's float weights)")
+    s.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
+                   help="what the KV pool stores: auto (default) = the model dtype; fp8_e4m3 (alias fp8) or "
+                        "fp8_e5m2 take a quarter of float32's bytes, so the same memory holds 4x the tokens "
+                        "(e4m3 on a GPU needs compute capability >= 8.9)")
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
                    help="torch threads on a CPU device: auto (default) = the cores in this process's "
                         "affinity mask, less one for the HTTP side when there is more than one")

@@ -104,6 +104,7 @@ class ServerConfig:
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     quantization: str | None = None       # --quantization: the base projections' weights (None: float)
+    kv_cache_dtype: str = "auto"          # --kv-cache-dtype: what the KV pool stores (auto: the model dtype)
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
     max_batch_prompts: int = 64           # prompts in one /v1/completions batch (--max-batch-prompts)
@@ -173,12 +174,17 @@ class ServerConfig:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
         # Imported here: server.engine's package import pulls in torch, which `loraplex --help` avoids.
         from server.engine.config import check_quantization_name
+        from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
         from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads
 
         try:
             check_quantization_name(self.quantization)
         except ValueError as e:
             raise ConfigError(f"--quantization: {e}") from None
+        try:
+            check_kv_cache_dtype_name(self.kv_cache_dtype)
+        except ValueError as e:
+            raise ConfigError(f"--kv-cache-dtype: {e}") from None
 
         try:
             object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))
@@ -259,6 +265,7 @@ class ServerConfig:
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             quantization=getattr(args, "quantization", None),
+            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),
             max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,

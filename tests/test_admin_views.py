@@ -128,6 +128,8 @@ def test_engine_view_and_history(api_server):
                                               extra_body={"ignore_eos": True})
     view = api_server.admin("GET", "/admin/engine").json()
     assert view["healthy"] and view["kv_blocks"]["total"] == 64 and view["slots"]["total"] == 4
+    assert view["kv_cache"] == {"dtype": "float32", "requested_dtype": "auto", "blocks": 64, "block_size": 16,
+                                "tokens": 1024, "bytes": api_server.state.engine.engine.kv_pool.bytes}
     # A CPU device captures no CUDA graph (issue 21): every step eager, none replayed.
     assert view["cuda_graphs"] == {"enabled": False, "graphs": 0, "replays": 0, "capture_seconds": 0.0,
                                    "capture_bytes": 0}

@@ -176,3 +176,23 @@ def test_narrow_products_follow_the_stride_through_splats() -> None:
     """
     assert len(aot.narrow_row_products(narrow)) == 1
     assert aot.narrow_row_products(wide) == []
+
+
+@needs_ptxas
+def test_fp8_kv_attention_compiles_without_spills_e4m3_for_hopper_only(tmp_path: Path) -> None:
+    """--kv-cache-dtype: bf16 queries read an fp8 pool converted to bf16 on tensor cores (no fp32 upcast,
+    which spilled ~1.9 KB per prefill program); an e4m3 pool is compiled for sm_90 only, as the engine
+    refuses it below compute capability 8.9."""
+    out = tmp_path / "aot-kv.json"
+    done = subprocess.run([sys.executable, "scripts/aot_check.py", "--models", "llama3.2-1b", "--dtypes", "bf16",
+                           "--max-lora-ranks", "64", "--kv-cache-dtypes", "fp8_e4m3", "fp8_e5m2", "--compile-only",
+                           "_decode_kernel", "_paged_attention_kernel", "_write_kv_kernel", "--json", str(out)],
+                          cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["shapes"] == ["llama3.2-1b/bf16/r64/kv-fp8_e4m3", "llama3.2-1b/bf16/r64/kv-fp8_e5m2"]
+    for name in ("_decode_kernel", "_paged_attention_kernel"):
+        k = report["kernels"][name]
+        assert k["sm_90"]["variants"] == 2 and k["sm_80"]["variants"] == 1, (name, k)  # e4m3: no sm_80
+        assert k["sm_90"]["spill_bytes"] == k["sm_80"]["spill_bytes"] == 0, (name, k)

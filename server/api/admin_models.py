@@ -220,6 +220,8 @@ class EngineView(BaseModel):
     waiting: int
     preemptions: int
     kv_blocks: dict[str, int]
+    # the pool's stored dtype (auto resolved; fp8_e4m3/fp8_e5m2), the flag's value, blocks, tokens, bytes
+    kv_cache: dict[str, str | int]
     slots: dict[str, int]
     host: dict[str, int | None]
     prefix_cache: dict[str, bool | int | float | None]

@@ -80,10 +80,13 @@ async def engine(request: Request) -> Response:
     state = state_of(request)
     s = state.engine.stats()
     cfg = state.engine.engine.config
+    pool = state.engine.engine.kv_pool  # fixed at start
     return JSONResponse({
         "healthy": state.engine.is_healthy, "error": state.engine.error,
         "running": s.num_running, "waiting": s.num_waiting, "preemptions": s.num_preemptions,
         "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
+        "kv_cache": {"dtype": pool.dtype, "requested_dtype": cfg.kv_cache_dtype, "blocks": pool.blocks,
+                     "block_size": pool.block_size, "tokens": pool.tokens, "bytes": pool.bytes},
         "slots": {"used": s.adapters_resident, "total": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank},
         "host": {"adapters": s.adapters_registered, "bytes": s.host_bytes_used, "budget_bytes": s.host_budget_bytes,
                  "loads_in_flight": s.adapters_loading, "parked": s.adapters_parked},

@@ -93,6 +93,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     st.add_argument("--device-bandwidth-gbps", type=float, default=None, metavar="GB/S",
                     help="memory bandwidth for the bounds (default: known devices' figure, H100 SXM 3350; "
                          "none on a CPU)")
+    s_q = p.add_argument_group("engine variants")
+    s_q.add_argument("--quantization", type=_names, default=("none",), metavar="none,int8",
+                     help="loraplex serve's --quantization; several values (and --kv-cache-dtype values) run every "
+                          "combination on each point, the first as the reference (default none)")
+    s_q.add_argument("--kv-cache-dtype", type=_names, default=("auto",), metavar="auto,fp8_e4m3,fp8_e5m2",
+                     help="loraplex serve's --kv-cache-dtype, likewise (default auto)")
     st.add_argument("--enforce-eager", action="store_true",
                     help="no CUDA graphs, where the engine has them (default off; an engine without graphs "
                          "runs eager anyway)")
@@ -149,7 +155,8 @@ def config_from_args(args):
         turns=args.turns, turn_gap_s=args.turn_gap, repeats=args.repeats, concurrency=args.concurrency,
         steady_s=args.steady_duration, warmup_s=args.warmup, popularity=args.popularity,
         power_alpha=args.power_alpha, churn=args.churn, peft_check=args.peft_check,
-        device_bandwidth_gbps=args.device_bandwidth_gbps, enforce_eager=args.enforce_eager)
+        device_bandwidth_gbps=args.device_bandwidth_gbps, enforce_eager=args.enforce_eager,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def run_bench(args) -> int:

@@ -85,8 +85,9 @@ def engine_flags(cfg) -> dict:
 
 
 def serve_args(cfg, n_used: int, kv_blocks: int | None = None, *, slots: int | None = None,
-               rank: int | None = None) -> list[str]:
-    """`loraplex serve` flags for a bench run (cfg: a BenchConfig) over n_used adapters."""
+               rank: int | None = None, variant=None) -> list[str]:
+    """`loraplex serve` flags for a bench run (cfg: a BenchConfig) over n_used adapters; variant: the
+    server.bench.variants.EngineVariant to serve (cfg's first when None)."""
     max_loras = slots or lora_slots(cfg.max_loras, n_used)
     kv = ["--kv-cache-blocks", str(kv_blocks)] if kv_blocks is not None else []
     # The serve flag that mirrors the engine's enforce_eager, where this checkout's engine has one.
@@ -94,11 +95,13 @@ def serve_args(cfg, n_used: int, kv_blocks: int | None = None, *, slots: int | N
     return ["--device", cfg.device.split(":")[0], "--dtype", cfg.dtype, "--max-loras", str(max_loras),
             "--max-lora-rank", str(rank or cfg.rank), "--max-num-seqs", str(cfg.max_num_seqs),
             "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), *kv, *eager,
-            "--cpu-threads", str(cfg.threads())]
+            "--cpu-threads", str(cfg.threads()), *(variant or cfg.variants[0]).serve_flags()]
 
 
-def engine_kwargs(cfg, model_dir: Path, slots: int, rank: int | None = None) -> dict:
-    """EngineConfig fields for a loraplex engine run of the bench (EngineTarget's engine_kwargs)."""
+def engine_kwargs(cfg, model_dir: Path, slots: int, rank: int | None = None, variant=None) -> dict:
+    """EngineConfig fields for a loraplex engine run of the bench (EngineTarget's engine_kwargs); variant
+    as in serve_args."""
     return dict(device=cfg.device, dtype=cfg.dtype, max_loras=slots, max_lora_rank=rank or cfg.rank,
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                kv_cache_blocks=kv_cache_blocks(cfg, model_dir), cpu_threads=cfg.threads(), **engine_flags(cfg))
+                kv_cache_blocks=kv_cache_blocks(cfg, model_dir), cpu_threads=cfg.threads(), **engine_flags(cfg),
+                **(variant or cfg.variants[0]).engine_kwargs())

@@ -41,6 +41,12 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
                      f"rounds' paired ratios")
     for p in doc["points"]:
         lines.append(_row(p["num_adapters"], "loraplex", p["loraplex"]))
+        if p.get("variants"):
+            lines.append(f"{'':>8}   (loraplex: {p['variants'][0]['label']}, the reference)")
+        for v in p.get("variants", [])[1:]:
+            lines.append(_row(p["num_adapters"], "variant", v["loraplex"]))
+            lines.append(f"{'':>8}   {v['label']}: out tok/s x{_f(p['variant_throughput_ratios'][v['label']])} "
+                         f"vs {p['variants'][0]['label']}")
         if p.get("baseline"):
             lines.append(_row(p["num_adapters"], "peft", p["baseline"]))
             lines.append(f"{'':>8} ratio     throughput x{p['throughput_ratio_vs_peft']:.2f} (out tok/s), "

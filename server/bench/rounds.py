@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import statistics
 
+from server.bench.variants import median_ratios
+
 # Per-point ratios of two systems run one after the other on the same point: medians over rounds.
 PAIRED_RATIOS = ("throughput_ratio_vs_peft", "request_throughput_ratio_vs_peft",
                  "ttft_p50_ratio_peft_over_loraplex", "throughput_ratio_vs_peer", "ttft_p50_ratio_peer_over_loraplex")
@@ -55,6 +57,10 @@ def combine_rounds(rounds: list[dict]) -> dict:
         {**{f"{s}_tok_s": _tok_s(p, s) for s in SYSTEMS if p.get(s)},
          **{k: p[k] for k in PAIRED_RATIOS if p.get(k) is not None}}
         for p in rounds]
+    if rounds[0].get("variant_throughput_ratios"):
+        point["variant_throughput_ratios"] = median_ratios([p["variant_throughput_ratios"] for p in rounds])
+        for r, p in zip(point["rounds"], rounds):
+            r["variant_throughput_ratios"] = p["variant_throughput_ratios"]
     speeds = [_tok_s(p, "loraplex") for p in rounds if _tok_s(p, "loraplex") is not None]
     point["loraplex_tok_s_spread"] = spread(speeds) if speeds else None
     return point

@@ -16,6 +16,8 @@ import torch
 
 from server.bench.environment import environment, machine_state
 from server.bench.metrics import agreement, output_digests, ratio, summarize
+from server.bench.variants import (AUTO_KV, NO_QUANTIZATION, EngineVariant, engine_variants, throughput_ratios,
+                                   variant_order)
 from server.bench.model_setup import (engine_kwargs, kv_cache_blocks, lora_slots, point_adapters, resolve_model,
                                       serve_args)
 from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
@@ -78,6 +80,9 @@ class BenchConfig:
     peft_check: int = 0                   # per adapter case, this many trace requests checked on token ids
     device_bandwidth_gbps: float | None = None  # HBM GB/s for the bounds; None: known devices' (bandwidth.py)
     enforce_eager: bool = False           # no CUDA graphs, where the engine has them (feature-detected)
+    # Engine variants (server.bench.variants): each combination serves every point; the first is the reference.
+    quantization: tuple[str, ...] = (NO_QUANTIZATION,)
+    kv_cache_dtype: tuple[str, ...] = (AUTO_KV,)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +116,13 @@ class BenchConfig:
             raise BenchConfigError("--workload prefix runs the in-process engine with its prefix cache off and on: "
                                    "use --target engine, without --compare-peft")
         self._check_steady()
+        try:
+            variants = self.variants
+        except ValueError as e:
+            raise BenchConfigError(str(e)) from None
+        if len(variants) > 1 and (self.workload_type != "mixed" or self.compare_peft):
+            raise BenchConfigError("several --quantization / --kv-cache-dtype values are compared on the mixed "
+                                   "workload, without --compare-peft; the other workloads take one of each")
         # Validates the workload fields once, before any model is built.
         self.workload(max(self.adapter_counts), 512)
 
@@ -147,6 +159,11 @@ class BenchConfig:
                                    "drop --compare-peft")
 
     @property
+    def variants(self) -> list[EngineVariant]:
+        """The engine variants, the reference first."""
+        return engine_variants(self.quantization, self.kv_cache_dtype)
+
+    @property
     def rank(self) -> int:
         """The rank of the mixed and prefix workloads' adapters (the first asked)."""
         return self.ranks[0]
@@ -167,19 +184,21 @@ class BenchConfig:
 
 
 def _run_http(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path],
-              n_used: int, log: Callable[[str], None]):
+              n_used: int, log: Callable[[str], None], variant: EngineVariant):
     from server.bench import client
     from server.bench.server_proc import bench_server
 
-    args = serve_args(cfg, n_used, kv_cache_blocks(cfg, model_dir))
+    args = serve_args(cfg, n_used, kv_cache_blocks(cfg, model_dir), variant=variant)
     with bench_server(cfg.work_dir, model_dir, args, reqs, named, log) as (url, keys, base):
         return asyncio.run(client.drive(url, reqs, keys, base)), None
 
 
-def _run_engine(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path], n_used: int):
+def _run_engine(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], named: dict[str, Path], n_used: int,
+                variant: EngineVariant):
     from server.bench.engine_target import EngineTarget
 
-    target = EngineTarget(model_dir, named, **engine_kwargs(cfg, model_dir, lora_slots(cfg.max_loras, n_used)))
+    target = EngineTarget(model_dir, named, **engine_kwargs(cfg, model_dir, lora_slots(cfg.max_loras, n_used),
+                                                            variant=variant))
     target.warmup(reqs)
     records = target.run(reqs)
     outputs = target.outputs
@@ -202,7 +221,7 @@ def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], n
     return records, outputs
 
 
-def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None]) -> dict:
+def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None], round_index: int = 0) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     reqs = generate_workload(cfg.workload(n, vocab))
     used = adapters_used(reqs)
@@ -213,16 +232,30 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
     # A busy machine skews whichever side ran while it was busy: the load average says so.
     start = machine_state(log)
     load = {"loraplex": {"before": start["load_avg"]}}
-    if cfg.target == "http":
-        records, token_ids = _run_http(cfg, model_dir, reqs, named, len(used), log)
-    else:
-        records, token_ids = _run_engine(cfg, model_dir, reqs, named, len(used))
+    variants = cfg.variants
+    runs, variant_loads = {}, {}
+    for variant in variant_order(variants, round_index):
+        before = os.getloadavg()
+        if cfg.target == "http":
+            records, ids = _run_http(cfg, model_dir, reqs, named, len(used), log, variant)
+        else:
+            records, ids = _run_engine(cfg, model_dir, reqs, named, len(used), variant)
+        runs[variant.label] = (records, ids)
+        variant_loads[variant.label] = {"before": before, "after": os.getloadavg()}
+        if len(variants) > 1:
+            log(f"  {variant.label}: {summarize(records, cfg.ttft_slo_s)['throughput_tok_s']:.1f} out tok/s")
+    records, token_ids = runs[variants[0].label]
     load["loraplex"]["after"] = os.getloadavg()
     point = {"num_adapters": n, "adapters_in_use": len(used), "target": cfg.target, "cpu_threads": cfg.threads(),
              "trace": trace_totals(reqs), "gpu_clocks": start["gpu_clocks"], "load_avg": load,
              "loraplex": summarize(records, cfg.ttft_slo_s), "baseline": None}
     if cfg.target == "http":
         point["loraplex_output_digests"] = output_digests(records)
+    if len(variants) > 1:
+        summaries = {v.label: summarize(runs[v.label][0], cfg.ttft_slo_s) for v in variants}
+        point["variants"] = [{"label": v.label, "quantization": v.quantization, "kv_cache_dtype": v.kv_cache_dtype,
+                              "load_avg": variant_loads[v.label], "loraplex": summaries[v.label]} for v in variants]
+        point["variant_throughput_ratios"] = throughput_ratios(summaries, variants[0].label)
     log(f"  loraplex ({cfg.target}) done in {time.perf_counter() - t:.1f}s")
     if cfg.compare_peft:
         t = time.perf_counter()
@@ -271,7 +304,7 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[st
         if cfg.repeats > 1:
             log(f"round {r + 1}/{cfg.repeats}: adapters {', '.join(map(str, round_order(counts, r)))}")
         for n in round_order(counts, r):
-            point = run_point(cfg, model_dir, n, log)
+            point = run_point(cfg, model_dir, n, log, r)
             if after_point is not None:
                 after_point(point)
             rounds[n].append(point)

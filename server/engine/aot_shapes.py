@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from server.engine.config import ModelConfig
+from server.engine.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype_name
 from server.engine.kv_cache import allocate_lora_slots
 from server.engine.model import CausalLM
 from server.engine.warmup import SyntheticSeq, SyntheticStep
@@ -44,16 +45,27 @@ class EngineShape:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     num_kv_blocks: int = 4096
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the pool's (server.engine.kv_cache_dtype)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS or self.dtype not in DTYPES:
             raise ValueError(f"unknown model {self.model!r} or dtype {self.dtype!r}")
+        check_kv_cache_dtype_name(self.kv_cache_dtype)
         if not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
 
     @property
     def label(self) -> str:
-        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}"
+        kv = "" if self.kv_cache_dtype == "auto" else f"/kv-{self.kv_cache_dtype}"
+        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}"
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or DTYPES[self.dtype]
+
+    def runs_on(self, capability: int) -> bool:
+        """Whether the engine serves this shape on sm_<capability> (e4m3 KV needs 8.9: refused below)."""
+        return self.cache_dtype != torch.float8_e4m3fn or capability >= 89
 
 
 def meta_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -81,7 +93,8 @@ def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, 
     lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta")
     model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len, shape.max_num_batched_tokens)
     pool = (shape.num_kv_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.empty(pool, dtype=dtype, device="meta"), torch.empty(pool, dtype=dtype, device="meta"))]
+    kv = [(torch.empty(pool, dtype=shape.cache_dtype, device="meta"),
+           torch.empty(pool, dtype=shape.cache_dtype, device="meta"))]
     scratch = torch.empty(3, shape.max_num_batched_tokens, shape.max_lora_rank, dtype=dtype, device="meta")
     return model, kv, scratch
 

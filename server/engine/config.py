@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
+from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -18,16 +19,17 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # within CUDA's 65535. Prefill is chunked, so a larger budget buys nothing: a few thousand tokens per
 # step already saturate an H100.
 MAX_NUM_BATCHED_TOKENS = 65536
-# Base-weight quantizations served (kernels.int8_weights); None serves the checkpoint's floats.
-QUANTIZATIONS = ("int8",)
+# Base-weight quantizations served (kernels.int8_weights, kernels.fp8_weights); None serves the
+# checkpoint's floats. Which device serves which: EngineConfig.check_quantization.
+QUANTIZATIONS = ("int8", "fp8")
+# fp8 products on tensor cores: Ada (8.9) and Hopper (9.0) on.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 def check_quantization_name(name: str | None) -> None:
     """Raises ValueError, naming the supported values, for a quantization loraplex does not serve."""
     if name is not None and name not in QUANTIZATIONS:
-        why = " (fp8 needs a Hopper GPU: not on CPU, and not implemented yet)" if name == "fp8" else ""
-        raise ValueError(f"quantization {name!r} is not supported{why}; supported: {', '.join(QUANTIZATIONS)} "
-                         "or none")
+        raise ValueError(f"quantization {name!r} is not supported; supported: {', '.join(QUANTIZATIONS)} or none")
 
 
 class ModelConfigError(ValueError):
@@ -157,9 +159,12 @@ class EngineConfig:
     # The decoder projections' weights: None (float, the activation dtype) or "int8" (weight-only,
     # per-output-channel symmetric scales; LoRA stays in the activation dtype). CPU only for now.
     quantization: str | None = None
+    # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_quantization_name(self.quantization)
+        check_kv_cache_dtype_name(self.kv_cache_dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", *DTYPES):
@@ -207,11 +212,25 @@ class EngineConfig:
             raise ValueError(f"device cuda:{index} does not exist: {torch.cuda.device_count()} CUDA device(s)")
         return torch.device("cuda", index)
 
-    def check_quantization(self, device: torch.device) -> None:
-        """Refuses a quantization the resolved device cannot serve."""
+    def check_quantization(self, device: torch.device, dtype: torch.dtype = torch.float32,
+                           capability: tuple[int, int] | None = None) -> None:
+        """Refuses a quantization the resolved device and activation dtype cannot serve.
+        capability: the CUDA device's (major, minor), read from the device when None."""
         if self.quantization == "int8" and device.type != "cpu":
             raise ValueError(f"quantization 'int8' runs on the CPU only for now, not on {device}: "
                              "serve float weights there (no --quantization)")
+        if self.quantization != "fp8":
+            return
+        if device.type != "cuda":
+            raise ValueError(f"quantization 'fp8' needs an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper), "
+                             f"not {device}: on a CPU use --quantization int8")
+        capability = capability or torch.cuda.get_device_capability(device)
+        if tuple(capability) < FP8_MIN_CAPABILITY:
+            raise ValueError(f"quantization 'fp8' needs compute capability >= 8.9 (Ada, Hopper); {device} has "
+                             f"{capability[0]}.{capability[1]}: serve float weights there (no --quantization)")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"quantization 'fp8' computes in bfloat16 (torch._scaled_mm's row-wise scaling), "
+                             f"not {str(dtype).removeprefix('torch.')}: pass --dtype bfloat16")
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from server.engine.config import EngineConfig, ModelConfig
+from server.engine.kv_cache_dtype import kv_cache_dtype_label
 from server.engine.lora_slots import LoraGroupBuffers
 
 
@@ -52,11 +54,13 @@ def cpu_kv_budget_bytes(total_memory: int, per_block: int, max_num_seqs: int, bl
 
 
 def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
-                  max_len: int) -> int:
-    """max_len: the longest sequence the pool may have to hold (the model's limit when unset)."""
+                  max_len: int, cache_dtype: torch.dtype | None = None) -> int:
+    """max_len: the longest sequence the pool may have to hold (the model's limit when unset);
+    dtype: the activations'; cache_dtype: what the pool stores (dtype when None): a byte budget holds
+    4x the float32 blocks in fp8."""
     if cfg.kv_cache_blocks is not None:
         return cfg.kv_cache_blocks
-    per_block = kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+    per_block = kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype or dtype)
     if device.type == "cuda":
         # Freed tensors (the unfused projections) stay in PyTorch's cache, invisible to mem_get_info.
         torch.cuda.empty_cache()
@@ -71,15 +75,33 @@ def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
     return max(1, int(budget // per_block))
 
 
-def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device):
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]; whether a sequence of the
-    chosen length fits is server.engine.context_len's to say."""
-    blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len)
+@dataclass(frozen=True)
+class KvPoolInfo:
+    """What /admin/engine shows of the pool: its dtype (kv_cache_dtype_label) and capacity."""
+
+    dtype: str
+    blocks: int
+    block_size: int
+    bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device, cache_dtype=None):
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D] of cache_dtype (dtype, the
+    activations', when None), and the pool's KvPoolInfo; whether a sequence of the chosen length fits
+    is server.engine.context_len's to say."""
+    cache_dtype = cache_dtype or dtype
+    blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype)
     shape = (blocks, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim)
     zeros = _lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
-    caches = [(zeros(shape, dtype=dtype, device=device), zeros(shape, dtype=dtype, device=device))
+    caches = [(zeros(shape, dtype=cache_dtype, device=device), zeros(shape, dtype=cache_dtype, device=device))
               for _ in range(mcfg.num_layers)]
-    return caches, blocks
+    info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.block_size,
+                      blocks * kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype))
+    return caches, info
 
 
 def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

@@ -19,6 +19,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.grammar import GrammarError, Grammars
 from server.engine.grammar_mask import GrammarMask
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
+from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
 from server.engine.lora_slots import AdapterSlots
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
@@ -95,8 +96,9 @@ class LLMEngine(OutputProcessing):
         # Every thread that touches CUDA makes the engine's device current (server.engine.cuda_device).
         self.bind_thread = thread_binder(self.device)
         self.bind_thread()
-        config.check_quantization(self.device)
         self.dtype = config.resolve_dtype(mcfg, self.device)
+        config.check_quantization(self.device, self.dtype)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)  # refused before loading
         if self.device.type == "cpu" and (threads := config.resolve_cpu_threads()) is not None:
             torch.set_num_threads(threads)  # process-wide: the engine owns its process
         # Until the KV pool is sized, the longest context the model allows (or the one asked for).
@@ -126,7 +128,8 @@ class LLMEngine(OutputProcessing):
         scratch = torch.empty(
             3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
         )
-        kv_caches, num_blocks = allocate_kv_cache(mcfg, config, max_len, self.dtype, self.device)
+        kv_caches, self.kv_pool = allocate_kv_cache(mcfg, config, max_len, self.dtype, self.device, kv_dtype)
+        num_blocks = self.kv_pool.blocks
         context = choose_max_model_len(config.max_model_len, limit, num_blocks, config.block_size)
         self.max_model_len = context.max_model_len
         log.info("%s", context.reason)

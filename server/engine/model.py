@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_weights import Fp8Weight, quantize_fp8
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.kernel_ops import KernelOps
@@ -40,9 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LoraLinear:
     """A base linear layer (possibly several fused projections) plus its LoRA slots."""
 
-    def __init__(self, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None, lora: LoraGroupBuffers,
-                 dequant_scratch: torch.Tensor | None = None) -> None:
-        self.weight = weight  # [out, in], float or int8 with per-row scales
+    def __init__(self, weight: torch.Tensor | Int8Weight | Fp8Weight, bias: torch.Tensor | None,
+                 lora: LoraGroupBuffers, dequant_scratch: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out, in], float, or int8 / fp8 with per-row scales
         self.bias = bias  # [out] or None
         self.lora = lora
         self.dequant_scratch = dequant_scratch  # the workspace's, for an int8 weight (Workspace.dequant)
@@ -51,6 +52,8 @@ class LoraLinear:
         """out: [T, out] workspace rows the result is written into (and returned)."""
         if isinstance(self.weight, Int8Weight):
             y = ctx.ops.int8_linear(x, self.weight, self.bias, out=out, scratch=self.dequant_scratch)  # [T, out]
+        elif isinstance(self.weight, Fp8Weight):
+            y = ctx.ops.fp8_linear(x, self.weight, self.bias, out=out)  # [T, out]
         else:
             y = ctx.ops.linear(x, self.weight, self.bias, out=out)  # x: [T, in] -> y: [T, out]
         if ctx.lora.any_lora:
@@ -63,8 +66,9 @@ class LoraLinear:
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope,
                  quantization: str | None = None, dequant_scratch: torch.Tensor | None = None) -> None:
-        """quantization: None (float projections) or "int8" (kernels.int8_weights, quantized here after
-        fusing: scales are per output row, so fused and unfused quantization agree)."""
+        """quantization: None (float projections), "int8" (kernels.int8_weights) or "fp8"
+        (kernels.fp8_weights), quantized here after fusing: scales are per output row, so fused and
+        unfused quantization agree."""
         self.cfg = cfg
         self.rope = rope
         self.input_norm = w["input_layernorm.weight"]
@@ -74,6 +78,8 @@ class DecoderLayer:
             weight = w.pop(f"{name}.weight")
             if quantization == "int8":
                 weight = quantize_int8(weight)
+            elif quantization == "fp8":
+                weight = quantize_fp8(weight)
             return LoraLinear(weight, w.get(f"{name}.bias"), lora[name.removesuffix("_proj")], dequant_scratch)
 
         self.qkv = base("qkv")
@@ -115,12 +121,12 @@ class CausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int,
                  max_tokens: int, quantization: str | None = None) -> None:
         """max_tokens: the most tokens one forward takes (max_num_batched_tokens), the workspace's rows.
-        quantization: None or "int8" for the decoder layers' projections. The lm_head stays float: it
+        quantization: None, "int8" or "fp8" for the decoder layers' projections. The lm_head stays float: it
         is the embedding itself where tied (the gather needs float rows, so int8 would add a copy,
         not save one) and the logits are where rounding shows most (GPTQ/AWQ keep it float too)."""
         self.cfg = cfg
         some = weights["model.embed_tokens.weight"]
-        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device, dequant=quantization is not None)
+        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device, dequant=quantization == "int8")
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
         self.norm = weights["model.norm.weight"]

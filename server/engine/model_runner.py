@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.kv_quant import storage
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.kernel_ops import KernelOps
 from server.engine.alora import token_slots as alora_token_slots
@@ -212,9 +213,9 @@ class ModelRunner:
         """Copy-on-write: each (source, copy) block's K/V, every layer, before the forward writes."""
         src = torch.tensor([s for s, _ in copies], dtype=torch.long).to(self.device, non_blocking=True)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long).to(self.device, non_blocking=True)
-        for k_cache, v_cache in self.kv_caches:  # each [num_blocks, block_size, Hkv, D]
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+        for kv in self.kv_caches:  # each [num_blocks, block_size, Hkv, D]
+            for cache in map(storage, kv):  # bytes: CPU index_copy_ has no fp8 kernel
+                cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:

@@ -1,12 +1,14 @@
 """Reading a Hugging Face checkpoint's safetensors into tensors on the target device."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from server.engine.config import ModelConfig, ModelConfigError
+from server.engine.gptq_checkpoint import checkpoint_quantization, dequantize_checkpoint, is_gptq_part
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
@@ -15,12 +17,19 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         bins = sorted(Path(model_dir).glob("*.bin"))
         hint = " (pickle .bin checkpoints are not loaded: convert to safetensors)" if bins else ""
         raise ModelConfigError(f"no *.safetensors files in {model_dir}{hint}")
+    # A GPTQ checkpoint's packed layers become float weights here (server.engine.gptq_checkpoint).
+    gptq = checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()))
     weights: dict[str, torch.Tensor] = {}
+    packed: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key.startswith("model.") or key == "lm_head.weight":
+                if gptq is not None and is_gptq_part(key):
+                    packed[key] = f.get_tensor(key)
+                elif key.startswith("model.") or key == "lm_head.weight":
                     weights[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+    if gptq is not None:
+        weights |= {k: w.to(device=device, dtype=dtype) for k, w in dequantize_checkpoint(packed, gptq).items()}
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         required.append("lm_head.weight")

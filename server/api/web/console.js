@@ -202,7 +202,7 @@ function barChart(svg, labels, series, unit) {
 // ---- engine
 async function refreshEngine() {
   const e = await api("GET", "/admin/engine");
-  const stats = [["running", e.running], ["waiting", e.waiting], ["KV blocks", `${e.kv_blocks.used} / ${e.kv_blocks.total}`],
+  const stats = [["running", e.running], ["waiting", e.waiting], ["KV blocks", `${e.kv_blocks.used} / ${e.kv_blocks.total} (${e.kv_cache.dtype})`],
                  ["adapter slots", `${e.slots.used} / ${e.slots.total}`], ["host adapters", e.host.adapters],
                  ["host bytes", `${bytes(e.host.bytes)} / ${bytes(e.host.budget_bytes)}`],
                  ["loads in flight", e.host.loads_in_flight], ["preemptions", e.preemptions],
