@@ -285,3 +285,20 @@ def test_tool_call_requests_are_counted(server, client):
     with server.http(server.config.admin_token) as h:
         text = h.get("/metrics").text
     assert 'loraplex_tool_call_requests_total{mode="none"}' in text
+
+
+def test_each_of_n_choices_gets_its_own_calls(server, client):
+    kw = dict(model="ad", messages=MESSAGES, tools=TOOLS, n=2, temperature=1.0, seed=5, max_tokens=120,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1]
+    args: dict[int, str] = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or ():
+                assert tc.index == 0  # the call's index within its choice
+                args[c.index] += tc.function.arguments or ""
+    for c in whole.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), WEATHER)
+        assert args[c.index] == c.message.tool_calls[0].function.arguments

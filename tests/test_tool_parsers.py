@@ -1,5 +1,5 @@
 """The tool-call parsers on known texts: fed whole or one character at a time, they hand out the
-same content and calls (what makes streamed calls equal non-streamed ones)."""
+same content and calls (what makes streamed calls equal non-streamed ones); --tool-call-parser."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,8 @@ import json
 import pytest
 
 from server.api.tool_calls import ChoiceToolCalls
+from server.cli import build_parser
+from server.config import ConfigError, ServerConfig
 from server.api.tool_parsers import ForcedArgumentsParser, ForcedArrayParser, HermesParser, Llama3JsonParser
 
 NAMES = frozenset({"get_weather", "add"})
@@ -89,3 +91,16 @@ def test_llama3_json_reads_separated_calls():
 @pytest.mark.parametrize("text", ["The answer is 4.", '{"name": "rm", "parameters": {}}', '{"name": "add", "par'])
 def test_llama3_json_other_text_is_content(text):
     assert _both_ways(lambda: Llama3JsonParser(NAMES, True), text) == {"role": "assistant", "content": text}
+
+
+def test_the_tool_call_parser_flag(tmp_path):
+    def config(*flags: str) -> ServerConfig:
+        args = build_parser().parse_args(["serve", "--model", "demo", "--data-dir", str(tmp_path),
+                                          "--admin-token", "x" * 16, *flags])
+        return ServerConfig.from_args(args, env={})
+    assert config().tool_call_parser == "hermes"
+    assert config("--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+    with pytest.raises(ConfigError, match="--tool-call-parser"):
+        ServerConfig(data_dir=tmp_path, admin_token="x" * 16, tool_call_parser="mistral")
