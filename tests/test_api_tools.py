@@ -163,6 +163,28 @@ def test_auto_reads_hermes_calls_and_streams_them_the_same(server, client, model
     _same_calls(streamed["tool_calls"], whole["tool_calls"])
 
 
+LLAMA3_CALL = r'\{"name": "add", "parameters": \{"a": [1-9], "b": [1-9]\}\}'
+
+
+def test_auto_reads_llama3_json_calls_with_that_parser(tmp_path_factory, tiny_model_dir, redis_server):
+    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("tools-llama3"), api_redis_url(redis_server),
+                           max_model_len=1024, kv_cache_blocks=256, max_num_batched_tokens=1024,
+                           tool_call_parser="llama3_json")
+    with running_server(config) as llama3:
+        _, key = llama3.new_tenant()
+        client = llama3.client(key)
+        kw = dict(tool_choice="auto", extra_body={"guided_regex": LLAMA3_CALL + "; " + LLAMA3_CALL})
+        whole = _ask(client, llama3.state.model_id, False, **kw)
+        assert whole["finish_reason"] == "tool_calls" and whole["content"] is None
+        assert [c["function"]["name"] for c in whole["tool_calls"]] == ["add", "add"]
+        for call in whole["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), ADD)
+        _same_calls(_ask(client, llama3.state.model_id, True, **kw)["tool_calls"], whole["tool_calls"])
+        # A Hermes block is no call for this parser: content.
+        out = _ask(client, llama3.state.model_id, False, tool_choice="auto", extra_body={"guided_regex": HERMES_CALL})
+        assert out["tool_calls"] == [] and out["content"].startswith("<tool_call>")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["auto", "none"])
 def test_without_a_call_the_answer_is_content(server, client, choice, stream):
