@@ -167,7 +167,9 @@ LLAMA3_CALL = r'\{"name": "add", "parameters": \{"a": [1-9], "b": [1-9]\}\}'
 
 
 def test_auto_reads_llama3_json_calls_with_that_parser(tmp_path_factory, tiny_model_dir, redis_server):
-    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("tools-llama3"), api_redis_url(redis_server),
+    # Beside the module's server on the same Redis db: not flushed, under a prefix of its own.
+    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("tools-llama3"),
+                           api_redis_url(redis_server, flush=False), redis_prefix="lp-llama3:",
                            max_model_len=1024, kv_cache_blocks=256, max_num_batched_tokens=1024,
                            tool_call_parser="llama3_json")
     with running_server(config) as llama3:
