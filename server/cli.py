@@ -6,7 +6,7 @@ import logging
 import socket
 import sys
 
-from server.config import AUTO_PREFILL_CAP, CPU_PREFILL_CAP, ConfigError, ServerConfig
+from server.config import AUTO_PREFILL_CAP, CPU_PREFILL_CAP, TOOL_CALL_PARSERS, ConfigError, ServerConfig
 from server.default_model import DefaultModelMissing
 from server.gguf_reader import GGUFError
 from server.version import loraplex_version
@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-schema-bytes", type=_positive_int, default=64 << 10,
                    help="largest structured-output constraint accepted, in bytes of canonical JSON schema, "
                         "regex or grammar; larger is a 400 (default 65536)")
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
+                   help="how tool_choice auto reads tool calls from the model's text: hermes (Hermes/Qwen "
+                        "<tool_call>{...}</tool_call>) or llama3_json (Llama 3's {\"name\", \"parameters\"} "
+                        "objects); default hermes")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes a tenant sent before, per adapter version (default on)")
     s.add_argument("--share-base-prefix-cache", action="store_true",

@@ -17,6 +17,7 @@ _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
 AUTO_PREFILL_CAP = "auto"
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser: server.api.tool_parsers
 # On a 2-core CPU a 256-token chunk of the demo model's prompt keeps a decoding stream's worst gap under a
 # second where one 2,048-token step stalled it for ~6 s (docs/benchmarks/abuse.md).
 CPU_PREFILL_CAP = 256
@@ -111,6 +112,7 @@ class ServerConfig:
     max_logprob_entries: int = 1 << 16    # logprob entries one response may carry (--max-logprob-entries)
     max_grammar_compile_ms: int = 5000    # a structured-output constraint's compile deadline (killed past it)
     max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
+    tool_call_parser: str = "hermes"      # --tool-call-parser: how tool_choice auto reads the model's calls
     enable_prefix_caching: bool = True    # --enable-prefix-caching / --no-enable-prefix-caching
     share_base_prefix_cache: bool = False  # --share-base-prefix-cache (a cross-tenant timing channel)
     metrics_token: str | None = None      # bearer token for /metrics besides the admin token
@@ -154,6 +156,9 @@ class ServerConfig:
         cap = self.max_prefill_tokens_while_decoding
         if cap != AUTO_PREFILL_CAP and cap is not None and (not isinstance(cap, int) or cap < 1):
             raise ConfigError(f"--max-prefill-tokens-while-decoding must be >= 1, auto or off, got {cap!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ConfigError("--metrics-token must be at least 16 characters")
         if not 1.0 <= self.lease_ttl <= 3600.0:
@@ -269,6 +274,7 @@ class ServerConfig:
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),
             max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,
+            tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
             enable_prefix_caching=args.enable_prefix_caching,
             share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,

@@ -26,10 +26,19 @@ SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 # Roles render as plain-text markers; each turn ends in EOS so a trained model
 # would learn to stop there. Content may be a string or OpenAI-style parts.
+# Tools render Hermes-style (a <tools> system turn; an assistant's calls as
+# <tool_call>{"name", "arguments"}</tool_call>; results as `tool` turns), so the
+# demo model serves tool calling with `--tool-call-parser hermes`; a chat
+# without tools renders as it always has.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
+    "{%- if tools -%}"
+    "{{- '<|system|>\\nCall a function as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>' + eos_token + '\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{- raise_exception('unknown role: ' + message['role']) -}}"
     "{%- endif -%}"
     "{{- '<|' + message['role'] + '|>\\n' -}}"
@@ -37,6 +46,10 @@ CHAT_TEMPLATE = (
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- eos_token + '\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"

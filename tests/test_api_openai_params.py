@@ -125,6 +125,15 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
         choices = ["alpha", "beta"]
         assert calls.text(chat, max_tokens=20, extra_body={"guided_choice": choices}) in choices
 
+    def tools():
+        fn = {"name": "pick", "parameters": {"type": "object", "properties": {"x": {"enum": ["a", "b"]}},
+                                             "required": ["x"], "additionalProperties": False}}
+        r = calls.chat(max_tokens=40, tools=[{"type": "function", "function": fn}],
+                       tool_choice={"type": "function", "function": {"name": "pick"}})
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
+        assert json.loads(call.function.arguments)["x"] in ("a", "b")
+
     def priority():
         assert calls.text(chat, extra_body={"priority": -5}) == greedy  # ordering only: same answer
 
@@ -161,13 +170,14 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
         "priority": priority,
         "response_format": response_format,
         "guided_json": guided,
+        "tools": tools,
         "cache_salt": cache_salt,
     }
 
 
 REFUSED_VALUES = {
     "max_completion_tokens": 4, "echo": True, "suffix": "x",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "use_beam_search": True,
+    "functions": [{"name": "f", "parameters": {}}], "use_beam_search": True,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "truncate_prompt_tokens": 4,
     "allowed_token_ids": [1, 2], "chat_template": "{{ messages }}",
 }

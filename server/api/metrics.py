@@ -70,6 +70,8 @@ class Metrics:
                                              registry=r)
         self.grammar_failures = Gauge("loraplex_grammar_failures", "Constraints refused: malformed or past "
                                       "--max-grammar-compile-ms", registry=r)
+        self.tool_requests = Counter("loraplex_tool_call_requests", "Chat requests that offered tools, by "
+                                     "tool_choice mode (none, auto, required, named)", ["mode"], registry=r)
         self.load_failures = Gauge("loraplex_adapter_load_failures", "Adapter loads that failed", registry=r)
         self.load_time = Histogram("loraplex_adapter_load_seconds", "Redis -> host load (fetch, parse, pin)",
                                    buckets=_LATENCY_BUCKETS, registry=r)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, field_validator, model_validator
+
+from server.api.tool_requests import (AssistantToolCalls, NamedToolChoice, ToolCallId, ToolChoiceField, Tools,
+                                      parse_tool_choice)
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -171,10 +174,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: AssistantToolCalls | None = None
+    tool_call_id: ToolCallId | None = None
 
     def for_template(self) -> dict:
-        """The message as the chat template sees it ("developer" is OpenAI's new name for "system")."""
+        """The message as the chat template sees it ("developer" is OpenAI's new name for "system");
+        tool calls and ids by server.api.tool_calls.tool_message_fields."""
         role = "system" if self.role == "developer" else self.role
         content = self.content if isinstance(self.content, str) or self.content is None else \
             [part.model_dump() for part in self.content]
@@ -191,11 +196,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    # Tool calling (server.api.tool_calls plans it; server.api.tool_requests bounds it).
+    tools: Tools | None = None
+    tool_choice: ToolChoiceField = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated forms of tools/tool_choice: refused, naming their replacements.
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     # vLLM chat extras we do not implement
     echo: bool = False
     add_generation_prompt: bool = True
@@ -207,6 +214,11 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     reasoning_effort: str | None = None
     prediction: Any = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> str | NamedToolChoice | None:
+        return parse_tool_choice(value)
 
     @model_validator(mode="after")
     def _max_tokens(self) -> "ChatCompletionRequest":
@@ -221,12 +233,18 @@ class ChatCompletionRequest(SamplingFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        for field in ("tools", "functions", "function_call", "chat_template", "chat_template_kwargs",
-                      "documents", "audio", "prediction", "reasoning_effort"):
+        for field in ("functions", "function_call"):
+            if getattr(self, field) is not None:
+                raise Unsupported(field, "is OpenAI's deprecated form and is not supported: use 'tools' and "
+                                         "'tool_choice'")
+        for field in ("chat_template", "chat_template_kwargs", "documents", "audio", "prediction",
+                      "reasoning_effort"):
             if getattr(self, field):
-                raise Unsupported(field, "is not supported (no tool calling yet)")
-        if self.tool_choice not in (None, "none"):
-            raise Unsupported("tool_choice", "is not supported (no tool calling yet)")
+                raise Unsupported(field, "is not supported")
+        if not self.tools:
+            for field in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, field) is not None:
+                    raise Unsupported(field, "is only allowed when 'tools' are given")
         if self.modalities not in (None, ["text"]):
             raise Unsupported("modalities", "other than [\"text\"] are not supported")
         for flag, default in (("echo", False), ("add_generation_prompt", True), ("continue_final_message", False)):
@@ -235,8 +253,13 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs", "needs logprobs: true")
         for i, m in enumerate(self.messages):
-            if m.role in ("tool", "function") or m.tool_calls:
-                raise Unsupported(f"messages[{i}].role", f"{m.role!r} (tool calling) is not supported")
+            if m.role == "function":
+                raise Unsupported(f"messages[{i}].role", "'function' is OpenAI's deprecated form: use 'tool' "
+                                                         "messages with a tool_call_id")
+            if m.tool_calls and m.role != "assistant":
+                raise Unsupported(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
+            if (m.role == "tool") != (m.tool_call_id is not None):
+                raise Unsupported(f"messages[{i}].tool_call_id", "is required on tool messages, and only there")
 
 
 class TokenizeRequest(BaseModel):

@@ -78,16 +78,42 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta has its id, type and name; later ones add argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort", "error"] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -102,13 +128,14 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort", "error"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -24,6 +24,7 @@ from server.api.renderers import ChatRenderer, CompletionRenderer
 from server.api.sampling import max_tokens_for, sampling_params
 from server.api.sse import SSEResponse, until_disconnect
 from server.api.state import ServerState
+from server.api.tool_calls import ToolPlan, chat_inputs, plan_tools, request_constraint
 from server.api.validation import parse_model
 from tenants import Tenant
 
@@ -82,12 +83,14 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list[int]], max_tokens: list[int],
-                     record: AdapterRecord | None, arrived: float, endpoint: str) -> list[Generation]:
+                     record: AdapterRecord | None, arrived: float, endpoint: str,
+                     tools: ToolPlan | None = None) -> list[Generation]:
     """One generation per prompt; all or none (a refused one undoes those already started: a refused
     batch counts in no window and is not billed)."""
     gens: list[Generation] = []
     vocab = state.engine.engine.model_config.vocab_size
-    constraint = constraint_of(req, state.config.max_schema_bytes)
+    constraint = (request_constraint(req, tools, state.config.max_schema_bytes) if endpoint == "chat"
+                  else constraint_of(req, state.config.max_schema_bytes))
     try:
         for ids, limit in zip(prompts, max_tokens):
             params = sampling_params(req, limit, vocab, None if constraint is None else constraint.spec)
@@ -133,8 +136,9 @@ async def _generate(request: Request, chat: bool) -> Response:
         req = parse_model(ChatCompletionRequest if chat else CompletionRequest,
                           await read_json_object(request, max_body_values(state)))
         record = await _request_adapter(state, tenant, req)
+        tools = plan_tools(req, state.config.tool_call_parser, state.config.max_schema_bytes) if chat else None
         if chat:
-            prompts = [await state.prompts.encode_chat([m.for_template() for m in req.messages])]
+            prompts = [await state.prompts.encode_chat(*chat_inputs(req, tools, state.prompts.chat_template))]
         else:
             batch = req.prompts()
             cap = state.config.max_batch_prompts
@@ -148,10 +152,12 @@ async def _generate(request: Request, chat: bool) -> Response:
                            state.config.max_logprob_entries)
         await gate.hand_over()
         gens = await _start_all(state, tenant, req, prompts, max_tokens, record, arrived,
-                                "chat" if chat else "completions")
+                                "chat" if chat else "completions", tools)
+        if tools is not None:
+            state.metrics.tool_requests.labels(tools.mode).inc()
     texts = state.prompts.token_texts
     if chat:
-        renderer = ChatRenderer(req, gens, texts, req.model)
+        renderer = ChatRenderer(req, gens, texts, req.model, tools)
     else:
         echo = [(p if isinstance(p, str) else state.prompts.decode(p)) if req.echo else "" for p in batch]
         renderer = CompletionRenderer(req, gens, texts, req.model, echo)

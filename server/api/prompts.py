@@ -14,6 +14,7 @@ another tenant's request wait for it.
 from __future__ import annotations
 
 import copy
+import json
 import threading
 
 from starlette.concurrency import run_in_threadpool
@@ -71,12 +72,16 @@ class PromptTokenizer:
     def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok()(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    @property
+    def chat_template(self) -> str | dict | None:
+        return getattr(self._template, "chat_template", None)
+
+    def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         tok = self._tok()
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "no_chat_template")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template's raise_exception is the user's input error
             raise APIError(400, f"the chat template refused these messages: {e}", "invalid_messages") from None
         # The template writes the special tokens (BOS...) itself.
@@ -91,15 +96,17 @@ class PromptTokenizer:
         self.check_token_count(len(ids))
         return ids
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        self.check_text_length(sum(_message_chars(m) for m in messages), "the conversation")
-        ids = await run_in_threadpool(self._encode_chat, messages)
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        chars = sum(_message_chars(m) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        self.check_text_length(chars, "the conversation")
+        ids = await run_in_threadpool(self._encode_chat, messages, tools)
         self.check_token_count(len(ids))
         return ids
 
 
 def _message_chars(message: dict) -> int:
     content = message.get("content")
+    calls = len(json.dumps(message["tool_calls"])) if message.get("tool_calls") else 0
     if isinstance(content, str):
-        return len(content)
-    return sum(len(part.get("text", "")) for part in content or ())
+        return len(content) + calls
+    return sum(len(part.get("text", "")) for part in content or ()) + calls

@@ -15,6 +15,7 @@ from server.api.generation import Delta, Generation, usage
 from server.api.logprob_format import CompletionLogprobs, chat_content, merge_blocks, prompt_logprobs
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from server.api.sse import sse_event
+from server.api.tool_calls import ChoiceToolCalls, ToolPlan
 from server.api.token_text import TokenText
 
 
@@ -191,19 +192,34 @@ class ChatRenderer(Renderer):
     kind = "chat.completion"
     chunk_kind = "chat.completion.chunk"
 
-    def __init__(self, req: ChatCompletionRequest, gens, texts, model) -> None:
+    def __init__(self, req: ChatCompletionRequest, gens, texts, model, tools: ToolPlan | None = None) -> None:
         super().__init__(req, gens, texts, model)
+        self.tools = tools
+        self._tool_calls: dict[int, ChoiceToolCalls] = {}
+
+    def _content(self, index: int, d: Delta) -> tuple[str, list[dict]]:
+        """The delta's content and tool-call items (server.api.tool_calls reads calls out of the text)."""
+        if self.tools is None or self.tools.mode == "none":
+            return d.text, []
+        calls = self._tool_calls.get(index)
+        if calls is None:
+            calls = self._tool_calls[index] = ChoiceToolCalls(self.tools.new_parser())
+        return calls.absorb(d.text, d.finish_reason is not None)
 
     def _absorb(self, gen_index: int, choice: _Choice, d: Delta) -> None:
-        choice.text += d.text
+        choice.text += self._content(gen_index * self.n + d.index, d)[0]
         if self.req.logprobs:
             choice.logprobs = (choice.logprobs or []) + chat_content(self.texts, d.logprobs)
         choice.finish_reason = d.finish_reason
 
     def _final_choice(self, index: int, c: _Choice) -> dict:
         logprobs = {"content": c.logprobs or []} if self.req.logprobs else None
-        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                "finish_reason": c.finish_reason}
+        calls = self._tool_calls.get(index)
+        if calls is None:
+            return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason}
+        return {"index": index, "message": calls.message(c.text), "logprobs": logprobs,
+                "finish_reason": calls.finish_reason(c.finish_reason)}
 
     def _extra_body(self) -> dict:
         if self.req.prompt_logprobs is None:
@@ -217,10 +233,15 @@ class ChatRenderer(Renderer):
 
     def _chunk_choices(self, gen_index: int, index: int, choice: _Choice, d: Delta) -> list[dict]:
         parts = []
-        if d.text or (self.req.logprobs and d.token_ids):
+        content, calls = self._content(index, d)
+        if content or (self.req.logprobs and d.token_ids):
             logprobs = {"content": chat_content(self.texts, d.logprobs)} if self.req.logprobs else None
-            parts.append({"index": index, "delta": {"content": d.text}, "logprobs": logprobs,
+            parts.append({"index": index, "delta": {"content": content}, "logprobs": logprobs,
                           "finish_reason": None})
+        if calls:
+            parts.append({"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
         if d.finish_reason is not None:
-            parts.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason})
+            reason = d.finish_reason if index not in self._tool_calls else \
+                self._tool_calls[index].finish_reason(d.finish_reason)
+            parts.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return parts

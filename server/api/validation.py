@@ -42,9 +42,11 @@ def _error(e: ValidationError, range_status: int) -> APIError:
     ranged = [err for err in errors if err["type"] in _RANGE_ERRORS]
     if ranged and not any(err["type"] == "missing" for err in errors):
         first = ranged[0]
-        return APIError(range_status, f"'{_location(first['loc'])}': {first['msg']}", "invalid_value")
+        where = _location(first["loc"])
+        return APIError(range_status, f"'{where}': {first['msg']}", "invalid_value", param=where)
     first = errors[0]
-    return APIError(422, f"'{_location(first['loc'])}': {first['msg']}", "invalid_field")
+    where = _location(first["loc"])
+    return APIError(422, f"'{where}': {first['msg']}", "invalid_field", param=where)
 
 
 def parse_model(cls: type[M], body: dict, range_status: int = 400) -> M:
@@ -61,5 +63,5 @@ def parse_model(cls: type[M], body: dict, range_status: int = 400) -> M:
         try:
             refuse()
         except Unsupported as e:
-            raise APIError(400, str(e), "unsupported") from None
+            raise APIError(400, str(e), "unsupported", param=e.field) from None
     return model
