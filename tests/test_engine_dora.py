@@ -161,6 +161,25 @@ def test_paging_dora_adapters_through_two_slots(tiny_model_dir, adapter_dirs, re
         assert dora or all(bool((t == 1).all()) for t in tables)
 
 
+@pytest.mark.parametrize("where", ["host tier", "slot load"])
+def test_scales_from_the_host_tier_or_at_slot_load(tiny_model_dir, adapter_dirs, reference, where):
+    """A CPU engine computes DoRA scales once per host-tier load (off the step loop; a page-in copies
+    them); a CUDA one as the adapter enters its slot. Both paths, on this CPU."""
+    llm = make_llm(tiny_model_dir, adapter_dirs, (), max_loras=2)
+    host = llm.engine.host
+    if where == "slot load":
+        host.prepare = None
+    for name in ("dora_r8_all", "dora_r16_pattern", "r4_qv"):
+        llm.add_adapter(name, adapter_dirs[name])
+    packed = [host.entries[llm._versions[n]] for n in ("dora_r8_all", "dora_r16_pattern")]
+    assert all(a.magnitudes_are_scales == (where == "host tier") for a in packed)
+    names = ["dora_r8_all", "r4_qv", "dora_r16_pattern", None, "dora_r8_all"]
+    prompts = random_prompts(len(names), (5, 30), VOCAB, seed=90)
+    p = params(4)
+    check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
+    assert llm.engine.slots.evictions > 0
+
+
 def test_padded_decode_with_dora_rows(tiny_model_dir, adapter_dirs, reference):
     """Decode steps padded to a bucket (what a CUDA graph replays) take the DoRA context when a row's
     adapter is a DoRA one, the LoRA one otherwise."""

@@ -134,7 +134,8 @@ class LLMEngine(OutputProcessing):
         # Parking places for finished loads match the scheduler's prefetch window: every adapter it
         # prefetches can wait, loaded, for room, instead of being fetched again.
         self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda",
-                             max_parked=PREFETCH_WINDOW, dtype=self.dtype, init_thread=self.bind_thread)
+                             max_parked=PREFETCH_WINDOW, dtype=self.dtype, init_thread=self.bind_thread,
+                             prepare=self.slots.prepare if self.device.type == "cpu" else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_prefill_tokens_while_decoding), self.blocks, self.slots, self.host)

@@ -10,11 +10,15 @@ slot load is one host->device copy per staging range plus one batched
 device copy, and zeroing a slot is one batched fill.
 
 A DoRA adapter's slot also gets its per-output scales m / ||W + s B A|| against
-this base (server.engine.dora_scales), computed as it is loaded, in a table
-beside A and B that is 1.0 for plain-LoRA slots and for base rows.
+this base (server.engine.dora_scales), in a table beside A and B that is 1.0
+for plain-LoRA slots and for base rows. On a CPU they are computed once per
+host-tier load, on its loader threads (`prepare`), so neither the engine's
+step loop nor a later page-in of the same adapter pays for them; on CUDA,
+where the base weights live on the device, as the adapter enters its slot.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -220,8 +224,22 @@ class AdapterSlots:
             torch._foreach_copy_(scales, list(self.scaling_staging[:n].unbind()))
             self._load_dora(slot, adapter)  # on the copy stream, after the slot's A and B
 
+    def prepare(self, adapter: PackedLoraAdapter) -> PackedLoraAdapter:
+        """The host tier's hook on a CPU engine (its loader threads): a DoRA adapter's scales computed
+        now, from its packed A and B (the values its slot will hold), in place of its magnitudes."""
+        if not adapter.use_dora or adapter.magnitudes_are_scales:
+            return adapter
+        assert self.dora is not None, "an engine that serves DoRA adapters builds its slots with DoraScales"
+        for (layer, proj), w in adapter.weights.items():
+            if w.magnitude is not None:
+                group, i = PROJECTION_SLICES[proj]
+                row = self.layers[layer][group].offsets[i]
+                self.dora.compute(layer, group, row, w.a, w.b, w.scaling, w.magnitude, w.magnitude)
+        return dataclasses.replace(adapter, magnitudes_are_scales=True)
+
     def _load_dora(self, slot: int, adapter: PackedLoraAdapter) -> None:
-        """A DoRA adapter's scales, from the slot's A and B just copied in (the values the forward uses)."""
+        """A DoRA adapter's scales into the slot's table: copied when the host tier computed them, else
+        computed from the slot's A and B just copied in (the values the forward uses)."""
         if not adapter.use_dora:
             return
         assert self.dora is not None, "an engine that serves DoRA adapters builds its slots with DoraScales"
@@ -235,6 +253,10 @@ class AdapterSlots:
             buffers = self.layers[layer][group]
             n, r = w.b.shape
             lo = buffers.offsets[i]
-            self.dora.compute(layer, group, lo, buffers.a[i, slot, :r], buffers.b[i][slot, :, :r], w.scaling,
-                              magnitudes[at: at + n], buffers.dora_scale[slot, lo: lo + n])
+            dst = buffers.dora_scale[slot, lo: lo + n]
+            if adapter.magnitudes_are_scales:
+                dst.copy_(magnitudes[at: at + n])
+            else:
+                self.dora.compute(layer, group, lo, buffers.a[i, slot, :r], buffers.b[i][slot, :, :r], w.scaling,
+                                  magnitudes[at: at + n], dst)
             at += n
