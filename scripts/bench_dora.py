@@ -3,8 +3,9 @@
 
 1. Load time, Redis -> device slot, as the engine pages an adapter in: read the version's files from a
    real redis-server (adapters.registry), parse and validate them (adapters.format), pack them for the
-   host tier (adapters.packed), copy them into a device slot (server.engine.lora_slots), which for
-   DoRA includes computing the per-output scales m / ||W + s B A|| against the base weights. Rounds
+   host tier (adapters.packed; on a CPU engine the host tier then computes a DoRA adapter's per-output
+   scales m / ||W + s B A|| against the base weights, so "pack" includes them), copy them into a device
+   slot (server.engine.lora_slots; "slot" is what a later page-in of the same adapter costs). Rounds
    alternate LoRA and DoRA (the order flips each round); each load is timed with its stages and the
    slot is freed again after it.
 2. Decode tokens/s of a batch whose sequences all use DoRA adapters against one whose sequences all use
