@@ -4,7 +4,9 @@ Semantics follow the installed PEFT (0.21) exactly: which modules a config
 targets (`check_target_module_exists`), per-module rank/alpha overrides
 (`get_pattern_key`: the first key, in the saved JSON's order, whose regex
 `(.*\\.)?(key)$` matches the module name), and scaling `alpha / r` or
-`alpha / sqrt(r)` (rslora). Anything loraplex could not reproduce exactly is
+`alpha / sqrt(r)` (rslora), and DoRA's magnitude vectors (`use_dora`; the
+engine turns them into per-output scales against its base weights,
+server.engine.dora_scales). Anything loraplex could not reproduce exactly is
 refused with an AdapterFormatError that says why. Everything that bounds
 memory (ranks, shapes, byte ranges, total size) is checked from the
 safetensors header before a single tensor is materialised; the config's
@@ -31,7 +33,7 @@ from adapters.pattern_resolver import resolve_modules
 from adapters.peft_config import PROJECTIONS, AdapterFormatError, _parse_config, _positive_int
 from adapters.safetensors_header import (
     SafetensorsHeader, SafetensorsHeaderError, header_from_bytes, header_from_file)
-from adapters.value_checks import check_config_alphas, check_scaling, check_weights
+from adapters.value_checks import check_config_alphas, check_magnitude, check_scaling, check_weights
 
 _ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
 
@@ -41,11 +43,12 @@ PICKLE_FILE = "adapter_model.bin"
 MAX_CONFIG_BYTES = 1024 * 1024
 
 _FLOAT_DTYPES = frozenset(("F32", "F16", "BF16", "F64"))
-# What PEFT's save_pretrained writes (`...lora_A.weight`); the `.default` form
-# is an un-stripped PEFT state_dict key, accepted as an alias of the same tensor.
+# What PEFT's save_pretrained writes (`...lora_A.weight`, and for DoRA `...lora_magnitude_vector`, without
+# `.weight`); the `.default` forms are un-stripped PEFT state_dict keys, accepted as aliases of the same tensors.
 _KEY_RE = re.compile(
     r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)(?:\.default)?\.weight")
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+    r"(?:lora_(A|B)(?:\.default)?\.weight|lora_(magnitude)_vector(?:\.default\.weight)?)")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class LoraWeights:
     a: torch.Tensor          # [r, in]  float32, contiguous
     b: torch.Tensor          # [out, r] float32, contiguous
     scaling: float           # alpha / r (or / sqrt(r)), rank/alpha patterns applied
+    magnitude: torch.Tensor | None = None  # [out] float32: DoRA's magnitude vector m; None for plain LoRA
 
     @property
     def rank(self) -> int:
@@ -106,8 +110,12 @@ class LoraAdapter:
     target_modules: tuple[str, ...]                  # sorted subset of PROJECTIONS present
     use_rslora: bool
     weights: Mapping[tuple[int, str], LoraWeights]   # (layer, projection) -> weights
-    size_bytes: int                                  # A and B as float32
+    size_bytes: int                                  # A, B (and DoRA magnitudes) as float32
     config: Mapping[str, Any]                        # the parsed adapter_config.json
+
+    @property
+    def use_dora(self) -> bool:
+        return any(w.magnitude is not None for w in self.weights.values())
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,7 @@ class _Module:
     scaling: float
     a_key: str
     b_key: str
+    m_key: str | None        # DoRA's magnitude vector; None for plain LoRA
 
 
 @dataclass(frozen=True)
@@ -222,6 +231,7 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
 
     keys = _tensor_keys(header, shape, max_lora_rank, source)
     use_rslora = cfg.get("use_rslora", False)
+    use_dora = cfg.get("use_dora", False)
     modules: dict[tuple[int, str], _Module] = {}
     for slot in sorted(set(keys) | expected, key=lambda s: (s[0], PROJECTIONS.index(s[1]))):
         name = names.get(slot, module_name(*slot))
@@ -234,6 +244,12 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
             if part not in ab:
                 other = "B" if part == "A" else "A"
                 raise AdapterFormatError(f"{source}: missing tensor: {name} has lora_{other} but no lora_{part}")
+        if use_dora and "M" not in ab:
+            raise AdapterFormatError(f"{source}: missing tensor: {name} has no lora_magnitude_vector, which "
+                                     "use_dora=true needs for every targeted module")
+        if "M" in ab and not use_dora:
+            raise AdapterFormatError(f"{source}: {name} has a lora_magnitude_vector (DoRA) but adapter_config.json "
+                                     "does not set use_dora=true")
         rank, module_alpha = resolved.ranks[name], resolved.alphas[name]
         in_f, out_f = shape.in_out(slot[1])
         a_shape, b_shape = header.tensors[ab["A"]].shape, header.tensors[ab["B"]].shape
@@ -246,11 +262,16 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
                 f"{source}: {name}: shape mismatch with the base model: lora_A {list(a_shape)} must be "
                 f"[{rank}, {in_f}] and lora_B {list(b_shape)} must be [{out_f}, {rank}] (in_features={in_f}, "
                 f"out_features={out_f})")
+        if "M" in ab and header.tensors[ab["M"]].shape != (out_f,):
+            raise AdapterFormatError(
+                f"{source}: {name}: lora_magnitude_vector has shape {list(header.tensors[ab['M']].shape)}, must be "
+                f"[{out_f}] (out_features)")
         scaling = module_alpha / math.sqrt(rank) if use_rslora else module_alpha / rank
         check_scaling(name, scaling, module_alpha, rank, use_rslora, config_source)
-        modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"])
+        modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"], ab.get("M"))
 
-    size = sum(4 * (m.rank * sum(shape.in_out(proj))) for (_, proj), m in modules.items())
+    size = sum(4 * (m.rank * (m.in_features + m.out_features) + (m.out_features if m.m_key else 0))
+               for m in modules.values())
     if max_bytes is not None and size > max_bytes:
         raise AdapterFormatError(f"{source}: adapter size {size} bytes (as float32) is above the limit "
                                  f"of {max_bytes} bytes")
@@ -267,27 +288,31 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
         shown = ", ".join(repr(k) for k in sorted(unexpected)[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise AdapterFormatError(f"{source}: unexpected tensor keys {shown}{more}; only lora_A/lora_B weights "
-                                 f"of {', '.join(PROJECTIONS)} are served")
+                                 f"(and DoRA lora_magnitude_vector) of {', '.join(PROJECTIONS)} are served")
     out: dict[tuple[int, str], dict[str, str]] = {}
     for key, info in header.tensors.items():
-        layer_s, parent, proj, part = _KEY_RE.fullmatch(key).groups()
+        layer_s, parent, proj, ab, magnitude = _KEY_RE.fullmatch(key).groups()
+        part = ab or "M"
         layer = int(layer_s)
         if (parent == "self_attn") != (proj in _ATTENTION):
             raise AdapterFormatError(f"{source}: unexpected tensor key {key!r}: {proj} is not under {parent}")
         if info.dtype not in _FLOAT_DTYPES:
             raise AdapterFormatError(f"{source}: tensor {key!r} has dtype {info.dtype}; need a float dtype "
                                      f"({', '.join(sorted(_FLOAT_DTYPES))})")
-        if len(info.shape) != 2:
-            raise AdapterFormatError(f"{source}: tensor {key!r} has shape {list(info.shape)}; need 2 dimensions")
+        dims = 1 if magnitude else 2
+        if len(info.shape) != dims:
+            raise AdapterFormatError(f"{source}: tensor {key!r} has shape {list(info.shape)}; need {dims} "
+                                     f"dimension{'s' if dims > 1 else ''}")
         if layer >= shape.num_layers:
             raise AdapterFormatError(f"{source}: tensor {key!r} is for layer {layer} but the base model has "
                                      f"{shape.num_layers} layers")
-        rank = info.shape[0] if part == "A" else info.shape[1]
-        if rank > max_lora_rank:
-            raise AdapterFormatError(f"{source}: tensor {key!r} has rank {rank}, above max_lora_rank "
-                                     f"{max_lora_rank}")
-        if rank == 0:
-            raise AdapterFormatError(f"{source}: tensor {key!r} has rank 0")
+        if not magnitude:  # a magnitude vector has no rank: its length is checked against the module
+            rank = info.shape[0] if part == "A" else info.shape[1]
+            if rank > max_lora_rank:
+                raise AdapterFormatError(f"{source}: tensor {key!r} has rank {rank}, above max_lora_rank "
+                                         f"{max_lora_rank}")
+            if rank == 0:
+                raise AdapterFormatError(f"{source}: tensor {key!r} has rank 0")
         slot = out.setdefault((layer, proj), {})
         if part in slot:
             raise AdapterFormatError(f"{source}: duplicate tensors {slot[part]!r} and {key!r}")
@@ -304,7 +329,13 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
         if a.shape != (m.rank, m.in_features) or b.shape != (m.out_features, m.rank):
             raise AdapterFormatError(f"{source}: file changed while loading ({m.a_key!r})")
         check_weights(m.name, a, b, m.scaling, source)
-        weights[slot] = LoraWeights(a, b, m.scaling)
+        magnitude = None
+        if m.m_key is not None:
+            magnitude = get(m.m_key).to(torch.float32, copy=True).contiguous()     # magnitude: [out]
+            if magnitude.shape != (m.out_features,):
+                raise AdapterFormatError(f"{source}: file changed while loading ({m.m_key!r})")
+            check_magnitude(m.name, magnitude, source)
+        weights[slot] = LoraWeights(a, b, m.scaling, magnitude)
     s = plan.summary
     return LoraAdapter(s.rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
                        plan.config)

@@ -47,15 +47,18 @@ class HostTierStats:
 
 class HostTier:
     """`dtype`: the serving dtype adapters are kept in (adapters.packed); `pin_memory`: page-lock them;
-    `init_thread`: run first on each loader thread (binds the engine's CUDA device)."""
+    `init_thread`: run first on each loader thread (binds the engine's CUDA device); `prepare`: run on each
+    packed adapter, on the loader threads for loads (the engine's DoRA scales: AdapterSlots.prepare)."""
 
     def __init__(self, fetch: Fetch | None, budget_bytes: int | None, pin_memory: bool = False, workers: int = 2,
                  max_parked: int = 8, dtype: torch.dtype = torch.float32,
-                 init_thread: Callable[[], None] | None = None):
+                 init_thread: Callable[[], None] | None = None,
+                 prepare: Callable[[PackedLoraAdapter], PackedLoraAdapter] | None = None):
         self.fetch = fetch
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
         self.dtype = dtype
+        self.prepare = prepare
         self.entries: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self.permanent: set[str] = set()
         self.pins: dict[str, int] = {}
@@ -179,10 +182,10 @@ class HostTier:
 
     def packed(self, adapter: LoraAdapter) -> PackedLoraAdapter:
         """`adapter` as this tier keeps it: one buffer in the serving dtype, pinned if asked."""
-        if isinstance(adapter, PackedLoraAdapter) and adapter.flat.dtype == self.dtype and (
-                adapter.flat.is_pinned() or not self.pin_memory):
-            return adapter
-        return pack_adapter(adapter, self.dtype, self.pin_memory)
+        if not (isinstance(adapter, PackedLoraAdapter) and adapter.flat.dtype == self.dtype and (
+                adapter.flat.is_pinned() or not self.pin_memory)):
+            adapter = pack_adapter(adapter, self.dtype, self.pin_memory)
+        return adapter if self.prepare is None else self.prepare(adapter)
 
     # ---- internals ----
     def _drop(self, version: str) -> None:

@@ -26,8 +26,15 @@ class PackedLoraAdapter(LoraAdapter):
 
     flat: torch.Tensor  # [numel] serving dtype, pinned on CUDA hosts
     scalings: torch.Tensor  # [num_modules] float32, pinned alike
+    # [sum of the DoRA modules' out_features] float32, pinned alike: their magnitude vectors, in module
+    # order (each module's LoraWeights.magnitude is a view); empty for plain LoRA. Float32 whatever the
+    # serving dtype: the engine divides it by a weight norm it computes in float32 (dora_scales).
+    magnitudes: torch.Tensor
     offsets: tuple[int, ...]  # start of each module's A, then of its B^T, in `flat`
     module_numel: tuple[int, ...]  # elements of each module's A plus B
+    # The host tier replaced each magnitude m in `magnitudes` by its DoRA scale m / ||W + s B A|| against the
+    # engine's base weights (server.engine.lora_slots.AdapterSlots.prepare): a slot load then copies them.
+    magnitudes_are_scales: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         """Per module, in order: A [r, in] and B^T [r, out], views of `flat`, contiguous."""
@@ -57,8 +64,11 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
     sizes = [w.a.numel() + w.b.numel() for _, w in weights]
     flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
     scalings = torch.tensor([w.scaling for _, w in weights], dtype=torch.float32)
+    magnitudes = torch.cat([torch.zeros(0)] + [w.magnitude for _, w in weights if w.magnitude is not None])
     if pin:
         scalings = scalings.pin_memory()
+        magnitudes = magnitudes.pin_memory()
+    at_magnitude = 0
     views: dict = {}
     offsets, at = [], 0
     for (key, w), size in zip(weights, sizes):
@@ -67,7 +77,11 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
         b_t = flat[at + w.a.numel(): at + size].view(rank, out)
         a.copy_(w.a)
         b_t.copy_(w.b.t())
-        views[key] = LoraWeights(a, b_t.t(), w.scaling)
+        magnitude = None
+        if w.magnitude is not None:
+            magnitude = magnitudes[at_magnitude: at_magnitude + w.magnitude.numel()]
+            at_magnitude += w.magnitude.numel()
+        views[key] = LoraWeights(a, b_t.t(), w.scaling, magnitude)
         offsets += (at, at + w.a.numel())
         at += size
     return PackedLoraAdapter(
@@ -75,10 +89,11 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
         target_modules=adapter.target_modules,
         use_rslora=adapter.use_rslora,
         weights=MappingProxyType(views),
-        size_bytes=flat.numel() * flat.element_size(),
+        size_bytes=flat.numel() * flat.element_size() + magnitudes.numel() * magnitudes.element_size(),
         config=adapter.config,
         flat=flat,
         scalings=scalings,
+        magnitudes=magnitudes,
         offsets=tuple(offsets),
         module_numel=tuple(sizes),
     )

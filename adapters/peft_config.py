@@ -45,7 +45,6 @@ _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 _PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 # Fields that turn on a variant whose forward pass or saved state is not plain LoRA.
 _UNSUPPORTED_TRUTHY = MappingProxyType({
-    "use_dora": "DoRA (use_dora) is not supported",
     "lora_bias": "lora_bias=true (a bias on lora_B) is not supported",
     "fan_in_fan_out": "fan_in_fan_out=true (Conv1D-style weights) is not supported",
     "modules_to_save": "modules_to_save must be empty: fully trained modules are not served",
@@ -93,8 +92,9 @@ def _parse_config(raw: bytes, source: str) -> Mapping[str, Any]:
         raise bad(f"r must be a positive integer, got {cfg.get('r')!r}")
     if not _finite_number(cfg.get("lora_alpha", 8)):
         raise bad(f"lora_alpha must be a finite number, got {cfg.get('lora_alpha')!r}")
-    if not isinstance(cfg.get("use_rslora", False), bool):
-        raise bad("use_rslora must be true or false")
+    for flag in ("use_rslora", "use_dora"):
+        if not isinstance(cfg.get(flag, False), bool):
+            raise bad(f"{flag} must be true or false")
     for field, valid in (("rank_pattern", _positive_int), ("alpha_pattern", _finite_number)):
         pattern = cfg.get(field) or {}
         if not isinstance(pattern, dict) or not all(valid(v) for v in pattern.values()):

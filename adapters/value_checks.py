@@ -16,6 +16,10 @@ float32 reach further), and the rules are:
    sound bound (each term of the sum over k is bounded by those maxima) that
    costs O(r * (in + out)), and it is tighter than |scaling| * r * max|B| * max|A|.
 
+4. every element of a DoRA magnitude vector is finite and |m| <= 65504. The
+   scale the engine applies, m / ||W + scaling * B @ A|| per output row, then
+   keeps each output row's length at |m| times the input's, whatever W.
+
 Real adapters sit orders of magnitude inside all three: trained A/B entries
 are ~1e-2, scalings are alpha/r ~ 0.5..32 (rsLoRA up to ~128), and deltas are
 a fraction of the base weights (~1e-1). Activation-dependent overflow (a huge
@@ -55,6 +59,18 @@ def check_scaling(name: str, scaling: float, alpha: float, rank: int, use_rslora
         raise AdapterFormatError(
             f"{source}: {name}: scaling {scaling!r} (lora_alpha {alpha!r} / {divisor}) is beyond "
             f"+-{MAX_SCALING:g}; such an adapter would overflow the serving dtype")
+
+
+def check_magnitude(name: str, magnitude: torch.Tensor, source: str) -> None:
+    """magnitude: [out] float32, DoRA's lora_magnitude_vector as materialised."""
+    bad = ~torch.isfinite(magnitude)
+    if bad.any():
+        raise AdapterFormatError(f"{source}: {name}: lora_magnitude_vector holds {magnitude[bad][0].item()!r}; "
+                                 "every value must be finite")
+    peak = magnitude.abs().max().item()
+    if peak > FP16_MAX:
+        raise AdapterFormatError(f"{source}: {name}: lora_magnitude_vector holds a value of magnitude {peak:g}, "
+                                 f"beyond {FP16_MAX:g} (the largest float16)")
 
 
 def check_weights(name: str, a: torch.Tensor, b: torch.Tensor, scaling: float, source: str) -> None:

@@ -32,6 +32,9 @@ class LoraBatch:
     # [L] int32 on the device: each slot's own rank (0 = free), for kernels that stop there; None: every
     # slot taken at full rank.
     slot_rank_table: torch.Tensor | None = None
+    # Whether a slot that may occur holds a DoRA adapter: the model then scales each row's projections by
+    # its slot's DoRA scales (kernels.dora_scale); a step without one skips that.
+    dora: bool = False
     # Per-step derived data an implementation computes once and every layer reuses.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -66,10 +69,10 @@ class LoraBatch:
     @classmethod
     def build(
         cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None,
-        slot_rank_table: torch.Tensor | None = None,
+        slot_rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None,
     ) -> "LoraBatch":
         """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional);
-        slot_rank_table the same on the device (optional)."""
+        slot_rank_table the same on the device (optional); slot_dora[s]: slot s holds a DoRA adapter."""
         starts, lens, slots = runs(token_slots)
         gather, tiles = lora_work(starts, lens, slots, GATHER_MAX_SEG_LEN)
         views = pack_int32([token_slots, starts, lens, slots, gather, *(tiles[h] for h in TILE_ROWS)], device)
@@ -85,11 +88,12 @@ class LoraBatch:
             runs_host=(tuple(starts), tuple(lens), tuple(slots)),
             rank_bound=max((slot_ranks[s] for s in active), default=0) if slot_ranks is not None else None,
             slot_rank_table=slot_rank_table,
+            dora=slot_dora is not None and any(slot_dora[s] for s in active),
         )
 
     @classmethod
     def padded_decode(cls, token_slots: torch.Tensor, gather: torch.Tensor, num_slots: int,
-                      slot_rank_table: torch.Tensor | None = None) -> "LoraBatch":
+                      slot_rank_table: torch.Tensor | None = None, dora: bool = False) -> "LoraBatch":
         """A padded decode batch over persistent buffers that each step refills in place.
 
         token_slots: [B] int32 view, -1 for base-model and padding rows; gather: [B, 2] int32 view of
@@ -97,6 +101,7 @@ class LoraBatch:
         row, those of slot -1 exiting at once. num_slots: 0 for a batch without adapters (no LoRA
         launch at all), else the slot count: any of them may occur. Nothing here depends on which.
         slot_rank_table: [L] int32, each slot's own rank, updated in place as adapters come and go.
+        dora: apply the slots' DoRA scales (kernels.dora_scale), for a step in which a DoRA slot may occur.
         """
         rows = token_slots.shape[0]
         assert gather.shape == (rows, 2), (gather.shape, rows)
@@ -112,6 +117,7 @@ class LoraBatch:
             runs_host=((), (), ()),  # unknown on the host: the kernels take the padded path
             padded=True,
             slot_rank_table=slot_rank_table,
+            dora=dora,
         )
 
 

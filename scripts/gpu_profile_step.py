@@ -91,7 +91,7 @@ def run_point(llm: LLM, names: list[str], seqs: int, adapters: int, args) -> tup
     point["replayed_steps"] = eng.stats().graph_replays - replays
     padded = eng.runner.padded
     if padded is not None:
-        graph = padded.graphs[bucket_for(seqs, padded.buckets), adapters > 0][0]
+        graph = padded.graphs[bucket_for(seqs, padded.buckets), adapters > 0, False][0]
         point["replay_ms"] = median_ms(graph.replay, args.steps)
     point.update(launches_per_step(eng))
     drain(eng)

@@ -71,6 +71,7 @@ class AdapterSpec:
     rank_pattern: dict[str, int] | None = None
     alpha_pattern: dict[str, int] | None = None
     seed: int = 1
+    use_dora: bool = False
 
     def __post_init__(self) -> None:
         if self.r <= 0 or self.lora_alpha <= 0:
@@ -248,23 +249,29 @@ def _decisive_lora_init(model: torch.nn.Module, seed: int, rel_scale: float = 0.
         r, scaling = m.r["default"], m.scaling["default"]
         a.copy_(torch.randn(a.shape, generator=gen) / math.sqrt(a.shape[1]))
         b.copy_(torch.randn(b.shape, generator=gen) * (rel_scale / (math.sqrt(r) * scaling)))
+        if "default" in m.lora_magnitude_vector:
+            # DoRA: PEFT set m to ||W + s B A|| of the A and B it drew; move each row's length off
+            # that by up to +-40% so the magnitude vector changes the output visibly too.
+            magnitude = m.lora_magnitude_vector["default"].weight  # [out]
+            magnitude.mul_(0.6 + 0.8 * torch.rand(magnitude.shape, generator=gen))
 
 
 def make_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, r: int = 8, lora_alpha: int = 16,
                  target_modules: tuple[str, ...] = SEVEN, use_rslora: bool = False,
                  rank_pattern: dict[str, int] | None = None, alpha_pattern: dict[str, int] | None = None,
-                 seed: int = 1) -> Path:
-    """Write a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors)."""
+                 seed: int = 1, use_dora: bool = False) -> Path:
+    """Write a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors); a DoRA one
+    (lora_magnitude_vector per module too) with use_dora."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     spec = AdapterSpec(r=r, lora_alpha=lora_alpha, target_modules=tuple(target_modules), use_rslora=use_rslora,
-                       rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, seed=seed)
+                       rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, seed=seed, use_dora=use_dora)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=list(spec.target_modules),
                         use_rslora=spec.use_rslora, rank_pattern=dict(spec.rank_pattern or {}),
                         alpha_pattern=dict(spec.alpha_pattern or {}), init_lora_weights=False,
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_dora=spec.use_dora)
     model = get_peft_model(base, config)
     _decisive_lora_init(model, spec.seed)
     out = Path(out_dir)

@@ -18,6 +18,15 @@ TINY_ADAPTERS = {
     "r32_pattern": dict(r=32, lora_alpha=64, rank_pattern={"o_proj": 8}, alpha_pattern={"v_proj": 8}, seed=24),
 }
 
+# DoRA adapters (use_dora): q/v only, all seven projections, rsLoRA, rank and alpha patterns.
+TINY_DORA_ADAPTERS = {
+    "dora_r4_qv": dict(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=31, use_dora=True),
+    "dora_r8_all": dict(r=8, lora_alpha=16, seed=32, use_dora=True),
+    "dora_r16_rslora": dict(r=16, lora_alpha=16, use_rslora=True, seed=33, use_dora=True),
+    "dora_r16_pattern": dict(r=16, lora_alpha=32, rank_pattern={"o_proj": 4, "gate_proj": 8},
+                             alpha_pattern={"v_proj": 8}, seed=34, use_dora=True),
+}
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256}
 
@@ -38,6 +47,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_adapters(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-adapters")
     return {name: make_adapter(tiny_model_dir, root / name, **kw) for name, kw in TINY_ADAPTERS.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_dora_adapters(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-dora-adapters")
+    return {name: make_adapter(tiny_model_dir, root / name, **kw) for name, kw in TINY_DORA_ADAPTERS.items()}
 
 
 @pytest.fixture(scope="session")

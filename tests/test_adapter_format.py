@@ -175,7 +175,8 @@ def test_directory_refusals(tmp_path, plain):
 CONFIG_REFUSALS = {
     "invalid JSON": None,
     "peft_type": dict(peft_type="IA3"),
-    "DoRA": dict(use_dora=True),
+    "has no lora_magnitude_vector, which use_dora=true needs": dict(use_dora=True),
+    "use_dora must be true or false": dict(use_dora="yes"),
     "modules_to_save": dict(modules_to_save=["lm_head"]),
     "bias=": dict(bias="all"),
     "lora_bias": dict(lora_bias=True),
@@ -237,7 +238,7 @@ TENSOR_REFUSALS = {
     "missing tensors: model.layers.0.self_attn.q_proj is targeted": lambda t: without(t, Q0_A, Q0_B),
     "unexpected tensor keys 'base_model.model.lm_head.lora_A.weight'":
         lambda t: t | {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 32)},
-    "unexpected tensor keys 'base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector'":
+    "q_proj has a lora_magnitude_vector (DoRA) but adapter_config.json does not set use_dora=true":
         lambda t: t | {"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.ones(32)},
     "q_proj is not under mlp": lambda t: t | {
         "base_model.model.model.layers.0.mlp.q_proj.lora_A.weight": torch.zeros(4, 32)},
@@ -313,3 +314,88 @@ def test_corrupt_safetensors(plain):
             inspect_adapter_bytes(config_json, bad, SHAPE, MAX_RANK)
         with pytest.raises(AdapterFormatError, match="corrupt safetensors"):
             load_adapter_bytes(config_json, bad, SHAPE, MAX_RANK)
+
+
+# ---- DoRA -----------------------------------------------------------------------
+
+Q0_M = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+K1_M = "base_model.model.model.layers.1.self_attn.k_proj.lora_magnitude_vector"
+
+
+def peft_magnitudes(path) -> dict:
+    """(layer, proj) -> DoRA magnitude vector [out], as PEFT itself loads the saved adapter."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(tiny_llama(), path)
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLayer) and "default" in mod.lora_magnitude_vector:
+            m = re.search(r"layers\.(\d+)\.\w+\.(\w+_proj)$", name)
+            out[(int(m[1]), m[2])] = mod.lora_magnitude_vector["default"].weight.detach()
+    return out
+
+
+DORA_VARIANTS = {
+    "all": dict(),
+    "qv_only": dict(target_modules=["q_proj", "v_proj"]),
+    "rslora_patterns": dict(use_rslora=True, rank_pattern={"o_proj": 2}, alpha_pattern={"v_proj": 3}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DORA_VARIANTS))
+def test_dora_weights_and_magnitudes_equal_peft(tmp_path, variant):
+    path = save_adapter(tmp_path, use_dora=True, **DORA_VARIANTS[variant])
+    adapter = load_adapter_dir(path, SHAPE, MAX_RANK)
+    expected = peft_reloaded(path)
+    magnitudes = peft_magnitudes(path)
+    assert adapter.use_dora and set(magnitudes) == set(expected) == set(adapter.weights)
+    for slot, (a, b, scaling) in expected.items():
+        w = adapter.weights[slot]
+        assert torch.equal(w.a, a) and torch.equal(w.b, b) and w.scaling == scaling, slot
+        assert w.magnitude.dtype == torch.float32 and torch.equal(w.magnitude, magnitudes[slot]), slot
+    # Memory accounting counts the magnitude vectors (one float32 per output feature) too.
+    assert adapter.size_bytes == 4 * sum(a.numel() + b.numel() + b.shape[0] for a, b, _ in expected.values())
+    assert inspect_adapter_bytes(*read(path), SHAPE, MAX_RANK).size_bytes == adapter.size_bytes
+    from_bytes = load_adapter_bytes(*read(path), SHAPE, MAX_RANK)
+    assert all(torch.equal(w.magnitude, from_bytes.weights[s].magnitude) for s, w in adapter.weights.items())
+
+
+@pytest.fixture(scope="module")
+def dora(tmp_path_factory):
+    """A rank-4 all-projection DoRA adapter: (dir, config dict, tensors dict)."""
+    path = save_adapter(tmp_path_factory.mktemp("dora"), use_dora=True)
+    config, weights = read(path)
+    return path, json.loads(config), safetensors.torch.load(weights)
+
+
+def test_dora_default_adapter_name_in_keys_is_accepted(dora):
+    _, config, tensors = dora
+    renamed = {k + ".default.weight" if k.endswith("magnitude_vector") else k: v for k, v in tensors.items()}
+    adapter = load_adapter_bytes(*rebuild(config, renamed), SHAPE, MAX_RANK)
+    assert torch.equal(adapter.weights[(0, "q_proj")].magnitude, tensors[Q0_M])
+
+
+DORA_REFUSALS = {
+    # shapes, from the header alone (inspect refuses them too)
+    "lora_magnitude_vector has shape [33], must be [32] (out_features)":
+        lambda t: t | {Q0_M: torch.ones(33)},
+    "k_proj: lora_magnitude_vector has shape [32], must be [16]": lambda t: t | {K1_M: torch.ones(32)},
+    "has shape [32, 1]; need 1 dimension": lambda t: t | {Q0_M: torch.ones(32, 1)},
+    "has no lora_magnitude_vector, which use_dora=true needs": lambda t: without(t, Q0_M),
+    "duplicate tensors": lambda t: t | {Q0_M + ".default.weight": t[Q0_M].clone()},
+    # values, once materialised
+    "lora_magnitude_vector holds nan": lambda t: t | {Q0_M: torch.full((32,), float("nan"))},
+    "lora_magnitude_vector holds inf": lambda t: t | {Q0_M: t[Q0_M].index_fill(0, torch.tensor([3]), float("inf"))},
+    "lora_magnitude_vector holds a value of magnitude 1e+38": lambda t: t | {Q0_M: torch.full((32,), -1e38)},
+}
+
+
+@pytest.mark.parametrize("reason", sorted(DORA_REFUSALS))
+def test_dora_refusals(dora, reason):
+    _, config, tensors = dora
+    config_json, weights = rebuild(config, DORA_REFUSALS[reason](tensors))
+    with pytest.raises(AdapterFormatError, match=re.escape(reason)):
+        load_adapter_bytes(config_json, weights, SHAPE, MAX_RANK)
+    if "holds" not in reason:
+        with pytest.raises(AdapterFormatError, match=re.escape(reason)):
+            inspect_adapter_bytes(config_json, weights, SHAPE, MAX_RANK)

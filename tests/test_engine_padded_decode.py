@@ -143,8 +143,8 @@ class LaunchLog:
         return out
 
 
-def _padded_step(llm: LLM, log: LaunchLog) -> tuple[tuple[int, bool], list[tuple]]:
-    """One decode step; its (bucket, LoRA) key and launches."""
+def _padded_step(llm: LLM, log: LaunchLog) -> tuple[tuple[int, bool, bool], list[tuple]]:
+    """One decode step; its (bucket, LoRA, DoRA) key and launches."""
     runner = llm.engine.runner
     keys = []
     stage = runner.padded.stage
@@ -171,7 +171,7 @@ def test_two_batches_of_one_bucket_launch_the_same(tiny_model_dir, tiny_adapters
     key_a, a = _padded_step(llm, log)
     _decode_ready(llm, ["r16_rslora", "r8_all", None, "r8_all"], seed=2)
     key_b, b = _padded_step(llm, log)
-    assert key_a == key_b == (4, True)
+    assert key_a == key_b == (4, True, False)
     assert a == b
     layers = llm.engine.model_config.num_layers
     names = [n for n, *_ in a]
@@ -190,7 +190,7 @@ def test_launches_per_decode_step_are_pinned(tiny_model_dir, tiny_adapters, monk
     for names, lora in ((["r4_qv", "r8_all", "r16_rslora", None, "r4_qv"], True), ([None, None], False)):
         _decode_ready(llm, names, seed=len(names))
         key, launches = _padded_step(llm, log)
-        assert key == (bucket_for(len(names), decode_buckets(8)), lora)
+        assert key == (bucket_for(len(names), decode_buckets(8)), lora, False)
         counts: dict[str, int] = {}
         for n, *_ in launches:
             counts[n] = counts.get(n, 0) + 1

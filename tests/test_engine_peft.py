@@ -66,7 +66,7 @@ def test_readding_a_name_serves_the_new_weights(llm, tiny_adapters, tiny_model_d
     [
         ("no_config", "adapter_config.json"),
         ("pickle_only", "pickle"),
-        ("dora", "dora"),
+        ("dora", "lora_magnitude_vector"),
         ("rank", "max_lora_rank"),
     ],
 )

@@ -7,11 +7,12 @@ depends on the step: each bucket has one StepContext, built once, whose
 tensors are views of the persistent buffers and whose host values are bounds
 (every adapter slot may occur, every sequence may be max_model_len long), so
 each launch's grid and scalar arguments are fixed per bucket. A bucket has
-two contexts: with LoRA launches (any row has an adapter) and without (a
-base-model step launches none); which one runs is chosen on the host from the
-schedule, outside the forward.
+three contexts: with LoRA launches (any row has an adapter), with LoRA
+launches and DoRA scales (a row's adapter is a DoRA one, kernels.dora_scale),
+and without (a base-model step launches none); which one runs is chosen on
+the host from the schedule, outside the forward.
 
-On CUDA each (bucket, LoRA) context is captured once as a CUDA graph during
+On CUDA each (bucket, LoRA, DoRA) context is captured once as a CUDA graph during
 warm-up, largest first into one memory pool, and a decode step replays it:
 no kernel launch from the host at all. Prefill and mixed steps stay eager.
 On CPU there is nothing to capture (CUDA graphs are a CUDA feature); the
@@ -46,26 +47,28 @@ class PaddedDecode:
 
     def __init__(self, model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torch.Tensor,
                  num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
-                 rank_table: torch.Tensor | None = None) -> None:
-        """rank_table: AdapterSlots.rank_table, each slot's own rank [L] int32 (None: full rank)."""
+                 rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None) -> None:
+        """rank_table: AdapterSlots.rank_table, each slot's own rank [L] int32 (None: full rank);
+        slot_dora: AdapterSlots.slot_dora, whether each slot holds a DoRA adapter (a live view)."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.buckets = decode_buckets(max_rows)
         self.buffers = DecodeBuffers(self.buckets[-1], -(-max_model_len // block_size), device)
         buf = self.buffers
-        self.contexts: dict[tuple[int, bool], StepContext] = {}
+        self.slot_dora = slot_dora
+        self.contexts: dict[tuple[int, bool, bool], StepContext] = {}
         for rows in self.buckets:
             attn = AttentionBatch.padded_decode(
                 buf.rows("slot_mapping", rows), buf.rows("block_tables", rows), buf.query_start_loc[: rows + 1],
                 buf.rows("seq_lens", rows), buf.rows("context_lens", rows), max_model_len)
-            for lora in (False, True):
-                self.contexts[rows, lora] = StepContext(
+            for lora, dora in ((False, False), (True, False), (True, True)):
+                self.contexts[rows, lora, dora] = StepContext(
                     ops=ops, positions=buf.rows("positions", rows), attn=attn,
                     lora=LoraBatch.padded_decode(buf.rows("token_slots", rows), buf.rows("gather", rows),
-                                                 num_slots if lora else 0, rank_table),
+                                                 num_slots if lora else 0, rank_table, dora),
                     lora_scratch=lora_scratch)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
         self.eager_steps = 0
         self.capture_stats: CaptureStats | None = None
@@ -75,15 +78,16 @@ class PaddedDecode:
         return self.buckets[-1]
 
     def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-              block_tables: list[list[int]], token_slots: list[int]) -> tuple[int, bool]:
-        """Write a step's rows and their padding, copy them to the device; returns the (bucket, LoRA)
-        key the step runs with."""
+              block_tables: list[list[int]], token_slots: list[int]) -> tuple[int, bool, bool]:
+        """Write a step's rows and their padding, copy them to the device; returns the (bucket, LoRA,
+        DoRA) key the step runs with."""
         rows = bucket_for(len(input_ids), self.buckets)
         self.buffers.fill(rows, input_ids, positions, slot_mapping, block_tables, token_slots)
         self.buffers.copy_in(rows)
-        return rows, any(s >= 0 for s in token_slots)
+        dora = self.slot_dora is not None and any(s >= 0 and self.slot_dora[s] for s in token_slots)
+        return rows, any(s >= 0 for s in token_slots), dora
 
-    def run(self, key: tuple[int, bool]) -> torch.Tensor:
+    def run(self, key: tuple[int, bool, bool]) -> torch.Tensor:
         """Logits [bucket, V] of every row of the staged step, padding included."""
         graph = self.graphs.get(key)
         if graph is not None:
@@ -93,13 +97,13 @@ class PaddedDecode:
         self.eager_steps += 1
         return self._forward(key)
 
-    def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
+    def _forward(self, key: tuple[int, bool, bool]) -> torch.Tensor:
         rows = key[0]
         return self.model.forward(self.buffers.rows("input_ids", rows), self.kv_caches, self.contexts[key],
                                   self.buffers.logits_rows[:rows])
 
     def capture(self) -> CaptureStats:
-        """Capture every (bucket, LoRA) context as a CUDA graph, largest bucket first into one pool
+        """Capture every (bucket, LoRA, DoRA) context as a CUDA graph, largest bucket first into one pool
         (smaller graphs reuse its memory). Each is run eagerly first on a side stream, so that what is
         built once per context (attention plans, split partials) exists before capture and nothing is
         allocated or copied from the host inside it."""

@@ -20,6 +20,7 @@ from server.engine.grammar import GrammarError, Grammars
 from server.engine.grammar_mask import GrammarMask
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
+from server.engine.dora_scales import DoraScales
 from server.engine.lora_slots import AdapterSlots
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
@@ -124,7 +125,7 @@ class LLMEngine(OutputProcessing):
                               config.max_num_batched_tokens, config.quantization)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
-        self.slots = AdapterSlots(lora_layers, config.max_loras)
+        self.slots = AdapterSlots(lora_layers, config.max_loras, DoraScales.of_model(self.model))
         scratch = torch.empty(
             3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
         )
@@ -137,7 +138,8 @@ class LLMEngine(OutputProcessing):
         # Parking places for finished loads match the scheduler's prefetch window: every adapter it
         # prefetches can wait, loaded, for room, instead of being fetched again.
         self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda",
-                             max_parked=PREFETCH_WINDOW, dtype=self.dtype, init_thread=self.bind_thread)
+                             max_parked=PREFETCH_WINDOW, dtype=self.dtype, init_thread=self.bind_thread,
+                             prepare=self.slots.prepare if self.device.type == "cpu" else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_prefill_tokens_while_decoding), self.blocks, self.slots, self.host)
@@ -150,7 +152,7 @@ class LLMEngine(OutputProcessing):
         self.runner = ModelRunner(
             self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks,
             self.slots.rank_table, self.device,
-            config.seed, GrammarMask(self.grammars.info.vocab_size),
+            config.seed, GrammarMask(self.grammars.info.vocab_size), self.slots.slot_dora,
         )
         self.constrained_requests = 0
         # Every Triton variant is compiled now, not in the middle of serving (server.engine.warmup).

@@ -8,15 +8,24 @@ B is stored rank-major: a slot's first r ranks of A and of B are each one
 contiguous block, as in the host tier's packed buffer (adapters.packed), so a
 slot load is one host->device copy per staging range plus one batched
 device copy, and zeroing a slot is one batched fill.
+
+A DoRA adapter's slot also gets its per-output scales m / ||W + s B A|| against
+this base (server.engine.dora_scales), in a table beside A and B that is 1.0
+for plain-LoRA slots and for base rows. On a CPU they are computed once per
+host-tier load, on its loader threads (`prepare`), so neither the engine's
+step loop nor a later page-in of the same adapter pays for them; on CUDA,
+where the base weights live on the device, as the adapter enters its slot.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from adapters.packed import PackedLoraAdapter
+from server.engine.dora_scales import DoraScales
 
 # An adapter reaches its slot through a device staging buffer of this size, a range of modules at a
 # time: the buffer is allocated before the KV pool is sized, and stays small whatever the rank
@@ -43,6 +52,10 @@ class LoraGroupBuffers:
     b: tuple[torch.Tensor, ...]  # S x [L, n_i, R], stored as [L, R, n_i] (strides (R*n_i, 1, n_i))
     scaling: torch.Tensor  # [S, L] float32, stored as [L, S]: a slot's scalings are contiguous
     offsets: tuple[int, ...]  # column offset of each slice in the fused output
+    # [L + 1, sum n_i] float32: each slot's DoRA scale per output column (kernels.dora_scale), 1.0 for a
+    # plain-LoRA adapter's slot and for slices a DoRA adapter does not target; row L (all 1.0) is the
+    # base rows'.
+    dora_scale: torch.Tensor
 
     @classmethod
     def allocate(cls, in_features: int, out_sizes: tuple[int, ...], max_loras: int, max_rank: int, dtype, device):
@@ -54,6 +67,7 @@ class LoraGroupBuffers:
                     for n in out_sizes),
             scaling=torch.zeros(max_loras, len(out_sizes), dtype=torch.float32, device=device).t(),
             offsets=offsets,
+            dora_scale=torch.ones(max_loras + 1, sum(out_sizes), dtype=torch.float32, device=device),
         )
 
     def slot_views(self, slot: int, rank: int) -> list[torch.Tensor]:
@@ -72,14 +86,18 @@ class AdapterSlots:
     the byte budget: `max_loras` times one slot's bytes.
     """
 
-    def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int) -> None:
+    def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int,
+                 dora: DoraScales | None = None) -> None:
+        """dora: computes DoRA adapters' scales against the base weights (None: DoRA adapters are refused)."""
         self.layers = layers  # per layer: group name -> buffers
         self.max_loras = max_loras
+        self.dora = dora
         self.slot_of: dict[str, int] = {}
         self.users: dict[str, int] = {}  # running requests per adapter version
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
         self.free_slots = list(range(max_loras - 1, -1, -1))
         self.slot_ranks = [0] * max_loras  # rank of the adapter in each slot (0 = free); bounds kernel work
+        self.slot_dora = [False] * max_loras  # whether each slot holds a DoRA adapter (its scales are not 1)
         some = layers[0]["o"].a if layers else torch.empty(0)
         # The same on the device, [L] int32, for kernels that stop at each slot's own rank; updated in
         # place, so a captured graph reads the current ranks.
@@ -152,6 +170,11 @@ class AdapterSlots:
         rank = self.slot_ranks[slot]  # rows past it were never written
         views = [v for groups in self.layers for buffers in groups.values() for v in buffers.slot_views(slot, rank)]
         torch._foreach_zero_(views)
+        if self.slot_dora[slot]:
+            for groups in self.layers:
+                for buffers in groups.values():
+                    buffers.dora_scale[slot].fill_(1.0)
+            self.slot_dora[slot] = False
         self.slot_ranks[slot] = 0
         self.rank_table[slot] = 0
         self.free_slots.append(slot)
@@ -179,6 +202,7 @@ class AdapterSlots:
         if self.copy_stream is None:
             torch._foreach_copy_(dst, src)
             torch._foreach_copy_(scales, list(adapter.scalings.unbind()))
+            self._load_dora(slot, adapter)
             return
         # The slot was zeroed, and last read, on the compute stream: copy only after that.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
@@ -198,3 +222,41 @@ class AdapterSlots:
             n = len(scales)
             self.scaling_staging[:n].copy_(adapter.scalings, non_blocking=True)
             torch._foreach_copy_(scales, list(self.scaling_staging[:n].unbind()))
+            self._load_dora(slot, adapter)  # on the copy stream, after the slot's A and B
+
+    def prepare(self, adapter: PackedLoraAdapter) -> PackedLoraAdapter:
+        """The host tier's hook on a CPU engine (its loader threads): a DoRA adapter's scales computed
+        now, from its packed A and B (the values its slot will hold), in place of its magnitudes."""
+        if not adapter.use_dora or adapter.magnitudes_are_scales:
+            return adapter
+        assert self.dora is not None, "an engine that serves DoRA adapters builds its slots with DoraScales"
+        for (layer, proj), w in adapter.weights.items():
+            if w.magnitude is not None:
+                group, i = PROJECTION_SLICES[proj]
+                row = self.layers[layer][group].offsets[i]
+                self.dora.compute(layer, group, row, w.a, w.b, w.scaling, w.magnitude, w.magnitude)
+        return dataclasses.replace(adapter, magnitudes_are_scales=True)
+
+    def _load_dora(self, slot: int, adapter: PackedLoraAdapter) -> None:
+        """A DoRA adapter's scales into the slot's table: copied when the host tier computed them, else
+        computed from the slot's A and B just copied in (the values the forward uses)."""
+        if not adapter.use_dora:
+            return
+        assert self.dora is not None, "an engine that serves DoRA adapters builds its slots with DoraScales"
+        self.slot_dora[slot] = True
+        magnitudes = adapter.magnitudes.to(self.rank_table.device, non_blocking=True)  # [sum out] float32
+        at = 0
+        for (layer, proj), w in adapter.weights.items():
+            if w.magnitude is None:
+                continue
+            group, i = PROJECTION_SLICES[proj]
+            buffers = self.layers[layer][group]
+            n, r = w.b.shape
+            lo = buffers.offsets[i]
+            dst = buffers.dora_scale[slot, lo: lo + n]
+            if adapter.magnitudes_are_scales:
+                dst.copy_(magnitudes[at: at + n])
+            else:
+                self.dora.compute(layer, group, lo, buffers.a[i, slot, :r], buffers.b[i][slot, :, :r], w.scaling,
+                                  magnitudes[at: at + n], dst)
+            at += n

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.dora_scale import dora_scale
 from kernels.fp8_weights import Fp8Weight, quantize_fp8
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
@@ -50,16 +51,20 @@ class LoraLinear:
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
         """out: [T, out] workspace rows the result is written into (and returned)."""
+        dora = ctx.lora.dora  # DoRA scales multiply x W^T + the LoRA delta; the bias comes after them
+        bias = None if dora else self.bias
         if isinstance(self.weight, Int8Weight):
-            y = ctx.ops.int8_linear(x, self.weight, self.bias, out=out, scratch=self.dequant_scratch)  # [T, out]
+            y = ctx.ops.int8_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
         elif isinstance(self.weight, Fp8Weight):
-            y = ctx.ops.fp8_linear(x, self.weight, self.bias, out=out)  # [T, out]
+            y = ctx.ops.fp8_linear(x, self.weight, bias, out=out)  # [T, out]
         else:
-            y = ctx.ops.linear(x, self.weight, self.bias, out=out)  # x: [T, in] -> y: [T, out]
+            y = ctx.ops.linear(x, self.weight, bias, out=out)  # x: [T, in] -> y: [T, out]
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             lora = self.lora
             ctx.ops.lora(x, lora.a, lora.b, lora.scaling, lora.offsets, ctx.lora, h, y)
+        if dora:
+            dora_scale(y, self.lora.dora_scale, ctx.lora, self.bias)
         return y
 
 

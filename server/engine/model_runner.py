@@ -51,7 +51,7 @@ class StepInputs:
     rows: list[SamplingRow]  # tokens to choose: one per choice
     row_starts: list[int]  # sampled sequence s chooses rows[row_starts[s]:row_starts[s + 1]]
     prompt: _PromptPositions | None = None
-    padded: tuple[int, bool] | None = None  # a padded decode step's (bucket, LoRA) key (decode_graphs)
+    padded: tuple[int, bool, bool] | None = None  # a padded decode step's (bucket, LoRA, DoRA) key (decode_graphs)
 
 
 @dataclass
@@ -87,8 +87,10 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         grammar_mask: GrammarMask | None = None,
+        slot_dora: list[bool] | None = None,  # live view of AdapterSlots.slot_dora
     ) -> None:
         self.slot_ranks = slot_ranks
+        self.slot_dora = slot_dora
         self.rank_table = rank_table
         self.model = model
         self.kv_caches = kv_caches
@@ -105,7 +107,7 @@ class ModelRunner:
     def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
         """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
         self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
-                                   max_model_len, self.block_size, self.device, self.rank_table)
+                                   max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora)
         return self.padded
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -163,7 +165,7 @@ class ModelRunner:
             ops=self.ops,
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table),
+            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora),
             lora_scratch=self.lora_scratch,
         )
         return StepInputs(torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True), ctx,

@@ -1,0 +1,228 @@
+"""DoRA adapters served in the same batches as plain LoRA adapters and base rows: greedy tokens and
+logprobs equal transformers + peft's (float32, 1e-4), through chunked prefill, preemption, forks,
+paging through two slots, padded decode, the Triton kernels, and a base model with biases."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+
+from server.demo import make_adapter
+from server.engine import LLM, SamplingParams
+from tests.engine_helpers import random_prompts
+from tests.fixtures_models import TINY_DORA_ADAPTERS
+from tests.test_engine_logprobs import assert_matches
+
+VOCAB = 512
+DORA = tuple(TINY_DORA_ADAPTERS)
+LORA = ("r8_all", "r4_qv")
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_adapters, tiny_dora_adapters):
+    return {**tiny_adapters, **tiny_dora_adapters}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, adapter_dirs):
+    """reference(name_or_None, ids, model_dir=tiny) -> [len(ids), V]: log_softmax of transformers (+ peft)
+    float32 logits at every position."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    models: dict = {}
+
+    @torch.inference_mode()
+    def get(name, ids, model_dir=tiny_model_dir, dirs=adapter_dirs):
+        key = (str(model_dir), name and str(dirs[name]))
+        if key not in models:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            if name is not None:
+                model = PeftModel.from_pretrained(model, dirs[name])
+            models[key] = model.eval()
+        return torch.log_softmax(models[key](input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return get
+
+
+def make_llm(model_dir, adapter_dirs, names, **kw) -> LLM:
+    opts = dict(device="cpu", dtype="float32", max_loras=8, kv_cache_blocks=256, max_model_len=256,
+                max_num_batched_tokens=64, block_size=16)
+    llm = LLM(model_dir, **{**opts, **kw})
+    for name in names:
+        llm.add_adapter(name, adapter_dirs[name])
+    return llm
+
+
+def params(max_tokens: int = 6, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2, **kw)
+
+
+def check(outs, prompts, names, p, reference) -> None:
+    for prompt, name, out in zip(prompts, names, outs):
+        assert out.finish_reason == "length" and len(out.token_ids) == p.max_tokens
+        assert_matches(out, prompt, p, reference(name, prompt + out.token_ids))
+
+
+def test_64_requests_mixing_base_lora_and_dora_match_peft(tiny_model_dir, adapter_dirs, reference):
+    """q/v-only, all seven projections, rsLoRA and rank/alpha patterns, each in the batch with plain
+    LoRA adapters and base rows; prompts long enough to be prefilled in chunks beside decodes."""
+    llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA))
+    kinds = [None, *LORA, *DORA]
+    names = [kinds[i % len(kinds)] for i in range(64)]
+    prompts = random_prompts(64, (3, 70), VOCAB, seed=81)
+    p = params(6, prompt_logprobs=1)
+    engine = llm.engine
+    steps_with_dora = []
+    step = engine.step
+
+    def recording():
+        out = step()
+        steps_with_dora.append(any(engine.slots.slot_dora))
+        return out
+
+    engine.step = recording
+    outs = llm.generate(prompts, p, adapters=names)
+    check(outs, prompts, names, p, reference)
+    assert any(steps_with_dora)
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_the_magnitude_vectors_change_the_output(tiny_model_dir, adapter_dirs, tmp_path):
+    """The same A and B served as plain LoRA give other logprobs: the DoRA scales are applied."""
+    plain = tmp_path / "plain"
+    shutil.copytree(adapter_dirs["dora_r8_all"], plain)
+    cfg = json.loads((plain / "adapter_config.json").read_text())
+    (plain / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": False}))
+    tensors = safetensors.torch.load_file(plain / "adapter_model.safetensors")
+    safetensors.torch.save_file({k: v for k, v in tensors.items() if "magnitude" not in k},
+                                plain / "adapter_model.safetensors")
+    llm = make_llm(tiny_model_dir, adapter_dirs, ("dora_r8_all",))
+    llm.add_adapter("plain", plain)
+    prompt = random_prompts(1, (12, 12), VOCAB, seed=82)[0]
+    dora, lora = llm.generate([prompt, prompt], params(1, prompt_logprobs=0), adapters=["dora_r8_all", "plain"])
+    gaps = [abs(a.logprob - b.logprob) for a, b in zip(dora.prompt_logprobs[1:], lora.prompt_logprobs[1:])]
+    assert max(gaps) > 1e-2
+
+
+def test_preemption_mid_decode(tiny_model_dir, adapter_dirs, reference):
+    # 10 blocks of 16 tokens for 6 sequences of 40-50 prompt tokens and 24 new ones: decodes run out
+    # of blocks and are preempted with outputs made, recomputed, and resume.
+    llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), kv_cache_blocks=10, max_model_len=128)
+    prompts = random_prompts(6, (40, 50), VOCAB, seed=83)
+    names = ["dora_r8_all", None, "r8_all", "dora_r4_qv", "dora_r16_pattern", "dora_r16_rslora"]
+    scheduler = llm.engine.scheduler
+    preempt = scheduler._preempt
+    mid_decode: list[int] = []
+
+    def recording(seq, batch):
+        if seq.num_output_tokens > 0:
+            mid_decode.append(seq.num_output_tokens)
+        preempt(seq, batch)
+
+    scheduler._preempt = recording
+    p = params(24)
+    outs = llm.generate(prompts, p, adapters=names)
+    assert mid_decode
+    check(outs, prompts, names, p, reference)
+
+
+def test_forked_choices_match_peft(tiny_model_dir, adapter_dirs, reference):
+    llm = make_llm(tiny_model_dir, adapter_dirs, ("dora_r16_pattern", "r8_all"))
+    prompt = random_prompts(1, (40, 40), VOCAB, seed=84)[0]
+    p = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, logprobs=1)
+    outs = llm.generate([prompt, prompt], p, adapters=["dora_r16_pattern", "r8_all"])
+    for out, name in zip(outs, ("dora_r16_pattern", "r8_all")):
+        assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+        for choice in out.outputs:
+            assert_matches(choice, prompt, p, reference(name, prompt + choice.token_ids))
+
+
+def test_paging_dora_adapters_through_two_slots(tiny_model_dir, adapter_dirs, reference):
+    """Five adapters, two slots: DoRA and LoRA adapters take each other's slots in turn, and a slot a
+    DoRA adapter left serves a LoRA one with scale 1 again."""
+    llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), max_loras=2)
+    names = ["dora_r8_all", "r8_all", "dora_r4_qv", None, "dora_r16_rslora", "r4_qv", "dora_r16_pattern",
+             "dora_r8_all", "r8_all"]
+    prompts = random_prompts(len(names), (5, 30), VOCAB, seed=85)
+    p = params(5)
+    outs = llm.generate(prompts, p, adapters=names)
+    check(outs, prompts, names, p, reference)
+    one_by_one = [llm.generate([q], p, adapters=[n])[0] for q, n in zip(prompts, names)]
+    check(one_by_one, prompts, names, p, reference)
+    slots = llm.engine.slots
+    assert slots.loads > 2 * len(set(names) - {None}) and slots.evictions > 0
+    for slot, dora in enumerate(slots.slot_dora):
+        tables = [g.dora_scale[slot] for layer in slots.layers for g in layer.values()]
+        assert dora or all(bool((t == 1).all()) for t in tables)
+
+
+@pytest.mark.parametrize("where", ["host tier", "slot load"])
+def test_scales_from_the_host_tier_or_at_slot_load(tiny_model_dir, adapter_dirs, reference, where):
+    """A CPU engine computes DoRA scales once per host-tier load (off the step loop; a page-in copies
+    them); a CUDA one as the adapter enters its slot. Both paths, on this CPU."""
+    llm = make_llm(tiny_model_dir, adapter_dirs, (), max_loras=2)
+    host = llm.engine.host
+    if where == "slot load":
+        host.prepare = None
+    for name in ("dora_r8_all", "dora_r16_pattern", "r4_qv"):
+        llm.add_adapter(name, adapter_dirs[name])
+    packed = [host.entries[llm._versions[n]] for n in ("dora_r8_all", "dora_r16_pattern")]
+    assert all(a.magnitudes_are_scales == (where == "host tier") for a in packed)
+    names = ["dora_r8_all", "r4_qv", "dora_r16_pattern", None, "dora_r8_all"]
+    prompts = random_prompts(len(names), (5, 30), VOCAB, seed=90)
+    p = params(4)
+    check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
+    assert llm.engine.slots.evictions > 0
+
+
+def test_padded_decode_with_dora_rows(tiny_model_dir, adapter_dirs, reference):
+    """Decode steps padded to a bucket (what a CUDA graph replays) take the DoRA context when a row's
+    adapter is a DoRA one, the LoRA one otherwise."""
+    llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), max_num_seqs=8, max_lora_rank=16)
+    cfg = llm.engine.config
+    padded = llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len)
+    keys = []
+    stage = padded.stage
+
+    def spy(*a):
+        keys.append(stage(*a))
+        return keys[-1]
+
+    padded.stage = spy
+    p = params(4)
+    for names in (["dora_r8_all", None, "r4_qv", "dora_r16_rslora", "dora_r4_qv"], ["r8_all", None]):
+        prompts = random_prompts(len(names), (5, 20), VOCAB, seed=86)
+        check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
+    assert (8, True, True) in keys and (2, True, False) in keys
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton needs a GPU or the interpreter")
+def test_triton_kernels_with_dora_rows(tiny_model_dir, adapter_dirs, reference):
+    # Real launches on a GPU machine, the interpreter on CPU; a 20-token prompt takes the segmented
+    # kernels, decodes the gathered ones, beside a base row and a plain LoRA row.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = make_llm(tiny_model_dir, adapter_dirs, ("dora_r8_all", "r4_qv"), device=device, kernels="triton",
+                   max_loras=2, kv_cache_blocks=32, max_model_len=128)
+    assert llm.engine.kernels.name == "triton"
+    names = ["dora_r8_all", None, "r4_qv"]
+    prompts = random_prompts(3, (6, 20), VOCAB, seed=87)
+    p = params(3)
+    check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
+
+
+def test_a_base_model_with_biases(model_variant_dir, reference, tmp_path):
+    """Qwen2's q/k/v biases: PEFT scales x W^T + the LoRA delta, then adds the bias."""
+    model_dir = model_variant_dir("qwen2")
+    dirs = {"d": make_adapter(model_dir, tmp_path / "d", r=8, lora_alpha=16, seed=88, use_dora=True)}
+    llm = make_llm(model_dir, dirs, ("d",))
+    prompts = random_prompts(3, (5, 30), VOCAB, seed=89)
+    names = ["d", None, "d"]
+    p = params(5)
+    for prompt, name, out in zip(prompts, names, llm.generate(prompts, p, adapters=names)):
+        assert_matches(out, prompt, p, reference(name, prompt + out.token_ids, model_dir, dirs))
