@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--share-base-prefix-cache", action="store_true",
                    help="let unsalted base-model prefix blocks be reused across tenants: faster, but a tenant "
                         "can tell from time to first token whether another sent a prompt (off by default)")
+    s.add_argument("--lenient-request-fields", action="store_true",
+                   help="vLLM's behaviour: unknown request fields on /v1/completions, /v1/chat/completions, "
+                        "/tokenize and /detokenize are ignored and named in the X-Loraplex-Ignored-Fields "
+                        "response header (default off: OpenAI's, a 400 naming them); another server's adapter "
+                        "selector (lora_request, parameters.adapter_id, ...) is refused either way")
     s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
                    help="most prompts in one /v1/completions batch (a list of prompts); default 64")
     s.add_argument("--max-logprob-entries", type=_positive_int, default=1 << 16,

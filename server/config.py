@@ -133,6 +133,7 @@ class ServerConfig:
     adapter_http_hosts: tuple[str, ...] = ()  # --adapter-http-hosts (empty: any public host)
     adapter_allow_private_networks: bool = False  # --adapter-allow-private-networks
     adapter_fetch_timeout: float = 30.0   # --adapter-fetch-timeout, seconds for one whole fetch
+    lenient_request_fields: bool = False  # --lenient-request-fields: drop unknown fields (and say so) instead of 400
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -276,7 +277,8 @@ class ServerConfig:
             adapter_s3_buckets=tuple(_csv(getattr(args, "adapter_s3_buckets", None))),
             adapter_http_hosts=tuple(_csv(getattr(args, "adapter_http_hosts", None))),
             adapter_allow_private_networks=getattr(args, "adapter_allow_private_networks", False),
-            adapter_fetch_timeout=getattr(args, "adapter_fetch_timeout", None) or 30.0)
+            adapter_fetch_timeout=getattr(args, "adapter_fetch_timeout", None) or 30.0,
+            lenient_request_fields=getattr(args, "lenient_request_fields", False))
 
 
 def _model_id(served_model_name: str | None, model: str | None) -> str:

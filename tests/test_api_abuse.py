@@ -115,7 +115,7 @@ def test_tokenize_and_detokenize_count_against_the_rate_and_are_capped(server):
     r = _post(server, key, "/detokenize", {"model": model, "tokens": [1] * (limit + 1)})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert str(limit) in r.json()["error"]["message"]
-    assert _post(server, key, "/tokenize", {"model": model}).status_code in (400, 422)
+    assert _post(server, key, "/tokenize", {"model": model}).status_code == 400
     # ... served ones do, with completions
     assert _post(server, key, "/tokenize", {"model": model, "prompt": "hello"}).status_code == 200
     assert _post(server, key, "/detokenize", {"model": model, "tokens": [1] * limit}).status_code == 200

@@ -16,6 +16,7 @@ from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
 from server.api.replica import ReplicaHeader
+from server.api.request_fields import IgnoredFieldsHeader
 from server.api.security_headers import SecurityHeaders
 from server.api.state import ServerState
 from server.config import ServerConfig
@@ -56,6 +57,7 @@ def create_app(config: ServerConfig,
     routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *lora_routes.ROUTES,
               *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
               *openapi.ROUTES, *pages.ROUTES]
-    middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders)]
+    middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders),
+                  Middleware(IgnoredFieldsHeader)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
                      lifespan=lifespan)
