@@ -90,7 +90,7 @@ metric_list:
 """
 
 
-def test_lm_eval_local_completions(recipe_server, recipe_env, tmp_path):
+def test_lm_eval_local_completions(recipe_env, tmp_path, tiny_model_dir, hf_logprobs):
     if shutil.which("lm_eval", path=recipe_env["PATH"]) is None:
         pytest.skip("lm-eval is not installed (pip install lm-eval): its recipe did not run")
     # No dataset hub here: the doc's task is swapped for a local one of the same kind (multiple choice).
@@ -102,9 +102,30 @@ def test_lm_eval_local_completions(recipe_server, recipe_env, tmp_path):
     (tasks / "loraplex_smoke.yaml").write_text(SMOKE_TASK.format(data=data))
     _, text = recipe("lm-eval")
     assert "add_bos_token=True" in text
-    text = text.replace("--tasks arc_easy --limit 20", f"--tasks loraplex_smoke --include_path {tasks}")
+    text = text.replace("--tasks arc_easy --limit 20", f"--tasks loraplex_smoke --include_path {tasks} "
+                                                      f"--log_samples --output_path {tmp_path / 'out'}")
     out = run("lm-eval", recipe_env, tmp_path, code=text, timeout=600)
     assert re.search(r"loraplex_smoke\s*\|", out.stdout), out.stdout + out.stderr
+    # Each log-likelihood lm-eval got is PEFT's for the text with the tokenizer's BOS in front.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    samples = [json.loads(line) for p in (tmp_path / "out").rglob("samples_loraplex_smoke_*.jsonl")
+               for line in p.read_text().splitlines()]
+    pairs = []
+    for sample in samples:
+        # lm-eval logs each request's arguments as {"gen_args_0": {"arg_0": context, "arg_1": continuation}}
+        args = sample["arguments"]
+        args = [list(a.values()) for a in args.values()] if isinstance(args, dict) else args
+        pairs += [(a[0], a[1], float(resp[0][0])) for a, resp in zip(args, sample["resps"])]
+    assert len(pairs) == 6, samples
+    for context, continuation, loglik in pairs:
+        whole = tok(context + continuation).input_ids
+        assert whole[0] == tok.bos_token_id
+        start = len(tok(context).input_ids)
+        logprobs = hf_logprobs("r8_all", whole)  # [L, V]
+        expected = sum(logprobs[i - 1, whole[i]].item() for i in range(start, len(whole)))
+        assert abs(loglik - expected) < 1e-4, (context, continuation, loglik, expected)
 
 
 def test_aiperf(recipe_env, tmp_path):
