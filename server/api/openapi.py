@@ -20,7 +20,7 @@ from server.api import openai_requests as rq
 from server.api import openai_responses as rs
 from server.version import loraplex_version
 
-_ERRORS = {400: "invalid input or an unsupported field", 401: "missing or invalid credentials",
+_ERRORS = {400: "invalid input, or an unknown or unsupported field (`param` names it)", 401: "missing or invalid credentials",
            403: "not allowed for this credential", 404: "no such model, adapter or tenant",
            409: "already exists", 413: "body or adapter too large",
            429: "a rate or concurrency limit (see Retry-After)", 502: "an adapter source failed or is unreachable",
