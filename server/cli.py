@@ -50,12 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="model id clients send (default: the directory or file name)")
     s.add_argument("--redis-url", help="Redis 6+ URL (or $LORAPLEX_REDIS_URL, which keeps a password out of `ps`; "
                                         "default: an embedded redis-server)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    s.add_argument("--adapter", action="append", metavar="NAME=DIR",
-                   help="preload a PEFT adapter into the `default` tenant (repeatable)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs; auto: cuda when a GPU is visible, else cpu (default auto)")
+    s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights' and activations' dtype; auto: the checkpoint's on a GPU, float32 on a CPU "
+                        "(default auto)")
+    s.add_argument("--adapter", action="append", metavar="[TENANT/]NAME=DIR",
+                   help="preload a PEFT adapter directory as NAME, owned by TENANT (created if missing); without "
+                        "TENANT/ the demo tenant owns it while the demo tenant is on, so the printed demo key calls "
+                        "it; the start banner says who can (repeatable; default none)")
     s.add_argument("--max-loras", type=_positive_int, default=8,
                    help="most distinct adapters in one batch (accelerator slots); default 8")
     s.add_argument("--max-lora-rank", type=_positive_int, default=64,
@@ -90,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=_positive_int,
                    help="longest prompt + completion in tokens (default: the model's, or less if the KV pool "
                         "cannot hold 4 sequences of that; the start-up log says which and why)")
-    s.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    s.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                   help="most sequences running at once (each choice of n counts); default 256")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens one engine step computes at most (prompt chunks and decodes); default 2048")
     s.add_argument("--max-prefill-tokens-while-decoding", type=_prefill_cap, default=AUTO_PREFILL_CAP,
@@ -99,15 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "cannot stall everyone's next token; auto: %d on a CPU, off on a GPU (default auto)"
                         % CPU_PREFILL_CAP)
     kv = s.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-blocks", type=_positive_int)
-    kv.add_argument("--gpu-memory-utilization", type=_fraction)
+    kv.add_argument("--kv-cache-blocks", type=_positive_int,
+                    help="KV cache size in blocks of 16 tokens (default: sized from --gpu-memory-utilization on a "
+                         "GPU; on a CPU a tenth of the memory, at most 4 GiB)")
+    kv.add_argument("--gpu-memory-utilization", type=_fraction,
+                    help="share of the GPU's memory the process may use, weights and KV cache together, in (0, 1] "
+                         "(default 0.9)")
     cpu = s.add_mutually_exclusive_group()
     cpu.add_argument("--max-cpu-lora-bytes", type=_positive_int,
                      help="host-tier budget: bytes of parsed adapters kept in host memory (default 1 GiB)")
     cpu.add_argument("--max-cpu-loras", type=_positive_int,
                      help="vLLM's: host room for N adapters; loraplex budgets bytes, so this is N adapters "
                           "of --max-lora-rank on all seven projections (default: --max-cpu-lora-bytes)")
-    s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
+                   help="multi-LoRA and attention kernels: triton, or torch (the reference); auto: triton on a "
+                        "GPU, torch on a CPU (default auto)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no CUDA graphs for decode steps (default off: on CUDA, decode "
                         "steps replay graphs captured at start-up; a CPU device is always eager)")
@@ -123,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
                    help="torch threads on a CPU device: auto (default) = the cores in this process's "
                         "affinity mask, less one for the HTTP side when there is more than one")
-    s.add_argument("--admin-token", help="admin bearer token (or $LORAPLEX_ADMIN_TOKEN; "
-                                         "generated and printed when neither is set)")
+    s.add_argument("--admin-token", help="admin bearer token (or $LORAPLEX_ADMIN_TOKEN; default: one generated "
+                                         "once, kept in the data dir and printed at start)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="largest JSON request body accepted, in bytes (default 16 MiB); larger is a 413")
     s.add_argument("--max-grammar-compile-ms", type=_positive_int, default=5000,
@@ -142,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--share-base-prefix-cache", action="store_true",
                    help="let unsalted base-model prefix blocks be reused across tenants: faster, but a tenant "
                         "can tell from time to first token whether another sent a prompt (off by default)")
+    s.add_argument("--lenient-request-fields", action="store_true",
+                   help="vLLM's behaviour: unknown request fields on /v1/completions, /v1/chat/completions, "
+                        "/tokenize and /detokenize are ignored and named in the X-Loraplex-Ignored-Fields "
+                        "response header (default off: OpenAI's, a 400 naming them); another server's adapter "
+                        "selector (lora_request, parameters.adapter_id, ...) is refused either way")
     s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
                    help="most prompts in one /v1/completions batch (a list of prompts); default 64")
     s.add_argument("--max-logprob-entries", type=_positive_int, default=1 << 16,
@@ -149,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens when echoed or with prompt_logprobs) x (logprobs + 1); more is a 400 "
                         "(default 65536)")
     s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "
-                                           "(or $LORAPLEX_METRICS_TOKEN), for Prometheus' bearer_token")
+                                           "(or $LORAPLEX_METRICS_TOKEN), for Prometheus' bearer_token (default none)")
     s.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without credentials (it names tenants: only on a private network)")
+                   help="serve /metrics without credentials (it names tenants: only on a private network; "
+                        "default off)")
     s.add_argument("--replica-name", help="this replica's name among several behind one proxy, shown in "
                                           "/health, /version, the x-loraplex-replica header and /metrics "
                                           "(default: hostname:port)")
@@ -184,8 +203,16 @@ def _banner(info) -> None:
         lines.append(f"demo tenant API key (kept in {info.demo_key_file}): {info.demo_key}")
         if info.demo_adapters:
             lines.append(f"demo adapters: {', '.join(info.demo_adapters)}")
+    for tenant, name, demo_key_calls in info.preloaded:
+        who = "the demo key above" if demo_key_calls else \
+            f"a key of tenant {tenant} (issue one: POST {info.base_url}/admin/tenants/{tenant}/keys with the admin token)"
+        lines.append(f"adapter {name} (--adapter, tenant {tenant}): send \"model\": \"{name}\" with {who}")
+    lines.append(f"console: {info.base_url}/admin/ui (sign in with the admin token)")
+    lines.append(f"API docs: {info.base_url}/docs")
+    if info.demo_key is not None:
         lines.append("try:")
         lines.append(f"  {info.curl_line()}")
+    lines.append("stop: Ctrl-C (or SIGTERM): running requests get 5 s to finish")
     lines.append("")
     print("\n".join(lines), flush=True)
 
@@ -221,10 +248,12 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
     import uvicorn
 
     from server.api.app import create_app
+    from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
     app = create_app(config, on_ready=_banner)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
+    uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+    quiet_uvicorn_lifecycle()
+    QuietStopServer(uv_config).run(sockets=[sock])
 
 
 def prepare_model(config: ServerConfig) -> None:
@@ -256,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, DefaultModelMissing, GGUFError) as e:
             print(f"loraplex: error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print("loraplex: interrupted while starting", file=sys.stderr)
+            return 130
         serve(config, sock)
     return 0
 

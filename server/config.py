@@ -14,6 +14,8 @@ from server.credentials import ADMIN_TOKEN_FILE, load_or_create_secret
 
 _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # A replica name goes into a response header and a Prometheus label: plain ASCII, no spaces.
+# tenants.models.TENANT_NAME_RE, repeated: the CLI's config imports nothing that pulls in Redis.
+_TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
 AUTO_PREFILL_CAP = "auto"
@@ -67,14 +69,18 @@ def _lora_module_base(value: str) -> str | None:
     return json.loads(text).get("base_model_name") if text.startswith("{") else None
 
 
-def parse_adapter_flag(value: str) -> tuple[str, str]:
-    """`NAME=DIR` -> (name, dir)."""
-    name, sep, path = value.partition("=")
+def parse_adapter_flag(value: str) -> tuple[str | None, str, str]:
+    """`[TENANT/]NAME=DIR` -> (tenant or None for the default owner, name, dir)."""
+    owned, sep, path = value.partition("=")
+    tenant, slash, name = owned.rpartition("/")
     if not sep or not path:
-        raise ConfigError(f"--adapter expects NAME=DIR, got {value!r}")
+        raise ConfigError(f"--adapter expects [TENANT/]NAME=DIR, got {value!r}")
+    if slash and not _TENANT_NAME_RE.fullmatch(tenant):
+        raise ConfigError(f"--adapter tenant {tenant!r}: use 1-63 characters from a-z 0-9 _ -, starting with a "
+                          f"letter or digit")
     if not valid_adapter_name(name):
         raise ConfigError(f"--adapter name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ -")
-    return name, path
+    return (tenant if slash else None), name, path
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class ServerConfig:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
-    adapters: tuple[tuple[str, str], ...] = ()
+    adapters: tuple[tuple[str | None, str, str], ...] = ()  # --adapter: (tenant or None: the default owner, name, dir)
     max_loras: int = 8
     max_lora_rank: int = 64
     max_model_len: int | None = None
@@ -137,6 +143,7 @@ class ServerConfig:
     adapter_allow_private_networks: bool = False  # --adapter-allow-private-networks
     adapter_fetch_timeout: float = 30.0   # --adapter-fetch-timeout, seconds for one whole fetch
     source_credentials_key_file: Path | None = None  # --source-credentials-key-file (None: in data_dir)
+    lenient_request_fields: bool = False  # --lenient-request-fields: drop unknown fields (and say so) instead of 400
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -203,9 +210,9 @@ class ServerConfig:
             self.source_policy()
         except ValueError as e:
             raise ConfigError(f"adapter sources: {e}") from None
-        names = [n for n, _ in self.adapters]
-        if len(set(names)) != len(names):
-            raise ConfigError("--adapter names must be unique")
+        owned = [(t, n) for t, n, _ in self.adapters]
+        if len(set(owned)) != len(owned):
+            raise ConfigError("--adapter names must be unique per tenant")
         if self.model not in (None, DEMO_MODEL_FLAG) and not (Path(self.model) / "config.json").is_file():
             from server.gguf_reader import is_gguf
 
@@ -292,7 +299,8 @@ class ServerConfig:
             adapter_allow_private_networks=getattr(args, "adapter_allow_private_networks", False),
             adapter_fetch_timeout=getattr(args, "adapter_fetch_timeout", None) or 30.0,
             source_credentials_key_file=(Path(args.source_credentials_key_file).expanduser()
-                                         if getattr(args, "source_credentials_key_file", None) else None))
+                                         if getattr(args, "source_credentials_key_file", None) else None),
+            lenient_request_fields=getattr(args, "lenient_request_fields", False))
 
 
 def _model_id(served_model_name: str | None, model: str | None) -> str:

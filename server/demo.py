@@ -8,9 +8,12 @@ transformers + PEFT. Same inputs give byte-identical files on every run.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -286,20 +289,45 @@ def make_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, r:
     return out
 
 
-def ensure_demo(root: str | os.PathLike) -> DemoPaths:
-    """Make (once) the demo model under root/model and its adapters under root/adapters/<name>."""
+@contextlib.contextmanager
+def _quiet_builds() -> Iterator[None]:
+    """Without transformers' per-file progress bars ("Loading weights", "Writing model shards": six of them for
+    the demo) and the FutureWarning that peft's read of a deprecated transformers property raises (their code,
+    not ours); the caller says one line per build instead. Both are restored after."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def ensure_demo(root: str | os.PathLike, say: Callable[[str], None] | None = None) -> DemoPaths:
+    """Make (once) the demo model under root/model and its adapters under root/adapters/<name>;
+    `say` gets one line per build."""
+    say = say or (lambda line: None)
     root = Path(root).resolve()
     model_dir = root / "model"
     model_files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-    if not is_complete(model_dir, model_files):
-        build_atomically(model_dir, model_files, lambda d: make_base_model(d, vocab_size=DEMO_VOCAB, **DEMO_MODEL))
     adapter_files = ("adapter_config.json", "adapter_model.safetensors")
     adapters = {}
-    for name, spec in DEMO_ADAPTERS.items():
-        adir = root / "adapters" / name
-        if not is_complete(adir, adapter_files):
-            build_atomically(adir, adapter_files, lambda d, s=spec: make_adapter(
-                model_dir, d, r=s.r, lora_alpha=s.lora_alpha, target_modules=s.target_modules,
-                use_rslora=s.use_rslora, rank_pattern=s.rank_pattern, alpha_pattern=s.alpha_pattern, seed=s.seed))
-        adapters[name] = adir
+    with _quiet_builds():
+        if not is_complete(model_dir, model_files):
+            say(f"building the demo model (random weights, once) in {model_dir}")
+            build_atomically(model_dir, model_files, lambda d: make_base_model(d, vocab_size=DEMO_VOCAB,
+                                                                               **DEMO_MODEL))
+        for name, spec in DEMO_ADAPTERS.items():
+            adir = root / "adapters" / name
+            if not is_complete(adir, adapter_files):
+                say(f"building demo adapter {name} (once)")
+                build_atomically(adir, adapter_files, lambda d, s=spec: make_adapter(
+                    model_dir, d, r=s.r, lora_alpha=s.lora_alpha, target_modules=s.target_modules,
+                    use_rslora=s.use_rslora, rank_pattern=s.rank_pattern, alpha_pattern=s.alpha_pattern,
+                    seed=s.seed))
+            adapters[name] = adir
     return DemoPaths(model_dir=model_dir, adapters=adapters)

@@ -34,7 +34,7 @@ class ResolvedModel:
 def resolve_model(model: str | None, data_dir: Path, say: Callable[[str], None]) -> ResolvedModel:
     """Blocking: may convert a GGUF (a minute for SmolLM2) or build the demo model; cheap once done."""
     if model == DEMO_MODEL_FLAG:
-        demo = ensure_demo(Path(data_dir) / "demo")
+        demo = ensure_demo(Path(data_dir) / "demo", say)
         return ResolvedModel(demo.model_dir, demo)
     if model is None:
         model_dir = ensure_converted(default_model.packaged_gguf(), Path(data_dir) / CONVERTED_DIR, say)

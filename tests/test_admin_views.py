@@ -219,11 +219,11 @@ def test_the_mismatches_schemathesis_found_stay_fixed(api_server):
     for bad in ("5", True):
         r = httpx.post(f"{base}/admin/tenants", json={"name": "typed-quota", "quota": {"max_adapters": bad}},
                        headers=admin)
-        assert r.status_code == 422 and "max_adapters" in r.json()["error"]["message"]
+        assert r.status_code == 400 and r.json()["error"]["param"] == "quota.max_adapters"
     r = httpx.patch(f"{base}/admin/tenants/{name}", json={}, headers=admin)
     assert r.status_code == 400 and "quota" in r.json()["error"]["message"]
     assert doc["components"]["schemas"]["TenantPatchBody"]["minProperties"] == 1
     for body, rpm in (({"requests_per_minute": 7}, 7), ({"quota": {"requests_per_minute": 9}}, 9)):
         r = httpx.patch(f"{base}/admin/tenants/{name}", json=body, headers=admin)
         assert r.status_code == 200 and r.json()["quota"]["requests_per_minute"] == rpm
-    assert httpx.patch(f"{base}/admin/tenants/{name}", json={"quota": {}, "weight": 2}, headers=admin).status_code == 422
+    assert httpx.patch(f"{base}/admin/tenants/{name}", json={"quota": {}, "weight": 2}, headers=admin).status_code == 400

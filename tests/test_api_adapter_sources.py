@@ -130,7 +130,7 @@ def test_load_lora_adapter_as_vllm_documents_it(server, local_root, tiny_model_d
         dots = h.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(local_root / ".." / "x")})
         assert dots.status_code == 403, dots.text
         assert h.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "hf://org/model"}).status_code == 400
-        assert h.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "a", "bogus": 1}).status_code == 422
+        assert h.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "a", "bogus": 1}).status_code == 400
         gone = h.post("/v1/unload_lora_adapter", json={"lora_name": "sql_adapter"})
         assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'sql_adapter' removed successfully."
         assert h.post("/v1/completions", json={"model": "sql_adapter", "prompt": "x"}).status_code == 404

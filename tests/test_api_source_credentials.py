@@ -152,8 +152,7 @@ def test_delete_forgets_them_and_a_deleted_tenant_leaves_none(server, store):
 def test_bad_credentials_get_a_400_naming_the_field(server, body, param):
     _, key = server.new_tenant()
     r = _put(server, key, body)
-    assert r.status_code in (400, 422), r.text  # TIGHTEN-AFTER-MERGE: 400 once shape errors are 400
-    assert param in r.json()["error"]["message"] or r.json()["error"].get("param") == param, r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with server.http(key) as h:
         assert h.put("/v1/adapter_source_credentials/gcs", json=body).status_code == 404
 

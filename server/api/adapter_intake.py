@@ -18,7 +18,8 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     `keep_identical`: if the name already holds exactly these bytes, keep that version (its id is
     what the KV cache and the tiers are keyed on) rather than make a new one."""
     if name == state.model_id:
-        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field")
+        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
+                       param="name")
     shape = state.engine.engine.adapter_shape
     rank_cap = state.config.max_lora_rank
     summary = await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)

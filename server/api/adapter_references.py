@@ -137,12 +137,13 @@ async def resolve_lorax_adapter(state: ServerState, tenant: Tenant, adapter_id: 
     if adapter_source not in _LORAX_SOURCES:
         raise APIError(400, f"'adapter_source' {adapter_source!r} is not supported: use "
                             f"{', '.join(sorted(_LORAX_SOURCES))} (no model hub is reachable from loraplex)",
-                       "invalid_value")
+                       "invalid_value", param="adapter_source")
     scheme = _LORAX_SOURCES[adapter_source]
     source = adapter_id if not scheme or adapter_id.startswith(scheme) else scheme + adapter_id
     kind = parse_reference(source).kind
     if adapter_source not in ("url", kind) and not (adapter_source == "local" and kind == "local"):
-        raise APIError(400, f"'adapter_id' is not a {adapter_source} reference", "invalid_value")
+        raise APIError(400, f"'adapter_id' is not a {adapter_source} reference", "invalid_value",
+                       param="adapter_id")
     name = "ref-" + hashlib.sha256(source.encode()).hexdigest()[:24]
     record = await run_in_threadpool(state.registry.get, tenant.id, name)
     if record is not None:

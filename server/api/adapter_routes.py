@@ -55,7 +55,7 @@ async def store_upload(request: Request, state: ServerState, tenant: Tenant) -> 
     try:
         validate_name(upload.name)
     except ValueError as e:
-        raise APIError(422, str(e), "invalid_field") from None
+        raise APIError(400, str(e), "invalid_field", param="name") from None
     record = await store_adapter(state, tenant.id, quota, upload.name, upload.config_json, upload.weights,
                                  upload.replace)
     return JSONResponse(_public(record), status_code=201)
@@ -64,7 +64,8 @@ async def store_upload(request: Request, state: ServerState, tenant: Tenant) -> 
 async def _register_by_reference(request: Request, tenant, state) -> Response:
     body = parse_model(AdapterByReference, await read_json_object(request))
     if body.name == state.model_id:
-        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field")
+        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
+                       param="name")
     ref, record = await register_reference(state, tenant.id, tenant.quota, body.name, body.source,
                                            prefetch=body.prefetch, replace=body.replace)
     out = {"object": "adapter", "name": body.name, **ref.public()}

@@ -6,7 +6,8 @@ Pure ASGI around the whole app, for every path that takes the admin or metrics t
 `/metrics`): every such route checks its token with `require_admin`/`require_metrics_reader`, so
 guarding the paths here covers routes added later without touching them. Only requests that
 present a bearer token are counted (a missing token is not a guess), and only their 401s (a tenant
-key sent to the admin API gets a 403 and reveals nothing).
+key sent to the admin API gets a 403 and reveals nothing). /metrics also takes its token as an HTTP
+Basic password, so Basic credentials count as a presented token too.
 
 - Before the route: an address over the limit gets 429 with Retry-After before its token is
   checked, so past the limit even the right token proves nothing to a guesser there.
@@ -31,10 +32,11 @@ def _guarded(path: str) -> bool:
     return path == "/metrics" or path.startswith("/admin/")
 
 
-def _has_bearer(scope: Scope) -> bool:
+def _presents_credentials(scope: Scope) -> bool:
+    """A bearer token, or HTTP Basic credentials (/metrics takes its token as a Basic password)."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            return value[:7].lower() == b"bearer "
+            return value[:7].lower() == b"bearer " or value[:6].lower() == b"basic "
     return False
 
 
@@ -43,7 +45,7 @@ class AdminAuthThrottle:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _guarded(scope["path"]) or not _has_bearer(scope):
+        if scope["type"] != "http" or not _guarded(scope["path"]) or not _presents_credentials(scope):
             await self.app(scope, receive, send)
             return
         state = scope["app"].state.lp

@@ -37,7 +37,7 @@ class QuotaFields(BaseModel):
 
 
 class TenantCreate(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     name: TenantName
     quota: QuotaFields | None = None
 

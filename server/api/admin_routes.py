@@ -18,7 +18,7 @@ from tenants import Quota, validate_tenant_name
 
 async def create_tenant(request: Request) -> Response:
     require_admin(request)
-    req = parse_model(TenantCreate, await read_json_object(request), range_status=422)
+    req = parse_model(TenantCreate, await read_json_object(request))
     quota = Quota.from_dict(req.quota.model_dump(exclude_unset=True) if req.quota else None)
     tenant = await run_in_threadpool(state_of(request).tenants.create, validate_tenant_name(req.name), quota)
     return JSONResponse(tenant.to_dict(), status_code=201)
@@ -43,10 +43,9 @@ async def patch_tenant(request: Request) -> Response:
     if not body:
         # The schema requires `quota`; an empty body changes nothing and is most likely a mistake.
         raise APIError(400, "'quota': required; send {\"quota\": {...}} with the fields to change",
-                       "invalid_value")
+                       "invalid_value", param="quota")
     # {"quota": {...}} or the quota fields themselves
-    fields = parse_model(TenantPatch, body, 422).quota if "quota" in body else \
-        parse_model(QuotaFields, body, 422)
+    fields = parse_model(TenantPatch, body).quota if "quota" in body else parse_model(QuotaFields, body)
     tenant = await run_in_threadpool(state_of(request).tenants.update_quota,
                                      request.path_params["name"], fields.model_dump(exclude_unset=True))
     return JSONResponse(tenant.to_dict())

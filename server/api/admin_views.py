@@ -66,7 +66,7 @@ async def adapters(request: Request) -> Response:
     offset = int_param(request, "offset", 0, 0, 10**9)
     tenant_filter = request.query_params.get("tenant") or None
     if tenant_filter is not None and len(tenant_filter) > 64:
-        raise APIError(400, "'tenant' filter is longer than 64 characters", "invalid_value")
+        raise APIError(400, "'tenant' filter is longer than 64 characters", "invalid_value", param="tenant")
     rows = await run_in_threadpool(_all_adapters, state, tenant_filter)
     residency = await state.engine.call(_residency_of)
     page = rows[offset:offset + limit]

@@ -18,6 +18,7 @@ from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
 from server.api.replica import ReplicaHeader
+from server.api.request_fields import IgnoredFieldsHeader
 from server.api.security_headers import SecurityHeaders
 from server.api.state import ServerState
 from server.config import ServerConfig
@@ -60,6 +61,6 @@ def create_app(config: ServerConfig,
               *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
               *source_credential_routes.ROUTES, *openapi.ROUTES, *pages.ROUTES]
     middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders),
-                  Middleware(AdminAuthThrottle)]
+                  Middleware(AdminAuthThrottle), Middleware(IgnoredFieldsHeader)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
                      lifespan=lifespan)

@@ -7,6 +7,8 @@ what a trusted proxy put in X-Forwarded-For (uvicorn's --forwarded-allow-ips, FO
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +28,19 @@ def bearer_token(request: Request) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def basic_password(request: Request) -> str | None:
+    """The password of HTTP Basic credentials (the user name is not read): how scrapers that cannot send a
+    bearer token (aiperf's, through a netrc file or a URL's user:password) present the metrics token."""
+    scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic" or len(encoded) > 1024:
+        return None
+    try:
+        _, sep, password = base64.b64decode(encoded.strip(), validate=True).decode("utf-8").partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return password if sep and password else None
 
 
 def state_of(request: Request) -> ServerState:
@@ -89,9 +104,10 @@ def require_metrics_reader(request: Request) -> None:
     config = state_of(request).config
     if config.metrics_public:
         return
-    token = bearer_token(request)
+    token = bearer_token(request) or basic_password(request)
     if token is None:
-        raise APIError(401, "missing token: /metrics needs 'Authorization: Bearer <admin or metrics token>'",
+        raise APIError(401, "missing token: /metrics needs 'Authorization: Bearer <admin or metrics token>' (or "
+                            "HTTP Basic credentials with that token as the password)",
                        "missing_api_key", _CHALLENGE)
     admin_ok = _matches(token, config.admin_token)
     metrics_ok = _matches(token, config.metrics_token)

@@ -26,6 +26,8 @@ class StartupInfo:
     demo_key: str | None
     demo_key_file: Path | None
     demo_adapters: tuple[str, ...]
+    # --adapter's preloads: (owner tenant, adapter name, whether the printed demo key can call it)
+    preloaded: tuple[tuple[str, str, bool], ...] = ()
 
     def curl_line(self) -> str:
         body = (f'{{"model": "{self.model_id}", "messages": [{{"role": "user", "content": '
@@ -94,13 +96,24 @@ def migrate_legacy_data(state: ServerState) -> None:
             state.registry.purge_legacy_index(name)
 
 
+def adapter_owner(tenant: str | None, demo_tenant: bool) -> str:
+    """Who owns an --adapter with no TENANT/: the demo tenant while the demo is on (its key is printed,
+    so the adapter is callable at once), else the `default` tenant."""
+    if tenant is not None:
+        return tenant
+    return DEMO_TENANT if demo_tenant else DEFAULT_TENANT
+
+
 def bootstrap(state: ServerState, base_url: str) -> StartupInfo:
     """Blocking (Redis and file reads): run it off the event loop."""
     cfg = state.config
     migrate_legacy_data(state)
-    default = state.tenants.ensure(DEFAULT_TENANT)
-    for name, directory in cfg.adapters:
-        _put_dir(state, default, name, directory)
+    state.tenants.ensure(DEFAULT_TENANT)
+    preloaded = []
+    for tenant, name, directory in cfg.adapters:
+        owner = adapter_owner(tenant, cfg.demo_tenant)
+        _put_dir(state, state.tenants.ensure(owner), name, directory)
+        preloaded.append((owner, name, cfg.demo_tenant and owner == DEMO_TENANT))
     publish_lora_modules(state)
     demo_key = demo_key_file = None
     demo_adapters: tuple[str, ...] = ()
@@ -115,4 +128,4 @@ def bootstrap(state: ServerState, base_url: str) -> StartupInfo:
     return StartupInfo(base_url=base_url, model_id=state.model_id, admin_token=cfg.admin_token,
                        admin_token_file=cfg.data_dir / ADMIN_TOKEN_FILE if cfg.admin_token_generated else None,
                        demo_tenant=DEMO_TENANT if cfg.demo_tenant else None, demo_key=demo_key,
-                       demo_key_file=demo_key_file, demo_adapters=demo_adapters)
+                       demo_key_file=demo_key_file, demo_adapters=demo_adapters, preloaded=tuple(preloaded))

@@ -56,4 +56,4 @@ def check_request_cost(req: CompletionRequest | ChatCompletionRequest, tenant: T
         raise APIError(400, f"this request may return up to {entries} logprob entries (prompts x n x (max_tokens "
                             f"+ prompt tokens when echoed or with prompt_logprobs) x (logprobs + 1)); the server's "
                             f"limit is {max_logprob_entries} (--max-logprob-entries): send fewer prompts, a smaller "
-                            f"n, max_tokens or logprobs", "max_logprob_entries")
+                            f"n, max_tokens or logprobs", "max_logprob_entries", param="logprobs")

@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "code"}}, and the mapping of
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}, and the mapping of
 every domain exception to its status, so bad input never becomes a 500."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+          413: "request_too_large", 429: "rate_limit_error",
           500: "internal_error", 502: "upstream_error", 503: "service_unavailable", 504: "upstream_timeout"}
 
 
@@ -44,10 +44,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        error = {"message": self.message, "type": _TYPES[self.status], "code": self.code}
-        if self.param is not None:
-            error["param"] = self.param
-        return {"error": error}
+        return {"error": {"message": self.message, "type": _TYPES[self.status], "param": self.param,
+                          "code": self.code}}
 
     def response(self) -> Response:
         # ASCII-escaped: a message may quote client input, and no input can make the error unsendable.
@@ -71,9 +69,11 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(403, f"{exc}; delete one or ask the operator for a higher max_adapters",
                         exc.limit_name)
     if isinstance(exc, RequestTooLarge):
-        return APIError(400, exc.message, exc.limit_name)
-    if isinstance(exc, (QuotaError, TenantNameError)):
-        return APIError(422, str(exc), "invalid_field")
+        return APIError(400, exc.message, exc.limit_name, param="max_tokens")
+    if isinstance(exc, QuotaError):
+        return APIError(400, str(exc), "invalid_field", param=f"quota.{exc.field}"[:128])
+    if isinstance(exc, TenantNameError):
+        return APIError(400, str(exc), "invalid_field", param="name")
     if isinstance(exc, TenantExists):
         return APIError(409, str(exc), "tenant_exists")
     if isinstance(exc, TenantNotFound):

@@ -27,14 +27,16 @@ async def load_lora_adapter(request: Request) -> Response:
     state = state_of(request)
     body = parse_model(LoadLoraAdapter, await read_json_object(request))
     if body.lora_name == state.model_id:
-        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field")
+        raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
+                       param="lora_name")
     await _refuse_shared(state, tenant, body.lora_name)
     exists = await run_in_threadpool(state.registry.get, tenant.id, body.lora_name) is not None or \
         await run_in_threadpool(state.references.get, tenant.id, body.lora_name) is not None
     if exists and not body.load_inplace:
         # vLLM's answer (400) for a name already loaded.
         raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded. If you want to load "
-                            f"the adapter in place, set 'load_inplace' to True.", "adapter_exists")
+                            f"the adapter in place, set 'load_inplace' to True.", "adapter_exists",
+                       param="lora_name")
     await register_reference(state, tenant.id, tenant.quota, body.lora_name, body.lora_path,
                              prefetch=body.prefetch, replace=body.load_inplace)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -45,7 +47,8 @@ async def unload_lora_adapter(request: Request) -> Response:
     state = state_of(request)
     body = parse_model(UnloadLoraAdapter, await read_json_object(request))
     if body.lora_int_id is not None:
-        raise APIError(400, "'lora_int_id' is not supported: name the adapter with 'lora_name'", "unsupported")
+        raise APIError(400, "'lora_int_id' is not supported: name the adapter with 'lora_name'", "unsupported",
+                       param="lora_int_id")
     await _refuse_shared(state, tenant, body.lora_name)
     if await unregister(state, tenant.id, body.lora_name) is False:
         raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found")

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Constraints live in the models (ranges, lengths, enums) and are published in
-/openapi.json. Fields OpenAI clients send that change nothing here (`user`,
-`metadata`, `store`, `service_tier`) are accepted and ignored, like any unknown
-field; fields we know and cannot honour are refused with a 400 naming them
-(`UNSUPPORTED`), never accepted and silently ignored.
+/openapi.json. Every top-level field is declared: an unknown one is refused with a
+400 naming it (server.api.request_fields; the operator's --lenient-request-fields
+drops it and says so in a response header). Fields OpenAI clients send that change
+nothing here (`user`, `metadata`, `service_tier` "auto" or "default") are accepted
+as they are; fields we know and cannot honour are refused with a 400 naming them
+(`Unsupported`), never accepted and silently ignored.
 """
 from __future__ import annotations
 
@@ -40,14 +42,15 @@ class Unsupported(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk; refused if true
 
 
 class SamplingFields(BaseModel):
     """What completions and chat share: OpenAI's sampling fields plus vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: ModelId
     max_tokens: Annotated[int, Field(ge=0)] | None = None
@@ -63,6 +66,11 @@ class SamplingFields(BaseModel):
                           Field(max_length=1024)] | None = None
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     user: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)] | None = None
+    # OpenAI's request annotations: they change no output, so accepting them honours them.
+    metadata: Annotated[dict[str, Annotated[str, StringConstraints(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    store: bool | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extras
     top_k: Annotated[int, Field(ge=-1, le=(1 << 31) - 1)] = -1
@@ -129,6 +137,14 @@ class SamplingFields(BaseModel):
             raise Unsupported("best_of", "other than n is not supported")
         if self.stream_options is not None and not self.stream:
             raise Unsupported("stream_options", "is only allowed with stream: true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise Unsupported("stream_options.continuous_usage_stats", "is not supported: usage comes in the "
+                                                                        "last chunk (include_usage)")
+        if self.store:
+            raise Unsupported("store", "true is not supported: loraplex stores no completions")
+        if self.service_tier not in (None, "auto", "default"):
+            raise Unsupported("service_tier", f"{self.service_tier!r} is not supported: one tier serves "
+                                              f"everyone (use priority)")
 
 
 class CompletionRequest(SamplingFields):
@@ -169,10 +185,20 @@ class TextPart(BaseModel):
     text: str
 
 
+class MediaPart(BaseModel):
+    """An image, audio, video or file content part: known, and refused (the models served read text only)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "video_url", "audio_url", "image", "audio"]
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)] | None = None
     tool_calls: AssistantToolCalls | None = None
     tool_call_id: ToolCallId | None = None
@@ -187,6 +213,19 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             out["name"] = self.name
         return out
+
+    def refuse_media(self, index: int) -> None:
+        """Unsupported for a content part other than text, naming where it is."""
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if isinstance(part, MediaPart):
+                raise Unsupported(f"messages[{index}].content[{j}]",
+                                  f"is a {part.type!r} part: images, audio, video and files are not supported "
+                                  f"(loraplex serves text-only language models); send text parts")
+
+
+def refuse_media(messages: list[ChatMessage] | None) -> None:
+    for i, message in enumerate(messages or ()):
+        message.refuse_media(i)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -252,6 +291,7 @@ class ChatCompletionRequest(SamplingFields):
                 raise Unsupported(flag, "is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise Unsupported("top_logprobs", "needs logprobs: true")
+        refuse_media(self.messages)
         for i, m in enumerate(self.messages):
             if m.role == "function":
                 raise Unsupported(f"messages[{i}].role", "'function' is OpenAI's deprecated form: use 'tool' "
@@ -266,7 +306,7 @@ class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's shape): a prompt or chat messages."""
 
     # Published as the validator below reads: exactly one of the two, not null.
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: ModelId
@@ -281,10 +321,13 @@ class TokenizeRequest(BaseModel):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         return self
 
+    def refuse_unsupported(self) -> None:
+        refuse_media(self.messages)
+
 
 class DetokenizeRequest(BaseModel):
     """POST /detokenize (vLLM's shape)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: ModelId
     tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]

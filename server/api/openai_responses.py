@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class ErrorBody(BaseModel):
     message: str
     type: str
+    param: str | None = Field(None, description="the request field at fault, where one is")
     code: str | None = None
 
 

@@ -20,6 +20,7 @@ from server.api.constraints import constraint_of
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from server.api.request_fields import lenient_scope
 from server.api.renderers import ChatRenderer, CompletionRenderer
 from server.api.sampling import max_tokens_for, sampling_params
 from server.api.sse import SSEResponse, until_disconnect
@@ -117,11 +118,12 @@ async def _request_adapter(state: ServerState, tenant: Tenant, req) -> AdapterRe
     """`model`, or LoRAX's `adapter_id` (+ `adapter_source`), where `model` is then the base model."""
     if req.adapter_id is None:
         if req.adapter_source is not None:
-            raise APIError(400, "'adapter_source' needs 'adapter_id'", "invalid_value")
+            raise APIError(400, "'adapter_source' needs 'adapter_id'", "invalid_value", param="adapter_source")
         return await resolve_model(state, tenant, req.model)
     if req.model not in (state.model_id, req.adapter_id):
         raise APIError(400, f"'adapter_id' {req.adapter_id[:200]!r} and 'model' {req.model[:200]!r} disagree: "
-                            f"with adapter_id, send the base model {state.model_id!r} as model", "invalid_value")
+                            f"with adapter_id, send the base model {state.model_id!r} as model", "invalid_value",
+                       param="adapter_id")
     if req.adapter_source is None and req.adapter_id == state.model_id:
         return None
     return await resolve_lorax_adapter(state, tenant, req.adapter_id, req.adapter_source)
@@ -134,7 +136,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     # Admitted (rate, concurrency) before the body is read: an over-quota tenant's body is never parsed.
     async with gated(state, tenant) as gate:
         req = parse_model(ChatCompletionRequest if chat else CompletionRequest,
-                          await read_json_object(request, max_body_values(state)))
+                          await read_json_object(request, max_body_values(state)), lenient_scope(request))
         record = await _request_adapter(state, tenant, req)
         tools = plan_tools(req, state.config.tool_call_parser, state.config.max_schema_bytes) if chat else None
         if chat:
@@ -144,7 +146,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             cap = state.config.max_batch_prompts
             if len(batch) > cap:
                 raise APIError(400, f"'prompt' is a batch of {len(batch)} prompts; at most {cap} "
-                                    f"(--max-batch-prompts)", "invalid_value")
+                                    f"(--max-batch-prompts)", "invalid_value", param="prompt")
             prompts = [await state.prompts.encode(p) for p in batch]
         limit = state.engine.engine.max_model_len
         max_tokens = [max_tokens_for(req, tenant, len(ids), limit) for ids in prompts]

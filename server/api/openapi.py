@@ -21,9 +21,9 @@ from server.api import openai_responses as rs
 from server.api import source_credential_routes as sc
 from server.version import loraplex_version
 
-_ERRORS = {400: "invalid input or an unsupported field", 401: "missing or invalid credentials",
+_ERRORS = {400: "invalid input, or an unknown or unsupported field (`param` names it)", 401: "missing or invalid credentials",
            403: "not allowed for this credential", 404: "no such model, adapter or tenant",
-           409: "already exists", 413: "body or adapter too large", 422: "a body of the wrong shape",
+           409: "already exists", 413: "body or adapter too large",
            429: "a rate or concurrency limit (see Retry-After)", 502: "an adapter source failed or is unreachable",
            503: "the engine or Redis is unavailable", 504: "an adapter source timed out"}
 

@@ -58,16 +58,16 @@ class PromptTokenizer:
             tok = self._local.tok = copy.deepcopy(self._template)
         return tok
 
-    def check_text_length(self, chars: int, what: str) -> None:
+    def check_text_length(self, chars: int, what: str, param: str) -> None:
         if chars > self.max_prompt_chars:
             raise APIError(400, f"{what} has {chars} characters; at most {self.max_prompt_chars} can fit in "
                                 f"the maximum context length of {self.max_model_len} tokens",
-                           "context_length_exceeded")
+                           "context_length_exceeded", param=param)
 
-    def check_token_count(self, count: int) -> None:
+    def check_token_count(self, count: int, param: str) -> None:
         if count > self.max_model_len:
             raise APIError(400, f"the prompt has {count} tokens, more than the maximum context length of "
-                                f"{self.max_model_len} tokens", "context_length_exceeded")
+                                f"{self.max_model_len} tokens", "context_length_exceeded", param=param)
 
     def _encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok()(text, add_special_tokens=add_special_tokens).input_ids)
@@ -79,28 +79,30 @@ class PromptTokenizer:
     def _encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         tok = self._tok()
         if not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", "no_chat_template")
+            raise APIError(400, "this model has no chat template; use /v1/completions", "no_chat_template",
+                           param="messages")
         try:
             text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template's raise_exception is the user's input error
-            raise APIError(400, f"the chat template refused these messages: {e}", "invalid_messages") from None
+            raise APIError(400, f"the chat template refused these messages: {e}", "invalid_messages",
+                           param="messages") from None
         # The template writes the special tokens (BOS...) itself.
         return list(tok(text, add_special_tokens=False).input_ids)
 
     async def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            self.check_text_length(len(prompt), "the prompt")
+            self.check_text_length(len(prompt), "the prompt", "prompt")
             ids = await run_in_threadpool(self._encode_text, prompt, add_special_tokens)
         else:
             ids = list(prompt)
-        self.check_token_count(len(ids))
+        self.check_token_count(len(ids), "prompt")
         return ids
 
     async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         chars = sum(_message_chars(m) for m in messages) + (len(json.dumps(tools)) if tools else 0)
-        self.check_text_length(chars, "the conversation")
+        self.check_text_length(chars, "the conversation", "messages")
         ids = await run_in_threadpool(self._encode_chat, messages, tools)
-        self.check_token_count(len(ids))
+        self.check_token_count(len(ids), "messages")
         return ids
 
 

@@ -32,10 +32,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     try:
         bias = req.token_bias()
     except Unsupported as e:
-        raise APIError(400, str(e), "invalid_value") from None
+        raise APIError(400, str(e), "invalid_value", param=e.field) from None
     if bias and max(bias) >= vocab_size:
         raise APIError(400, f"'logit_bias' names token {max(bias)}, outside the vocabulary of {vocab_size}",
-                       "invalid_value")
+                       "invalid_value", param="logit_bias")
     if isinstance(req, CompletionRequest):
         logprobs = req.logprobs
         prompt_logprobs = req.prompt_logprobs
@@ -57,4 +57,5 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, logit_bias=bias,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
     except ValueError as e:
-        raise APIError(400, str(e), "invalid_value") from None
+        # SamplingParams' messages begin with the field's name.
+        raise APIError(400, str(e), "invalid_value", param=str(e).split(" ", 1)[0]) from None

@@ -18,6 +18,7 @@ from server.api.body import BASE_VALUES, read_json_object
 from server.api.errors import APIError
 from server.api.generation import resolve_model
 from server.api.openai_requests import DetokenizeRequest, TokenizeRequest
+from server.api.request_fields import lenient_scope
 from server.api.validation import parse_model
 
 
@@ -25,12 +26,13 @@ async def tokenize(request: Request) -> Response:
     tenant = await require_tenant(request)
     state = state_of(request)
     async with gated(state, tenant):
-        req = parse_model(TokenizeRequest, await read_json_object(request))
+        req = parse_model(TokenizeRequest, await read_json_object(request), lenient_scope(request))
         await resolve_model(state, tenant, req.model)
         prompts = state.prompts
         if req.messages is not None:
             if not req.add_generation_prompt:
-                raise APIError(400, "'add_generation_prompt' false is not supported", "unsupported")
+                raise APIError(400, "'add_generation_prompt' false is not supported", "unsupported",
+                               param="add_generation_prompt")
             ids = await prompts.encode_chat([m.for_template() for m in req.messages])
         else:
             ids = await prompts.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -42,14 +44,16 @@ async def detokenize(request: Request) -> Response:
     state = state_of(request)
     limit = state.prompts.max_model_len
     async with gated(state, tenant):
-        req = parse_model(DetokenizeRequest, await read_json_object(request, limit + BASE_VALUES))
+        req = parse_model(DetokenizeRequest, await read_json_object(request, limit + BASE_VALUES),
+                          lenient_scope(request))
         if len(req.tokens) > limit:
             raise APIError(400, f"'tokens' has {len(req.tokens)} ids; at most {limit} (the maximum context "
-                                f"length)", "context_length_exceeded")
+                                f"length)", "context_length_exceeded", param="tokens")
         await resolve_model(state, tenant, req.model)
         vocab = state.engine.engine.model_config.vocab_size
         if any(t >= vocab for t in req.tokens):
-            raise APIError(400, f"'tokens' must be ids below the vocabulary size {vocab}", "invalid_value")
+            raise APIError(400, f"'tokens' must be ids below the vocabulary size {vocab}", "invalid_value",
+                           param="tokens")
         text = await state.prompts.detokenize(req.tokens)
     return JSONResponse({"prompt": text})
 

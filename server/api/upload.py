@@ -57,10 +57,10 @@ async def read_adapter_upload(request: Request, cap: int) -> AdapterUpload:
     try:
         name = form.get("name")
         if not isinstance(name, str) or not name:
-            raise APIError(422, "the form needs a 'name' field", "invalid_field")
+            raise APIError(400, "the form needs a 'name' field", "invalid_field", param="name")
         replace = form.get("replace", "false")
         if not isinstance(replace, str) or replace.lower() not in ("true", "false", "1", "0"):
-            raise APIError(422, "'replace' must be true or false", "invalid_field")
+            raise APIError(400, "'replace' must be true or false", "invalid_field", param="replace")
         files = {}
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
@@ -70,8 +70,8 @@ async def read_adapter_upload(request: Request, cap: int) -> AdapterUpload:
                 files[key] = value
         missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if f not in files]
         if missing:
-            raise APIError(422, f"the form is missing the file(s) {', '.join(missing)}",
-                           "invalid_field")
+            raise APIError(400, f"the form is missing the file(s) {', '.join(missing)}",
+                           "invalid_field", param=missing[0])
         config_json = await files[CONFIG_FILE].read()
         if len(config_json) > MAX_CONFIG_BYTES:
             raise APIError(413, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes",

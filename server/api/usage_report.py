@@ -16,7 +16,7 @@ def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> in
         return default
     # Length first: int() of thousands of digits is refused by Python (and slow before that).
     if not (raw.isascii() and raw.isdigit() and len(raw) <= len(str(hi))) or not lo <= int(raw) <= hi:
-        raise APIError(400, f"'{name}' must be an integer in {lo}..{hi}", "invalid_value")
+        raise APIError(400, f"'{name}' must be an integer in {lo}..{hi}", "invalid_value", param=name)
     return int(raw)
 
 
