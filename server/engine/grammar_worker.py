@@ -89,13 +89,28 @@ class GrammarCompileService:
         self._idle: list[_Process] = []
         self._lock = threading.Lock()
         self.timeouts = 0
+        self._running = 0  # compiles asked for and not yet answered (waiting for a process, or compiling)
         self._closed = False
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return self._running
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar (from the cache when it can); GrammarError / GrammarTimeout say why not."""
         cached = self.grammars.lookup(spec)
         if cached is not None:
             return cached
+        with self._lock:
+            self._running += 1
+        try:
+            return self._compile(spec)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _compile(self, spec: StructuredOutputsParams):
         if not self._slots.acquire(timeout=self.wait_s):
             raise GrammarCompilerBusy("every grammar compile process is busy")
         proc = None
