@@ -49,5 +49,8 @@ def test_validity_counts_only_completed_outputs():
            "throughput": {"concurrency": 2, "max_tokens": 4, "rounds": {"unconstrained": [{"tok_s": 10.0}],
                                                                          "half_constrained": [{"tok_s": 9.5}]},
                           "median_tok_s": {"unconstrained": 10.0, "half_constrained": 9.5},
-                          "ratio_half_constrained": 0.95, "loss": 0.05, "met": True}}
-    assert "50.0%" in format_structured_table(doc) and "loss 5.0%" in format_structured_table(doc)
+                          "median_tok_per_server_cpu_s": {"unconstrained": 5.0, "half_constrained": 4.0},
+                          "ratio_half_constrained": 0.95, "loss": 0.05, "ratio_half_constrained_cpu": 0.8,
+                          "loss_cpu": 0.2, "met": False}}
+    table = format_structured_table(doc)
+    assert "50.0%" in table and "loss 5.0%" in table and "loss 20.0%" in table and "missed" in table

@@ -104,8 +104,9 @@ async def _validity(url: str, keys: dict[str, str], base: str, reqs: list[BenchR
 
 
 async def _burst(url: str, keys: dict[str, str], base: str, reqs: list[BenchRequest],
-                 schemas: list[dict | None], max_tokens: int) -> dict:
-    """All of `reqs` at once, request i constrained by schemas[i] (None: unconstrained)."""
+                 schemas: list[dict | None], max_tokens: int, cpu: Callable[[], float]) -> dict:
+    """All of `reqs` at once, request i constrained by schemas[i] (None: unconstrained); cpu() is the
+    server's CPU seconds so far."""
     async def one(i: int, client: httpx.AsyncClient) -> int:
         r = reqs[i]
         body = {"model": r.adapter_name or base, "prompt": list(r.prompt_ids), "max_tokens": max_tokens,
@@ -115,11 +116,11 @@ async def _burst(url: str, keys: dict[str, str], base: str, reqs: list[BenchRequ
         return (await _post(client, keys[r.tenant], body))["usage"]["completion_tokens"]
 
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=httpx.Limits(max_connections=len(reqs) + 4)) as c:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu()
         tokens = await asyncio.gather(*(one(i, c) for i in range(len(reqs))))
-        seconds = time.perf_counter() - start
-    return {"tokens": sum(tokens), "seconds": seconds, "tok_s": sum(tokens) / seconds,
-            "load_avg": os.getloadavg()}
+        seconds, cpu_seconds = time.perf_counter() - start, cpu() - cpu_start
+    return {"tokens": sum(tokens), "seconds": seconds, "tok_s": sum(tokens) / seconds, "server_cpu_s": cpu_seconds,
+            "tok_per_server_cpu_s": sum(tokens) / cpu_seconds, "load_avg": os.getloadavg()}
 
 
 def _validity_summary(outcomes: list[Outcome]) -> dict:
@@ -163,7 +164,10 @@ def run_structured_bench(cfg, json_path: Path | None = None, log: Callable[[str]
     burst = reqs[:concurrency]
     plain = [None] * concurrency
     half = [_long_array(suite[i][1], 2 * max_tokens) if i % 2 == 0 else None for i in range(concurrency)]
-    with bench_server(cfg.work_dir, model_dir, serve_args(cfg, len(used)), reqs, named, log) as (url, keys, base):
+    server = []
+    with bench_server(cfg.work_dir, model_dir, serve_args(cfg, len(used)), reqs, named, log,
+                      on_start=server.append) as (url, keys, base):
+        cpu = server[0].cpu_seconds
         doc["machine_before"] = machine_state(log)
         log(f"validity: {len(suite)} schemas, {concurrency} at a time, {len(used)} adapters and the base model")
         t = time.perf_counter()
@@ -174,18 +178,29 @@ def run_structured_bench(cfg, json_path: Path | None = None, log: Callable[[str]
             write_json(doc, json_path)
         log(f"throughput: {concurrency} requests x {max_tokens} tokens, half constrained vs none, "
             f"{cfg.repeats} round(s) after a warm-up")
-        asyncio.run(_burst(url, keys, base, burst, half, 4))  # compiles the array schemas
+        asyncio.run(_burst(url, keys, base, burst, half, 4, cpu))  # compiles the array schemas
         rounds: dict[str, list[dict]] = {"unconstrained": [], "half_constrained": []}
         for r in range(cfg.repeats):
             order = [("unconstrained", plain), ("half_constrained", half)]
             for name, schemas in (order if r % 2 == 0 else order[::-1]):
-                rounds[name].append(asyncio.run(_burst(url, keys, base, burst, schemas, max_tokens)))
-                log(f"  round {r + 1} {name}: {rounds[name][-1]['tok_s']:.1f} tok/s")
-    pairs = [ratio(c["tok_s"], u["tok_s"]) for c, u in zip(rounds["half_constrained"], rounds["unconstrained"])]
-    med = statistics.median(pairs)
+                rounds[name].append(asyncio.run(_burst(url, keys, base, burst, schemas, max_tokens, cpu)))
+                last = rounds[name][-1]
+                log(f"  round {r + 1} {name}: {last['tok_s']:.1f} tok/s, {last['tok_per_server_cpu_s']:.1f} "
+                    f"tok per server CPU-s")
+    def paired(key: str) -> float:
+        return statistics.median(ratio(c[key], u[key]) for c, u in zip(rounds["half_constrained"],
+                                                                        rounds["unconstrained"]))
+
+    med, med_cpu = paired("tok_s"), paired("tok_per_server_cpu_s")
+    # Wall-clock tok/s moves with whatever else runs on the machine; tokens per CPU-second of the
+    # server much less. The target is judged on both (each as the median of paired rounds).
     doc["throughput"] = {"concurrency": concurrency, "max_tokens": max_tokens, "rounds": rounds,
                          "median_tok_s": {k: statistics.median(x["tok_s"] for x in v) for k, v in rounds.items()},
-                         "ratio_half_constrained": med, "loss": 1 - med, "met": 1 - med <= THROUGHPUT_LOSS_TARGET}
+                         "median_tok_per_server_cpu_s": {k: statistics.median(x["tok_per_server_cpu_s"] for x in v)
+                                                         for k, v in rounds.items()},
+                         "ratio_half_constrained": med, "loss": 1 - med,
+                         "ratio_half_constrained_cpu": med_cpu, "loss_cpu": 1 - med_cpu,
+                         "met": max(1 - med, 1 - med_cpu) <= THROUGHPUT_LOSS_TARGET}
     doc["load_avg_after"] = os.getloadavg()
     if json_path is not None:
         write_json(doc, json_path)
@@ -202,13 +217,14 @@ def format_structured_table(doc: dict) -> str:
     for model, m in sorted(v["by_model"].items()):
         lines.append(f"  {model:<16} {m['requests']:>7} {m['stop']:>5} {m['valid']:>5}")
     lines.append("")
-    lines.append(f"{'throughput':<18} {'tok/s':>8}  rounds (tok/s)   [{t['concurrency']} requests x "
-                 f"{t['max_tokens']} tokens]")
+    lines.append(f"{'throughput':<18} {'tok/s':>8} {'tok/cpu-s':>9}  rounds (tok/s)   [{t['concurrency']} "
+                 f"requests x {t['max_tokens']} tokens; cpu-s: the server process's]")
     for name, rs in t["rounds"].items():
-        lines.append(f"{name:<18} {t['median_tok_s'][name]:>8.1f}  " + ", ".join(f"{x['tok_s']:.1f}" for x in rs))
-    lines.append(f"half constrained / unconstrained (median of paired rounds): {t['ratio_half_constrained']:.3f} "
-                 f"(loss {t['loss']:.1%}, target <= {doc['targets']['throughput_loss']:.0%}: "
-                 f"{'met' if t['met'] else 'missed'})")
+        lines.append(f"{name:<18} {t['median_tok_s'][name]:>8.1f} {t['median_tok_per_server_cpu_s'][name]:>9.1f}  "
+                     + ", ".join(f"{x['tok_s']:.1f}" for x in rs))
+    lines.append(f"half constrained / unconstrained (median of paired rounds): wall {t['ratio_half_constrained']:.3f} "
+                 f"(loss {t['loss']:.1%}), server CPU {t['ratio_half_constrained_cpu']:.3f} (loss {t['loss_cpu']:.1%}); "
+                 f"target loss <= {doc['targets']['throughput_loss']:.0%}: {'met' if t['met'] else 'missed'}")
     return "\n".join(lines)
 
 
