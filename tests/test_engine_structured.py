@@ -195,3 +195,18 @@ def test_padded_lm_head_rows_are_never_chosen(tmp_path, tiny_model_dir):
     assert all(t < VOCAB for t in out.token_ids)
     if out.finish_reason == "stop":
         check("grammar", out.text)
+
+
+def test_min_tokens_yields_to_a_grammar_that_can_only_end(llm):
+    """vLLM's rule (vllm#54218): min_tokens holds stop tokens back only while the grammar allows
+    something else; a grammar that can only end ends (finish_reason stop), short of min_tokens,
+    instead of leaving the row no token. A grammar that may go on is held to min_tokens as usual."""
+    prompts = random_prompts(2, (5, 20), VOCAB, seed=34)
+    done = SamplingParams(max_tokens=30, temperature=0.0, min_tokens=12,
+                          structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    more = SamplingParams(max_tokens=30, temperature=0.0, min_tokens=12,
+                          structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    short, held = llm.generate(prompts, [done, more], adapters=[None, "a"])
+    assert short.finish_reason == "stop" and short.text == "yes" and len(short.token_ids) < 12
+    assert held.finish_reason in ("stop", "length") and re.fullmatch("[a-z ]+", held.text)
+    assert len(held.token_ids) >= 12
