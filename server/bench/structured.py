@@ -113,14 +113,19 @@ async def _burst(url: str, keys: dict[str, str], base: str, reqs: list[BenchRequ
                 "temperature": 0.8, "seed": i, "ignore_eos": True}
         if schemas[i] is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}
-        return (await _post(client, keys[r.tenant], body))["usage"]["completion_tokens"]
+        try:
+            return (await _post(client, keys[r.tenant], body))["usage"]["completion_tokens"]
+        except (RuntimeError, httpx.HTTPError) as e:  # counted, not fatal: a loaded machine refuses some
+            errors.append(str(e)[:200])
+            return 0
 
+    errors: list[str] = []
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=httpx.Limits(max_connections=len(reqs) + 4)) as c:
         start, cpu_start = time.perf_counter(), cpu()
         tokens = await asyncio.gather(*(one(i, c) for i in range(len(reqs))))
         seconds, cpu_seconds = time.perf_counter() - start, cpu() - cpu_start
     return {"tokens": sum(tokens), "seconds": seconds, "tok_s": sum(tokens) / seconds, "server_cpu_s": cpu_seconds,
-            "tok_per_server_cpu_s": sum(tokens) / cpu_seconds, "load_avg": os.getloadavg()}
+            "tok_per_server_cpu_s": sum(tokens) / cpu_seconds, "errors": errors, "load_avg": os.getloadavg()}
 
 
 def _validity_summary(outcomes: list[Outcome]) -> dict:
