@@ -151,6 +151,13 @@ def test_bad_constraints_are_refused(llm):
         llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
     with pytest.raises(RequestError, match="invalid grammar"):
         llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= ")))
+    # accepted by xgrammar 0.2.8 but not enforced: refused rather than ignored
+    unique = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}}}
+    with pytest.raises(RequestError, match="uniqueItems is not supported"):
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(json=unique)))
+    both = {"allOf": [{"type": "object"}, {"required": ["a"]}]}
+    with pytest.raises(RequestError, match="allOf with more than one schema"):
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(json=both)))
 
 
 def test_compiled_grammars_are_cached_by_canonical_schema(llm):
