@@ -151,6 +151,13 @@ def test_bad_constraints_are_refused(llm):
         llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
     with pytest.raises(RequestError, match="invalid grammar"):
         llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= ")))
+    # accepted by xgrammar 0.2.8 but not enforced: refused rather than ignored
+    unique = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}}}
+    with pytest.raises(RequestError, match="uniqueItems is not supported"):
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(json=unique)))
+    both = {"allOf": [{"type": "object"}, {"required": ["a"]}]}
+    with pytest.raises(RequestError, match="allOf with more than one schema"):
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(json=both)))
 
 
 def test_compiled_grammars_are_cached_by_canonical_schema(llm):
@@ -195,3 +202,18 @@ def test_padded_lm_head_rows_are_never_chosen(tmp_path, tiny_model_dir):
     assert all(t < VOCAB for t in out.token_ids)
     if out.finish_reason == "stop":
         check("grammar", out.text)
+
+
+def test_min_tokens_yields_to_a_grammar_that_can_only_end(llm):
+    """vLLM's rule (vllm#54218): min_tokens holds stop tokens back only while the grammar allows
+    something else; a grammar that can only end ends (finish_reason stop), short of min_tokens,
+    instead of leaving the row no token. A grammar that may go on is held to min_tokens as usual."""
+    prompts = random_prompts(2, (5, 20), VOCAB, seed=34)
+    done = SamplingParams(max_tokens=30, temperature=0.0, min_tokens=12,
+                          structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    more = SamplingParams(max_tokens=30, temperature=0.0, min_tokens=12,
+                          structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    short, held = llm.generate(prompts, [done, more], adapters=[None, "a"])
+    assert short.finish_reason == "stop" and short.text == "yes" and len(short.token_ids) < 12
+    assert held.finish_reason in ("stop", "length") and re.fullmatch("[a-z ]+", held.text)
+    assert len(held.token_ids) >= 12

@@ -99,7 +99,8 @@ async def engine(request: Request) -> Response:
         "structured_output": {"constrained_requests": s.constrained_requests, "compiles": s.grammar_compiles,
                               "cache_hits": s.grammar_cache_hits, "compile_seconds": s.grammar_compile_seconds,
                               "failures": s.grammar_failures, "cached_grammars": s.grammars_cached,
-                              "compile_timeouts": state.grammar_compiler.timeouts},
+                              "compile_timeouts": state.grammar_compiler.timeouts,
+                              "compiles_running": state.grammar_compiler.running},
         "history": list(state.history.points)})
 
 

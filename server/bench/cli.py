@@ -46,7 +46,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--adapters", type=_counts, default=(8,), help="adapter count, or a sweep: 1,8,64,256")
     n = w.add_mutually_exclusive_group()
     n.add_argument("--requests", type=int, default=None,
-                   help="requests per point (default 64; steady: the trace's length, default 20000)")
+                   help="requests per point (default 64; steady: the trace's length, default 20000; "
+                        "structured: schemas of the suite sent, from the first, default all)")
     n.add_argument("--duration", type=float, default=None, help="seconds of arrivals (needs --rate)")
     w.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf (default) = all at once")
     w.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of arrivals (1 = Poisson)")
@@ -55,7 +56,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="default 8:64; with --workload prefix, each turn's new user message (default 64:64)")
     w.add_argument("--output-len", type=_range, default=(16, 64), metavar="LO:HI")
     w.add_argument("--tenants", type=int, default=4, help="adapter i belongs to tenant i mod T")
-    w.add_argument("--base-share", type=float, default=0.0, help="share of requests for the base model")
+    w.add_argument("--base-share", type=float, default=None,
+                   help="share of requests for the base model (default 0; structured workload: 0.25)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run the sweep N times, the order of points alternating; each point reports its median "
@@ -64,18 +66,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="rank of the generated adapters, all 7 projections (default 16); several (16,8) are a "
                         "steady-workload sweep, run in the order given")
     w.add_argument("--ttft-slo", type=float, default=6.0, help="TTFT SLO in seconds (S-LoRA: 6)")
-    w.add_argument("--workload", choices=("mixed", "prefix", "steady"), default="mixed",
+    w.add_argument("--workload", choices=("mixed", "prefix", "steady", "structured"), default="mixed",
                    help="mixed (default): the trace as a burst or schedule; prefix: chat with a system prompt per "
                         "tenant and multi-turn history, run through the in-process engine with its prefix cache "
                         "off, then on (--requests counts turns); steady: fixed concurrency, measured over a "
-                        "window after a warm-up, base against each adapter case (docs/benchmarks/gpu.md)")
+                        "window after a warm-up, base against each adapter case (docs/benchmarks/gpu.md); structured: the "
+                        "schema suite's validity under constraints and the throughput cost of constraining half of "
+                        "--concurrency requests (docs/benchmarks/structured.md)")
     w.add_argument("--shared-prefix", type=int, default=512, metavar="N", help="prefix workload: system prompt tokens")
     w.add_argument("--turns", type=int, default=3, help="prefix workload: turns per conversation")
     w.add_argument("--turn-gap", type=float, default=1.0, metavar="S",
                    help="prefix workload: seconds between a conversation's turns")
     st = p.add_argument_group("steady workload")
-    st.add_argument("--concurrency", type=_counts, default=(64,), metavar="C[,C...]",
-                    help="requests kept in flight, refilled as they finish (default 64)")
+    st.add_argument("--concurrency", type=_counts, default=None, metavar="C[,C...]",
+                    help="requests kept in flight, refilled as they finish (default 64); structured workload: "
+                         "requests at once (default 32)")
     st.add_argument("--steady-duration", type=float, default=60.0, metavar="S",
                     help="seconds of the measured window after the warm-up (default 60)")
     st.add_argument("--warmup", type=float, default=10.0, metavar="S",
@@ -136,23 +141,32 @@ def config_from_args(args):
     from server.bench.runner import BenchConfig
 
     if args.requests is None and args.duration is None:
-        # steady: the trace the concurrency loop draws from, long enough for the window
-        args.requests = 20000 if args.workload == "steady" else 64
+        # steady: the trace the concurrency loop draws from, long enough for the window; structured:
+        # one request per schema of the suite
+        if args.workload == "structured":
+            from server.bench.schema_suite import load_suite
+
+            args.requests = len(load_suite())
+        else:
+            args.requests = 20000 if args.workload == "steady" else 64
     device = args.device or ("cuda" if args.gpu else "cpu")
     dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
     prefix = args.workload == "prefix"
     prompt_len = args.prompt_len or ((64, 64) if prefix else (8, 64))
     target = args.target or ("engine" if prefix else "http")
+    structured = args.workload == "structured"
+    concurrency = args.concurrency or ((32,) if structured else (64,))
+    base_share = args.base_share if args.base_share is not None else (0.25 if structured else 0.0)
     return BenchConfig(
         adapter_counts=args.adapters, num_requests=args.requests, duration_s=args.duration, rate=args.rate,
         cv=args.cv, alpha=args.alpha, prompt_len=prompt_len, output_len=args.output_len,
-        num_tenants=args.tenants, base_share=args.base_share, seed=args.seed, ranks=args.rank,
+        num_tenants=args.tenants, base_share=base_share, seed=args.seed, ranks=args.rank,
         target=target, compare_peft=args.compare_peft, model_dir=args.model, gpu=args.gpu,
         gpu_layers=args.gpu_layers, device=device, dtype=dtype, max_loras=args.max_loras,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         ttft_slo_s=args.ttft_slo, baseline_max_batch=args.baseline_max_batch, work_dir=args.work_dir,
         cpu_threads=args.cpu_threads, workload_type=args.workload, shared_prefix_len=args.shared_prefix,
-        turns=args.turns, turn_gap_s=args.turn_gap, repeats=args.repeats, concurrency=args.concurrency,
+        turns=args.turns, turn_gap_s=args.turn_gap, repeats=args.repeats, concurrency=concurrency,
         steady_s=args.steady_duration, warmup_s=args.warmup, popularity=args.popularity,
         power_alpha=args.power_alpha, churn=args.churn, peft_check=args.peft_check,
         device_bandwidth_gbps=args.device_bandwidth_gbps, enforce_eager=args.enforce_eager,

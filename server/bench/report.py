@@ -32,6 +32,10 @@ def format_table(doc: dict, per_tenant: bool = False) -> str:
         from server.bench.steady import format_steady_table
 
         return format_steady_table(doc)
+    if doc.get("workload") == "structured":
+        from server.bench.structured import format_structured_table
+
+        return format_structured_table(doc)
     head = (f"{'adapters':>8} {'system':<9} {'done':>9} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>8} "
             f"{'p90':>8} {'p99':>8} {'ITL p50':>7} {'p99':>7} {'SLO':>5}   (times in ms)")
     lines = [head, "-" * len(head)]
@@ -87,6 +91,11 @@ def plot(doc: dict, path: Path) -> None:
         from server.bench.steady import plot_steady
 
         plot_steady(doc, path)
+        return
+    if doc.get("workload") == "structured":
+        from server.bench.structured import plot_structured
+
+        plot_structured(doc, path)
         return
     import matplotlib
 

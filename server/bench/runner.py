@@ -26,8 +26,9 @@ from server.bench.workload import (BenchRequest, WorkloadConfig, adapters_used, 
 
 TARGETS = ("http", "engine")
 # generate_workload as a timed burst or schedule; generate_conversations, cache off and on (server.bench.prefix);
-# fixed concurrency for a steady window, base against adapter cases (server.bench.steady).
-WORKLOADS = ("mixed", "prefix", "steady")
+# fixed concurrency for a steady window, base against adapter cases (server.bench.steady); the schema
+# suite's validity and the cost of constraints on throughput (server.bench.structured).
+WORKLOADS = ("mixed", "prefix", "steady", "structured")
 POPULARITY = ("uniform", "power", "distinct")
 
 
@@ -147,6 +148,14 @@ class BenchConfig:
                        "--steady-duration": self.steady_s != 60.0, "--warmup": self.warmup_s != 10.0,
                        "--power-alpha": self.power_alpha != 0.3,
                        "--device-bandwidth-gbps": self.device_bandwidth_gbps is not None}
+        if self.workload_type == "structured":
+            steady_only.pop("--concurrency")  # the structured workload's burst size
+            if self.num_requests is None or math.isfinite(self.rate):
+                raise BenchConfigError("--workload structured sends one request per schema: --requests sets how "
+                                       "many; --rate and --duration do not apply")
+            if self.target != "http" or self.compare_peft:
+                raise BenchConfigError("--workload structured drives a server over HTTP: use --target http, "
+                                       "without --compare-peft")
         if self.workload_type != "steady":
             for flag, given in steady_only.items():
                 if given:
@@ -290,6 +299,10 @@ def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[st
         from server.bench.steady import run_steady_bench
 
         return run_steady_bench(cfg, json_path, log)
+    if cfg.workload_type == "structured":
+        from server.bench.structured import run_structured_bench
+
+        return run_structured_bench(cfg, json_path, log)
     from server.bench.rounds import combine_rounds, round_order, scaling_vs_fewest
 
     model_dir, label = resolve_model(cfg, log)

@@ -79,6 +79,11 @@ class ServerProcess:
             time.sleep(0.3)
         raise BenchClientError(f"loraplex serve not healthy after {self.startup_timeout_s:.0f}s; see {self.log_path}")
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (all its threads; Linux /proc)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -118,10 +123,12 @@ def provision(url: str, admin_token: str, tenants: list[str], adapters: dict[str
 
 @contextmanager
 def bench_server(work_dir: str | Path, model_dir: Path, serve_args: list[str], requests, named: dict[str, Path],
-                 log: Callable[[str], None]) -> Iterator[tuple[str, dict[str, str], str]]:
+                 log: Callable[[str], None], on_start: Callable[[ServerProcess], None] | None = None
+                 ) -> Iterator[tuple[str, dict[str, str], str]]:
     """A provisioned, warmed-up server for a run: (url, tenant -> key, base model id). The warm-up
     sends a short request per adapter, so each is loaded before the timed part (requests:
-    server.bench.workload.BenchRequest, their adapters' owners are their tenants)."""
+    server.bench.workload.BenchRequest, their adapters' owners are their tenants). on_start(the
+    process), if given, is called once it is healthy (a run that reads the server's CPU time)."""
     from server.bench import client
     from server.bench.workload import tenants_used
 
@@ -131,6 +138,8 @@ def bench_server(work_dir: str | Path, model_dir: Path, serve_args: list[str], r
     try:
         with ServerProcess(data_dir, work / "logs" / f"serve-{len(named)}-adapters.log", model_dir=model_dir,
                            serve_args=serve_args) as srv:
+            if on_start is not None:
+                on_start(srv)
             owners = {r.adapter_name: r.tenant for r in requests if r.adapter_name is not None}
             keys, base = provision(srv.url, srv.admin_token, tenants_used(requests),
                                    {name: (owners[name], path) for name, path in named.items()})

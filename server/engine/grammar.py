@@ -43,9 +43,28 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> xgr.TokenizerI
                                               stop_token_ids=sorted(stop_token_ids))
 
 
+def _refuse_unenforced(schema) -> None:
+    """GrammarError for a keyword xgrammar 0.2.8 accepts but does not enforce (the output would not
+    satisfy it): `uniqueItems: true` and an `allOf` of more than one schema. Iterative: a schema
+    is at most as deep as the request body's bound, but nothing here relies on it."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("uniqueItems") is True:
+                raise GrammarError("invalid json constraint: uniqueItems is not supported")
+            if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+                raise GrammarError("invalid json constraint: allOf with more than one schema is not supported")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """Compile one constraint; GrammarError says what is wrong with it."""
     kind = spec.kind
+    if kind == "json":
+        _refuse_unenforced(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

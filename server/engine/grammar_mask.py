@@ -42,3 +42,15 @@ class GrammarMask:
         """logits: [N, V] (any device), changed in place: disallowed tokens become -inf."""
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=logits.shape[-1])
+
+    def allows_only(self, bitmask: torch.Tensor, row: int, tokens: Sequence[int]) -> bool:
+        """Whether row `row` of a filled bitmask allows no token outside `tokens` (its grammar can
+        only end now, when `tokens` are the stop tokens)."""
+        words = bitmask[row].to(torch.int64) & 0xFFFFFFFF  # [W] the row's 32-bit words, unsigned
+        for t in tokens:
+            if 0 <= t < self.vocab_size:
+                words[t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
+        tail = self.vocab_size % 32
+        if tail:  # bits past the vocabulary are no tokens
+            words[-1] &= (1 << tail) - 1
+        return not bool(words.any())

@@ -10,6 +10,7 @@ Callers block (run `compile` off the event loop and off the engine thread); at m
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -18,6 +19,10 @@ from server.engine.grammar import GrammarError, Grammars, compile_constraint
 from server.engine.structured_outputs import StructuredOutputsParams
 
 START_TIMEOUT_S = 180.0  # a process imports xgrammar (and torch) before its first compile
+# Compile processes run at a lower CPU priority than the engine: on a machine with few cores, a
+# flood of slow schemas (and the imports of each replacement for a killed process) then takes
+# the cycles the engine leaves, not the ones other tenants' decode steps need.
+COMPILE_NICENESS = 10
 
 
 class GrammarTimeout(GrammarError):
@@ -56,6 +61,10 @@ class _Process:
         self.proc = ctx.Process(target=_serve, args=(child, tokenizer_info_json), daemon=True,
                                 name="loraplex-grammar-compiler")
         self.proc.start()
+        try:  # at once, so the child's imports already run at the lower priority
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, COMPILE_NICENESS)
+        except OSError:  # the child is gone already: its first message says so
+            pass
         child.close()
         self.ready = False
 
@@ -89,13 +98,28 @@ class GrammarCompileService:
         self._idle: list[_Process] = []
         self._lock = threading.Lock()
         self.timeouts = 0
+        self._running = 0  # compiles asked for and not yet answered (waiting for a process, or compiling)
         self._closed = False
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return self._running
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar (from the cache when it can); GrammarError / GrammarTimeout say why not."""
         cached = self.grammars.lookup(spec)
         if cached is not None:
             return cached
+        with self._lock:
+            self._running += 1
+        try:
+            return self._compile(spec)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _compile(self, spec: StructuredOutputsParams):
         if not self._slots.acquire(timeout=self.wait_s):
             raise GrammarCompilerBusy("every grammar compile process is busy")
         proc = None

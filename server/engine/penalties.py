@@ -85,8 +85,11 @@ class LogitsProcessors:
     penalties: _Penalties | None
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], device: torch.device) -> LogitsProcessors | None:
-        """None when no row uses any modification (the fast path: nothing is built or copied)."""
+    def build(cls, rows: Sequence[SamplingRow], device: torch.device,
+              ending: frozenset[int] = frozenset()) -> LogitsProcessors | None:
+        """None when no row uses any modification (the fast path: nothing is built or copied).
+        `ending`: rows whose grammar allows only stop tokens now; min_tokens does not hold those
+        back (vLLM's rule, vllm#54218: otherwise the row would have no token left)."""
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
         bias_values: list[float] = []
@@ -99,7 +102,7 @@ class LogitsProcessors:
                 bias_rows += [i] * len(p.logit_bias)
                 bias_tokens += p.logit_bias.keys()
                 bias_values += p.logit_bias.values()
-            if row.output_index < p.min_tokens and row.stop_ids:
+            if row.output_index < p.min_tokens and row.stop_ids and i not in ending:
                 mask_rows += [i] * len(row.stop_ids)
                 mask_tokens_ += row.stop_ids
             if p.has_penalties:

@@ -105,6 +105,10 @@ class OutputProcessing:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            # The constraint is complete (it ended on a stop token, even with ignore_eos), before
+            # min_tokens too: its grammar allowed nothing else (vLLM's rule, vllm#54218).
+            return "stop"
         if p.min_tokens and seq.num_output_tokens < p.min_tokens:
             # vLLM: no stop token or string ends a choice before min_tokens (the sampler masks the
             # tokens), and a stop string wholly inside that text never ends it later.
@@ -117,8 +121,6 @@ class OutputProcessing:
             seq.text = seq.text[:cut]
             seq.text_cut = cut
             return "stop"
-        if seq.grammar is not None and seq.grammar.is_terminated():
-            return "stop"  # the constraint is complete (it ended on a stop token, even with ignore_eos)
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None

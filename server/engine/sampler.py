@@ -39,6 +39,13 @@ class SampleFailure:
     non_finite: bool = False  # the model (with the row's adapter) produced NaN/inf logits
 
 
+def _grammar_ending(rows: Sequence[SamplingRow], grammar_mask: GrammarMask, bitmask: torch.Tensor) -> frozenset[int]:
+    """Rows held back by min_tokens whose grammar allows nothing but their stop tokens now."""
+    return frozenset(i for i, row in enumerate(rows)
+                     if row.grammar is not None and row.stop_ids and row.output_index < row.params.min_tokens
+                     and grammar_mask.allows_only(bitmask, i, row.stop_ids))
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     tokens: list[int | SampleFailure]  # per row
@@ -54,7 +61,8 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
     logits, so the same seed gives the same tokens whatever shares the batch,
     and a request resumed after preemption continues exactly.
     """
-    processors = LogitsProcessors.build(rows, logits.device)
+    ending = frozenset() if bitmask is None else _grammar_ending(rows, grammar_mask, bitmask)
+    processors = LogitsProcessors.build(rows, logits.device, ending)
     if processors is None and bitmask is None:
         processed = logits  # [N, V]
         best, chosen = logits.max(dim=-1)  # [N] each; the first index of ties, as argmax

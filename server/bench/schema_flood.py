@@ -1,0 +1,120 @@
+"""The hostile-schema flood (issue 24): one tenant sends distinct structured-output constraints
+as fast as it can while a victim tenant streams unconstrained greedy completions; the victim's
+p99 inter-token latency in each flood phase against a quiet baseline (target: moves <= 10%).
+
+Phases, each `phase_s` seconds: baseline (no attacker), then
+- slow_schemas: every request a distinct enum that takes longer than the compile deadline, so
+  each one holds a compile process until it is killed (and replaced) and ends in a 400;
+- many_schemas: every request a distinct small schema from the suite (a salted `const` makes
+  each one new to the grammar cache), compiled and then generated for a few tokens.
+
+The victim and /health poller reuse the abuse bench's (server.bench.abuse). The attacker's loops
+run in their own processes, optionally pinned to CPUs of their own (`attacker_cpus`).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+
+import httpx
+
+from server.bench.abuse import Phase, Target, _health, _tenant, _victim
+
+ITL_TARGET_RATIO = 1.10
+PHASES = ("slow_schemas", "many_schemas")
+
+
+def _slow_schema(tag: str, n: int) -> dict:
+    # 2200 values: ~45 kB, under the default --max-schema-bytes (64 KiB), so it reaches the
+    # compiler; a 6000-value enum took 9 s to compile on the 2-core machine
+    return {"enum": [f"{tag}{i:05d}qrstuv" for i in range(n)]}
+
+
+def _small_schema(suite: list[dict], i: int, tag: str) -> dict:
+    schema = suite[i % len(suite)]
+    return {"type": "object", "properties": {"salt": {"const": f"{tag}-{i}"}, "value": schema},
+            "required": ["salt", "value"], "additionalProperties": False,
+            **({"$defs": schema["$defs"]} if "$defs" in schema else {})}
+
+
+def _pin(cpus: tuple[int, ...] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: float, enum_values: int) -> Counter:
+    """One attacker loop: distinct constraints, one request after another, for phase_s seconds."""
+    from server.bench.schema_suite import load_suite
+
+    suite = [s for _, s in load_suite()]
+    statuses: Counter = Counter()
+    deadline = time.monotonic() + phase_s
+    tag = f"{(os.getpid() * 31 + loop) % 10**4:04d}"
+    i = 0
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300) as c:
+        while time.monotonic() < deadline:
+            i += 1
+            if phase == "slow_schemas":
+                body = {"model": model, "prompt": "x", "max_tokens": 4,
+                        "guided_json": _slow_schema(f"{tag}{i:04d}", enum_values)}
+            else:
+                body = {"model": model, "prompt": "x", "max_tokens": 8, "temperature": 1.0,
+                        "response_format": {"type": "json_schema", "json_schema": {
+                            "name": "flood", "schema": _small_schema(suite, i, tag)}}}
+            try:
+                r = c.post("/v1/completions", json=body)
+                # a refusal's reason with its status: the flood must reach the compiler, not a size cap
+                statuses[str(r.status_code) + ("" if r.status_code == 200 else f" {r.text[12:70]}")] += 1
+            except httpx.HTTPError as e:
+                statuses[type(e).__name__] += 1
+    return statuses
+
+
+def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tuple[int, ...] | None = None,
+        enum_values: int = 2200, attacker_quota: dict | None = None,
+        log: Callable[[str], None] = lambda s: None) -> dict:
+    """The baseline and both flood phases; returns the JSON report."""
+    tag = str(int(time.time() * 1000))[-8:]
+    victim = _tenant(target, f"victim-{tag}", {})
+    attacker = _tenant(target, f"flooder-{tag}", attacker_quota or {})
+    phases = [Phase("baseline")] + [Phase(n) for n in PHASES]
+    current = [phases[0]]
+    stop = threading.Event()
+    background = [threading.Thread(target=_victim, args=(target, victim, lambda: current[0], stop)),
+                  threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
+    pool = ProcessPoolExecutor(max_workers=loops, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_pin, initargs=(attacker_cpus,))
+    for t in background:
+        t.start()
+    try:
+        for phase in phases:
+            current[0] = phase
+            log(f"phase {phase.name} ({phase_s:.0f} s)")
+            if phase.name == "baseline":
+                time.sleep(phase_s)
+                continue
+            futures = [pool.submit(_flood_loop, target.url, attacker, target.model, phase.name, i, phase_s,
+                                   enum_values) for i in range(loops)]
+            for f in futures:
+                phase.statuses.update(f.result())
+            time.sleep(0.5)  # the flood's last requests drain before the next phase is measured
+    finally:
+        stop.set()
+        for t in background:
+            t.join(300)
+        pool.shutdown()
+    baseline = phases[0]
+    summaries = {}
+    for p in phases:
+        s = p.summary(None if p is baseline else baseline)
+        if p is not baseline:
+            s["met"] = s["itl_p99_vs_baseline"] is not None and s["itl_p99_vs_baseline"] <= ITL_TARGET_RATIO
+        summaries[p.name] = s
+    return {"phase_s": phase_s, "attacker_loops": loops, "attacker_cpus": attacker_cpus, "enum_values": enum_values,
+            "attacker_quota": attacker_quota or {}, "targets": {"itl_p99_ratio": ITL_TARGET_RATIO},
+            "phases": summaries, "met": all(s.get("met", True) for s in summaries.values())}
