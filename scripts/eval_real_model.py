@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server.bench.eval_items import ITEMS_PATH, EvalItem, load_items, write_items  # noqa: E402
+from server.config import DEFAULT_MODEL_NAME  # noqa: E402
 from server.model_source import SHIPPED_ADAPTERS  # noqa: E402
 
 EVAL_TENANT = "eval"
@@ -49,7 +50,7 @@ def adapter_dirs(root: Path) -> dict[str, Path]:
 
 
 def run_eval(model_dir: Path, adapters: dict[str, Path], items: list[EvalItem], *, work_dir: Path,
-             max_tokens: int, concurrency: int, log=print) -> dict:
+             max_tokens: int, concurrency: int, served_name: str, log=print) -> dict:
     """The evaluation's JSON document: HTTP replies from a served copy, then the PEFT oracle's."""
     from server.bench.environment import machine_state
     from server.bench.eval_http import http_replies
@@ -61,7 +62,7 @@ def run_eval(model_dir: Path, adapters: dict[str, Path], items: list[EvalItem], 
     data_dir = Path(tempfile.mkdtemp(prefix="serve-", dir=work_dir))
     state = machine_state(log)
     rank = max(_rank(d) for d in adapters.values()) if adapters else 8
-    serve_args = ["--device", "cpu", "--dtype", "float32", "--max-loras", str(max(1, len(adapters))),
+    serve_args = ["--served-model-name", served_name, "--device", "cpu", "--dtype", "float32", "--max-loras", str(max(1, len(adapters))),
                   "--max-lora-rank", str(rank)]
     started = time.monotonic()
     try:
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only N items, spread over the file (default: all)")
     p.add_argument("--max-tokens", type=int, default=48, help="reply length cap (default 48)")
     p.add_argument("--concurrency", type=int, default=32, help="HTTP requests in flight (default 32)")
+    p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME,
+                   help=f"the base model's id over HTTP and in the report (default {DEFAULT_MODEL_NAME})")
     p.add_argument("--json", type=Path, default=Path("bench-out/eval-real-model.json"),
                    help="where to write the JSON (default bench-out/eval-real-model.json)")
     p.add_argument("--write-items", action="store_true", help=f"regenerate {ITEMS_PATH.name} and exit")
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     items = spread(items, args.limit) if args.limit else items
     model_dir = args.model or default_model_dir(args.data_dir)
     doc = run_eval(model_dir, adapter_dirs(args.adapters), items, work_dir=args.data_dir,
-                   max_tokens=args.max_tokens, concurrency=args.concurrency,
+                   max_tokens=args.max_tokens, concurrency=args.concurrency, served_name=args.served_model_name,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
     from server.bench.artifacts import write_json
 

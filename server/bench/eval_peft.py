@@ -1,6 +1,7 @@
 """The real-model evaluation's oracle: transformers + peft on the same converted model, greedy, in
 float32. Items whose rendered prompts have the same length run as one batch (no padding, so each row
-computes what it would alone); the replies stop at the model's end-of-sequence token, as the server's do."""
+computes what it would alone); the replies stop at the model's end-of-sequence token, as the server's do,
+and list it among their tokens, as the API's logprobs do."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -25,7 +26,7 @@ def _generate(model, rows: list[list[int]], max_tokens: int, eos: set[int], pad:
     replies = []
     for row in out[:, ids.shape[1]:].tolist():  # [B, <= max_tokens]
         cut = next((i for i, t in enumerate(row) if t in eos), None)
-        replies.append(row[:cut] if cut is not None else row)
+        replies.append(row[:cut + 1] if cut is not None else row)  # the end token too, as the API's logprobs list it
     return replies
 
 
