@@ -50,8 +50,10 @@ def adapter_dirs(root: Path) -> dict[str, Path]:
 
 
 def run_eval(model_dir: Path, adapters: dict[str, Path], items: list[EvalItem], *, work_dir: Path,
-             max_tokens: int, concurrency: int, served_name: str, log=print) -> dict:
+             max_tokens: int, concurrency: int, served_name: str, threads: int = 1, log=print) -> dict:
     """The evaluation's JSON document: HTTP replies from a served copy, then the PEFT oracle's."""
+    import torch
+
     from server.bench.environment import machine_state
     from server.bench.eval_http import http_replies
     from server.bench.eval_peft import peft_replies
@@ -63,7 +65,7 @@ def run_eval(model_dir: Path, adapters: dict[str, Path], items: list[EvalItem], 
     state = machine_state(log)
     rank = max(_rank(d) for d in adapters.values()) if adapters else 8
     serve_args = ["--served-model-name", served_name, "--device", "cpu", "--dtype", "float32", "--max-loras", str(max(1, len(adapters))),
-                  "--max-lora-rank", str(rank)]
+                  "--max-lora-rank", str(rank), "--cpu-threads", str(threads)]
     started = time.monotonic()
     try:
         with ServerProcess(data_dir, work_dir / "logs" / "eval-serve.log", model_dir=model_dir,
@@ -79,11 +81,12 @@ def run_eval(model_dir: Path, adapters: dict[str, Path], items: list[EvalItem], 
     http_s = time.monotonic() - started
     log(f"HTTP done in {http_s:.0f} s; transformers + peft next")
     started = time.monotonic()
+    torch.set_num_threads(threads)
     oracle = peft_replies(model_dir, adapters, models, items, max_tokens=max_tokens, base_name=base)
     peft_s = time.monotonic() - started
     return {
         "model": str(model_dir.name), "adapters": {n: str(d) for n, d in adapters.items()}, "items": len(items),
-        "max_tokens": max_tokens, "dtype": "float32", "greedy": True, "machine": state,
+        "max_tokens": max_tokens, "dtype": "float32", "cpu_threads": threads, "greedy": True, "machine": state,
         "load_avg_end": os.getloadavg(), "seconds": {"http": round(http_s, 1), "peft": round(peft_s, 1)},
         "scores": score(items, http), "peft_scores": score(items, oracle),
         "agreement": agreement(items, http, oracle),
@@ -127,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32, help="HTTP requests in flight (default 32)")
     p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME,
                    help=f"the base model's id over HTTP and in the report (default {DEFAULT_MODEL_NAME})")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads for the server and the oracle (default 1: a correctness run, which two "
+                        "threads on a busy shared machine slow down many times over)")
     p.add_argument("--json", type=Path, default=Path("bench-out/eval-real-model.json"),
                    help="where to write the JSON (default bench-out/eval-real-model.json)")
     p.add_argument("--write-items", action="store_true", help=f"regenerate {ITEMS_PATH.name} and exit")
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or default_model_dir(args.data_dir)
     doc = run_eval(model_dir, adapter_dirs(args.adapters), items, work_dir=args.data_dir,
                    max_tokens=args.max_tokens, concurrency=args.concurrency, served_name=args.served_model_name,
+                   threads=args.cpu_threads,
                    log=lambda line: print(line, file=sys.stderr, flush=True))
     from server.bench.artifacts import write_json
 
