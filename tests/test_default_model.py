@@ -68,7 +68,7 @@ def test_adapters_under_the_data_dir_go_to_the_demo_tenant(request, tmp_path):
         resolved = resolve_model(None, data_dir, lambda line: None)
     finally:
         shutil.rmtree(root)
-    shipped = {d.name: d for d in sorted(SHIPPED_ADAPTERS.iterdir())} if SHIPPED_ADAPTERS.is_dir() else {}
+    shipped = {d.name: d for d in sorted(SHIPPED_ADAPTERS.iterdir()) if d.is_dir()}
     # the data dir's french wins over the shipped one
     assert resolved.demo is not None and resolved.demo.adapters == {**shipped, "french": root / "french"}
     assert resolved.demo.model_dir == resolved.model_dir and resolved.model_dir.parent == data_dir / "models"
