@@ -52,7 +52,8 @@ def test_each_correctness_check_accepts_the_right_reply_only(check, expect, good
 @pytest.fixture(scope="module")
 def smol_with_adapters(request, redis_server):
     if not os.environ.get("LORAPLEX_REAL_EVAL"):
-        # a server start and 60 generations each side took minutes on the shared 2-core machine
+        # 303 s with LORAPLEX_REAL_EVAL=1 on the shared 2-core machine (load ~12): a server start and 60
+        # generations each side, one request at a time
         pytest.skip("the real-model slice takes over a minute here: run scripts/eval_real_model.py --limit 20, "
                     "or set LORAPLEX_REAL_EVAL=1 to run this test")
     try:
