@@ -1,7 +1,8 @@
 """What --model names, made into the Hugging Face directory the engine loads.
 
-`None` is the default real model (server.default_model; the demo tenant gets the adapters found
-under DATA_DIR/demo-adapters), `demo` the tiny random-weight model of the tests (server.demo, with
+`None` is the default real model (server.default_model; the demo tenant gets the adapters shipped
+for it in server/assets/smollm2-adapters, and those found under DATA_DIR/demo-adapters, which win
+on a name both have), `demo` the tiny random-weight model of the tests (server.demo, with
 its adapters), a GGUF file is converted once into the data dir (server.gguf_convert), and anything
 else must be a Hugging Face model directory.
 """
@@ -22,6 +23,9 @@ CONVERTED_DIR = "models"  # under the data dir: one converted directory per GGUF
 # Under the data dir: PEFT directories the demo tenant gets with the default model, e.g. what
 # scripts/train_demo_adapters.py writes (--out DATA_DIR/demo-adapters).
 DEFAULT_MODEL_ADAPTERS_DIR = "demo-adapters"
+# The demo adapters trained for the default model (french, json, pirate), shipped with the package;
+# docs/benchmarks/eval-real-model.md gives the command that made them and what they score.
+SHIPPED_ADAPTERS = Path(__file__).parent / "assets" / "smollm2-adapters"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -38,7 +42,7 @@ def resolve_model(model: str | None, data_dir: Path, say: Callable[[str], None])
         return ResolvedModel(demo.model_dir, demo)
     if model is None:
         model_dir = ensure_converted(default_model.packaged_gguf(), Path(data_dir) / CONVERTED_DIR, say)
-        adapters = _adapter_dirs(Path(data_dir) / DEFAULT_MODEL_ADAPTERS_DIR)
+        adapters = {**_adapter_dirs(SHIPPED_ADAPTERS), **_adapter_dirs(Path(data_dir) / DEFAULT_MODEL_ADAPTERS_DIR)}
         return ResolvedModel(model_dir, DemoPaths(model_dir, adapters) if adapters else None)
     if is_gguf(model):
         return ResolvedModel(ensure_converted(Path(model), Path(data_dir) / CONVERTED_DIR, say))

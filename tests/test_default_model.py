@@ -50,7 +50,7 @@ def test_default_model_answers_in_english_over_http(smol_server):
 def test_adapters_under_the_data_dir_go_to_the_demo_tenant(request, tmp_path):
     import shutil
 
-    from server.model_source import DEFAULT_MODEL_ADAPTERS_DIR, resolve_model
+    from server.model_source import DEFAULT_MODEL_ADAPTERS_DIR, SHIPPED_ADAPTERS, resolve_model
 
     try:
         default_model.packaged_gguf()
@@ -68,6 +68,9 @@ def test_adapters_under_the_data_dir_go_to_the_demo_tenant(request, tmp_path):
         resolved = resolve_model(None, data_dir, lambda line: None)
     finally:
         shutil.rmtree(root)
-    assert resolved.demo is not None and resolved.demo.adapters == {"french": root / "french"}
+    shipped = {d.name: d for d in sorted(SHIPPED_ADAPTERS.iterdir()) if d.is_dir()}
+    # the data dir's french wins over the shipped one
+    assert resolved.demo is not None and resolved.demo.adapters == {**shipped, "french": root / "french"}
     assert resolved.demo.model_dir == resolved.model_dir and resolved.model_dir.parent == data_dir / "models"
-    assert resolve_model(None, data_dir, lambda line: None).demo is None
+    alone = resolve_model(None, data_dir, lambda line: None).demo
+    assert (alone.adapters if alone else {}) == shipped

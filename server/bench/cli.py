@@ -66,13 +66,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="rank of the generated adapters, all 7 projections (default 16); several (16,8) are a "
                         "steady-workload sweep, run in the order given")
     w.add_argument("--ttft-slo", type=float, default=6.0, help="TTFT SLO in seconds (S-LoRA: 6)")
-    w.add_argument("--workload", choices=("mixed", "prefix", "steady", "structured"), default="mixed",
+    w.add_argument("--workload", choices=("mixed", "prefix", "steady", "structured", "real"), default="mixed",
                    help="mixed (default): the trace as a burst or schedule; prefix: chat with a system prompt per "
                         "tenant and multi-turn history, run through the in-process engine with its prefix cache "
                         "off, then on (--requests counts turns); steady: fixed concurrency, measured over a "
                         "window after a warm-up, base against each adapter case (docs/benchmarks/gpu.md); structured: the "
                         "schema suite's validity under constraints and the throughput cost of constraining half of "
-                        "--concurrency requests (docs/benchmarks/structured.md)")
+                        "--concurrency requests (docs/benchmarks/structured.md); real: the mixed trace "
+                        "on SmolLM2-135M-Instruct (real weights, unless --model) with evaluation questions as "
+                        "prompts and the shipped demo adapters")
     w.add_argument("--shared-prefix", type=int, default=512, metavar="N", help="prefix workload: system prompt tokens")
     w.add_argument("--turns", type=int, default=3, help="prefix workload: turns per conversation")
     w.add_argument("--turn-gap", type=float, default=1.0, metavar="S",

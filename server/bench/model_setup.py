@@ -20,6 +20,10 @@ def resolve_model(cfg, log: Callable[[str], None]) -> tuple[Path, str]:
     """cfg: a BenchConfig. (model directory, label for the report)."""
     if cfg.model_dir:
         return Path(cfg.model_dir), Path(cfg.model_dir).name
+    if cfg.workload_type == "real":
+        from server.bench.real_workload import real_model_dir
+
+        return real_model_dir(Path(cfg.work_dir), log), "SmolLM2-135M-Instruct (real weights)"
     if cfg.gpu:
         from server.bench.gpu_model import make_llama3_8b_shaped
 
@@ -34,10 +38,30 @@ def resolve_model(cfg, log: Callable[[str], None]) -> tuple[Path, str]:
     return ensure_demo(Path(cfg.work_dir) / "demo").model_dir, "demo model (Llama, 4 layers, hidden 128)"
 
 
+def point_requests(cfg, model_dir: Path, n: int) -> list:
+    """The seeded trace of a mixed or real point over n adapters (server.bench.workload.BenchRequest)."""
+    import json
+
+    from server.bench.workload import generate_workload
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    reqs = generate_workload(cfg.workload(n, vocab))
+    if cfg.workload_type == "real":
+        from server.bench.real_workload import real_prompts
+
+        reqs = real_prompts(reqs, model_dir, cfg.seed)
+    return reqs
+
+
 def point_adapters(cfg, model_dir: Path, used: list[int], rank: int | None = None) -> dict[str, Path]:
     """Adapter name -> its synthetic PEFT directory (made once, in the bench's dtype), for each index
-    in use, at `rank` (default: the config's first rank)."""
+    in use, at `rank` (default: the config's first rank); with --workload real, the shipped demo adapters."""
     from server.bench.synth_adapters import ensure_adapters
+
+    if cfg.workload_type == "real":
+        from server.bench.real_workload import real_adapters
+
+        return real_adapters(used)
 
     dirs = ensure_adapters(model_dir, Path(cfg.work_dir) / "adapters", used, r=rank or cfg.rank,
                            dtype=getattr(torch, cfg.dtype))

@@ -229,15 +229,14 @@ def peer_runner(cfg, args, python: Path, model_dir: Path, log) -> tuple[dict, Ca
 
     from server.bench import client
     from server.bench.metrics import agreement, output_digests, ratio, summarize
-    from server.bench.model_setup import point_adapters
-    from server.bench.workload import adapters_used, generate_workload, tenants_used
+    from server.bench.model_setup import point_adapters, point_requests
+    from server.bench.workload import adapters_used, tenants_used
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     meta = {"name": args.peer, "python": str(python), "version": peer_version(python)}
 
     def run_point(point: dict) -> None:
         n = point["num_adapters"]
-        reqs = generate_workload(cfg.workload(n, vocab))  # seeded: the requests loraplex got
+        reqs = point_requests(cfg, model_dir, n)  # seeded: the requests loraplex got
         pcfg = peer_config(cfg, args, python, model_dir, point_adapters(cfg, model_dir, adapters_used(reqs)))
         cores = core_list(list(pcfg.cores))
         meta.update(command=pcfg.command()[:3] + ["..."], threads=pcfg.threads, cores=cores,

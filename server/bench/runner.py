@@ -4,7 +4,6 @@ baseline, in that order and never at the same time."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import time
@@ -18,17 +17,17 @@ from server.bench.environment import environment, machine_state
 from server.bench.metrics import agreement, output_digests, ratio, summarize
 from server.bench.variants import (AUTO_KV, NO_QUANTIZATION, EngineVariant, engine_variants, throughput_ratios,
                                    variant_order)
-from server.bench.model_setup import (engine_kwargs, kv_cache_blocks, lora_slots, point_adapters, resolve_model,
-                                      serve_args)
+from server.bench.model_setup import (engine_kwargs, kv_cache_blocks, lora_slots, point_adapters, point_requests,
+                                      resolve_model, serve_args)
 from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
-from server.bench.workload import (BenchRequest, WorkloadConfig, adapters_used, check_same_trace, generate_workload,
-                                   trace_totals)
+from server.bench.workload import BenchRequest, WorkloadConfig, adapters_used, check_same_trace, trace_totals
 
 TARGETS = ("http", "engine")
 # generate_workload as a timed burst or schedule; generate_conversations, cache off and on (server.bench.prefix);
 # fixed concurrency for a steady window, base against adapter cases (server.bench.steady); the schema
-# suite's validity and the cost of constraints on throughput (server.bench.structured).
-WORKLOADS = ("mixed", "prefix", "steady", "structured")
+# suite's validity and the cost of constraints on throughput (server.bench.structured);
+# real: the mixed trace on the real default model with real text and the demo adapters (server.bench.real_workload).
+WORKLOADS = ("mixed", "prefix", "steady", "structured", "real")
 POPULARITY = ("uniform", "power", "distinct")
 
 
@@ -231,8 +230,7 @@ def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], n
 
 
 def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None], round_index: int = 0) -> dict:
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    reqs = generate_workload(cfg.workload(n, vocab))
+    reqs = point_requests(cfg, model_dir, n)
     used = adapters_used(reqs)
     named = point_adapters(cfg, model_dir, used)
     log(f"[{n} adapters] {len(reqs)} requests over {len(used)} adapters in use, "
