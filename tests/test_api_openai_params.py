@@ -57,6 +57,13 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
     def sampled(**kw) -> str:
         return calls.text(chat, temperature=1.0, seed=7, max_tokens=16, **kw)
 
+    def service_tier():
+        # One tier: "auto" and "default" change nothing; a tier it does not have is refused, naming it.
+        assert calls.text(chat, extra_body={"service_tier": "default", "metadata": {"k": "v"}}) == greedy
+        with pytest.raises(openai.BadRequestError) as err:
+            calls.text(chat, extra_body={"service_tier": "flex"})
+        assert "service_tier" in err.value.body["message"]
+
     def n():
         r = gen(n=3)
         assert len(r.choices) == 3 and [c.index for c in r.choices] == [0, 1, 2]
@@ -161,6 +168,7 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
         "echo": lambda: calls.complete(prompt="abc", echo=True, max_tokens=2).choices[0].text.startswith("abc")
         or pytest.fail(),
         "user": lambda: calls.text(chat, user="someone") == greedy or pytest.fail(),
+        "service_tier": service_tier,
         "top_k": lambda: sampled(extra_body={"top_k": 1}) == calls.text(chat, max_tokens=16) or pytest.fail(),
         "min_p": lambda: sampled(extra_body={"min_p": 1.0}) == calls.text(chat, max_tokens=16) or pytest.fail(),
         "min_tokens": min_tokens,

@@ -298,11 +298,12 @@ def test_stopping_a_replica_moves_only_its_tenants(cluster):
     assert all(s.replica == victim for s in held)
     refused = _complete(cluster.url, limited, cluster.model)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "max_concurrent_requests"
-    # Kill as soon as the running streams' usage has been settled once: a fixed wait raced a quiet
-    # machine, where 400 tokens took ~2 s.
+    # Kill as soon as both running streams' usage has been settled once (a request is counted at its
+    # first settlement; each stream settles on its own clock): a fixed wait raced a quiet machine,
+    # where 400 tokens took ~2 s, and waiting for the first settlement alone raced the second stream's.
     deadline = time.monotonic() + 10 * SETTLE_INTERVAL
     while httpx.get(f"{cluster.url}/v1/usage", headers=_auth(limited), timeout=30).json()["total"][
-            "completion_tokens"] == 0:
+            "requests"] < len(held):
         assert time.monotonic() < deadline, "no usage settled while the streams ran"
         time.sleep(0.1)
     assert not any(s.done for s in held), "the held streams ended before the kill: make them longer"
