@@ -183,6 +183,9 @@ def test_a_refused_batch_is_not_billed(server):
     # some prompts are admitted before one is refused, and all of them are undone
     r = _post(server, key, "/v1/completions", {"model": model, "prompt": [[5, 6, 7]] * 8, "max_tokens": 10})
     assert r.status_code == 429 and r.json()["error"]["code"] == "tokens_per_minute", r.text
+    # the usage keeper's next round (every 2 s) must not bill the refused prompts either
+    server.state.settlements.record_progress()
+    assert server.state.settlements.running == 0  # and their leases are no longer beaten
     after = _usage(server, key)
     assert after["total"] == before["total"]
     assert after["current"] == before["current"]

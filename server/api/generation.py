@@ -104,11 +104,15 @@ class Generation:
                                                priority, tenant.quota.weight, cache_salt=cache_salt,
                                                grammar=grammar)
         except BaseException:
+            state.settlements.discard(admission)
             await cancel_admission(state, admission)  # refused by the engine: neither counted nor billed
             raise
-        generation = cls(state, tenant, endpoint, prompt_ids, params, admission, stream, arrived, adapter)
-        state.settlements.follow(admission, lambda: generation.completion_tokens)  # usage while it runs
-        return generation
+        return cls(state, tenant, endpoint, prompt_ids, params, admission, stream, arrived, adapter)
+
+    def follow(self) -> None:
+        """Record this generation's usage while it runs. Only once its whole batch has started: a batch
+        refused part way is billed nothing, so none of it may be recorded before then."""
+        self.state.settlements.follow(self._admission, lambda: self.completion_tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -164,6 +168,7 @@ class Generation:
             return
         self._closed = True
         self._stream.abort()
+        self.state.settlements.discard(self._admission)
         await cancel_admission(self.state, self._admission)
 
     async def close(self) -> None:

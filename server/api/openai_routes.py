@@ -101,6 +101,8 @@ async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list
         for gen in gens:
             await gen.refuse()
         raise
+    for gen in gens:
+        gen.follow()
     return gens
 
 

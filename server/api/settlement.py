@@ -115,6 +115,15 @@ class Settlements:
         """From admission on, the keeper beats this request's lease."""
         self._running[admission.slot_id] = _Running(tenant, admission, prompt_tokens, adapter)
 
+    def discard(self, admission: Admission) -> None:
+        """Forget a request refused before it was followed (its batch was refused as a whole): its lease
+        is no longer beaten, and nothing of it was or will be recorded."""
+        running = self._running.pop(admission.slot_id, None)
+        if running is not None:
+            with running.lock:
+                running.closed = True
+                assert not running.recorded, (admission.request_id, running.recorded)
+
     def follow(self, admission: Admission, progress: Callable[[], int]) -> None:
         """From now on the keeper records the request's usage so far: the request and its prompt,
         and `progress()` completion tokens (thread-safe to call; it only grows)."""
