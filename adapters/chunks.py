@@ -8,6 +8,7 @@ Layout (prefix ``P``, default ``lp:``):
   P ad:chunk:{sha256}     hash    {data, refs}: content-addressed file chunks
   P ad:stage:{up}:{sha}   hash    {data, refs=0}: an upload's chunks before commit, with a TTL
   P ad:retired            zset    version -> time it was replaced or deleted
+  P ad:dora:{version}     hash    base identity -> a DoRA version's scales against it (adapters.dora_scale_store)
   P ad:idx:{tenant name}  hash    an index from before tenant ids, until migrated
   P adapter-events        pub/sub channel: {"event", "tenant" (the id), "name", "version"}
 
@@ -70,6 +71,14 @@ class RegistryKeys:
 
     def version(self, version: str) -> str:
         return self.version_prefix + version
+
+    @property
+    def dora_scales_prefix(self) -> str:
+        return f"{self.prefix}ad:dora:"
+
+    def dora_scales(self, version: str) -> str:
+        """A DoRA version's precomputed scales, one field per base identity; collected with the version."""
+        return self.dora_scales_prefix + version
 
     @property
     def chunk_prefix(self) -> str:

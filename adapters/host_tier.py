@@ -48,12 +48,13 @@ class HostTierStats:
 class HostTier:
     """`dtype`: the serving dtype adapters are kept in (adapters.packed); `pin_memory`: page-lock them;
     `init_thread`: run first on each loader thread (binds the engine's CUDA device); `prepare`: run on each
-    packed adapter, on the loader threads for loads (the engine's DoRA scales: AdapterSlots.prepare)."""
+    packed adapter with its version id, on the loader threads for loads (the engine's DoRA scales:
+    AdapterSlots.prepare)."""
 
     def __init__(self, fetch: Fetch | None, budget_bytes: int | None, pin_memory: bool = False, workers: int = 2,
                  max_parked: int = 8, dtype: torch.dtype = torch.float32,
                  init_thread: Callable[[], None] | None = None,
-                 prepare: Callable[[PackedLoraAdapter], PackedLoraAdapter] | None = None):
+                 prepare: Callable[[PackedLoraAdapter, str | None], PackedLoraAdapter] | None = None):
         self.fetch = fetch
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
@@ -101,7 +102,7 @@ class HostTier:
     # ---- changes (owning thread only) ----
     def add(self, version: str, adapter: LoraAdapter) -> None:
         """A preloaded adapter: kept until removed, never evicted."""
-        adapter = self.packed(adapter)
+        adapter = self.packed(adapter, version)
         self._drop(version)
         self.parked.pop(version, None)
         self.entries[version] = adapter
@@ -180,12 +181,13 @@ class HostTier:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def packed(self, adapter: LoraAdapter) -> PackedLoraAdapter:
-        """`adapter` as this tier keeps it: one buffer in the serving dtype, pinned if asked."""
+    def packed(self, adapter: LoraAdapter, version: str | None = None) -> PackedLoraAdapter:
+        """`adapter` (of `version`, if a stored one) as this tier keeps it: one buffer in the serving dtype,
+        pinned if asked."""
         if not (isinstance(adapter, PackedLoraAdapter) and adapter.flat.dtype == self.dtype and (
                 adapter.flat.is_pinned() or not self.pin_memory)):
             adapter = pack_adapter(adapter, self.dtype, self.pin_memory)
-        return adapter if self.prepare is None else self.prepare(adapter)
+        return adapter if self.prepare is None else self.prepare(adapter, version)
 
     # ---- internals ----
     def _drop(self, version: str) -> None:
@@ -252,7 +254,7 @@ class HostTier:
     def _load(self, version: str) -> None:
         start = time.perf_counter()
         try:
-            adapter = self.packed(self.fetch(version))
+            adapter = self.packed(self.fetch(version), version)
             self._done.put((version, adapter, None, time.perf_counter() - start))
         except Exception as exc:  # noqa: BLE001 - any failure is reported to the waiting requests
             self._done.put((version, None, f"{type(exc).__name__}: {exc}", 0.0))

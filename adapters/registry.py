@@ -224,7 +224,7 @@ class AdapterRegistry:
         while True:
             n = int(self._collect(keys=[self._keys.retired],
                                   args=[cutoff, _GC_BATCH, self._keys.version_prefix,
-                                        self._keys.chunk_prefix]))
+                                        self._keys.chunk_prefix, self._keys.dora_scales_prefix]))
             released += n
             if n < _GC_BATCH:
                 return released

@@ -136,7 +136,8 @@ redis.call('DEL', KEYS[1])
 return moved
 """
 
-# KEYS: retired zset. ARGV: cutoff time, batch limit, version prefix, chunk prefix.
+# KEYS: retired zset. ARGV: cutoff time, batch limit, version prefix, chunk prefix, DoRA scales prefix
+# (a version's derived DoRA scales, adapters.dora_scale_store, go with it).
 _COLLECT_LUA = """
 local vs = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 for _, v in ipairs(vs) do
@@ -149,7 +150,7 @@ for _, v in ipairs(vs) do
       end
     end
   end
-  redis.call('DEL', vk)
+  redis.call('DEL', vk, ARGV[5] .. v)
   redis.call('ZREM', KEYS[1], v)
 end
 return #vs

@@ -1,19 +1,25 @@
 """DoRA adapters served in the same batches as plain LoRA adapters and base rows: greedy tokens and
 logprobs equal transformers + peft's (float32, 1e-4), through chunked prefill, preemption, forks,
-paging through two slots, padded decode, the Triton kernels, and a base model with biases."""
+paging through two slots, padded decode, the Triton kernels, and a base model with biases; and their
+scales kept in a real Redis per version and base, read back at a reload instead of computed."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
 
+from types import SimpleNamespace
+
 import pytest
 import safetensors.torch
 import torch
 
+from adapters.dora_scale_store import MAX_BASES, DoraScaleStore
+from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_bytes
+from adapters.registry import AdapterRegistry
 from server.demo import make_adapter
-from server.engine import LLM, SamplingParams
-from tests.engine_helpers import random_prompts
+from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from tests.engine_helpers import drive, random_prompts
 from tests.fixtures_models import TINY_DORA_ADAPTERS
 from tests.test_engine_logprobs import assert_matches
 
@@ -226,3 +232,122 @@ def test_a_base_model_with_biases(model_variant_dir, reference, tmp_path):
     p = params(5)
     for prompt, name, out in zip(prompts, names, llm.generate(prompts, p, adapters=names)):
         assert_matches(out, prompt, p, reference(name, prompt + out.token_ids, model_dir, dirs))
+
+
+# ---- the scales' Redis tier (adapters.dora_scale_store, server.engine.dora_scale_cache) ----
+
+STORED = ("dora_r8_all", "dora_r16_pattern")
+
+
+@pytest.fixture
+def stored(tiny_model_dir, adapter_dirs, redis_client):
+    """Two DoRA adapters in a real Redis registry (grace 0: a deleted version is collected at its next
+    collection), and engine(model_dir, **kw): an engine paging them in from it, one slot and host room
+    for one adapter, that keeps their scales in that Redis."""
+    registry = AdapterRegistry(redis_client, grace_seconds=0)
+    shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    versions, sizes = {}, {}
+    for name in STORED:
+        cfg, w = ((adapter_dirs[name] / f).read_bytes() for f in ("adapter_config.json", "adapter_model.safetensors"))
+        summary = inspect_adapter_bytes(cfg, w, shape, 16)
+        versions[name] = registry.put("t", name, summary.canonical_config_json, w, summary=summary).version
+        sizes[name] = summary.size_bytes
+
+    def fetch(version):
+        return load_adapter_bytes(*registry.read_files(version), shape, 16)
+
+    def engine(model_dir=tiny_model_dir, **kw):
+        opts = dict(model=str(model_dir), device="cpu", dtype="float32", max_loras=1, max_lora_rank=16,
+                    kv_cache_blocks=64, max_model_len=256, max_cpu_lora_bytes=max(sizes.values()))
+        return LLMEngine(EngineConfig(**{**opts, **kw}), fetch, DoraScaleStore(redis_client))
+
+    return SimpleNamespace(registry=registry, versions=versions, engine=engine, store=DoraScaleStore(redis_client),
+                           redis=redis_client)
+
+
+def serve(engine, versions, name, reference, seed, model_dir=None, dirs=None) -> None:
+    """One request for `name` alone, run to the end; tokens and logprobs equal PEFT's on `model_dir`."""
+    prompt = random_prompts(1, (5, 30), VOCAB, seed=seed)[0]
+    p = params(4)
+    engine.add_request("q", prompt, p, versions[name])
+    out = drive(engine)["q"]
+    assert out.finish_reason == "length" and len(out.token_ids) == p.max_tokens
+    args = () if model_dir is None else (model_dir, dirs)
+    assert_matches(out, prompt, p, reference(name, prompt + out.token_ids, *args))
+
+
+def test_a_reload_reads_the_scales_from_redis(stored, reference):
+    """Loaded, evicted from the host tier and the slot by another adapter, loaded again: the scales come
+    from Redis, not computed again, and serve as PEFT does; a fresh engine (another replica, a restart)
+    reads them too."""
+    engine = stored.engine()
+    cache = engine.slots.dora_cache
+    for i, name in enumerate(("dora_r8_all", "dora_r16_pattern", "dora_r8_all", "dora_r16_pattern")):
+        serve(engine, stored.versions, name, reference, seed=100 + i)
+    stats = engine.stats()
+    assert stats.host_evictions >= 3 and stats.device_evictions >= 3 and stats.host_misses == 4
+    assert (cache.stats.computed, cache.stats.stored, cache.stats.read, cache.stats.refused) == (2, 2, 2, 0)
+    engine.shutdown()
+    replica = stored.engine()
+    serve(replica, stored.versions, "dora_r16_pattern", reference, seed=104)
+    assert (replica.slots.dora_cache.stats.computed, replica.slots.dora_cache.stats.read) == (0, 1)
+    assert replica.slots.dora_cache.base == cache.base
+    replica.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["short", "nan", "long"])
+def test_corrupt_stored_scales_are_ignored_and_recomputed(stored, reference, damage):
+    engine = stored.engine()
+    serve(engine, stored.versions, "dora_r8_all", reference, seed=110)
+    version, base = stored.versions["dora_r8_all"], engine.slots.dora_cache.base
+    good = stored.store.get(version, base)
+    bad = {"short": good[:-4], "nan": good[:-4] + torch.tensor([float("nan")]).numpy().tobytes(),
+           "long": good + good[:4]}[damage]
+    assert stored.store.put(version, base, bad)
+    engine.shutdown()
+    replica = stored.engine()
+    serve(replica, stored.versions, "dora_r8_all", reference, seed=111)
+    assert (replica.slots.dora_cache.stats.refused, replica.slots.dora_cache.stats.computed) == (1, 1)
+    assert stored.store.get(version, base) == good  # the recomputed scales replaced the damaged ones
+    replica.shutdown()
+
+
+def test_deleting_the_adapter_deletes_its_scales(stored, reference):
+    engine = stored.engine()
+    serve(engine, stored.versions, "dora_r8_all", reference, seed=120)
+    version, base = stored.versions["dora_r8_all"], engine.slots.dora_cache.base
+    key = f"lp:ad:dora:{version}"
+    assert stored.redis.exists(key) and stored.store.bytes_used(version) == 4 * sum(
+        w.magnitude.numel() for w in engine.host.get(version).weights.values())
+    stored.registry.delete("t", "dora_r8_all")
+    stored.registry.collect_garbage()
+    assert not stored.redis.exists(key)
+    # A load that finishes after its version was collected leaves nothing behind.
+    assert not stored.store.put(version, base, b"\0" * 16) and not stored.redis.exists(key)
+    engine.shutdown()
+
+
+def test_another_base_does_not_reuse_the_scales(stored, reference, tiny_model_dir, adapter_dirs, tmp_path):
+    """The same shape with one weight changed, and the same weights served in bfloat16: each computes
+    its own scales (and the changed base serves as PEFT does on it); a version keeps at most MAX_BASES."""
+    engine = stored.engine()
+    serve(engine, stored.versions, "dora_r8_all", reference, seed=130)
+    engine.shutdown()
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_model_dir, changed)
+    weights = safetensors.torch.load_file(changed / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] += 0.5
+    safetensors.torch.save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    for model_dir, dtype in ((changed, "float32"), (tiny_model_dir, "bfloat16")):
+        other = stored.engine(model_dir, dtype=dtype)
+        if dtype == "float32":
+            serve(other, stored.versions, "dora_r8_all", reference, seed=131, model_dir=changed, dirs=adapter_dirs)
+        else:
+            other.add_request("q", [5, 6, 7], params(2), stored.versions["dora_r8_all"])
+            drive(other)
+        assert (other.slots.dora_cache.stats.read, other.slots.dora_cache.stats.computed) == (0, 1)
+        other.shutdown()
+    version = stored.versions["dora_r8_all"]
+    assert stored.redis.hlen(f"lp:ad:dora:{version}") == 3
+    bases = [f"{i:064x}" for i in range(MAX_BASES)]
+    assert [stored.store.put(version, b, b"\0" * 4) for b in bases] == [True] * (MAX_BASES - 3) + [False] * 3

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import redis
 
+from adapters.dora_scale_store import DoraScaleStore
 from adapters.format import PROJECTIONS, ModelShape
 from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
@@ -126,7 +127,8 @@ class ServerState:
                                                        engine_config.resolve_device()).itemsize
                 engine_config = dataclasses.replace(engine_config, max_cpu_lora_bytes=cpu_loras_bytes(
                     shape, config.max_lora_rank, itemsize, config.max_cpu_loras))
-            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank))
+            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank),
+                               DoraScaleStore(client, prefix=config.redis_prefix))
             async_engine = AsyncEngine(engine)
             retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(async_engine),

@@ -20,6 +20,7 @@ from server.engine.grammar import GrammarError, Grammars
 from server.engine.grammar_mask import GrammarMask
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
+from server.engine.dora_scale_cache import ScaleStore
 from server.engine.dora_scales import DoraScales
 from server.engine.lora_slots import AdapterSlots
 from server.engine.model import CausalLM
@@ -87,9 +88,11 @@ class EngineStats:
 
 class LLMEngine(OutputProcessing):
     """`adapter_source`, when given, loads adapter versions on demand (e.g. from the Redis registry);
-    it runs on background threads, so it may block."""
+    it runs on background threads, so it may block. `dora_scale_store` keeps DoRA adapters' scales per
+    version and base (server.engine.dora_scale_cache; e.g. adapters.dora_scale_store)."""
 
-    def __init__(self, config: EngineConfig, adapter_source: Fetch | None = None) -> None:
+    def __init__(self, config: EngineConfig, adapter_source: Fetch | None = None,
+                 dora_scale_store: ScaleStore | None = None) -> None:
         self.config = config
         mcfg = ModelConfig.from_dir(config.model)
         self.model_config = mcfg
@@ -125,7 +128,7 @@ class LLMEngine(OutputProcessing):
                               config.max_num_batched_tokens, config.quantization)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
-        self.slots = AdapterSlots(lora_layers, config.max_loras, DoraScales.of_model(self.model))
+        self.slots = AdapterSlots(lora_layers, config.max_loras, DoraScales.of_model(self.model), dora_scale_store)
         scratch = torch.empty(
             3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
         )

@@ -13,8 +13,10 @@ A DoRA adapter's slot also gets its per-output scales m / ||W + s B A|| against
 this base (server.engine.dora_scales), in a table beside A and B that is 1.0
 for plain-LoRA slots and for base rows. On a CPU they are computed once per
 host-tier load, on its loader threads (`prepare`), so neither the engine's
-step loop nor a later page-in of the same adapter pays for them; on CUDA,
-where the base weights live on the device, as the adapter enters its slot.
+step loop nor a later page-in of the same adapter pays for them, and kept in
+the adapter's store (Redis) against this base (server.engine.dora_scale_cache),
+so a later host-tier load of the version reads them; on CUDA, where the base
+weights live on the device, they are computed as the adapter enters its slot.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from adapters.packed import PackedLoraAdapter
+from server.engine.dora_scale_cache import DoraScaleCache, ScaleStore
 from server.engine.dora_scales import DoraScales
 
 # An adapter reaches its slot through a device staging buffer of this size, a range of modules at a
@@ -87,11 +90,13 @@ class AdapterSlots:
     """
 
     def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int,
-                 dora: DoraScales | None = None) -> None:
-        """dora: computes DoRA adapters' scales against the base weights (None: DoRA adapters are refused)."""
+                 dora: DoraScales | None = None, scale_store: ScaleStore | None = None) -> None:
+        """dora: computes DoRA adapters' scales against the base weights (None: DoRA adapters are refused);
+        scale_store: where computed scales are kept per adapter version (None: computed at every load)."""
         self.layers = layers  # per layer: group name -> buffers
         self.max_loras = max_loras
         self.dora = dora
+        self.dora_cache = DoraScaleCache(scale_store, dora.weights) if dora is not None else None
         self.slot_of: dict[str, int] = {}
         self.users: dict[str, int] = {}  # running requests per adapter version
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
@@ -224,17 +229,24 @@ class AdapterSlots:
             torch._foreach_copy_(scales, list(self.scaling_staging[:n].unbind()))
             self._load_dora(slot, adapter)  # on the copy stream, after the slot's A and B
 
-    def prepare(self, adapter: PackedLoraAdapter) -> PackedLoraAdapter:
-        """The host tier's hook on a CPU engine (its loader threads): a DoRA adapter's scales computed
-        now, from its packed A and B (the values its slot will hold), in place of its magnitudes."""
+    def prepare(self, adapter: PackedLoraAdapter, version: str | None = None) -> PackedLoraAdapter:
+        """The host tier's hook on a CPU engine (its loader threads): a DoRA adapter's scales, in place of its
+        magnitudes, read from the store for `version` (None: not a stored version), else computed now from
+        its packed A and B (the values its slot will hold) and stored."""
         if not adapter.use_dora or adapter.magnitudes_are_scales:
             return adapter
         assert self.dora is not None, "an engine that serves DoRA adapters builds its slots with DoraScales"
+        stored = None if version is None else self.dora_cache.read(version, adapter.magnitudes.numel())
+        if stored is not None:
+            adapter.magnitudes.copy_(stored)  # [sum out] float32, module order, as computed below
+            return dataclasses.replace(adapter, magnitudes_are_scales=True)
         for (layer, proj), w in adapter.weights.items():
             if w.magnitude is not None:
                 group, i = PROJECTION_SLICES[proj]
                 row = self.layers[layer][group].offsets[i]
                 self.dora.compute(layer, group, row, w.a, w.b, w.scaling, w.magnitude, w.magnitude)
+        if version is not None:
+            self.dora_cache.write(version, adapter.magnitudes)
         return dataclasses.replace(adapter, magnitudes_are_scales=True)
 
     def _load_dora(self, slot: int, adapter: PackedLoraAdapter) -> None:
