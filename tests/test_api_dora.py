@@ -33,6 +33,10 @@ def test_a_dora_upload_is_served_as_peft_serves_it(api_server, tiny_model_dir, t
                                                            extra_body={"ignore_eos": True})
     tok = api_server.state.engine.engine.tokenizer
     assert completion.choices[0].text == tok.decode(peft_oracle(tiny_model_dir, path, tok(PROMPT).input_ids, 6))
+    # Its scales against this server's base now live in the server's Redis beside the version.
+    prefix, version = api_server.state.config.redis_prefix, r.json()["version"]
+    assert api_server.state.redis.hkeys(f"{prefix}ad:dora:{version}") == [
+        api_server.state.engine.engine.slots.dora_cache.base.encode()]
 
 
 HOSTILE = {

@@ -9,7 +9,8 @@ restart) reads them instead.
 The base identity is a sha256 of the served weights' bytes (each fused projection the scales are
 computed against, after dtype casting and quantization, with its dtype, layout and shape): anything
 that changes W as served changes it, and replicas serving the same bytes share it. It is computed once
-per process, by the first DoRA load that needs it (about 0.2 s for a 135M-parameter model on a CPU).
+per process, by the first DoRA load that needs it, layers hashed on up to IDENTITY_THREADS threads
+(hashlib releases the GIL): about 0.4 s of one core per GB of weights.
 
 What is read is checked (length, finite values) and computed afresh when missing or refused; the store
 failing is never a failed load. The engine does not import redis: the store is any object with
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +33,9 @@ from kernels.fp8_weights import Fp8Weight
 from kernels.int8_weights import Int8Weight
 
 log = logging.getLogger(__name__)
+
+# Threads that hash the served weights' layers at once (the host's cores permitting).
+IDENTITY_THREADS = 4
 
 
 class ScaleStore(Protocol):
@@ -56,12 +62,13 @@ class DoraScaleCache:
         self.weights = weights
         self.stats = DoraScaleStats()
         self._lock = threading.Lock()  # loads run on the host tier's loader threads
+        self._base_lock = threading.Lock()  # held while the identity is computed, by the one thread doing it
         self._base: str | None = None
 
     @property
     def base(self) -> str:
         """The served weights' identity (hex sha256), computed at first use."""
-        with self._lock:
+        with self._base_lock:
             if self._base is None:
                 self._base = served_weights_identity(self.weights)
             return self._base
@@ -105,14 +112,20 @@ class DoraScaleCache:
 
 
 def served_weights_identity(weights: list[dict]) -> str:
-    """sha256 over every served fused weight's bytes, dtype, layout and shape, in layer and group order."""
-    digest = hashlib.sha256(f"dora-base-v1 {sys.byteorder}".encode())
-    for layer, groups in enumerate(weights):
-        for group in sorted(groups):
-            weight = groups[group]
-            parts = [weight.qweight, weight.scale] if isinstance(weight, (Int8Weight, Fp8Weight)) else [weight]
-            for t in parts:
-                digest.update(f"{layer} {group} {type(weight).__name__} {t.dtype} {tuple(t.shape)}".encode())
-                # hashlib releases the GIL on large buffers: the engine's step loop runs meanwhile.
-                digest.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())
-    return digest.hexdigest()
+    """sha256 over each layer's sha256 of its served fused weights' bytes, dtype, layout and shape."""
+    threads = max(1, min(IDENTITY_THREADS, os.cpu_count() or 1, len(weights)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="dora-base-identity") as pool:
+        layers = list(pool.map(_layer_digest, range(len(weights)), weights))
+    return hashlib.sha256(f"dora-base-v1 {sys.byteorder}".encode() + b"".join(layers)).hexdigest()
+
+
+def _layer_digest(layer: int, groups: dict) -> bytes:
+    digest = hashlib.sha256()
+    for group in sorted(groups):
+        weight = groups[group]
+        parts = [weight.qweight, weight.scale] if isinstance(weight, (Int8Weight, Fp8Weight)) else [weight]
+        for t in parts:
+            digest.update(f"{layer} {group} {type(weight).__name__} {t.dtype} {tuple(t.shape)}".encode())
+            # hashlib releases the GIL on large buffers: the engine's step loop runs meanwhile.
+            digest.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return digest.digest()
