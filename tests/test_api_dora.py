@@ -37,6 +37,8 @@ def test_a_dora_upload_is_served_as_peft_serves_it(api_server, tiny_model_dir, t
     prefix, version = api_server.state.config.redis_prefix, r.json()["version"]
     assert api_server.state.redis.hkeys(f"{prefix}ad:dora:{version}") == [
         api_server.state.engine.engine.slots.dora_cache.base.encode()]
+    scales = api_server.admin("GET", "/admin/engine").json()["dora_scales"]
+    assert scales["computed"] >= 1 and scales["stored"] >= 1 and scales["refused"] == 0
 
 
 HOSTILE = {

@@ -227,4 +227,5 @@ class EngineView(BaseModel):
     prefix_cache: dict[str, bool | int | float | None]
     cuda_graphs: dict[str, bool | int | float]  # decode graphs captured, replays, capture seconds and bytes
     structured_output: dict[str, int | float]
+    dora_scales: dict[str, int]  # DoRA adapters' scales computed, read from Redis, refused, stored, store errors
     history: list[EnginePoint]

@@ -101,6 +101,8 @@ async def engine(request: Request) -> Response:
                               "failures": s.grammar_failures, "cached_grammars": s.grammars_cached,
                               "compile_timeouts": state.grammar_compiler.timeouts,
                               "compiles_running": state.grammar_compiler.running},
+        # DoRA scales: computed against the base, or read from Redis (server.engine.dora_scale_cache).
+        "dora_scales": vars(state.engine.engine.slots.dora_cache.stats),
         "history": list(state.history.points)})
 
 
