@@ -1,12 +1,13 @@
 """server.engine.dora_scales against PEFT's formula m / ||W + scaling * B @ A|| (materialised, row norms):
-the expanded norm, blocks of rows, rows an adapter nearly cancels, an all-zero row, an int8 base."""
+the expanded norm, blocks of rows, rows an adapter nearly cancels, an all-zero row, an int8 base; and the
+served-weights identity stored scales are keyed by (server.engine.dora_scale_cache)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.int8_weights import quantize_int8
-from server.engine import dora_scales
+from server.engine import dora_scale_cache, dora_scales
 from server.engine.dora_scales import DoraScales
 
 
@@ -70,3 +71,19 @@ def test_an_int8_base_is_dequantized():
     q = quantize_int8(w)
     dequantized = q.qweight.float() * q.scale[:, None].float()
     torch.testing.assert_close(scales(q, a, b, 1.5, m), peft_scale(dequantized, a, b, 1.5, m), rtol=1e-6, atol=0)
+
+
+def test_the_base_identity_is_the_served_bytes(monkeypatch):
+    """The same bytes give the same identity however many threads hash them; one changed element, another
+    dtype, or the same weights served int8-quantized give another."""
+    gen = torch.Generator().manual_seed(7)
+    layers = [{"qkv": torch.randn(24, 16, generator=gen), "o": torch.randn(16, 16, generator=gen)} for _ in range(3)]
+    identity = dora_scale_cache.served_weights_identity
+    base = identity(layers)
+    monkeypatch.setattr(dora_scale_cache, "IDENTITY_THREADS", 1)
+    assert identity([{g: w.clone() for g, w in layer.items()} for layer in layers]) == base
+    changed = [{g: w.clone() for g, w in layer.items()} for layer in layers]
+    changed[2]["o"][5, 3] += 1e-6
+    others = {identity(changed), identity([{g: w.bfloat16() for g, w in layer.items()} for layer in layers]),
+              identity([{g: quantize_int8(w) for g, w in layer.items()} for layer in layers])}
+    assert len(others) == 3 and base not in others
