@@ -1,13 +1,18 @@
-"""DoRA adapters over HTTP: an upload is served as PEFT serves it; a hostile DoRA file (magnitude
+"""DoRA adapters over HTTP: an upload (or a preload) is served as PEFT serves it, its scales computed
+and stored in Redis before it is answered, so its first request reads them; a hostile DoRA file (magnitude
 vectors of the wrong shape, non-finite or beyond float16, or missing) is refused at upload with a 400
 that says why, and nothing is stored."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import safetensors.torch
 import torch
+
+from server.embedded_redis.server import EmbeddedRedis
+from tests.fixtures_server import free_port, running_server, server_config
 
 PROMPT = "The quick brown fox"
 Q0_M = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
@@ -22,23 +27,62 @@ def _tampered(src, dst, change):
     return dst
 
 
+def _scale_counts(server) -> dict[str, int]:
+    return server.admin("GET", "/admin/engine").json()["dora_scales"]
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in ("computed", "precomputed", "read", "stored", "refused")}
+
+
+def _stored_bases(server, version: str) -> list[bytes]:
+    return server.state.redis.hkeys(f"{server.state.config.redis_prefix}ad:dora:{version}")
+
+
 def test_a_dora_upload_is_served_as_peft_serves_it(api_server, tiny_model_dir, tiny_dora_adapters, peft_oracle):
+    """The upload's answer comes once its scales against this server's base are in Redis beside the
+    version; the first request for it reads them (computes none) and serves as PEFT does."""
     _, key = api_server.new_tenant()
     path = tiny_dora_adapters["dora_r16_pattern"]
+    before = _scale_counts(api_server)
     r = api_server.upload(key, "dora", path)
     assert r.status_code == 201, r.text
     tensors = safetensors.torch.load_file(str(path / "adapter_model.safetensors"))
     assert r.json()["size_bytes"] == 4 * sum(t.numel() for t in tensors.values())  # magnitudes counted
+    uploaded = _scale_counts(api_server)
+    assert _delta(uploaded, before) == {"computed": 1, "precomputed": 1, "read": 0, "stored": 1, "refused": 0}
+    assert _stored_bases(api_server, r.json()["version"]) == [
+        api_server.state.engine.engine.slots.dora_cache.base.encode()]
     completion = api_server.client(key).completions.create(model="dora", prompt=PROMPT, max_tokens=6, temperature=0,
                                                            extra_body={"ignore_eos": True})
     tok = api_server.state.engine.engine.tokenizer
     assert completion.choices[0].text == tok.decode(peft_oracle(tiny_model_dir, path, tok(PROMPT).input_ids, 6))
-    # Its scales against this server's base now live in the server's Redis beside the version.
-    prefix, version = api_server.state.config.redis_prefix, r.json()["version"]
-    assert api_server.state.redis.hkeys(f"{prefix}ad:dora:{version}") == [
-        api_server.state.engine.engine.slots.dora_cache.base.encode()]
-    scales = api_server.admin("GET", "/admin/engine").json()["dora_scales"]
-    assert scales["computed"] >= 1 and scales["stored"] >= 1 and scales["refused"] == 0
+    assert _delta(_scale_counts(api_server), uploaded) == {
+        "computed": 0, "precomputed": 0, "read": 1, "stored": 0, "refused": 0}
+
+
+def test_a_preloaded_dora_adapter_is_reloaded_at_its_first_request(tiny_model_dir, tiny_dora_adapters, peft_oracle,
+                                                                   tmp_path):
+    """--adapter: the scales are computed at start-up, before serving; a restart finds them in Redis and
+    computes nothing; the first request reads them and serves as PEFT does."""
+    path = tiny_dora_adapters["dora_r8_all"]
+    with EmbeddedRedis.start(tmp_path / "redis") as redis_server:
+        config = server_config(tiny_model_dir, tmp_path / "data", redis_server.url_for(1),
+                               adapters=(("acme", "pre", str(path)),))
+        with running_server(config) as server:
+            started = _scale_counts(server)
+            assert (started["computed"], started["precomputed"], started["stored"]) == (1, 1, 1)
+            version = server.state.registry.get(server.state.tenants.get("acme").id, "pre").version
+            assert _stored_bases(server, version) == [server.state.engine.engine.slots.dora_cache.base.encode()]
+        with running_server(replace(config, port=free_port())) as server:
+            assert _scale_counts(server)["computed"] == 0  # found in Redis at start-up
+            _, key = server.state.tenants.create_key("acme")
+            completion = server.client(key).completions.create(model="pre", prompt=PROMPT, max_tokens=6,
+                                                               temperature=0, extra_body={"ignore_eos": True})
+            tok = server.state.engine.engine.tokenizer
+            assert completion.choices[0].text == tok.decode(peft_oracle(tiny_model_dir, path, tok(PROMPT).input_ids, 6))
+            counts = _scale_counts(server)
+            assert (counts["computed"], counts["read"]) == (0, 1)
 
 
 HOSTILE = {

@@ -1,7 +1,8 @@
 """DoRA adapters served in the same batches as plain LoRA adapters and base rows: greedy tokens and
 logprobs equal transformers + peft's (float32, 1e-4), through chunked prefill, preemption, forks,
 paging through two slots, padded decode, the Triton kernels, and a base model with biases; and their
-scales kept in a real Redis per version and base, read back at a reload instead of computed."""
+scales kept in a real Redis per version and base, read back at a reload instead of computed, and
+computed when a version is accepted, so that its first load is a reload."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from adapters.dora_scale_store import MAX_BASES, DoraScaleStore
 from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_bytes
 from adapters.registry import AdapterRegistry
 from server.demo import make_adapter
-from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams, dora_precompute, dora_scale_cache
 from tests.engine_helpers import drive, random_prompts
 from tests.fixtures_models import TINY_DORA_ADAPTERS
 from tests.test_engine_logprobs import assert_matches
@@ -351,3 +352,52 @@ def test_another_base_does_not_reuse_the_scales(stored, reference, tiny_model_di
     assert stored.redis.hlen(f"lp:ad:dora:{version}") == 3
     bases = [f"{i:064x}" for i in range(MAX_BASES)]
     assert [stored.store.put(version, b, b"\0" * 4) for b in bases] == [True] * (MAX_BASES - 3) + [False] * 3
+
+
+# ---- scales computed when a version is accepted (server.engine.dora_precompute) ----
+
+def test_scales_precomputed_at_intake_make_the_first_load_a_reload(stored, reference, monkeypatch):
+    """An engine with a store computes its base identity at start-up, once; a version submitted at
+    intake has its scales computed and stored (a second submit finds them), and its first load reads
+    them and serves as PEFT does."""
+    identities = []
+    real = dora_scale_cache.served_weights_identity
+    monkeypatch.setattr(dora_scale_cache, "served_weights_identity", lambda w: identities.append(1) or real(w))
+    engine = stored.engine()
+    assert identities == [1]
+    cache, version = engine.slots.dora_cache, stored.versions["dora_r8_all"]
+    adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
+    assert engine.dora_precompute.submit(version, adapter).result() == "computed"
+    assert stored.store.get(version, cache.base) is not None
+    assert engine.dora_precompute.submit(version, adapter).result() == "present"
+    serve(engine, stored.versions, "dora_r8_all", reference, seed=140)
+    stats = cache.stats
+    assert (stats.computed, stats.precomputed, stats.stored, stats.read, stats.refused) == (1, 1, 1, 1, 0)
+    assert identities == [1]
+    engine.shutdown()
+
+
+def test_past_the_queue_bound_the_first_load_computes(stored, reference, monkeypatch):
+    monkeypatch.setattr(dora_precompute, "MAX_PENDING", -1)  # every submit finds the queue full
+    engine = stored.engine()
+    version = stored.versions["dora_r16_pattern"]
+    adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
+    assert engine.dora_precompute.submit(version, adapter).result() == "busy"
+    assert stored.store.get(version, engine.slots.dora_cache.base) is None
+    serve(engine, stored.versions, "dora_r16_pattern", reference, seed=141)
+    stats = engine.slots.dora_cache.stats
+    assert (stats.precompute_skipped, stats.computed, stats.precomputed, stats.read) == (1, 1, 0, 0)
+    engine.shutdown()
+
+
+def test_without_a_store_nothing_is_precomputed(stored, monkeypatch, tiny_model_dir):
+    """The offline engine keeps no scales: no identity at start-up, intake answers "off"."""
+    identities = []
+    monkeypatch.setattr(dora_scale_cache, "served_weights_identity", lambda w: identities.append(1) or "x")
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_loras=1,
+                                    max_lora_rank=16, kv_cache_blocks=64, max_model_len=256))
+    version = stored.versions["dora_r8_all"]
+    adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
+    assert engine.dora_precompute.submit(version, adapter).result() == "off"
+    assert identities == [] and not stored.redis.exists(f"lp:ad:dora:{version}")
+    engine.shutdown()

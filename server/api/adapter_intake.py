@@ -1,11 +1,17 @@
 """One path from two PEFT files to a registry version, whatever brought them (an upload, a source
 fetch, the operator's --lora-modules): the tenant's quota, the server's caps, the engine loader's
-full rules (values included), the canonical config, then the registry."""
+full rules (values included), the canonical config, then the registry; and a DoRA version's scales
+against the served base, computed and stored before the answer (server.engine.dora_precompute), so the
+first request for it loads them from Redis instead of computing them."""
 from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import Future
 
 from starlette.concurrency import run_in_threadpool
 
-from adapters.format import inspect_adapter_bytes, load_adapter_bytes
+from adapters.format import LoraAdapter, inspect_adapter_bytes, load_adapter_bytes
 from adapters.registry import AdapterRecord
 from server.api.errors import APIError
 from server.api.state import ServerState
@@ -38,11 +44,12 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
                             f"host adapter budget of {host_budget} bytes (--max-cpu-lora-bytes)",
                        "adapter_too_large")
     # The engine loader's full rules (tensor values included), the same code that serves it.
-    await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, weights, shape, rank_cap)
+    adapter = await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, weights, shape, rank_cap)
     old = await run_in_threadpool(state.registry.get, owner, name)
     if keep_identical and old is not None:
         stored = await run_in_threadpool(state.registry.read_files, old.version)
         if stored == (summary.canonical_config_json, weights):
+            await _wait(dora_scales(state, old.version, adapter))  # stored against another base, maybe
             return old
     # The canonical config is stored: the user's patterns were resolved once, above, and a
     # later load never runs them again.
@@ -51,4 +58,26 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
                                    replace=replace, max_adapters=None if quota is None else quota.max_adapters))
     if old is not None and old.version != record.version:
         await state.engine.remove_adapter(old.version)  # other processes hear it via the registry's events
+    # Waited for (a W A^T per DoRA module, on the engine's one precompute thread, off the event loop):
+    # an answered upload's first request then reloads, at a LoRA load's cost.
+    await _wait(dora_scales(state, record.version, adapter))
     return record
+
+
+async def _wait(job: Future[str]) -> None:
+    # Shielded: a client that leaves does not cancel the computation, which the next load would redo.
+    await asyncio.shield(asyncio.wrap_future(job))
+
+
+def dora_scales(state: ServerState, version: str, adapter: LoraAdapter) -> Future[str]:
+    """Compute and store a DoRA `version`'s scales against the served base unless the store has them
+    (its outcome: server.engine.dora_precompute); a plain LoRA adapter is done at once."""
+    return state.engine.engine.dora_precompute.submit(version, adapter)
+
+
+def dora_scales_of_files(state: ServerState, version: str, config_json: bytes, weights: bytes) -> str:
+    """Blocking dora_scales for stored files (start-up preloads): only a DoRA config's files are parsed."""
+    if not json.loads(config_json).get("use_dora", False):
+        return "lora"
+    adapter = load_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape, state.config.max_lora_rank)
+    return dora_scales(state, version, adapter).result()

@@ -8,6 +8,7 @@ from adapters.format import CONFIG_FILE, WEIGHTS_FILE, inspect_adapter_bytes
 from adapters.sharing import ALL, OPERATOR_OWNER
 from adapters.sources import fetch_adapter, parse_reference
 from adapters.sources.policy import operator_policy
+from server.api.adapter_intake import dora_scales_of_files
 from server.api.state import ServerState
 from server.credentials import ADMIN_TOKEN_FILE, DEMO_KEY_FILE, read_secret, write_secret
 from tenants import Tenant
@@ -47,10 +48,10 @@ def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, we
                                     state.config.max_lora_rank)
     # What is stored is the canonical config (user patterns resolved once, here).
     config_json = summary.canonical_config_json
-    existing = state.registry.get(owner, name)
-    if existing is not None and state.registry.read_files(existing.version) == (config_json, weights):
-        return
-    state.registry.put(owner, name, config_json, weights, summary=summary, replace=True)
+    record = state.registry.get(owner, name)
+    if record is None or state.registry.read_files(record.version) != (config_json, weights):
+        record = state.registry.put(owner, name, config_json, weights, summary=summary, replace=True)
+    dora_scales_of_files(state, record.version, config_json, weights)  # the first request reloads them
 
 
 def publish_lora_modules(state: ServerState) -> None:

@@ -9,8 +9,9 @@ restart) reads them instead.
 The base identity is a sha256 of the served weights' bytes (each fused projection the scales are
 computed against, after dtype casting and quantization, with its dtype, layout and shape): anything
 that changes W as served changes it, and replicas serving the same bytes share it. It is computed once
-per process, by the first DoRA load that needs it, layers hashed on up to IDENTITY_THREADS threads
-(hashlib releases the GIL): about 0.4 s of one core per GB of weights.
+per process, at engine start-up where the store is used (`prime`, server.engine.dora_precompute), else by
+the first use, layers hashed on up to IDENTITY_THREADS threads (hashlib releases the GIL): about 0.4 s of
+one core per GB of weights.
 
 What is read is checked (length, finite values) and computed afresh when missing or refused; the store
 failing is never a failed load. The engine does not import redis: the store is any object with
@@ -23,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,10 +49,13 @@ class ScaleStore(Protocol):
 @dataclass
 class DoraScaleStats:
     computed: int = 0  # adapters whose scales were computed against the base weights
-    read: int = 0  # adapters whose scales came from the store
+    precomputed: int = 0  # of those, computed when the version was accepted (server.engine.dora_precompute)
+    precompute_skipped: int = 0  # versions accepted while MAX_PENDING others waited: their first load computes
+    read: int = 0  # loads whose scales came from the store
     refused: int = 0  # stored scales ignored (wrong length, non-finite values), computed instead
     stored: int = 0  # computed scales written to the store
     store_errors: int = 0  # store reads or writes that failed (the load went on without them)
+    base_identity_ms: int = 0  # time the served weights' identity took (once per process)
 
 
 class DoraScaleCache:
@@ -70,43 +75,53 @@ class DoraScaleCache:
         """The served weights' identity (hex sha256), computed at first use."""
         with self._base_lock:
             if self._base is None:
+                start = time.perf_counter()
                 self._base = served_weights_identity(self.weights)
+                self.stats.base_identity_ms = round(1e3 * (time.perf_counter() - start))
+                log.info("served weights' identity for DoRA scales: %s, in %d ms", self._base[:16],
+                         self.stats.base_identity_ms)
             return self._base
 
-    def read(self, version: str, numel: int) -> torch.Tensor | None:
-        """`version`'s stored scales, [numel] float32, or None when there are none that pass the checks."""
+    def prime(self) -> str:
+        """The base identity, computed now (engine start-up) so that no load waits for it."""
+        return self.base
+
+    def read(self, version: str, numel: int, count_read: bool = True) -> torch.Tensor | None:
+        """`version`'s stored scales, [numel] float32, or None when there are none that pass the checks.
+        `count_read`: count a hit as a load's read (False: a check whether they are there)."""
         if self.store is None:
             return None
         try:
             data = self.store.get(version, self.base)
         except Exception as exc:  # noqa: BLE001 - a store outage costs a computation, not the load
-            self._count("store_errors")
+            self.count("store_errors")
             log.warning("reading DoRA scales of %s failed (%r): computing them", version, exc)
             return None
         if data is None:
             return None
         scales = torch.frombuffer(bytearray(data), dtype=torch.float32) if len(data) % 4 == 0 else None
         if scales is None or scales.numel() != numel or not bool(torch.isfinite(scales).all()):
-            self._count("refused")
+            self.count("refused")
             log.warning("stored DoRA scales of %s are %d bytes or not finite (want %d float32): computing them",
                         version, len(data), numel)
             return None
-        self._count("read")
+        if count_read:
+            self.count("read")
         return scales
 
     def write(self, version: str, scales: torch.Tensor) -> None:
         """Keep `version`'s freshly computed scales ([n] float32, on the CPU) in the store."""
-        self._count("computed")
+        self.count("computed")
         if self.store is None:
             return
         try:
             if self.store.put(version, self.base, scales.contiguous().numpy().tobytes()):
-                self._count("stored")
+                self.count("stored")
         except Exception as exc:  # noqa: BLE001 - the scales serve from the host tier all the same
-            self._count("store_errors")
+            self.count("store_errors")
             log.warning("storing DoRA scales of %s failed (%r)", version, exc)
 
-    def _count(self, field: str) -> None:
+    def count(self, field: str) -> None:
         with self._lock:
             setattr(self.stats, field, getattr(self.stats, field) + 1)
 

@@ -20,6 +20,7 @@ from server.engine.grammar import GrammarError, Grammars
 from server.engine.grammar_mask import GrammarMask
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
+from server.engine.dora_precompute import DoraPrecompute
 from server.engine.dora_scale_cache import ScaleStore
 from server.engine.dora_scales import DoraScales
 from server.engine.lora_slots import AdapterSlots
@@ -166,6 +167,8 @@ class LLMEngine(OutputProcessing):
         )
         if self.warmup_seconds:
             log.info("compiled every kernel variant in %.1f s", self.warmup_seconds)
+        # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
+        self.dora_precompute = DoraPrecompute(self.host, self.slots.dora_cache)
         if self.device.type == "cuda" and self.kernels.name == "triton" and not config.enforce_eager:
             # Decode steps of up to the largest batch the scheduler forms replay a captured graph. Not with
             # the torch kernels: their padded LoRA gathers every row's weights (kernels.lora_cpu), which a
@@ -352,3 +355,4 @@ class LLMEngine(OutputProcessing):
 
     def shutdown(self) -> None:
         self.host.shutdown()
+        self.dora_precompute.shutdown()
