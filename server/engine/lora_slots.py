@@ -15,7 +15,9 @@ for plain-LoRA slots and for base rows. On a CPU they are computed once per
 host-tier load, on its loader threads (`prepare`), so neither the engine's
 step loop nor a later page-in of the same adapter pays for them, and kept in
 the adapter's store (Redis) against this base (server.engine.dora_scale_cache),
-so a later host-tier load of the version reads them; on CUDA, where the base
+so a later host-tier load of the version reads them; the server has them
+computed when it accepts the version (server.engine.dora_precompute, through
+the same hook), so even the first load reads them; on CUDA, where the base
 weights live on the device, they are computed as the adapter enters its slot.
 """
 from __future__ import annotations
