@@ -45,11 +45,14 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
                        "adapter_too_large")
     # The engine loader's full rules (tensor values included), the same code that serves it.
     adapter = await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, weights, shape, rank_cap)
+    # Kept for its scales only if DoRA: a plain LoRA adapter's float32 tensors are freed before the store.
+    dora = adapter if adapter.use_dora else None
+    del adapter
     old = await run_in_threadpool(state.registry.get, owner, name)
     if keep_identical and old is not None:
         stored = await run_in_threadpool(state.registry.read_files, old.version)
         if stored == (summary.canonical_config_json, weights):
-            await _wait(dora_scales(state, old.version, adapter))  # stored against another base, maybe
+            await _precompute(state, old.version, dora)  # stored against another base, maybe
             return old
     # The canonical config is stored: the user's patterns were resolved once, above, and a
     # later load never runs them again.
@@ -60,13 +63,14 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
         await state.engine.remove_adapter(old.version)  # other processes hear it via the registry's events
     # Waited for (a W A^T per DoRA module, on the engine's one precompute thread, off the event loop):
     # an answered upload's first request then reloads, at a LoRA load's cost.
-    await _wait(dora_scales(state, record.version, adapter))
+    await _precompute(state, record.version, dora)
     return record
 
 
-async def _wait(job: Future[str]) -> None:
-    # Shielded: a client that leaves does not cancel the computation, which the next load would redo.
-    await asyncio.shield(asyncio.wrap_future(job))
+async def _precompute(state: ServerState, version: str, dora: LoraAdapter | None) -> None:
+    if dora is not None:
+        # Shielded: a client that leaves does not cancel the computation, which the next load would redo.
+        await asyncio.shield(asyncio.wrap_future(dora_scales(state, version, dora)))
 
 
 def dora_scales(state: ServerState, version: str, adapter: LoraAdapter) -> Future[str]:
