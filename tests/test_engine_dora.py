@@ -17,6 +17,7 @@ import torch
 
 from adapters.dora_scale_store import MAX_BASES, DoraScaleStore
 from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_bytes
+from adapters.host_tier import HostTier
 from adapters.registry import AdapterRegistry
 from server.demo import make_adapter
 from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams, dora_precompute, dora_scale_cache
@@ -391,7 +392,8 @@ def test_past_the_queue_bound_the_first_load_computes(stored, reference, monkeyp
 
 
 def test_without_a_store_nothing_is_precomputed(stored, monkeypatch, tiny_model_dir):
-    """The offline engine keeps no scales: no identity at start-up, intake answers "off"."""
+    """The offline engine keeps no scales: no identity at start-up, intake answers "off"; nor does an
+    engine whose host tier has no loader hook (CUDA: scales computed in the slot), even with a store."""
     identities = []
     monkeypatch.setattr(dora_scale_cache, "served_weights_identity", lambda w: identities.append(1) or "x")
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_loras=1,
@@ -399,5 +401,8 @@ def test_without_a_store_nothing_is_precomputed(stored, monkeypatch, tiny_model_
     version = stored.versions["dora_r8_all"]
     adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
     assert engine.dora_precompute.submit(version, adapter).result() == "off"
+    cuda_like = dora_precompute.DoraPrecompute(HostTier(None, None),
+                                               dora_scale_cache.DoraScaleCache(stored.store, engine.slots.dora.weights))
+    assert cuda_like.submit(version, adapter).result() == "off"
     assert identities == [] and not stored.redis.exists(f"lp:ad:dora:{version}")
     engine.shutdown()
