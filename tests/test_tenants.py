@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from tenants import (Quota, QuotaError, Tenant, TenantExists, TenantIdError, TenantNameError,
-                     TenantNotFound, TenantStore, UsageLog)
+                     TenantNotFound, TenantStore, UsageEntry, UsageLog)
 from tests.tenant_helpers import ACME_ID
 
 
@@ -285,6 +285,27 @@ def test_usage_is_not_recorded_for_a_tenant_that_is_gone(redis_client: redis.Red
     assert usage.record(acme, 1, 1) is False
     assert usage.record(Tenant(name="ghost", id=ACME_ID), 1, 1) is False
     assert list(redis_client.scan_iter("lp:t:*")) == []
+
+
+def test_usage_recorded_in_one_batch_equals_one_by_one(redis_client: redis.Redis) -> None:
+    # The usage thread records every running request's progress in one round trip (record_many).
+    store, usage = TenantStore(redis_client), UsageLog(redis_client)
+    acme, beta, gone = store.create("acme"), store.create("beta"), store.create("gone")
+    store.delete("gone")
+    now = dt.datetime(2026, 3, 1, 12, tzinfo=dt.timezone.utc).timestamp()
+    written = usage.record_many([UsageEntry(acme, 10, 5), UsageEntry(acme, 7, 3, 0, "sql"), UsageEntry(gone, 1, 1),
+                                 UsageEntry(beta, 2, 9, 2)], now=now)
+    assert written == [True, True, False, True]
+    assert usage.record_many([]) == []
+    assert usage.get(acme, now=now)["total"] == {
+        "requests": 1, "prompt_tokens": 17, "completion_tokens": 8,
+        "adapters": {"": {"requests": 1, "prompt_tokens": 10, "completion_tokens": 5},
+                     "sql": {"requests": 0, "prompt_tokens": 7, "completion_tokens": 3}}}
+    assert usage.get(beta, now=now)["total"]["completion_tokens"] == 9
+    assert list(redis_client.scan_iter(f"lp:t:{gone.id}:*")) == []
+    with pytest.raises(ValueError):  # checked before anything is sent
+        usage.record_many([UsageEntry(beta, 1, 1), UsageEntry(beta, -1, 1)])
+    assert usage.get(beta, now=now)["total"]["completion_tokens"] == 9
 
 
 def test_usage_keys_expire_and_are_indexed(redis_client: redis.Redis) -> None:
