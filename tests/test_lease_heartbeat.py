@@ -101,3 +101,7 @@ def test_many_running_requests_keep_their_leases_with_redis_a_round_trip_away(ti
         assert settlements.leases_lost == 0
         # Beats kept time: their longest silence well inside the lease (a beat is due every lease / 3).
         assert settlements.longest_beat_gap < LEASE_TTL, settlements.longest_beat_gap
+        scraped = {line.partition(" ")[0]: float(line.partition(" ")[2])
+                   for line in server.admin("GET", "/metrics").text.splitlines() if line.startswith("loraplex_lea")}
+        assert scraped["loraplex_leases_lost"] == 0
+        assert 0 < scraped["loraplex_lease_heartbeat_longest_gap_seconds"] < LEASE_TTL
