@@ -8,7 +8,7 @@ another tenant runs each attack in turn, against a quiet baseline. Prints a tabl
 Starts `loraplex serve` on the demo model (or --model) with an embedded Redis under --work-dir.
 With --pin (Linux, 2+ cores) the server runs on CPU 0 and the attacker's processes, the victim
 client and the /health poller on the other CPUs. The report ends with the server's lease health
-(leases lost, the longest silence between two lease heartbeats). Target: each attack moves the
+(leases lost, the longest a running request's lease went unrenewed). Target: each attack moves the
 victim's p99 ITL by at most 20% and /health p99 stays <= 100 ms.
 """
 from __future__ import annotations

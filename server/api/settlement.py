@@ -70,7 +70,8 @@ class _Running:
     """A request admitted on this replica and not yet settled: what was recorded of it so far.
     `lock` orders the usage thread's incremental records against the final one."""
 
-    __slots__ = ("tenant", "admission", "prompt_tokens", "adapter", "progress", "recorded", "closed", "lock")
+    __slots__ = ("tenant", "admission", "prompt_tokens", "adapter", "progress", "recorded", "closed", "lock",
+                 "opened")
 
     def __init__(self, tenant: Tenant, admission: Admission, prompt_tokens: int, adapter: str | None) -> None:
         self.tenant = tenant
@@ -81,6 +82,7 @@ class _Running:
         self.recorded = NOTHING
         self.closed = False
         self.lock = threading.Lock()
+        self.opened = time.monotonic()   # about when its lease was granted
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,9 @@ class Settlements:
         self._threads: list[threading.Thread] = []
         self.dropped = 0
         self.leases_lost = 0
-        self.longest_beat_gap = 0.0   # the longest silence between two completed heartbeat rounds (s)
+        # The longest a running request's lease went unrenewed (s): from its grant or the heartbeat
+        # before, to the heartbeat that renewed it. A lease lapses past the limiter's lease time.
+        self.longest_beat_gap = 0.0
         self._last_beat: float | None = None
 
     @property
@@ -142,17 +146,20 @@ class Settlements:
 
     def beat(self) -> None:
         """One heartbeat of every running request's lease (blocking; raises RedisError)."""
-        admissions = [r.admission for r in list(self._running.values())]
-        if admissions:
-            lost = [a for a in self._limiter.renew(admissions) if a.slot_id in self._running]
+        running = list(self._running.values())
+        if running:
+            lost = [a for a in self._limiter.renew([r.admission for r in running]) if a.slot_id in self._running]
             if lost:
                 # Only after this replica went unheard for a lease time (a Redis outage, a frozen host).
                 self.leases_lost += len(lost)
                 log.warning("%d running requests lost their concurrency leases (unheard for %.0f s)",
                             len(lost), self._limiter.lease_seconds)
         now = time.monotonic()
-        if self._last_beat is not None:
-            self.longest_beat_gap = max(self.longest_beat_gap, now - self._last_beat)
+        if running:
+            # The lease renewed last longest ago: granted, or renewed by the previous heartbeat.
+            oldest = min(r.opened for r in running)
+            since = oldest if self._last_beat is None else max(self._last_beat, oldest)
+            self.longest_beat_gap = max(self.longest_beat_gap, now - since)
         self._last_beat = now
 
     def record_progress(self) -> None:
