@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import redis
 from starlette.concurrency import run_in_threadpool
 
-from tenants import Admission, Limiter, Tenant, UsageEntry, UsageLog
+from tenants import Admission, Limiter, RunUsage, Tenant, UsageLog
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,14 @@ class Settlement:
     tenant: Tenant
     admission: Admission
     charged_tokens: int     # the request's actual tokens, for the limiter's window
-    usage: Usage            # what the usage log still lacks
+    usage: Usage            # the request's whole usage (the usage log adds what it lacks of it)
     adapter: str | None     # the adapter's name, None for the base model
     created: float
+
+
+def _run_usage(tenant: Tenant, admission: Admission, so_far: Usage, adapter: str | None) -> RunUsage:
+    return RunUsage(tenant, admission.slot_id, so_far.prompt_tokens, so_far.completion_tokens, so_far.requests,
+                    adapter)
 
 
 class Settlements:
@@ -176,7 +181,7 @@ class Settlements:
         settle() sees either none or all of a delta as recorded."""
         held: list[_Running] = []
         try:
-            due: list[tuple[_Running, Usage, Usage]] = []   # (request, usage so far, delta to write)
+            due: list[tuple[_Running, Usage, Usage]] = []   # (request, usage so far, what is new)
             for running in batch:
                 running.lock.acquire()
                 held.append(running)
@@ -189,8 +194,8 @@ class Settlements:
             if not due:
                 return True
             try:
-                self._usage.record_many([UsageEntry(r.tenant, d.prompt_tokens, d.completion_tokens, d.requests,
-                                                    r.adapter) for r, _, d in due])
+                self._usage.record_so_far([_run_usage(r.tenant, r.admission, so_far, r.adapter)
+                                           for r, so_far, _ in due])
             except redis.RedisError as e:
                 # Redis is most likely away for every request: leave them all to the next round.
                 log.warning("recording the usage of %d running requests failed (%r); next round", len(due), e)
@@ -241,17 +246,14 @@ class Settlements:
 
     def settle(self, tenant: Tenant, admission: Admission, prompt_tokens: int, completion_tokens: int,
                adapter: str | None = None) -> None:
-        """Blocking; never raises for a Redis fault (the settlement is queued instead). Records only
-        what the usage thread has not recorded yet, so the totals are exact."""
+        """Blocking; never raises for a Redis fault (the settlement is queued instead). The usage log
+        adds only what the usage thread has not recorded of the request, so the totals are exact."""
         whole = Usage(1, prompt_tokens, completion_tokens)
         running = self._running.pop(admission.slot_id, None)
-        if running is None:
-            rest = whole
-        else:
-            with running.lock:
+        if running is not None:
+            with running.lock:   # after the usage thread's round that holds it, if any
                 running.closed = True
-                rest = whole.minus(running.recorded)
-        item = Settlement(tenant, admission, prompt_tokens + completion_tokens, rest, adapter, time.monotonic())
+        item = Settlement(tenant, admission, prompt_tokens + completion_tokens, whole, adapter, time.monotonic())
         done = self._try(item, released=False)
         if done is not True:
             if len(self._pending) >= MAX_PENDING:
@@ -260,9 +262,6 @@ class Settlements:
                 return
             self._pending.append((item, done == "released"))
 
-    def _record(self, tenant: Tenant, usage: Usage, adapter: str | None) -> None:
-        self._usage.record(tenant, usage.prompt_tokens, usage.completion_tokens, requests=usage.requests,
-                           adapter=adapter)
 
     def _try(self, item: Settlement, released: bool) -> bool | str:
         """True when fully settled, "released" when only the lease went back, False when nothing did."""
@@ -270,8 +269,7 @@ class Settlements:
             if not released:
                 self._limiter.release(item.admission, item.charged_tokens)
                 released = True
-            if item.usage:
-                self._record(item.tenant, item.usage, item.adapter)
+            self._usage.record_so_far([_run_usage(item.tenant, item.admission, item.usage, item.adapter)], final=True)
             return True
         except redis.RedisError as e:
             log.warning("settling request %s failed (%r); will retry", item.admission.request_id, e)
