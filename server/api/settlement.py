@@ -4,8 +4,10 @@ they end, with retries.
 While a request runs, a heartbeat thread of this replica beats every lease it holds (every lease
 time / 3, all of them in one round trip), so a long request never loses its slot while a crashed
 replica's slots come back within the lease time; and a usage thread records each request's usage so
-far as a delta over what was already recorded (every usage-settle interval, all of them in one
-pipelined round trip), so a crash loses at most that interval of usage. Threads, not tasks on the
+far (every usage-settle interval, all of them in one pipelined round trip), so a crash loses at
+most that interval of usage. Each record sends the request's totals so far, and Redis adds only
+what it has not recorded of that request (UsageLog.record_so_far), so a record sent again after
+a lost reply, and the final one, keep the totals exact. Threads, not tasks on the
 event loop: a loop that one request stalls must not cost every other request its lease. Two threads,
 not one: recording usage grows with the number of running requests and, under load, each of its
 round trips waits for the GIL, so a heartbeat queued behind it came late enough to lose every lease
