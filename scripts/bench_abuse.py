@@ -6,7 +6,10 @@ another tenant runs each attack in turn, against a quiet baseline. Prints a tabl
     .venv/bin/python scripts/bench_abuse.py --phase-s 5 --only huge_token_body,tokenize_flood
 
 Starts `loraplex serve` on the demo model (or --model) with an embedded Redis under --work-dir.
-Target: each attack moves the victim's p99 ITL by at most 20% and /health p99 stays <= 100 ms.
+With --pin (Linux, 2+ cores) the server runs on CPU 0 and the attacker's processes, the victim
+client and the /health poller on the other CPUs. The report ends with the server's lease health
+(leases lost, the longest a running request's lease went unrenewed). Target: each attack moves the
+victim's p99 ITL by at most 20% and /health p99 stays <= 100 ms.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,12 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
     p.add_argument("--only", default=None, help="comma-separated attacks to run (default: all)")
+    p.add_argument("--pin", action="store_true",
+                   help="server on CPU 0, attacker and victim clients on the rest (default: no pinning)")
     p.add_argument("--work-dir", default="bench-out/abuse", help="demo model, Redis data, server log "
                                                                  "(default bench-out/abuse)")
     p.add_argument("--json", default=None, help="write the report here (default: print only)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-num-batched-tokens=256)")
     return p
+
+
+def _lease_health(metrics: str) -> dict:
+    """The server's lease counters from its /metrics text."""
+    values = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("loraplex_leases_lost", "loraplex_lease_heartbeat_longest_gap_seconds"):
+            values[name] = float(value)
+    return {"lost": values.get("loraplex_leases_lost"),
+            "longest_heartbeat_gap_s": values.get("loraplex_lease_heartbeat_longest_gap_seconds")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,22 +67,35 @@ def main(argv: list[str] | None = None) -> int:
         from server.demo import ensure_demo
         model = str(ensure_demo(work / "demo").model_dir)
     budget = ServerConfig.max_logprob_entries
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
+        print("bench_abuse: error: --pin needs 2 or more CPUs", file=sys.stderr)
+        return 2
+    attacker_cpus = tuple(cpus[1:]) if args.pin else None
     shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
     with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
                        serve_args=["--device", "cpu", *args.serve_arg]) as srv:
+        if args.pin:  # every thread of the server
+            subprocess.run(["taskset", "-a", "-cp", str(cpus[0]), str(srv.proc.pid)], check=True,
+                           capture_output=True)
+            os.sched_setaffinity(0, attacker_cpus)  # the victim client and /health poller
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         httpx.post(srv.url + "/admin/tenants", json={"name": "probe"}, headers=admin).raise_for_status()
         key = httpx.post(srv.url + "/admin/tenants/probe/keys", headers=admin).json()["key"]
         card = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]
         target = abuse.Target(srv.url, srv.admin_token, card["id"], card["max_model_len"], budget)
+        load_before = os.getloadavg()
         report = abuse.run(target, args.phase_s, args.only.split(",") if args.only else None,
-                           log=lambda s: print(s, file=sys.stderr, flush=True))
+                           log=lambda s: print(s, file=sys.stderr, flush=True), attacker_cpus=attacker_cpus)
+        report["leases"] = _lease_health(httpx.get(srv.url + "/metrics", headers=admin).text)
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": Path(model).name,
                          "max_model_len": target.max_model_len, "max_logprob_entries": budget,
-                         "serve_args": args.serve_arg}
+                         "serve_args": args.serve_arg, "pinned": args.pin,
+                         "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))
-    print(f"target met: {report['met']}")
+    print(f"target met: {report['met']}; leases lost {report['leases']['lost']}, longest heartbeat gap "
+          f"{report['leases']['longest_heartbeat_gap_s']} s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

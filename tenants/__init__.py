@@ -12,11 +12,11 @@ from tenants.models import Quota, Tenant, validate_tenant_id, validate_tenant_na
 from tenants.refusals import REASONS as REFUSAL_REASONS
 from tenants.refusals import RefusalLog
 from tenants.store import TenantStore
-from tenants.usage import UsageLog
+from tenants.usage import RunUsage, UsageLog
 
 __all__ = [
     "Admission", "AuthThrottle", "Keyspace", "Limiter", "Quota", "QuotaError", "QuotaExceeded",
-    "REFUSAL_REASONS", "RefusalLog", "RequestTooLarge", "Tenant", "TenantConcurrentChange", "TenantError", "TenantExists",
+    "REFUSAL_REASONS", "RefusalLog", "RunUsage", "RequestTooLarge", "Tenant", "TenantConcurrentChange", "TenantError", "TenantExists",
     "TenantIdError", "TenantNameError", "TenantNotFound", "TenantStore", "UsageLog",
     "check_request_tokens", "validate_tenant_id", "validate_tenant_name",
 ]

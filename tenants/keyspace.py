@@ -75,6 +75,10 @@ class Keyspace:
     def usage_index(self, tenant_id: str) -> str:
         return f"{self.owned(tenant_id)}usage"
 
+    # What was recorded so far of one running request (tenants.usage.record_so_far), by its id.
+    def running_usage(self, tenant_id: str, run: str) -> str:
+        return f"{self.owned(tenant_id)}running:{run}"
+
     # Refusals (tenants.refusals): one hash per tenant per UTC day, in the usage index too.
     def refusals(self, tenant_id: str, day: str) -> str:
         return f"{self.owned(tenant_id)}refusals:{day}"

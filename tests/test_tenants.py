@@ -7,8 +7,9 @@ import datetime as dt
 import pytest
 import redis
 
-from tenants import (Quota, QuotaError, Tenant, TenantExists, TenantIdError, TenantNameError,
+from tenants import (Quota, QuotaError, RunUsage, Tenant, TenantExists, TenantIdError, TenantNameError,
                      TenantNotFound, TenantStore, UsageLog)
+from tenants.usage import ENDED_RUN_TTL_SECONDS
 from tests.tenant_helpers import ACME_ID
 
 
@@ -285,6 +286,34 @@ def test_usage_is_not_recorded_for_a_tenant_that_is_gone(redis_client: redis.Red
     assert usage.record(acme, 1, 1) is False
     assert usage.record(Tenant(name="ghost", id=ACME_ID), 1, 1) is False
     assert list(redis_client.scan_iter("lp:t:*")) == []
+
+
+def test_running_requests_usage_so_far_is_added_once_however_often_it_is_sent(redis_client: redis.Redis) -> None:
+    # The usage thread sends every running request's totals so far in one round trip; a round whose
+    # reply was lost is sent again, and the request's final record after it: each counts once.
+    store, usage = TenantStore(redis_client), UsageLog(redis_client)
+    acme, beta, gone = store.create("acme"), store.create("beta"), store.create("gone")
+    store.delete("gone")
+    now = dt.datetime(2026, 3, 1, 12, tzinfo=dt.timezone.utc).timestamp()
+    first = [RunUsage(acme, "r1", 10, 5), RunUsage(acme, "r2", 7, 3, adapter="sql"), RunUsage(gone, "r3", 1, 1),
+             RunUsage(beta, "r4", 2, 9)]
+    assert usage.record_so_far(first, now=now) == [True, True, False, True]
+    assert usage.record_so_far(first, now=now) == [True, True, False, True]  # sent again: nothing added
+    assert usage.record_so_far([RunUsage(acme, "r1", 10, 8)], now=now) == [True]  # 3 more tokens
+    assert usage.record_so_far([RunUsage(acme, "r1", 10, 9)], final=True, now=now) == [True]
+    assert usage.record_so_far([RunUsage(acme, "r1", 10, 9)], final=True, now=now) == [True]  # a retried final
+    assert usage.record_so_far([]) == []
+    assert usage.get(acme, now=now)["total"] == {
+        "requests": 2, "prompt_tokens": 17, "completion_tokens": 12,
+        "adapters": {"": {"requests": 1, "prompt_tokens": 10, "completion_tokens": 9},
+                     "sql": {"requests": 1, "prompt_tokens": 7, "completion_tokens": 3}}}
+    assert usage.get(beta, now=now)["total"]["completion_tokens"] == 9
+    assert list(redis_client.scan_iter(f"lp:t:{gone.id}:*")) == []
+    ended = redis_client.ttl(f"lp:t:{acme.id}:running:r1")
+    assert 0 < ended <= ENDED_RUN_TTL_SECONDS < redis_client.ttl(f"lp:t:{acme.id}:running:r2")
+    with pytest.raises(ValueError):  # checked before anything is sent
+        usage.record_so_far([RunUsage(beta, "r5", 1, 1), RunUsage(beta, "r6", -1, 1)])
+    assert usage.get(beta, now=now)["total"]["completion_tokens"] == 9
 
 
 def test_usage_keys_expire_and_are_indexed(redis_client: redis.Redis) -> None:

@@ -83,6 +83,9 @@ class Metrics:
         self.leases_lost = Gauge("loraplex_leases_lost",
                                  "Running requests whose lease lapsed (this replica unheard for --lease-ttl)",
                                  registry=r)
+        self.longest_beat_gap = Gauge("loraplex_lease_heartbeat_longest_gap_seconds",
+                                      "Longest a running request's lease went unrenewed since start (it "
+                                      "lapses past --lease-ttl)", registry=r)
         # An info metric (`loraplex_replica_info{replica=...} 1`) rather than a replica label on every
         # series: Prometheus already labels each scrape target, and a join on this one names it.
         self.replica = Info("loraplex_replica", "Which replica this is, and what it serves", registry=r)

@@ -54,6 +54,7 @@ async def metrics(request: Request) -> Response:
     state.metrics.observe_load_times(state.engine.engine.host.load_seconds)
     state.metrics.running_leases.set(state.settlements.running)
     state.metrics.leases_lost.set(state.settlements.leases_lost)
+    state.metrics.longest_beat_gap.set(state.settlements.longest_beat_gap)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,12 +1,17 @@
 """Settling requests in Redis (concurrency lease, token charge, usage): while they run, and when
 they end, with retries.
 
-While a request runs, a keeper thread of this replica beats the heartbeat of every lease it holds
-(every lease time / 3), so a long request never loses its slot while a crashed replica's slots
-come back within the lease time; and it records each request's usage so far as a delta over what
-was already recorded (every usage-settle interval), so a crash loses at most that interval of
-usage. A thread, not a task on the event loop: a loop that one request stalls must not cost every
-other request its lease.
+While a request runs, a heartbeat thread of this replica beats every lease it holds (every lease
+time / 3, all of them in one round trip), so a long request never loses its slot while a crashed
+replica's slots come back within the lease time; and a usage thread records each request's usage so
+far (every usage-settle interval, all of them in one pipelined round trip), so a crash loses at
+most that interval of usage. Each record sends the request's totals so far, and Redis adds only
+what it has not recorded of that request (UsageLog.record_so_far), so a record sent again after
+a lost reply, and the final one, keep the totals exact. Threads, not tasks on the
+event loop: a loop that one request stalls must not cost every other request its lease. Two threads,
+not one: recording usage grows with the number of running requests and, under load, each of its
+round trips waits for the GIL, so a heartbeat queued behind it came late enough to lose every lease
+(48 at once, with nothing wrong with Redis); the heartbeat waits for nothing but its own round trip.
 
 A request that ends while Redis is unreachable must not leak its lease until it expires, nor lose
 its usage: the rest of its settlement is queued and retried in the background until Redis
@@ -20,21 +25,25 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 from starlette.concurrency import run_in_threadpool
 
-from tenants import Admission, Limiter, Tenant, UsageLog
+from tenants import Admission, Limiter, RunUsage, Tenant, UsageLog
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 100_000
 MAX_AGE_SECONDS = 3600.0
 RETRY_INTERVAL_SECONDS = 0.5
-# Beats per lease time: two may fail (or come late) before a live request's lease lapses.
+# Beats per lease time: two may fail (or come late) before a live request's lease lapses. A beat
+# is one round trip (per 500 leases), so with the default 10 s lease a beat may come 6.7 s late.
 BEATS_PER_LEASE = 3
+# Running requests whose usage goes in one pipelined round trip (and whose locks it holds meanwhile).
+RECORD_BATCH = 500
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,10 @@ NOTHING = Usage(0, 0, 0)
 
 class _Running:
     """A request admitted on this replica and not yet settled: what was recorded of it so far.
-    `lock` orders the keeper's incremental records against the final one."""
+    `lock` orders the usage thread's incremental records against the final one."""
 
-    __slots__ = ("tenant", "admission", "prompt_tokens", "adapter", "progress", "recorded", "closed", "lock")
+    __slots__ = ("tenant", "admission", "prompt_tokens", "adapter", "progress", "recorded", "closed", "lock",
+                 "opened")
 
     def __init__(self, tenant: Tenant, admission: Admission, prompt_tokens: int, adapter: str | None) -> None:
         self.tenant = tenant
@@ -74,6 +84,7 @@ class _Running:
         self.recorded = NOTHING
         self.closed = False
         self.lock = threading.Lock()
+        self.opened = time.monotonic()   # about when its lease was granted
 
 
 @dataclass(frozen=True)
@@ -81,9 +92,14 @@ class Settlement:
     tenant: Tenant
     admission: Admission
     charged_tokens: int     # the request's actual tokens, for the limiter's window
-    usage: Usage            # what the usage log still lacks
+    usage: Usage            # the request's whole usage (the usage log adds what it lacks of it)
     adapter: str | None     # the adapter's name, None for the base model
     created: float
+
+
+def _run_usage(tenant: Tenant, admission: Admission, so_far: Usage, adapter: str | None) -> RunUsage:
+    return RunUsage(tenant, admission.slot_id, so_far.prompt_tokens, so_far.completion_tokens, so_far.requests,
+                    adapter)
 
 
 class Settlements:
@@ -97,9 +113,13 @@ class Settlements:
         self._pending: deque[tuple[Settlement, bool]] = deque()  # (what, lease already released)
         self._running: dict[str, _Running] = {}                  # slot id -> request
         self._stop = threading.Event()
-        self._keeper: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.dropped = 0
         self.leases_lost = 0
+        # The longest a running request's lease went unrenewed (s): from its grant or the heartbeat
+        # before, to the heartbeat that renewed it. A lease lapses past the limiter's lease time.
+        self.longest_beat_gap = 0.0
+        self._last_beat: float | None = None
 
     @property
     def pending(self) -> int:
@@ -112,7 +132,7 @@ class Settlements:
     # ---- while a request runs ------------------------------------------
 
     def open(self, tenant: Tenant, admission: Admission, prompt_tokens: int, adapter: str | None = None) -> None:
-        """From admission on, the keeper beats this request's lease."""
+        """From admission on, the heartbeat thread beats this request's lease."""
         self._running[admission.slot_id] = _Running(tenant, admission, prompt_tokens, adapter)
 
     def discard(self, admission: Admission) -> None:
@@ -125,7 +145,7 @@ class Settlements:
                 assert not running.recorded, (admission.request_id, running.recorded)
 
     def follow(self, admission: Admission, progress: Callable[[], int]) -> None:
-        """From now on the keeper records the request's usage so far: the request and its prompt,
+        """From now on the usage thread records the request's usage so far: the request and its prompt,
         and `progress()` completion tokens (thread-safe to call; it only grows)."""
         running = self._running.get(admission.slot_id)
         if running is not None:
@@ -133,83 +153,109 @@ class Settlements:
 
     def beat(self) -> None:
         """One heartbeat of every running request's lease (blocking; raises RedisError)."""
-        admissions = [r.admission for r in list(self._running.values())]
-        if not admissions:
-            return
-        lost = [a for a in self._limiter.renew(admissions) if a.slot_id in self._running]
-        if lost:
-            # Only after this replica went unheard for a lease time (a Redis outage, a frozen host).
-            self.leases_lost += len(lost)
-            log.warning("%d running requests lost their concurrency leases (unheard for %.0f s)",
-                        len(lost), self._limiter.lease_seconds)
+        running = list(self._running.values())
+        if running:
+            lost = [a for a in self._limiter.renew([r.admission for r in running]) if a.slot_id in self._running]
+            if lost:
+                # Only after this replica went unheard for a lease time (a Redis outage, a frozen host).
+                self.leases_lost += len(lost)
+                log.warning("%d running requests lost their concurrency leases (unheard for %.0f s)",
+                            len(lost), self._limiter.lease_seconds)
+        now = time.monotonic()
+        if running:
+            # The lease renewed last longest ago: granted, or renewed by the previous heartbeat.
+            oldest = min(r.opened for r in running)
+            since = oldest if self._last_beat is None else max(self._last_beat, oldest)
+            self.longest_beat_gap = max(self.longest_beat_gap, now - since)
+        self._last_beat = now
 
     def record_progress(self) -> None:
-        """Record every followed request's usage since the last record (blocking). A Redis fault
-        ends the round; the next one records the larger deltas."""
-        for running in list(self._running.values()):
-            with running.lock:
+        """Record every followed request's usage since the last record (blocking), one pipelined
+        round trip per RECORD_BATCH requests. A Redis fault ends the round; the next one records
+        the larger deltas."""
+        running = list(self._running.values())
+        for start in range(0, len(running), RECORD_BATCH):
+            if not self._record_batch(running[start:start + RECORD_BATCH]):
+                return
+
+    def _record_batch(self, batch: Sequence[_Running]) -> bool:
+        """False when Redis failed. Holds the batch's locks until its deltas are written, so that
+        settle() sees either none or all of a delta as recorded."""
+        held: list[_Running] = []
+        try:
+            due: list[tuple[_Running, Usage, Usage]] = []   # (request, usage so far, what is new)
+            for running in batch:
+                running.lock.acquire()
+                held.append(running)
                 if running.closed or running.progress is None:
                     continue
                 so_far = Usage(1, running.prompt_tokens, running.progress())
                 delta = so_far.minus(running.recorded)
-                if not delta:
-                    continue
-                try:
-                    self._record(running.tenant, delta, running.adapter)
-                except redis.RedisError as e:
-                    # Redis is most likely away for every request: leave them all to the next round.
-                    log.warning("recording the usage of running request %s failed (%r); next round",
-                                running.admission.request_id, e)
-                    return
+                if delta:
+                    due.append((running, so_far, delta))
+            if not due:
+                return True
+            try:
+                self._usage.record_so_far([_run_usage(r.tenant, r.admission, so_far, r.adapter)
+                                           for r, so_far, _ in due])
+            except redis.RedisError as e:
+                # Redis is most likely away for every request: leave them all to the next round.
+                log.warning("recording the usage of %d running requests failed (%r); next round", len(due), e)
+                return False
+            for running, so_far, _ in due:
                 running.recorded = so_far
+            return True
+        finally:
+            for running in held:
+                running.lock.release()
 
     def start(self) -> None:
         self._stop.clear()
-        self._keeper = threading.Thread(target=self._keep, name="loraplex-settlement-keeper", daemon=True)
-        self._keeper.start()
+        self._last_beat = None
+        self._threads = [
+            threading.Thread(target=self._every, args=(self.beat_interval, self.beat, "lease heartbeat"),
+                             name="loraplex-lease-heartbeat", daemon=True),
+            threading.Thread(target=self._every, args=(self.settle_interval, self.record_progress, "usage record"),
+                             name="loraplex-usage-keeper", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        """Stop the keeper after a last record of whatever still runs (the replica is exiting)."""
+        """Stop both threads after a last record of whatever still runs (the replica is exiting)."""
         self._stop.set()
-        if self._keeper is not None:
-            self._keeper.join(30)
-            self._keeper = None
+        for thread in self._threads:
+            thread.join(30)
+        self._threads = []
         try:
             self.record_progress()
         except redis.RedisError:
             log.warning("could not record the usage of running requests at exit", exc_info=True)
 
-    def _keep(self) -> None:
-        next_beat = next_record = time.monotonic()
-        while not self._stop.wait(max(0.0, min(next_beat, next_record) - time.monotonic())):
-            now = time.monotonic()
+    def _every(self, interval: float, work: Callable[[], None], what: str) -> None:
+        """Run `work` every `interval` seconds, counted from the start of each run (a slow round is
+        not followed by a full interval of silence), until stop()."""
+        due = time.monotonic()
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            due = time.monotonic() + interval
             try:
-                if now >= next_beat:
-                    next_beat = now + self.beat_interval
-                    self.beat()
-                if now >= next_record:
-                    next_record = now + self.settle_interval
-                    self.record_progress()
+                work()
             except redis.RedisError as e:
-                log.warning("lease heartbeat failed (%r); next round", e)
+                log.warning("%s failed (%r); next round", what, e)
             except Exception:  # noqa: BLE001 - a bug here must not end the heartbeat of every lease
-                log.exception("settlement keeper round failed")
+                log.exception("%s round failed", what)
 
     # ---- when a request ends -------------------------------------------
 
     def settle(self, tenant: Tenant, admission: Admission, prompt_tokens: int, completion_tokens: int,
                adapter: str | None = None) -> None:
-        """Blocking; never raises for a Redis fault (the settlement is queued instead). Records only
-        what the keeper has not recorded yet, so the totals are exact."""
+        """Blocking; never raises for a Redis fault (the settlement is queued instead). The usage log
+        adds only what the usage thread has not recorded of the request, so the totals are exact."""
         whole = Usage(1, prompt_tokens, completion_tokens)
         running = self._running.pop(admission.slot_id, None)
-        if running is None:
-            rest = whole
-        else:
-            with running.lock:
+        if running is not None:
+            with running.lock:   # after the usage thread's round that holds it, if any
                 running.closed = True
-                rest = whole.minus(running.recorded)
-        item = Settlement(tenant, admission, prompt_tokens + completion_tokens, rest, adapter, time.monotonic())
+        item = Settlement(tenant, admission, prompt_tokens + completion_tokens, whole, adapter, time.monotonic())
         done = self._try(item, released=False)
         if done is not True:
             if len(self._pending) >= MAX_PENDING:
@@ -218,9 +264,6 @@ class Settlements:
                 return
             self._pending.append((item, done == "released"))
 
-    def _record(self, tenant: Tenant, usage: Usage, adapter: str | None) -> None:
-        self._usage.record(tenant, usage.prompt_tokens, usage.completion_tokens, requests=usage.requests,
-                           adapter=adapter)
 
     def _try(self, item: Settlement, released: bool) -> bool | str:
         """True when fully settled, "released" when only the lease went back, False when nothing did."""
@@ -228,8 +271,7 @@ class Settlements:
             if not released:
                 self._limiter.release(item.admission, item.charged_tokens)
                 released = True
-            if item.usage:
-                self._record(item.tenant, item.usage, item.adapter)
+            self._usage.record_so_far([_run_usage(item.tenant, item.admission, item.usage, item.adapter)], final=True)
             return True
         except redis.RedisError as e:
             log.warning("settling request %s failed (%r); will retry", item.admission.request_id, e)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 import time
 from collections import Counter
@@ -149,6 +150,12 @@ def _attacks(target: Target) -> dict[str, Attack]:
     }
 
 
+def pin_cpus(cpus: tuple[int, ...] | None) -> None:
+    """Run this process on `cpus` (an attacker's, in its pool's initializer); None: anywhere."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def _attack_loop(url: str, key: str, path: str, body: bytes, phase_s: float) -> Counter:
     """One attacker loop (in its own process, so its client work never delays the victim's clock)."""
     statuses: Counter = Counter()
@@ -164,8 +171,9 @@ def _attack_loop(url: str, key: str, path: str, body: bytes, phase_s: float) -> 
 
 
 def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
-        log: Callable[[str], None] = lambda s: None) -> dict:
-    """Run the baseline and each attack (or those named in `only`); returns the JSON report."""
+        log: Callable[[str], None] = lambda s: None, attacker_cpus: tuple[int, ...] | None = None) -> dict:
+    """Run the baseline and each attack (or those named in `only`); returns the JSON report. The
+    attacker's processes run on `attacker_cpus` (None: wherever the OS puts them)."""
     tag = str(int(time.time() * 1000))[-8:]
     keys = {"victim": _tenant(target, f"victim-{tag}", {}),
             "open": _tenant(target, f"open-{tag}", {}),
@@ -179,7 +187,8 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
     background = [threading.Thread(target=_victim, args=(target, keys["victim"], lambda: current[0], stop)),
                   threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
     pool = ProcessPoolExecutor(max_workers=max(a.loops for a in attacks.values()),
-                               mp_context=multiprocessing.get_context("spawn"))
+                               mp_context=multiprocessing.get_context("spawn"),
+                               initializer=pin_cpus, initargs=(attacker_cpus,))
     for t in background:
         t.start()
     try:

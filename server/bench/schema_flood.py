@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import httpx
 
-from server.bench.abuse import Phase, Target, _health, _tenant, _victim
+from server.bench.abuse import Phase, Target, _health, _tenant, _victim, pin_cpus
 
 ITL_TARGET_RATIO = 1.10
 PHASES = ("slow_schemas", "many_schemas")
@@ -40,11 +40,6 @@ def _small_schema(suite: list[dict], i: int, tag: str) -> dict:
     return {"type": "object", "properties": {"salt": {"const": f"{tag}-{i}"}, "value": schema},
             "required": ["salt", "value"], "additionalProperties": False,
             **({"$defs": schema["$defs"]} if "$defs" in schema else {})}
-
-
-def _pin(cpus: tuple[int, ...] | None) -> None:
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: float, enum_values: int) -> Counter:
@@ -88,7 +83,7 @@ def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tu
     background = [threading.Thread(target=_victim, args=(target, victim, lambda: current[0], stop)),
                   threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
     pool = ProcessPoolExecutor(max_workers=loops, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_pin, initargs=(attacker_cpus,))
+                               initializer=pin_cpus, initargs=(attacker_cpus,))
     for t in background:
         t.start()
     try:
