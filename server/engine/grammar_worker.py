@@ -9,8 +9,8 @@ and be refused for the machine's sake, not its own. A wall-clock cap, WALL_CAP_F
 the budget, is the backstop for a process that makes no progress at all.
 
 The pool keeps SPARE_PROCESSES started beyond the compiles running (at most `processes`), so a
-killed process's replacement starts (imports xgrammar, loads the tokenizer: seconds) in the
-background while a warm spare takes the next compile. The result comes back serialised and
+killed process's replacement starts in the background (forked from a fork server that has
+imported xgrammar once, then loading the tokenizer) while a warm spare takes the next compile. The result comes back serialised and
 is bound to the engine's tokenizer in this process (Grammars.deserialize). Callers block (run
 `compile` off the event loop and off the engine thread); at most `processes` compiles run at
 once, the rest wait for a free slot.
@@ -28,7 +28,7 @@ import psutil
 from server.engine.grammar import GrammarError, Grammars, compile_constraint
 from server.engine.structured_outputs import StructuredOutputsParams
 
-START_TIMEOUT_S = 180.0  # a process imports xgrammar (and torch) before its first compile
+START_TIMEOUT_S = 180.0  # the first process waits for the fork server to import xgrammar (and torch)
 # Compile processes run at a lower CPU priority than the engine: on a machine with few cores, a
 # flood of slow schemas (and the imports of each replacement for a killed process) then takes
 # the cycles the engine leaves, not the ones other tenants' decode steps need.
@@ -121,7 +121,12 @@ class GrammarCompileService:
         # A waiting request gives up after this long (others' compiles end by their wall-clock cap).
         self.wait_s = wait_s if wait_s is not None else START_TIMEOUT_S + 2 * self.wall_cap_ms / 1000
         self._info_json = grammars.info.serialize_json()
-        self._ctx = multiprocessing.get_context("spawn")  # never fork a process with threads
+        # Children fork from multiprocessing's fork server, a single-threaded process that imported
+        # this module (xgrammar, torch) and the main module once: a replacement then starts in tens
+        # of ms, not the ~10 s of CPU a spawn spends on those imports; and no child is forked from
+        # this process's threads.
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["__main__", __name__])
         self._slots = threading.BoundedSemaphore(processes)
         self._spares = spares
         self._pool_size = processes + spares
