@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
     p.add_argument("--loops", type=int, default=4, help="attacker request loops, each a process (default 4)")
-    p.add_argument("--enum-values", type=int, default=2200,
-                   help="values of each slow_schemas enum (default 2200: ~62 kB, under the default "
-                        "--max-schema-bytes, and slower to compile than a 1 s deadline on 2 cores)")
+    p.add_argument("--regex-groups", type=int, default=1000,
+                   help="`(a|b)?` groups of each slow_schemas regex (default 1000: 6 kB, under the default "
+                        "--max-schema-bytes, and over 15 s of CPU time to compile on 2 cores)")
     p.add_argument("--attacker-concurrency", type=int, default=None,
                    help="the attacker tenant's max_concurrent_requests (default: unlimited)")
     p.add_argument("--pin", action="store_true",
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                               ServerConfig.max_logprob_entries)
         quota = {} if args.attacker_concurrency is None else {"max_concurrent_requests": args.attacker_concurrency}
         load_before = os.getloadavg()
-        report = schema_flood.run(target, args.phase_s, args.loops, attacker_cpus, args.enum_values, quota,
+        report = schema_flood.run(target, args.phase_s, args.loops, attacker_cpus, args.regex_groups, quota,
                                   log=lambda s: print(s, file=sys.stderr, flush=True))
         engine = httpx.get(srv.url + "/admin/engine", headers=admin).json()["structured_output"]
     report["server_structured_output"] = engine

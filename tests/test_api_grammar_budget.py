@@ -2,7 +2,8 @@
 (a second request at max_concurrent_requests 1 is a 429 while the first compiles), and each kind
 of pathological constraint (deep nesting, a huge enum, a catastrophic regex) is refused with a 400
 naming the limit it passed: --max-schema-bytes when it is too large to read, and
---max-grammar-compile-ms when it is small enough but slow to compile (its compile is killed).
+--max-grammar-compile-ms when it is small enough but slow to compile (its compile is killed past
+that much CPU time, and the next request takes a warm spare process, not the replacement's start).
 Nesting is bounded before that, by the body parser's depth limit: a 500-deep schema (48 s to
 compile here) is refused unread, and the deepest schema a body may hold compiles at once."""
 from __future__ import annotations
@@ -91,10 +92,20 @@ def test_a_pathological_constraint_is_refused_naming_the_limit(server, kind):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and "--max-schema-bytes" in err["message"] and str(SCHEMA_BYTES) in err["message"]
+    compiler = server.state.grammar_compiler
+    deadline = time.monotonic() + 300
+    while not compiler.all_started:  # a spare is warm (the last kill's replacement has started)
+        assert time.monotonic() < deadline, "the grammar compile processes never all started"
+        time.sleep(0.05)
     r = _complete(server, key, **{field: slow})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == field and f"{COMPILE_MS} ms (--max-grammar-compile-ms)" in err["message"]
+    assert err["param"] == field and f"{COMPILE_MS} ms of CPU time (--max-grammar-compile-ms)" in err["message"]
+    # the killed process's replacement starts in the background: the next compile takes the spare
+    cold = compiler.cold_starts
+    r = _complete(server, key, guided_choice=[f"after-{kind}"], max_tokens=32)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == f"after-{kind}", r.text
+    assert compiler.cold_starts == cold, "the compile after a kill waited for a process start"
     with server.http(server.config.admin_token) as c:
         assert c.get("/admin/engine").json()["structured_output"]["compiles_running"] == 0
 

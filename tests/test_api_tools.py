@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from server.api.errors import APIError
 from server.api.openai_requests import ChatCompletionRequest
-from server.api.tool_calls import chat_inputs, plan_tools
+from server.api.tool_calls import chat_inputs, plan_tools, request_constraint
 from server.demo import CHAT_TEMPLATE
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
@@ -269,7 +269,8 @@ def _error(client: openai.OpenAI, model: str, **kw) -> dict:
     ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
      "tools[0].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools[0].function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}], "guided_regex": "a+"},
+     "guided_regex"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"functions": [{"name": "f"}]}, "functions"),
@@ -326,3 +327,55 @@ def test_each_of_n_choices_gets_its_own_calls(server, client):
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
         jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), WEATHER)
         assert args[c.index] == c.message.tool_calls[0].function.arguments
+
+
+STRICT_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}},
+                {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+
+def _accepts(grammars, spec, text: str) -> bool:
+    matcher = grammars.matcher(grammars.compile(spec))
+    return matcher.accept_string(text) and matcher.accept_token(grammars.info.stop_token_ids[0])
+
+
+@pytest.mark.parametrize("parser,call", [
+    ("hermes", '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'),
+    ("llama3_json", '{{"name": "{name}", "parameters": {args}}}')])
+def test_auto_with_a_strict_function_holds_the_calls_to_its_schema(server, parser, call):
+    # As vLLM does (a structural tag when a tool is strict): the model may answer in text, and a
+    # call it writes names an offered function, with arguments valid for a strict one's schema.
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "tools": STRICT_TOOLS,
+                                                "tool_choice": "auto"})
+    constraint = request_constraint(req, plan_tools(req, parser, 4096), 4096)
+    assert constraint.param == "tools" and constraint.spec.kind == "structural_tag"
+    grammars = server.state.engine.engine.grammars
+    ok = call.format(name="add", args='{"a": 1, "b": 2}')
+    assert _accepts(grammars, constraint.spec, "No call needed.")
+    assert _accepts(grammars, constraint.spec, "Sure. " + ok)
+    assert not _accepts(grammars, constraint.spec, "Sure. " + call.format(name="add", args='{"a": 100, "b": 2}'))
+    assert not _accepts(grammars, constraint.spec, "Sure. " + call.format(name="add", args='{"a": 1}'))
+    assert not _accepts(grammars, constraint.spec, "Sure. " + call.format(name="nope", args='{"a": 1, "b": 2}'))
+    # get_weather is not strict: any object for it
+    assert _accepts(grammars, constraint.spec, call.format(name="get_weather", args='{"x": [1]}'))
+    assert _accepts(grammars, constraint.spec, ok + " " + ok)
+    sequential = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "tools": STRICT_TOOLS,
+                                                       "tool_choice": "auto", "parallel_tool_calls": False})
+    one_call = request_constraint(sequential, plan_tools(sequential, parser, 4096), 4096).spec
+    assert _accepts(grammars, one_call, "Sure. " + ok) and not _accepts(grammars, one_call, ok + " " + ok)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_with_a_strict_function_is_served_constrained(server, client, stream):
+    def constrained() -> int:
+        with server.http(server.config.admin_token) as h:
+            return h.get("/admin/engine").json()["structured_output"]["constrained_requests"]
+
+    before = constrained()
+    r = client.chat.completions.create(model="ad", messages=MESSAGES, tools=STRICT_TOOLS, tool_choice="auto",
+                                       max_tokens=12, temperature=0, stream=stream)
+    if stream:
+        reasons = [c.finish_reason for chunk in r for c in chunk.choices if c.finish_reason]
+        assert reasons and reasons[-1] in ("stop", "length", "tool_calls")
+    else:
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert constrained() == before + 1

@@ -100,7 +100,8 @@ async def engine(request: Request) -> Response:
                               "cache_hits": s.grammar_cache_hits, "compile_seconds": s.grammar_compile_seconds,
                               "failures": s.grammar_failures, "cached_grammars": s.grammars_cached,
                               "compile_timeouts": state.grammar_compiler.timeouts,
-                              "compiles_running": state.grammar_compiler.running},
+                              "compiles_running": state.grammar_compiler.running,
+                              "compile_cold_starts": state.grammar_compiler.cold_starts},
         # DoRA scales: computed against the base, or read from Redis (server.engine.dora_scale_cache).
         "dora_scales": vars(state.engine.engine.slots.dora_cache.stats),
         "history": list(state.history.points)})

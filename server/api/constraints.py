@@ -98,8 +98,7 @@ async def compile_constraint(compiler: GrammarCompileService, constraint: Constr
     try:
         return await run_in_threadpool(compiler.compile, constraint.spec)
     except GrammarTimeout as e:
-        raise _bad(constraint.param, f"the constraint did not compile within {e.limit_ms} ms "
-                                     "(--max-grammar-compile-ms); simplify it") from None
+        raise _bad(constraint.param, f"{e} (--max-grammar-compile-ms); simplify it") from None
     except GrammarCompilerBusy as e:
         raise APIError(503, f"{e}; retry shortly", "grammar_compiler_busy", {"Retry-After": "1"}) from None
     except GrammarError as e:

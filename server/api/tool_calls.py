@@ -2,12 +2,14 @@
 chat template renders, the grammar that forces a call, and the calls in the response.
 
 - `none`: the template sees the tools; the output is content only.
-- `auto`: the model chooses; its calls are read by the --tool-call-parser family's format.
+- `auto`: the model chooses; its calls are read by the --tool-call-parser family's format. With a
+  `strict: true` function, a structural tag holds the calls it writes to their schemas
+  (server.api.tool_call_tags).
 - `required`: a grammar makes the output `[{"name": ..., "parameters": {...}}, ...]` over the
   offered functions, each call's parameters valid against its schema (one call only with
   parallel_tool_calls false).
 - a named function: a grammar makes the output that function's arguments.
-A forced call is compiled like any structured-output constraint (bounded by --max-schema-bytes,
+A forced (or strict) call is compiled like any structured-output constraint (bounded by --max-schema-bytes,
 compiled under --max-grammar-compile-ms), so it cannot be combined with another one.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from server.api.constraints import Constraint, constraint_of
 from server.api.errors import APIError
 from server.api.openai_requests import ChatCompletionRequest
+from server.api.tool_call_tags import strict_call_tag
 from server.api.tool_parsers import (FAMILY_PARSERS, ForcedArgumentsParser, ForcedArrayParser, Parsed,
                                      ToolOutputParser)
 from server.api.tool_requests import FunctionDefinition, NamedToolChoice
@@ -44,6 +47,16 @@ class ToolPlan:
     def template_tools(self) -> list[dict]:
         """The tools as chat templates expect them (OpenAI's shape)."""
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions]
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """What the output must follow: a forced call's JSON schema, or under auto with a strict
+        function the structural tag that holds the calls to their schemas; None otherwise."""
+        if self.mode == "auto":
+            if not any(f.strict for f in self.functions):
+                return None
+            return StructuredOutputsParams(structural_tag=strict_call_tag(self.parser, self.functions, self.parallel))
+        schema = self.forced_schema()
+        return None if schema is None else StructuredOutputsParams(json=schema)
 
     def forced_schema(self) -> dict | None:
         """The JSON schema the output must follow, when a call is forced."""
@@ -90,27 +103,19 @@ def plan_tools(req: ChatCompletionRequest, parser: str, max_schema_bytes: int) -
         if choice.function.name not in seen:
             raise _bad("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
         return ToolPlan("named", functions, parallel, parser, choice.function.name)
-    mode = choice or "auto"
-    if mode == "auto":
-        strict = next((i for i, f in enumerate(functions) if f.strict), None)
-        if strict is not None:
-            # Never accepted and ignored: auto parses the model's calls, it does not constrain them.
-            raise _bad(f"tools[{strict}].function.strict", "true is honoured under tool_choice \"required\" or a "
-                                                           "named function only; under \"auto\" calls are parsed, "
-                                                           "not constrained")
-    return ToolPlan(mode, functions, parallel, parser)
+    return ToolPlan(choice or "auto", functions, parallel, parser)
 
 
 def request_constraint(req: ChatCompletionRequest, plan: ToolPlan | None, max_schema_bytes: int) -> Constraint | None:
-    """The structured-output constraint of the request: a forced tool call's, or the one it asks for."""
+    """The structured-output constraint of the request: a forced (or strict) tool call's, or the one it asks for."""
     asked = constraint_of(req, max_schema_bytes)
-    schema = plan.forced_schema() if plan is not None else None
-    if schema is None:
+    spec = plan.output_constraint() if plan is not None else None
+    if spec is None:
         return asked
     if asked is not None:
-        raise _bad(asked.param, "cannot be combined with tool_choice \"required\" or a named function, "
-                                "which constrain the output themselves")
-    constraint = Constraint(StructuredOutputsParams(json=schema), "tools")
+        raise _bad(asked.param, "cannot be combined with tool_choice \"required\", a named function, or a "
+                                "strict function under \"auto\", which constrain the output themselves")
+    constraint = Constraint(spec, "tools")
     size = constraint.spec.schema_bytes
     if size > max_schema_bytes:
         raise _bad("tools", f"the tools' call schema is {size} bytes, over the limit of {max_schema_bytes} bytes "

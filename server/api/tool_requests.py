@@ -35,8 +35,9 @@ class FunctionDefinition(BaseModel):
     name: FunctionName
     description: Annotated[str, StringConstraints(max_length=MAX_DESCRIPTION_CHARS)] | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of type object; absent: no parameters")
-    strict: bool | None = Field(None, description="accepted; arguments follow the schema always under "
-                                                  "tool_choice required or a named function")
+    strict: bool | None = Field(None, description="arguments follow the schema always under tool_choice required "
+                                                  "or a named function; under auto, true holds the calls the "
+                                                  "model writes to this schema (a structural tag)")
 
 
     @field_validator("parameters")

@@ -3,8 +3,9 @@ as fast as it can while a victim tenant streams unconstrained greedy completions
 p99 inter-token latency in each flood phase against a quiet baseline (target: moves <= 10%).
 
 Phases, each `phase_s` seconds: baseline (no attacker), then
-- slow_schemas: every request a distinct enum that takes longer than the compile deadline, so
-  each one holds a compile process until it is killed (and replaced) and ends in a 400;
+- slow_schemas: every request a distinct catastrophic regex (`(a|b)?` repeated) that takes more
+  CPU time to compile than the deadline allows, so each one holds a compile process until it is
+  killed (and replaced) and ends in a 400;
 - many_schemas: every request a distinct small schema from the suite (a salted `const` makes
   each one new to the grammar cache), compiled and then generated for a few tokens.
 
@@ -29,10 +30,11 @@ ITL_TARGET_RATIO = 1.10
 PHASES = ("slow_schemas", "many_schemas")
 
 
-def _slow_schema(tag: str, n: int) -> dict:
-    # 2200 values: ~45 kB, under the default --max-schema-bytes (64 KiB), so it reaches the
-    # compiler; a 6000-value enum took 9 s to compile on the 2-core machine
-    return {"enum": [f"{tag}{i:05d}qrstuv" for i in range(n)]}
+def _slow_regex(tag: str, groups: int) -> str:
+    # 1000 groups: 6 kB, far under --max-schema-bytes, and over 15 s of CPU time to compile on the
+    # 2-core machine (an enum slow to compile is larger than the default byte cap: 6000 values
+    # took 9 s, while 2200 values, 45 kB, compile within a second of CPU time)
+    return tag + "(a|b)?" * groups
 
 
 def _small_schema(suite: list[dict], i: int, tag: str) -> dict:
@@ -42,7 +44,7 @@ def _small_schema(suite: list[dict], i: int, tag: str) -> dict:
             **({"$defs": schema["$defs"]} if "$defs" in schema else {})}
 
 
-def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: float, enum_values: int) -> Counter:
+def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: float, regex_groups: int) -> Counter:
     """One attacker loop: distinct constraints, one request after another, for phase_s seconds."""
     from server.bench.schema_suite import load_suite
 
@@ -56,7 +58,7 @@ def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: 
             i += 1
             if phase == "slow_schemas":
                 body = {"model": model, "prompt": "x", "max_tokens": 4,
-                        "guided_json": _slow_schema(f"{tag}{i:04d}", enum_values)}
+                        "guided_regex": _slow_regex(f"{tag}{i:04d}", regex_groups)}
             else:
                 body = {"model": model, "prompt": "x", "max_tokens": 8, "temperature": 1.0,
                         "response_format": {"type": "json_schema", "json_schema": {
@@ -71,7 +73,7 @@ def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: 
 
 
 def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tuple[int, ...] | None = None,
-        enum_values: int = 2200, attacker_quota: dict | None = None,
+        regex_groups: int = 1000, attacker_quota: dict | None = None,
         log: Callable[[str], None] = lambda s: None) -> dict:
     """The baseline and both flood phases; returns the JSON report."""
     tag = str(int(time.time() * 1000))[-8:]
@@ -94,7 +96,7 @@ def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tu
                 time.sleep(phase_s)
                 continue
             futures = [pool.submit(_flood_loop, target.url, attacker, target.model, phase.name, i, phase_s,
-                                   enum_values) for i in range(loops)]
+                                   regex_groups) for i in range(loops)]
             for f in futures:
                 phase.statuses.update(f.result())
             time.sleep(0.5)  # the flood's last requests drain before the next phase is measured
@@ -110,6 +112,6 @@ def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tu
         if p is not baseline:
             s["met"] = s["itl_p99_vs_baseline"] is not None and s["itl_p99_vs_baseline"] <= ITL_TARGET_RATIO
         summaries[p.name] = s
-    return {"phase_s": phase_s, "attacker_loops": loops, "attacker_cpus": attacker_cpus, "enum_values": enum_values,
+    return {"phase_s": phase_s, "attacker_loops": loops, "attacker_cpus": attacker_cpus, "regex_groups": regex_groups,
             "attacker_quota": attacker_quota or {}, "targets": {"itl_p99_ratio": ITL_TARGET_RATIO},
             "phases": summaries, "met": all(s.get("met", True) for s in summaries.values())}

@@ -192,11 +192,12 @@ def run_structured_bench(cfg, json_path: Path | None = None, log: Callable[[str]
                 last = rounds[name][-1]
                 log(f"  round {r + 1} {name}: {last['tok_s']:.1f} tok/s, {last['tok_per_server_cpu_s']:.1f} "
                     f"tok per server CPU-s")
-    def paired(key: str) -> float:
-        return statistics.median(ratio(c[key], u[key]) for c, u in zip(rounds["half_constrained"],
-                                                                        rounds["unconstrained"]))
+    def paired(key: str) -> list[float]:
+        """Each round's half constrained / unconstrained ratio (the two arms ran back to back)."""
+        return [ratio(c[key], u[key]) for c, u in zip(rounds["half_constrained"], rounds["unconstrained"])]
 
-    med, med_cpu = paired("tok_s"), paired("tok_per_server_cpu_s")
+    ratios, ratios_cpu = paired("tok_s"), paired("tok_per_server_cpu_s")
+    med, med_cpu = statistics.median(ratios), statistics.median(ratios_cpu)
     # Wall-clock tok/s moves with whatever else runs on the machine; tokens per CPU-second of the
     # server much less. The target is judged on both (each as the median of paired rounds).
     doc["throughput"] = {"concurrency": concurrency, "max_tokens": max_tokens, "rounds": rounds,
@@ -205,6 +206,7 @@ def run_structured_bench(cfg, json_path: Path | None = None, log: Callable[[str]
                                                          for k, v in rounds.items()},
                          "ratio_half_constrained": med, "loss": 1 - med,
                          "ratio_half_constrained_cpu": med_cpu, "loss_cpu": 1 - med_cpu,
+                         "paired_ratios": ratios, "paired_ratios_cpu": ratios_cpu,
                          "met": max(1 - med, 1 - med_cpu) <= THROUGHPUT_LOSS_TARGET}
     doc["load_avg_after"] = os.getloadavg()
     if json_path is not None:
@@ -230,6 +232,9 @@ def format_structured_table(doc: dict) -> str:
     lines.append(f"half constrained / unconstrained (median of paired rounds): wall {t['ratio_half_constrained']:.3f} "
                  f"(loss {t['loss']:.1%}), server CPU {t['ratio_half_constrained_cpu']:.3f} (loss {t['loss_cpu']:.1%}); "
                  f"target loss <= {doc['targets']['throughput_loss']:.0%}: {'met' if t['met'] else 'missed'}")
+    if "paired_ratios" in t:
+        lines.append("paired ratios per round: wall " + ", ".join(f"{x:.3f}" for x in t["paired_ratios"])
+                     + "; server CPU " + ", ".join(f"{x:.3f}" for x in t["paired_ratios_cpu"]))
     return "\n".join(lines)
 
 

@@ -65,6 +65,8 @@ def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsPar
     kind = spec.kind
     if kind == "json":
         _refuse_unenforced(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
+    if kind == "structural_tag":  # its schemas, wherever they sit in the tag
+        _refuse_unenforced(spec.structural_tag)
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
@@ -77,6 +79,8 @@ def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsPar
         if kind == "choice":
             # Each choice verbatim: a JSON string literal is a valid EBNF literal (same escapes).
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(json.dumps(spec.structural_tag))
         return compiler.compile_grammar(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"invalid {kind} constraint: {_first_line(e)}") from None

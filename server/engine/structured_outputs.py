@@ -1,8 +1,10 @@
 """A request's structured-output constraint, with vLLM's names (StructuredOutputsParams).
 
 Exactly one of: `json` (a JSON schema, as a dict or its text), `json_object` (any JSON
-object), `regex`, `choice` (one of these strings, verbatim) or `grammar` (EBNF, in
-xgrammar's GBNF dialect). Only a description: server.engine.grammar compiles it.
+object), `regex`, `choice` (one of these strings, verbatim), `grammar` (EBNF, in
+xgrammar's GBNF dialect) or `structural_tag` (xgrammar's structural tag, as a dict: free text
+with tagged parts such as tool calls held to a schema). Only a description:
+server.engine.grammar compiles it.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -43,6 +46,8 @@ class StructuredOutputsParams:
             if not choice or not all(isinstance(c, str) and c for c in choice):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", choice)
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise ValueError("structural_tag must be an object")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -57,9 +62,10 @@ class StructuredOutputsParams:
         """The constraint as one string, the same for equal constraints whatever their key order
         or spacing (a JSON schema is re-serialised with sorted keys)."""
         kind = self.kind
-        if kind == "json":
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            body = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        if kind in ("json", "structural_tag"):
+            value = getattr(self, kind)
+            value = json.loads(value) if isinstance(value, str) else value
+            body = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         elif kind == "choice":
             body = json.dumps(list(self.choice), ensure_ascii=False)
         elif kind == "json_object":
