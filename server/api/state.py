@@ -14,6 +14,7 @@ from adapters.format import PROJECTIONS, ModelShape
 from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
 from adapters.sharing import SharingStore
+from adapters.loader_pool import LoaderPool
 from adapters.sources import SourcePolicy
 from adapters.sources.clients import SourceClients
 from server.api.adapter_source import RetirementListener, registry_fetch
@@ -37,6 +38,8 @@ from tenants.source_credentials import KEY_BYTES, SourceCredentials
 log = logging.getLogger(__name__)
 
 REDIS_TIMEOUT_SECONDS = 5.0
+# Fetches under way at once without loader processes: each takes the interpreter from the engine thread.
+_IN_PROCESS_FETCHES = 4
 
 
 def cpu_loras_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int, count: int) -> int:
@@ -76,6 +79,7 @@ class ServerState:
     sources: SourcePolicy
     fetches: FetchFlights
     source_clients: SourceClients
+    loaders: LoaderPool | None               # loader processes for adapters from sources (None: in-process)
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
@@ -90,6 +94,7 @@ class ServerState:
         """Blocking (starts Redis, may build the demo model, loads weights): run it off the loop."""
         embedded = None
         client = None
+        loaders = None
         try:
             if config.redis_url is None:
                 embedded = EmbeddedRedis.start(Path(config.data_dir) / "redis")
@@ -104,6 +109,9 @@ class ServerState:
             client.ping()
             resolved = resolve_model(config.model, Path(config.data_dir), log.info)  # done once by the CLI
             demo, model_dir = resolved.demo, str(resolved.model_dir)
+            if config.adapter_load_workers and (config.adapter_sources or config.lora_modules):
+                # Started first: their imports overlap the model's loading.
+                loaders = LoaderPool(config.adapter_load_workers)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
             engine_config = EngineConfig(
@@ -134,6 +142,8 @@ class ServerState:
             limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds,
                               lease_seconds=config.lease_ttl, holder=config.replica)
             usage = UsageLog(client, config.redis_prefix)
+            if loaders is not None:
+                loaders.wait_ready()
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
@@ -145,12 +155,15 @@ class ServerState:
                     KEY_BYTES), config.redis_prefix),
                 registry=registry, references=ReferenceStore(client, config.redis_prefix),
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
-                fetches=FetchFlights(), source_clients=SourceClients(), retirements=retirements, metrics=Metrics(),
+                fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant),
+                source_clients=SourceClients(), loaders=loaders, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
+            if loaders is not None:
+                loaders.close()
             if client is not None:
                 client.close()
             if embedded is not None:
@@ -162,6 +175,8 @@ class ServerState:
         self.engine.shutdown()
         self.engine.engine.shutdown()
         self.grammar_compiler.shutdown()
+        if self.loaders is not None:
+            self.loaders.close()
         self.redis.close()
         if self.embedded_redis is not None:
             self.embedded_redis.stop()
