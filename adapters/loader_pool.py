@@ -10,20 +10,29 @@ that load fails with a LoaderError that says why, and the next load gets a fresh
 """
 from __future__ import annotations
 
+import json
+import math
 import multiprocessing
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from types import MappingProxyType
+from typing import TypeVar
 
-from adapters.format import MAX_CONFIG_BYTES, AdapterFormatError, AdapterSummary, ModelShape
+import torch
+
+from adapters.format import (
+    MAX_CONFIG_BYTES, AdapterFormatError, AdapterSummary, LoraAdapter, LoraWeights, ModelShape)
 from adapters.loader_worker import receive, send, policy_to_json, serve
 from adapters.sources import SourceError, SourcePolicy
 from adapters.sources.s3_fetch import S3Keys
 
 # A worker imports torch, safetensors and boto3 before it is ready; a loaded 2-core machine takes seconds.
 _START_SECONDS = 120.0
+T = TypeVar("T")
 
 
 class LoaderError(SourceError):
@@ -45,9 +54,13 @@ class _Worker:
 
 
 class LoaderPool:
-    def __init__(self, workers: int, validation_seconds: float = 60.0) -> None:
+    """`max_bytes`: the most one file of a load may hold (the server's upload cap); what crosses the
+    pipe either way is bounded by it (twice it, as float32 of a 16-bit file, plus a config's room)."""
+
+    def __init__(self, workers: int, max_bytes: int, validation_seconds: float = 60.0) -> None:
         assert workers >= 1
         assert validation_seconds > 0
+        self._max_bytes = 2 * max_bytes + 4 * MAX_CONFIG_BYTES
         self._ctx = multiprocessing.get_context("spawn")
         self._validation_seconds = validation_seconds
         self._lock = threading.Lock()
@@ -61,7 +74,7 @@ class LoaderPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=serve, args=(child,), name="loraplex-adapter-loader", daemon=True)
+        process = self._ctx.Process(target=serve, args=(child, self._max_bytes), name="loraplex-adapter-loader", daemon=True)
         process.start()
         child.close()
         worker = _Worker(process, parent)
@@ -78,7 +91,7 @@ class LoaderPool:
         for worker in workers:
             if not worker.ready:
                 try:
-                    self._await(worker, deadline, "(start-up)", 0)
+                    self._await(worker, deadline, "(start-up)")
                 except LoaderError as e:
                     raise RuntimeError(f"an adapter loader process did not start: {e.message}") from None
                 worker.ready = True
@@ -98,30 +111,40 @@ class LoaderPool:
         """Fetch and validate in a loader process. Blocking: call it off the event loop. Raises
         SourceError (the source's refusal or failure), AdapterFormatError (the adapter is invalid)
         or LoaderError."""
-        deadline = time.monotonic() + policy.timeout_seconds + self._validation_seconds
-        what = reference[:200]
-        try:
-            worker = self._idle.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise LoaderError(504, f"loading {what!r}: no adapter loader process came free in time",
-                              "adapter_load_timeout") from None
-        job = {"reference": reference, "policy": policy_to_json(policy), "shape": shape.__dict__,
+        job = {"job": "fetch", "reference": reference, "policy": policy_to_json(policy), "shape": shape.__dict__,
                "max_lora_rank": max_lora_rank,
                "s3_keys": None if keys is None else {"access_key_id": keys.access_key_id,
                                                      "secret_access_key": keys.secret_access_key,
                                                      "session_token": keys.session_token}}
+        return self._run(job, (), policy.timeout_seconds + self._validation_seconds, reference[:200], _loaded)
+
+    def parse(self, config_json: bytes, weights: bytes, shape: ModelShape, max_lora_rank: int,
+              what: str) -> LoraAdapter:
+        """A stored adapter's files parsed and value-checked as adapters.format.load_adapter_bytes does
+        (the engine's page-in from Redis), in a loader process; the same errors as `load`."""
+        job = {"job": "parse", "shape": shape.__dict__, "max_lora_rank": max_lora_rank}
+        return self._run(job, (config_json, weights), self._validation_seconds, what, _parsed)
+
+    def _run(self, job: dict, blobs: tuple[bytes, ...], budget_seconds: float, what: str,
+             result: Callable[[dict, list[bytes]], T | None]) -> T:
+        deadline = time.monotonic() + budget_seconds
+        try:
+            worker = self._idle.get(timeout=budget_seconds)
+        except queue.Empty:
+            raise LoaderError(504, f"loading {what!r}: no adapter loader process came free in time",
+                              "adapter_load_timeout") from None
         pid = worker.process.pid
         with self._lock:
             self._busy.add(pid)
         try:
             if not worker.ready:
-                self._await(worker, time.monotonic() + _START_SECONDS, what, 0)
+                self._await(worker, time.monotonic() + _START_SECONDS, what)
                 worker.ready = True
-            send(worker.conn, job)
-            header, blobs = self._await(worker, deadline, what, policy.max_file_bytes + 4 * MAX_CONFIG_BYTES)
+            send(worker.conn, job, blobs)
+            header, replies = self._await(worker, deadline, what)
             try:
-                loaded = _loaded(header, blobs)
-            except ValueError:
+                out = result(header, replies)
+            except (ValueError, TypeError, KeyError):
                 raise _out_of_bounds(what) from None
         except BaseException:
             self._replace(worker)
@@ -130,17 +153,17 @@ class LoaderPool:
             with self._lock:
                 self._busy.discard(pid)
         self._idle.put(worker)
-        if loaded is None:
+        if out is None:
             raise _refusal(header)
-        return loaded
+        return out
 
-    def _await(self, worker: _Worker, deadline: float, what: str, max_blob: int) -> tuple[dict, list[bytes]]:
+    def _await(self, worker: _Worker, deadline: float, what: str) -> tuple[dict, list[bytes]]:
         conn = worker.conn
         try:
             if not conn.poll(max(0.0, deadline - time.monotonic())):
                 raise LoaderError(504, f"loading {what!r} took longer than its time budget; the loader process "
                                        "was stopped", "adapter_load_timeout")
-            return receive(conn, max_blob)
+            return receive(conn, self._max_bytes)
         except (EOFError, ConnectionError):
             worker.process.join(2.0)
             code = worker.process.exitcode
@@ -192,6 +215,33 @@ def _loaded(header: dict, blobs: list[bytes]) -> LoadedAdapter | None:
             and isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
         raise ValueError("malformed loader reply")
     return LoadedAdapter(AdapterSummary(rank, tuple(modules), size, blobs[0]), blobs[1], sha)
+
+
+def _parsed(header: dict, blobs: list[bytes]) -> LoraAdapter | None:
+    """The adapter of a successful parse reply, its tensors views of one float32 buffer; None for a
+    refusal; ValueError (TypeError, KeyError) for a malformed one."""
+    if header.get("ok") is not True:
+        return None
+    config_json, data = blobs
+    flat = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)  # [sum numel]
+    weights, at = {}, 0
+
+    def take(*shape: int) -> torch.Tensor:
+        nonlocal at
+        n = math.prod(shape)
+        if n <= 0 or at + n > flat.numel():
+            raise ValueError("tensor out of the buffer")
+        at += n
+        return flat[at - n: at].view(*shape)
+
+    for layer, proj, rank, in_f, out_f, scaling, dora in header["modules"]:
+        a, b = take(rank, in_f), take(out_f, rank)        # a: [r, in], b: [out, r]
+        magnitude = take(out_f) if dora else None         # magnitude: [out]
+        weights[(int(layer), str(proj))] = LoraWeights(a, b, float(scaling), magnitude)
+    if at != flat.numel():
+        raise ValueError("buffer longer than its tensors")
+    return LoraAdapter(int(header["rank"]), tuple(header["target_modules"]), bool(header["use_rslora"]),
+                       MappingProxyType(weights), int(header["size_bytes"]), json.loads(config_json))
 
 
 def _refusal(header: dict) -> Exception:

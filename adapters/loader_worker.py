@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+
+import torch
 from dataclasses import asdict, fields
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -78,21 +80,35 @@ def _fetch_job(job: dict, clients: SourceClients) -> tuple[dict, tuple[bytes, ..
     return header, (summary.canonical_config_json, files.weights)
 
 
-def serve(conn: Connection, torch_threads: int = 1) -> None:
-    """The loader process's loop (a multiprocessing target): one job at a time until the pipe closes."""
-    import torch
+def _parse_job(job: dict, blobs: list[bytes]) -> tuple[dict, tuple[bytes, ...]]:
+    """A stored version's files (from the registry) parsed and value-checked as the engine loads them;
+    back come its tensors as float32, one module after another (A, then B, then a DoRA magnitude)."""
+    config_json, weights = blobs
+    adapter = load_adapter_bytes(config_json, weights, ModelShape(**job["shape"]), job["max_lora_rank"])
+    modules, parts = [], []
+    for (layer, proj), w in adapter.weights.items():
+        modules.append([layer, proj, w.rank, w.a.shape[1], w.b.shape[0], w.scaling, w.magnitude is not None])
+        parts += [w.a, w.b] + ([w.magnitude] if w.magnitude is not None else [])
+    flat = torch.cat([t.reshape(-1) for t in parts]) if parts else torch.zeros(0)  # flat: [sum numel] float32
+    header = {"ok": True, "rank": adapter.rank, "target_modules": list(adapter.target_modules),
+              "use_rslora": bool(adapter.use_rslora), "size_bytes": adapter.size_bytes, "modules": modules}
+    return header, (json.dumps(dict(adapter.config)).encode(), flat.numpy().tobytes())
 
+
+def serve(conn: Connection, max_job_bytes: int, torch_threads: int = 1) -> None:
+    """The loader process's loop (a multiprocessing target): one job at a time until the pipe closes.
+    `max_job_bytes` bounds each part of a job it reads (a stored adapter's files to parse)."""
     # One load at a time per process: more threads would only fight the engine for the cores.
     torch.set_num_threads(torch_threads)
     clients = SourceClients()  # boto3 clients and the TLS context, made once for this process's life
     send(conn, {"ok": True, "ready": os.getpid()})
     while True:
         try:
-            job, _ = receive(conn, 0)
-        except (EOFError, OSError):
+            job, blobs = receive(conn, max_job_bytes)
+        except (EOFError, OSError, ValueError):
             return
         try:
-            header, blobs = _fetch_job(job, clients)
+            header, blobs = _fetch_job(job, clients) if job["job"] == "fetch" else _parse_job(job, blobs)
         except SourceError as e:
             header, blobs = {"ok": False, "kind": "source", "status": e.status, "code": e.code,
                              "message": e.message}, ()
@@ -101,8 +117,8 @@ def serve(conn: Connection, torch_threads: int = 1) -> None:
         except Exception as e:  # noqa: BLE001 - a bug or a library's surprise fails this load, not the process
             # The type only: a library's message may quote a request (signed headers, a URL's query).
             header, blobs = {"ok": False, "kind": "source", "status": 502, "code": "adapter_load_failed",
-                             "message": f"loading {str(job.get('reference'))[:200]!r} failed in the adapter "
-                                        f"loader process ({type(e).__name__})"}, ()
+                             "message": f"loading {str(job.get('reference', 'a stored adapter'))[:200]!r} failed "
+                                        f"in the adapter loader process ({type(e).__name__})"}, ()
         try:
             send(conn, header, blobs)
         except (BrokenPipeError, OSError):

@@ -15,7 +15,7 @@ import boto3
 import pytest
 import torch
 
-from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_bytes
+from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes
 from adapters.loader_pool import LoaderPool
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
 from tests.fixtures_server import api_redis_url, running_server, server_config
@@ -31,32 +31,39 @@ def _serve_files(files: FileServer, prefix: str, adapter_dir) -> None:
 
 
 def test_a_cold_load_in_a_loader_process_gives_what_the_server_process_would(tiny_model_dir, tiny_adapters,
-                                                                            monkeypatch):
+                                                                            tiny_dora_adapters, monkeypatch):
+    adapters = {**tiny_adapters, **tiny_dora_adapters}
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "loader-test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "loader-test-secret")
-    pool = LoaderPool(1)
+    pool = LoaderPool(1, 1 << 20)
     try:
         with moto_s3() as endpoint:
             s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
             s3.create_bucket(Bucket="bkt")
-            for name in ("r4_qv", "r16_rslora"):
+            for name in ("r4_qv", "r16_rslora", "dora_r8_all"):
                 for f in FILES:
-                    s3.put_object(Bucket="bkt", Key=f"{name}/{f}", Body=(tiny_adapters[name] / f).read_bytes())
+                    s3.put_object(Bucket="bkt", Key=f"{name}/{f}", Body=(adapters[name] / f).read_bytes())
             policy = SourcePolicy(kinds=frozenset({"s3"}), s3_endpoint=endpoint)
-            for name in ("r4_qv", "r16_rslora"):
+            for name in ("r4_qv", "r16_rslora", "dora_r8_all"):
                 ref = f"s3://bkt/{name}"
                 loaded = pool.load(ref, policy, None, shape, 32)
                 files = fetch_adapter(parse_reference(ref), policy)
                 summary = inspect_adapter_bytes(files.config_json, files.weights, shape, 32)
                 assert loaded.summary == summary  # rank, modules, size and the canonical config bytes
                 assert loaded.weights == files.weights and loaded.sha256 == files.sha256
-                ours = load_adapter_bytes(loaded.summary.canonical_config_json, loaded.weights, shape, 32)
+                # The host tier's page-in of the stored bytes, parsed in a loader process: the same tensors.
+                ours = pool.parse(loaded.summary.canonical_config_json, loaded.weights, shape, 32, name)
                 theirs = load_adapter_bytes(summary.canonical_config_json, files.weights, shape, 32)
-                assert ours.weights.keys() == theirs.weights.keys()
+                assert ours.weights.keys() == theirs.weights.keys() and dict(ours.config) == dict(theirs.config)
+                assert (ours.rank, ours.target_modules, ours.use_rslora, ours.size_bytes) == \
+                    (theirs.rank, theirs.target_modules, theirs.use_rslora, theirs.size_bytes)
                 for slot, w in theirs.weights.items():
                     assert torch.equal(ours.weights[slot].a, w.a) and torch.equal(ours.weights[slot].b, w.b)
                     assert ours.weights[slot].scaling == w.scaling
+                    assert (ours.weights[slot].magnitude is None) == (w.magnitude is None)
+                    assert w.magnitude is None or torch.equal(ours.weights[slot].magnitude, w.magnitude)
+                assert ours.use_dora == (name == "dora_r8_all")
             # The source's refusals come back as they are: missing (404), a bucket not allowed (403).
             with pytest.raises(SourceError) as missing:
                 pool.load("s3://bkt/nope", policy, None, shape, 32)
@@ -65,6 +72,9 @@ def test_a_cold_load_in_a_loader_process_gives_what_the_server_process_would(tin
                 pool.load("s3://other/x", SourcePolicy(kinds=frozenset({"s3"}), s3_endpoint=endpoint,
                                                        s3_buckets=frozenset({"bkt"})), None, shape, 32)
             assert refused.value.status == 403
+            # A stored version that no longer validates is refused by the page-in as in the server process.
+            with pytest.raises(AdapterFormatError):
+                pool.parse(loaded.summary.canonical_config_json, loaded.weights[:-8], shape, 32, "cut")
         assert pool.restarts == 0
     finally:
         pool.close()

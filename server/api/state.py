@@ -80,6 +80,7 @@ class ServerState:
     fetches: FetchFlights
     source_clients: SourceClients
     loaders: LoaderPool | None               # loader processes for adapters from sources (None: in-process)
+    pager: LoaderPool | None                 # the loader process that parses stored versions for the host tier
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
@@ -94,7 +95,7 @@ class ServerState:
         """Blocking (starts Redis, may build the demo model, loads weights): run it off the loop."""
         embedded = None
         client = None
-        loaders = None
+        loaders = pager = None
         try:
             if config.redis_url is None:
                 embedded = EmbeddedRedis.start(Path(config.data_dir) / "redis")
@@ -110,8 +111,10 @@ class ServerState:
             resolved = resolve_model(config.model, Path(config.data_dir), log.info)  # done once by the CLI
             demo, model_dir = resolved.demo, str(resolved.model_dir)
             if config.adapter_load_workers and (config.adapter_sources or config.lora_modules):
-                # Started first: their imports overlap the model's loading.
-                loaders = LoaderPool(config.adapter_load_workers)
+                # Started first: their imports overlap the model's loading. The pager parses stored
+                # versions for the host tier, so page-ins never queue behind slow fetches.
+                loaders = LoaderPool(config.adapter_load_workers, config.max_upload_bytes)
+                pager = LoaderPool(1, config.max_upload_bytes)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
             engine_config = EngineConfig(
@@ -134,7 +137,7 @@ class ServerState:
                                                        engine_config.resolve_device()).itemsize
                 engine_config = dataclasses.replace(engine_config, max_cpu_lora_bytes=cpu_loras_bytes(
                     shape, config.max_lora_rank, itemsize, config.max_cpu_loras))
-            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank))
+            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank, pager))
             async_engine = AsyncEngine(engine)
             retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(async_engine),
@@ -142,8 +145,9 @@ class ServerState:
             limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds,
                               lease_seconds=config.lease_ttl, holder=config.replica)
             usage = UsageLog(client, config.redis_prefix)
-            if loaders is not None:
-                loaders.wait_ready()
+            for pool in (loaders, pager):
+                if pool is not None:
+                    pool.wait_ready()
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
@@ -156,14 +160,15 @@ class ServerState:
                 registry=registry, references=ReferenceStore(client, config.redis_prefix),
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
                 fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant),
-                source_clients=SourceClients(), loaders=loaders, retirements=retirements, metrics=Metrics(),
+                source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
-            if loaders is not None:
-                loaders.close()
+            for pool in (loaders, pager):
+                if pool is not None:
+                    pool.close()
             if client is not None:
                 client.close()
             if embedded is not None:
@@ -175,8 +180,9 @@ class ServerState:
         self.engine.shutdown()
         self.engine.engine.shutdown()
         self.grammar_compiler.shutdown()
-        if self.loaders is not None:
-            self.loaders.close()
+        for pool in (self.loaders, self.pager):
+            if pool is not None:
+                pool.close()
         self.redis.close()
         if self.embedded_redis is not None:
             self.embedded_redis.stop()
