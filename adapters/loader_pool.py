@@ -140,7 +140,10 @@ class LoaderPool:
             if not worker.ready:
                 self._await(worker, time.monotonic() + _START_SECONDS, what)
                 worker.ready = True
-            send(worker.conn, job, blobs)
+            try:
+                send(worker.conn, job, blobs)
+            except OSError:  # it died while idle (the OOM killer, kill -9): the pipe is broken
+                raise self._died(worker, what) from None
             header, replies = self._await(worker, deadline, what)
             try:
                 out = result(header, replies)
@@ -165,14 +168,17 @@ class LoaderPool:
                                        "was stopped", "adapter_load_timeout")
             return receive(conn, self._max_bytes)
         except (EOFError, ConnectionError):
-            worker.process.join(2.0)
-            code = worker.process.exitcode
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
-            raise LoaderError(502, f"the adapter loader process died while loading {what!r} ({how}); "
-                                   "this load failed, the next one gets a new process",
-                              "adapter_loader_crashed") from None
+            raise self._died(worker, what) from None
         except (OSError, ValueError):
             raise _out_of_bounds(what) from None
+
+    @staticmethod
+    def _died(worker: _Worker, what: str) -> LoaderError:
+        worker.process.join(2.0)
+        code = worker.process.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return LoaderError(502, f"the adapter loader process died while loading {what!r} ({how}); this load "
+                                "failed, the next one gets a new process", "adapter_loader_crashed")
 
     def _replace(self, worker: _Worker) -> None:
         if worker.process.is_alive():

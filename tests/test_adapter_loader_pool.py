@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes
-from adapters.loader_pool import LoaderPool
+from adapters.loader_pool import LoaderError, LoaderPool
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
 from tests.fixtures_server import api_redis_url, running_server, server_config
 from tests.source_servers import FileServer, moto_s3
@@ -48,6 +48,8 @@ def test_a_cold_load_in_a_loader_process_gives_what_the_server_process_would(tin
             for name in ("r4_qv", "r16_rslora", "dora_r8_all"):
                 ref = f"s3://bkt/{name}"
                 loaded = pool.load(ref, policy, None, shape, 32)
+                if name == "r4_qv":
+                    loaded_first = loaded
                 files = fetch_adapter(parse_reference(ref), policy)
                 summary = inspect_adapter_bytes(files.config_json, files.weights, shape, 32)
                 assert loaded.summary == summary  # rank, modules, size and the canonical config bytes
@@ -75,7 +77,15 @@ def test_a_cold_load_in_a_loader_process_gives_what_the_server_process_would(tin
             # A stored version that no longer validates is refused by the page-in as in the server process.
             with pytest.raises(AdapterFormatError):
                 pool.parse(loaded.summary.canonical_config_json, loaded.weights[:-8], shape, 32, "cut")
-        assert pool.restarts == 0
+            assert pool.restarts == 0
+            # A loader that died while idle (the OOM killer) fails the load that finds it so, and only that one.
+            [pid] = pool.pids()
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(LoaderError) as died:
+                pool.load("s3://bkt/r4_qv", policy, None, shape, 32)
+            assert died.value.status == 502 and "signal 9" in died.value.message
+            assert pool.load("s3://bkt/r4_qv", policy, None, shape, 32).weights == loaded_first.weights
+            assert pool.restarts == 1
     finally:
         pool.close()
 
