@@ -49,18 +49,18 @@ ARMS = {
 
 
 def _stream(url: str, key: str, model: str, max_tokens: int) -> tuple[float, list[float]]:
-    """(time to first token, arrival time of every token) of one streamed completion."""
+    """(time to first token, [its start, then the arrival time of every token]) of one streamed completion."""
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     start = time.perf_counter()
-    stamps = []
+    stamps = [start]
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600,
                       headers={"Authorization": f"Bearer {key}"}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 stamps.append(time.perf_counter())
-    return stamps[0] - start, stamps
+    return stamps[1] - start, stamps
 
 
 def _victim(url: str, key: str, model: str, core: int | None, stop: threading.Event,
@@ -73,7 +73,16 @@ def _victim(url: str, key: str, model: str, core: int | None, stop: threading.Ev
 
 def _gaps(stamps: list[list[float]], lo: float = float("-inf"), hi: float = float("inf")) -> list[float]:
     """Inter-token gaps whose later token arrived within [lo, hi]."""
-    return [b - a for s in stamps for a, b in zip(s, s[1:]) if lo <= b <= hi]
+    return [b - a for s in stamps for a, b in zip(s[1:], s[2:]) if lo <= b <= hi]
+
+
+def _victim_view(stamps: list[list[float]], lo: float, hi: float) -> dict:
+    """The victim's tokens per second within [lo, hi] and the TTFT of its streams started in it: a
+    storm that holds its new streams back shows there, not in its inter-token gaps."""
+    tokens = sum(1 for s in stamps for t in s[1:] if lo <= t <= hi)
+    ttfts = [s[1] - s[0] for s in stamps if lo <= s[0] <= hi]
+    return {"tokens_per_s": round(tokens / (hi - lo), 2), "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+            "ttft_max_ms": _ms(max(ttfts, default=None))}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -106,13 +115,16 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
         again_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
         quiet: list[list[float]] = []
         _run_victim(srv.url, keys["steady"], base, victim_core, quiet, streams=QUIET_STREAMS)
-        storm, storm_gaps, t0, t1 = _storm(srv.url, keys, base, cold, victim_core)
+        storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, victim_core)
         # The same 100 first uses again, now fetched: what the storm's own requests cost the victim
         # (their prefills share its steps), whoever loads adapters.
-        warm, warm_gaps, w0, w1 = _storm(srv.url, keys, base, cold, victim_core)
+        warm, warm_stamps, w0, w1 = _storm(srv.url, keys, base, cold, victim_core)
     finally:
         server.__exit__(None, None, None)
     quiet_gaps = _gaps(quiet)
+    victim = {"quiet": _victim_view(quiet, quiet[0][0], quiet[-1][-1]), "storm": _victim_view(storm_stamps, t0, t1),
+              "warm_storm": _victim_view(warm_stamps, w0, w1)}
+    storm_gaps, warm_gaps = _gaps(storm_stamps, t0, t1), _gaps(warm_stamps, w0, w1)
     itl_quiet, itl_storm = percentile(quiet_gaps, 99), percentile(storm_gaps, 99)
     return {
         "arm": name, "serve_flags": ARMS[name], "pinned_children": len(pinned_children),
@@ -129,6 +141,7 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
                                 "warm_storm_p99": _ms(percentile(warm_gaps, 99)),
                                 "quiet_gaps": len(quiet_gaps), "storm_gaps": len(storm_gaps),
                                 "warm_storm_gaps": len(warm_gaps)},
+        "other_tenant": victim,
         "itl_p99_ratio": round(itl_storm / itl_quiet, 3) if itl_quiet and itl_storm else None,
     }
 
@@ -136,7 +149,7 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
 def _storm(url: str, keys: dict[str, str], base: str, cold: int, victim_core: int | None
            ) -> tuple[list[float], list[float], float, float]:
     """First uses of a1..a{cold} from 32 clients while the victim streams: (their TTFTs, the victim's
-    gaps within the storm, its start, its end)."""
+    streams' stamps, the storm's start, its end)."""
     during: list[list[float]] = []
     stop = threading.Event()
     victim = threading.Thread(target=_victim, args=(url, keys["steady"], base, victim_core, stop, during))
@@ -148,7 +161,7 @@ def _storm(url: str, keys: dict[str, str], base: str, cold: int, victim_core: in
     t1 = time.perf_counter()
     stop.set()
     victim.join()
-    return ttfts, _gaps(during, t0, t1), t0, t1
+    return ttfts, during, t0, t1
 
 
 def _run_victim(url: str, key: str, model: str, core: int | None, stamps: list[list[float]], streams: int) -> None:
@@ -235,9 +248,14 @@ def main() -> int:
             ("other tenant ITL p99 quiet / storm ms",
              lambda x: f"{x['other_tenant_itl_ms']['quiet_p99']} / {x['other_tenant_itl_ms']['storm_p99']}"),
             ("ITL p99 storm / quiet", lambda x: x["itl_p99_ratio"]),
+            ("other tenant tokens/s quiet / storm",
+             lambda x: f"{x['other_tenant']['quiet']['tokens_per_s']} / {x['other_tenant']['storm']['tokens_per_s']}"),
+            ("other tenant TTFT p50 quiet / storm ms",
+             lambda x: f"{x['other_tenant']['quiet']['ttft_p50_ms']} / {x['other_tenant']['storm']['ttft_p50_ms']}"),
             ("warm storm again: wall ms", lambda x: x["warm_storm"]["wall_ms"]),
             ("other tenant ITL p50 / p99 warm storm ms",
-             lambda x: f"{x['other_tenant_itl_ms']['warm_storm_p50']} / {x['other_tenant_itl_ms']['warm_storm_p99']}")]
+             lambda x: f"{x['other_tenant_itl_ms']['warm_storm_p50']} / {x['other_tenant_itl_ms']['warm_storm_p99']}"),
+            ("other tenant tokens/s warm storm", lambda x: x["other_tenant"]["warm_storm"]["tokens_per_s"])]
     width = max(len(r[0]) for r in rows)
     for label, get in rows:
         print(f"{label:<{width}}  " + "  ".join(f"{str(get(run)):>22}" for run in runs))
