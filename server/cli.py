@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default off: SSRF protection)")
     s.add_argument("--adapter-fetch-timeout", type=float, metavar="SECONDS",
                    help="limit on one whole adapter fetch from a source (default 30)")
+    s.add_argument("--adapter-load-workers", type=int, default=2, metavar="N",
+                   help="processes that fetch and validate adapters from sources, off the server process "
+                        "so cold loads do not slow other tenants' tokens; 0: in the server process (default 2)")
+    s.add_argument("--adapter-loads-per-tenant", type=int, default=1, metavar="N",
+                   help="most adapter fetches one tenant has under way at once (default 1)")
     s.add_argument("--max-model-len", type=_positive_int,
                    help="longest prompt + completion in tokens (default: the model's, or less if the KV pool "
                         "cannot hold 4 sequences of that; the start-up log says which and why)")

@@ -142,6 +142,8 @@ class ServerConfig:
     adapter_http_hosts: tuple[str, ...] = ()  # --adapter-http-hosts (empty: any public host)
     adapter_allow_private_networks: bool = False  # --adapter-allow-private-networks
     adapter_fetch_timeout: float = 30.0   # --adapter-fetch-timeout, seconds for one whole fetch
+    adapter_load_workers: int = 2         # --adapter-load-workers: loader processes (0: fetch in this process)
+    adapter_loads_per_tenant: int = 1     # --adapter-loads-per-tenant: one tenant's fetches under way at once
     source_credentials_key_file: Path | None = None  # --source-credentials-key-file (None: in data_dir)
     lenient_request_fields: bool = False  # --lenient-request-fields: drop unknown fields (and say so) instead of 400
 
@@ -206,6 +208,10 @@ class ServerConfig:
             raise ConfigError("--max-cpu-loras must be >= 1")
         if len({n for n, _ in self.lora_modules}) != len(self.lora_modules):
             raise ConfigError("--lora-modules names must be unique")
+        if not 0 <= self.adapter_load_workers <= 64:
+            raise ConfigError(f"--adapter-load-workers must be in 0..64, got {self.adapter_load_workers}")
+        if self.adapter_loads_per_tenant < 1:
+            raise ConfigError(f"--adapter-loads-per-tenant must be >= 1, got {self.adapter_loads_per_tenant}")
         try:
             self.source_policy()
         except ValueError as e:
@@ -298,6 +304,8 @@ class ServerConfig:
             adapter_http_hosts=tuple(_csv(getattr(args, "adapter_http_hosts", None))),
             adapter_allow_private_networks=getattr(args, "adapter_allow_private_networks", False),
             adapter_fetch_timeout=getattr(args, "adapter_fetch_timeout", None) or 30.0,
+            adapter_load_workers=getattr(args, "adapter_load_workers", 2),
+            adapter_loads_per_tenant=getattr(args, "adapter_loads_per_tenant", 1),
             source_credentials_key_file=(Path(args.source_credentials_key_file).expanduser()
                                          if getattr(args, "source_credentials_key_file", None) else None),
             lenient_request_fields=getattr(args, "lenient_request_fields", False))

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 from starlette.concurrency import run_in_threadpool
 
-from adapters.format import LoraAdapter, inspect_adapter_bytes, load_adapter_bytes
+from adapters.format import AdapterSummary, LoraAdapter, inspect_adapter_bytes, load_adapter_bytes
 from adapters.registry import AdapterRecord
 from server.api.errors import APIError
 from server.api.state import ServerState
@@ -19,16 +19,19 @@ from tenants import Quota
 
 
 async def store_adapter(state: ServerState, owner: str, quota: Quota | None, name: str, config_json: bytes,
-                        weights: bytes, replace: bool, keep_identical: bool = False) -> AdapterRecord:
+                        weights: bytes, replace: bool, keep_identical: bool = False,
+                        validated: AdapterSummary | None = None) -> AdapterRecord:
     """Validate and store; `quota` None: the operator's own adapter (no tenant's limits apply).
     `keep_identical`: if the name already holds exactly these bytes, keep that version (its id is
-    what the KV cache and the tiers are keyed on) rather than make a new one."""
+    what the KV cache and the tiers are keyed on) rather than make a new one. `validated`: a loader
+    process already ran the full validation below on these bytes, against this server's model
+    shape and rank cap (adapters.loader_pool), and `config_json` is its canonical config."""
     if name == state.model_id:
         raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
                        param="name")
     shape = state.engine.engine.adapter_shape
     rank_cap = state.config.max_lora_rank
-    summary = await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)
+    summary = validated or await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)
     if quota is not None and quota.max_lora_rank is not None and summary.rank > quota.max_lora_rank:
         raise APIError(400, f"adapter rank {summary.rank} exceeds this tenant's max_lora_rank of "
                             f"{quota.max_lora_rank}", "max_lora_rank")
@@ -44,10 +47,15 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
                             f"host adapter budget of {host_budget} bytes (--max-cpu-lora-bytes)",
                        "adapter_too_large")
     # The engine loader's full rules (tensor values included), the same code that serves it.
-    adapter = await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, weights, shape, rank_cap)
-    # Kept for its scales only if DoRA: a plain LoRA adapter's float32 tensors are freed before the store.
-    dora = adapter if adapter.use_dora else None
-    del adapter
+    if validated is None or json.loads(summary.canonical_config_json).get("use_dora", False):
+        # A loader process validated a fetched adapter already; a DoRA one is parsed again for its scales.
+        adapter = await run_in_threadpool(load_adapter_bytes, summary.canonical_config_json, weights, shape,
+                                          rank_cap)
+        # Kept for its scales only if DoRA: a plain LoRA adapter's float32 tensors are freed before the store.
+        dora = adapter if adapter.use_dora else None
+        del adapter
+    else:
+        dora = None
     old = await run_in_threadpool(state.registry.get, owner, name)
     if keep_identical and old is not None:
         stored = await run_in_threadpool(state.registry.read_files, old.version)

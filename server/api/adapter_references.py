@@ -32,16 +32,26 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
         keys = None
         if source.kind == "s3" and owner != OPERATOR_OWNER:
             keys = await run_in_threadpool(state.source_credentials.get, owner, "s3")
-        files = await run_in_threadpool(fetch_adapter, source, _policy(state, owner), state.source_clients, keys)
-        record = await store_adapter(state, owner, quota, ref.name, files.config_json, files.weights,
-                                     replace=True, keep_identical=True)
+        policy = _policy(state, owner)
+        if state.loaders is not None:
+            # Fetch and full validation in a loader process: the CPU a cold load costs stays off the
+            # interpreter the engine thread runs on.
+            loaded = await run_in_threadpool(state.loaders.load, ref.source, policy, keys,
+                                             state.engine.engine.adapter_shape, state.config.max_lora_rank)
+            config_json, weights, validated, sha256 = (loaded.summary.canonical_config_json, loaded.weights,
+                                                       loaded.summary, loaded.sha256)
+        else:
+            files = await run_in_threadpool(fetch_adapter, source, policy, state.source_clients, keys)
+            config_json, weights, validated, sha256 = files.config_json, files.weights, None, files.sha256
+        record = await store_adapter(state, owner, quota, ref.name, config_json, weights,
+                                     replace=True, keep_identical=True, validated=validated)
         current = await run_in_threadpool(state.references.get, owner, ref.name)
         if current is None or current.registered_at != ref.registered_at:
             # Unloaded (or registered anew) while this fetch ran: what it fetched is not wanted.
             await run_in_threadpool(state.registry.delete, owner, ref.name)
             await state.engine.remove_adapter(record.version)
             raise APIError(409, f"adapter '{ref.name}' was unloaded or replaced during its fetch", "adapter_changed")
-        await run_in_threadpool(state.references.put, owner, ref.name, ref.source, files.sha256)
+        await run_in_threadpool(state.references.put, owner, ref.name, ref.source, sha256)
         return record
 
     return await state.fetches.run((owner, ref.name), run)

@@ -15,16 +15,21 @@ from typing import Callable
 import redis
 
 from adapters.format import LoraAdapter, ModelShape, load_adapter_bytes
+from adapters.loader_pool import LoaderPool
 from adapters.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
 
-def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: int) -> Callable[[str], LoraAdapter]:
-    """Runs on the engine's loader threads: read the version's files and validate them again."""
+def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: int,
+                   pager: LoaderPool | None = None) -> Callable[[str], LoraAdapter]:
+    """Runs on the engine's loader threads: read the version's files and validate them again, in
+    `pager`'s loader process when there is one (parsing and value checks take the interpreter)."""
 
     def fetch(version: str) -> LoraAdapter:
         config_json, weights = registry.read_files(version)
+        if pager is not None:
+            return pager.parse(config_json, weights, shape, max_lora_rank, f"stored version {version}")
         return load_adapter_bytes(config_json, weights, shape, max_lora_rank)
 
     return fetch

@@ -15,6 +15,7 @@ from adapters.format import PROJECTIONS, ModelShape
 from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
 from adapters.sharing import SharingStore
+from adapters.loader_pool import LoaderPool
 from adapters.sources import SourcePolicy
 from adapters.sources.clients import SourceClients
 from server.api.adapter_source import RetirementListener, registry_fetch
@@ -38,6 +39,8 @@ from tenants.source_credentials import KEY_BYTES, SourceCredentials
 log = logging.getLogger(__name__)
 
 REDIS_TIMEOUT_SECONDS = 5.0
+# Fetches under way at once without loader processes: each takes the interpreter from the engine thread.
+_IN_PROCESS_FETCHES = 4
 
 
 def cpu_loras_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int, count: int) -> int:
@@ -77,6 +80,8 @@ class ServerState:
     sources: SourcePolicy
     fetches: FetchFlights
     source_clients: SourceClients
+    loaders: LoaderPool | None               # loader processes for adapters from sources (None: in-process)
+    pager: LoaderPool | None                 # the loader process that parses stored versions for the host tier
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
@@ -91,6 +96,7 @@ class ServerState:
         """Blocking (starts Redis, may build the demo model, loads weights): run it off the loop."""
         embedded = None
         client = None
+        loaders = pager = None
         try:
             if config.redis_url is None:
                 embedded = EmbeddedRedis.start(Path(config.data_dir) / "redis")
@@ -105,6 +111,11 @@ class ServerState:
             client.ping()
             resolved = resolve_model(config.model, Path(config.data_dir), log.info)  # done once by the CLI
             demo, model_dir = resolved.demo, str(resolved.model_dir)
+            if config.adapter_load_workers and (config.adapter_sources or config.lora_modules):
+                # Started first: their imports overlap the model's loading. The pager parses stored
+                # versions for the host tier, so page-ins never queue behind slow fetches.
+                loaders = LoaderPool(config.adapter_load_workers, config.max_upload_bytes)
+                pager = LoaderPool(1, config.max_upload_bytes)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
             engine_config = EngineConfig(
@@ -127,7 +138,7 @@ class ServerState:
                                                        engine_config.resolve_device()).itemsize
                 engine_config = dataclasses.replace(engine_config, max_cpu_lora_bytes=cpu_loras_bytes(
                     shape, config.max_lora_rank, itemsize, config.max_cpu_loras))
-            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank),
+            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank, pager),
                                DoraScaleStore(client, prefix=config.redis_prefix))
             async_engine = AsyncEngine(engine)
             retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
@@ -136,6 +147,9 @@ class ServerState:
             limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds,
                               lease_seconds=config.lease_ttl, holder=config.replica)
             usage = UsageLog(client, config.redis_prefix)
+            for pool in (loaders, pager):
+                if pool is not None:
+                    pool.wait_ready()
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
@@ -147,12 +161,16 @@ class ServerState:
                     KEY_BYTES), config.redis_prefix),
                 registry=registry, references=ReferenceStore(client, config.redis_prefix),
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
-                fetches=FetchFlights(), source_clients=SourceClients(), retirements=retirements, metrics=Metrics(),
+                fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant),
+                source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
+            for pool in (loaders, pager):
+                if pool is not None:
+                    pool.close()
             if client is not None:
                 client.close()
             if embedded is not None:
@@ -164,6 +182,9 @@ class ServerState:
         self.engine.shutdown()
         self.engine.engine.shutdown()
         self.grammar_compiler.shutdown()
+        for pool in (self.loaders, self.pager):
+            if pool is not None:
+                pool.close()
         self.redis.close()
         if self.embedded_redis is not None:
             self.embedded_redis.stop()

@@ -1,0 +1,52 @@
+"""Pinning a bench's parts to cores (Linux), so a victim and a storm run side by side on cores of
+their own where the machine has two: os.sched_setaffinity(0, ...) pins the calling thread only, and
+threads and processes it starts afterwards inherit its mask."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def two_cores() -> tuple[int, int] | None:
+    """(victim core, storm core): the first two this process may run on; None with fewer."""
+    cores = sorted(os.sched_getaffinity(0))
+    return (cores[0], cores[1]) if len(cores) >= 2 else None
+
+
+def pin_thread(core: int | None) -> None:
+    """Pin the calling thread (None: leave it)."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+@contextlib.contextmanager
+def pinned(core: int | None) -> Iterator[None]:
+    """The calling thread on `core` for the block (what it starts there inherits it), then back."""
+    before = os.sched_getaffinity(0)
+    pin_thread(core)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a server's Redis child, its loader processes)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def pin_process(pid: int, core: int) -> None:
+    """Every thread of process `pid` onto `core` (threads it starts later inherit the mask)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), {core})
