@@ -49,7 +49,7 @@ class Start:
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      bufsize=1, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
-        self.events: list[dict] = []
+        self.events: list[dict] = [{"t": 0.0, "line": "(scripts/serve started)"}]
         self._log = log.open("a", encoding="utf-8")
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
@@ -98,6 +98,12 @@ class Start:
         return self.proc.returncode
 
 
+def phases(events: list[dict], ready_s: float) -> list[dict]:
+    """Each `loraplex...` line up to the ready one, with the seconds until the next: where the time went."""
+    until = [e for e in events if e["t"] <= ready_s]
+    return [{"phase": e["line"][:120], "s": round(nxt["t"] - e["t"], 2)} for e, nxt in zip(until, until[1:])]
+
+
 def first_curl(line: str) -> dict:
     started = time.monotonic()
     done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120)
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 doc[which] = start.until_ready(args.timeout)
                 doc[which]["events"] = start.events
+                doc[which]["phases"] = phases(start.events, doc[which]["ready_s"])
                 doc[which]["load_avg_ready"] = os.getloadavg()
                 print(f"{which} start: ready in {doc[which]['ready_s']:.1f} s", file=sys.stderr, flush=True)
                 if which == "second":
