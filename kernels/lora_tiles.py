@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,14 @@ class LoraTiles:
 
     def gather_block(self, rank_block: int, width: int) -> int:
         """The other side of a gathered [rank_block, n] tile: as wide as the register budget allows."""
-        return max(16, min(triton.next_power_of_2(width), self.gather_elems // rank_block))
+        return max(16, min(_next_power_of_2(width), self.gather_elems // rank_block))
+
+
+
+def _next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 1, without importing triton: this module is on the CPU
+    engine's import path (server.engine.warmup), where triton is neither used nor installed."""
+    return 1 << (n - 1).bit_length()
 
 
 WIDE = LoraTiles(shrink_k=64, expand_n=128, rank_cap=64, gather_elems=4096)  # fp16 / bf16
