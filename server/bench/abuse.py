@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import threading
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from server.bench.cpu_pinning import pin_cpus
 from server.bench.metrics import percentile, ratio
 
 ITL_TARGET_RATIO = 1.20
@@ -148,12 +148,6 @@ def _attacks(target: Target) -> dict[str, Attack]:
         "n_x_max_tokens": Attack("capped", 2, "/v1/completions", body({
             "model": m, "prompt": ["hello"] * 64, "n": 16, "max_tokens": 10, "ignore_eos": True})),
     }
-
-
-def pin_cpus(cpus: tuple[int, ...] | None) -> None:
-    """Run this process on `cpus` (an attacker's, in its pool's initializer); None: anywhere."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 def _attack_loop(url: str, key: str, path: str, body: bytes, phase_s: float) -> Counter:

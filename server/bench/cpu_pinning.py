@@ -21,6 +21,12 @@ def pin_thread(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
+def pin_cpus(cpus: tuple[int, ...] | None) -> None:
+    """Run the calling process on `cpus` (an attacker pool's initializer); None or empty: anywhere."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 @contextlib.contextmanager
 def pinned(core: int | None) -> Iterator[None]:
     """The calling thread on `core` for the block (what it starts there inherits it), then back."""

@@ -24,7 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import httpx
 
-from server.bench.abuse import Phase, Target, _health, _tenant, _victim, pin_cpus
+from server.bench.abuse import Phase, Target, _health, _tenant, _victim
+from server.bench.cpu_pinning import pin_cpus
 
 ITL_TARGET_RATIO = 1.10
 PHASES = ("slow_schemas", "many_schemas")
