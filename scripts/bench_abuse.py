@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from server.bench import abuse  # noqa: E402
-from server.bench.server_proc import ServerProcess  # noqa: E402
-from server.config import ServerConfig  # noqa: E402
+from server.bench.victim_harness import victim_server  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,36 +58,18 @@ def _lease_health(metrics: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    work = Path(args.work_dir)
-    model = args.model
-    if model is None:
-        from server.demo import ensure_demo
-        model = str(ensure_demo(work / "demo").model_dir)
-    budget = ServerConfig.max_logprob_entries
-    cpus = sorted(os.sched_getaffinity(0))
-    if args.pin and len(cpus) < 2:
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
         print("bench_abuse: error: --pin needs 2 or more CPUs", file=sys.stderr)
         return 2
-    attacker_cpus = tuple(cpus[1:]) if args.pin else None
-    shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
-    with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
-                       serve_args=["--device", "cpu", *args.serve_arg]) as srv:
-        if args.pin:  # every thread of the server
-            subprocess.run(["taskset", "-a", "-cp", str(cpus[0]), str(srv.proc.pid)], check=True,
-                           capture_output=True)
-            os.sched_setaffinity(0, attacker_cpus)  # the victim client and /health poller
+    with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
-        httpx.post(srv.url + "/admin/tenants", json={"name": "probe"}, headers=admin).raise_for_status()
-        key = httpx.post(srv.url + "/admin/tenants/probe/keys", headers=admin).json()["key"]
-        card = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]
-        target = abuse.Target(srv.url, srv.admin_token, card["id"], card["max_model_len"], budget)
         load_before = os.getloadavg()
         report = abuse.run(target, args.phase_s, args.only.split(",") if args.only else None,
                            log=lambda s: print(s, file=sys.stderr, flush=True), attacker_cpus=attacker_cpus)
         report["leases"] = _lease_health(httpx.get(srv.url + "/metrics", headers=admin).text)
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                         "python": platform.python_version(), "model": Path(model).name,
-                         "max_model_len": target.max_model_len, "max_logprob_entries": budget,
+                         "python": platform.python_version(), "model": target.model,
+                         "max_model_len": target.max_model_len, "max_logprob_entries": target.max_logprob_entries,
                          "serve_args": args.serve_arg, "pinned": args.pin,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))

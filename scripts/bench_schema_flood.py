@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from server.bench import abuse, schema_flood  # noqa: E402
-from server.bench.server_proc import ServerProcess  # noqa: E402
-from server.config import ServerConfig  # noqa: E402
+from server.bench.victim_harness import victim_server  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,29 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    work = Path(args.work_dir)
-    model = args.model
-    if model is None:
-        from server.demo import ensure_demo
-        model = str(ensure_demo(work / "demo").model_dir)
-    cpus = sorted(os.sched_getaffinity(0))
-    if args.pin and len(cpus) < 2:
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
         print("bench_schema_flood: error: --pin needs 2 or more CPUs", file=sys.stderr)
         return 2
-    attacker_cpus = tuple(cpus[1:]) if args.pin else None
-    shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
-    with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
-                       serve_args=["--device", "cpu", *args.serve_arg]) as srv:
-        if args.pin:  # every thread of the server (and the compile processes it starts later)
-            subprocess.run(["taskset", "-a", "-cp", str(cpus[0]), str(srv.proc.pid)], check=True,
-                           capture_output=True)
-            os.sched_setaffinity(0, attacker_cpus)  # the victim client and /health poller
+    with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
-        httpx.post(srv.url + "/admin/tenants", json={"name": "probe"}, headers=admin).raise_for_status()
-        key = httpx.post(srv.url + "/admin/tenants/probe/keys", headers=admin).json()["key"]
-        card = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]
-        target = abuse.Target(srv.url, srv.admin_token, card["id"], card["max_model_len"],
-                              ServerConfig.max_logprob_entries)
         quota = {} if args.attacker_concurrency is None else {"max_concurrent_requests": args.attacker_concurrency}
         load_before = os.getloadavg()
         report = schema_flood.run(target, args.phase_s, args.loops, attacker_cpus, args.regex_groups, quota,
@@ -84,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = httpx.get(srv.url + "/admin/engine", headers=admin).json()["structured_output"]
     report["server_structured_output"] = engine
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                         "python": platform.python_version(), "model": Path(model).name,
+                         "python": platform.python_version(), "model": target.model,
                          "serve_args": args.serve_arg, "pinned": args.pin,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))

@@ -4,12 +4,13 @@ attack gets the refusal it should. Bounds are generous: speed is the benchmark's
 from __future__ import annotations
 
 from server.bench import abuse
+from server.bench.victim_harness import Target
 
 
 def test_abuse_harness_runs_and_the_victim_keeps_streaming(api_server):
     engine = api_server.state.engine.engine
-    target = abuse.Target(api_server.url, api_server.config.admin_token, api_server.state.model_id,
-                          engine.max_model_len, api_server.config.max_logprob_entries)
+    target = Target(api_server.url, api_server.config.admin_token, api_server.state.model_id,
+                    engine.max_model_len, api_server.config.max_logprob_entries)
     only = ["huge_token_body", "huge_body_over_quota", "detokenize_2e20_ids", "logprob_echo_200mb", "n_x_max_tokens"]
     report = abuse.run(target, phase_s=2.0, only=only)
     assert list(report["phases"]) == ["baseline", *only]

@@ -11,110 +11,18 @@ by at most 20% against the baseline and /health p99 stays at most 100 ms.
 from __future__ import annotations
 
 import json
-import multiprocessing
-import threading
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 
-from server.bench.cpu_pinning import pin_cpus
-from server.bench.metrics import percentile, ratio
+from server.bench.victim_harness import VICTIM_TOKENS, Target, client, new_tenant, run_phases
 
 ITL_TARGET_RATIO = 1.20
 HEALTH_TARGET_S = 0.100
-VICTIM_TOKENS = 64
-HEALTH_INTERVAL_S = 0.05
-
-
-@dataclass
-class Phase:
-    name: str
-    gaps_s: list[float] = field(default_factory=list)
-    health_s: list[float] = field(default_factory=list)
-    statuses: Counter = field(default_factory=Counter)
-    victim_errors: int = 0
-
-    def summary(self, baseline: "Phase | None") -> dict:
-        p99 = percentile(self.gaps_s, 99)
-        out = {"victim_itl_p50_ms": _ms(percentile(self.gaps_s, 50)), "victim_itl_p99_ms": _ms(p99),
-               "victim_gaps": len(self.gaps_s), "victim_errors": self.victim_errors,
-               "health_p50_ms": _ms(percentile(self.health_s, 50)), "health_p99_ms": _ms(percentile(self.health_s, 99)),
-               "health_max_ms": _ms(max(self.health_s, default=None)), "health_probes": len(self.health_s),
-               "attack_statuses": {str(k): v for k, v in sorted(self.statuses.items())}}
-        if baseline is not None:
-            out["itl_p99_vs_baseline"] = _round(ratio(p99, percentile(baseline.gaps_s, 99)))
-            out["met"] = (out["itl_p99_vs_baseline"] is not None and out["itl_p99_vs_baseline"] <= ITL_TARGET_RATIO
-                          and out["health_p99_ms"] is not None and out["health_p99_ms"] <= HEALTH_TARGET_S * 1000)
-        return out
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 2)
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 3)
-
-
-@dataclass(frozen=True)
-class Target:
-    url: str
-    admin_token: str
-    model: str
-    max_model_len: int
-    max_logprob_entries: int  # the server's --max-logprob-entries
-
-
-def _client(target: Target, key: str | None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=target.url, headers=headers, timeout=300)
-
-
-def _tenant(target: Target, name: str, quota: dict) -> str:
-    with _client(target, target.admin_token) as c:
-        r = c.post("/admin/tenants", json={"name": name, "quota": quota})
-        assert r.status_code == 201, r.text
-        r = c.post(f"/admin/tenants/{name}/keys")
-        assert r.status_code == 201, r.text
-        return r.json()["key"]
-
-
-def _victim(target: Target, key: str, phase: Callable[[], Phase], stop: threading.Event) -> None:
-    body = {"model": target.model, "prompt": [11, 42, 97, 5, 64, 23], "max_tokens": VICTIM_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    with _client(target, key) as c:
-        while not stop.is_set():
-            current, last = phase(), None
-            try:
-                with c.stream("POST", "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        current.victim_errors += 1
-                        continue
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        now = time.perf_counter()
-                        if last is not None and phase() is current:
-                            current.gaps_s.append(now - last)
-                        last = now
-            except httpx.HTTPError:
-                current.victim_errors += 1
-
-
-def _health(target: Target, phase: Callable[[], Phase], stop: threading.Event) -> None:
-    with _client(target, None) as c:
-        while not stop.is_set():
-            current, start = phase(), time.perf_counter()
-            try:
-                c.get("/health")
-                current.health_s.append(time.perf_counter() - start)
-            except httpx.HTTPError:
-                current.health_s.append(float("inf"))
-            time.sleep(HEALTH_INTERVAL_S)
 
 
 @dataclass(frozen=True)
@@ -169,51 +77,36 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
     """Run the baseline and each attack (or those named in `only`); returns the JSON report. The
     attacker's processes run on `attacker_cpus` (None: wherever the OS puts them)."""
     tag = str(int(time.time() * 1000))[-8:]
-    keys = {"victim": _tenant(target, f"victim-{tag}", {}),
-            "open": _tenant(target, f"open-{tag}", {}),
-            "limited": _tenant(target, f"limited-{tag}", {"requests_per_minute": 1}),
-            "capped": _tenant(target, f"capped-{tag}", {"max_tokens_per_request": 10})}
+    keys = {"victim": new_tenant(target, f"victim-{tag}", {}),
+            "open": new_tenant(target, f"open-{tag}", {}),
+            "limited": new_tenant(target, f"limited-{tag}", {"requests_per_minute": 1}),
+            "capped": new_tenant(target, f"capped-{tag}", {"max_tokens_per_request": 10})}
     attacks = _attacks(target)
+
+    def start(name: str, pool: ProcessPoolExecutor) -> list[Future]:
+        attack = attacks[name]
+        if attack.tenant == "limited":
+            # Spend its one request a minute: refused requests never count, so only a tenant
+            # that used its quota is over it (and then its bodies are refused unread).
+            with client(target, keys[attack.tenant]) as c:
+                c.post("/v1/completions", json={"model": target.model, "prompt": "hi", "max_tokens": 1})
+        return [pool.submit(_attack_loop, target.url, keys[attack.tenant], attack.path, attack.body, phase_s)
+                for _ in range(attack.loops)]
+
     names = [n for n in attacks if only is None or n in only]
-    phases = [Phase("baseline")] + [Phase(n) for n in names]
-    current = [phases[0]]
-    stop = threading.Event()
-    background = [threading.Thread(target=_victim, args=(target, keys["victim"], lambda: current[0], stop)),
-                  threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
-    pool = ProcessPoolExecutor(max_workers=max(a.loops for a in attacks.values()),
-                               mp_context=multiprocessing.get_context("spawn"),
-                               initializer=pin_cpus, initargs=(attacker_cpus,))
-    for t in background:
-        t.start()
-    try:
-        for phase in phases:
-            current[0] = phase
-            log(f"phase {phase.name} ({phase_s:.0f} s)")
-            if phase.name == "baseline":
-                time.sleep(phase_s)
-                continue
-            attack = attacks[phase.name]
-            if attack.tenant == "limited":
-                # Spend its one request a minute: refused requests never count, so only a tenant
-                # that used its quota is over it (and then its bodies are refused unread).
-                with _client(target, keys[attack.tenant]) as c:
-                    c.post("/v1/completions", json={"model": target.model, "prompt": "hi", "max_tokens": 1})
-            loops = [pool.submit(_attack_loop, target.url, keys[attack.tenant], attack.path, attack.body, phase_s)
-                     for _ in range(attack.loops)]
-            for loop in loops:
-                phase.statuses.update(loop.result())
-            time.sleep(0.5)  # the last attack request's work drains before the next phase is measured
-    finally:
-        stop.set()
-        for t in background:
-            t.join(300)
-        pool.shutdown()
+    phases = run_phases(target, keys["victim"], names, phase_s, max(a.loops for a in attacks.values()), start,
+                        attacker_cpus, log)
     baseline = phases[0]
-    out = {"phase_s": phase_s, "victim_tokens_per_request": VICTIM_TOKENS,
-           "targets": {"itl_p99_ratio": ITL_TARGET_RATIO, "health_p99_ms": HEALTH_TARGET_S * 1000},
-           "phases": {p.name: p.summary(None if p is baseline else baseline) for p in phases}}
-    out["met"] = all(s.get("met", True) for s in out["phases"].values())
-    return out
+    summaries = {}
+    for p in phases:
+        s = p.summary(None if p is baseline else baseline)
+        if p is not baseline:
+            s["met"] = (s["itl_p99_vs_baseline"] is not None and s["itl_p99_vs_baseline"] <= ITL_TARGET_RATIO
+                        and s["health_p99_ms"] is not None and s["health_p99_ms"] <= HEALTH_TARGET_S * 1000)
+        summaries[p.name] = s
+    return {"phase_s": phase_s, "victim_tokens_per_request": VICTIM_TOKENS,
+            "targets": {"itl_p99_ratio": ITL_TARGET_RATIO, "health_p99_ms": HEALTH_TARGET_S * 1000},
+            "phases": summaries, "met": all(s.get("met", True) for s in summaries.values())}
 
 
 def table(report: dict) -> str:

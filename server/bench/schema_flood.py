@@ -9,23 +9,20 @@ Phases, each `phase_s` seconds: baseline (no attacker), then
 - many_schemas: every request a distinct small schema from the suite (a salted `const` makes
   each one new to the grammar cache), compiled and then generated for a few tokens.
 
-The victim and /health poller reuse the abuse bench's (server.bench.abuse). The attacker's loops
+The victim and /health poller are the abuse bench's (server.bench.victim_harness). The attacker's loops
 run in their own processes, optionally pinned to CPUs of their own (`attacker_cpus`).
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 
 import httpx
 
-from server.bench.abuse import Phase, Target, _health, _tenant, _victim
-from server.bench.cpu_pinning import pin_cpus
+from server.bench.victim_harness import Target, new_tenant, run_phases
 
 ITL_TARGET_RATIO = 1.10
 PHASES = ("slow_schemas", "many_schemas")
@@ -78,34 +75,14 @@ def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tu
         log: Callable[[str], None] = lambda s: None) -> dict:
     """The baseline and both flood phases; returns the JSON report."""
     tag = str(int(time.time() * 1000))[-8:]
-    victim = _tenant(target, f"victim-{tag}", {})
-    attacker = _tenant(target, f"flooder-{tag}", attacker_quota or {})
-    phases = [Phase("baseline")] + [Phase(n) for n in PHASES]
-    current = [phases[0]]
-    stop = threading.Event()
-    background = [threading.Thread(target=_victim, args=(target, victim, lambda: current[0], stop)),
-                  threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
-    pool = ProcessPoolExecutor(max_workers=loops, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=pin_cpus, initargs=(attacker_cpus,))
-    for t in background:
-        t.start()
-    try:
-        for phase in phases:
-            current[0] = phase
-            log(f"phase {phase.name} ({phase_s:.0f} s)")
-            if phase.name == "baseline":
-                time.sleep(phase_s)
-                continue
-            futures = [pool.submit(_flood_loop, target.url, attacker, target.model, phase.name, i, phase_s,
-                                   regex_groups) for i in range(loops)]
-            for f in futures:
-                phase.statuses.update(f.result())
-            time.sleep(0.5)  # the flood's last requests drain before the next phase is measured
-    finally:
-        stop.set()
-        for t in background:
-            t.join(300)
-        pool.shutdown()
+    victim = new_tenant(target, f"victim-{tag}", {})
+    attacker = new_tenant(target, f"flooder-{tag}", attacker_quota or {})
+
+    def start(name: str, pool: ProcessPoolExecutor) -> list[Future]:
+        return [pool.submit(_flood_loop, target.url, attacker, target.model, name, i, phase_s, regex_groups)
+                for i in range(loops)]
+
+    phases = run_phases(target, victim, list(PHASES), phase_s, loops, start, attacker_cpus, log)
     baseline = phases[0]
     summaries = {}
     for p in phases:
