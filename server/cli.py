@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most logprob entries one response may carry: prompts x n x (max_tokens + prompt "
                         "tokens when echoed or with prompt_logprobs) x (logprobs + 1); more is a 400 "
                         "(default 65536)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long running requests may finish before they are cut "
+                        "(new connections are refused at once; a second Ctrl-C stops at once) (default 30)")
     s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "
                                            "(or $LORAPLEX_METRICS_TOKEN), for Prometheus' bearer_token (default none)")
     s.add_argument("--metrics-public", action="store_true",
@@ -256,7 +259,7 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
     from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
     app = create_app(config, on_ready=_banner)
-    uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
+    uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=config.shutdown_timeout)
     quiet_uvicorn_lifecycle()
     QuietStopServer(uv_config).run(sockets=[sock])
 

@@ -116,6 +116,9 @@ class ServerConfig:
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
     max_batch_prompts: int = 64           # prompts in one /v1/completions batch (--max-batch-prompts)
     max_logprob_entries: int = 1 << 16    # logprob entries one response may carry (--max-logprob-entries)
+    # How long a stop (SIGTERM, Ctrl-C) lets running requests finish before it cuts them (--shutdown-timeout);
+    # Kubernetes' default grace period: a replica being drained finishes its streams.
+    shutdown_timeout: float = 30.0
     max_grammar_compile_ms: int = 5000    # a structured-output constraint's compile deadline (killed past it)
     max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
     tool_call_parser: str = "hermes"      # --tool-call-parser: how tool_choice auto reads the model's calls
@@ -162,6 +165,8 @@ class ServerConfig:
                      "max_grammar_compile_ms", "max_schema_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.shutdown_timeout <= 3600:
+            raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")
         cap = self.max_prefill_tokens_while_decoding
         if cap != AUTO_PREFILL_CAP and cap is not None and (not isinstance(cap, int) or cap < 1):
             raise ConfigError(f"--max-prefill-tokens-while-decoding must be >= 1, auto or off, got {cap!r}")
@@ -286,6 +291,7 @@ class ServerConfig:
             kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),
+            shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
             max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,
             tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
             enable_prefix_caching=args.enable_prefix_caching,

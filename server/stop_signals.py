@@ -34,7 +34,7 @@ class QuietStopServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:
             print(f"loraplex: {signal.Signals(sig).name} received: stopping (running requests get "
-                  f"{self.config.timeout_graceful_shutdown} s; Ctrl-C again to stop at once)",
+                  f"{self.config.timeout_graceful_shutdown:g} s; Ctrl-C again to stop at once)",
                   file=sys.stderr, flush=True)
         super().handle_exit(sig, frame)
 

@@ -74,13 +74,14 @@ def test_first_start_and_stop(tmp_path):
     proc, out, err = _start(tmp_path, port)
     assert _stop(proc, signal.SIGINT) == 0
     first_err = err.read_text()
+    assert "SIGINT received: stopping (running requests get 30 s;" in first_err, first_err
     assert "building the demo model" in first_err and not NOISE.search(first_err), first_err
     assert not NOISE.search(out.read_text())
 
     adapters = tmp_path / "data" / "demo" / "adapters"
     port = free_port()
     proc, out, err = _start(tmp_path, port, "--adapter", f"mine={adapters / 'demo-r4'}",
-                            "--adapter", f"acme/theirs={adapters / 'demo-r8'}")
+                            "--adapter", f"acme/theirs={adapters / 'demo-r8'}", "--shutdown-timeout", "7.5")
     try:
         banner = out.read_text()
         base = f"http://127.0.0.1:{port}"
@@ -101,6 +102,6 @@ def test_first_start_and_stop(tmp_path):
         status = _stop(proc, signal.SIGTERM)
     stderr = err.read_text()
     assert status == 0 and not NOISE.search(stderr) and not NOISE.search(out.read_text()), stderr
-    assert stderr.count("SIGTERM received: stopping") == 1
+    assert stderr.count("SIGTERM received: stopping (running requests get 7.5 s;") == 1
     # one line per start stage: each of loraplex's own, nothing from uvicorn's lifecycle
     assert all(line.startswith("loraplex: ") for line in stderr.splitlines()), stderr
