@@ -36,9 +36,11 @@ from server.engine.fair_queue import FairQueue
 from server.engine.lora_slots import AdapterSlots
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.slot_share import SlotShare
 
-# After this many steps blocked on an adapter slot, the head of the queue stops
-# letting later requests pass it, so every adapter gets its turn.
+# After this many steps blocked on an adapter slot, the head of the queue stops letting requests
+# of its own tenant, or of tenants above their share of the slots, join adapters already in a slot,
+# so every adapter gets its turn (base-model requests always pass: they need no slot).
 MAX_BYPASS_STEPS = 32
 # Distinct not-yet-resident adapters, nearest the head of the queue, loaded ahead of admission.
 PREFETCH_WINDOW = 8
@@ -199,6 +201,8 @@ class Scheduler:
         failed = self.host.collect(self.wanted)
         self.wanted = set()
         head_blocked = False
+        head_tenant: str | None = None
+        slot_share: SlotShare | None = None  # computed once per step, only when the head has waited long
         prefetching: set[str] = set()  # distinct versions, so many requests for one load use one place
         for seq in list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON)):
             version = seq.adapter_id
@@ -221,12 +225,23 @@ class Scheduler:
                 if not head_blocked:
                     head_blocked = True
                     self.head_blocked_steps += 1
+                    head_tenant = seq.tenant
                 continue
-            if head_blocked:
+            if head_blocked and version is not None:
                 # Only requests that need no new slot (base model, or an adapter already in use) may pass
-                # a head blocked on slots, and only for a while: then the queue drains to let it in.
-                if self.head_blocked_steps > MAX_BYPASS_STEPS or (version is not None and version not in self.slots.users):
+                # a head blocked on slots. Base-model ones always do: they hold no slot, so they never delay
+                # the head's. An adapter in use keeps its slot busy while requests join it, so after a
+                # while the head's tenant, and tenants above their weighted share of the slots, stop
+                # joining theirs; those slots drain to let the head in, while a tenant within its share
+                # keeps its slot, so one tenant's many adapters cannot take every slot from the others.
+                if version not in self.slots.users:
                     continue
+                if self.head_blocked_steps > MAX_BYPASS_STEPS:
+                    if slot_share is None:
+                        slot_share = SlotShare.of(self.running, self.slot_of_seq, self.waiting.weights,
+                                                  self.slots.max_loras, head_tenant)
+                    if seq.tenant == head_tenant or slot_share.over(seq.tenant):
+                        continue
             assert not seq.block_table and seq.num_computed_tokens == 0, "a waiting sequence holds no KV"
             if version is not None:  # before the lookup: the point decides which blocks are the base's
                 seq.group.adapter_from = adapter_from(self.host.get(version), seq.prompt_token_ids)
