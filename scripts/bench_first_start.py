@@ -6,6 +6,9 @@ banner prints.
 
     python3 scripts/bench_first_start.py --repo . --json docs/benchmarks/first-start-cpu.json
 
+With --second-only and the --workdir of an earlier --keep run, the kept clone is brought to the repo's
+checked-out commit (git pull) and only the second start is timed, against the kept .venv and data dir.
+
 Every `loraplex...` line of both starts is kept with its time since the start, so the JSON says where
 the time went (pip's steps, the wheel, the conversion, the engine's start-up). Only the standard
 library: the clone's own install is part of what is measured. Leaves nothing running; the clone is
@@ -125,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=Path("bench-out/first-start.json"),
                    help="where to write the JSON (default bench-out/first-start.json)")
     p.add_argument("--keep", action="store_true", help="keep the clone and its data dir (default: deleted)")
+    p.add_argument("--second-only", action="store_true",
+                   help="time only the second start, in the clone an earlier --keep run left in --workdir, "
+                        "pulled to the repo's commit (default: clone afresh, time both starts)")
     args = p.parse_args(argv)
+    if args.second_only and (args.workdir is None or not (args.workdir / "clone" / ".git").is_dir()):
+        p.error("--second-only needs the --workdir of an earlier --keep run")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="loraplex-first-start-"))
     clone, data_dir, log = work / "clone", work / "data", args.json.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -133,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"load_avg_start": os.getloadavg(), "cpu_count": os.cpu_count(),
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
-        subprocess.run(["git", "clone", "-q", str(args.repo), str(clone)], check=True)
+        if args.second_only:
+            subprocess.run(["git", "-C", str(clone), "pull", "-q", "--ff-only", str(Path(args.repo).resolve()), "HEAD"],
+                           check=True)
+        else:
+            subprocess.run(["git", "clone", "-q", str(args.repo), str(clone)], check=True)
         doc["commit"] = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True,
                                        text=True, check=True).stdout.strip()
-        for which in ("first", "second"):
+        for which in ("second",) if args.second_only else ("first", "second"):
             print(f"{which} start ...", file=sys.stderr, flush=True)
             start = Start(clone, data_dir, free_port(), log)
             try:
@@ -154,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["load_avg_end"] = os.getloadavg()
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        if not args.keep:
+        if not (args.keep or args.second_only):
             shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {args.json} (output of both starts: {log})")
     return 0

@@ -6,12 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_first_start import ENGLISH, phases  # noqa: E402
+from bench_first_start import ENGLISH, main, phases  # noqa: E402
 
 
 def test_phases_are_the_seconds_between_progress_lines_up_to_ready() -> None:
@@ -27,6 +28,15 @@ def test_a_sentence_is_told_from_json_and_fragments() -> None:
     assert ENGLISH.match("The capital of France is Paris.")
     for reply in ('{"answer": "Paris"}', "paris.", "Paris", "<|im_end|>", "\u00e9t\u00e9."):
         assert not ENGLISH.match(reply), reply
+
+
+@pytest.mark.parametrize("extra", [[], ["--workdir", "WORK"]])
+def test_second_only_needs_the_workdir_of_a_kept_run(tmp_path, capsys, extra) -> None:
+    argv = ["--second-only", "--json", str(tmp_path / "out.json"), *[str(tmp_path) if a == "WORK" else a for a in extra]]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "--second-only needs the --workdir of an earlier --keep run" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
 
 
 def test_lora_tiles_widths_equal_tritons_without_importing_it() -> None:

@@ -18,10 +18,10 @@ import json
 import threading
 
 from starlette.concurrency import run_in_threadpool
-from transformers import AutoTokenizer
 
 from server.api.errors import APIError
 from server.api.token_text import TokenText
+from server.engine.tokenizer_loader import load_tokenizer
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -37,7 +37,7 @@ def longest_token_chars(tokenizer) -> int:
 
 class PromptTokenizer:
     def __init__(self, model_dir: str, max_model_len: int) -> None:
-        self._template = AutoTokenizer.from_pretrained(model_dir)
+        self._template = load_tokenizer(model_dir)
         self._local = threading.local()
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_model_len * longest_token_chars(self._template)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 from dataclasses import dataclass, field
 
+NOT_BYTE_LEVEL = 0xFFFF  # a character Latin-1 cannot encode: marks a piece that is not byte-level
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (the ByteLevel alphabet)."""
@@ -83,7 +84,13 @@ class IncrementalDetokenizer:
             return None
         if getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
             return None  # decode() would also rewrite spaces; keep its exact output
-        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        # Each byte-level character to the Latin-1 character of its byte, so a whole piece converts in C
+        # (str.translate, then encode): ~0.1 s for a 49k vocabulary, not the ~0.9 s of a per-character
+        # loop at every start. A Latin-1 character that is not a byte-level one (a space, a control
+        # character) goes to one that Latin-1 cannot encode, as any other character does.
+        to_latin1 = {ord(c): b for b, c in bytes_to_unicode().items()}
+        for code in range(256):
+            to_latin1.setdefault(code, NOT_BYTE_LEVEL)
         special = set(self.tokenizer.all_special_ids) if self.skip else set()
         added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
         table: list[bytes] = []
@@ -92,8 +99,9 @@ class IncrementalDetokenizer:
                 table.append(b"")
             elif i in added:
                 table.append(added[i].encode())
-            elif all(c in byte_of for c in piece):
-                table.append(bytes(byte_of[c] for c in piece))
             else:
-                return None  # not a pure byte-level vocabulary
+                try:
+                    table.append(piece.translate(to_latin1).encode("latin-1"))
+                except UnicodeEncodeError:
+                    return None  # not a pure byte-level vocabulary
         return table

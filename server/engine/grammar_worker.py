@@ -108,7 +108,8 @@ class _Process:
 class GrammarCompileService:
     """Compiles for `grammars` (the engine's cache) in up to `processes` child processes at once,
     each compile killed past `timeout_ms` of its CPU time (or `wall_cap_ms` of wall-clock time).
-    Started lazily: a server that never sees a constraint never starts a process."""
+    Started lazily, or with `prestart` (one process, in the background) so that the first
+    constraint does not wait for the fork server's imports."""
 
     def __init__(self, grammars: Grammars, timeout_ms: int, processes: int = 2,
                  wait_s: float | None = None, wall_cap_ms: int | None = None,
@@ -153,6 +154,20 @@ class GrammarCompileService:
         """Whether the pool is at its size with no process starting (a killed one has been replaced)."""
         with self._lock:
             return self._starting == 0 and len(self._ready) + self._busy == self._target
+
+    @property
+    def idle_processes(self) -> int:
+        """Processes started and waiting for a compile."""
+        with self._lock:
+            return len(self._ready)
+
+    def prestart(self) -> None:
+        """Start one process now, in the background (the fork server with it, which imports xgrammar and
+        torch at COMPILE_NICENESS): the first compile then takes it warm. Returns at once; a compile
+        asked for before it is ready waits for it as a cold start."""
+        with self._lock:
+            self._target = max(self._target, 1)
+            self._top_up()
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar (from the cache when it can); GrammarError / GrammarTimeout say why not."""

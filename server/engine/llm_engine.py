@@ -5,7 +5,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
 from adapters.format import LoraAdapter, ModelShape
 from adapters.host_tier import Fetch, HostTier
@@ -31,6 +30,7 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
 from server.engine.stop import StopChecker
+from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
 from server.engine.weights import load_weights
 
@@ -109,7 +109,7 @@ class LLMEngine(OutputProcessing):
         # Until the KV pool is sized, the longest context the model allows (or the one asked for).
         limit = model_limit(mcfg, config.max_model_len)
         max_len = config.max_model_len or limit
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
