@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 
 async def cancel_admission(state: ServerState, admission: Admission) -> None:
-    """Undo an admission as if it had never been granted (shielded: a disconnect must not skip it)."""
+    """Undo an admission as if it had never been granted (shielded: a disconnect must not skip it): its
+    lease is no longer beaten and nothing of it is recorded."""
+    state.settlements.discard(admission)
     with anyio.CancelScope(shield=True):
         try:
             await run_in_threadpool(state.limiter.cancel, admission)

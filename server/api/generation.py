@@ -104,7 +104,6 @@ class Generation:
                                                priority, tenant.quota.weight, cache_salt=cache_salt,
                                                grammar=grammar)
         except BaseException:
-            state.settlements.discard(admission)
             await cancel_admission(state, admission)  # refused by the engine: neither counted nor billed
             raise
         return cls(state, tenant, endpoint, prompt_ids, params, admission, stream, arrived, adapter)
@@ -168,7 +167,6 @@ class Generation:
             return
         self._closed = True
         self._stream.abort()
-        self.state.settlements.discard(self._admission)
         await cancel_admission(self.state, self._admission)
 
     async def close(self) -> None:
