@@ -58,6 +58,10 @@ def service(grammars, core):
         _wait_warm(service)
     finally:
         os.sched_setaffinity(0, old)
+    # The processes fork from multiprocessing's fork server, which keeps the affinity of whoever started
+    # it first (another test's server in this worker, maybe): pin the warm ones themselves.
+    for process in service._ready:
+        os.sched_setaffinity(process.proc.pid, {core})
     yield service
     service.shutdown()
 
