@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from server.bench import abuse  # noqa: E402
-from server.bench.victim_harness import victim_server  # noqa: E402
+from server.bench.server_profile import can_profile  # noqa: E402
+from server.bench.victim_harness import profile_text, victim_server  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default="bench-out/abuse", help="demo model, Redis data, server log "
                                                                  "(default bench-out/abuse)")
     p.add_argument("--json", default=None, help="write the report here (default: print only)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="sample the server with py-spy through each phase (raw stacks in DIR/<phase>.txt) and "
+                        "report its CPU by category (default: off)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-num-batched-tokens=256)")
     return p
@@ -61,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         print("bench_abuse: error: --pin needs 2 or more CPUs", file=sys.stderr)
         return 2
+    if args.profile and can_profile() is not None:
+        print(f"bench_abuse: error: --profile: {can_profile()}", file=sys.stderr)
+        return 2
     with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         load_before = os.getloadavg()
         report = abuse.run(target, args.phase_s, args.only.split(",") if args.only else None,
-                           log=lambda s: print(s, file=sys.stderr, flush=True), attacker_cpus=attacker_cpus)
+                           log=lambda s: print(s, file=sys.stderr, flush=True), attacker_cpus=attacker_cpus,
+                           profile=(srv.proc.pid, Path(args.profile)) if args.profile else None)
         report["leases"] = _lease_health(httpx.get(srv.url + "/metrics", headers=admin).text)
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": target.model,
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                          "serve_args": args.serve_arg, "pinned": args.pin,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))
+    print(profile_text(report))
     print(f"target met: {report['met']}; leases lost {report['leases']['lost']}, longest heartbeat gap "
           f"{report['leases']['longest_heartbeat_gap_s']} s")
     if args.json:

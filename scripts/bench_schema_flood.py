@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from server.bench import abuse, schema_flood  # noqa: E402
-from server.bench.victim_harness import victim_server  # noqa: E402
+from server.bench.server_profile import can_profile  # noqa: E402
+from server.bench.victim_harness import profile_text, victim_server  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default="bench-out/schema-flood",
                    help="demo model, Redis data, server log (default bench-out/schema-flood)")
     p.add_argument("--json", default=None, help="write the report here (default: print only)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="sample the server with py-spy through each phase (raw stacks in DIR/<phase>.txt) and "
+                        "report its CPU by category (default: off)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-grammar-compile-ms=2000)")
     return p
@@ -54,12 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         print("bench_schema_flood: error: --pin needs 2 or more CPUs", file=sys.stderr)
         return 2
+    if args.profile and can_profile() is not None:
+        print(f"bench_schema_flood: error: --profile: {can_profile()}", file=sys.stderr)
+        return 2
     with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         quota = {} if args.attacker_concurrency is None else {"max_concurrent_requests": args.attacker_concurrency}
         load_before = os.getloadavg()
         report = schema_flood.run(target, args.phase_s, args.loops, attacker_cpus, args.regex_groups, quota,
-                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+                                  log=lambda s: print(s, file=sys.stderr, flush=True),
+                                  profile=(srv.proc.pid, Path(args.profile)) if args.profile else None)
         engine = httpx.get(srv.url + "/admin/engine", headers=admin).json()["structured_output"]
     report["server_structured_output"] = engine
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -67,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                          "serve_args": args.serve_arg, "pinned": args.pin,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))
+    print(profile_text(report))
     print(f"compiles {engine['compiles']}, compile timeouts {engine['compile_timeouts']}, "
           f"failures {engine['failures']}; target (p99 ITL <= x{schema_flood.ITL_TARGET_RATIO}) met: {report['met']}")
     if args.json:

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -73,7 +74,8 @@ def _attack_loop(url: str, key: str, path: str, body: bytes, phase_s: float) -> 
 
 
 def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
-        log: Callable[[str], None] = lambda s: None, attacker_cpus: tuple[int, ...] | None = None) -> dict:
+        log: Callable[[str], None] = lambda s: None, attacker_cpus: tuple[int, ...] | None = None,
+        profile: tuple[int, Path] | None = None) -> dict:
     """Run the baseline and each attack (or those named in `only`); returns the JSON report. The
     attacker's processes run on `attacker_cpus` (None: wherever the OS puts them)."""
     tag = str(int(time.time() * 1000))[-8:]
@@ -95,7 +97,7 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
 
     names = [n for n in attacks if only is None or n in only]
     phases = run_phases(target, keys["victim"], names, phase_s, max(a.loops for a in attacks.values()), start,
-                        attacker_cpus, log)
+                        attacker_cpus, log, profile)
     baseline = phases[0]
     summaries = {}
     for p in phases:

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -72,7 +73,7 @@ def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: 
 
 def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tuple[int, ...] | None = None,
         regex_groups: int = 1000, attacker_quota: dict | None = None,
-        log: Callable[[str], None] = lambda s: None) -> dict:
+        log: Callable[[str], None] = lambda s: None, profile: tuple[int, Path] | None = None) -> dict:
     """The baseline and both flood phases; returns the JSON report."""
     tag = str(int(time.time() * 1000))[-8:]
     victim = new_tenant(target, f"victim-{tag}", {})
@@ -82,7 +83,7 @@ def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tu
         return [pool.submit(_flood_loop, target.url, attacker, target.model, name, i, phase_s, regex_groups)
                 for i in range(loops)]
 
-    phases = run_phases(target, victim, list(PHASES), phase_s, loops, start, attacker_cpus, log)
+    phases = run_phases(target, victim, list(PHASES), phase_s, loops, start, attacker_cpus, log, profile)
     baseline = phases[0]
     summaries = {}
     for p in phases:

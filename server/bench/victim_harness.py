@@ -23,6 +23,7 @@ import httpx
 from server.bench.cpu_pinning import pin_cpus
 from server.bench.metrics import percentile, ratio
 from server.bench.server_proc import ServerProcess
+from server.bench.server_profile import Sampler, profile_lines, summarize
 from server.config import ServerConfig
 
 VICTIM_TOKENS = 64
@@ -73,6 +74,7 @@ class Phase:
     health_s: list[float] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
     victim_errors: int = 0
+    profile: dict | None = None  # server_profile.summarize of the server's CPU in this phase
 
     def summary(self, baseline: "Phase | None") -> dict:
         """The victim's latencies in this phase (and, against the baseline, its p99 ITL ratio)."""
@@ -85,6 +87,8 @@ class Phase:
         if baseline is not None:
             r = ratio(p99, percentile(baseline.gaps_s, 99))
             out["itl_p99_vs_baseline"] = None if r is None else round(r, 3)
+        if self.profile is not None:
+            out["server_profile"] = self.profile
         return out
 
 
@@ -144,10 +148,12 @@ def _health(target: Target, phase: Callable[[], Phase], stop: threading.Event) -
 def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: float, workers: int,
                attack: Callable[[str, ProcessPoolExecutor], list[Future]],
                attacker_cpus: tuple[int, ...] | None = None,
-               log: Callable[[str], None] = lambda s: None) -> list[Phase]:
+               log: Callable[[str], None] = lambda s: None,
+               profile: tuple[int, Path] | None = None) -> list[Phase]:
     """The baseline, then each named attack for phase_s seconds while the victim streams. `attack(name,
     pool)` starts the phase's request loops on the pool (each returns a Counter of statuses).
-    Returns the phases, the baseline first."""
+    With `profile` = (server pid, directory), py-spy samples the server through each phase into
+    `<directory>/<phase>.txt` and the phase keeps the summary. Returns the phases, the baseline first."""
     phases = [Phase("baseline")] + [Phase(n) for n in attacks]
     current = [phases[0]]
     stop = threading.Event()
@@ -159,13 +165,14 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
         t.start()
     try:
         for phase in phases:
-            current[0] = phase
             log(f"phase {phase.name} ({phase_s:.0f} s)")
-            if phase.name == "baseline":
-                time.sleep(phase_s)
-                continue
-            for loop in attack(phase.name, pool):
-                phase.statuses.update(loop.result())
+            with _sampled(phase, profile):
+                current[0] = phase
+                if phase.name == "baseline":
+                    time.sleep(phase_s)
+                    continue
+                for loop in attack(phase.name, pool):
+                    phase.statuses.update(loop.result())
             time.sleep(0.5)  # the attack's last requests drain before the next phase is measured
     finally:
         stop.set()
@@ -173,3 +180,25 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
             t.join(300)
         pool.shutdown()
     return phases
+
+
+@contextlib.contextmanager
+def _sampled(phase: Phase, profile: tuple[int, Path] | None) -> Iterator[None]:
+    """Runs the phase's body, sampled by py-spy when `profile` is (server pid, directory)."""
+    if profile is None:
+        yield
+        return
+    pid, directory = profile
+    out, start = directory / f"{phase.name}.txt", time.perf_counter()
+    with Sampler(pid, out) as sampler:
+        yield
+    phase.profile = summarize(out, time.perf_counter() - start, sampler.rate)
+
+
+def profile_text(report: dict) -> str:
+    """The server's CPU by category in each profiled phase of a report (empty when none was)."""
+    lines = []
+    for name, s in report["phases"].items():
+        if "server_profile" in s:
+            lines += profile_lines(name, s["server_profile"])
+    return "\n".join(lines)
