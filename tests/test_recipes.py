@@ -92,7 +92,7 @@ metric_list:
 
 def test_lm_eval_local_completions(recipe_env, tmp_path, tiny_model_dir, hf_logprobs):
     if shutil.which("lm_eval", path=recipe_env["PATH"]) is None:
-        pytest.skip("lm-eval is not installed (pip install lm-eval): its recipe did not run")
+        pytest.skip('lm-eval is not installed (pip install "lm-eval[api]"): its recipe did not run')
     # No dataset hub here: the doc's task is swapped for a local one of the same kind (multiple choice).
     data = tmp_path / "smoke.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": ["yes", "no"], "label": 0}) + "\n"
