@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="int8,fp8-kv",
                    help=f"comma-separated, of {', '.join(VARIANTS)} (default int8,fp8-kv)")
     p.add_argument("--chunk", type=int, default=16, help="items per engine call (default 16)")
+    p.add_argument("--models", default=None,
+                   help="comma-separated, of base and the adapters' names: compare only these (default: all; a "
+                        "long run split over several calls, e.g. one adapter's effect items each)")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", type=Path, default=Path("bench-out/eval-quantized.json"),
                    help="where to write the JSON (default bench-out/eval-quantized.json)")
@@ -65,15 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     items = spread(items, args.limit) if args.limit else items
     model_dir = args.model or default_model_dir(args.data_dir)
     adapters = adapter_dirs(args.adapters)
-    doc = {"model": model_dir.name, "adapters": sorted(adapters), "items": len(items), "max_tokens": args.max_tokens,
+    models = [None, *adapters] if args.models is None else [None if m == "base" else m for m in args.models.split(",")]
+    if any(m is not None and m not in adapters for m in models) or not models:
+        p.error(f"--models: choose from base, {', '.join(sorted(adapters))}")
+    doc = {"model": model_dir.name, "adapters": sorted(adapters), "models": [m or "base" for m in models],
+           "items_file": str(args.items), "items": len(items), "max_tokens": args.max_tokens,
            "activations": "float32", "cpu_threads": args.cpu_threads, "greedy": True,
            "machine": machine_state(log), "load_avg_start": os.getloadavg(), "variants": {}}
     ref = engine(model_dir, adapters, args.cpu_threads)
     for variant in variants:
         started = time.monotonic()
-        log(f"{variant}: {len(items)} items x {1 + len(adapters)} models")
+        log(f"{variant}: {len(items)} items x {len(models)} models")
         quant = engine(model_dir, adapters, args.cpu_threads, **VARIANTS[variant])
-        body = compare(ref, quant, items, [None, *adapters], max_tokens=args.max_tokens, chunk=args.chunk, log=log)
+        body = compare(ref, quant, items, models, max_tokens=args.max_tokens, chunk=args.chunk, log=log)
         del quant
         body["targets"] = targets(body)
         body["seconds"] = round(time.monotonic() - started, 1)
