@@ -6,8 +6,8 @@ activations (aten._weight_int8pack_mm is vectorized for AVX-512 only; inductor's
 template has AVX2 configurations for bfloat16 activations only), and dequantizing the whole weight
 per call moves more bytes than the float32 matmul it replaces. This kernel widens each int8 weight
 in registers and multiplies it with up to 8 token rows. Measured on the shared 2-vCPU AVX2 EPYC,
-the 120 smol135 decoder projections at 8 token rows, 1 thread: 61 ms against 132 for the float32
-matmul and 179 for dequant_linear (docs/benchmarks/eval-quantized.md, int8 section).
+the 120 smol135 decoder projections at 8 token rows, 1 thread: 64 CPU ms against 148 for the
+float32 matmul and 197 for dequant_linear, near the core's FMA bound (docs/benchmarks/int8-cpu.md).
 
 No torch headers: the source needs only <immintrin.h>, so a build takes seconds, not the minute
 that torch.utils.cpp_extension takes. The library is cached under `cache_dir` by a hash of the

@@ -8,8 +8,10 @@ built). The smol135 shape (server.bench.model_shape), one engine per variant, `-
 sequences spread over `--adapters` adapter slots (one LoRA file loaded under each name: every slot
 is its own adapter to the kernels, which is what costs). Rounds alternate the variants (the order
 flips each round) so a machine shared with other work loads all alike; each round times `--steps`
-decode steps per variant and the table reports the median of the per-round ratios. The load
-average before and after goes into the JSON. Prints a table and writes JSON.
+decode steps per variant and the table reports the median of the per-round ratios, of wall-clock
+tok/s and of tok/s per second of process CPU time (which other work on a shared machine does not
+dilute). First, the projections alone at `--projection-tokens` rows, in CPU ms. The load average
+before and after goes into the JSON. Prints a table and writes JSON.
 
     .venv/bin/python scripts/bench_int8.py --json docs/benchmarks/int8-cpu.json
 """
@@ -63,21 +65,21 @@ def decode_tok_s(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed:
 
 
 def projections_ms(llm: LLM, tokens: int, seed: int) -> float:
-    """ms for one pass of every decoder projection's base matmul (no LoRA, no bias) at `tokens` rows,
-    through the engine's own kernel entry: what the int8 choice changes in a step."""
+    """CPU ms (this process's) for one pass of every decoder projection's base matmul (no LoRA, no
+    bias) at `tokens` rows, through the engine's own kernel entry: what the int8 choice changes in a step."""
     ops = llm.engine.kernels
     lins = [lin for layer in llm.engine.model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     g = torch.Generator().manual_seed(seed)
     xs = {n_in: torch.randn(tokens, n_in, generator=g) for n_in in {lin.weight.shape[1] for lin in lins}}
     outs = {n_out: torch.empty(tokens, n_out) for n_out in {lin.weight.shape[0] for lin in lins}}
-    t = time.perf_counter()
+    t = time.process_time()
     for lin in lins:
         n_out, n_in = lin.weight.shape
         if isinstance(lin.weight, Int8Weight):
             ops.int8_linear(xs[n_in], lin.weight, None, out=outs[n_out], scratch=lin.dequant_scratch)
         else:
             ops.linear(xs[n_in], lin.weight, None, out=outs[n_out])
-    return 1000 * (time.perf_counter() - t)
+    return 1000 * (time.process_time() - t)
 
 
 def paired_projections(llms: dict[str, LLM], tokens: int, rounds: int) -> dict:
@@ -86,7 +88,7 @@ def paired_projections(llms: dict[str, LLM], tokens: int, rounds: int) -> dict:
     for r in range(rounds):
         order = list(llms) if r % 2 == 0 else list(reversed(llms))
         rows.append({v: projections_ms(llms[v], tokens, seed=r) for v in order})
-    return {"tokens": tokens, "median_ms": {v: statistics.median(row[v] for row in rows) for v in llms},
+    return {"tokens": tokens, "median_cpu_ms": {v: statistics.median(row[v] for row in rows) for v in llms},
             "median_speedup_over_float32": {v: statistics.median(row["float32"] / row[v] for row in rows)
                                             for v in llms if v != "float32"}}
 
@@ -122,9 +124,9 @@ def main() -> None:
         load_before = os.getloadavg()
         projections = [paired_projections(llms, int(n), args.rounds) for n in args.projection_tokens.split(",")]
         for p in projections:
-            times = ", ".join(f"{v} {ms:.1f} ms" for v, ms in p["median_ms"].items())
+            times = ", ".join(f"{v} {ms:.1f}" for v, ms in p["median_cpu_ms"].items())
             speedups = ", ".join(f"{v} x{x:.2f}" for v, x in p["median_speedup_over_float32"].items())
-            print(f"projections at {p['tokens']} rows: {times}; float32 time / variant's: {speedups}", flush=True)
+            print(f"projections at {p['tokens']} rows (CPU ms): {times}; float32's / variant's: {speedups}", flush=True)
         rounds = []
         for r in range(args.rounds):
             order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
