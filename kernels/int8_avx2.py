@@ -82,7 +82,11 @@ def build_library(cache_dir: Path | None = None, compiler: str | None = None) ->
 def load_avx2_int8_linear(cache_dir: Path | None = None, compiler: str | None = None) -> Callable[..., torch.Tensor]:
     """avx2_int8_linear on the compiled kernel (built if need be). Raises Int8KernelBuildError."""
     try:
-        kernel = getattr(ctypes.CDLL(str(build_library(cache_dir, compiler))), ENTRY)
+        path = build_library(cache_dir, compiler)
+    except OSError as e:  # an unwritable cache directory, a compiler that cannot be executed
+        raise Int8KernelBuildError(f"cannot build the kernel: {e}") from None
+    try:
+        kernel = getattr(ctypes.CDLL(str(path)), ENTRY)
     except OSError as e:
         raise Int8KernelBuildError(f"cannot load the built kernel: {e}") from None
     p, i64 = ctypes.c_void_p, ctypes.c_int64

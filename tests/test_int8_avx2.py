@@ -122,6 +122,13 @@ def test_a_failed_build_is_an_error_naming_why(tmp_path, compiler, reason):
     assert list(tmp_path.iterdir()) == []  # no library, no temporary file left behind
 
 
+def test_an_unwritable_cache_is_a_build_error(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(Int8KernelBuildError, match="cannot build the kernel"):
+        load_avx2_int8_linear(not_a_dir / "kernels")
+
+
 def test_without_a_compiler_the_engine_falls_back_to_dequant_linear_and_says_so(caplog):
     avx2_cpu = frozenset({"avx2", "fma"})
     with caplog.at_level(logging.WARNING, logger="kernels.int8_avx2"):
