@@ -29,15 +29,18 @@ def torch_ops(linear: Callable[..., torch.Tensor] = linear,
     )
 
 
-def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
+def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                   quantization: str | None = None) -> KernelOps:
     """`auto` is Triton on CUDA and the torch reference elsewhere; on a CPU without native
-    half-precision matmuls, half-precision projections compute in float32 (kernels.cpu_linear)."""
+    half-precision matmuls, half-precision projections compute in float32 (kernels.cpu_linear).
+    The int8 matmul is chosen (and the AVX2 one built) only for quantization "int8"."""
     if kind not in KERNEL_KINDS:
         raise ValueError(f"kernels must be one of {KERNEL_KINDS}, got {kind!r}")
     if kind == "auto":
         kind = "triton" if device.type == "cuda" else "torch"
     if kind == "torch":
-        return torch_ops(linear_for(device, dtype), int8_linear_for(device))
+        int8_linear = int8_linear_for(device, dtype) if quantization == "int8" else dequant_linear
+        return torch_ops(linear_for(device, dtype), int8_linear)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
     from kernels.triton_ops import triton_ops

@@ -2,13 +2,16 @@
 """Decode tokens/s with int8 weight-only base projections against float32, in the same run.
 
 Three variants: float32; "int8", the engine's own choice of int8 matmul for this CPU
-(kernels.int8_weights.int8_linear_for); and "int8pack", torch's `aten._weight_int8pack_mm` forced,
-to show the measurement behind that choice. The smol135 shape (server.bench.model_shape), one
-engine per variant, `--seqs` decoding sequences spread over `--adapters` adapter slots (one LoRA
-file loaded under each name: every slot is its own adapter to the kernels, which is what costs).
-Rounds alternate the variants (the order flips each round) so a machine shared with other work loads both alike; each round times `--steps`
-decode steps per variant and the table reports the median of the per-round ratios. Prints a table
-and writes JSON.
+(kernels.int8_weights.int8_linear_for: on an AVX2-only CPU, kernels.int8_avx2's kernel); and
+"dequant", the int8 engine forced onto dequant_linear (the fallback where the AVX2 kernel cannot be
+built). The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding
+sequences spread over `--adapters` adapter slots (one LoRA file loaded under each name: every slot
+is its own adapter to the kernels, which is what costs). Rounds alternate the variants (the order
+flips each round) so a machine shared with other work loads all alike; each round times `--steps`
+decode steps per variant and the table reports the median of the per-round ratios, of wall-clock
+tok/s and of tok/s per second of process CPU time (which other work on a shared machine does not
+dilute). First, the projections alone at `--projection-tokens` rows, in CPU ms. The load average
+before and after goes into the JSON. Prints a table and writes JSON.
 
     .venv/bin/python scripts/bench_int8.py --json docs/benchmarks/int8-cpu.json
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import random
 import statistics
@@ -29,16 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels.int8_weights import int8pack_linear  # noqa: E402
+from kernels.int8_weights import Int8Weight, dequant_linear  # noqa: E402
 from server.bench.model_shape import build_model_shape  # noqa: E402
 from server.demo import make_adapter  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
 
-VARIANTS = {"float32": None, "int8": "int8", "int8pack": "int8"}
+VARIANTS = {"float32": None, "int8": "int8", "dequant": "int8"}
 
 
-def decode_tok_s(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int, tag: str) -> float:
-    """Tokens per second over `steps` steps in which every sequence decodes (prefill excluded)."""
+def decode_tok_s(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int,
+                 tag: str) -> tuple[float, float]:
+    """Tokens per second over `steps` steps in which every sequence decodes (prefill excluded): per
+    second of wall time, and per second of this process's CPU time (what other work on a shared
+    machine does not dilute; at 1 torch thread, what a core of its own would run)."""
     engine = llm.engine
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -47,14 +54,43 @@ def decode_tok_s(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed:
         engine.add_request(f"{tag}-{i}", prompt, params, llm._versions[adapters[i % len(adapters)]])
     while engine.stats().num_running < num_seqs or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
         engine.step()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         engine.step()
-    dt = time.perf_counter() - t
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     for rid in list(engine.seqs):
         engine.abort_request(rid)
     engine.step()
-    return num_seqs * steps / dt
+    return num_seqs * steps / dt, num_seqs * steps / dcpu
+
+
+def projections_ms(llm: LLM, tokens: int, seed: int) -> float:
+    """CPU ms (this process's) for one pass of every decoder projection's base matmul (no LoRA, no
+    bias) at `tokens` rows, through the engine's own kernel entry: what the int8 choice changes in a step."""
+    ops = llm.engine.kernels
+    lins = [lin for layer in llm.engine.model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    g = torch.Generator().manual_seed(seed)
+    xs = {n_in: torch.randn(tokens, n_in, generator=g) for n_in in {lin.weight.shape[1] for lin in lins}}
+    outs = {n_out: torch.empty(tokens, n_out) for n_out in {lin.weight.shape[0] for lin in lins}}
+    t = time.process_time()
+    for lin in lins:
+        n_out, n_in = lin.weight.shape
+        if isinstance(lin.weight, Int8Weight):
+            ops.int8_linear(xs[n_in], lin.weight, None, out=outs[n_out], scratch=lin.dequant_scratch)
+        else:
+            ops.linear(xs[n_in], lin.weight, None, out=outs[n_out])
+    return 1000 * (time.process_time() - t)
+
+
+def paired_projections(llms: dict[str, LLM], tokens: int, rounds: int) -> dict:
+    """Median ms per variant and median per-round ratios to float32, the order flipping each round."""
+    rows = []
+    for r in range(rounds):
+        order = list(llms) if r % 2 == 0 else list(reversed(llms))
+        rows.append({v: projections_ms(llms[v], tokens, seed=r) for v in order})
+    return {"tokens": tokens, "median_cpu_ms": {v: statistics.median(row[v] for row in rows) for v in llms},
+            "median_speedup_over_float32": {v: statistics.median(row["float32"] / row[v] for row in rows)
+                                            for v in llms if v != "float32"}}
 
 
 def main() -> None:
@@ -64,6 +100,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per variant per round (default 8)")
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
+    ap.add_argument("--projection-tokens", default="1,8,32",
+                    help="token rows at which the projections alone are timed, comma-separated (default 1,8,32)")
     ap.add_argument("--model-dir", help="where the smol135-shaped model is built or reused (default: a temp dir)")
     ap.add_argument("--json", default="bench-out/int8-cpu.json", help="output (default bench-out/int8-cpu.json)")
     args = ap.parse_args()
@@ -76,45 +114,62 @@ def main() -> None:
         for variant, quantization in VARIANTS.items():
             llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=args.adapters, max_lora_rank=args.rank,
                       kv_cache_blocks=64 * args.seqs // 16 + 16, max_model_len=256, quantization=quantization)
-            if variant == "int8pack":
+            if variant == "dequant":
                 engine = llm.engine
-                engine.kernels = engine.runner.ops = dataclasses.replace(engine.kernels, int8_linear=int8pack_linear)
+                engine.kernels = engine.runner.ops = dataclasses.replace(engine.kernels, int8_linear=dequant_linear)
             for name in names:
                 llm.add_adapter(name, adapter_dir)
             decode_tok_s(llm, names, args.seqs, 2, seed=0, tag=f"warm-{variant}")
             llms[variant] = llm
+        load_before = os.getloadavg()
+        projections = [paired_projections(llms, int(n), args.rounds) for n in args.projection_tokens.split(",")]
+        for p in projections:
+            times = ", ".join(f"{v} {ms:.1f}" for v, ms in p["median_cpu_ms"].items())
+            speedups = ", ".join(f"{v} x{x:.2f}" for v, x in p["median_speedup_over_float32"].items())
+            print(f"projections at {p['tokens']} rows (CPU ms): {times}; float32's / variant's: {speedups}", flush=True)
         rounds = []
         for r in range(args.rounds):
             order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
-            row = {v: decode_tok_s(llms[v], names, args.seqs, args.steps, seed=r, tag=f"r{r}-{v}") for v in order}
-            row["ratio"] = row["int8"] / row["float32"]
-            row["ratio_int8pack"] = row["int8pack"] / row["float32"]
+            row = {}
+            for v in order:
+                row[v], row[f"{v}_cpu"] = decode_tok_s(llms[v], names, args.seqs, args.steps, seed=r, tag=f"r{r}-{v}")
+            for v, key in (("int8", "ratio"), ("dequant", "ratio_dequant")):
+                row[key] = row[v] / row["float32"]
+                row[f"{key}_cpu"] = row[f"{v}_cpu"] / row["float32_cpu"]
             rounds.append(row)
             print(f"round {r}: " + ", ".join(f"{v} {row[v]:.2f} tok/s" for v in VARIANTS)
-                  + f"; int8/float32 x{row['ratio']:.3f}", flush=True)
+                  + f"; int8/float32 x{row['ratio']:.3f} (CPU time x{row['ratio_cpu']:.3f})", flush=True)
+        load_after = os.getloadavg()
         weight_bytes = {v: sum(lin.weight.nbytes for layer in llms[v].engine.model.layers
                                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)) for v in ("float32", "int8")}
     summary = {
         "median_tok_s": {v: statistics.median(r[v] for r in rounds) for v in VARIANTS},
+        "median_tok_per_cpu_s": {v: statistics.median(r[f"{v}_cpu"] for r in rounds) for v in VARIANTS},
         "int8_matmul": llms["int8"].engine.kernels.int8_linear.__name__,
         "median_ratio_int8_over_float32": statistics.median(r["ratio"] for r in rounds),
-        "median_ratio_int8pack_over_float32": statistics.median(r["ratio_int8pack"] for r in rounds),
+        "median_ratio_dequant_over_float32": statistics.median(r["ratio_dequant"] for r in rounds),
+        "median_cpu_time_ratio_int8_over_float32": statistics.median(r["ratio_cpu"] for r in rounds),
+        "median_cpu_time_ratio_dequant_over_float32": statistics.median(r["ratio_dequant_cpu"] for r in rounds),
         "projection_weight_bytes": weight_bytes,
         "weight_bytes_ratio": weight_bytes["int8"] / weight_bytes["float32"],
     }
-    print(f"\n{'variant':>8} {'tok/s (median)':>15} {'proj. weight MB':>16}")
+    print(f"\n{'variant':>8} {'tok/s (median)':>15} {'tok/CPU s':>10} {'proj. weight MB':>16}")
     for v in VARIANTS:
         mb = weight_bytes["float32" if v == "float32" else "int8"] / 1e6
-        print(f"{v:>8} {summary['median_tok_s'][v]:>15.2f} {mb:>16.1f}")
+        print(f"{v:>8} {summary['median_tok_s'][v]:>15.2f} {summary['median_tok_per_cpu_s'][v]:>10.2f} {mb:>16.1f}")
     print(f"int8 ({summary['int8_matmul']})/float32: decode x{summary['median_ratio_int8_over_float32']:.3f}, "
-          f"int8pack/float32 x{summary['median_ratio_int8pack_over_float32']:.3f} (medians of {args.rounds} paired "
-          f"rounds); weight bytes x{summary['weight_bytes_ratio']:.3f}")
+          f"dequant/float32 x{summary['median_ratio_dequant_over_float32']:.3f} (medians of {args.rounds} paired "
+          f"rounds); per CPU second x{summary['median_cpu_time_ratio_int8_over_float32']:.3f} and "
+          f"x{summary['median_cpu_time_ratio_dequant_over_float32']:.3f}; "
+          f"weight bytes x{summary['weight_bytes_ratio']:.3f}; load average "
+          f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": "smol135 shape (random weights)", "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "seqs": args.seqs, "adapters": args.adapters, "rank": args.rank, "steps": args.steps,
+        "load_average_1min": {"before": load_before[0], "after": load_after[0]}, "projections": projections,
         "rounds": rounds, **summary,
     }, indent=2))
     print(f"wrote {out}")

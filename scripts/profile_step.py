@@ -60,7 +60,8 @@ def _label_kernels(llm: LLM) -> None:
     """Each kernel entry runs inside a record_function of its name (on this engine instance only)."""
     ops = llm.engine.runner.ops
     labelled = {n: _labelled(n, getattr(ops, n)) for n in KERNEL_PARTS}
-    llm.engine.runner.ops = dataclasses.replace(ops, linear=_labelled_linear(ops.linear), **labelled)
+    llm.engine.runner.ops = dataclasses.replace(ops, linear=_labelled_linear(ops.linear),
+                                                int8_linear=_labelled_linear(ops.int8_linear), **labelled)
 
 
 def _parts(prof, steps: int) -> dict[str, float]:
@@ -112,7 +113,7 @@ def run(args) -> dict:
     kv_blocks = 4 * (args.decode_seqs + args.prefill_seqs) * (-(-(args.context + args.prefill_len + 64) // 16))
     llm = LLM(model_dir, device="cpu", dtype=args.dtype, cpu_threads=args.cpu_threads, max_loras=max(1, args.adapters),
               max_lora_rank=8, max_num_seqs=max(args.decode_seqs, args.prefill_seqs), kv_cache_blocks=kv_blocks,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=args.quantization)
     names = [f"a{i}" for i in adapters]
     for i, path in adapters.items():
         llm.add_adapter(f"a{i}", path)
@@ -138,14 +139,16 @@ def run(args) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
     return {"model_shape": args.model_shape, "layers": args.layers, "dtype": args.dtype,
+            "quantization": args.quantization, "int8_matmul": engine.kernels.int8_linear.__name__,
             "cpu_threads": torch.get_num_threads(), "adapters": args.adapters, "torch": torch.__version__,
             "decode": {"seqs": args.decode_seqs, "context": args.context, **decode},
             "prefill": {"seqs": args.prefill_seqs, "prompt_len": args.prefill_len, **prefill}}
 
 
 def format_report(doc: dict) -> str:
-    lines = [f"{doc['model_shape']} {doc['dtype']}, {doc['cpu_threads']} thread(s), {doc['adapters']} adapter(s), "
-             f"torch {doc['torch']}"]
+    quantized = f" int8 ({doc['int8_matmul']})" if doc.get("quantization") else ""
+    lines = [f"{doc['model_shape']} {doc['dtype']}{quantized}, {doc['cpu_threads']} thread(s), "
+             f"{doc['adapters']} adapter(s), torch {doc['torch']}"]
     for kind in ("decode", "prefill"):
         r = doc[kind]
         what = (f"{r['seqs']} seqs at context {r['context']}" if kind == "decode"
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="fewer layers of the same widths")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--cpu-threads", default="auto")
+    p.add_argument("--quantization", default=None, choices=("int8",),
+                   help="the decoder projections' weights (default: float, the --dtype)")
     p.add_argument("--adapters", type=int, default=8, help="adapters the sequences spread over (0: base)")
     p.add_argument("--decode-seqs", type=int, default=32)
     p.add_argument("--context", type=int, default=96)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.int8_weights import (Int8Weight, dequant_linear, dequantize_int8, int8_linear_for, int8pack_linear,
-                                  quantize_int8)
+from kernels.cpu_linear import cpu_flags
+from kernels.int8_avx2 import avx2_int8_linear_or_none
+from kernels.int8_weights import Int8Weight, dequant_linear, dequantize_int8, int8pack_linear, quantize_int8
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.engine import LLM, SamplingParams
@@ -77,12 +78,6 @@ def test_a_strided_input_is_accepted(matmul):
     assert torch.allclose(MATMULS[matmul](x, q), ref, atol=1e-5)
 
 
-def test_the_int8_kernel_only_where_it_is_vectorized():
-    cpu = torch.device("cpu")
-    assert int8_linear_for(cpu, frozenset({"avx2", "avx512f"})) is int8pack_linear
-    assert int8_linear_for(cpu, frozenset({"avx2", "fma"})) is dequant_linear
-
-
 def write_quantized_reference(model_dir, out):
     """`model_dir` with every decoder projection replaced by dequantize(quantize(w)): what the
     transformers + peft oracle runs."""
@@ -103,13 +98,17 @@ def quantized_reference_dir(tiny_model_dir, tmp_path_factory):
     return write_quantized_reference(tiny_model_dir, tmp_path_factory.mktemp("tiny-int8-reference"))
 
 
-@pytest.fixture(scope="module", params=list(MATMULS))
+@pytest.fixture(scope="module", params=[*MATMULS, "avx2"])
 def llm(request, tiny_model_dir, tiny_adapters):
-    """The int8 engine with each matmul, whichever this CPU would pick."""
+    """The int8 engine with each matmul, whichever this CPU would pick (the AVX2 kernel where this
+    CPU has AVX2 + FMA: tests/test_int8_avx2.py tests it alone)."""
+    matmul = MATMULS.get(request.param) or avx2_int8_linear_or_none(cpu_flags())
+    if matmul is None:
+        pytest.skip("no AVX2 + FMA on this CPU, or no compiler: the engine runs dequant_linear")
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=256, max_model_len=512,
               quantization="int8")
     engine = llm.engine
-    engine.kernels = dataclasses.replace(engine.kernels, int8_linear=MATMULS[request.param])
+    engine.kernels = dataclasses.replace(engine.kernels, int8_linear=matmul)
     engine.runner.ops = engine.kernels
     for name, path in tiny_adapters.items():
         llm.add_adapter(name, path)
@@ -225,6 +224,8 @@ def test_a_server_started_with_int8_serves_the_quantized_model(tmp_path, tiny_mo
     with running_server(config) as server:
         engine = server.state.engine.engine
         assert isinstance(engine.model.layers[0].gate_up.weight, Int8Weight)
+        if {"avx2", "fma"} <= cpu_flags() and "avx512f" not in cpu_flags():  # the engine's own choice here
+            assert engine.kernels.int8_linear.__name__ == "avx2_int8_linear"
         _, key = server.new_tenant()
         ids = random_prompts(1, (10, 10), VOCAB, seed=6)[0]
         r = server.client(key).completions.create(model=server.state.model_id, prompt=ids, max_tokens=8,

@@ -147,7 +147,7 @@ class LLMEngine(OutputProcessing):
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_prefill_tokens_while_decoding), self.blocks, self.slots, self.host)
-        self.kernels = select_kernels(config.kernels, self.device, self.dtype)
+        self.kernels = select_kernels(config.kernels, self.device, self.dtype, config.quantization)
         if self.kernels.linear is upcast_linear:
             log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",
                      self.dtype, self.dtype)
