@@ -15,7 +15,7 @@ from server.api.adapter_references import resolve_lorax_adapter
 from server.api.admission import gated
 from server.api.auth import require_tenant, state_of
 from server.api.body import BASE_VALUES, read_json_object
-from server.api.budget import check_request_cost
+from server.api.budget import check_completion_cap, check_request_cost
 from server.api.constraints import constraint_of
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
@@ -149,7 +149,8 @@ async def _generate(request: Request, chat: bool) -> Response:
             if len(batch) > cap:
                 raise APIError(400, f"'prompt' is a batch of {len(batch)} prompts; at most {cap} "
                                     f"(--max-batch-prompts)", "invalid_value", param="prompt")
-            prompts = [await state.prompts.encode(p) for p in batch]
+            check_completion_cap(req, tenant, len(batch))
+            prompts = await state.prompts.encode_batch(batch)
         limit = state.engine.engine.max_model_len
         max_tokens = [max_tokens_for(req, tenant, len(ids), limit) for ids in prompts]
         check_request_cost(req, tenant, [len(ids) for ids in prompts], max_tokens,
