@@ -41,6 +41,7 @@ BASE_VALUES = 1 << 16
 INLINE_PARSE_BYTES = 64 << 10
 SCAN_WINDOW_CHARS = 1 << 20
 _DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_SCALAR_TYPES = frozenset({int, float, bool, type(None)})  # JSON values with no string or nesting in them
 
 
 def _too_large(cap: int) -> APIError:
@@ -102,8 +103,10 @@ def _check_tree(doc: Any) -> None:
             for key, value in node.items():
                 _check_string(key)
                 stack.append((value, depth + 1))
-        else:
+        elif not set(map(type, node)) <= _SCALAR_TYPES:
             stack.extend((value, depth + 1) for value in node)
+        # else: a list of numbers (token ids) has nothing below it to check; map and set run at C speed,
+        # where one Python step per value cost 70% of parsing a 64-prompt token batch
 
 
 def _too_many_values(cap: int, what: str) -> APIError:
