@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the report here (default: print only)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="sample the server with py-spy through each phase (raw stacks in DIR/<phase>.txt) and "
-                        "report its CPU by category (default: off)")
+                        "report its CPU by category, with the kernel's per-thread CPU and wait for a core and "
+                        "what other processes took of the server's CPUs (default: off)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-grammar-compile-ms=2000)")
     return p

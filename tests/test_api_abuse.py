@@ -162,6 +162,30 @@ def test_max_tokens_per_request_bounds_prompts_times_n_times_max_tokens(server):
     assert _usage(server, key)["total"]["requests"] == 2
 
 
+def test_max_tokens_per_request_is_checked_before_the_prompts_are_tokenized(server):
+    # 64 prompts x n 16 x max_tokens 10 is known from the body alone: refused without a tokenizer
+    # call, so a prompt that the tokenizer stage would refuse (longer than any context) is not reached.
+    _, key = server.new_tenant({"max_tokens_per_request": 10})
+    model = server.state.model_id
+    too_long = "x" * (server.state.prompts.max_prompt_chars + 1)
+    r = _post(server, key, "/v1/completions", {"model": model, "prompt": ["hello"] * 63 + [too_long], "n": 16,
+                                               "max_tokens": 10})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "max_tokens_per_request", r.text
+    assert "prompts 64 x n 16 x max_tokens" in r.json()["error"]["message"]
+    # within the cap the same batch reaches the tokenizer stage and its refusal
+    r = _post(server, key, "/v1/completions", {"model": model, "prompt": ["hello"] * 9 + [too_long],
+                                               "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    # and a batch of texts within every limit is encoded prompt by prompt, as one prompt alone is
+    r = _post(server, key, "/v1/completions", {"model": model, "prompt": ["hello world", "hi"], "max_tokens": 1,
+                                               "echo": True, "logprobs": 0})
+    single = _post(server, key, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1, "echo": True,
+                                                    "logprobs": 0})
+    assert r.status_code == 200 and single.status_code == 200, (r.text, single.text)
+    echoed = [c["logprobs"]["tokens"][:-1] for c in (r.json()["choices"][1], single.json()["choices"][0])]
+    assert echoed[0] == echoed[1] and len(echoed[0]) > 1, echoed  # the prompt's tokens, the completion left out
+
+
 def test_tokens_per_minute_admits_the_whole_request(server):
     _, key = server.new_tenant({"tokens_per_minute": 200})
     model = server.state.model_id

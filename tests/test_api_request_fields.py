@@ -180,3 +180,22 @@ def test_lenient_mode_ignores_unknown_fields_and_names_them(lenient_server, tiny
         r = h.post("/admin/tenants", json={"name": "x1", "quotas": {}},
                    headers={"Authorization": f"Bearer {lenient_server.config.admin_token}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "quotas"
+
+
+def test_a_large_body_is_validated_as_a_small_one_is(api_server, lenient_server):
+    # Past 64 kB a body is parsed and validated on a worker thread (not the event loop): the same
+    # answers there, strict and lenient, as for a small body.
+    for server in (api_server, lenient_server):
+        model = server.state.model_id
+        length = min(server.state.engine.engine.max_model_len - 2, 1000)
+        batch = [[5] * length] * (24_000 // length + 1)  # ~72 kB of JSON
+        _, key = server.new_tenant()
+        with server.http(key) as h:
+            r = h.post("/v1/completions", json={"model": model, "prompt": batch, "max_tokens": 1, "extra_thing": 1})
+            if server is api_server:
+                assert r.status_code == 400 and r.json()["error"]["param"] == "extra_thing", r.text
+            else:
+                assert r.status_code == 200 and r.headers[HEADER] == "extra_thing", r.text
+                assert len(r.json()["choices"]) == len(batch)
+            r = h.post("/v1/completions", json={"model": model, "prompt": batch, "max_tokens": -1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

@@ -15,6 +15,7 @@ import triton
 
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
+from server.version import package_version
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
 NAME = "replica-a.test:1"
@@ -61,6 +62,18 @@ def test_health_and_version_name_the_replica(named_server):
     assert body["transformers"] == transformers.__version__ and body["triton"] == triton.__version__
     assert body["device"] == "cpu" and body["dtype"] == "float32"
     assert health.headers["x-loraplex-replica"] == NAME and version.headers["x-loraplex-replica"] == NAME
+
+
+def test_health_reads_the_installed_version_once_not_per_poll(named_server):
+    # Reading a distribution's metadata costs ~2 ms of CPU on the event loop: a /health poller must
+    # not pay it (nor make every other request wait for it) on each call.
+    with named_server.http() as c:
+        c.get("/health")
+        before = package_version.cache_info()
+        versions = {c.get("/health").json()["version"] for _ in range(5)}
+    after = package_version.cache_info()
+    assert versions == {metadata.version("loraplex")}
+    assert after.misses == before.misses and after.hits >= before.hits + 5
 
 
 def test_header_on_errors_and_tenant_routes(named_server):

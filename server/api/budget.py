@@ -37,13 +37,25 @@ def logprob_entries(req: CompletionRequest | ChatCompletionRequest, prompt_lens:
     return sum(req.n * (m + (p if with_prompt else 0)) * ((top or 0) + 1) for p, m in zip(prompt_lens, max_tokens))
 
 
+def _completion_tokens(prompts: int, n: int) -> str:
+    return f"the request's completion tokens (prompts {prompts} x n {n} x max_tokens)"
+
+
+def check_completion_cap(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant, prompts: int) -> None:
+    """The tenant's max_tokens_per_request before any prompt is tokenized, where the total does not
+    depend on the prompts (a completion with max_tokens): a batch past the cap costs the server no
+    tokenizing (64 prompts of text: 64 tokenizer calls, each a worker-thread hop). check_request_cost
+    checks every request again once its prompts are known."""
+    if isinstance(req, CompletionRequest) and req.max_tokens is not None:
+        check_request_tokens(tenant, prompts * req.n * req.max_tokens, _completion_tokens(prompts, req.n))
+
+
 def check_request_cost(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant, prompt_lens: Sequence[int],
                        max_tokens: Sequence[int], max_logprob_entries: int) -> None:
     """400 for a request that can never be served within the tenant's per-request and per-minute
     token limits or the server's response budget."""
     completion = sum(req.n * m for m in max_tokens)
-    check_request_tokens(tenant, completion, f"the request's completion tokens (prompts {len(prompt_lens)} x "
-                                             f"n {req.n} x max_tokens)")
+    check_request_tokens(tenant, completion, _completion_tokens(len(prompt_lens), req.n))
     tpm = tenant.quota.tokens_per_minute
     total = sum(prompt_lens) + completion
     if tpm is not None and total > tpm:

@@ -14,8 +14,8 @@ from adapters.sharing import OPERATOR_OWNER
 from server.api.adapter_references import resolve_lorax_adapter
 from server.api.admission import gated
 from server.api.auth import require_tenant, state_of
-from server.api.body import BASE_VALUES, read_json_object
-from server.api.budget import check_request_cost
+from server.api.body import BASE_VALUES
+from server.api.budget import check_completion_cap, check_request_cost
 from server.api.constraints import constraint_of
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
@@ -26,7 +26,7 @@ from server.api.sampling import max_tokens_for, sampling_params
 from server.api.sse import SSEResponse, until_disconnect
 from server.api.state import ServerState
 from server.api.tool_calls import ToolPlan, chat_inputs, plan_tools, request_constraint
-from server.api.validation import parse_model
+from server.api.validation import read_model
 from tenants import Tenant
 
 
@@ -137,8 +137,8 @@ async def _generate(request: Request, chat: bool) -> Response:
     state = state_of(request)
     # Admitted (rate, concurrency) before the body is read: an over-quota tenant's body is never parsed.
     async with gated(state, tenant) as gate:
-        req = parse_model(ChatCompletionRequest if chat else CompletionRequest,
-                          await read_json_object(request, max_body_values(state)), lenient_scope(request))
+        req = await read_model(request, ChatCompletionRequest if chat else CompletionRequest,
+                               max_body_values(state), lenient_scope(request))
         record = await _request_adapter(state, tenant, req)
         tools = plan_tools(req, state.config.tool_call_parser, state.config.max_schema_bytes) if chat else None
         if chat:
@@ -149,7 +149,8 @@ async def _generate(request: Request, chat: bool) -> Response:
             if len(batch) > cap:
                 raise APIError(400, f"'prompt' is a batch of {len(batch)} prompts; at most {cap} "
                                     f"(--max-batch-prompts)", "invalid_value", param="prompt")
-            prompts = [await state.prompts.encode(p) for p in batch]
+            check_completion_cap(req, tenant, len(batch))
+            prompts = await state.prompts.encode_batch(batch)
         limit = state.engine.engine.max_model_len
         max_tokens = [max_tokens_for(req, tenant, len(ids), limit) for ids in prompts]
         check_request_cost(req, tenant, [len(ids) for ids in prompts], max_tokens,

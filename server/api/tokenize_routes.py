@@ -19,7 +19,7 @@ from server.api.errors import APIError
 from server.api.generation import resolve_model
 from server.api.openai_requests import DetokenizeRequest, TokenizeRequest
 from server.api.request_fields import lenient_scope
-from server.api.validation import parse_model
+from server.api.validation import parse_model, read_model
 
 
 async def tokenize(request: Request) -> Response:
@@ -44,8 +44,7 @@ async def detokenize(request: Request) -> Response:
     state = state_of(request)
     limit = state.prompts.max_model_len
     async with gated(state, tenant):
-        req = parse_model(DetokenizeRequest, await read_json_object(request, limit + BASE_VALUES),
-                          lenient_scope(request))
+        req = await read_model(request, DetokenizeRequest, limit + BASE_VALUES, lenient_scope(request))
         if len(req.tokens) > limit:
             raise APIError(400, f"'tokens' has {len(req.tokens)} ids; at most {limit} (the maximum context "
                                 f"length)", "context_length_exceeded", param="tokens")

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
 from starlette.types import Scope
 
+from server.api.body import BASE_VALUES, read_json_as
 from server.api.errors import APIError
 from server.api.openai_requests import Unsupported
 from server.api.request_fields import note_ignored, screen_fields
@@ -82,3 +84,9 @@ def parse_model(cls: type[M], body: dict, lenient_scope: Scope | None = None) ->
         except Unsupported as e:
             raise APIError(400, str(e), "unsupported", param=e.field) from None
     return model
+
+
+async def read_model(request: Request, cls: type[M], max_values: int = BASE_VALUES,
+                     lenient_scope: Scope | None = None) -> M:
+    """The body read, parsed and validated into `cls` (parse_model): a large one all on a worker thread."""
+    return await read_json_as(request, lambda body: parse_model(cls, body, lenient_scope), max_values)

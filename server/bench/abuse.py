@@ -112,11 +112,14 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
 
 
 def table(report: dict) -> str:
+    # with --profile: what other processes took of the server's CPUs (the noise no attack explains)
     rows = [("phase", "ITL p50 ms", "ITL p99 ms", "p99 vs base", "/health p99 ms", "/health max ms",
-             "attack statuses", "met")]
+             "others on server CPUs", "attack statuses", "met")]
     for name, s in report["phases"].items():
+        kernel = s.get("server_profile", {}).get("kernel") or {}
         rows.append((name, str(s["victim_itl_p50_ms"]), str(s["victim_itl_p99_ms"]),
                      str(s.get("itl_p99_vs_baseline", "-")), str(s["health_p99_ms"]), str(s["health_max_ms"]),
+                     str(kernel.get("others_on_those_cpus_cores", "-")),
                      json.dumps(s["attack_statuses"]), str(s.get("met", "-"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -20,14 +21,17 @@ from pathlib import Path
 
 import httpx
 
-from server.bench.cpu_pinning import pin_cpus
+from server.bench.cpu_pinning import pin_cpus, pin_process
 from server.bench.metrics import percentile, ratio
 from server.bench.server_proc import ServerProcess
-from server.bench.server_profile import Sampler, profile_lines, summarize
+from server.bench import core_share, thread_times
+from server.bench.server_profile import ENGINE_THREAD, Sampler, profile_lines, summarize
 from server.config import ServerConfig
 
 VICTIM_TOKENS = 64
 HEALTH_INTERVAL_S = 0.05
+QUIET_CORES = 0.25  # the server counts as settled once its tree uses less CPU than this over a second
+SETTLE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,36 @@ def victim_server(work: Path, model: str | None, serve_args: list[str],
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         httpx.post(srv.url + "/admin/tenants", json={"name": "probe"}, headers=admin).raise_for_status()
         key = httpx.post(srv.url + "/admin/tenants/probe/keys", headers=admin).json()["key"]
-        card = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]
+        probe = {"Authorization": f"Bearer {key}"}
+        card = httpx.get(srv.url + "/v1/models", headers=probe).json()["data"][0]
+        # Start-up work the server does in the background ends before the baseline: one constrained
+        # request waits for the grammar compile pool (its fork server imports xgrammar and torch at a
+        # low priority, a minute on a busy machine), then the server's CPU settles.
+        httpx.post(srv.url + "/v1/completions", headers=probe, timeout=SETTLE_TIMEOUT_S, json={
+            "model": card["id"], "prompt": "x", "max_tokens": 1, "guided_choice": ["warm"]}).raise_for_status()
+        if pin:
+            # The compile fork server starts right after the server is ready, maybe before the taskset
+            # above: it and its processes go on the server's core too (those it forks later inherit its
+            # mask). Redis stays where it started, as in earlier runs.
+            for pid in core_share.tree(srv.proc.pid)[1:]:
+                with contextlib.suppress(OSError):  # a process that ended meanwhile
+                    if Path(f"/proc/{pid}/comm").read_text().strip() != "redis-server":
+                        pin_process(pid, cpus[0])
+        if sys.platform == "linux":
+            _settle(srv.proc.pid)
         yield srv, Target(srv.url, srv.admin_token, card["id"], card["max_model_len"],
                           ServerConfig.max_logprob_entries), attacker_cpus
+
+
+def _settle(pid: int) -> None:
+    """Wait until the server's CPU is quiet (start-up work in the background would otherwise land in
+    the baseline), at most SETTLE_TIMEOUT_S."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        before = core_share.tree_cpu_s(core_share.snapshot(pid))
+        time.sleep(1.0)
+        if core_share.tree_cpu_s(core_share.snapshot(pid)) - before < QUIET_CORES:
+            return
 
 
 @dataclass
@@ -89,6 +120,14 @@ class Phase:
             out["itl_p99_vs_baseline"] = None if r is None else round(r, 3)
         if self.profile is not None:
             out["server_profile"] = self.profile
+            engine = next((t for t in (self.profile.get("kernel") or {}).get("threads", [])
+                           if t["name"] == ENGINE_THREAD), None)
+            if engine is not None and self.gaps_s:
+                # the engine's CPU and its wait for the core per token the victim got (each victim token
+                # is one engine step; steps without the victim are few: it always has a request running)
+                per_token = self.profile["kernel"]["wall_s"] * 1000 / len(self.gaps_s)
+                out["engine_cpu_ms_per_victim_token"] = round(engine["cpu_cores"] * per_token, 2)
+                out["engine_core_wait_ms_per_victim_token"] = round(engine["runnable_waiting"] * per_token, 2)
         return out
 
 
@@ -191,8 +230,14 @@ def _sampled(phase: Phase, profile: tuple[int, Path] | None) -> Iterator[None]:
     pid, directory = profile
     out, start = directory / f"{phase.name}.txt", time.perf_counter()
     with Sampler(pid, out) as sampler:
+        kernel = [(time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid))]
         yield
+        kernel.append((time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid)))
     phase.profile = summarize(out, time.perf_counter() - start, sampler.rate)
+    (t0, threads0, share0), (t1, threads1, share1) = kernel
+    phase.profile["kernel"] = {
+        "wall_s": round(t1 - t0, 2), **core_share.phase_share(share0, share1, t1 - t0, pid),
+        "threads": thread_times.phase_times(threads0, threads1, thread_times.thread_names(out), t1 - t0)}
 
 
 def profile_text(report: dict) -> str:
@@ -201,4 +246,12 @@ def profile_text(report: dict) -> str:
     for name, s in report["phases"].items():
         if "server_profile" in s:
             lines += profile_lines(name, s["server_profile"])
+            k = s["server_profile"].get("kernel")
+            if k:
+                processes = ", ".join(f"{p} {v}" for p, v in k["processes"].items() if v)
+                lines.append(f"  {name}: kernel: server tree {k['tree_cpu_cores']} cores ({processes}); CPUs "
+                             f"{k['cpus']} busy {k['cpus_busy_cores']}, other processes {k['others_on_those_cpus_cores']}"
+                             f"; engine per victim token: {s.get('engine_cpu_ms_per_victim_token')} ms CPU, "
+                             f"{s.get('engine_core_wait_ms_per_victim_token')} ms waiting for the core")
+                lines += thread_times.thread_lines(name, k["threads"][:10])
     return "\n".join(lines)

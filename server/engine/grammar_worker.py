@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -72,6 +73,19 @@ def _serve(conn: Connection, tokenizer_info_json: str) -> None:
             conn.send(("ok", compile_constraint(compiler, spec).serialize_json()))
         except GrammarError as e:
             conn.send(("error", str(e)))
+
+
+def _lower_this_thread() -> None:
+    """This thread (one that only starts a compile process) to COMPILE_NICENESS. The first process
+    started launches multiprocessing's fork server, which inherits the niceness of the thread that
+    forks it (on Linux niceness is per thread) and imports xgrammar and torch: seconds of CPU right
+    after the server is ready, which must not compete with requests at the engine's priority. The
+    children it forks then start at COMPILE_NICENESS too."""
+    if sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+        except OSError:  # not allowed to change it: the child's own renice below still applies
+            pass
 
 
 class _Process:
@@ -189,6 +203,7 @@ class GrammarCompileService:
             threading.Thread(target=self._start_one, daemon=True, name="loraplex-grammar-start").start()
 
     def _start_one(self) -> None:
+        _lower_this_thread()
         proc = None
         try:
             proc = _Process(self._ctx, self._info_json)
