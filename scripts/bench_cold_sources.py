@@ -9,11 +9,16 @@ tenant's tokens) is pinned to one, and the storm (moto, the storm's clients, the
 processes: Redis and the loaders) to the other.
 
     .venv/bin/python scripts/bench_cold_sources.py [--model DIR] [--cold 100] [--rank 16] [--rounds 1]
-        [--arms in-process,loaders] [--out F]
+        [--arms in-process,loaders] [--profile DIR] [--out F]
+
+With `--profile DIR`, py-spy samples the server and its child processes through each phase (the
+quiet baseline, the cold storm, the warm storm): raw stacks in DIR/<arm>-<round>/<phase>.txt, and the
+server's CPU by category in the table and the JSON.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import boto3
 import httpx
@@ -33,6 +39,8 @@ from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_byte
 from adapters.sources import SourcePolicy, fetch_adapter, parse_reference  # noqa: E402
 from server.bench.cpu_pinning import children, pin_process, pin_thread, pinned, two_cores  # noqa: E402
 from server.bench.metrics import percentile  # noqa: E402
+from server.bench.server_profile import Sampler, can_profile, profile_lines, summarize  # noqa: E402
+from server.bench import thread_times  # noqa: E402
 from server.bench.server_proc import ServerProcess, free_port, provision  # noqa: E402
 from server.bench.synth_adapters import ensure_adapters  # noqa: E402
 from server.demo import ensure_demo  # noqa: E402
@@ -89,7 +97,24 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores: tuple[int, int] | None) -> dict:
+@contextlib.contextmanager
+def _sampled(pid: int, directory: Path | None, phase: str, profiles: dict) -> Iterator[None]:
+    """Runs a phase, sampled by py-spy into `directory/<phase>.txt` when `directory` is set; its summary
+    lands in profiles[phase], with the kernel's times of the server's threads (server.bench.thread_times)."""
+    if directory is None:
+        yield
+        return
+    out, start = directory / f"{phase}.txt", time.perf_counter()
+    with Sampler(pid, out) as sampler:
+        before = thread_times.snapshot(pid)
+        yield
+        after, wall = thread_times.snapshot(pid), time.perf_counter() - start
+    profiles[phase] = {**summarize(out, wall, sampler.rate),
+                       "threads": thread_times.phase_times(before, after, thread_times.thread_names(out), wall)}
+
+
+def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores: tuple[int, int] | None,
+         profile_dir: Path | None = None) -> dict:
     victim_core, storm_core = cores if cores else (None, None)
     serve = ["--adapter-sources", "s3", "--adapter-s3-endpoint", endpoint, "--adapter-s3-buckets", BUCKET,
              "--device", "cpu", "--max-lora-rank", "64", "--cpu-threads", "1", *ARMS[name]]
@@ -114,11 +139,16 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
         cold_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
         again_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
         quiet: list[list[float]] = []
-        _run_victim(srv.url, keys["steady"], base, victim_core, quiet, streams=QUIET_STREAMS)
-        storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, victim_core)
+        profiles: dict = {}
+        pid = srv.proc.pid
+        with _sampled(pid, profile_dir, "quiet", profiles):
+            _run_victim(srv.url, keys["steady"], base, victim_core, quiet, streams=QUIET_STREAMS)
+        with _sampled(pid, profile_dir, "storm", profiles):
+            storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, victim_core)
         # The same 100 first uses again, now fetched: what the storm's own requests cost the victim
         # (their prefills share its steps), whoever loads adapters.
-        warm, warm_stamps, w0, w1 = _storm(srv.url, keys, base, cold, victim_core)
+        with _sampled(pid, profile_dir, "warm_storm", profiles):
+            warm, warm_stamps, w0, w1 = _storm(srv.url, keys, base, cold, victim_core)
     finally:
         server.__exit__(None, None, None)
     quiet_gaps = _gaps(quiet)
@@ -143,6 +173,7 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
                                 "warm_storm_gaps": len(warm_gaps)},
         "other_tenant": victim,
         "itl_p99_ratio": round(itl_storm / itl_quiet, 3) if itl_quiet and itl_storm else None,
+        **({"server_profile": profiles} if profiles else {}),
     }
 
 
@@ -192,12 +223,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="times each arm runs, interleaved (default 1)")
     ap.add_argument("--arms", default="in-process,loaders",
                     help=f"comma-separated, of {', '.join(ARMS)} (default in-process,loaders)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="sample the server with py-spy through each phase (raw stacks in "
+                         "DIR/<arm>-<round>/<phase>.txt) and report its CPU by category (default: off)")
     ap.add_argument("--out", default="bench-cold-sources.json", help="JSON output (default bench-cold-sources.json)")
     args = ap.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
         ap.error(f"unknown arm(s) {sorted(unknown)}")
+    if args.profile and can_profile() is not None:
+        ap.error(f"--profile: {can_profile()}")
     from moto.server import ThreadedMotoServer
 
     cores = two_cores()
@@ -221,7 +257,8 @@ def main() -> int:
         for r in range(args.rounds):
             for name in arms:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                runs.append({"round": r + 1, **_arm(name, work, model_dir, endpoint, args.cold, cores)})
+                profile_dir = Path(args.profile) / f"{name}-{r + 1}" if args.profile else None
+                runs.append({"round": r + 1, **_arm(name, work, model_dir, endpoint, args.cold, cores, profile_dir)})
     finally:
         moto.stop()
     summary = {}
@@ -259,6 +296,10 @@ def main() -> int:
     width = max(len(r[0]) for r in rows)
     for label, get in rows:
         print(f"{label:<{width}}  " + "  ".join(f"{str(get(run)):>22}" for run in runs))
+    for run in runs:
+        for phase, summary in run.get("server_profile", {}).items():
+            label = f"{run['arm']} (round {run['round']}) {phase}"
+            print("\n".join(profile_lines(label, summary) + thread_times.thread_lines(label, summary["threads"])))
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0
