@@ -40,7 +40,7 @@ from adapters.sources import SourcePolicy, fetch_adapter, parse_reference  # noq
 from server.bench.cpu_pinning import children, pin_process, pin_thread, pinned, two_cores  # noqa: E402
 from server.bench.metrics import percentile  # noqa: E402
 from server.bench.server_profile import Sampler, can_profile, profile_lines, summarize  # noqa: E402
-from server.bench import thread_times  # noqa: E402
+from server.bench import cpu_neighbours, thread_times  # noqa: E402
 from server.bench.server_proc import ServerProcess, free_port, provision  # noqa: E402
 from server.bench.synth_adapters import ensure_adapters  # noqa: E402
 from server.demo import ensure_demo  # noqa: E402
@@ -53,6 +53,9 @@ ARMS = {
     "in-process": ["--adapter-load-workers", "0", "--adapter-loads-per-tenant", "4"],
     "loaders": [],  # the defaults: 2 loader processes, 1 fetch per tenant at once
     "loaders-2-per-tenant": ["--adapter-loads-per-tenant", "2"],
+    # A storm step's prompt tokens capped at 32 while others decode (auto: 256 on a CPU): ~3 of the
+    # storm's 11-token prompts, and their slot loads, per step instead of 8.
+    "loaders-prefill-cap-32": ["--max-prefill-tokens-while-decoding", "32"],
 }
 
 
@@ -122,17 +125,20 @@ def _ms(seconds: float | None) -> float | None:
 @contextlib.contextmanager
 def _sampled(pid: int, directory: Path | None, phase: str, profiles: dict) -> Iterator[None]:
     """Runs a phase, sampled by py-spy into `directory/<phase>.txt` when `directory` is set; its summary
-    lands in profiles[phase], with the kernel's times of the server's threads (server.bench.thread_times)."""
+    lands in profiles[phase], with the kernel's times of the server's threads (server.bench.thread_times)
+    and the machine's busiest processes (server.bench.cpu_neighbours)."""
     if directory is None:
         yield
         return
     out, start = directory / f"{phase}.txt", time.perf_counter()
     with Sampler(pid, out) as sampler:
-        before = thread_times.snapshot(pid)
+        before, machine_before = thread_times.snapshot(pid), cpu_neighbours.snapshot()
         yield
         after, wall = thread_times.snapshot(pid), time.perf_counter() - start
+        machine = cpu_neighbours.busiest(machine_before, cpu_neighbours.snapshot(), wall)
     profiles[phase] = {**summarize(out, wall, sampler.rate),
-                       "threads": thread_times.phase_times(before, after, thread_times.thread_names(out), wall)}
+                       "threads": thread_times.phase_times(before, after, thread_times.thread_names(out), wall),
+                       "machine": machine}
 
 
 def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores: tuple[int, int] | None,
@@ -341,7 +347,8 @@ def main() -> int:
     for run in runs:
         for phase, summary in run.get("server_profile", {}).items():
             label = f"{run['arm']} (round {run['round']}) {phase}"
-            print("\n".join(profile_lines(label, summary) + thread_times.thread_lines(label, summary["threads"])))
+            print("\n".join(profile_lines(label, summary) + thread_times.thread_lines(label, summary["threads"])
+                            + cpu_neighbours.neighbour_lines(label, summary["machine"])))
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0
