@@ -9,6 +9,7 @@ a few large copies instead of one per tensor (~670 for Llama-3-8B).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 
 import torch
@@ -37,8 +38,23 @@ class PackedLoraAdapter(LoraAdapter):
     magnitudes_are_scales: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
-        """Per module, in order: A [r, in] and B^T [r, out], views of `flat`, contiguous."""
+        """Per module, in order: A [r, in] and B^T [r, out], views of `flat`, contiguous. Built once (a
+        slot load reads them every time the adapter enters a slot); not to be changed by the caller."""
+        return self._tensors
+
+    @cached_property
+    def _tensors(self) -> list[torch.Tensor]:
         return [t for w in self.weights.values() for t in (w.a, w.b.t())]
+
+    @cached_property
+    def scaling_entries(self) -> list[torch.Tensor]:
+        """`scalings` as one 0-d view per module, in order (a slot load's copy sources)."""
+        return list(self.scalings.unbind())
+
+    @cached_property
+    def layout(self) -> tuple[tuple[tuple[int, str], int], ...]:
+        """((layer, projection), rank) per module, in order: which rows of a slot a load writes."""
+        return tuple((key, w.a.shape[0]) for key, w in self.weights.items())
 
     def extent(self, first: int, last: int) -> tuple[int, int]:
         """The span [lo, hi) of `flat` that modules [first, last) occupy."""

@@ -9,11 +9,16 @@ tenant's tokens) is pinned to one, and the storm (moto, the storm's clients, the
 processes: Redis and the loaders) to the other.
 
     .venv/bin/python scripts/bench_cold_sources.py [--model DIR] [--cold 100] [--rank 16] [--rounds 1]
-        [--arms in-process,loaders] [--out F]
+        [--arms in-process,loaders] [--profile DIR] [--out F]
+
+With `--profile DIR`, py-spy samples the server and its child processes through each phase (the
+quiet baseline, the cold storm, the warm storm): raw stacks in DIR/<arm>-<round>/<phase>.txt, and the
+server's CPU by category in the table and the JSON.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import boto3
 import httpx
@@ -33,6 +39,8 @@ from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_byte
 from adapters.sources import SourcePolicy, fetch_adapter, parse_reference  # noqa: E402
 from server.bench.cpu_pinning import children, pin_process, pin_thread, pinned, two_cores  # noqa: E402
 from server.bench.metrics import percentile  # noqa: E402
+from server.bench.server_profile import Sampler, can_profile, profile_lines, summarize  # noqa: E402
+from server.bench import cpu_neighbours, thread_times  # noqa: E402
 from server.bench.server_proc import ServerProcess, free_port, provision  # noqa: E402
 from server.bench.synth_adapters import ensure_adapters  # noqa: E402
 from server.demo import ensure_demo  # noqa: E402
@@ -45,6 +53,9 @@ ARMS = {
     "in-process": ["--adapter-load-workers", "0", "--adapter-loads-per-tenant", "4"],
     "loaders": [],  # the defaults: 2 loader processes, 1 fetch per tenant at once
     "loaders-2-per-tenant": ["--adapter-loads-per-tenant", "2"],
+    # A storm step's prompt tokens capped at 32 while others decode (auto: 256 on a CPU): ~3 of the
+    # storm's 11-token prompts, and their slot loads, per step instead of 8.
+    "loaders-prefill-cap-32": ["--max-prefill-tokens-while-decoding", "32"],
 }
 
 
@@ -68,7 +79,10 @@ def _victim(url: str, key: str, model: str, core: int | None, stop: threading.Ev
     """Streams 32-token completions until `stop` (or `streams` of them), each one's token times kept."""
     pin_thread(core)
     while not stop.is_set() and (streams is None or len(stamps) < streams):
-        stamps.append(_stream(url, key, model, 32)[1])
+        try:
+            stamps.append(_stream(url, key, model, 32)[1])
+        except httpx.HTTPStatusError:  # a 503 (Redis timed out on this loaded machine): the next stream
+            continue
 
 
 def _gaps(stamps: list[list[float]], lo: float = float("-inf"), hi: float = float("inf")) -> list[float]:
@@ -85,11 +99,50 @@ def _victim_view(stamps: list[list[float]], lo: float, hi: float) -> dict:
             "ttft_max_ms": _ms(max(ttfts, default=None))}
 
 
+def _tier_counts(url: str, admin_token: str) -> dict[str, float]:
+    """The adapter tiers' hit, miss (a load into the tier) and eviction counters from /metrics, e.g.
+    'device misses' = slot loads, 'host misses' = page-ins from Redis."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {admin_token}"}, timeout=60).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("loraplex_adapter_tier_") and 'tier="' in line:
+            name, _, value = line.rpartition(" ")
+            kind = name.split("{")[0].removeprefix("loraplex_adapter_tier_")
+            if kind in ("hits", "misses", "evictions"):
+                tier = name.split('tier="', 1)[1].split('"', 1)[0]
+                counts[f"{tier} {kind}"] = float(value)
+    return counts
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores: tuple[int, int] | None) -> dict:
+@contextlib.contextmanager
+def _sampled(pid: int, directory: Path | None, phase: str, profiles: dict) -> Iterator[None]:
+    """Runs a phase, sampled by py-spy into `directory/<phase>.txt` when `directory` is set; its summary
+    lands in profiles[phase], with the kernel's times of the server's threads (server.bench.thread_times)
+    and the machine's busiest processes (server.bench.cpu_neighbours)."""
+    if directory is None:
+        yield
+        return
+    out, start = directory / f"{phase}.txt", time.perf_counter()
+    with Sampler(pid, out) as sampler:
+        before, machine_before = thread_times.snapshot(pid), cpu_neighbours.snapshot()
+        yield
+        after, wall = thread_times.snapshot(pid), time.perf_counter() - start
+        machine = cpu_neighbours.busiest(machine_before, cpu_neighbours.snapshot(), wall)
+    profiles[phase] = {**summarize(out, wall, sampler.rate),
+                       "threads": thread_times.phase_times(before, after, thread_times.thread_names(out), wall),
+                       "machine": machine}
+
+
+def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores: tuple[int, int] | None,
+         profile_dir: Path | None = None) -> dict:
     victim_core, storm_core = cores if cores else (None, None)
     serve = ["--adapter-sources", "s3", "--adapter-s3-endpoint", endpoint, "--adapter-s3-buckets", BUCKET,
              "--device", "cpu", "--max-lora-rank", "64", "--cpu-threads", "1", *ARMS[name]]
@@ -114,11 +167,19 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
         cold_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
         again_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
         quiet: list[list[float]] = []
-        _run_victim(srv.url, keys["steady"], base, victim_core, quiet, streams=QUIET_STREAMS)
-        storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, victim_core)
+        profiles: dict = {}
+        pid = srv.proc.pid
+        with _sampled(pid, profile_dir, "quiet", profiles):
+            _run_victim(srv.url, keys["steady"], base, victim_core, quiet, streams=QUIET_STREAMS)
+        tiers = [_tier_counts(srv.url, srv.admin_token)]
+        with _sampled(pid, profile_dir, "storm", profiles):
+            storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, victim_core)
+        tiers.append(_tier_counts(srv.url, srv.admin_token))
         # The same 100 first uses again, now fetched: what the storm's own requests cost the victim
         # (their prefills share its steps), whoever loads adapters.
-        warm, warm_stamps, w0, w1 = _storm(srv.url, keys, base, cold, victim_core)
+        with _sampled(pid, profile_dir, "warm_storm", profiles):
+            warm, warm_stamps, w0, w1 = _storm(srv.url, keys, base, cold, victim_core)
+        tiers.append(_tier_counts(srv.url, srv.admin_token))
     finally:
         server.__exit__(None, None, None)
     quiet_gaps = _gaps(quiet)
@@ -131,10 +192,10 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "base_ttft_ms": _ms(warm_ttft), "cold_first_request_ttft_ms": _ms(cold_ttft),
         "same_adapter_again_ttft_ms": _ms(again_ttft),
-        "storm": {"adapters": cold, "wall_ms": _ms(t1 - t0), "ttft_p50_ms": _ms(percentile(storm, 50)),
-                  "ttft_p99_ms": _ms(percentile(storm, 99))},
-        "warm_storm": {"wall_ms": _ms(w1 - w0), "ttft_p50_ms": _ms(percentile(warm, 50)),
-                       "ttft_p99_ms": _ms(percentile(warm, 99))},
+        "storm": {"adapters": cold, "failed": cold - len(storm), "wall_ms": _ms(t1 - t0), "ttft_p50_ms": _ms(percentile(storm, 50)),
+                  "ttft_p99_ms": _ms(percentile(storm, 99)), "tier_counts": _delta(tiers[0], tiers[1])},
+        "warm_storm": {"failed": cold - len(warm), "wall_ms": _ms(w1 - w0), "ttft_p50_ms": _ms(percentile(warm, 50)),
+                       "ttft_p99_ms": _ms(percentile(warm, 99)), "tier_counts": _delta(tiers[1], tiers[2])},
         "other_tenant_itl_ms": {"quiet_p50": _ms(percentile(quiet_gaps, 50)), "quiet_p99": _ms(itl_quiet),
                                 "storm_p50": _ms(percentile(storm_gaps, 50)), "storm_p99": _ms(itl_storm),
                                 "warm_storm_p50": _ms(percentile(warm_gaps, 50)),
@@ -143,13 +204,15 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
                                 "warm_storm_gaps": len(warm_gaps)},
         "other_tenant": victim,
         "itl_p99_ratio": round(itl_storm / itl_quiet, 3) if itl_quiet and itl_storm else None,
+        **({"server_profile": profiles} if profiles else {}),
     }
 
 
 def _storm(url: str, keys: dict[str, str], base: str, cold: int, victim_core: int | None
            ) -> tuple[list[float], list[float], float, float]:
     """First uses of a1..a{cold} from 32 clients while the victim streams: (their TTFTs, the victim's
-    streams' stamps, the storm's start, its end)."""
+    streams' stamps, the storm's start, its end). A storm request that fails (a 503 when Redis timed out
+    on this loaded machine) has no TTFT; their count is cold minus len(TTFTs)."""
     during: list[list[float]] = []
     stop = threading.Event()
     victim = threading.Thread(target=_victim, args=(url, keys["steady"], base, victim_core, stop, during))
@@ -157,11 +220,19 @@ def _storm(url: str, keys: dict[str, str], base: str, cold: int, victim_core: in
     time.sleep(0.5)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(32) as pool:
-        ttfts = list(pool.map(lambda i: _stream(url, keys["cold"], f"a{i}", 1)[0], range(1, cold + 1)))
+        ttfts = [t for t in pool.map(lambda i: _storm_ttft(url, keys["cold"], f"a{i}"), range(1, cold + 1))
+                 if t is not None]
     t1 = time.perf_counter()
     stop.set()
     victim.join()
     return ttfts, during, t0, t1
+
+
+def _storm_ttft(url: str, key: str, model: str) -> float | None:
+    try:
+        return _stream(url, key, model, 1)[0]
+    except httpx.HTTPStatusError:
+        return None
 
 
 def _run_victim(url: str, key: str, model: str, core: int | None, stamps: list[list[float]], streams: int) -> None:
@@ -184,6 +255,10 @@ def _parts(endpoint: str, model_dir: Path) -> dict:
             "validate_ms": _ms(time.perf_counter() - t0)}
 
 
+def _loads(counts: dict[str, float]) -> str:
+    return f"{counts.get('device misses', 0):.0f} / {counts.get('host misses', 0):.0f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: the demo model)")
@@ -192,12 +267,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="times each arm runs, interleaved (default 1)")
     ap.add_argument("--arms", default="in-process,loaders",
                     help=f"comma-separated, of {', '.join(ARMS)} (default in-process,loaders)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="sample the server with py-spy through each phase (raw stacks in "
+                         "DIR/<arm>-<round>/<phase>.txt) and report its CPU by category (default: off)")
     ap.add_argument("--out", default="bench-cold-sources.json", help="JSON output (default bench-cold-sources.json)")
     args = ap.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
         ap.error(f"unknown arm(s) {sorted(unknown)}")
+    if args.profile and can_profile() is not None:
+        ap.error(f"--profile: {can_profile()}")
     from moto.server import ThreadedMotoServer
 
     cores = two_cores()
@@ -221,7 +301,10 @@ def main() -> int:
         for r in range(args.rounds):
             for name in arms:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                runs.append({"round": r + 1, **_arm(name, work, model_dir, endpoint, args.cold, cores)})
+                profile_dir = Path(args.profile) / f"{name}-{r + 1}" if args.profile else None
+                runs.append({"round": r + 1, **_arm(name, work, model_dir, endpoint, args.cold, cores, profile_dir)})
+                # Kept as it goes: a later arm that fails on this shared machine loses only itself.
+                Path(args.out).write_text(json.dumps({"partial": True, "runs": runs}, indent=2))
     finally:
         moto.stop()
     summary = {}
@@ -255,10 +338,17 @@ def main() -> int:
             ("warm storm again: wall ms", lambda x: x["warm_storm"]["wall_ms"]),
             ("other tenant ITL p50 / p99 warm storm ms",
              lambda x: f"{x['other_tenant_itl_ms']['warm_storm_p50']} / {x['other_tenant_itl_ms']['warm_storm_p99']}"),
-            ("other tenant tokens/s warm storm", lambda x: x["other_tenant"]["warm_storm"]["tokens_per_s"])]
+            ("other tenant tokens/s warm storm", lambda x: x["other_tenant"]["warm_storm"]["tokens_per_s"]),
+            ("slot loads / page-ins, storm", lambda x: _loads(x["storm"]["tier_counts"])),
+            ("slot loads / page-ins, warm storm", lambda x: _loads(x["warm_storm"]["tier_counts"]))]
     width = max(len(r[0]) for r in rows)
     for label, get in rows:
         print(f"{label:<{width}}  " + "  ".join(f"{str(get(run)):>22}" for run in runs))
+    for run in runs:
+        for phase, summary in run.get("server_profile", {}).items():
+            label = f"{run['arm']} (round {run['round']}) {phase}"
+            print("\n".join(profile_lines(label, summary) + thread_times.thread_lines(label, summary["threads"])
+                            + cpu_neighbours.neighbour_lines(label, summary["machine"])))
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0

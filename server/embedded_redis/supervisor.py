@@ -4,10 +4,16 @@ It knows nothing about Redis: it watches whatever `current()` returns and calls
 `respawn()` to replace it. Restarts back off (doubling up to a cap) so a child
 that dies at once (bad config, port taken, disk full) is not relaunched in a
 tight loop; the delay resets once a child has stayed up for `stable_after` s.
+
+The thread sleeps in the kernel until the child exits or stop() is called (a pidfd and a wake-up pipe
+under select): it never wakes while the child runs. Popen.wait(timeout) polls instead, waking up to
+~100 times a second, and every wake-up takes the GIL from the engine thread of the server it sits in.
 """
 from __future__ import annotations
 
 import logging
+import os
+import select
 import subprocess
 import threading
 import time
@@ -37,6 +43,8 @@ class Supervisor:
         self._resumed = threading.Condition()
         self._paused = False
         self._restarts = 0
+        self._wake_r, self._wake_w = os.pipe()  # stop() writes a byte: _wait_exit's select returns
+        self._wake_lock = threading.Lock()  # stop() against itself: the pipe is written and closed once
         self._thread = threading.Thread(target=self._run, name=f"supervise-{name}", daemon=True)
 
     @property
@@ -56,10 +64,18 @@ class Supervisor:
     def stop(self) -> None:
         """End supervision; the caller then stops the child itself."""
         self._stopping.set()
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
         with self._resumed:
             self._resumed.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
+        with self._wake_lock:  # _wait_exit selects only while not stopping, so no one reads them now
+            if self._wake_w >= 0:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_r = self._wake_w = -1
 
     def mark_down(self) -> None:
         """The child is about to be killed on purpose: wait_until_up() must not
@@ -114,9 +130,26 @@ class Supervisor:
 
     def _wait_exit(self, proc: subprocess.Popen) -> int | None:
         """The child's exit status, or None once stop() was called."""
+        if proc.returncode is not None:  # reaped already: its pid may belong to another process now
+            return proc.returncode
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # no pidfd (an old kernel), or the child was reaped already
+            return self._poll_exit(proc)
+        try:
+            while not self._stopping.is_set():
+                ready, _, _ = select.select([pidfd, self._wake_r], [], [])
+                if pidfd in ready:
+                    return proc.wait()  # exited: reaps it at once
+            return None
+        finally:
+            os.close(pidfd)
+
+    def _poll_exit(self, proc: subprocess.Popen) -> int | None:
+        """_wait_exit where a pidfd cannot be had: polls."""
         while not self._stopping.is_set():
             try:
-                return proc.wait(timeout=0.1)
+                return proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 continue
         return None

@@ -9,6 +9,12 @@ contiguous block, as in the host tier's packed buffer (adapters.packed), so a
 slot load is one host->device copy per staging range plus one batched
 device copy, and zeroing a slot is one batched fill.
 
+A slot's views for an adapter's layout (which modules, at which ranks) are
+built once per slot and layout and kept, and eviction zeroes exactly the views
+the load wrote: building ~2 views per module in Python at every swap made a step
+that swapped 8 adapters (a storm of distinct adapters' first uses) spend ~40% of
+its time there, while every running stream waited for that step.
+
 A DoRA adapter's slot also gets its per-output scales m / ||W + s B A|| against
 this base (server.engine.dora_scales), in a table beside A and B that is 1.0
 for plain-LoRA slots and for base rows. On a CPU they are computed once per
@@ -31,6 +37,10 @@ import torch
 from adapters.packed import PackedLoraAdapter
 from server.engine.dora_scale_cache import DoraScaleCache, ScaleStore
 from server.engine.dora_scales import DoraScales
+
+# Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
+# rank_pattern adapters), so the cache stays bounded.
+MAX_CACHED_LAYOUTS = 256
 
 # An adapter reaches its slot through a device staging buffer of this size, a range of modules at a
 # time: the buffer is allocated before the KV pool is sized, and stays small whatever the rank
@@ -75,12 +85,6 @@ class LoraGroupBuffers:
             dora_scale=torch.ones(max_loras + 1, sum(out_sizes), dtype=torch.float32, device=device),
         )
 
-    def slot_views(self, slot: int, rank: int) -> list[torch.Tensor]:
-        """The slot's first `rank` ranks, per slice A [rank, in] and B^T [rank, n_i], and its scalings [S];
-        each contiguous."""
-        return ([self.a[i, slot, :rank] for i in range(self.a.shape[0])] + [b[slot, :, :rank].t() for b in self.b]
-                + [self.scaling[:, slot]])
-
 
 class AdapterSlots:
     """The device tier: which adapter version sits in which slot; evicts the least recently used idle slot.
@@ -105,6 +109,9 @@ class AdapterSlots:
         self.free_slots = list(range(max_loras - 1, -1, -1))
         self.slot_ranks = [0] * max_loras  # rank of the adapter in each slot (0 = free); bounds kernel work
         self.slot_dora = [False] * max_loras  # whether each slot holds a DoRA adapter (its scales are not 1)
+        # (slot, layout) -> the slot's A and B^T views and scaling entries for adapters of that layout.
+        self.target_views: OrderedDict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        self.written: dict[int, list[torch.Tensor]] = {}  # slot -> the views its load wrote: what eviction zeroes
         some = layers[0]["o"].a if layers else torch.empty(0)
         # The same on the device, [L] int32, for kernels that stop at each slot's own rank; updated in
         # place, so a captured graph reads the current ranks.
@@ -174,9 +181,7 @@ class AdapterSlots:
         if slot is None:
             return
         self.idle.pop(slot, None)
-        rank = self.slot_ranks[slot]  # rows past it were never written
-        views = [v for groups in self.layers for buffers in groups.values() for v in buffers.slot_views(slot, rank)]
-        torch._foreach_zero_(views)
+        torch._foreach_zero_(self.written.pop(slot))  # the rest of the slot was never written: zero already
         if self.slot_dora[slot]:
             for groups in self.layers:
                 for buffers in groups.values():
@@ -187,7 +192,19 @@ class AdapterSlots:
         self.free_slots.append(slot)
 
     def _targets(self, slot: int, adapter: PackedLoraAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per module of `adapter`, in its order: the slot's A and B^T views, and its scaling entry."""
+        """Per module of `adapter`, in its order: the slot's A and B^T views, and its scaling entry (kept per
+        slot and layout)."""
+        key = (slot, adapter.layout)
+        found = self.target_views.get(key)
+        if found is not None:
+            self.target_views.move_to_end(key)
+            return found
+        found = self.target_views[key] = self._build_targets(slot, adapter)
+        if len(self.target_views) > MAX_CACHED_LAYOUTS:
+            self.target_views.popitem(last=False)
+        return found
+
+    def _build_targets(self, slot: int, adapter: PackedLoraAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dst, scales = [], []
         for (layer, proj), w in adapter.weights.items():
             group, i = PROJECTION_SLICES[proj]
@@ -205,10 +222,11 @@ class AdapterSlots:
         self.slot_ranks[slot] = adapter.rank
         self.rank_table[slot] = adapter.rank
         dst, scales = self._targets(slot, adapter)
+        self.written[slot] = dst + scales
         src = adapter.tensors()
         if self.copy_stream is None:
             torch._foreach_copy_(dst, src)
-            torch._foreach_copy_(scales, list(adapter.scalings.unbind()))
+            torch._foreach_copy_(scales, adapter.scaling_entries)
             self._load_dora(slot, adapter)
             return
         # The slot was zeroed, and last read, on the compute stream: copy only after that.
