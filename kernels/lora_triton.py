@@ -11,6 +11,10 @@ tokens each takes, so one call may launch both:
   launch per tile height; the adapter's weights are loaded once per tile and
   multiplied with `tl.dot`.
 
+The `lora` entry (lora_apply) may split the gathered shrink's K over programs
+(kernels.launch_plan.shrink_splits): fp32 partials that the gathered expand sums
+in a fixed order, for decode steps whose few tokens otherwise run few programs.
+
 Expand programs index (slice, column tile) along one grid axis, so the narrow
 k/v slices of a fused qkv launch no programs for the wide q slice's columns.
 Slot buffers are used in place at max rank (rows beyond an adapter's own rank
