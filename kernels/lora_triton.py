@@ -158,7 +158,8 @@ def split_k(batch: LoraBatch, lora_a: torch.Tensor, splits: int | None = None) -
     if not entries or not eff:
         return None
     if splits is None:
-        splits = shrink_splits(hidden, entries * num_slices * triton.cdiv(eff, lora_tiles(lora_a.dtype).rank_block(eff)))
+        rank_tiles = triton.cdiv(eff, lora_tiles(lora_a.dtype).rank_block(eff))
+        splits = shrink_splits(hidden, entries * num_slices * rank_tiles)
     if splits == 1:
         return None
     assert 1 < splits <= MAX_SHRINK_SPLITS, splits

@@ -66,3 +66,16 @@ def test_an_engine_on_the_cpu_keeps_8_slots_when_unset(tiny_model_dir) -> None:
 
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_blocks=16, max_model_len=64)
     assert llm.engine.config.max_loras is None and llm.engine.max_loras == llm.engine.slots.max_loras == 8
+
+
+def test_max_loras_auto_on_the_command_line(tmp_path) -> None:
+    from server.cli import build_parser
+    from server.config import ServerConfig
+
+    parser = build_parser()
+    base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
+    assert ServerConfig.from_args(parser.parse_args(base), env={}).max_loras == 8  # the default is unchanged
+    assert ServerConfig.from_args(parser.parse_args([*base, "--max-loras", "auto"]), env={}).max_loras is None
+    assert ServerConfig.from_args(parser.parse_args([*base, "--max-loras", "12"]), env={}).max_loras == 12
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--max-loras", "0"])

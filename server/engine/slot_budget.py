@@ -8,8 +8,8 @@ slots for Llama-3-8B in bf16 are 89 MB each (83.9 MB of A and B), so 64 of
 them take 5.7 GB: 9% of what an 80 GB card has left beside the 16 GB of
 weights, the rest going to the KV cache.
 
-The engine sizes its slots so when `max_loras` is unset (EngineConfig, the `LLM` API) on CUDA; the
-CPU keeps its fixed default. The CLI's `--max-loras` still passes a number (default 8).
+The engine sizes its slots so when `max_loras` is unset (EngineConfig, the `LLM` API, `--max-loras
+auto`) on CUDA; the CPU keeps its fixed default. The CLI's default is still 8.
 """
 from __future__ import annotations
 
