@@ -96,6 +96,9 @@ def lora_work(starts: list[int], lens: list[int], slots: list[int], gather_max: 
 # features per split, and at most this many splits: a split's partial costs an fp32 row per token.
 MIN_SPLIT_K = 512
 MAX_SHRINK_SPLITS = 8
+# Whether tiled runs (the segmented kernels: prefill, and an eager step's long run of one adapter)
+# split too, not only gathered tokens. Untimed on a GPU yet: the lever if their split is slower.
+SPLIT_TILES = True
 
 
 def shrink_splits(in_features: int, programs: int) -> int:

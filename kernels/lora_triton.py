@@ -11,9 +11,9 @@ tokens each takes, so one call may launch both:
   launch per tile height; the adapter's weights are loaded once per tile and
   multiplied with `tl.dot`.
 
-The `lora` entry (lora_apply) may split the gathered shrink's K over programs
-(kernels.launch_plan.shrink_splits): fp32 partials that the gathered expand sums
-in a fixed order, for decode steps whose few tokens otherwise run few programs.
+The `lora` entry (lora_apply) may split each shrink's K over programs
+(kernels.launch_plan.shrink_splits): fp32 partials that the expand sums in a
+fixed order, for steps whose few tokens (or tiles) otherwise run few programs.
 
 Expand programs index (slice, column tile) along one grid axis, so the narrow
 k/v slices of a fused qkv launch no programs for the wide q slice's columns.
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels import launch_plan
 from kernels.launch_plan import MAX_SHRINK_SPLITS, TILE_ROWS, LoraLaunchPlan, shrink_splits
 from kernels.lora_kernels import _bgmv_expand_kernel, _bgmv_shrink_kernel, _sgmv_expand_kernel, _sgmv_shrink_kernel
 from kernels.lora_tiles import lora_tiles
@@ -108,8 +109,18 @@ def shrink_segmented(x: torch.Tensor, lora_a: torch.Tensor, batch: LoraBatch, sc
     _shrink(x, lora_a, batch, scaling, out, batch.plan_for("segmented"))
 
 
-def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan, split: SplitK | None = None) -> None:
-    """split: the gathered tokens' shrink writes split.partials instead of out (lora_apply)."""
+def _dst(out: torch.Tensor, split: SplitK | None) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """A shrink launch's destination, split count and (slice, row, rank, split) strides."""
+    if split is None:
+        return out, 1, (*out.stride(), 0)
+    p = split.partials
+    return p, split.splits, (*p.stride()[1:], p.stride(0))
+
+
+def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan, split: SplitK | None = None,
+            tile_split: SplitK | None = None) -> None:
+    """split / tile_split: the gathered / tiled tokens' shrink writes their partials instead of out
+    (lora_apply)."""
     _check_shrink(x, lora_a, batch, scaling, out)
     if not batch.any_lora:
         return
@@ -122,51 +133,61 @@ def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan, spl
     r_blocks = triton.cdiv(rank, block_r)
     common = (*x.stride(), *lora_a.stride(), *scaling.stride())
     if plan.num_gather:
-        dst, splits = (out, 1) if split is None else (split.partials, split.splits)
-        dst_strides = (*out.stride(), 0) if split is None else (*dst.stride()[1:], dst.stride(0))
+        dst, splits, dst_strides = _dst(out, split)
         _bgmv_shrink_kernel[(plan.num_gather, num_slices, splits * r_blocks)](
             x, lora_a, scaling, dst, plan.gather, slot_ranks(batch, lora_a.shape[1]), hidden, rank, *common,
             *dst_strides, BLOCK_R=block_r, BLOCK_K=tiles.gather_block(block_r, hidden), SPLIT=split is not None,
         )
+    dst, splits, dst_strides = _dst(out, tile_split)
     for rows in TILE_ROWS:
         if plan.num_tiles(rows):
-            _sgmv_shrink_kernel[(plan.num_tiles(rows), num_slices, r_blocks)](
-                x, lora_a, scaling, out, plan.tiles[rows], hidden, rank, *common, *out.stride(),
+            _sgmv_shrink_kernel[(plan.num_tiles(rows), num_slices, splits * r_blocks)](
+                x, lora_a, scaling, dst, plan.tiles[rows], hidden, rank, *common, *dst_strides,
                 BLOCK_M=rows, BLOCK_R=block_r, BLOCK_K=tiles.shrink_k, UPCAST=_upcast(x.dtype, lora_a.dtype),
+                SPLIT=tile_split is not None,
             )
 
 
 @dataclass(frozen=True)
 class SplitK:
-    """The gathered shrink's split form: `splits` fp32 partials per gathered token that the expand sums."""
+    """A shrink form's split: `splits` fp32 partials per row that the expand sums."""
 
     splits: int
-    partials: torch.Tensor  # [splits, S, entries rounded up to 16, R] float32, indexed by the plan's entry
+    partials: torch.Tensor  # [splits, S, rows rounded up to 16, R] float32: by plan entry, or by token (tiles)
 
 
-def split_k(batch: LoraBatch, lora_a: torch.Tensor, splits: int | None = None) -> SplitK | None:
-    """The split form for this projection's gathered tokens, or None (unsplit: h in its own dtype).
+def split_k(batch: LoraBatch, lora_a: torch.Tensor, splits: int | None = None,
+            form: str = "gathered") -> SplitK | None:
+    """The split of this projection's gathered tokens (`form` "gathered", partials by plan entry) or
+    tiled runs ("tiled", partials by token), or None (unsplit: h in its own dtype).
 
-    splits: None = the launch plan's choice from the shape (kernels.launch_plan.shrink_splits); 1 =
-    unsplit. The partials come from the batch's scratch, one buffer per shape made on first use: a
-    padded decode context reuses its buffers on every step, so a captured graph writes and reads
-    them where it did at capture.
+    splits: None = the launch plan's choice from the shape and the form's programs
+    (kernels.launch_plan.shrink_splits); 1 = unsplit. The partials come from the batch's scratch,
+    one buffer per shape made on first use: a padded decode context reuses its buffers on every
+    step, so a captured graph writes and reads them where it did at capture.
     """
     num_slices, _, rank, hidden = lora_a.shape
-    entries = batch.plan.num_gather
+    plan = batch.plan
+    if form == "gathered":
+        rows, programs = plan.num_gather, plan.num_gather
+    else:
+        assert form == "tiled", form
+        if splits is None and not launch_plan.SPLIT_TILES:
+            return None
+        rows, programs = batch.num_tokens, sum(plan.num_tiles(h) for h in TILE_ROWS)
     eff = batch.effective_rank(rank)
-    if not entries or not eff:
+    if not programs or not eff:
         return None
     if splits is None:
         rank_tiles = triton.cdiv(eff, lora_tiles(lora_a.dtype).rank_block(eff))
-        splits = shrink_splits(hidden, entries * num_slices * rank_tiles)
+        splits = shrink_splits(hidden, programs * num_slices * rank_tiles)
     if splits == 1:
         return None
     assert 1 < splits <= MAX_SHRINK_SPLITS, splits
     # Rows rounded up to 16: every stride is a multiple of 16 elements, so the compiled variant never
-    # depends on the step's entry count.
-    shape = (splits, num_slices, -(-entries // 16) * 16, rank)
-    key = ("lora-split-partials", shape)
+    # depends on the step's row count.
+    shape = (splits, num_slices, -(-rows // 16) * 16, rank)
+    key = ("lora-split-partials", form, shape)
     if key not in batch.scratch:
         batch.scratch[key] = torch.empty(shape, dtype=torch.float32, device=lora_a.device)
     return SplitK(splits, batch.scratch[key])
@@ -187,21 +208,22 @@ def lora_apply(
     of each per form in the step's plan.
 
     Semantics: for t with s = slot[t] >= 0, y[t, off_i : off_i + n_i] += hs @ lora_b[i][s].T, hs =
-        scaling[i, s] * (x[t] @ lora_a[i, s].T), summed in fp32, y rounded once. Tiled runs, and gathered
-        tokens when unsplit, store hs in h (rounded to h's dtype) and read it back, as lora_shrink then
-        lora_expand do. Split (kernels.launch_plan.shrink_splits): the gathered shrink writes hs as
-        `splits` fp32 partials over slices of the in features, which the expand sums in split order, so
-        hs is not rounded and the result is the same bit for bit on every run; their rows of h are not
-        written. Rows with slot -1 are left bit-identical.
+        scaling[i, s] * (x[t] @ lora_a[i, s].T), summed in fp32, y rounded once. Unsplit, each form
+        stores hs in h (rounded to h's dtype) and reads it back, as lora_shrink then lora_expand do.
+        Split (kernels.launch_plan.shrink_splits, per form: gathered tokens, tiled runs): the shrink
+        writes hs as `splits` fp32 partials over slices of the in features, which the expand sums in
+        split order, so the result is the same bit for bit on every run (the gathered expand takes the
+        sum unrounded, the tiled one in b's dtype for tensor cores); h is not written. Rows with slot -1
+        are left bit-identical.
     Shape: x [T, in]; lora_a [S, L, R, in]; lora_b: S tensors [L, n_i, R]; scaling [S, L] float32;
         slice_offsets: S column offsets into y; h [S, T, R] scratch; y [T, >= max(off_i + n_i)].
         splits: None = the plan's choice; 1 = unsplit; 2, 4, 8 forced (tests, scripts/bench_kernels.py).
     """
     if not batch.any_lora:
         return
-    split = split_k(batch, lora_a, splits)
-    _shrink(x, lora_a, batch, scaling, h, batch.plan, split)
-    _expand(h, lora_b, batch, y, slice_offsets, batch.plan, split)
+    split, tile_split = (split_k(batch, lora_a, splits, form) for form in ("gathered", "tiled"))
+    _shrink(x, lora_a, batch, scaling, h, batch.plan, split, tile_split)
+    _expand(h, lora_b, batch, y, slice_offsets, batch.plan, split, tile_split)
 
 
 def lora_expand(
@@ -261,8 +283,18 @@ def _column_tiles(widths: list[int], block_n: int) -> tuple[int, int, int]:
     return counts[0], counts[1], sum(counts)
 
 
-def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan, split: SplitK | None = None) -> None:
-    """split: the gathered tokens' expand sums split.partials instead of reading h (lora_apply)."""
+def _src(h_part: torch.Tensor, first: int, split: SplitK | None) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """An expand launch's source from slice `first` on, split count and (slice, row, rank, split) strides."""
+    if split is None:
+        return h_part, 1, (*h_part.stride(), 0)
+    p = split.partials[:, first:]
+    return p, split.splits, (*p.stride()[1:], p.stride(0))
+
+
+def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan, split: SplitK | None = None,
+            tile_split: SplitK | None = None) -> None:
+    """split / tile_split: the gathered / tiled tokens' expand sums their partials instead of reading h
+    (lora_apply)."""
     rank = batch.effective_rank(h.shape[2])
     tiles = lora_tiles(lora_b[0].dtype)
     block_r = tiles.rank_block(rank)
@@ -273,21 +305,19 @@ def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan,
     for widths, first, tensors, ints, strides in groups:
         h_part = h[first:]
         if plan.num_gather:
-            if split is None:
-                src, splits, src_strides = h_part, 1, (*h_part.stride(), 0)
-            else:
-                src = split.partials[:, first:]
-                splits, src_strides = split.splits, (*src.stride()[1:], src.stride(0))
+            src, splits, src_strides = _src(h_part, first, split)
             block_n = tiles.gather_block(block_r, max(widths))
             nb0, nb1, total = _column_tiles(widths, block_n)
             _bgmv_expand_kernel[(plan.num_gather, total)](
                 src, y, *tensors, plan.gather, slot_ranks(batch, lora_b[0].shape[0]), rank, splits, *ints, nb0, nb1,
                 *strides, *src_strides, *y.stride(), BLOCK_N=block_n, BLOCK_R=block_r, SPLIT=split is not None,
             )
+        src, splits, src_strides = _src(h_part, first, tile_split)
         nb0, nb1, total = _column_tiles(widths, tiles.expand_n)
         for rows in TILE_ROWS:
             if plan.num_tiles(rows):
                 _sgmv_expand_kernel[(plan.num_tiles(rows), total)](
-                    h_part, y, *tensors, plan.tiles[rows], rank, *ints, nb0, nb1, *strides, *h_part.stride(),
+                    src, y, *tensors, plan.tiles[rows], rank, splits, *ints, nb0, nb1, *strides, *src_strides,
                     *y.stride(), BLOCK_M=rows, BLOCK_N=tiles.expand_n, BLOCK_R=block_r, UPCAST=upcast,
+                    SPLIT=tile_split is not None,
                 )

@@ -27,7 +27,7 @@ it must read; few sequences run split-context (the `splits` column).
     python scripts/bench_kernels.py --attention --json bench-out/kernels.json
     python scripts/bench_kernels.py --smoke [--attention]              # CPU, Triton interpreter
 
---split-k picks the Triton rows (issue 21's split-K gathered shrink, kernels.launch_plan.shrink_splits):
+--split-k picks the Triton rows (issue 21's split-K shrink, kernels.launch_plan.shrink_splits):
 `plan` (row `triton`: the split count the engine's launch plan picks, the `splits` column), `off` (row
 `triton-nosplit`: the unsplit kernels, as before split-K), or a number (row `triton-split<N>`: forced).
 --padded-decode runs the decode-shaped rows as the engine's graphed decode step does
@@ -93,7 +93,7 @@ class Result:
     max_rel_err: float  # max |y - y_torch| / (|y_torch| + 1) on the same inputs (0 for the reference)
     timing: str = "wall"  # cudagraph | events | wall (see the module's doc)
     pool: int = 1  # argument sets the timed calls rotate through
-    splits: int = 1  # K splits of the gathered shrink (Triton), 1 = unsplit
+    splits: int = 1  # K splits of the shrink (Triton; the gathered one's, else the tiled one's), 1 = unsplit
     batch: str = "eager"  # eager (LoraBatch.build) | padded (LoraBatch.padded_decode, --padded-decode)
 
 
@@ -270,7 +270,8 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
         gbps = moved / (ms * 1e-3) / 1e9
         ref = outputs["torch"]
         err = ((outputs[impl] - ref).abs() / (ref.abs() + 1)).max().item()
-        split = None if impl == "torch" else lora_triton.split_k(batch, pool[0][1], splits)
+        split = None if impl == "torch" else (lora_triton.split_k(batch, pool[0][1], splits)
+                                              or lora_triton.split_k(batch, pool[0][1], splits, "tiled"))
         results.append(Result(cfg.projection, cfg.rank, cfg.tokens, cfg.adapters,
                               "decode" if cfg.decode else "prefill", impl, ms, moved, gbps,
                               100 * gbps / copy_gbps, err, timing, len(pool), split.splits if split else 1,

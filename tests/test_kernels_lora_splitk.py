@@ -1,7 +1,7 @@
-"""The gathered shrink's split-K form (issue 21): K split over programs into fp32 partials that the
-expand sums in a fixed order. Against kernels.lora_ref under TRITON_INTERPRET=1 (real launches with a
-GPU): mixed ranks, free slots, one adapter over a long run and many adapters (padded decode batches,
-where every row is gathered), fused q/k/v slices, 1, 2 and 4 splits; the same bits on every run; and
+"""The shrinks' split-K form (issue 21): K split over programs into fp32 partials that the expand
+sums in a fixed order. Against kernels.lora_ref under TRITON_INTERPRET=1 (real launches with a GPU):
+mixed ranks, free slots, one adapter over a long run (gathered in a padded decode batch, tiled in an
+eager step) and many adapters, fused q/k/v slices, 1, 2 and 4 splits; the same bits on every run; and
 the split counts the launch plan picks from the shape."""
 from __future__ import annotations
 
@@ -76,9 +76,14 @@ def test_mixed_ranks_free_slots_and_fused_qkv(splits: int, kernel_device) -> Non
 
 
 @pytest.mark.parametrize("splits", [2, 4])
-def test_one_adapter_over_a_long_run(splits: int, kernel_device) -> None:
-    """A padded decode batch of 24 rows of one adapter: every row gathered, rank 8 of 16."""
-    check([1] * 21 + [-1] * 3, splits, kernel_device, widths=(24,), num_slots=2)
+@pytest.mark.parametrize("form", ["padded", "build"])
+def test_one_adapter_over_a_long_run(form: str, splits: int, kernel_device) -> None:
+    """24 rows, 21 of one adapter (rank 8 of 16): a padded decode batch gathers every row, an eager
+    step tiles the run (16 + 16-row tiles: the segmented kernels' split form)."""
+    slots = [1] * 21 + [-1] * 3
+    if form == "build":
+        assert LoraBatch.build(slots).plan.num_gather == 0
+    check(slots, splits, kernel_device, widths=(24,), num_slots=2, form=form)
 
 
 @pytest.mark.parametrize("splits", [2, 4])
@@ -87,11 +92,19 @@ def test_many_adapters(splits: int, kernel_device) -> None:
     check(slots, splits, kernel_device, hidden=96, widths=(16, 8, 8), num_slots=24)
 
 
-def test_an_unpadded_step_splits_its_gathered_tokens_beside_its_tiles(kernel_device) -> None:
-    """LoraBatch.build: decode-shaped tokens gathered (split), a long run tiled (unsplit, through h)."""
+def test_an_unpadded_step_splits_its_gathered_tokens_beside_its_tiles(kernel_device, monkeypatch) -> None:
+    """LoraBatch.build: decode-shaped tokens gathered and a long run tiled, each form with its partials."""
     slots = token_slots([0, 1, -1, 2, 1], [1, 1, 1, 20, 1])
     batch = LoraBatch.build(slots, kernel_device)
     assert batch.plan.num_gather == 3 and batch.plan.num_tiles(64) == 1
+    a = torch.zeros(2, 3, 8, 64, device=kernel_device)
+    gathered, tiled = (lora_triton.split_k(batch, a, 2, form) for form in ("gathered", "tiled"))
+    assert gathered.partials.shape == (2, 2, 16, 8) and tiled.partials.shape == (2, 2, 32, 8)  # entries; tokens
+    big = torch.zeros(2, 3, 8, 4 * MIN_SPLIT_K, device="meta")  # a K the plan splits
+    assert lora_triton.split_k(batch, big, form="tiled").splits == 4  # K // MIN_SPLIT_K
+    monkeypatch.setattr(launch_plan, "SPLIT_TILES", False)  # the lever: only gathered tokens split
+    assert lora_triton.split_k(batch, big, form="tiled") is None and lora_triton.split_k(batch, big).splits == 4
+    monkeypatch.undo()
     check(slots, 2, kernel_device, hidden=64, widths=(32, 16), rank=8, num_slots=3, form="build")
 
 
