@@ -17,7 +17,7 @@ class KernelOps:
     name: str
     lora_shrink: Callable[..., None]  # see kernels.lora_ref.lora_shrink
     lora_expand: Callable[..., None]  # see kernels.lora_ref.lora_expand
-    lora: Callable[..., None]  # one fused projection's LoRA, both sides: see kernels.lora_cpu.lora_apply
+    lora: Callable[..., None]  # one fused projection's LoRA, both sides: kernels.lora_cpu / lora_triton.lora_apply
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
     write_kv_padded: Callable[..., None]  # write_kv skipping negative slots: see kernels.attention_ref.write_kv_padded
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
@@ -25,11 +25,3 @@ class KernelOps:
     int8_linear: Callable[..., torch.Tensor] = dequant_linear  # the same on an Int8Weight (kernels.int8_weights)
     fp8_linear: Callable[..., torch.Tensor] = scaled_mm_linear  # the same on an Fp8Weight (kernels.fp8_weights)
 
-
-def composed_lora(shrink: Callable[..., None], expand: Callable[..., None]) -> Callable[..., None]:
-    """The `lora` entry as a shrink into the scratch h, then an expand from it."""
-    def lora(x, lora_a, lora_b, scaling, slice_offsets, batch, h, y) -> None:
-        if batch.any_lora:
-            shrink(x, lora_a, batch, scaling, h)
-            expand(h, lora_b, batch, y, slice_offsets)
-    return lora

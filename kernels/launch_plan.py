@@ -90,6 +90,35 @@ def lora_work(starts: list[int], lens: list[int], slots: list[int], gather_max: 
     return gather, tiles
 
 
+# The gathered shrink splits K (in features) across programs (kernels.lora_kernels, SPLIT): a decode
+# step's shrink is otherwise (tokens x slices) programs each streaming all of K, 3 at batch 1 on
+# Llama-3-8B's qkv, and the first H100 run measured 24 us for a few KB of output. At least this many
+# features per split, and at most this many splits: a split's partial costs an fp32 row per token.
+MIN_SPLIT_K = 512
+MAX_SHRINK_SPLITS = 8
+# Whether tiled runs (the segmented kernels: prefill, and an eager step's long run of one adapter)
+# split too, not only gathered tokens. Untimed on a GPU yet: the lever if their split is slower.
+SPLIT_TILES = True
+
+
+def shrink_splits(in_features: int, programs: int) -> int:
+    """K splits of a gathered shrink of `programs` programs unsplit (tokens x slices x rank tiles).
+
+    1 (unsplit) below 2 * MIN_SPLIT_K features. Whether a projection splits is so a property of the
+    model's shape alone, and so is the set of compiled variants (server.engine.warmup compiles them
+    all); how many splits is a runtime value: a power of two from 2 up to MAX_SHRINK_SPLITS and
+    in_features // MIN_SPLIT_K, the largest that keeps programs x splits <= SPLIT_TARGET_PROGRAMS.
+    A padded decode bucket has a fixed token count, so its split count is fixed too (graph replay).
+    """
+    if in_features < 2 * MIN_SPLIT_K:
+        return 1
+    cap = min(MAX_SHRINK_SPLITS, in_features // MIN_SPLIT_K, SPLIT_TARGET_PROGRAMS // max(1, programs))
+    splits = 2
+    while splits * 2 <= cap:
+        splits *= 2
+    return splits
+
+
 def pack_int32(sections: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
     """One host buffer, one copy to `device`; returns a 1-D view per section, each 16-byte aligned."""
     offsets, total = [], 0

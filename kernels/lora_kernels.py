@@ -11,6 +11,11 @@ Argument conventions shared by all four:
   variant serves every projection group. The gathered kernels also read each slot's own rank
   (slot_ranks [L] int32) and go no further than it, so their bytes follow the adapter's rank,
   not the slots' maximum.
+- the split form (SPLIT) of both pairs: the shrink splits K over programs, each writing its share
+  as an fp32 partial p [splits, S, rows, R] (gathered: indexed by the entry, not the token), and the expand
+  sums the partials in split order before its product: no atomics, so the result is the same bit
+  for bit on every run. The split count comes from the grid (shrink) or `num_splits` (expand), both
+  fixed per shape and decode bucket (kernels.launch_plan.shrink_splits); never specialised on.
 """
 from __future__ import annotations
 
@@ -31,6 +36,18 @@ def _slice_of(c, nb0, nb1):
     return sl, c - tl.where(sl == 0, 0, tl.where(sl == 1, nb0, nb0 + nb1))
 
 
+@triton.jit
+def _k_split(K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(split, rank tile, first feature, end feature) of a split-K shrink program: grid axis 2 is
+    (split, rank tile), so the split count is the grid's and no argument carries it; each split takes
+    cdiv(cdiv(K, splits), BLOCK_K) x BLOCK_K features (the last ones may have none)."""
+    r_tiles = tl.cdiv(R, BLOCK_R)
+    split = tl.program_id(2) // r_tiles
+    chunk = tl.cdiv(tl.cdiv(K, tl.num_programs(2) // r_tiles), BLOCK_K) * BLOCK_K
+    k_lo = split * chunk
+    return split, tl.program_id(2) % r_tiles, k_lo, tl.minimum(K, k_lo + chunk)
+
+
 @triton.jit(do_not_specialize=["R", "stride_sl"])
 def _sgmv_shrink_kernel(
     x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr,
@@ -38,37 +55,49 @@ def _sgmv_shrink_kernel(
     stride_xt, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_ss, stride_sl,
-    stride_os, stride_ot, stride_or,
+    stride_os, stride_ot, stride_or, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Semantics: program (tile, slice i, rank tile) writes out[i, rows, ranks] = scaling[i, slot] *
-    x[rows] @ lora_a[i, slot, ranks].T for the tile's rows (< BLOCK_M) and ranks (< R).
-    Shape: grid (tiles, S, cdiv(R, BLOCK_R)); K = in features."""
+    x[rows] @ lora_a[i, slot, ranks].T for the tile's rows (< BLOCK_M) and ranks (< R). SPLIT: program
+    (tile, slice i, split j x rank tiles + rank tile) writes the same over split j's features only
+    (_k_split), unrounded, into the partial out[j, i, rows, ranks].
+    Shape: grid (tiles, S, splits x cdiv(R, BLOCK_R)), splits 1 unless SPLIT; K = in features; out
+    [S, T, R] in its dtype, or SPLIT: [splits, S, >= T, R] float32 with stride_op between splits (0
+    unless SPLIT)."""
     tile = tl.program_id(0)
     sl = tl.program_id(1).to(tl.int64)
     start = tl.load(tiles_ptr + tile * 4).to(tl.int64)
     length = tl.load(tiles_ptr + tile * 4 + 1)
     slot = tl.load(tiles_ptr + tile * 4 + 2).to(tl.int64)
+    r_tile = tl.program_id(2)
+    k_lo = 0
+    k_hi = K
+    out_base = out_ptr
+    if SPLIT:
+        split, r_tile, k_lo, k_hi = _k_split(K, R, BLOCK_R, BLOCK_K)
+        out_base = out_ptr + split.to(tl.int64) * stride_op
     offs_m = tl.arange(0, BLOCK_M)
     rows = start + offs_m  # [BM] int64
     row_ok = offs_m < length
-    ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ranks = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_ok = ranks < R
     a_base = a_ptr + sl * stride_as + slot * stride_al
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xk,
-                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # [BM, BK]
+                    mask=row_ok[:, None] & (ks[None, :] < k_hi), other=0.0)  # [BM, BK]
         a = tl.load(a_base + ks[:, None] * stride_ak + ranks[None, :] * stride_ar,
-                    mask=(ks[:, None] < K) & rank_ok[None, :], other=0.0)  # [BK, BR]
+                    mask=(ks[:, None] < k_hi) & rank_ok[None, :], other=0.0)  # [BK, BR]
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, a)
     scale = tl.load(scaling_ptr + sl * stride_ss + slot * stride_sl)
     out = (acc * scale).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + sl * stride_os + rows[:, None] * stride_ot + ranks[None, :] * stride_or,
+    tl.store(out_base + sl * stride_os + rows[:, None] * stride_ot + ranks[None, :] * stride_or,
              out, mask=row_ok[:, None] & rank_ok[None, :])
 
 
@@ -79,52 +108,69 @@ def _bgmv_shrink_kernel(
     stride_xt, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_ss, stride_sl,
-    stride_os, stride_ot, stride_or,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_os, stride_ot, stride_or, stride_op,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Semantics: program (entry, slice i, rank tile) writes out[i, t, ranks] = scaling[i, slot] *
     x[t] @ lora_a[i, slot, ranks].T for its (token t, slot) and ranks < min(R, slot_ranks[slot]) (the
     slot's rows past its own rank are zero: never read, and those columns of out never written),
-    reducing in fp32 registers.
-    Shape: grid (gathered tokens, S, cdiv(R, BLOCK_R)); slot_ranks (ranks_ptr) [L] int32."""
+    reducing in fp32 registers. SPLIT: program (entry, slice i, split j x rank tiles + rank tile) writes
+    the same over split j's features only (_k_split; a split past K writes zeros), unrounded, into the
+    partial out[j, i, entry, ranks].
+    Shape: grid (gathered tokens, S, splits x cdiv(R, BLOCK_R)), splits 1 unless SPLIT; out [S, T, R] in
+    its dtype, or SPLIT: [splits, S, >= entries, R] float32 with stride_op between splits (0 unless
+    SPLIT); slot_ranks (ranks_ptr) [L] int32."""
     entry = tl.program_id(0)
     sl = tl.program_id(1).to(tl.int64)
     t = tl.load(gather_ptr + entry * 2).to(tl.int64)
     slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
     if slot < 0:  # a base-model or padding row of a padded decode batch's work list: no work
         return
+    r_tile = tl.program_id(2)
+    k_lo = 0
+    k_hi = K
+    row = t
+    out_base = out_ptr
+    if SPLIT:
+        split, r_tile, k_lo, k_hi = _k_split(K, R, BLOCK_R, BLOCK_K)
+        row = entry.to(tl.int64)
+        out_base = out_ptr + split.to(tl.int64) * stride_op
     rank_end = tl.minimum(R, tl.load(ranks_ptr + slot))
-    if tl.program_id(2) * BLOCK_R >= rank_end:  # a rank tile past the slot's own rank: nothing to read
+    if r_tile * BLOCK_R >= rank_end:  # a rank tile past the slot's own rank: nothing to read
         return
-    ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ranks = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_ok = ranks < rank_end
     a_base = a_ptr + sl * stride_as + slot * stride_al
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t * stride_xt + ks * stride_xk, mask=ks < K, other=0.0).to(tl.float32)  # [BK]
+        x = tl.load(x_ptr + t * stride_xt + ks * stride_xk, mask=ks < k_hi, other=0.0).to(tl.float32)  # [BK]
         a = tl.load(a_base + ranks[:, None] * stride_ar + ks[None, :] * stride_ak,
-                    mask=rank_ok[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)  # [BR, BK]
+                    mask=rank_ok[:, None] & (ks[None, :] < k_hi), other=0.0).to(tl.float32)  # [BR, BK]
         acc += tl.sum(a * x[None, :], axis=1)
     scale = tl.load(scaling_ptr + sl * stride_ss + slot * stride_sl)
-    tl.store(out_ptr + sl * stride_os + t * stride_ot + ranks * stride_or,
+    tl.store(out_base + sl * stride_os + row * stride_ot + ranks * stride_or,
              (acc * scale).to(out_ptr.dtype.element_ty), mask=rank_ok)
 
 
-@triton.jit(do_not_specialize=["R", "nb0", "nb1"])
+@triton.jit(do_not_specialize=["R", "nb0", "nb1", "num_splits"])
 def _sgmv_expand_kernel(
     h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr,
-    R,
+    R, num_splits,
     n0, n1, n2, off0, off1, off2, nb0, nb1,
     sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
-    stride_hs, stride_ht, stride_hr,
+    stride_hs, stride_ht, stride_hr, stride_hp,
     stride_yt, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Semantics: program (tile, column tile c) adds h[i, rows, :R] @ b_i[slot, cols, :R].T onto
     y[rows, off_i + cols], where (i, cols) is column tile c of the slices taken in order (nb0 tiles
-    of slice 0, nb1 of slice 1, the rest of slice 2); rank is looped over in BLOCK_R steps.
-    Shape: grid (tiles, total column tiles)."""
+    of slice 0, nb1 of slice 1, the rest of slice 2); rank is looped over in BLOCK_R steps. SPLIT:
+    h[i, rows] is the sum of the shrink's partials p[j, i, rows] over j = 0 .. num_splits - 1, added
+    in that order in fp32 (deterministic), then taken to b's dtype for the product unless UPCAST.
+    Shape: grid (tiles, total column tiles); h [S, T, R], or SPLIT: p [num_splits, S, >= T, R] float32
+    with stride_hp between splits (num_splits 1 and stride_hp 0 unless SPLIT)."""
     tile = tl.program_id(0)
     sl, n_blk = _slice_of(tl.program_id(1), nb0, nb1)
     if sl == 0:
@@ -149,31 +195,38 @@ def _sgmv_expand_kernel(
         ranks = r0 + tl.arange(0, BLOCK_R)
         rank_ok = ranks < R
         h = tl.load(h_base + ranks[None, :] * stride_hr, mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+        if SPLIT:
+            for j in range(1, num_splits):  # in split order: the same sum on every run
+                h += tl.load(h_base + j * stride_hp + ranks[None, :] * stride_hr,
+                             mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
         b = tl.load(b_base + ranks[:, None] * sbr, mask=rank_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             acc += tl.dot(h.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(h, b)
+            acc += tl.dot(h.to(b.dtype), b)
     y_ptrs = y_ptr + rows[:, None] * stride_yt + (_pick_slice(sl, off0, off1, off2) + cols[None, :]) * stride_yn
     ok = row_ok[:, None] & col_ok[None, :]
     y = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["R", "nb0", "nb1"])
+@triton.jit(do_not_specialize=["R", "nb0", "nb1", "num_splits"])
 def _bgmv_expand_kernel(
     h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, gather_ptr, ranks_ptr,
-    R,
+    R, num_splits,
     n0, n1, n2, off0, off1, off2, nb0, nb1,
     sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
-    stride_hs, stride_ht, stride_hr,
+    stride_hs, stride_ht, stride_hr, stride_hp,
     stride_yt, stride_yn,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Semantics: program (entry, column tile c) adds h[i, t, :r] @ b_i[slot, cols, :r].T onto
     y[t, off_i + cols] for its (token t, slot), r = min(R, slot_ranks[slot]); column tiles as in
-    _sgmv_expand_kernel.
-    Shape: grid (gathered tokens, total column tiles); slot_ranks (ranks_ptr) [L] int32."""
+    _sgmv_expand_kernel. SPLIT: h[i, t] is the sum of the shrink's partials p[j, i, entry] over
+    j = 0 .. num_splits - 1, added in that order in fp32 (deterministic, never rounded).
+    Shape: grid (gathered tokens, total column tiles); h [S, T, R], or SPLIT: p [num_splits, S, >= entries,
+    R] float32 with stride_hp between splits (num_splits 1 and stride_hp 0 unless SPLIT); slot_ranks
+    (ranks_ptr) [L] int32."""
     entry = tl.program_id(0)
     sl, n_blk = _slice_of(tl.program_id(1), nb0, nb1)
     if sl == 0:
@@ -186,10 +239,13 @@ def _bgmv_expand_kernel(
     slot = tl.load(gather_ptr + entry * 2 + 1).to(tl.int64)
     if slot < 0:  # a base-model or padding row of a padded decode batch's work list: no work
         return
+    row = t
+    if SPLIT:  # the partials are indexed by the entry, so their size follows the gathered tokens
+        row = entry.to(tl.int64)
     rank_end = tl.minimum(R, tl.load(ranks_ptr + slot))
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < _pick_slice(sl, n0, n1, n2)
-    h_base = h_ptr + sl.to(tl.int64) * stride_hs + t * stride_ht
+    h_base = h_ptr + sl.to(tl.int64) * stride_hs + row * stride_ht
     b_base = b_ptr + slot * _pick_slice(sl, sbl0, sbl1, sbl2) + cols[:, None] * _pick_slice(sl, sbn0, sbn1, sbn2)
     sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -197,6 +253,9 @@ def _bgmv_expand_kernel(
         ranks = r0 + tl.arange(0, BLOCK_R)
         rank_ok = ranks < rank_end
         h = tl.load(h_base + ranks * stride_hr, mask=rank_ok, other=0.0).to(tl.float32)  # [BR]
+        if SPLIT:
+            for j in range(1, num_splits):  # in split order: the same sum on every run
+                h += tl.load(h_base + j * stride_hp + ranks * stride_hr, mask=rank_ok, other=0.0)
         b = tl.load(b_base + ranks[None, :] * sbr, mask=col_ok[:, None] & rank_ok[None, :],
                     other=0.0).to(tl.float32)  # [BN, BR]
         acc += tl.sum(b * h[None, :], axis=1)

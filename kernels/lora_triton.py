@@ -11,6 +11,10 @@ tokens each takes, so one call may launch both:
   launch per tile height; the adapter's weights are loaded once per tile and
   multiplied with `tl.dot`.
 
+The `lora` entry (lora_apply) may split each shrink's K over programs
+(kernels.launch_plan.shrink_splits): fp32 partials that the expand sums in a
+fixed order, for steps whose few tokens (or tiles) otherwise run few programs.
+
 Expand programs index (slice, column tile) along one grid axis, so the narrow
 k/v slices of a fused qkv launch no programs for the wide q slice's columns.
 Slot buffers are used in place at max rank (rows beyond an adapter's own rank
@@ -26,11 +30,13 @@ configuration only and are all compiled at start-up (server.engine.warmup).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 
-from kernels.launch_plan import TILE_ROWS, LoraLaunchPlan
+from kernels import launch_plan
+from kernels.launch_plan import MAX_SHRINK_SPLITS, TILE_ROWS, LoraLaunchPlan, shrink_splits
 from kernels.lora_kernels import _bgmv_expand_kernel, _bgmv_shrink_kernel, _sgmv_expand_kernel, _sgmv_shrink_kernel
 from kernels.lora_tiles import lora_tiles
 from kernels.metadata import LoraBatch
@@ -103,7 +109,18 @@ def shrink_segmented(x: torch.Tensor, lora_a: torch.Tensor, batch: LoraBatch, sc
     _shrink(x, lora_a, batch, scaling, out, batch.plan_for("segmented"))
 
 
-def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan) -> None:
+def _dst(out: torch.Tensor, split: SplitK | None) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """A shrink launch's destination, split count and (slice, row, rank, split) strides."""
+    if split is None:
+        return out, 1, (*out.stride(), 0)
+    p = split.partials
+    return p, split.splits, (*p.stride()[1:], p.stride(0))
+
+
+def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan, split: SplitK | None = None,
+            tile_split: SplitK | None = None) -> None:
+    """split / tile_split: the gathered / tiled tokens' shrink writes their partials instead of out
+    (lora_apply)."""
     _check_shrink(x, lora_a, batch, scaling, out)
     if not batch.any_lora:
         return
@@ -114,18 +131,99 @@ def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan) -> 
     tiles = lora_tiles(lora_a.dtype)
     block_r = tiles.rank_block(rank)
     r_blocks = triton.cdiv(rank, block_r)
-    common = (*x.stride(), *lora_a.stride(), *scaling.stride(), *out.stride())
+    common = (*x.stride(), *lora_a.stride(), *scaling.stride())
     if plan.num_gather:
-        _bgmv_shrink_kernel[(plan.num_gather, num_slices, r_blocks)](
-            x, lora_a, scaling, out, plan.gather, slot_ranks(batch, lora_a.shape[1]), hidden, rank, *common,
-            BLOCK_R=block_r, BLOCK_K=tiles.gather_block(block_r, hidden),
+        dst, splits, dst_strides = _dst(out, split)
+        _bgmv_shrink_kernel[(plan.num_gather, num_slices, splits * r_blocks)](
+            x, lora_a, scaling, dst, plan.gather, slot_ranks(batch, lora_a.shape[1]), hidden, rank, *common,
+            *dst_strides, BLOCK_R=block_r, BLOCK_K=tiles.gather_block(block_r, hidden), SPLIT=split is not None,
         )
+    dst, splits, dst_strides = _dst(out, tile_split)
     for rows in TILE_ROWS:
         if plan.num_tiles(rows):
-            _sgmv_shrink_kernel[(plan.num_tiles(rows), num_slices, r_blocks)](
-                x, lora_a, scaling, out, plan.tiles[rows], hidden, rank, *common,
+            _sgmv_shrink_kernel[(plan.num_tiles(rows), num_slices, splits * r_blocks)](
+                x, lora_a, scaling, dst, plan.tiles[rows], hidden, rank, *common, *dst_strides,
                 BLOCK_M=rows, BLOCK_R=block_r, BLOCK_K=tiles.shrink_k, UPCAST=_upcast(x.dtype, lora_a.dtype),
+                SPLIT=tile_split is not None,
             )
+
+
+@dataclass(frozen=True)
+class SplitK:
+    """A shrink form's split: `splits` fp32 partials per row that the expand sums."""
+
+    splits: int
+    partials: torch.Tensor  # [splits, S, rows rounded up to 16, R] float32: by plan entry, or by token (tiles)
+
+
+def split_k(batch: LoraBatch, lora_a: torch.Tensor, splits: int | None = None,
+            form: str = "gathered") -> SplitK | None:
+    """The split of this projection's gathered tokens (`form` "gathered", partials by plan entry) or
+    tiled runs ("tiled", partials by token), or None (unsplit: h in its own dtype).
+
+    splits: None = the launch plan's choice from the shape and the form's programs
+    (kernels.launch_plan.shrink_splits); 1 = unsplit. The partials come from the batch's scratch,
+    one buffer per shape made on first use: a padded decode context reuses its buffers on every
+    step, so a captured graph writes and reads them where it did at capture.
+    """
+    num_slices, _, rank, hidden = lora_a.shape
+    plan = batch.plan
+    if form == "gathered":
+        rows, programs = plan.num_gather, plan.num_gather
+    else:
+        assert form == "tiled", form
+        if splits is None and not launch_plan.SPLIT_TILES:
+            return None
+        rows, programs = batch.num_tokens, sum(plan.num_tiles(h) for h in TILE_ROWS)
+    eff = batch.effective_rank(rank)
+    if not programs or not eff:
+        return None
+    if splits is None:
+        rank_tiles = triton.cdiv(eff, lora_tiles(lora_a.dtype).rank_block(eff))
+        splits = shrink_splits(hidden, programs * num_slices * rank_tiles)
+    if splits == 1:
+        return None
+    assert 1 < splits <= MAX_SHRINK_SPLITS, splits
+    # Rows rounded up to 16: every stride is a multiple of 16 elements, so the compiled variant never
+    # depends on the step's row count.
+    shape = (splits, num_slices, -(-rows // 16) * 16, rank)
+    key = ("lora-split-partials", form, shape)
+    if key not in batch.scratch:
+        batch.scratch[key] = torch.empty(shape, dtype=torch.float32, device=lora_a.device)
+    return SplitK(splits, batch.scratch[key])
+
+
+def lora_apply(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: tuple[torch.Tensor, ...],
+    scaling: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    batch: LoraBatch,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    splits: int | None = None,
+) -> None:
+    """The `lora` entry (kernels.kernel_ops): a projection's shrink then expand, every slice, in one launch
+    of each per form in the step's plan.
+
+    Semantics: for t with s = slot[t] >= 0, y[t, off_i : off_i + n_i] += hs @ lora_b[i][s].T, hs =
+        scaling[i, s] * (x[t] @ lora_a[i, s].T), summed in fp32, y rounded once. Unsplit, each form
+        stores hs in h (rounded to h's dtype) and reads it back, as lora_shrink then lora_expand do.
+        Split (kernels.launch_plan.shrink_splits, per form: gathered tokens, tiled runs): the shrink
+        writes hs as `splits` fp32 partials over slices of the in features, which the expand sums in
+        split order, so the result is the same bit for bit on every run (the gathered expand takes the
+        sum unrounded, the tiled one in b's dtype for tensor cores); h is not written. Rows with slot -1
+        are left bit-identical.
+    Shape: x [T, in]; lora_a [S, L, R, in]; lora_b: S tensors [L, n_i, R]; scaling [S, L] float32;
+        slice_offsets: S column offsets into y; h [S, T, R] scratch; y [T, >= max(off_i + n_i)].
+        splits: None = the plan's choice; 1 = unsplit; 2, 4, 8 forced (tests, scripts/bench_kernels.py).
+    """
+    if not batch.any_lora:
+        return
+    split, tile_split = (split_k(batch, lora_a, splits, form) for form in ("gathered", "tiled"))
+    _shrink(x, lora_a, batch, scaling, h, batch.plan, split, tile_split)
+    _expand(h, lora_b, batch, y, slice_offsets, batch.plan, split, tile_split)
 
 
 def lora_expand(
@@ -158,7 +256,7 @@ def expand_segmented(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: L
 
 def _slice_groups(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: LoraBatch, y: torch.Tensor,
                   slice_offsets: tuple[int, ...]):
-    """Validate, then yield (the launch's slice widths, its h view, its per-slice tensor and int args)."""
+    """Validate, then yield (the launch's slice widths, its first slice, its per-slice tensor and int args)."""
     num_slices, num_tokens, rank = h.shape
     assert len(lora_b) == num_slices == len(slice_offsets), (len(lora_b), h.shape, slice_offsets)
     assert num_tokens == batch.num_tokens and y.shape[0] == num_tokens, (h.shape, y.shape)
@@ -176,7 +274,7 @@ def _slice_groups(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: Lora
         tensors = tuple(bs)
         ints = (*[b.shape[1] for b in bs], *[slice_offsets[i] for i in padded])
         strides = tuple(st for b in bs for st in b.stride())
-        yield widths, h[first:], tensors, ints, strides
+        yield widths, first, tensors, ints, strides
 
 
 def _column_tiles(widths: list[int], block_n: int) -> tuple[int, int, int]:
@@ -185,7 +283,18 @@ def _column_tiles(widths: list[int], block_n: int) -> tuple[int, int, int]:
     return counts[0], counts[1], sum(counts)
 
 
-def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan) -> None:
+def _src(h_part: torch.Tensor, first: int, split: SplitK | None) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """An expand launch's source from slice `first` on, split count and (slice, row, rank, split) strides."""
+    if split is None:
+        return h_part, 1, (*h_part.stride(), 0)
+    p = split.partials[:, first:]
+    return p, split.splits, (*p.stride()[1:], p.stride(0))
+
+
+def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan, split: SplitK | None = None,
+            tile_split: SplitK | None = None) -> None:
+    """split / tile_split: the gathered / tiled tokens' expand sums their partials instead of reading h
+    (lora_apply)."""
     rank = batch.effective_rank(h.shape[2])
     tiles = lora_tiles(lora_b[0].dtype)
     block_r = tiles.rank_block(rank)
@@ -193,19 +302,22 @@ def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan)
     groups = list(_slice_groups(h, lora_b, batch, y, slice_offsets))  # validates even when there is no work
     if rank == 0:
         return  # every active slot's rows are zero: nothing to add
-    for widths, h_part, tensors, ints, strides in groups:
-        common = (*strides, *h_part.stride(), *y.stride())
+    for widths, first, tensors, ints, strides in groups:
+        h_part = h[first:]
         if plan.num_gather:
+            src, splits, src_strides = _src(h_part, first, split)
             block_n = tiles.gather_block(block_r, max(widths))
             nb0, nb1, total = _column_tiles(widths, block_n)
             _bgmv_expand_kernel[(plan.num_gather, total)](
-                h_part, y, *tensors, plan.gather, slot_ranks(batch, lora_b[0].shape[0]), rank, *ints, nb0, nb1, *common,
-                BLOCK_N=block_n, BLOCK_R=block_r,
+                src, y, *tensors, plan.gather, slot_ranks(batch, lora_b[0].shape[0]), rank, splits, *ints, nb0, nb1,
+                *strides, *src_strides, *y.stride(), BLOCK_N=block_n, BLOCK_R=block_r, SPLIT=split is not None,
             )
+        src, splits, src_strides = _src(h_part, first, tile_split)
         nb0, nb1, total = _column_tiles(widths, tiles.expand_n)
         for rows in TILE_ROWS:
             if plan.num_tiles(rows):
                 _sgmv_expand_kernel[(plan.num_tiles(rows), total)](
-                    h_part, y, *tensors, plan.tiles[rows], rank, *ints, nb0, nb1, *common,
-                    BLOCK_M=rows, BLOCK_N=tiles.expand_n, BLOCK_R=block_r, UPCAST=upcast,
+                    src, y, *tensors, plan.tiles[rows], rank, splits, *ints, nb0, nb1, *strides, *src_strides,
+                    *y.stride(), BLOCK_M=rows, BLOCK_N=tiles.expand_n, BLOCK_R=block_r, UPCAST=upcast,
+                    SPLIT=tile_split is not None,
                 )

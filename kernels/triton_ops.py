@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kernels import attention_triton, lora_triton
-from kernels.kernel_ops import KernelOps, composed_lora
+from kernels.kernel_ops import KernelOps
 
 
 def triton_ops() -> KernelOps:
@@ -11,7 +11,7 @@ def triton_ops() -> KernelOps:
         name="triton",
         lora_shrink=lora_triton.lora_shrink,
         lora_expand=lora_triton.lora_expand,
-        lora=composed_lora(lora_triton.lora_shrink, lora_triton.lora_expand),
+        lora=lora_triton.lora_apply,  # the gathered shrink split over K where the plan says so
         write_kv=attention_triton.write_kv,
         write_kv_padded=attention_triton.write_kv,  # skips negative slots already
         paged_attention=attention_triton.paged_attention,

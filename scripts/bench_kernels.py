@@ -26,6 +26,13 @@ it must read; few sequences run split-context (the `splits` column).
     python scripts/bench_kernels.py --json bench-out/kernels.json      # needs a CUDA GPU
     python scripts/bench_kernels.py --attention --json bench-out/kernels.json
     python scripts/bench_kernels.py --smoke [--attention]              # CPU, Triton interpreter
+
+--split-k picks the Triton rows (issue 21's split-K shrink, kernels.launch_plan.shrink_splits):
+`plan` (row `triton`: the split count the engine's launch plan picks, the `splits` column), `off` (row
+`triton-nosplit`: the unsplit kernels, as before split-K), or a number (row `triton-split<N>`: forced).
+--padded-decode runs the decode-shaped rows as the engine's graphed decode step does
+(LoraBatch.padded_decode: every row gathered, a long run of one adapter included) instead of as an
+eager step (runs longer than 4 tokens tiled).
 """
 from __future__ import annotations
 
@@ -86,6 +93,8 @@ class Result:
     max_rel_err: float  # max |y - y_torch| / (|y_torch| + 1) on the same inputs (0 for the reference)
     timing: str = "wall"  # cudagraph | events | wall (see the module's doc)
     pool: int = 1  # argument sets the timed calls rotate through
+    splits: int = 1  # K splits of the shrink (Triton; the gathered one's, else the tiled one's), 1 = unsplit
+    batch: str = "eager"  # eager (LoraBatch.build) | padded (LoraBatch.padded_decode, --padded-decode)
 
 
 @dataclass(frozen=True)
@@ -187,16 +196,45 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype, copy_gbps, warmup, iters,
-               ops) -> list[Result]:
+def lora_batch(slots: list[int], num_slots: int, padded: bool, device):
+    """The step's LoraBatch: eager (LoraBatch.build), or a padded decode batch as the engine's graphed
+    decode step builds it (every row gathered)."""
     from kernels.metadata import LoraBatch
+
+    if not padded:
+        return LoraBatch.build(slots, device)
+    rows = torch.tensor(slots, dtype=torch.int32)
+    gather = torch.stack([torch.arange(len(slots), dtype=torch.int32), rows], 1).to(device)
+    return LoraBatch.padded_decode(rows.to(device), gather, num_slots)
+
+
+def lora_impls(split_k: list[str]) -> dict:
+    """impl name -> (the `lora` entry, splits argument): torch, then a Triton row per --split-k value."""
+    from kernels import lora_triton
+    from kernels.ops import torch_ops
+
+    impls = {"torch": (torch_ops().lora, None)}
+    for value in split_k:
+        if value == "plan":
+            impls["triton"] = (lora_triton.lora_apply, None)
+        elif value == "off":
+            impls["triton-nosplit"] = (lora_triton.lora_apply, 1)
+        else:
+            impls[f"triton-split{value}"] = (lora_triton.lora_apply, int(value))
+    return impls
+
+
+def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype, copy_gbps, warmup, iters,
+               impls: dict, padded: bool = False) -> list[Result]:
+    from kernels import lora_triton
 
     g = torch.Generator(device=device).manual_seed(0)
     # One slot per adapter in use: the pool's rotation, not the slot stride, decides what L2 holds.
     num_slots = cfg.adapters
     nslices = len(widths)
     slots = token_slots(cfg)
-    batch = LoraBatch.build(slots, device)
+    padded = padded and cfg.decode
+    batch = lora_batch(slots, num_slots, padded, device)
     elt = torch.finfo(dtype).bits // 8
     moved = bytes_moved(cfg, hidden, widths, elt)
     allocated = elt * (cfg.tokens * hidden + num_slots * cfg.rank * (nslices * hidden + sum(widths))
@@ -217,23 +255,27 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
 
     outputs = {}
     results = []
-    for impl in ("torch", "triton"):
+    for impl, (lora, splits) in impls.items():
+        kw = {} if impl == "torch" else {"splits": splits}
         calls = []
         for n, (x, lora_a, lora_b, y0) in enumerate(pool):
             h = torch.empty(nslices, cfg.tokens, cfg.rank, device=device, dtype=dtype)
             y = y0.clone()
-            if n == 0:
-                ops[impl].lora(x, lora_a, lora_b, scaling, offsets, batch, h, y)
+            if n == 0:  # outside the timed graph: the split partials are allocated here, once
+                lora(x, lora_a, lora_b, scaling, offsets, batch, h, y, **kw)
                 outputs[impl] = y.float()
-            calls.append(lambda impl=impl, x=x, a=lora_a, b=lora_b, h=h, y=y:
-                         ops[impl].lora(x, a, b, scaling, offsets, batch, h, y))
+            calls.append(lambda lora=lora, kw=kw, x=x, a=lora_a, b=lora_b, h=h, y=y:
+                         lora(x, a, b, scaling, offsets, batch, h, y, **kw))
         ms, timing = time_per_call(calls, device, warmup, iters)
         gbps = moved / (ms * 1e-3) / 1e9
         ref = outputs["torch"]
         err = ((outputs[impl] - ref).abs() / (ref.abs() + 1)).max().item()
+        split = None if impl == "torch" else (lora_triton.split_k(batch, pool[0][1], splits)
+                                              or lora_triton.split_k(batch, pool[0][1], splits, "tiled"))
         results.append(Result(cfg.projection, cfg.rank, cfg.tokens, cfg.adapters,
                               "decode" if cfg.decode else "prefill", impl, ms, moved, gbps,
-                              100 * gbps / copy_gbps, err, timing, len(pool)))
+                              100 * gbps / copy_gbps, err, timing, len(pool), split.splits if split else 1,
+                              "padded" if padded else "eager"))
         del calls
     return results
 
@@ -290,14 +332,14 @@ def print_attention(results: list[AttentionResult]) -> None:
 
 def print_table(results: list[Result], copy_gbps: float, device_name: str) -> None:
     print(f"device: {device_name}; device-to-device copy: {copy_gbps:.0f} GB/s")
-    head = (f"{'proj':8} {'rank':>4} {'tok':>4} {'adap':>4} {'shape':8} {'impl':6} {'ms':>9} {'GB/s':>8} {'%copy':>6} "
-            f"{'x torch':>7} {'err':>8} {'timing':>9} {'pool':>4}")
+    head = (f"{'proj':8} {'rank':>4} {'tok':>4} {'adap':>4} {'shape':8} {'impl':15} {'split':>5} {'ms':>9} "
+            f"{'GB/s':>8} {'%copy':>6} {'x torch':>7} {'err':>8} {'timing':>9} {'pool':>4}")
     print(head)
     print("-" * len(head))
     torch_ms = {(r.projection, r.rank, r.tokens, r.adapters): r.median_ms for r in results if r.impl == "torch"}
     for r in results:
         speedup = torch_ms[(r.projection, r.rank, r.tokens, r.adapters)] / r.median_ms
-        print(f"{r.projection:8} {r.rank:>4} {r.tokens:>4} {r.adapters:>4} {r.shape:8} {r.impl:6} "
+        print(f"{r.projection:8} {r.rank:>4} {r.tokens:>4} {r.adapters:>4} {r.shape:8} {r.impl:15} {r.splits:>5} "
               f"{r.median_ms:>9.4f} {r.gb_per_s:>8.1f} {r.pct_of_copy:>6.1f} {speedup:>7.2f} {r.max_rel_err:>8.2g} "
               f"{r.timing:>9} {r.pool:>4}")
 
@@ -315,9 +357,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", action="store_true", help="also time decode attention")
     parser.add_argument("--seqs", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
+    parser.add_argument("--split-k", nargs="+", default=["plan", "off"], metavar="plan|off|N",
+                        help="Triton rows: plan (the launch plan's split count), off (unsplit), N (forced: 2, 4 "
+                             "or 8); default: plan off")
+    parser.add_argument("--padded-decode", action="store_true",
+                        help="decode-shaped rows as the engine's graphed decode step (every row gathered); "
+                             "default off (an eager step's plan)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
+    for value in args.split_k:
+        if value not in ("plan", "off", "2", "4", "8"):
+            parser.error(f"--split-k takes plan, off, 2, 4 or 8, got {value!r}")
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -341,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks, tokens, adapters, warmup, iters = [16], [1, 8, 80], [1, 8], 1, 3
     copy_gbps = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20), iters=20 if cuda else 5)
     ops = {"torch": torch_ops(), "triton": triton_ops()}
+    impls = lora_impls(args.split_k)
 
     results: list[Result] = []
     for name in names:
@@ -351,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     if a > t:
                         continue
                     results += run_config(Config(name, rank, t, a), hidden, widths, device, dtype,
-                                          copy_gbps, warmup, iters, ops)
+                                          copy_gbps, warmup, iters, impls, args.padded_decode)
     attention: list[AttentionResult] = []
     if args.attention:
         heads, seqs, contexts = ATTENTION_HEADS, args.seqs, args.contexts

@@ -12,6 +12,11 @@ from server.gguf_reader import GGUFError
 from server.version import loraplex_version
 
 
+def _max_loras(text: str) -> int | None:
+    """--max-loras: a positive integer, or auto (None: sized from memory, server.engine.slot_budget)."""
+    return None if text == "auto" else _positive_int(text)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -62,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preload a PEFT adapter directory as NAME, owned by TENANT (created if missing); without "
                         "TENANT/ the demo tenant owns it while the demo tenant is on, so the printed demo key calls "
                         "it; the start banner says who can (repeatable; default none)")
-    s.add_argument("--max-loras", type=_positive_int, default=8,
-                   help="most distinct adapters in one batch (accelerator slots); default 8")
+    s.add_argument("--max-loras", type=_max_loras, default=8,
+                   help="most distinct adapters in one batch (accelerator slots), or auto: on CUDA as many at "
+                        "--max-lora-rank as fit in 10%% of the memory the weights leave (8 on a CPU); default 8")
     s.add_argument("--max-lora-rank", type=_positive_int, default=64,
                    help="largest adapter rank accepted; default 64")
     s.add_argument("--enable-lora", action="store_true",

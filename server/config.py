@@ -96,7 +96,7 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     adapters: tuple[tuple[str | None, str, str], ...] = ()  # --adapter: (tenant or None: the default owner, name, dir)
-    max_loras: int = 8
+    max_loras: int | None = 8  # None: --max-loras auto (server.engine.slot_budget)
     max_lora_rank: int = 64
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -163,7 +163,7 @@ class ServerConfig:
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens",
                      "max_upload_bytes", "max_request_bytes", "max_batch_prompts", "max_logprob_entries",
                      "max_grammar_compile_ms", "max_schema_bytes"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernels import attention_decode, attention_triton, lora_kernels
+from kernels import attention_decode, attention_triton, launch_plan, lora_kernels
 from server.engine import LLM, SamplingParams
 from server.engine.decode_buffers import bucket_for, decode_buckets
 from tests.engine_helpers import random_prompts
@@ -58,10 +58,14 @@ def _generate(llm: LLM, prompts, names, max_tokens: int = 4):
     return llm.generate(prompts, params, adapters=names)
 
 
-@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_padded_decode_matches_peft_and_the_unpadded_path(tiny_model_dir, tiny_adapters, hf_logprobs, kernels):
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=needs_triton),
+                                     pytest.param("triton-split-k", marks=needs_triton)])
+def test_padded_decode_matches_peft_and_the_unpadded_path(tiny_model_dir, tiny_adapters, hf_logprobs, kernels,
+                                                         monkeypatch):
     # 5 sequences pad to bucket 8, then fewer as none finish early: mixed ranks, a base row, a repeated
     # adapter, adapters in non-adjacent slots.
+    _split_k(monkeypatch, kernels == "triton-split-k")
+    kernels = kernels.removesuffix("-split-k")
     names = ["r8_all", None, "r4_qv", "r16_rslora", "r8_all"]
     prompts = random_prompts(len(names), (5, 19), VOCAB, seed=43)
     padded = make_llm(tiny_model_dir, tiny_adapters, kernels)
@@ -161,29 +165,53 @@ def _padded_step(llm: LLM, log: LaunchLog) -> tuple[tuple[int, bool, bool], list
     return keys[0], log.take()
 
 
+def _split_k(monkeypatch, split: bool) -> None:
+    """The tiny model's in features (64, 128) are below the split-K minimum: lower it to split them
+    (kernels.launch_plan.shrink_splits: 4 splits of 16 features for qkv, o and gate_up, 8 for down)."""
+    if split:
+        monkeypatch.setattr(launch_plan, "MIN_SPLIT_K", 16)
+
+
+def _partials(llm: LLM, key) -> dict:
+    """The split-K partial buffers of a padded context, by shape: their addresses."""
+    scratch = llm.engine.runner.padded.contexts[key].lora.scratch
+    return {k: v.data_ptr() for k, v in scratch.items() if k[0] == "lora-split-partials"}
+
+
 @needs_triton
-def test_two_batches_of_one_bucket_launch_the_same(tiny_model_dir, tiny_adapters, monkeypatch):
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split-k"])
+def test_two_batches_of_one_bucket_launch_the_same(tiny_model_dir, tiny_adapters, monkeypatch, split):
     """Different rows, adapters, ranks and context lengths padded to one bucket: the same grids and
-    scalar arguments (what a captured graph replays), and work lists at the bucket's length."""
+    scalar arguments (what a captured graph replays), and work lists at the bucket's length; split-K
+    writes its partials into the same buffers on every step."""
+    _split_k(monkeypatch, split)
     llm = make_llm(tiny_model_dir, tiny_adapters, "triton", max_model_len=600, kv_cache_blocks=120)
     log = LaunchLog(monkeypatch)
     _decode_ready(llm, ["r4_qv", None, "r4_qv"], seed=1)
     key_a, a = _padded_step(llm, log)
+    partials = _partials(llm, key_a)
     _decode_ready(llm, ["r16_rslora", "r8_all", None, "r8_all"], seed=2)
     key_b, b = _padded_step(llm, log)
     assert key_a == key_b == (4, True, False)
     assert a == b
+    assert _partials(llm, key_b) == partials and len(partials) == (4 if split else 0)  # qkv, o, gate_up, down
     layers = llm.engine.model_config.num_layers
     names = [n for n, *_ in a]
     assert names.count("lora_shrink_gathered") == names.count("lora_expand_gathered") == 4 * layers
     assert all(grid[0] == 4 for n, grid, *_ in a if n.startswith("lora") or n == "decode_attention")
+    shrinks = [(grid, dict(kw)) for n, grid, _, kw in a if n == "lora_shrink_gathered"]
+    assert all(kw["SPLIT"] == split for _, kw in shrinks)
+    assert sorted({grid[2] for grid, _ in shrinks}) == ([4, 8] if split else [1])  # splits x one rank tile
 
 
 @needs_triton
-def test_launches_per_decode_step_are_pinned(tiny_model_dir, tiny_adapters, monkeypatch):
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split-k"])
+def test_launches_per_decode_step_are_pinned(tiny_model_dir, tiny_adapters, monkeypatch, split):
     """Per layer: one KV write, one decode attention (plus its split combine when the bucket splits
     contexts), and per fused projection (qkv, o, gate_up, down) one gathered shrink and one gathered
-    expand for all its slices and all the step's adapters; no LoRA launch in a base-model step."""
+    expand for all its slices and all the step's adapters, split-K or not (the splits are programs of
+    one launch); no LoRA launch in a base-model step."""
+    _split_k(monkeypatch, split)
     llm = make_llm(tiny_model_dir, tiny_adapters, "triton", max_model_len=600, kv_cache_blocks=120)
     layers = llm.engine.model_config.num_layers
     log = LaunchLog(monkeypatch)

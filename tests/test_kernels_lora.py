@@ -211,16 +211,22 @@ def test_empty_batch_is_a_no_op(kernel_device) -> None:
 
 
 def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
-    """scripts/bench_kernels.py --smoke: end to end under the interpreter, Triton matching torch."""
+    """scripts/bench_kernels.py --smoke: end to end under the interpreter, Triton matching torch, with the
+    launch plan's split count (unsplit at this K) and 4 splits forced, decode rows as padded batches."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "kernels.json"
     done = subprocess.run([sys.executable, "scripts/bench_kernels.py", "--smoke", "--projections", "down",
-                           "--attention", "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+                           "--split-k", "plan", "4", "--padded-decode", "--attention", "--json", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "triton" in done.stdout and "%copy" in done.stdout
     report = json.loads(out.read_text())
     rows = report["results"]
-    assert {r["impl"] for r in rows} == {"torch", "triton"} and {r["shape"] for r in rows} == {"decode", "prefill"}
+    assert {r["impl"] for r in rows} == {"torch", "triton", "triton-split4"}
+    assert {r["shape"] for r in rows} == {"decode", "prefill"}
+    decode = [r for r in rows if r["shape"] == "decode"]
+    assert {r["batch"] for r in decode} == {"padded"} and {r["batch"] for r in rows if r not in decode} == {"eager"}
+    assert {(r["impl"], r["splits"]) for r in decode} == {("torch", 1), ("triton", 1), ("triton-split4", 4)}
     assert all(r["median_ms"] > 0 and r["bytes_moved"] > 0 for r in rows)
     assert report["copy_gb_per_s"] > 0
     attention = report["attention"]

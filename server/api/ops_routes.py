@@ -49,7 +49,7 @@ async def metrics(request: Request) -> Response:
                                    loraplex_version())
     stats = state.engine.stats()
     state.metrics.observe_engine(stats)
-    await run_in_threadpool(state.metrics.vllm.observe, stats, state.model_id, state.config.max_loras,
+    await run_in_threadpool(state.metrics.vllm.observe, stats, state.model_id, state.engine.engine.max_loras,
                             lambda v: adapter_label(state.registry.get_version(v)))
     state.metrics.observe_load_times(state.engine.engine.host.load_seconds)
     state.metrics.running_leases.set(state.settlements.running)

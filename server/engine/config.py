@@ -129,7 +129,8 @@ class EngineConfig:
     model: str
     device: str = "auto"
     dtype: str = "auto"
-    max_loras: int = 8
+    # Adapter slots; None: sized from memory on CUDA (server.engine.slot_budget), 8 elsewhere.
+    max_loras: int | None = None
     max_lora_rank: int = 64
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -172,7 +173,7 @@ class EngineConfig:
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
             raise ValueError(f"max_num_batched_tokens must be <= {MAX_NUM_BATCHED_TOKENS}")

@@ -29,6 +29,7 @@ from server.engine.postprocess import OutputProcessing
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
+from server.engine.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.stop import StopChecker
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
@@ -123,13 +124,17 @@ class LLMEngine(OutputProcessing):
             vocab_size=mcfg.vocab_size,
         )
 
-        lora_layers = allocate_lora_slots(mcfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         weights = load_weights(config.model, mcfg, self.dtype, self.device)
+        # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
+        self.max_loras, why = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, self.dtype,
+                                                free_device_bytes(self.device))
+        log.info("%s", why)
+        lora_layers = allocate_lora_slots(mcfg, self.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
                               config.max_num_batched_tokens, config.quantization)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
-        self.slots = AdapterSlots(lora_layers, config.max_loras, DoraScales.of_model(self.model), dora_scale_store)
+        self.slots = AdapterSlots(lora_layers, self.max_loras, DoraScales.of_model(self.model), dora_scale_store)
         scratch = torch.empty(
             3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
         )
@@ -174,7 +179,7 @@ class LLMEngine(OutputProcessing):
             # the torch kernels: their padded LoRA gathers every row's weights (kernels.lora_cpu), which a
             # graph would keep for good (~1 GB at Llama-3-8B widths and 256 rows).
             rows = min(config.max_num_seqs, config.max_num_batched_tokens)
-            self.runner.use_padded_decode(config.max_loras, rows, self.max_model_len).capture()
+            self.runner.use_padded_decode(self.max_loras, rows, self.max_model_len).capture()
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.aborted: list[Sequence] = []
