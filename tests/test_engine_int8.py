@@ -5,6 +5,7 @@ within the issue's 1e-3."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 
 import pytest
@@ -224,7 +225,8 @@ def test_a_server_started_with_int8_serves_the_quantized_model(tmp_path, tiny_mo
     with running_server(config) as server:
         engine = server.state.engine.engine
         assert isinstance(engine.model.layers[0].gate_up.weight, Int8Weight)
-        if {"avx2", "fma"} <= cpu_flags() and "avx512f" not in cpu_flags():  # the engine's own choice here
+        if ({"avx2", "fma"} <= cpu_flags() and "avx512f" not in cpu_flags()
+                and shutil.which(os.environ.get("CXX") or "g++")):  # the engine's own choice here
             assert engine.kernels.int8_linear.__name__ == "avx2_int8_linear"
         _, key = server.new_tenant()
         ids = random_prompts(1, (10, 10), VOCAB, seed=6)[0]
