@@ -14,7 +14,6 @@ victim's p99 ITL by at most 20% and /health p99 stays <= 100 ms.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -26,27 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from server.bench import abuse  # noqa: E402
-from server.bench.server_profile import can_profile  # noqa: E402
-from server.bench.victim_harness import profile_text, victim_server  # noqa: E402
+from server.bench.artifacts import write_json  # noqa: E402
+from server.bench.victim_harness import (add_victim_server_args, check_victim_server_args,  # noqa: E402
+                                         profile_text, victim_server)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_abuse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
+    add_victim_server_args(p, "bench-out/abuse", "--max-num-batched-tokens=256")
     p.add_argument("--only", default=None, help="comma-separated attacks to run (default: all)")
-    p.add_argument("--pin", action="store_true",
-                   help="server on CPU 0, attacker and victim clients on the rest (default: no pinning)")
-    p.add_argument("--work-dir", default="bench-out/abuse", help="demo model, Redis data, server log "
-                                                                 "(default bench-out/abuse)")
-    p.add_argument("--json", default=None, help="write the report here (default: print only)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="sample the server with py-spy through each phase (raw stacks in DIR/<phase>.txt) and "
-                        "report its CPU by category, with the kernel's per-thread CPU and wait for a core and "
-                        "what other processes took of the server's CPUs (default: off)")
-    p.add_argument("--serve-arg", action="append", default=[],
-                   help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-num-batched-tokens=256)")
     return p
 
 
@@ -62,13 +50,9 @@ def _lease_health(metrics: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.pin and len(os.sched_getaffinity(0)) < 2:
-        print("bench_abuse: error: --pin needs 2 or more CPUs", file=sys.stderr)
-        return 2
-    if args.profile and can_profile() is not None:
-        print(f"bench_abuse: error: --profile: {can_profile()}", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_victim_server_args(parser, args)
     with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         load_before = os.getloadavg()
@@ -86,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target met: {report['met']}; leases lost {report['leases']['lost']}, longest heartbeat gap "
           f"{report['leases']['longest_heartbeat_gap_s']} s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.json)
     return 0
 
 

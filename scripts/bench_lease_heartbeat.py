@@ -13,7 +13,6 @@ Starts its own redis-server (loopback: the round trips are the cheapest they get
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 
 from server.api.settlement import Settlements  # noqa: E402
+from server.bench.artifacts import write_json  # noqa: E402
 from server.embedded_redis.server import EmbeddedRedis  # noqa: E402
 from tenants import Limiter, TenantStore, UsageLog  # noqa: E402
 
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "python": platform.python_version(), "torch": torch.__version__}}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.json)
     return 0
 
 

@@ -13,7 +13,6 @@ the victim client and the /health poller on the other CPUs. Target: p99 ITL move
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -25,43 +24,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from server.bench import abuse, schema_flood  # noqa: E402
-from server.bench.server_profile import can_profile  # noqa: E402
-from server.bench.victim_harness import profile_text, victim_server  # noqa: E402
+from server.bench.artifacts import write_json  # noqa: E402
+from server.bench.victim_harness import (add_victim_server_args, check_victim_server_args,  # noqa: E402
+                                         profile_text, victim_server)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_schema_flood", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
+    add_victim_server_args(p, "bench-out/schema-flood", "--max-grammar-compile-ms=2000")
     p.add_argument("--loops", type=int, default=4, help="attacker request loops, each a process (default 4)")
     p.add_argument("--regex-groups", type=int, default=1000,
                    help="`(a|b)?` groups of each slow_schemas regex (default 1000: 6 kB, under the default "
                         "--max-schema-bytes, and over 15 s of CPU time to compile on 2 cores)")
     p.add_argument("--attacker-concurrency", type=int, default=None,
                    help="the attacker tenant's max_concurrent_requests (default: unlimited)")
-    p.add_argument("--pin", action="store_true",
-                   help="server on CPU 0, attacker and victim clients on the rest (default: no pinning)")
-    p.add_argument("--work-dir", default="bench-out/schema-flood",
-                   help="demo model, Redis data, server log (default bench-out/schema-flood)")
-    p.add_argument("--json", default=None, help="write the report here (default: print only)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="sample the server with py-spy through each phase (raw stacks in DIR/<phase>.txt) and "
-                        "report its CPU by category, with the kernel's per-thread CPU and wait for a core and "
-                        "what other processes took of the server's CPUs (default: off)")
-    p.add_argument("--serve-arg", action="append", default=[],
-                   help="extra `loraplex serve` argument, repeatable (e.g. --serve-arg=--max-grammar-compile-ms=2000)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.pin and len(os.sched_getaffinity(0)) < 2:
-        print("bench_schema_flood: error: --pin needs 2 or more CPUs", file=sys.stderr)
-        return 2
-    if args.profile and can_profile() is not None:
-        print(f"bench_schema_flood: error: --profile: {can_profile()}", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_victim_server_args(parser, args)
     with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         quota = {} if args.attacker_concurrency is None else {"max_concurrent_requests": args.attacker_concurrency}
@@ -80,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiles {engine['compiles']}, compile timeouts {engine['compile_timeouts']}, "
           f"failures {engine['failures']}; target (p99 ITL <= x{schema_flood.ITL_TARGET_RATIO}) met: {report['met']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.json)
     return 0
 
 

@@ -5,6 +5,7 @@ runs its request loops in processes of their own (optionally pinned to CPUs of t
 attacker's client work never delays the victim's clock."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ from server.bench.cpu_pinning import pin_cpus, pin_process
 from server.bench.metrics import percentile, ratio
 from server.bench.server_proc import ServerProcess
 from server.bench import core_share, thread_times
-from server.bench.server_profile import ENGINE_THREAD, Sampler, profile_lines, summarize
+from server.bench.server_profile import ENGINE_THREAD, Sampler, can_profile, profile_lines, summarize
 from server.config import ServerConfig
 
 VICTIM_TOKENS = 64
@@ -41,6 +42,31 @@ class Target:
     model: str
     max_model_len: int
     max_logprob_entries: int  # the server's --max-logprob-entries
+
+
+def add_victim_server_args(p: argparse.ArgumentParser, work_dir: str, serve_arg_example: str) -> None:
+    """The options of every victim bench (abuse, schema flood): the model, phase length, pinning, where
+    the run's files go, the report, the profile and extra `loraplex serve` arguments."""
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
+    p.add_argument("--pin", action="store_true",
+                   help="server on CPU 0, attacker and victim clients on the rest (default: no pinning)")
+    p.add_argument("--work-dir", default=work_dir, help=f"demo model, Redis data, server log (default {work_dir})")
+    p.add_argument("--json", default=None, help="write the report here (default: print only)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="sample the server with py-spy through each phase (raw stacks in DIR/<phase>.txt) and "
+                        "report its CPU by category, with the kernel's per-thread CPU and wait for a core and "
+                        "what other processes took of the server's CPUs (default: off)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help=f"extra `loraplex serve` argument, repeatable (e.g. --serve-arg={serve_arg_example})")
+
+
+def check_victim_server_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through p.error when --pin or --profile cannot be had on this machine."""
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        p.error("--pin needs 2 or more CPUs")
+    if args.profile and can_profile() is not None:
+        p.error(f"--profile: {can_profile()}")
 
 
 @contextlib.contextmanager
