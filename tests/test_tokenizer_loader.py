@@ -9,11 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
 
-from server import default_model
-from server.default_model import DefaultModelMissing
 from server.engine.tokenizer_loader import DIRECT_MODEL_TYPES, direct_fast_tokenizer, load_tokenizer
-from server.gguf_convert import ensure_converted
-from server.model_source import CONVERTED_DIR
 
 TEXTS = ["What is the capital of France?", "  leading spaces, tabs\tand\nnew lines\n\n",
          "unicode: héllo wörld — 日本語 🙂", "<|im_start|>user\nhi<|im_end|>", "<s> </s> <pad> <unk>", ""]
@@ -22,17 +18,6 @@ MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "conten
 # For a model whose directory has no chat template of its own.
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def default_model_dir(request):
-    try:
-        gguf = default_model.packaged_gguf()
-    except DefaultModelMissing as e:
-        pytest.skip(str(e))
-    # The same cache as tests/test_default_model.py: the conversion is made once between runs.
-    data_dir = request.config.cache.mkdir("loraplex-default-model")
-    return ensure_converted(gguf, data_dir / CONVERTED_DIR, lambda line: None)
 
 
 def assert_same_tokenizer(model_dir) -> None:
