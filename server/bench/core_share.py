@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+from server.bench.proc_stat import PPID, TICK_S, all_stat_fields, cmdline, cpu_s, stat_fields
 
 
 @dataclass(frozen=True)
@@ -24,22 +24,14 @@ class Snapshot:
 def tree(root: int) -> list[int]:
     """`root` and its descendants, alive now."""
     parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parents.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    for pid, fields in all_stat_fields().items():
+        parents.setdefault(int(fields[PPID]), []).append(pid)
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
         found.append(pid)
         todo += parents.get(pid, [])
     return found
-
-
-def _process_cpu_s(pid: int) -> float:
-    # /proc/<pid>/stat fields 14-17 (utime, stime, cutime, cstime) in clock ticks; counted after the
-    # ")" that ends the command name, they are fields 12-15 of the rest.
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) * TICK_S
 
 
 def _cpu_busy_s(cpus: tuple[int, ...]) -> dict[int, float]:
@@ -57,10 +49,8 @@ def _label(pid: int, root: int) -> str:
     processes' (its children: compile processes), else the process's command name."""
     if pid == root:
         return "server"
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    if "multiprocessing.forkserver" in cmdline:
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        return "fork server" if ppid == root else "forked processes"
+    if "multiprocessing.forkserver" in cmdline(pid):
+        return "fork server" if int(stat_fields(pid)[PPID]) == root else "forked processes"
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
@@ -69,7 +59,7 @@ def snapshot(root: int) -> Snapshot:
     process_cpu, labels = {}, {}
     for pid in tree(root):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            process_cpu[pid] = _process_cpu_s(pid)
+            process_cpu[pid] = cpu_s(stat_fields(pid), reaped_children=True)
             labels[pid] = _label(pid, root)
     cpus = tuple(sorted(os.sched_getaffinity(root)))
     return Snapshot(process_cpu, labels, _cpu_busy_s(cpus), cpus)

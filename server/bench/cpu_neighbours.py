@@ -5,38 +5,31 @@ may run on, and its command line (cut short)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+from server.bench.proc_stat import all_stat_fields, cmdline, cpu_s
 
 CMDLINE_CHARS = 80
 
 
 def snapshot() -> dict[int, int]:
-    """pid -> clock ticks of user + system CPU so far, for every process now."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        found[int(stat.parent.name)] = int(fields[11]) + int(fields[12])
-    return found
+    """pid -> seconds of user + system CPU so far, for every process now."""
+    return {pid: cpu_s(fields) for pid, fields in all_stat_fields().items()}
 
 
 def busiest(before: dict[int, int], after: dict[int, int], wall_s: float, top: int = 8) -> list[dict]:
     """The `top` processes by CPU between two snapshots `wall_s` apart (those still alive at the end)."""
     assert wall_s > 0, wall_s
-    tick = os.sysconf("SC_CLK_TCK")
     used = sorted(((after[p] - before.get(p, after[p]), p) for p in after), reverse=True)[:top]
     rows = []
-    for ticks, pid in used:
-        if ticks <= 0:
+    for seconds, pid in used:
+        if seconds <= 0:
             break
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            cmd = cmdline(pid)
             cores = sorted(os.sched_getaffinity(pid))
         except OSError:
             continue
-        rows.append({"pid": pid, "cpu_cores": round(ticks / tick / wall_s, 3), "cores": cores,
+        rows.append({"pid": pid, "cpu_cores": round(seconds / wall_s, 3), "cores": cores,
                      "command": cmd[:CMDLINE_CHARS]})
     return rows
 

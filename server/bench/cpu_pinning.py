@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from server.bench.proc_stat import PPID, all_stat_fields
+
 
 def two_cores() -> tuple[int, int] | None:
     """(victim core, storm core): the first two this process may run on; None with fewer."""
@@ -40,15 +42,7 @@ def pinned(core: int | None) -> Iterator[None]:
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (a server's Redis child, its loader processes)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
+    return [child for child, fields in all_stat_fields().items() if int(fields[PPID]) == pid]
 
 
 def pin_process(pid: int, core: int) -> None:

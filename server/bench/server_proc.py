@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import httpx
 
 from server.bench.client import BenchClientError
+from server.bench.proc_stat import cpu_s, stat_fields
 
 
 def free_port() -> int:
@@ -81,8 +82,7 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server process so far (all its threads; Linux /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_s(stat_fields(self.proc.pid))
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
