@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Decode tokens/s with int8 weight-only base projections against float32, in the same run.
 
-Three variants: float32; "int8", the engine's own choice of int8 matmul for this CPU
-(kernels.int8_weights.int8_linear_for: on an AVX2-only CPU, kernels.int8_avx2's kernel); and
-"dequant", the int8 engine forced onto dequant_linear (the fallback where the AVX2 kernel cannot be
-built). The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding
+Four variants (`--variants` picks some; float32 always runs): float32; "int8", the engine's own
+choice of int8 matmul for this CPU (kernels.int8_weights.int8_linear_for: on an AVX2-only CPU,
+kernels.int8_avx2's kernel); "int8_lm_head", the same with the lm_head in int8 too
+(`quantize_lm_head`); and "dequant", the int8 engine forced onto dequant_linear (the fallback where
+the AVX2 kernel cannot be built). The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding
 sequences spread over `--adapters` adapter slots (one LoRA file loaded under each name: every slot
 is its own adapter to the kernels, which is what costs). Rounds alternate the variants (the order
 flips each round) so a machine shared with other work loads all alike; each round times `--steps`
@@ -38,7 +39,8 @@ from server.bench.model_shape import build_model_shape  # noqa: E402
 from server.demo import make_adapter  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
 
-VARIANTS = {"float32": None, "int8": "int8", "dequant": "int8"}
+VARIANTS = {"float32": {}, "int8": {"quantization": "int8"},
+            "int8_lm_head": {"quantization": "int8", "quantize_lm_head": True}, "dequant": {"quantization": "int8"}}
 
 
 def decode_tok_s(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int,
@@ -102,18 +104,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
     ap.add_argument("--projection-tokens", default="1,8,32",
                     help="token rows at which the projections alone are timed, comma-separated (default 1,8,32)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, float32 always included (default {','.join(VARIANTS)})")
     ap.add_argument("--model-dir", help="where the smol135-shaped model is built or reused (default: a temp dir)")
     ap.add_argument("--json", default="bench-out/int8-cpu.json", help="output (default bench-out/int8-cpu.json)")
     args = ap.parse_args()
+    variants = ["float32", *(v for v in args.variants.split(",") if v != "float32")]
+    if unknown := set(variants) - set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    quantized = variants[1:]
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_shape("smol135", args.model_dir or Path(tmp) / "smol135")
         adapter_dir = make_adapter(model_dir, Path(tmp) / "adapter", r=args.rank, lora_alpha=2 * args.rank)
         names = [f"a{i}" for i in range(args.adapters)]
         llms = {}
-        for variant, quantization in VARIANTS.items():
+        for variant in variants:
             llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=args.adapters, max_lora_rank=args.rank,
-                      kv_cache_blocks=64 * args.seqs // 16 + 16, max_model_len=256, quantization=quantization)
+                      kv_cache_blocks=64 * args.seqs // 16 + 16, max_model_len=256, **VARIANTS[variant])
             if variant == "dequant":
                 engine = llm.engine
                 engine.kernels = engine.runner.ops = dataclasses.replace(engine.kernels, int8_linear=dequant_linear)
@@ -129,39 +137,41 @@ def main() -> None:
             print(f"projections at {p['tokens']} rows (CPU ms): {times}; float32's / variant's: {speedups}", flush=True)
         rounds = []
         for r in range(args.rounds):
-            order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
+            order = variants if r % 2 == 0 else variants[::-1]
             row = {}
             for v in order:
                 row[v], row[f"{v}_cpu"] = decode_tok_s(llms[v], names, args.seqs, args.steps, seed=r, tag=f"r{r}-{v}")
-            for v, key in (("int8", "ratio"), ("dequant", "ratio_dequant")):
-                row[key] = row[v] / row["float32"]
-                row[f"{key}_cpu"] = row[f"{v}_cpu"] / row["float32_cpu"]
+            for v in quantized:
+                row[f"ratio_{v}"] = row[v] / row["float32"]
+                row[f"ratio_{v}_cpu"] = row[f"{v}_cpu"] / row["float32_cpu"]
             rounds.append(row)
-            print(f"round {r}: " + ", ".join(f"{v} {row[v]:.2f} tok/s" for v in VARIANTS)
-                  + f"; int8/float32 x{row['ratio']:.3f} (CPU time x{row['ratio_cpu']:.3f})", flush=True)
+            print(f"round {r}: " + ", ".join(f"{v} {row[v]:.2f} tok/s" for v in variants) + "; over float32: "
+                  + ", ".join(f"{v} x{row[f'ratio_{v}']:.3f} (CPU time x{row[f'ratio_{v}_cpu']:.3f})"
+                              for v in quantized), flush=True)
         load_after = os.getloadavg()
         weight_bytes = {v: sum(lin.weight.nbytes for layer in llms[v].engine.model.layers
-                               for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)) for v in ("float32", "int8")}
+                               for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)) for v in variants}
+        lm_head_bytes = {v: llms[v].engine.model.lm_head.nbytes for v in variants}
+        int8_matmul = next((llms[v].engine.kernels.int8_linear.__name__ for v in quantized if v != "dequant"), None)
     summary = {
-        "median_tok_s": {v: statistics.median(r[v] for r in rounds) for v in VARIANTS},
-        "median_tok_per_cpu_s": {v: statistics.median(r[f"{v}_cpu"] for r in rounds) for v in VARIANTS},
-        "int8_matmul": llms["int8"].engine.kernels.int8_linear.__name__,
-        "median_ratio_int8_over_float32": statistics.median(r["ratio"] for r in rounds),
-        "median_ratio_dequant_over_float32": statistics.median(r["ratio_dequant"] for r in rounds),
-        "median_cpu_time_ratio_int8_over_float32": statistics.median(r["ratio_cpu"] for r in rounds),
-        "median_cpu_time_ratio_dequant_over_float32": statistics.median(r["ratio_dequant_cpu"] for r in rounds),
+        "median_tok_s": {v: statistics.median(r[v] for r in rounds) for v in variants},
+        "median_tok_per_cpu_s": {v: statistics.median(r[f"{v}_cpu"] for r in rounds) for v in variants},
+        "int8_matmul": int8_matmul,
+        "median_ratio_over_float32": {v: statistics.median(r[f"ratio_{v}"] for r in rounds) for v in quantized},
+        "median_cpu_time_ratio_over_float32": {v: statistics.median(r[f"ratio_{v}_cpu"] for r in rounds)
+                                               for v in quantized},
         "projection_weight_bytes": weight_bytes,
-        "weight_bytes_ratio": weight_bytes["int8"] / weight_bytes["float32"],
+        "lm_head_weight_bytes": lm_head_bytes,
+        "weight_bytes_ratio": {v: weight_bytes[v] / weight_bytes["float32"] for v in quantized},
     }
-    print(f"\n{'variant':>8} {'tok/s (median)':>15} {'tok/CPU s':>10} {'proj. weight MB':>16}")
-    for v in VARIANTS:
-        mb = weight_bytes["float32" if v == "float32" else "int8"] / 1e6
-        print(f"{v:>8} {summary['median_tok_s'][v]:>15.2f} {summary['median_tok_per_cpu_s'][v]:>10.2f} {mb:>16.1f}")
-    print(f"int8 ({summary['int8_matmul']})/float32: decode x{summary['median_ratio_int8_over_float32']:.3f}, "
-          f"dequant/float32 x{summary['median_ratio_dequant_over_float32']:.3f} (medians of {args.rounds} paired "
-          f"rounds); per CPU second x{summary['median_cpu_time_ratio_int8_over_float32']:.3f} and "
-          f"x{summary['median_cpu_time_ratio_dequant_over_float32']:.3f}; "
-          f"weight bytes x{summary['weight_bytes_ratio']:.3f}; load average "
+    print(f"\n{'variant':>12} {'tok/s (median)':>15} {'tok/CPU s':>10} {'x float32':>10} {'x per CPU s':>12} "
+          f"{'proj. MB':>9} {'lm_head MB':>11}")
+    for v in variants:
+        ratio, ratio_cpu = (f"x{summary[k][v]:.3f}" if v in quantized else "" for k in
+                            ("median_ratio_over_float32", "median_cpu_time_ratio_over_float32"))
+        print(f"{v:>12} {summary['median_tok_s'][v]:>15.2f} {summary['median_tok_per_cpu_s'][v]:>10.2f} "
+              f"{ratio:>10} {ratio_cpu:>12} {weight_bytes[v] / 1e6:>9.1f} {lm_head_bytes[v] / 1e6:>11.1f}")
+    print(f"int8 matmul: {int8_matmul}; medians of {args.rounds} paired rounds; load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,7 @@ class ServerConfig:
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     quantization: str | None = None       # --quantization: the base projections' weights (None: float)
+    quantize_lm_head: bool = False        # --quantize-lm-head: the lm_head in int8 too (needs --quantization int8)
     kv_cache_dtype: str = "auto"          # --kv-cache-dtype: what the KV pool stores (auto: the model dtype)
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
@@ -200,6 +201,8 @@ class ServerConfig:
             check_quantization_name(self.quantization)
         except ValueError as e:
             raise ConfigError(f"--quantization: {e}") from None
+        if self.quantize_lm_head and self.quantization != "int8":
+            raise ConfigError("--quantize-lm-head needs --quantization int8")
         try:
             check_kv_cache_dtype_name(self.kv_cache_dtype)
         except ValueError as e:
@@ -288,6 +291,7 @@ class ServerConfig:
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             quantization=getattr(args, "quantization", None),
+            quantize_lm_head=getattr(args, "quantize_lm_head", False),
             kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),

@@ -5,6 +5,7 @@ within the issue's 1e-3."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -17,6 +18,7 @@ from kernels.int8_avx2 import avx2_int8_linear_or_none
 from kernels.int8_weights import Int8Weight, dequant_linear, dequantize_int8, int8pack_linear, quantize_int8
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
+from server.demo import make_adapter
 from server.engine import LLM, SamplingParams
 from server.engine.config import EngineConfig
 from tests.engine_helpers import GREEDY, assert_matches_peft, drive, random_prompts
@@ -79,9 +81,11 @@ def test_a_strided_input_is_accepted(matmul):
     assert torch.allclose(MATMULS[matmul](x, q), ref, atol=1e-5)
 
 
-def write_quantized_reference(model_dir, out):
+def write_quantized_reference(model_dir, out, lm_head: bool = False):
     """`model_dir` with every decoder projection replaced by dequantize(quantize(w)): what the
-    transformers + peft oracle runs."""
+    transformers + peft oracle runs. lm_head: the lm_head too (quantize_lm_head), untied where it was
+    tied, since the engine keeps the embedding float and gives the head an int8 copy."""
+    config = json.loads((model_dir / "config.json").read_text())
     for f in model_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
@@ -90,7 +94,14 @@ def write_quantized_reference(model_dir, out):
         for key, w in tensors.items():
             if key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS:
                 tensors[key] = dequantize_int8(quantize_int8(w), w.dtype).contiguous()
+        if lm_head:
+            head = tensors["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else tensors.get(
+                "lm_head.weight")
+            if head is not None:
+                tensors["lm_head.weight"] = dequantize_int8(quantize_int8(head), head.dtype).contiguous()
         save_file(tensors, out / f.name, metadata={"format": "pt"})
+    if lm_head:
+        (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     return out
 
 
@@ -156,6 +167,44 @@ def test_biased_projections_match_quantized_peft(model_variant_dir, tmp_path, pe
     prompts = random_prompts(3, (5, 20), VOCAB, seed=4)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
     assert_matches_peft(llm, reference, {}, prompts, [None] * 3, outs, 6, peft_oracle)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_int8_lm_head_matches_quantized_peft(model_variant_dir, tiny_adapters, tmp_path, peft_oracle, tie):
+    """quantize_lm_head: the head in int8 through the engine's own int8 matmul, tied (an int8 copy beside
+    the float embedding, which the gather still reads) or not (the float head is dropped), mixed adapters
+    and base rows against peft on the same dequantized head."""
+    model_dir = model_variant_dir("llama", tie=tie)
+    reference = write_quantized_reference(model_dir, tmp_path, lm_head=True)
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256,
+              quantization="int8", quantize_lm_head=True)
+    model = llm.engine.model
+    assert isinstance(model.lm_head, Int8Weight) and model.lm_head.shape == model.embed.shape
+    assert model.embed.dtype == torch.float32
+    adapters = {n: make_adapter(model_dir, tmp_path / "adapters" / n, r=r, seed=i)
+                for i, (n, r) in enumerate((("a4", 4), ("a16", 16)))}
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    names = [None, "a4", "a16"] * 3
+    prompts = random_prompts(len(names), (3, 30), VOCAB, seed=7)
+    params = [SamplingParams(max_tokens=6, logprobs=0, **GREEDY)] * len(names)
+    outs = llm.generate(prompts, params, adapters=names)
+    assert_matches_peft(llm, reference, adapters, prompts, names, outs, 6, peft_oracle)
+    assert max_logprob_gap(reference, adapters, prompts, names, outs) <= LOGPROB_TOL
+    (tmp_path / "projections-only").mkdir()
+    float_head = write_quantized_reference(model_dir, tmp_path / "projections-only")
+    assert max_logprob_gap(float_head, adapters, prompts, names, outs) > 1e-5  # the head's rounding shows
+
+
+def test_quantize_lm_head_needs_int8(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization 'int8'"):
+        EngineConfig(model=str(tiny_model_dir), quantize_lm_head=True)
+    parser = build_parser()
+    base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16, "--quantize-lm-head"]
+    with pytest.raises(ConfigError, match="--quantize-lm-head needs --quantization int8"):
+        ServerConfig.from_args(parser.parse_args(base), env={})
+    config = ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={})
+    assert config.quantize_lm_head and config.quantization == "int8"
 
 
 def test_the_quantized_model_differs_from_the_float_one(llm, tiny_model_dir, peft_oracle):

@@ -129,7 +129,8 @@ class ServerState:
                 kernels=config.kernels, seed=config.seed, enforce_eager=config.enforce_eager,
                 enable_prefix_caching=config.enable_prefix_caching,
                 share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
-                quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+                quantization=config.quantization,
+                quantize_lm_head=config.quantize_lm_head, kv_cache_dtype=config.kv_cache_dtype)
             engine_config = dataclasses.replace(engine_config, max_prefill_tokens_while_decoding=config.prefill_cap_for(
                 engine_config.resolve_device().type))
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))

@@ -160,6 +160,10 @@ class EngineConfig:
     # The decoder projections' weights: None (float, the activation dtype) or "int8" (weight-only,
     # per-output-channel symmetric scales; LoRA stays in the activation dtype). CPU only for now.
     quantization: str | None = None
+    # The lm_head in int8 as well (needs quantization "int8"): per-vocabulary-row scales, the same
+    # kernel as the projections. Off by default: the logits are where rounding shows most, and a
+    # tied lm_head gets an int8 copy beside the float embedding (the gather needs float rows).
+    quantize_lm_head: bool = False
     # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.
     kv_cache_dtype: str = "auto"
 
@@ -189,9 +193,11 @@ class EngineConfig:
             raise ValueError("cpu_kv_cache_bytes must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        for name in ("enable_prefix_caching", "share_base_prefix_cache", "enforce_eager"):
+        for name in ("enable_prefix_caching", "share_base_prefix_cache", "enforce_eager", "quantize_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
+        if self.quantize_lm_head and self.quantization != "int8":
+            raise ValueError(f"quantize_lm_head needs quantization 'int8', not {self.quantization!r}")
         object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))  # "4" -> 4; raises
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")

@@ -9,6 +9,7 @@ import torch
 from adapters.format import LoraAdapter, ModelShape
 from adapters.host_tier import Fetch, HostTier
 from kernels.cpu_linear import upcast_linear
+from kernels.int8_weights import dequant_linear
 from kernels.ops import select_kernels
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
@@ -131,7 +132,7 @@ class LLMEngine(OutputProcessing):
         log.info("%s", why)
         lora_layers = allocate_lora_slots(mcfg, self.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
-                              config.max_num_batched_tokens, config.quantization)
+                              config.max_num_batched_tokens, config.quantization, config.quantize_lm_head)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
         self.slots = AdapterSlots(lora_layers, self.max_loras, DoraScales.of_model(self.model), dora_scale_store)
@@ -156,6 +157,9 @@ class LLMEngine(OutputProcessing):
         if self.kernels.linear is upcast_linear:
             log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",
                      self.dtype, self.dtype)
+        if config.quantize_lm_head and self.kernels.int8_linear is dequant_linear:
+            log.warning("quantize_lm_head: this CPU has no int8 matmul kernel for %s activations, so the int8 "
+                        "lm_head is dequantized every step: slower than a float one", self.dtype)
         # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
         self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(

@@ -124,18 +124,22 @@ class CausalLM:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int,
-                 max_tokens: int, quantization: str | None = None) -> None:
+                 max_tokens: int, quantization: str | None = None, quantize_lm_head: bool = False) -> None:
         """max_tokens: the most tokens one forward takes (max_num_batched_tokens), the workspace's rows.
-        quantization: None, "int8" or "fp8" for the decoder layers' projections. The lm_head stays float: it
-        is the embedding itself where tied (the gather needs float rows, so int8 would add a copy,
-        not save one) and the logits are where rounding shows most (GPTQ/AWQ keep it float too)."""
+        quantization: None, "int8" or "fp8" for the decoder layers' projections. The lm_head stays float
+        unless quantize_lm_head (int8 only): the logits are where rounding shows most (GPTQ/AWQ keep it
+        float by default), and where tied it is the embedding itself, whose gather needs float rows, so
+        int8 adds a copy (a quarter of the embedding) rather than saving one. What it buys is speed: on
+        a CPU the lm_head is the largest matmul of a decode step (docs/benchmarks/int8-cpu.md)."""
         self.cfg = cfg
         some = weights["model.embed_tokens.weight"]
         self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device, dequant=quantization == "int8")
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
         self.norm = weights["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]  # [V, H]
+        lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")  # [V, H]
+        assert not quantize_lm_head or quantization == "int8", "EngineConfig checks it"
+        self.lm_head = quantize_int8(lm_head) if quantize_lm_head else lm_head  # [V, H], float or int8
         self.rope = rope
         self.layers = [
             DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant)
@@ -156,6 +160,8 @@ class CausalLM:
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(h, kv, ctx, rope, self.workspace)
         h = rms_norm(h.index_select(0, logits_indices), self.norm, self.cfg.rms_norm_eps)  # [N, H]
+        if isinstance(self.lm_head, Int8Weight):  # a fresh [N, V]: no scratch, the kernels read int8 in place
+            return ctx.ops.int8_linear(h, self.lm_head).float()  # [N, V]
         return ctx.ops.linear(h, self.lm_head).float()  # [N, V]
 
 
