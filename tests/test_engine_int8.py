@@ -196,6 +196,25 @@ def test_an_int8_lm_head_matches_quantized_peft(model_variant_dir, tiny_adapters
     assert max_logprob_gap(float_head, adapters, prompts, names, outs) > 1e-5  # the head's rounding shows
 
 
+def test_preemption_and_prefix_hits_match_quantized_peft(tiny_model_dir, tiny_adapters, tmp_path, peft_oracle):
+    """int8 projections and head through preemption (8 sequences of ~50 + 24 tokens in 18 blocks of 16)
+    and prefix-cache hits (a shared 33-token prefix): still the quantized oracle's tokens."""
+    reference = write_quantized_reference(tiny_model_dir, tmp_path, lm_head=True)
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_loras=2, kv_cache_blocks=18, max_model_len=128,
+              quantization="int8", quantize_lm_head=True)
+    adapters = {n: tiny_adapters[n] for n in ("r8_all", "r4_qv")}
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    prefix = random_prompts(1, (33, 33), VOCAB, seed=6)[0]
+    prompts = [prefix + p for p in random_prompts(8, (10, 20), VOCAB, seed=7)]
+    names = [None, "r8_all", "r4_qv", None] * 2
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=0, **GREEDY), adapters=names)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert_matches_peft(llm, reference, adapters, prompts, names, outs, 24, peft_oracle)
+    assert max_logprob_gap(reference, adapters, prompts, names, outs) <= LOGPROB_TOL
+
+
 def test_quantize_lm_head_needs_int8(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization 'int8'"):
         EngineConfig(model=str(tiny_model_dir), quantize_lm_head=True)
