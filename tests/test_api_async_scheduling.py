@@ -68,7 +68,10 @@ def test_concurrent_streams_match_the_synchronous_engine(async_server, tiny_mode
         text, usage = results[i]
         assert text == out.text
         assert usage["completion_tokens"] == max_tokens[i] and usage["prompt_tokens"] == len(prompts[i])
-    assert async_server.state.engine.engine.overlap.stats().ahead > 0
+    view = async_server.admin("GET", "/admin/engine").json()["async_scheduling"]
+    assert view["enabled"] is True and view["steps"] > view["steps_ahead"] > 0
+    metrics = async_server.admin("GET", "/metrics").text
+    assert f"loraplex_async_steps_ahead_total {float(view['steps_ahead'])}" in metrics
 
 
 def test_hanging_up_mid_stream_aborts_and_frees_kv(async_server):

@@ -77,6 +77,11 @@ class EngineStats:
     graph_replays: int = 0  # decode steps that replayed one
     graph_capture_seconds: float = 0.0
     graph_capture_bytes: int = 0
+    # Async scheduling (server.engine.async_step): steps run on its worker, those of them scheduled while
+    # the step before ran, and their rows discarded (the request ended or was aborted first).
+    async_steps: int = 0
+    async_steps_ahead: int = 0
+    async_rows_discarded: int = 0
     # Structured output (server.engine.grammar): requests admitted with a constraint, and the
     # compiled-grammar cache's counters.
     constrained_requests: int = 0
@@ -331,6 +336,7 @@ class LLMEngine(OutputProcessing):
         captured = padded.capture_stats if padded is not None else None
         grammars = self.grammars.stats()
         running_adapters, waiting_adapters = self.scheduler.adapters_in_use()
+        overlap = self.overlap.stats() if self.overlap is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -361,6 +367,9 @@ class LLMEngine(OutputProcessing):
             graph_replays=padded.replays if padded is not None else 0,
             graph_capture_seconds=captured.seconds if captured else 0.0,
             graph_capture_bytes=captured.bytes if captured else 0,
+            async_steps=overlap.launched if overlap else 0,
+            async_steps_ahead=overlap.ahead if overlap else 0,
+            async_rows_discarded=overlap.discarded if overlap else 0,
             constrained_requests=self.constrained_requests,
             grammar_compiles=grammars.compiles,
             grammar_cache_hits=grammars.cache_hits,
