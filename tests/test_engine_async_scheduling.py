@@ -112,10 +112,13 @@ def test_stop_tokens_eos_and_stop_strings_end_requests_without_an_extra_token(ti
         else:  # the very first token stops it: the prefill step ends it
             params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[tokens[0]])
         requests.append((rid, prompt, params, name))
-    want = trace(make_llm(tiny_model_dir, tiny_adapters, False), requests)
+    sync = make_llm(tiny_model_dir, tiny_adapters, False)
+    want = trace(sync, requests)
     fast = make_llm(tiny_model_dir, tiny_adapters, True)
     got = trace(fast, requests)
     assert_same_trace(got, want)
+    # Fair share charged the same output tokens: a discarded row's token is never charged.
+    assert fast.engine.scheduler.waiting.counters == sync.engine.scheduler.waiting.counters != {}
     reasons = [o[5] for step in got for o in step if o[4]]
     assert reasons.count("stop") == 6
     stats = fast.engine.overlap.stats()
@@ -133,10 +136,12 @@ def test_aborts_mid_stream_and_a_seeded_sampled_row(tiny_model_dir, tiny_adapter
     rid, prompt, _, name = requests[2]
     requests[2] = (rid, prompt, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7), name)
     aborts = {3: ["q0", "q4"], 6: ["q1"], 7: ["q5"]}
-    want = trace(make_llm(tiny_model_dir, tiny_adapters, False), requests, aborts)
+    sync = make_llm(tiny_model_dir, tiny_adapters, False)
+    want = trace(sync, requests, aborts)
     fast = make_llm(tiny_model_dir, tiny_adapters, True)
     got = trace(fast, requests, aborts)
     assert_same_trace(got, want)
+    assert fast.engine.scheduler.waiting.counters == sync.engine.scheduler.waiting.counters != {}
     aborted = {o[0]: o for step in got for o in step if o[5] == "abort"}
     assert set(aborted) == {"q0", "q4", "q1", "q5"}
     for step in got:  # nothing more after the abort
