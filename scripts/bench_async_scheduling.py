@@ -135,6 +135,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-shape", choices=(*MODEL_SHAPES, "demo"), default="smol135",
                     help="random-weight model: smol135 (SmolLM-135M's shape) or the 4-layer demo (default smol135)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="fewer decoder layers of the same widths (default: the shape's own)")
     ap.add_argument("--work-dir", default=None, help="where models and adapters are built (default: a temp dir)")
     ap.add_argument("--adapters", type=int, default=8, help="distinct adapters, rank --rank (default 8)")
     ap.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
@@ -152,7 +154,8 @@ def main() -> None:
     if args.model_shape == "demo":
         model_dir = ensure_demo(work / "demo").model_dir
     else:
-        model_dir = build_model_shape(args.model_shape, work / args.model_shape)
+        model_dir = build_model_shape(args.model_shape, work / f"{args.model_shape}-{args.num_layers or 'all'}",
+                                      num_layers=args.num_layers)
     adapters = {f"a{i}": path for i, path in
                 ensure_adapters(model_dir, work / "adapters", list(range(args.adapters)), r=args.rank).items()}
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
@@ -201,7 +204,7 @@ def main() -> None:
     out.write_text(json.dumps({
         "device": args.device, "dtype": args.dtype, "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
-        "model_shape": args.model_shape, "adapters": args.adapters, "rank": args.rank, "seqs": args.seqs,
+        "model_shape": args.model_shape, "num_layers": args.num_layers, "adapters": args.adapters, "rank": args.rank, "seqs": args.seqs,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "cpu_threads": args.cpu_threads,
         "summary": summary, "rounds": rounds}, indent=2))
     print(f"wrote {out}")
