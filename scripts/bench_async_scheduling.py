@@ -204,7 +204,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "device": args.device, "dtype": args.dtype, "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
-        "model_shape": args.model_shape, "num_layers": args.num_layers, "adapters": args.adapters, "rank": args.rank, "seqs": args.seqs,
+        "model_shape": args.model_shape, "num_layers": args.num_layers, "adapters": args.adapters, "rank": args.rank,
+        "seqs": args.seqs,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "cpu_threads": args.cpu_threads,
         "summary": summary, "rounds": rounds}, indent=2))
     print(f"wrote {out}")

@@ -129,7 +129,7 @@ class ModelRunner:
         row_starts = [0]
         prompt: _PromptPositions | None = None
         for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.slots)):
-            start = seq.num_computed_tokens + ahead
+            start = seq.num_computed_tokens + (1 if ahead else 0)
             first = len(input_ids)
             if ahead:
                 assert n == 1, "only decode rows are prepared ahead"
@@ -143,7 +143,7 @@ class ModelRunner:
             if prompt_lp is not None and len(prompt_lp) < seq.num_prompt_tokens:
                 prompt = prompt or _PromptPositions()
                 prompt.add(i, seq, first, start, n, len(prompt_lp))
-            if start + n == len(seq.token_ids) + ahead:
+            if start + n == len(seq.token_ids) + (1 if ahead else 0):
                 p = seq.params
                 if p.max_tokens == 0:
                     scored.append(i)
@@ -164,12 +164,12 @@ class ModelRunner:
         if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows:  # one token each
             bs = self.block_size
             tables = [s.block_table for s in batch.seqs]
-            rows = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)
+            staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)
             leading = logits_indices == list(range(len(logits_indices)))  # the usual case: no copy to make
             indices = None if leading else torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True)
             if ahead:
-                return StepInputs(None, None, indices, ahead_rows=rows, **common)
-            return StepInputs(None, None, indices, padded=padded.stage(input_ids, *rows), **common)
+                return StepInputs(None, None, indices, ahead_rows=staged, **common)
+            return StepInputs(None, None, indices, padded=padded.stage(input_ids, *staged), **common)
         attn = AttentionBatch.build(
             [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev
         )
