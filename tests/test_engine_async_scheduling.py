@@ -4,6 +4,7 @@ step()'s outputs the same: tokens, text, finish reasons, aborts, no extra token)
 transformers + peft; the worker's only host reads are the sampler's."""
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -252,3 +253,28 @@ def test_async_scheduling_flag_reaches_the_engine(tmp_path):
     assert ServerConfig.from_args(args, env={}).async_scheduling is True
     with pytest.raises(ValueError, match="async_scheduling must be true or false"):
         EngineConfig(model="m", async_scheduling="yes")
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_random_workloads_match_the_synchronous_engine(tiny_model_dir, tiny_adapters, seed):
+    # Admissions into a few seats, a pool small enough to preempt, stop ids that end requests at any step,
+    # lengths from 1 token up, a penalty row now and then, and aborts at random steps.
+    rng = random.Random(seed)
+    count = rng.randint(6, 10)
+    prompts = random_prompts(count, (3, 40), VOCAB, seed=100 + seed)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        extra = {"repetition_penalty": 1.2} if rng.random() < 0.15 else {}
+        params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True, logprobs=1,
+                                stop_token_ids=rng.sample(range(VOCAB), 40), **extra)
+        requests.append((f"w{i}", prompt, params, rng.choice([*ADAPTERS, None])))
+    aborts: dict[int, list[str]] = {}
+    for rid, *_ in rng.sample(requests, 2):
+        aborts.setdefault(rng.randint(1, 12), []).append(rid)
+    kw = dict(kv_cache_blocks=rng.choice([6, 8, 64]), max_num_seqs=rng.choice([3, 4, 8]), max_model_len=96)
+    sync = make_llm(tiny_model_dir, tiny_adapters, False, **kw)
+    fast = make_llm(tiny_model_dir, tiny_adapters, True, **kw)
+    assert_same_trace(trace(fast, requests, aborts), trace(sync, requests, aborts))
+    assert fast.engine.stats().num_preemptions == sync.engine.stats().num_preemptions
+    assert fast.engine.scheduler.waiting.counters == sync.engine.scheduler.waiting.counters
+    assert fast.engine.blocks.num_free_blocks == kw["kv_cache_blocks"]
