@@ -33,7 +33,7 @@ overlap cost nothing extra: the step in flight is collected first.
 
 Greedy tokens are those of the synchronous engine: each step's rows are the
 synchronous schedule's (plus discarded rows), and a row's logits depend on
-its own sequence alone. The engine's unseeded random stream is shared by
+its own sequence alone, up to the float rounding a batch's size may move. The engine's unseeded random stream is shared by
 every sampled row, so a discarded row shifts later draws: sampled (not
 greedy) output is valid but not draw-for-draw the synchronous engine's.
 """
