@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no CUDA graphs for decode steps (default off: on CUDA, decode "
                         "steps replay graphs captured at start-up; a CPU device is always eager)")
+    s.add_argument("--async-scheduling", action="store_true",
+                   help="vLLM's: schedule and prepare each decode step while the one before it runs (forward on "
+                        "a worker thread), post-processing a step while the next runs; steps that cannot "
+                        "overlap (prefill, penalties, grammars, n > 1 forks, admissions, preemption) run as "
+                        "without it. Greedy output is the same (default off)")
     s.add_argument("--quantization", metavar="int8|fp8",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales, CPU only; fp8 (e4m3, per-channel weight and per-token "

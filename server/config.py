@@ -109,6 +109,7 @@ class ServerConfig:
     max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
     kernels: str = "auto"
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
+    async_scheduling: bool = False        # --async-scheduling: prepare decode step N+1 while N runs
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     quantization: str | None = None       # --quantization: the base projections' weights (None: float)
     quantize_lm_head: bool = False        # --quantize-lm-head: the lm_head in int8 too (needs --quantization int8)
@@ -289,6 +290,7 @@ class ServerConfig:
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
+            async_scheduling=getattr(args, "async_scheduling", False),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             quantization=getattr(args, "quantization", None),
             quantize_lm_head=getattr(args, "quantize_lm_head", False),

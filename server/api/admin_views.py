@@ -97,6 +97,8 @@ async def engine(request: Request) -> Response:
                          "cached_blocks": s.prefix_cached_blocks, "cached_free_blocks": s.prefix_cached_free_blocks},
         "cuda_graphs": {"enabled": bool(s.cuda_graphs), "graphs": s.cuda_graphs, "replays": s.graph_replays,
                         "capture_seconds": s.graph_capture_seconds, "capture_bytes": s.graph_capture_bytes},
+        "async_scheduling": {"enabled": cfg.async_scheduling, "steps": s.async_steps,
+                             "steps_ahead": s.async_steps_ahead, "rows_discarded": s.async_rows_discarded},
         "structured_output": {"constrained_requests": s.constrained_requests, "compiles": s.grammar_compiles,
                               "cache_hits": s.grammar_cache_hits, "compile_seconds": s.grammar_compile_seconds,
                               "failures": s.grammar_failures, "cached_grammars": s.grammars_cached,

@@ -59,6 +59,9 @@ class Metrics:
                                    "Decode steps that replayed a captured CUDA graph", registry=r)
         self.cuda_graphs = Gauge("loraplex_cuda_graphs", "Decode CUDA graphs captured at start-up",
                                  registry=r)
+        self.async_ahead = Gauge("loraplex_async_steps_ahead_total",
+                                 "Decode steps scheduled while the step before them ran (--async-scheduling)",
+                                 registry=r)
         # Structured output: cumulative counts from the engine's grammar cache, set at scrape time.
         self.constrained = Gauge("loraplex_constrained_requests", "Requests admitted with a structured-output "
                                  "constraint", registry=r)
@@ -117,6 +120,7 @@ class Metrics:
         self.load_failures.set(s.host_load_failures)
         self.graph_replays.set(s.graph_replays)
         self.cuda_graphs.set(s.cuda_graphs)
+        self.async_ahead.set(s.async_steps_ahead)
         self.constrained.set(s.constrained_requests)
         self.grammar_compiles.set(s.grammar_compiles)
         self.grammar_cache_hits.set(s.grammar_cache_hits)

@@ -18,8 +18,10 @@ class Timer:
     def __init__(self, fn):
         self.fn = fn
         self.total = 0.0
+        self.calls = 0
 
     def __call__(self, *args, **kwargs):
+        self.calls += 1
         t = time.perf_counter()
         try:
             return self.fn(*args, **kwargs)

@@ -166,6 +166,9 @@ class EngineConfig:
     quantize_lm_head: bool = False
     # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.
     kv_cache_dtype: str = "auto"
+    # vLLM's --async-scheduling: the host schedules and prepares decode step N+1 while step N runs
+    # (server.engine.async_step says which steps overlap); off: every step synchronous.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         check_quantization_name(self.quantization)
@@ -193,7 +196,8 @@ class EngineConfig:
             raise ValueError("cpu_kv_cache_bytes must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        for name in ("enable_prefix_caching", "share_base_prefix_cache", "enforce_eager", "quantize_lm_head"):
+        for name in ("enable_prefix_caching", "share_base_prefix_cache", "enforce_eager", "quantize_lm_head",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         if self.quantize_lm_head and self.quantization != "int8":

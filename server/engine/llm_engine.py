@@ -11,6 +11,7 @@ from adapters.host_tier import Fetch, HostTier
 from kernels.cpu_linear import upcast_linear
 from kernels.int8_weights import dequant_linear
 from kernels.ops import select_kernels
+from server.engine.async_step import AsyncScheduling
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.context_len import choose_max_model_len, model_limit
@@ -77,6 +78,11 @@ class EngineStats:
     graph_replays: int = 0  # decode steps that replayed one
     graph_capture_seconds: float = 0.0
     graph_capture_bytes: int = 0
+    # Async scheduling (server.engine.async_step): steps run on its worker, those of them scheduled while
+    # the step before ran, and their rows discarded (the request ended or was aborted first).
+    async_steps: int = 0
+    async_steps_ahead: int = 0
+    async_rows_discarded: int = 0
     # Structured output (server.engine.grammar): requests admitted with a constraint, and the
     # compiled-grammar cache's counters.
     constrained_requests: int = 0
@@ -184,6 +190,10 @@ class LLMEngine(OutputProcessing):
             # graph would keep for good (~1 GB at Llama-3-8B widths and 256 rows).
             rows = min(config.max_num_seqs, config.max_num_batched_tokens)
             self.runner.use_padded_decode(self.max_loras, rows, self.max_model_len).capture()
+        # --async-scheduling: forwards on a worker thread while this one prepares the next step
+        # (server.engine.async_step); None: every step synchronous.
+        self.overlap = AsyncScheduling(self.runner, self.scheduler, self.blocks, self.max_model_len,
+                                       self.bind_thread) if config.async_scheduling else None
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.aborted: list[Sequence] = []
@@ -305,16 +315,24 @@ class LLMEngine(OutputProcessing):
                 self.aborted.append(choice)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.aborted)
+        return self.scheduler.has_unfinished() or bool(self.aborted) or (self.overlap is not None
+                                                                         and self.overlap.in_flight)
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch.empty and not batch.failed and not self.aborted:
-            self.host.wait_for_load(0.005)  # only adapter loads are pending: wait for one, don't spin
-            return []
-        results = self.runner.run(batch) if not batch.empty else {}
-        return self.postprocess(batch, results)
+        overlap = self.overlap
+        if overlap is None or not overlap.in_flight:
+            batch = self.scheduler.schedule()
+            if batch.empty and not batch.failed and not self.aborted:
+                self.host.wait_for_load(0.005)  # only adapter loads are pending: wait for one, don't spin
+                return []
+            if overlap is None or not overlap.launch(batch):
+                results = self.runner.run(batch) if not batch.empty else {}
+                return self.postprocess(batch, results)
+        # Async scheduling: while step N runs on the worker, step N+1 is scheduled and prepared and queued
+        # behind it where it can be; then N's tokens are post-processed while N+1 runs.
+        overlap.launch_ahead()
+        return self.postprocess(*overlap.collect())
 
     def stats(self) -> EngineStats:
         prefix = self.scheduler.prefix_cache
@@ -322,6 +340,7 @@ class LLMEngine(OutputProcessing):
         captured = padded.capture_stats if padded is not None else None
         grammars = self.grammars.stats()
         running_adapters, waiting_adapters = self.scheduler.adapters_in_use()
+        overlap = self.overlap.stats() if self.overlap is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -352,6 +371,9 @@ class LLMEngine(OutputProcessing):
             graph_replays=padded.replays if padded is not None else 0,
             graph_capture_seconds=captured.seconds if captured else 0.0,
             graph_capture_bytes=captured.bytes if captured else 0,
+            async_steps=overlap.launched if overlap else 0,
+            async_steps_ahead=overlap.ahead if overlap else 0,
+            async_rows_discarded=overlap.discarded if overlap else 0,
             constrained_requests=self.constrained_requests,
             grammar_compiles=grammars.compiles,
             grammar_cache_hits=grammars.cache_hits,
@@ -363,5 +385,7 @@ class LLMEngine(OutputProcessing):
         )
 
     def shutdown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.shutdown()
         self.host.shutdown()
         self.dora_precompute.shutdown()

@@ -8,7 +8,7 @@ positions whose logprobs it does not have yet.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,6 +52,9 @@ class StepInputs:
     row_starts: list[int]  # sampled sequence s chooses rows[row_starts[s]:row_starts[s + 1]]
     prompt: _PromptPositions | None = None
     padded: tuple[int, bool, bool] | None = None  # a padded decode step's (bucket, LoRA, DoRA) key (decode_graphs)
+    # A step prepared ahead (async scheduling) whose input ids are not known yet: the padded rows to stage
+    # once they are (positions, slot mapping, block tables, token slots); see ModelRunner.fill_ahead.
+    ahead_rows: tuple[list[int], list[int], list[list[int]], list[int]] | None = None
 
 
 @dataclass
@@ -110,7 +113,11 @@ class ModelRunner:
                                    max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora)
         return self.padded
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, ahead: bool = False) -> StepInputs:
+        """ahead: a decode-only batch scheduled before the previous step's tokens came back (async
+        scheduling, server.engine.async_step): each sequence is one token further on than it records, and
+        that token, its input, is filled in by fill_ahead() once sampled. Nothing is staged on the device
+        before then, so the step in flight keeps its inputs."""
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
@@ -122,9 +129,13 @@ class ModelRunner:
         row_starts = [0]
         prompt: _PromptPositions | None = None
         for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.slots)):
-            start = seq.num_computed_tokens
+            start = seq.num_computed_tokens + (1 if ahead else 0)
             first = len(input_ids)
-            input_ids += seq.token_ids[start : start + n]
+            if ahead:
+                assert n == 1, "only decode rows are prepared ahead"
+                input_ids.append(0)  # the previous step's token: fill_ahead() writes it
+            else:
+                input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             token_slots += alora_token_slots(slot, start, n, seq.group.adapter_from)
             context_lens.append(start)
@@ -132,7 +143,7 @@ class ModelRunner:
             if prompt_lp is not None and len(prompt_lp) < seq.num_prompt_tokens:
                 prompt = prompt or _PromptPositions()
                 prompt.add(i, seq, first, start, n, len(prompt_lp))
-            if start + n == len(seq.token_ids):
+            if start + n == len(seq.token_ids) + (1 if ahead else 0):
                 p = seq.params
                 if p.max_tokens == 0:
                     scored.append(i)
@@ -153,11 +164,12 @@ class ModelRunner:
         if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows:  # one token each
             bs = self.block_size
             tables = [s.block_table for s in batch.seqs]
-            key = padded.stage(input_ids, positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)],
-                               tables, token_slots)
+            staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)
             leading = logits_indices == list(range(len(logits_indices)))  # the usual case: no copy to make
             indices = None if leading else torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True)
-            return StepInputs(None, None, indices, padded=key, **common)
+            if ahead:
+                return StepInputs(None, None, indices, ahead_rows=staged, **common)
+            return StepInputs(None, None, indices, padded=padded.stage(input_ids, *staged), **common)
         attn = AttentionBatch.build(
             [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev
         )
@@ -168,8 +180,15 @@ class ModelRunner:
             lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora),
             lora_scratch=self.lora_scratch,
         )
-        return StepInputs(torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True), ctx,
-                          torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True), **common)
+        ids = None if ahead else torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        return StepInputs(ids, ctx, torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True), **common)
+
+    def fill_ahead(self, inputs: StepInputs, input_ids: list[int]) -> StepInputs:
+        """A step prepared ahead with its input ids [T], the previous step's sampled tokens: staged now, in
+        order behind the previous step (the one host-to-device copy of a padded step)."""
+        if inputs.ahead_rows is not None:
+            return replace(inputs, padded=self.padded.stage(input_ids, *inputs.ahead_rows), ahead_rows=None)
+        return replace(inputs, input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True))
 
     def run(self, batch: ScheduledBatch) -> dict[int, SeqResult]:
         """Batch position -> what that sequence got, for sequences that finished their pending tokens
@@ -177,6 +196,10 @@ class ModelRunner:
         inputs = self.prepare(batch)
         if batch.block_copies:
             self._copy_blocks(batch.block_copies)
+        return self.execute(inputs)
+
+    def execute(self, inputs: StepInputs) -> dict[int, SeqResult]:
+        """The forward and sampling of a prepared step (run(), less the preparing): what run() returns."""
         logits = self.forward(inputs)  # [S+Q, V]
         results = {i: SeqResult(True) for i in inputs.scored_seqs}
         sampled, starts = inputs.sampled_seqs, inputs.row_starts

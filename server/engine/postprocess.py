@@ -32,6 +32,8 @@ class OutputProcessing:
         for seq, error in batch.failed:
             outputs += self._fail(seq, f"adapter {seq.adapter_id} could not be loaded: {error}")
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if seq.finished:
+                continue  # async scheduling: aborted, or ended by the step before, while this one ran
             seq.num_computed_tokens += n
             # Blocks this step filled are computed now, so others may reuse them (before a fork copies
             # the sequence's progress to its siblings).
