@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from kernels.int8_weights import dequantize_int8, quantize_int8
 from server.bench.quantized_peer_checkpoint import (GPTQ_GROUP, QuantizedCheckpointError, is_projection, pack_int8,
                                                     quantization_config, read_dequantized, unpack_int8,
-                                                    write_quantized_checkpoint)
+                                                    write_int8_reference, write_quantized_checkpoint)
 from server.engine.gptq_checkpoint import checkpoint_quantization
 
 HIDDEN, INTER = 128, 192
@@ -120,3 +120,15 @@ def test_a_complete_copy_is_reused_and_a_different_kind_rewritten(float_dir, tmp
     assert weights.stat().st_mtime_ns == stamp
     write_quantized_checkpoint(float_dir, out, "w8a16-int8")
     assert "weight_packed" in "".join(load_file(weights))
+
+
+def test_the_int8_reference_is_a_float_checkpoint_of_the_served_int8_weights(float_dir, tmp_path):
+    out = write_int8_reference(float_dir, tmp_path / "ref")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    src, ref = load_file(float_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(ref) == set(src)
+    for key, w in src.items():
+        want = dequantize_int8(quantize_int8(w)) if is_projection(key) else w
+        assert ref[key].dtype == w.dtype and torch.equal(ref[key], want), key
+    assert torch.equal(ref["model.layers.0.mlp.up_proj.weight"], read_dequantized(
+        write_quantized_checkpoint(float_dir, tmp_path / "q", "w8a8-int8"))["model.layers.0.mlp.up_proj.weight"])

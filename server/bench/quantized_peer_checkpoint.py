@@ -16,14 +16,16 @@ servers leave them by default. The formats (`quantization_config.quant_method: c
                 no act-order; server.engine.gptq_checkpoint documents the layout), symmetric round to
                 nearest: not loraplex's int8 scales, a 4-bit model both servers load (loraplex dequantizes it).
 
-read_dequantized() reads any of them back as float32 `.weight` tensors: the weights a PEFT oracle
-for the quantized side needs, and the writer's round-trip test.
+read_dequantized() reads any of them back as float32 `.weight` tensors (the writer's round-trip test);
+write_int8_reference() writes the float checkpoint the transformers + peft oracle of an int8 side runs:
+every projection replaced by dequantize(quantize_int8(w)).
 """
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -122,12 +124,30 @@ def _quantize(kind: str, key: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
 def write_quantized_checkpoint(src_dir: str | Path, out_dir: str | Path, kind: str) -> Path:
     """out_dir: src_dir's model with its decoder projections quantized as `kind`, every other tensor and
     file copied; reused when its config.json already says the same. config.json is written last."""
-    src, out = Path(src_dir), Path(out_dir)
+    config = _float_config(Path(src_dir))
+    config["quantization_config"] = quantization_config(kind)
+    config["torch_dtype"] = config.get("dtype", "float32")
+    return _write(Path(src_dir), Path(out_dir), config, lambda key, w: _quantize(kind, key, w))
+
+
+def write_int8_reference(src_dir: str | Path, out_dir: str | Path) -> Path:
+    """out_dir: src_dir's float model with each decoder projection w replaced by dequantize(quantize_int8(w)),
+    in w's dtype: the weights `--quantization int8` serves, for the transformers + peft oracle."""
+    config = _float_config(Path(src_dir))
+    config["int8_reference_of"] = str(Path(src_dir).resolve())  # marks the copy, so it is reused only as itself
+    return _write(Path(src_dir), Path(out_dir), config,
+                  lambda key, w: {key: dequantize_int8(quantize_int8(w), w.dtype).contiguous()})
+
+
+def _float_config(src: Path) -> dict:
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise QuantizedCheckpointError(f"{src} is already quantized: give a float checkpoint")
-    config["quantization_config"] = quantization_config(kind)
-    config["torch_dtype"] = config.get("dtype", "float32")
+    return config
+
+
+def _write(src: Path, out: Path, config: dict, convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+           ) -> Path:
     done = out / "config.json"
     if done.is_file() and json.loads(done.read_text()) == config:
         return out
@@ -137,10 +157,12 @@ def write_quantized_checkpoint(src_dir: str | Path, out_dir: str | Path, kind: s
         if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
             shutil.copy(f, out / f.name)
     tensors: dict[str, torch.Tensor] = {}
+    converted = 0
     for f in sorted(src.glob("*.safetensors")):
         for key, w in load_file(f).items():
-            tensors |= _quantize(kind, key, w) if is_projection(key) else {key: w}
-    if not any(is_projection(k) or k.endswith((".weight_packed", ".qweight")) for k in tensors):
+            converted += is_projection(key)
+            tensors |= convert(key, w) if is_projection(key) else {key: w}
+    if not converted:
         raise QuantizedCheckpointError(f"{src} has no decoder projections to quantize")
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     done.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
