@@ -253,3 +253,55 @@ def test_the_peer_runs_each_point_right_after_loraplex_every_round(bench_script,
     by_round = [p["rounds"] for p in doc["points"]]
     want = statistics.median(b["loraplex_tok_s"] / a["loraplex_tok_s"] for a, b in zip(*by_round))
     assert doc["throughput_vs_fewest_adapters"] == {"3": pytest.approx(want)}
+
+
+def test_peer_quantization_options_are_checked_before_anything_runs(bench_script, peer_env):
+    peer = ("--peer", "vllm", "--peer-python", str(peer_env))
+    assert check_peer_arguments(_parse(bench_script, *peer, "--peer-quantization", "w8a8-int8",
+                                       "--quantization", "int8")) == peer_env / "bin" / "python"
+    with pytest.raises(PeerConfigError, match="need --peer vllm"):
+        check_peer_arguments(_parse(bench_script, "--peer-quantization", "w8a16-int8", "--quantization", "int8"))
+    with pytest.raises(PeerConfigError, match="need --peer vllm"):
+        check_peer_arguments(_parse(bench_script, "--peer-patch", "lora-device"))
+    with pytest.raises(PeerConfigError, match="--quantization int8"):  # the peer would serve other weights
+        check_peer_arguments(_parse(bench_script, *peer, "--peer-quantization", "w8a8-int8"))
+    with pytest.raises(PeerConfigError, match="--quantization int8"):
+        check_peer_arguments(_parse(bench_script, *peer, "--peer-quantization", "w8a8-int8",
+                                    "--quantization", "none,int8"))
+    with pytest.raises(SystemExit):  # GPTQ goes in as --model, served as is by both sides
+        _parse(bench_script, *peer, "--peer-quantization", "gptq-4bit")
+
+
+def test_the_peer_serves_the_int8_copy_with_the_shim_on_its_path(bench_script, peer_env, tiny_model_dir, tmp_path):
+    import json
+
+    from server.bench.peer_quantization import peer_model_dir
+
+    args = _parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env), "--quantization", "int8",
+                  "--peer-quantization", "w8a16-int8", "--peer-patch", "lora-device", "--cpu-threads", "1")
+    python = check_peer_arguments(args)
+    served = peer_model_dir(args, tiny_model_dir, tmp_path, log=lambda m: None)
+    assert served == (tmp_path / "models" / f"{tiny_model_dir.name}-w8a16-int8").resolve()
+    assert json.loads((served / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    cfg = BenchConfig(model_dir=str(tiny_model_dir), cpu_threads=1, work_dir=str(tmp_path), quantization=("int8",))
+    pcfg = peer_config(cfg, args, python, tiny_model_dir, {"lora-0000": tmp_path / "a0"},
+                       affinity=frozenset({0}), served_dir=served)
+    argv = pcfg.command()
+    assert argv[argv.index("--model") + 1] == str(served)
+    shim = Path(pcfg.env({"PYTHONPATH": "/work/main"})["PYTHONPATH"])  # the shim only, never the caller's path
+    assert (shim / "sitecustomize.py").is_file() and "_get_lora_device" in (shim / "sitecustomize.py").read_text()
+    plain = _parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env))
+    assert peer_model_dir(plain, tiny_model_dir, tmp_path, log=lambda m: None) == tiny_model_dir
+    assert "PYTHONPATH" not in peer_config(cfg, plain, python, tiny_model_dir, {}, affinity=frozenset({0})).env({})
+
+
+def test_with_int8_the_peft_oracle_runs_on_the_dequantized_weights(tiny_model_dir, tmp_path):
+    """--quantization int8 --compare-peft: transformers + peft on dequantize(quantize(w)), so loraplex's greedy
+    tokens are held to exactness against the weights it serves."""
+    cfg = BenchConfig(adapter_counts=(2,), num_requests=6, prompt_len=(4, 8), output_len=(6, 8),
+                      model_dir=str(tiny_model_dir), target="engine", compare_peft=True, cpu_threads=1,
+                      quantization=("int8",), work_dir=str(tmp_path))
+    point = run_bench(cfg, None, log=lambda m: None)["points"][0]
+    assert point["baseline_weights"] == "int8-dequantized"
+    assert point["token_ids_vs_peft"] == {"compared": 6, "same": 6, "mismatches": []}
+    assert (tmp_path / "models" / f"{tiny_model_dir.name}-int8-reference" / "config.json").is_file()

@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 import httpx
 
 from server.bench.client import BenchClientError
+from server.bench.peer_quantization import add_peer_quantization_arguments, check_peer_quantization
 
 PEERS = ("vllm",)
 SERVED_NAME = "base"
@@ -85,6 +86,7 @@ class VllmPeerConfig:
     max_num_batched_tokens: int = 4096
     port: int = 8001
     preloads: tuple[str, ...] = ()    # LD_PRELOAD (tcmalloc, libiomp5), as vLLM's CPU docs advise
+    pythonpath: tuple[str, ...] = ()  # --peer-patch's start-up shim (server.bench.peer_quantization)
 
     def __post_init__(self) -> None:
         if self.threads < 1 or len(self.cores) != self.threads:
@@ -114,6 +116,8 @@ class VllmPeerConfig:
                     "VLLM_CPU_OMP_THREADS_BIND": core_list(list(self.cores)),
                     "OMP_NUM_THREADS": str(self.threads),
                     "VLLM_TARGET_DEVICE": "cpu"})
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(self.pythonpath)
         if self.preloads:
             env["LD_PRELOAD"] = ":".join([*self.preloads, *filter(None, [base.get("LD_PRELOAD")])])
         return env
@@ -183,10 +187,12 @@ def add_peer_arguments(p) -> None:
     g.add_argument("--peer-preload", choices=("auto", "none"), default="auto",
                    help="auto: LD_PRELOAD tcmalloc/jemalloc and libiomp5 when found, as vLLM's CPU docs advise")
     g.add_argument("--peer-port", type=int, default=8001)
+    add_peer_quantization_arguments(g)
 
 
 def check_peer_arguments(args) -> Path | None:
     """The peer's python, or None without --peer; raises PeerConfigError before anything runs."""
+    check_peer_quantization(args, PeerConfigError)
     if args.peer is None:
         if args.peer_python is not None:
             raise PeerConfigError("--peer-python needs --peer vllm")
@@ -201,9 +207,11 @@ def check_peer_arguments(args) -> Path | None:
 
 
 def peer_config(cfg, args, python: Path, model_dir: Path, adapters: dict[str, Path],
-                affinity: frozenset[int] | None = None) -> VllmPeerConfig:
-    """The peer's settings for one point, from the bench's config (cfg: runner.BenchConfig)."""
+                affinity: frozenset[int] | None = None, served_dir: Path | None = None) -> VllmPeerConfig:
+    """The peer's settings for one point, from the bench's config (cfg: runner.BenchConfig); served_dir:
+    the checkpoint it serves when not model_dir itself (--peer-quantization's copy)."""
     from server.bench.model_setup import lora_slots
+    from server.bench.peer_quantization import peer_pythonpath
 
     threads = cfg.threads()
     mask = sorted(affinity if affinity is not None else os.sched_getaffinity(0))
@@ -213,13 +221,14 @@ def peer_config(cfg, args, python: Path, model_dir: Path, adapters: dict[str, Pa
     env_root = python.parent.parent
     return VllmPeerConfig(
         # Absolute: vLLM takes a relative directory that does not look local for a hub repo id.
-        python=python, model_dir=Path(model_dir).resolve(),
+        python=python, model_dir=Path(served_dir or model_dir).resolve(),
         adapters=tuple((name, Path(path).resolve()) for name, path in adapters.items()),
         max_loras=lora_slots(cfg.max_loras, len(adapters)), max_lora_rank=cfg.rank,
         max_model_len=model.get("max_position_embeddings", 2048), dtype=cfg.dtype, threads=threads,
         cores=tuple(mask[:threads]), kv_cache_gib=args.peer_kv_gib, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, port=args.peer_port,
-        preloads=tuple(find_preloads(env_root)) if args.peer_preload == "auto" else ())
+        preloads=tuple(find_preloads(env_root)) if args.peer_preload == "auto" else (),
+        pythonpath=peer_pythonpath(args))
 
 
 def peer_runner(cfg, args, python: Path, model_dir: Path, log) -> tuple[dict, Callable[[dict], None]]:
@@ -230,14 +239,18 @@ def peer_runner(cfg, args, python: Path, model_dir: Path, log) -> tuple[dict, Ca
     from server.bench import client
     from server.bench.metrics import agreement, output_digests, ratio, summarize
     from server.bench.model_setup import point_adapters, point_requests
+    from server.bench.peer_quantization import peer_model_dir
     from server.bench.workload import adapters_used, tenants_used
 
-    meta = {"name": args.peer, "python": str(python), "version": peer_version(python)}
+    served = peer_model_dir(args, model_dir, cfg.work_dir, log)
+    meta = {"name": args.peer, "python": str(python), "version": peer_version(python),
+            "quantization": args.peer_quantization, "patch": args.peer_patch, "model_dir": str(served)}
 
     def run_point(point: dict) -> None:
         n = point["num_adapters"]
         reqs = point_requests(cfg, model_dir, n)  # seeded: the requests loraplex got
-        pcfg = peer_config(cfg, args, python, model_dir, point_adapters(cfg, model_dir, adapters_used(reqs)))
+        pcfg = peer_config(cfg, args, python, model_dir, point_adapters(cfg, model_dir, adapters_used(reqs)),
+                           served_dir=served)
         cores = core_list(list(pcfg.cores))
         meta.update(command=pcfg.command()[:3] + ["..."], threads=pcfg.threads, cores=cores,
                     preloads=list(pcfg.preloads), kv_cache_gib=pcfg.kv_cache_gib)

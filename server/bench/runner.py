@@ -229,6 +229,17 @@ def _run_baseline(cfg: BenchConfig, model_dir: Path, reqs: list[BenchRequest], n
     return records, outputs
 
 
+def _baseline_model(cfg: BenchConfig, model_dir: Path) -> tuple[Path, str]:
+    """The oracle's checkpoint and what it holds: with --quantization int8 the weights loraplex serves,
+    dequantized (the baseline is then exact against loraplex, not against the float model)."""
+    if cfg.variants[0].quantization != "int8":
+        return model_dir, "float"
+    from server.bench.quantized_peer_checkpoint import write_int8_reference
+
+    out = Path(cfg.work_dir) / "models" / f"{Path(model_dir).name}-int8-reference"
+    return write_int8_reference(model_dir, out), "int8-dequantized"
+
+
 def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], None], round_index: int = 0) -> dict:
     reqs = point_requests(cfg, model_dir, n)
     used = adapters_used(reqs)
@@ -267,7 +278,8 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
     if cfg.compare_peft:
         t = time.perf_counter()
         load["baseline"] = {"before": os.getloadavg()}
-        base_records, base_ids = _run_baseline(cfg, model_dir, reqs, named)
+        oracle_dir, point["baseline_weights"] = _baseline_model(cfg, model_dir)
+        base_records, base_ids = _run_baseline(cfg, oracle_dir, reqs, named)
         point["baseline"] = summarize(base_records, cfg.ttft_slo_s)
         if token_ids is not None:  # the engine target's token ids; over HTTP only the text is seen
             from server.bench.token_check import compare_token_ids
