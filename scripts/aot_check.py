@@ -98,7 +98,10 @@ def check(shapes: list[EngineShape], jobs: int, only: set[str] | None = None) ->
                 launches_per_kernel[name] = launches_per_kernel.get(name, 0) + n
             errors += errs
         captured = time.perf_counter() - start
-        errors += [f"kernel {name} was never launched by any step" for name in aot.unlaunched(launches_per_kernel)]
+        # Only an int8 shape launches the int8 matmul: a run without one (--quantizations none) does not miss it.
+        not_asked = set() if any(s.quantization == "int8" for s in shapes) else {"_int8_linear_kernel"}
+        errors += [f"kernel {name} was never launched by any step"
+                   for name in aot.unlaunched(launches_per_kernel) if name not in not_asked]
         todo = sorted(((k, v) for k, v in variants.items() if only is None or k[0] in only),
                       key=lambda kv: (-_cost(kv[0][0]), kv[0]))  # slowest first
         results = list(pool.map(aot.compile_variant, [v for _, v in todo], [key[2] for key, _ in todo]))
@@ -160,13 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-lora-ranks", nargs="+", type=int, default=[64, 512])
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
                    help="KV pool dtypes (default auto); an e4m3 pool compiles for sm_90 only (refused below 8.9)")
+    p.add_argument("--quantizations", nargs="+", default=["none", "int8"], choices=["none", "int8"],
+                   help="base weights (default none int8): int8 adds each model and dtype at the first "
+                        "--max-lora-ranks value, int8 lm_head included (kernels.int8_triton's launches "
+                        "depend on the projection shapes, not on the rank)")
     p.add_argument("--compile-only", nargs="+", metavar="KERNEL", help="compile only these kernels' variants")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     dtypes = args.dtypes or (list(DTYPES) if args.full else ["bf16", "fp32"])
     shapes = [EngineShape(m, d, r, kv_cache_dtype=kv) for m in args.models for d in dtypes
-              for r in args.max_lora_ranks for kv in args.kv_cache_dtypes]
+              for r in args.max_lora_ranks for kv in args.kv_cache_dtypes] if "none" in args.quantizations else []
+    if "int8" in args.quantizations:
+        shapes += [EngineShape(m, d, args.max_lora_ranks[0], quantization="int8") for m in args.models for d in dtypes]
     # A meta torch.cat imports torch._dynamo (2 s): once here, not once per forked worker.
     torch.cat([torch.empty(1, device="meta")] * 2)
     out = check(shapes, args.jobs, set(args.compile_only) if args.compile_only else None)

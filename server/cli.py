@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it. Greedy output is the same (default off)")
     s.add_argument("--quantization", metavar="int8|fp8",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
-                        "per-output-channel scales, CPU only; fp8 (e4m3, per-channel weight and per-token "
+                        "per-output-channel scales (a C++ kernel on AVX2 CPUs, a Triton one on GPUs); fp8 (e4m3, per-channel weight and per-token "
                         "activation scales) needs a GPU of compute capability >= 8.9 and --dtype bfloat16; "
                         "adapters and lm_head stay float (default: none, the checkpoint's float weights)")
     s.add_argument("--quantize-lm-head", action="store_true",

@@ -266,11 +266,12 @@ def test_unsupported_quantizations_are_refused(tiny_model_dir, value, message):
         EngineConfig(model=str(tiny_model_dir), quantization=value)
 
 
-def test_int8_is_refused_off_the_cpu(tiny_model_dir):
+def test_int8_is_served_on_the_cpu_and_the_gpu(tiny_model_dir):
+    """On a GPU through kernels.int8_triton (tests/test_int8_triton.py); fp8 alone has a device rule."""
     config = EngineConfig(model=str(tiny_model_dir), quantization="int8")
-    with pytest.raises(ValueError, match="CPU only"):
-        config.check_quantization(torch.device("cuda", 0))
-    config.check_quantization(torch.device("cpu"))
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            config.check_quantization(device, dtype, capability=(8, 0))
 
 
 def test_cli_flag_reaches_the_server_config(tmp_path):

@@ -61,6 +61,10 @@ def test_default_set_compiles_every_kernel_for_hopper_and_ampere(tmp_path: Path)
             t = k[f"sm_{cap}"]
             assert t["variants"] >= 1 and 0 <= t["max_shared"] <= limit, (name, cap, t)
             assert t["max_registers"] > 0 and "spill_bytes" in t, (name, cap, t)
+    # --quantization int8's matmul (kernels.int8_triton), int8 lm_head included, in registers: fp32's
+    # 64 x 64 tiles spilled 16-18 KB per thread before its smaller ones.
+    assert any(s.endswith("/int8") for s in report["shapes"])
+    assert all(report["kernels"]["_int8_linear_kernel"][f"sm_{cap}"]["spill_bytes"] == 0 for cap in aot.SHARED_LIMITS)
     # fp32 at max_lora_rank 512 was 262-328 KB of shared memory before rank tiles (issue 12, fault 3).
     assert any(s.endswith("fp32/r512") for s in report["shapes"])
 
@@ -157,7 +161,8 @@ def test_capture_records_launches_without_running_them() -> None:
 
 def test_every_kernel_is_found_and_an_unlaunched_one_is_reported() -> None:
     kernels = {"_sgmv_shrink_kernel", "_bgmv_shrink_kernel", "_sgmv_expand_kernel", "_bgmv_expand_kernel",
-               "_write_kv_kernel", "_paged_attention_kernel", "_decode_kernel", "_combine_splits_kernel"}
+               "_write_kv_kernel", "_paged_attention_kernel", "_decode_kernel", "_combine_splits_kernel",
+               "_int8_linear_kernel"}
     assert set(aot.all_kernels()) == kernels
     assert aot.unlaunched(kernels) == []
     assert aot.unlaunched(kernels - {"_combine_splits_kernel"}) == ["_combine_splits_kernel"]
@@ -185,7 +190,8 @@ def test_fp8_kv_attention_compiles_without_spills_e4m3_for_hopper_only(tmp_path:
     refuses it below compute capability 8.9."""
     out = tmp_path / "aot-kv.json"
     done = subprocess.run([sys.executable, "scripts/aot_check.py", "--models", "llama3.2-1b", "--dtypes", "bf16",
-                           "--max-lora-ranks", "64", "--kv-cache-dtypes", "fp8_e4m3", "fp8_e5m2", "--compile-only",
+                           "--max-lora-ranks", "64", "--kv-cache-dtypes", "fp8_e4m3", "fp8_e5m2",
+                           "--quantizations", "none", "--compile-only",
                            "_decode_kernel", "_paged_attention_kernel", "_write_kv_kernel", "--json", str(out)],
                           cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
                           capture_output=True, text=True, timeout=900)

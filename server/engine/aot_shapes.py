@@ -46,18 +46,24 @@ class EngineShape:
     max_model_len: int = 8192
     num_kv_blocks: int = 4096
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the pool's (server.engine.kv_cache_dtype)
+    # --quantization int8 (with --quantize-lm-head: the vocabulary-wide launch too), or None for float
+    # weights; fp8 runs torch._scaled_mm, no Triton kernel of ours.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS or self.dtype not in DTYPES:
             raise ValueError(f"unknown model {self.model!r} or dtype {self.dtype!r}")
         check_kv_cache_dtype_name(self.kv_cache_dtype)
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or int8 here, got {self.quantization!r}")
         if not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
 
     @property
     def label(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f"/kv-{self.kv_cache_dtype}"
-        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}"
+        quant = "" if self.quantization is None else f"/{self.quantization}"
+        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}{quant}"
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -91,7 +97,8 @@ def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, 
     cfg = ModelConfig.from_dict({**MODELS[shape.model], "num_hidden_layers": 1})
     dtype = DTYPES[shape.dtype]
     lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta")
-    model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len, shape.max_num_batched_tokens)
+    model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len, shape.max_num_batched_tokens,
+                     shape.quantization, quantize_lm_head=shape.quantization == "int8")
     pool = (shape.num_kv_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
     kv = [(torch.empty(pool, dtype=shape.cache_dtype, device="meta"),
            torch.empty(pool, dtype=shape.cache_dtype, device="meta"))]

@@ -157,8 +157,8 @@ class EngineConfig:
     # decode-only steps are padded to a bucket and replay a graph captured at start-up
     # (server.engine.decode_graphs); CPU devices have no graphs and always run eager.
     enforce_eager: bool = False
-    # The decoder projections' weights: None (float, the activation dtype) or "int8" (weight-only,
-    # per-output-channel symmetric scales; LoRA stays in the activation dtype). CPU only for now.
+    # The decoder projections' weights: None (float, the activation dtype), "int8" (weight-only,
+    # per-output-channel symmetric scales; LoRA stays in the activation dtype) or "fp8" (Ada, Hopper).
     quantization: str | None = None
     # The lm_head in int8 as well (needs quantization "int8"): per-vocabulary-row scales, the same
     # kernel as the projections. Off by default: the logits are where rounding shows most, and a
@@ -227,10 +227,7 @@ class EngineConfig:
                            capability: tuple[int, int] | None = None) -> None:
         """Refuses a quantization the resolved device and activation dtype cannot serve.
         capability: the CUDA device's (major, minor), read from the device when None."""
-        if self.quantization == "int8" and device.type != "cpu":
-            raise ValueError(f"quantization 'int8' runs on the CPU only for now, not on {device}: "
-                             "serve float weights there (no --quantization)")
-        if self.quantization != "fp8":
+        if self.quantization != "fp8":  # int8 runs everywhere: kernels.int8_triton on a GPU
             return
         if device.type != "cuda":
             raise ValueError(f"quantization 'fp8' needs an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper), "
