@@ -9,6 +9,7 @@ import torch
 
 from kernels.cpu_linear import linear
 from kernels.fp8_weights import scaled_mm_linear
+from kernels.int4_weights import dequant_int4_linear
 from kernels.int8_weights import dequant_linear
 
 
@@ -24,4 +25,5 @@ class KernelOps:
     linear: Callable[..., torch.Tensor] = linear  # the base projections, F.linear's semantics (kernels.cpu_linear)
     int8_linear: Callable[..., torch.Tensor] = dequant_linear  # the same on an Int8Weight (kernels.int8_weights)
     fp8_linear: Callable[..., torch.Tensor] = scaled_mm_linear  # the same on an Fp8Weight (kernels.fp8_weights)
+    int4_linear: Callable[..., torch.Tensor] = dequant_int4_linear  # the same on an Int4Weight (kernels.int4_weights)
 
