@@ -24,8 +24,12 @@ everywhere else. All equal x @ dequantize_int4(w).T up to the order of float acc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from kernels.cpu_linear import cpu_flags
+from kernels.int4_avx2 import avx2_int4_linear_or_none
 
 QMAX = 15  # 4 bits, unsigned
 DEFAULT_GROUP_SIZE = 128  # GPTQ's and AWQ's usual group
@@ -64,8 +68,8 @@ class Int4Weight:
 
 def check_group_size(group_size: int, n_in: int) -> None:
     """Raises ValueError naming the rule when `group_size` cannot serve a projection of n_in inputs."""
-    if n_in % 2:
-        raise ValueError(f"int4 packs two input channels per byte: {n_in} input channels is odd")
+    if n_in % 16:  # two per byte, and the CPU kernel widens 16 at a time (every real model's widths are)
+        raise ValueError(f"int4 needs input widths that are multiples of 16, got {n_in}")
     if group_size <= 0 or group_size % GROUP_MULTIPLE:
         raise ValueError(f"int4 group size must be a positive multiple of {GROUP_MULTIPLE}, got {group_size}")
 
@@ -146,3 +150,14 @@ def dequant_int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     if bias is not None:
         y += bias
     return y
+
+
+def int4_linear_for(device: torch.device, dtype: torch.dtype = torch.float32, flags: frozenset[str] | None = None,
+                    compiler: str | None = None) -> Callable[..., torch.Tensor]:
+    """For float32 activations on an AVX2 + FMA CPU, kernels.int4_avx2's kernel (built now, or found
+    built) unless it cannot be built; else dequant_int4_linear (the GPU's is the Triton kernel set's).
+    compiler: the C++ compiler that builds the AVX2 kernel (default $CXX, else g++)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return dequant_int4_linear
+    flags = cpu_flags() if flags is None else flags
+    return avx2_int4_linear_or_none(flags, compiler=compiler) or dequant_int4_linear

@@ -9,89 +9,36 @@ in registers and multiplies it with up to 8 token rows. Measured on the shared 2
 the 120 smol135 decoder projections at 8 token rows, 1 thread: 64 CPU ms against 148 for the
 float32 matmul and 197 for dequant_linear, near the core's FMA bound (docs/benchmarks/int8-cpu.md).
 
-No torch headers: the source needs only <immintrin.h>, so a build takes seconds, not the minute
-that torch.utils.cpp_extension takes. The library is cached under `cache_dir` by a hash of the
-source, flags and compiler, written to a temporary name and renamed into place, so concurrent
-engines starting at once neither rebuild nor load a half-written file. It links libgomp by
-SONAME, which resolves to the copy torch has already loaded: one OpenMP runtime in the process.
+Built and cached by kernels.cpp_kernel.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
+
+from kernels import cpp_kernel
+from kernels.cpp_kernel import REQUIRED_FLAGS, KernelBuildError
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_avx2.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-REQUIRED_FLAGS = frozenset({"avx2", "fma"})  # /proc/cpuinfo names of what the kernel executes
-BUILD_TIMEOUT_S = 120
 ENTRY = "loraplex_int8_linear_f32"
 
 
-class Int8KernelBuildError(RuntimeError):
-    """No compiler, or the compiler refused the source; the message says which and why."""
-
-
-def default_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """$XDG_CACHE_HOME/loraplex/kernels, else ~/.cache/loraplex/kernels."""
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "loraplex" / "kernels"
-
-
 def build_library(cache_dir: Path | None = None, compiler: str | None = None) -> Path:
-    """The compiled kernel's path, building it unless a build of this source, these flags and this
-    compiler is cached. compiler: a C++ compiler's name or path (default $CXX, else g++).
-    Raises Int8KernelBuildError."""
-    compiler = compiler or os.environ.get("CXX") or "g++"
-    exe = shutil.which(compiler)
-    if exe is None:
-        raise Int8KernelBuildError(f"no C++ compiler {compiler!r} on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), exe.encode()])).hexdigest()[:16]
-    cache_dir = cache_dir or default_cache_dir()
-    lib = cache_dir / f"int8_avx2-{key}.so"
-    if lib.exists():
-        return lib
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=lib.name, suffix=".tmp", dir=cache_dir)
-    os.close(fd)
-    try:
-        run = subprocess.run([exe, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                             timeout=BUILD_TIMEOUT_S)
-        if run.returncode != 0:
-            raise Int8KernelBuildError(f"{exe} failed ({run.returncode}): {run.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)
-    except subprocess.TimeoutExpired:
-        raise Int8KernelBuildError(f"{exe} took over {BUILD_TIMEOUT_S} s") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    """The compiled kernel's path (kernels.cpp_kernel.build_library). Raises KernelBuildError."""
+    return cpp_kernel.build_library(SOURCE, cache_dir, compiler)
 
 
 def load_avx2_int8_linear(cache_dir: Path | None = None, compiler: str | None = None) -> Callable[..., torch.Tensor]:
-    """avx2_int8_linear on the compiled kernel (built if need be). Raises Int8KernelBuildError."""
-    try:
-        path = build_library(cache_dir, compiler)
-    except OSError as e:  # an unwritable cache directory, a compiler that cannot be executed
-        raise Int8KernelBuildError(f"cannot build the kernel: {e}") from None
-    try:
-        kernel = getattr(ctypes.CDLL(str(path)), ENTRY)
-    except OSError as e:
-        raise Int8KernelBuildError(f"cannot load the built kernel: {e}") from None
+    """avx2_int8_linear on the compiled kernel (built if need be). Raises KernelBuildError."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
-    kernel.restype = None
+    kernel = cpp_kernel.load_entry(SOURCE, ENTRY, [p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_int], cache_dir,
+                                   compiler)
 
     def avx2_int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                          out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,7 +80,7 @@ def avx2_int8_linear_or_none(flags: frozenset[str], cache_dir: Path | None = Non
         return None
     try:
         return load_avx2_int8_linear(cache_dir, compiler)
-    except Int8KernelBuildError as e:
+    except KernelBuildError as e:
         log.warning("int8: the AVX2 int8 matmul is unavailable (%s); dequantizing each weight per call instead, "
                     "slower than float32 at decode", e)
         return None

@@ -8,6 +8,7 @@ import torch
 
 from kernels import attention_ref, lora_cpu, lora_ref
 from kernels.cpu_linear import linear, linear_for
+from kernels.int4_weights import dequant_int4_linear, int4_linear_for
 from kernels.int8_weights import dequant_linear, int8_linear_for
 from kernels.kernel_ops import KernelOps
 
@@ -15,7 +16,8 @@ KERNEL_KINDS = ("auto", "triton", "torch")
 
 
 def torch_ops(linear: Callable[..., torch.Tensor] = linear,
-              int8_linear: Callable[..., torch.Tensor] = dequant_linear) -> KernelOps:
+              int8_linear: Callable[..., torch.Tensor] = dequant_linear,
+              int4_linear: Callable[..., torch.Tensor] = dequant_int4_linear) -> KernelOps:
     return KernelOps(
         name="torch",
         lora_shrink=lora_ref.lora_shrink,
@@ -26,6 +28,7 @@ def torch_ops(linear: Callable[..., torch.Tensor] = linear,
         paged_attention=attention_ref.paged_attention,
         linear=linear,
         int8_linear=int8_linear,
+        int4_linear=int4_linear,
     )
 
 
@@ -33,14 +36,15 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.f
                    quantization: str | None = None) -> KernelOps:
     """`auto` is Triton on CUDA and the torch reference elsewhere; on a CPU without native
     half-precision matmuls, half-precision projections compute in float32 (kernels.cpu_linear).
-    The int8 matmul is chosen (and the AVX2 one built) only for quantization "int8"."""
+    The int8 or int4 matmul is chosen (and its AVX2 kernel built) only for quantization "int8" or "int4"."""
     if kind not in KERNEL_KINDS:
         raise ValueError(f"kernels must be one of {KERNEL_KINDS}, got {kind!r}")
     if kind == "auto":
         kind = "triton" if device.type == "cuda" else "torch"
     if kind == "torch":
         int8_linear = int8_linear_for(device, dtype) if quantization == "int8" else dequant_linear
-        return torch_ops(linear_for(device, dtype), int8_linear)
+        int4_linear = int4_linear_for(device, dtype) if quantization == "int4" else dequant_int4_linear
+        return torch_ops(linear_for(device, dtype), int8_linear, int4_linear)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
     from kernels.triton_ops import triton_ops

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Decode tokens/s with int8 weight-only base projections against float32, in the same run.
+"""Decode tokens/s with int8 (and int4) weight-only base projections against float32, in the same run.
 
-Four variants (`--variants` picks some; float32 always runs): float32; "int8", the engine's own
+Five variants (`--variants` picks some; float32 always runs): float32; "int8", the engine's own
 choice of int8 matmul for this CPU (kernels.int8_weights.int8_linear_for: on an AVX2-only CPU,
 kernels.int8_avx2's kernel); "int8_lm_head", the same with the lm_head in int8 too
 (`quantize_lm_head`); and "dequant", the int8 engine forced onto dequant_linear (the fallback where
-the AVX2 kernel cannot be built). The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding
+the AVX2 kernel cannot be built); "int4", groups of 128 (kernels.int4_weights, on an AVX2 CPU
+kernels.int4_avx2's kernel). The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding
 sequences spread over `--adapters` adapter slots (one LoRA file loaded under each name: every slot
 is its own adapter to the kernels, which is what costs). Rounds alternate the variants (the order
 flips each round) so a machine shared with other work loads all alike; each round times `--steps`
@@ -34,13 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from kernels.int4_weights import Int4Weight  # noqa: E402
 from kernels.int8_weights import Int8Weight, dequant_linear  # noqa: E402
 from server.bench.model_shape import build_model_shape  # noqa: E402
 from server.demo import make_adapter  # noqa: E402
 from server.engine import LLM, SamplingParams  # noqa: E402
 
 VARIANTS = {"float32": {}, "int8": {"quantization": "int8"},
-            "int8_lm_head": {"quantization": "int8", "quantize_lm_head": True}, "dequant": {"quantization": "int8"}}
+            "int8_lm_head": {"quantization": "int8", "quantize_lm_head": True}, "dequant": {"quantization": "int8"},
+            "int4": {"quantization": "int4"}}
 
 
 def decode_tok_s(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int,
@@ -79,6 +82,8 @@ def projections_ms(llm: LLM, tokens: int, seed: int) -> float:
         n_out, n_in = lin.weight.shape
         if isinstance(lin.weight, Int8Weight):
             ops.int8_linear(xs[n_in], lin.weight, None, out=outs[n_out], scratch=lin.dequant_scratch)
+        elif isinstance(lin.weight, Int4Weight):
+            ops.int4_linear(xs[n_in], lin.weight, None, out=outs[n_out])
         else:
             ops.linear(xs[n_in], lin.weight, None, out=outs[n_out])
     return 1000 * (time.process_time() - t)
@@ -152,11 +157,14 @@ def main() -> None:
         weight_bytes = {v: sum(lin.weight.nbytes for layer in llms[v].engine.model.layers
                                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)) for v in variants}
         lm_head_bytes = {v: llms[v].engine.model.lm_head.nbytes for v in variants}
-        int8_matmul = next((llms[v].engine.kernels.int8_linear.__name__ for v in quantized if v != "dequant"), None)
+        int8_matmul = next((llms[v].engine.kernels.int8_linear.__name__ for v in quantized
+                            if v.startswith("int8")), None)
+        int4_matmul = llms["int4"].engine.kernels.int4_linear.__name__ if "int4" in llms else None
     summary = {
         "median_tok_s": {v: statistics.median(r[v] for r in rounds) for v in variants},
         "median_tok_per_cpu_s": {v: statistics.median(r[f"{v}_cpu"] for r in rounds) for v in variants},
         "int8_matmul": int8_matmul,
+        "int4_matmul": int4_matmul,
         "median_ratio_over_float32": {v: statistics.median(r[f"ratio_{v}"] for r in rounds) for v in quantized},
         "median_cpu_time_ratio_over_float32": {v: statistics.median(r[f"ratio_{v}_cpu"] for r in rounds)
                                                for v in quantized},
@@ -171,7 +179,7 @@ def main() -> None:
                             ("median_ratio_over_float32", "median_cpu_time_ratio_over_float32"))
         print(f"{v:>12} {summary['median_tok_s'][v]:>15.2f} {summary['median_tok_per_cpu_s'][v]:>10.2f} "
               f"{ratio:>10} {ratio_cpu:>12} {weight_bytes[v] / 1e6:>9.1f} {lm_head_bytes[v] / 1e6:>11.1f}")
-    print(f"int8 matmul: {int8_matmul}; medians of {args.rounds} paired rounds; load average "
+    print(f"int8 matmul: {int8_matmul}; int4 matmul: {int4_matmul}; medians of {args.rounds} paired rounds; load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

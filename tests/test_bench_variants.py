@@ -17,7 +17,7 @@ def test_every_combination_in_the_given_order_the_first_the_reference():
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(quantization=("int4",)), "supported: int8, fp8 or none"),
+    (dict(quantization=("nf4",)), "supported: int8, int4, fp8 or none"),
     (dict(kv_cache_dtype=("int8",)), "int8 KV is not implemented"),
     (dict(quantization=("int8", "int8")), "repeated values"),
     (dict(kv_cache_dtype=()), "at least one value"),

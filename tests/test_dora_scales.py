@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.int4_weights import dequantize_int4, quantize_int4
 from kernels.int8_weights import quantize_int8
 from server.engine import dora_scale_cache, dora_scales
 from server.engine.dora_scales import DoraScales
@@ -73,6 +74,12 @@ def test_an_int8_base_is_dequantized():
     torch.testing.assert_close(scales(q, a, b, 1.5, m), peft_scale(dequantized, a, b, 1.5, m), rtol=1e-6, atol=0)
 
 
+def test_an_int4_base_is_dequantized():
+    w, a, b, m = case(6)
+    q = quantize_int4(w, 32)
+    torch.testing.assert_close(scales(q, a, b, 1.5, m), peft_scale(dequantize_int4(q), a, b, 1.5, m), rtol=1e-6, atol=0)
+
+
 def test_the_base_identity_is_the_served_bytes(monkeypatch):
     """The same bytes give the same identity however many threads hash them; one changed element, another
     dtype, or the same weights served int8-quantized give another."""
@@ -85,5 +92,7 @@ def test_the_base_identity_is_the_served_bytes(monkeypatch):
     changed = [{g: w.clone() for g, w in layer.items()} for layer in layers]
     changed[2]["o"][5, 3] += 1e-6
     others = {identity(changed), identity([{g: w.bfloat16() for g, w in layer.items()} for layer in layers]),
-              identity([{g: quantize_int8(w) for g, w in layer.items()} for layer in layers])}
-    assert len(others) == 3 and base not in others
+              identity([{g: quantize_int8(w) for g, w in layer.items()} for layer in layers]),
+              identity([{g: quantize_int4(w, 32) for g, w in layer.items()} for layer in layers]),
+              identity([{g: quantize_int4(w, 64) for g, w in layer.items()} for layer in layers])}
+    assert len(others) == 5 and base not in others

@@ -95,8 +95,8 @@ def test_an_fp8_engine_on_the_cpu_fails_at_start_with_the_reason(tiny_model_dir)
 
 
 def test_unknown_quantizations_name_what_is_supported(tiny_model_dir):
-    with pytest.raises(ValueError, match="supported: int8, fp8 or none"):
-        EngineConfig(model=str(tiny_model_dir), quantization="int4")
+    with pytest.raises(ValueError, match="supported: int8, int4, fp8 or none"):
+        EngineConfig(model=str(tiny_model_dir), quantization="nf4")
 
 
 # ---- the model path, refusal lifted on the CPU ----

@@ -258,7 +258,7 @@ def max_logprob_gap(model_dir, adapter_dirs, prompts, names, outs) -> float:
 
 
 @pytest.mark.parametrize("value, message", [
-    ("int4", "supported: int8"),
+    ("int3", "supported: int8, int4, fp8"),
     ("", "supported: int8"),
 ])
 def test_unsupported_quantizations_are_refused(tiny_model_dir, value, message):
@@ -282,8 +282,8 @@ def test_cli_flag_reaches_the_server_config(tmp_path):
     base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
     assert ServerConfig.from_args(parser.parse_args(base), env={}).quantization is None
     assert ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={}).quantization == "int8"
-    with pytest.raises(ConfigError, match="--quantization: quantization 'int4' is not supported"):
-        ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int4"]), env={})
+    with pytest.raises(ConfigError, match="--quantization: quantization 'int3' is not supported"):
+        ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int3"]), env={})
 
 
 def test_a_server_started_with_int8_serves_the_quantized_model(tmp_path, tiny_model_dir, quantized_reference_dir,

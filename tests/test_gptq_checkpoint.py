@@ -9,68 +9,23 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from server.engine import LLM
 from server.engine.config import ModelConfigError
 from server.engine.gptq_checkpoint import checkpoint_quantization, dequantize_gptq
 from tests.engine_helpers import assert_matches_peft, greedy, random_prompts
+from tests.gptq_writer import write_gptq_checkpoint
 
 VOCAB = 512
 GROUP = 32
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
-               "checkpoint_format": "gptq"}
-
-
-def _pack(values: torch.Tensor, dim: int) -> torch.Tensor:
-    """Eight 4-bit values per int32 along dim, value j at bits 4j (AutoGPTQ's pack), bit for bit."""
-    v = values.long()
-    v = v.view(-1, 8, v.shape[1]) if dim == 0 else v.view(v.shape[0], -1, 8)
-    shifts = (torch.arange(8) * 4).view((1, 8, 1) if dim == 0 else (1, 1, 8))
-    word = (v << shifts).sum(dim=1 if dim == 0 else 2)  # < 2^32
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-
-
-def gptq_quantize(w: torch.Tensor, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(GPTQ tensors of w [out, in], and the float32 weight they stand for, [out, in])."""
-    n_out, n_in = w.shape
-    g_idx = torch.randperm(n_in, generator=gen) // GROUP  # act-order: each group's channels scattered
-    wt = w.t().float()  # [in, out]
-    groups = n_in // GROUP
-    lo = torch.stack([wt[g_idx == g].amin(dim=0) for g in range(groups)]).clamp(max=0)  # [G, out]
-    hi = torch.stack([wt[g_idx == g].amax(dim=0) for g in range(groups)]).clamp(min=0)
-    scales = ((hi - lo) / 15).clamp(min=1e-6).half()  # [G, out], stored float16
-    # Zeros 1..15: the format stores zero - 1 in 4 bits, so a zero of 0 cannot be written (GPTQ's own limit).
-    zeros = torch.round(-lo / scales.float()).clamp(1, 15)  # [G, out]
-    q = (torch.round(wt / scales.float()[g_idx]) + zeros[g_idx]).clamp(0, 15)  # [in, out]
-    tensors = {"qweight": _pack(q, 0), "qzeros": _pack(zeros - 1, 1), "scales": scales, "g_idx": g_idx.int()}
-    return tensors, (scales.float()[g_idx] * (q - zeros[g_idx])).t().contiguous()
 
 
 @pytest.fixture(scope="module")
 def gptq_dirs(tiny_model_dir, tmp_path_factory):
-    """(the GPTQ checkpoint, the float checkpoint of its dequantized weights: the oracle's)."""
+    """(the GPTQ checkpoint, act-order, the float checkpoint of its dequantized weights: the oracle's)."""
     gptq, ref = tmp_path_factory.mktemp("tiny-gptq"), tmp_path_factory.mktemp("tiny-gptq-reference")
-    for f in tiny_model_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, gptq / f.name)
-            shutil.copy(f, ref / f.name)
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": GPTQ_CONFIG}))
-    gen = torch.Generator().manual_seed(0)
-    for f in tiny_model_dir.glob("*.safetensors"):
-        tensors = load_file(f)
-        packed, floats = {}, {}
-        for key, w in tensors.items():
-            layer, _, leaf = key.rpartition(".")
-            if leaf == "weight" and layer.split(".")[-1] in PROJECTIONS:
-                parts, floats[key] = gptq_quantize(w, gen)
-                packed |= {f"{layer}.{p}": t for p, t in parts.items()}
-            else:
-                packed[key] = floats[key] = w
-        save_file(packed, gptq / f.name, metadata={"format": "pt"})
-        save_file(floats, ref / f.name, metadata={"format": "pt"})
+    write_gptq_checkpoint(tiny_model_dir, gptq, ref, GROUP, act_order=True)
     return gptq, ref
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.cpu_linear import cpu_flags
-from kernels.int8_avx2 import (REQUIRED_FLAGS, Int8KernelBuildError, avx2_int8_linear_or_none, build_library,
+from kernels.int8_avx2 import (REQUIRED_FLAGS, KernelBuildError, avx2_int8_linear_or_none, build_library,
                                load_avx2_int8_linear)
 from kernels.int8_weights import dequant_linear, dequantize_int8, int8_linear_for, int8pack_linear, quantize_int8
 
@@ -124,7 +124,7 @@ def test_the_build_is_cached(tmp_path):
 
 @pytest.mark.parametrize("compiler, reason", [("no-such-compiler-xyz", r"no C\+\+ compiler"), ("false", "failed")])
 def test_a_failed_build_is_an_error_naming_why(tmp_path, compiler, reason):
-    with pytest.raises(Int8KernelBuildError, match=reason):
+    with pytest.raises(KernelBuildError, match=reason):
         build_library(tmp_path, compiler)
     assert list(tmp_path.iterdir()) == []  # no library, no temporary file left behind
 
@@ -133,7 +133,7 @@ def test_a_failed_build_is_an_error_naming_why(tmp_path, compiler, reason):
 def test_an_unwritable_cache_is_a_build_error(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    with pytest.raises(Int8KernelBuildError, match="cannot build the kernel"):
+    with pytest.raises(KernelBuildError, match="cannot build the kernel"):
         load_avx2_int8_linear(not_a_dir / "kernels")
 
 

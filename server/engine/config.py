@@ -19,9 +19,9 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # within CUDA's 65535. Prefill is chunked, so a larger budget buys nothing: a few thousand tokens per
 # step already saturate an H100.
 MAX_NUM_BATCHED_TOKENS = 65536
-# Base-weight quantizations served (kernels.int8_weights, kernels.fp8_weights); None serves the
-# checkpoint's floats. Which device serves which: EngineConfig.check_quantization.
-QUANTIZATIONS = ("int8", "fp8")
+# Base-weight quantizations served (kernels.int8_weights, kernels.int4_weights, kernels.fp8_weights);
+# None serves the checkpoint's floats. Which device serves which: EngineConfig.check_quantization.
+QUANTIZATIONS = ("int8", "int4", "fp8")
 # fp8 products on tensor cores: Ada (8.9) and Hopper (9.0) on.
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -158,7 +158,9 @@ class EngineConfig:
     # (server.engine.decode_graphs); CPU devices have no graphs and always run eager.
     enforce_eager: bool = False
     # The decoder projections' weights: None (float, the activation dtype), "int8" (weight-only,
-    # per-output-channel symmetric scales; LoRA stays in the activation dtype) or "fp8" (Ada, Hopper).
+    # per-output-channel symmetric scales; LoRA stays in the activation dtype), "int4" (weight-only,
+    # GPTQ's groupwise zeros and scales: a GPTQ checkpoint's own 4-bit weights, else round-to-nearest
+    # in groups of 128) or "fp8" (Ada, Hopper).
     quantization: str | None = None
     # The lm_head in int8 as well (needs quantization "int8"): per-vocabulary-row scales, the same
     # kernel as the projections. Off by default: the logits are where rounding shows most, and a
@@ -227,7 +229,7 @@ class EngineConfig:
                            capability: tuple[int, int] | None = None) -> None:
         """Refuses a quantization the resolved device and activation dtype cannot serve.
         capability: the CUDA device's (major, minor), read from the device when None."""
-        if self.quantization != "fp8":  # int8 runs everywhere: kernels.int8_triton on a GPU
+        if self.quantization != "fp8":  # int8 and int4 run everywhere: kernels.int8_triton/int4_triton on a GPU
             return
         if device.type != "cuda":
             raise ValueError(f"quantization 'fp8' needs an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper), "

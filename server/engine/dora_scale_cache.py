@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from kernels.fp8_weights import Fp8Weight
+from kernels.int4_weights import Int4Weight
 from kernels.int8_weights import Int8Weight
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,14 @@ def _layer_digest(layer: int, groups: dict) -> bytes:
     digest = hashlib.sha256()
     for group in sorted(groups):
         weight = groups[group]
-        parts = [weight.qweight, weight.scale] if isinstance(weight, (Int8Weight, Fp8Weight)) else [weight]
+        if isinstance(weight, Int4Weight):
+            parts, kind = [weight.qweight, weight.scale, weight.zero], f"Int4Weight/{weight.group_size}"
+        elif isinstance(weight, (Int8Weight, Fp8Weight)):
+            parts, kind = [weight.qweight, weight.scale], type(weight).__name__
+        else:
+            parts, kind = [weight], type(weight).__name__
         for t in parts:
-            digest.update(f"{layer} {group} {type(weight).__name__} {t.dtype} {tuple(t.shape)}".encode())
+            digest.update(f"{layer} {group} {kind} {t.dtype} {tuple(t.shape)}".encode())
             # hashlib releases the GIL on large buffers: the engine's step loop runs meanwhile.
             digest.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())
     return digest.digest()

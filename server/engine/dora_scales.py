@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8_weights import Fp8Weight
+from kernels.int4_weights import Int4Weight, rows_int4
 from kernels.int8_weights import Int8Weight
 
 # Rows of W (as float32) taken at a time: 4 Mi float32 (16 MiB) whatever the projection.
@@ -104,7 +105,10 @@ def _blocks(weight: torch.Tensor | Int8Weight, lo: int, hi: int):
 
 
 def _rows(weight: torch.Tensor | Int8Weight, lo: int, hi: int) -> torch.Tensor:
-    """Rows lo..hi of the served weight, as float32 (an int8 or fp8 weight dequantized: q * scale)."""
+    """Rows lo..hi of the served weight, as float32 (a quantized weight dequantized: q * scale, or
+    scale * (q - zero) for int4)."""
+    if isinstance(weight, Int4Weight):
+        return rows_int4(weight, torch.arange(lo, hi, device=weight.qweight.device))
     if isinstance(weight, (Int8Weight, Fp8Weight)):
         return weight.qweight[lo:hi].float() * weight.scale[lo:hi, None].float()
     return weight[lo:hi].float()
@@ -112,6 +116,8 @@ def _rows(weight: torch.Tensor | Int8Weight, lo: int, hi: int) -> torch.Tensor:
 
 def _gather_rows(weight: torch.Tensor | Int8Weight, idx: torch.Tensor) -> torch.Tensor:
     """The served weight's rows idx, as float32."""
+    if isinstance(weight, Int4Weight):
+        return rows_int4(weight, idx)
     if isinstance(weight, (Int8Weight, Fp8Weight)):
         return weight.qweight.index_select(0, idx).float() * weight.scale.index_select(0, idx)[:, None].float()
     return weight.index_select(0, idx).float()

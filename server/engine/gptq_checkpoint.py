@@ -10,10 +10,14 @@ transformers/optimum, AutoGPTQ and GPTQModel write (`quantization_config.quant_m
     L.g_idx   [in]          int32   the group of each input channel (act-order permutes them); optional
 
 and w[o, i] = scales[g[i], o] * (q[i, o] - (z[g[i], o] + 1)): the "gptq" format stores each zero less
-one (its v2 format does not, and is refused here rather than read off by one). The weights become
-float at load, so every kernel, adapter and the PEFT oracle (transformers + peft on those dequantized
-weights) work unchanged; what is saved is download size, not serving memory: for that, add
---quantization int8 (CPU) on top. Every other quantized format is refused with what is supported.
+one (its v2 format does not, and is refused here rather than read off by one).
+
+Served two ways. With --quantization int4 the 4-bit values stay 4-bit (int4_from_gptq: transposed and
+repacked into kernels.int4_weights' layout, the same numbers), and the matmuls dequantize them per tile;
+act-order checkpoints (g_idx not i // group_size) are refused there, since their groups are not runs of
+input channels. Otherwise the weights become float at load (dequantize_checkpoint; then --quantization
+int8 or fp8 may requantize them). Either way the PEFT oracle is transformers + peft on the dequantized
+weights. Every other quantized format is refused with what is supported.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int4_weights import GROUP_MULTIPLE, Int4Weight, pack_nibbles
 from server.engine.config import ModelConfigError
 
 SUPPORTED = ("GPTQ 4-bit in the Hugging Face layout (quant_method gptq, bits 4, checkpoint_format gptq), "
@@ -84,16 +89,47 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return w.t().contiguous()
 
 
-def dequantize_checkpoint(parts: dict[str, torch.Tensor], spec: GptqSpec) -> dict[str, torch.Tensor]:
-    """Every quantized layer's `.weight` [out, in] float32 from its GPTQ tensors (parts: checkpoint key ->
-    tensor, the PARTS only)."""
-    layers = {key.rsplit(".", 1)[0] for key in parts}
-    out = {}
-    for layer in sorted(layers):
+def _layers(parts: dict[str, torch.Tensor]):
+    """(layer, (qweight, qzeros, scales, g_idx or None)) per quantized layer, in key order."""
+    for layer in sorted({key.rsplit(".", 1)[0] for key in parts}):
         missing = [p for p in PARTS[:3] if f"{layer}.{p}" not in parts]
         if missing:
             raise ModelConfigError(f"GPTQ layer {layer} lacks {', '.join(missing)}")
-        out[f"{layer}.weight"] = dequantize_gptq(parts[f"{layer}.qweight"], parts[f"{layer}.qzeros"],
-                                                 parts[f"{layer}.scales"], parts.get(f"{layer}.g_idx"),
-                                                 spec.group_size)
-    return out
+        yield layer, (parts[f"{layer}.qweight"], parts[f"{layer}.qzeros"], parts[f"{layer}.scales"],
+                      parts.get(f"{layer}.g_idx"))
+
+
+def dequantize_checkpoint(parts: dict[str, torch.Tensor], spec: GptqSpec) -> dict[str, torch.Tensor]:
+    """Every quantized layer's `.weight` [out, in] float32 from its GPTQ tensors (parts: checkpoint key ->
+    tensor, the PARTS only)."""
+    return {f"{layer}.weight": dequantize_gptq(*tensors, spec.group_size) for layer, tensors in _layers(parts)}
+
+def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                   group_size: int) -> Int4Weight:
+    """The same weight as dequantize_gptq's, kept in 4 bits: q and z + 1 repacked per output row, scales
+    widened to float32 (exact from float16). Raises ModelConfigError for what kernels.int4_weights cannot
+    hold: act-order groups, a group size that is not a multiple of 32, widths not multiples of 16.
+    Shape: as dequantize_gptq's arguments; returns an Int4Weight of [out, in]."""
+    q = _unpack(qweight, 0)  # [in, out]
+    n_in, n_out = q.shape
+    group_size = n_in if group_size == -1 else group_size
+    groups = -(-n_in // group_size)
+    if n_in % 16 or group_size % GROUP_MULTIPLE:
+        raise ModelConfigError(f"--quantization int4 serves GPTQ groups of a multiple of {GROUP_MULTIPLE} input "
+                               f"channels over widths that are multiples of 16, not groups of {group_size} over "
+                               f"{n_in}: serve this checkpoint without --quantization (dequantized at load)")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(n_in) // group_size):
+        raise ModelConfigError("--quantization int4 cannot serve an act-order (desc_act) GPTQ checkpoint: its groups "
+                               "are not runs of input channels; serve it without --quantization (dequantized at "
+                               "load) or with --quantization int8")
+    z = _unpack(qzeros, 1) + 1  # [G, out], 1..16
+    if z.shape != (groups, n_out) or scales.shape != (groups, n_out):
+        raise ModelConfigError(f"GPTQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+                               f"scales {tuple(scales.shape)}")
+    return Int4Weight(pack_nibbles(q.t()), scales.float().t().contiguous(), z.t().to(torch.uint8).contiguous(),
+                      group_size)
+
+
+def int4_checkpoint(parts: dict[str, torch.Tensor], spec: GptqSpec) -> dict[str, Int4Weight]:
+    """dequantize_checkpoint's keys, each layer's weight kept in 4 bits (int4_from_gptq)."""
+    return {f"{layer}.weight": int4_from_gptq(*tensors, spec.group_size) for layer, tensors in _layers(parts)}

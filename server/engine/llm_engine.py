@@ -131,7 +131,7 @@ class LLMEngine(OutputProcessing):
             vocab_size=mcfg.vocab_size,
         )
 
-        weights = load_weights(config.model, mcfg, self.dtype, self.device)
+        weights = load_weights(config.model, mcfg, self.dtype, self.device, config.quantization)
         # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
         self.max_loras, why = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, self.dtype,
                                                 free_device_bytes(self.device))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.dora_scale import dora_scale
 from kernels.fp8_weights import Fp8Weight, quantize_fp8
+from kernels.int4_weights import Int4Weight, cat_int4, quantize_int4
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.kernel_ops import KernelOps
@@ -42,9 +43,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LoraLinear:
     """A base linear layer (possibly several fused projections) plus its LoRA slots."""
 
-    def __init__(self, weight: torch.Tensor | Int8Weight | Fp8Weight, bias: torch.Tensor | None,
+    def __init__(self, weight: torch.Tensor | Int8Weight | Int4Weight | Fp8Weight, bias: torch.Tensor | None,
                  lora: LoraGroupBuffers, dequant_scratch: torch.Tensor | None = None) -> None:
-        self.weight = weight  # [out, in], float, or int8 / fp8 with per-row scales
+        self.weight = weight  # [out, in], float, or int8 / fp8 with per-row scales, or int4 with per-group ones
         self.bias = bias  # [out] or None
         self.lora = lora
         self.dequant_scratch = dequant_scratch  # the workspace's, for an int8 weight (Workspace.dequant)
@@ -55,6 +56,8 @@ class LoraLinear:
         bias = None if dora else self.bias
         if isinstance(self.weight, Int8Weight):
             y = ctx.ops.int8_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
+        elif isinstance(self.weight, Int4Weight):
+            y = ctx.ops.int4_linear(x, self.weight, bias, out=out)  # [T, out]
         elif isinstance(self.weight, Fp8Weight):
             y = ctx.ops.fp8_linear(x, self.weight, bias, out=out)  # [T, out]
         else:
@@ -71,9 +74,10 @@ class LoraLinear:
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope,
                  quantization: str | None = None, dequant_scratch: torch.Tensor | None = None) -> None:
-        """quantization: None (float projections), "int8" (kernels.int8_weights) or "fp8"
-        (kernels.fp8_weights), quantized here after fusing: scales are per output row, so fused and
-        unfused quantization agree."""
+        """quantization: None (float projections), "int8" (kernels.int8_weights), "int4"
+        (kernels.int4_weights) or "fp8" (kernels.fp8_weights), quantized here after fusing: scales are
+        per output row, so fused and unfused quantization agree. An int4 weight may come quantized
+        already (a GPTQ checkpoint's, server.engine.weights)."""
         self.cfg = cfg
         self.rope = rope
         self.input_norm = w["input_layernorm.weight"]
@@ -81,7 +85,10 @@ class DecoderLayer:
 
         def base(name: str) -> LoraLinear:
             weight = w.pop(f"{name}.weight")
-            if quantization == "int8":
+            assert quantization == "int4" or not isinstance(weight, Int4Weight), "only int4 keeps a checkpoint's int4"
+            if quantization == "int4" and not isinstance(weight, Int4Weight):
+                weight = quantize_int4(weight)
+            elif quantization == "int8":
                 weight = quantize_int8(weight)
             elif quantization == "fp8":
                 weight = quantize_fp8(weight)
@@ -126,7 +133,7 @@ class CausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int,
                  max_tokens: int, quantization: str | None = None, quantize_lm_head: bool = False) -> None:
         """max_tokens: the most tokens one forward takes (max_num_batched_tokens), the workspace's rows.
-        quantization: None, "int8" or "fp8" for the decoder layers' projections. The lm_head stays float
+        quantization: None, "int8", "int4" or "fp8" for the decoder layers' projections. The lm_head stays float
         unless quantize_lm_head (int8 only): the logits are where rounding shows most (GPTQ/AWQ keep it
         float by default), and where tied it is the embedding itself, whose gather needs float rows, so
         int8 adds a copy (a quarter of the embedding) rather than saving one. What it buys is speed: on
@@ -179,8 +186,8 @@ def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.T
         "post_attention_layernorm.weight": take(p + "post_attention_layernorm.weight"),
         "o_proj.weight": take(p + "self_attn.o_proj.weight"),
         "down_proj.weight": take(p + "mlp.down_proj.weight"),
-        "qkv.weight": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-        "gate_up.weight": torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
+        "qkv.weight": _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+        "gate_up.weight": _fuse([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
     }
     if p + "self_attn.q_proj.bias" in weights:
         w["qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -190,3 +197,12 @@ def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.T
     if p + "mlp.gate_proj.bias" in weights:
         w["gate_up.bias"] = torch.cat([take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")])
     return w
+
+
+def _fuse(parts: list[torch.Tensor | Int4Weight]) -> torch.Tensor | Int4Weight:
+    """Projections sharing their input, stacked along the output dimension (a GPTQ checkpoint's int4
+    parts stay int4: their groups run along the shared input)."""
+    if all(isinstance(part, Int4Weight) for part in parts):
+        return cat_int4(parts)
+    assert not any(isinstance(part, Int4Weight) for part in parts), "a fused projection is all int4 or all float"
+    return torch.cat(parts)

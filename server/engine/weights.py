@@ -8,16 +8,19 @@ import torch
 from safetensors import safe_open
 
 from server.engine.config import ModelConfig, ModelConfigError
-from server.engine.gptq_checkpoint import checkpoint_quantization, dequantize_checkpoint, is_gptq_part
+from kernels.int4_weights import Int4Weight, int4_to
+from server.engine.gptq_checkpoint import checkpoint_quantization, dequantize_checkpoint, int4_checkpoint, is_gptq_part
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 quantization: str | None = None) -> dict[str, torch.Tensor | Int4Weight]:
+    """Every tensor the model needs, by checkpoint key. A GPTQ checkpoint's quantized layers come as
+    Int4Weight under quantization "int4", else dequantized to `dtype` (server.engine.gptq_checkpoint)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         bins = sorted(Path(model_dir).glob("*.bin"))
         hint = " (pickle .bin checkpoints are not loaded: convert to safetensors)" if bins else ""
         raise ModelConfigError(f"no *.safetensors files in {model_dir}{hint}")
-    # A GPTQ checkpoint's packed layers become float weights here (server.engine.gptq_checkpoint).
     gptq = checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()))
     weights: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
@@ -28,7 +31,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                     packed[key] = f.get_tensor(key)
                 elif key.startswith("model.") or key == "lm_head.weight":
                     weights[key] = f.get_tensor(key).to(device=device, dtype=dtype)
-    if gptq is not None:
+    if gptq is not None and quantization == "int4":
+        weights |= {k: int4_to(w, device) for k, w in int4_checkpoint(packed, gptq).items()}
+    elif gptq is not None:
         weights |= {k: w.to(device=device, dtype=dtype) for k, w in dequantize_checkpoint(packed, gptq).items()}
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
