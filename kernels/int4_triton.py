@@ -12,7 +12,7 @@ kernels.int4_weights defines it, rounds w to the activations' dtype (the oracle'
 bit for bit) and accumulates `tl.dot` in fp32. The bias is added once at the end.
 
 T (the step's token rows) is never specialised on: the compiled variants depend on the model's
-projection shapes, the group size and the row tile only, and every decode bucket's grid is fixed by its
+projection shapes and the row tile only (the group size is a runtime argument), and every decode bucket's grid is fixed by its
 row count.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ SMALL_ROWS = 16  # tl.dot's minimum tile height: one row tile for decode-sized s
 BLOCK_K = 32  # every K tile within one group: group sizes are multiples of GROUP_MULTIPLE
 # (rows of a prefill-sized tile, BLOCK_N output columns), keyed by UPCAST (float32 activations): half
 # precision runs on the tensor cores; float32's `ieee` products run on the FMA units, whose tiles must
-# be smaller to stay in registers (kernels.int8_triton's 64 x 64 spilled there; scripts/aot_check.py).
+# be smaller to stay in registers (64 x 64 spilled 896 bytes per thread on sm_90; scripts/aot_check.py).
 TILES = {True: (32, 32), False: (64, 64)}
 assert GROUP_MULTIPLE % BLOCK_K == 0
 
@@ -35,22 +35,21 @@ assert GROUP_MULTIPLE % BLOCK_K == 0
 @triton.jit(do_not_specialize=["T"])
 def _int4_linear_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    T, N, K, G,
+    T, N, K, G, group_size,
     stride_xt, stride_qn, stride_yt,
-    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Semantics: program (row tile, column tile) writes y[t, n] = sum_k x[t, k] * w[n, k] + bias[n] for its
-    rows t < T and columns n < N, where w[n, k] = s[n, g] * (q[n, k] - z[n, g]), g = k // GROUP_SIZE, is
+    rows t < T and columns n < N, where w[n, k] = s[n, g] * (q[n, k] - z[n, g]), g = k // group_size, is
     formed in fp32 and rounded to x's dtype; accumulated in fp32 and rounded once to y's dtype. UPCAST
     (float32 activations): the products in fp32 (`ieee`, no tf32), else in the activations' dtype.
     q[n, k] is the low nibble of byte k // 2 of row n for even k, the high one for odd k.
     Shape: grid (cdiv(T, BLOCK_T), cdiv(N, BLOCK_N)); x [T, K] with unit column stride; q [N, K / 2]
     uint8 with unit column stride; s [N, G] float32 and z [N, G] uint8, contiguous, G = cdiv(K,
-    GROUP_SIZE); bias [N] (unread unless HAS_BIAS); y [T, N] with unit column stride. GROUP_SIZE is a
-    multiple of BLOCK_K, so each K tile has one group. Row offsets are int64: T x N passes 2^31 at long
-    prefills of wide projections."""
-    tl.static_assert(GROUP_SIZE % BLOCK_K == 0)
+    group_size); bias [N] (unread unless HAS_BIAS); y [T, N] with unit column stride. group_size is a
+    multiple of BLOCK_K, so each K tile has one group (a runtime value: one compiled variant serves
+    every group size). Row offsets are int64: T x N passes 2^31 at long prefills of wide projections."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     row_ok = rows < T
@@ -65,10 +64,10 @@ def _int4_linear_kernel(
                     other=0.0)  # [BT, BK]
         packed = tl.load(q_rows + (ks // 2)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0)  # [BK, BN]
         q = (packed.to(tl.int32) >> ((ks & 1) * 4)[:, None]) & 0xF  # [BK, BN]: each byte read for both nibbles
-        g = k0 // GROUP_SIZE
+        g = k0 // group_size
         s = tl.load(s_ptr + sz_rows + g, mask=col_ok, other=0.0)  # [BN] float32
         z = tl.load(z_ptr + sz_rows + g, mask=col_ok, other=0).to(tl.int32)  # [BN]
-        w = s[None, :] * (q - z[None, :]).to(tl.float32)  # [BK, BN]: kernels.int4_weights' value, exact in fp32
+        w = s[None, :] * (q - z[None, :]).to(tl.float32)  # [BK, BN]: dequantize_int4's fp32 value, bit for bit
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
@@ -92,7 +91,7 @@ def int4_triton_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor |
     """
     t, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k and x.stride(1) == 1
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.group_size % BLOCK_K == 0
     y = torch.empty(t, n, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (t, n) and y.stride(1) == 1 and y.dtype == x.dtype
     if t == 0:
@@ -103,9 +102,9 @@ def int4_triton_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor |
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
     _int4_linear_kernel[grid](
         x, weight.qweight, weight.scale, weight.zero, bias if bias is not None else weight.scale, y,
-        t, n, k, weight.scale.shape[1],
+        t, n, k, weight.scale.shape[1], weight.group_size,
         x.stride(0), weight.qweight.stride(0), y.stride(0),
-        GROUP_SIZE=weight.group_size, HAS_BIAS=bias is not None, UPCAST=upcast,
+        HAS_BIAS=bias is not None, UPCAST=upcast,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
     )
     return y
