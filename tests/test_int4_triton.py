@@ -50,14 +50,14 @@ def test_the_kernel_equals_the_dequantized_matmul(kernel_device, dtype, bias, t,
     assert int4_triton_linear(x, w, b, out=out) is out and torch.equal(out, y)  # every element written, same bits
 
 
+@pytest.mark.parametrize("n, k, group_size", [(40, 144, 64), (24, 80, 128)])  # groups 64, 64, 16; one short group
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_one_hot_rows_read_out_the_dequantized_weight_bit_for_bit(kernel_device, dtype):
+def test_one_hot_rows_read_out_the_dequantized_weight_bit_for_bit(kernel_device, dtype, n, k, group_size):
     """Row t of the identity picks column t of w: one product per output, so y is w[:, t] exactly as
     the oracle dequantizes it (s * (q - z) in fp32, rounded to x's dtype) for every nibble position,
     group (the short last one included) and zero. The rows are a strided view, as the engine's
     workspace rows are."""
-    n, k, group_size = 40, 144, 64  # groups of 64, 64 and 16
-    w = random_int4(n, k, group_size, torch.Generator().manual_seed(3), kernel_device)
+    w = random_int4(n, k, group_size, torch.Generator().manual_seed(k), kernel_device)
     x_wide = torch.zeros(k, k + 8, dtype=dtype, device=kernel_device)
     x = x_wide[:, 4:4 + k]  # [K, K], row stride K + 8
     x.copy_(torch.eye(k, dtype=dtype, device=kernel_device))
