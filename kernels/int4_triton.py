@@ -12,8 +12,8 @@ kernels.int4_weights defines it, rounds w to the activations' dtype (the oracle'
 bit for bit) and accumulates `tl.dot` in fp32. The bias is added once at the end.
 
 T (the step's token rows) is never specialised on: the compiled variants depend on the model's
-projection shapes and the row tile only (the group size is a runtime argument), and every decode bucket's grid is fixed by its
-row count.
+projection shapes and the row tile only (the group size is a runtime argument), and every decode
+bucket's grid is fixed by its row count.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ SMALL_ROWS = 16  # tl.dot's minimum tile height: one row tile for decode-sized s
 BLOCK_K = 32  # every K tile within one group: group sizes are multiples of GROUP_MULTIPLE
 # (rows of a prefill-sized tile, BLOCK_N output columns), keyed by UPCAST (float32 activations): half
 # precision runs on the tensor cores; float32's `ieee` products run on the FMA units, whose tiles must
-# be smaller to stay in registers (64 x 64 spilled 896 bytes per thread on sm_90; scripts/aot_check.py).
+# be smaller to stay in registers (64 x 64 spilled 1360 bytes per thread on sm_90; scripts/aot_check.py).
 TILES = {True: (32, 32), False: (64, 64)}
 assert GROUP_MULTIPLE % BLOCK_K == 0
 
@@ -54,7 +54,7 @@ def _int4_linear_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     row_ok = rows < T
     col_ok = cols < N
-    q_rows = q_ptr + cols[None, :].to(tl.int64) * stride_qn  # [1, BN]
+    q_rows = q_ptr + cols[:, None].to(tl.int64) * stride_qn  # [BN, 1]
     sz_rows = cols.to(tl.int64) * G  # [BN]
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -62,12 +62,16 @@ def _int4_linear_kernel(
         k_ok = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_xt + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BT, BK]
-        packed = tl.load(q_rows + (ks // 2)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0)  # [BK, BN]
-        q = (packed.to(tl.int32) >> ((ks & 1) * 4)[:, None]) & 0xF  # [BK, BN]: each byte read for both nibbles
+        js = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] bytes: features 2j and 2j + 1
+        # `js < K // 2` (K is even), not `2 * js < K`: the compiler sees the mask constant over 16 bytes,
+        # so the weight tile is pipelined through shared memory in 16-byte copies (cp.async) rather than
+        # loaded a byte at a time.
+        packed = tl.load(q_rows + js[None, :], mask=col_ok[:, None] & (js < K // 2)[None, :], other=0)  # [BN, BK/2]
+        q = tl.interleave(packed & 0xF, packed >> 4).to(tl.int32)  # [BN, BK]: feature 2j low, 2j + 1 high
         g = k0 // group_size
         s = tl.load(s_ptr + sz_rows + g, mask=col_ok, other=0.0)  # [BN] float32
         z = tl.load(z_ptr + sz_rows + g, mask=col_ok, other=0).to(tl.int32)  # [BN]
-        w = s[None, :] * (q - z[None, :]).to(tl.float32)  # [BK, BN]: dequantize_int4's fp32 value, bit for bit
+        w = tl.trans(s[:, None] * (q - z[:, None]).to(tl.float32))  # [BK, BN]: dequantize_int4's fp32 value
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
