@@ -1,7 +1,7 @@
 """The Triton implementation of the kernel entry points (see kernels.kernel_ops)."""
 from __future__ import annotations
 
-from kernels import attention_triton, int8_triton, lora_triton
+from kernels import attention_triton, int4_triton, int8_triton, lora_triton
 from kernels.kernel_ops import KernelOps
 
 
@@ -16,4 +16,5 @@ def triton_ops() -> KernelOps:
         write_kv_padded=attention_triton.write_kv,  # skips negative slots already
         paged_attention=attention_triton.paged_attention,
         int8_linear=int8_triton.int8_linear,  # reads the int8 weight in place (kernels.int8_triton)
+        int4_linear=int4_triton.int4_triton_linear,  # unpacks the int4 weight in registers (kernels.int4_triton)
     )

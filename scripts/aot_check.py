@@ -41,6 +41,7 @@ from server.engine.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
 from server.engine.warmup import step_inputs, warmup_steps  # noqa: E402
 
 TARGETS = (90, 80)
+QUANTIZED_MATMULS = {"int8": "_int8_linear_kernel", "int4": "_int4_linear_kernel"}  # --quantization -> its kernel
 
 
 def capture_shape(shape: EngineShape) -> tuple[dict[str, list[aot.Launch]], list[aot.Launch]]:
@@ -98,8 +99,9 @@ def check(shapes: list[EngineShape], jobs: int, only: set[str] | None = None) ->
                 launches_per_kernel[name] = launches_per_kernel.get(name, 0) + n
             errors += errs
         captured = time.perf_counter() - start
-        # Only an int8 shape launches the int8 matmul: a run without one (--quantizations none) does not miss it.
-        not_asked = set() if any(s.quantization == "int8" for s in shapes) else {"_int8_linear_kernel"}
+        # Only an int8 (int4) shape launches the int8 (int4) matmul: a run without one does not miss it.
+        not_asked = {kernel for quant, kernel in QUANTIZED_MATMULS.items()
+                     if all(s.quantization != quant for s in shapes)}
         errors += [f"kernel {name} was never launched by any step"
                    for name in aot.unlaunched(launches_per_kernel) if name not in not_asked]
         todo = sorted(((k, v) for k, v in variants.items() if only is None or k[0] in only),
@@ -163,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-lora-ranks", nargs="+", type=int, default=[64, 512])
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
                    help="KV pool dtypes (default auto); an e4m3 pool compiles for sm_90 only (refused below 8.9)")
-    p.add_argument("--quantizations", nargs="+", default=["none", "int8"], choices=["none", "int8"],
-                   help="base weights (default none int8): int8 adds each model and dtype at the first "
-                        "--max-lora-ranks value, int8 lm_head included (kernels.int8_triton's launches "
-                        "depend on the projection shapes, not on the rank)")
+    p.add_argument("--quantizations", nargs="+", default=["none", *QUANTIZED_MATMULS],
+                   choices=["none", *QUANTIZED_MATMULS],
+                   help="base weights (default none int8 int4): int8 and int4 each add each model and dtype at "
+                        "the first --max-lora-ranks value, int8 lm_head included (kernels.int8_triton's and "
+                        "kernels.int4_triton's launches depend on the projection shapes, not on the rank)")
     p.add_argument("--compile-only", nargs="+", metavar="KERNEL", help="compile only these kernels' variants")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path)
@@ -174,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = args.dtypes or (list(DTYPES) if args.full else ["bf16", "fp32"])
     shapes = [EngineShape(m, d, r, kv_cache_dtype=kv) for m in args.models for d in dtypes
               for r in args.max_lora_ranks for kv in args.kv_cache_dtypes] if "none" in args.quantizations else []
-    if "int8" in args.quantizations:
-        shapes += [EngineShape(m, d, args.max_lora_ranks[0], quantization="int8") for m in args.models for d in dtypes]
+    shapes += [EngineShape(m, d, args.max_lora_ranks[0], quantization=quant) for quant in QUANTIZED_MATMULS
+               if quant in args.quantizations for m in args.models for d in dtypes]
     # A meta torch.cat imports torch._dynamo (2 s): once here, not once per forked worker.
     torch.cat([torch.empty(1, device="meta")] * 2)
     out = check(shapes, args.jobs, set(args.compile_only) if args.compile_only else None)

@@ -63,8 +63,11 @@ def test_default_set_compiles_every_kernel_for_hopper_and_ampere(tmp_path: Path)
             assert t["max_registers"] > 0 and "spill_bytes" in t, (name, cap, t)
     # --quantization int8's matmul (kernels.int8_triton), int8 lm_head included, in registers: fp32's
     # 64 x 64 tiles spilled 16-18 KB per thread before its smaller ones.
-    assert any(s.endswith("/int8") for s in report["shapes"])
-    assert all(report["kernels"]["_int8_linear_kernel"][f"sm_{cap}"]["spill_bytes"] == 0 for cap in aot.SHARED_LIMITS)
+    # --quantization int4's (kernels.int4_triton), its fp32 tiles at int8's smaller size.
+    for quant in ("int8", "int4"):
+        assert any(s.endswith(f"/{quant}") for s in report["shapes"])
+        k = report["kernels"][f"_{quant}_linear_kernel"]
+        assert all(k[f"sm_{cap}"]["spill_bytes"] == 0 for cap in aot.SHARED_LIMITS), k
     # fp32 at max_lora_rank 512 was 262-328 KB of shared memory before rank tiles (issue 12, fault 3).
     assert any(s.endswith("fp32/r512") for s in report["shapes"])
 
@@ -162,7 +165,7 @@ def test_capture_records_launches_without_running_them() -> None:
 def test_every_kernel_is_found_and_an_unlaunched_one_is_reported() -> None:
     kernels = {"_sgmv_shrink_kernel", "_bgmv_shrink_kernel", "_sgmv_expand_kernel", "_bgmv_expand_kernel",
                "_write_kv_kernel", "_paged_attention_kernel", "_decode_kernel", "_combine_splits_kernel",
-               "_int8_linear_kernel"}
+               "_int8_linear_kernel", "_int4_linear_kernel"}
     assert set(aot.all_kernels()) == kernels
     assert aot.unlaunched(kernels) == []
     assert aot.unlaunched(kernels - {"_combine_splits_kernel"}) == ["_combine_splits_kernel"]

@@ -46,16 +46,16 @@ class EngineShape:
     max_model_len: int = 8192
     num_kv_blocks: int = 4096
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the pool's (server.engine.kv_cache_dtype)
-    # --quantization int8 (with --quantize-lm-head: the vocabulary-wide launch too), or None for float
-    # weights; fp8 runs torch._scaled_mm, no Triton kernel of ours.
+    # --quantization int8 (with --quantize-lm-head: the vocabulary-wide launch too), int4 (the decoder
+    # layers' projections), or None for float weights; fp8 runs torch._scaled_mm, no Triton kernel of ours.
     quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS or self.dtype not in DTYPES:
             raise ValueError(f"unknown model {self.model!r} or dtype {self.dtype!r}")
         check_kv_cache_dtype_name(self.kv_cache_dtype)
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or int8 here, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, int8 or int4 here, got {self.quantization!r}")
         if not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
 
