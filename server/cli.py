@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "largest matmul of a CPU decode step at a quarter of the bytes, at some cost in the "
                         "logits' precision; a tied lm_head gets an int8 copy beside the float embedding "
                         "(default off: the lm_head stays float)")
+    s.add_argument("--int4-group-size", type=int, metavar="N",
+                   help="with --quantization int4 on a float checkpoint, input channels per scale and zero "
+                        "(a multiple of 32): smaller groups round less and take 5 more bytes per group and "
+                        "row; a GPTQ checkpoint keeps its own (default 128)")
     s.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
                    help="what the KV pool stores: auto (default) = the model dtype; fp8_e4m3 (alias fp8) or "
                         "fp8_e5m2 take a quarter of float32's bytes, so the same memory holds 4x the tokens "

@@ -113,6 +113,7 @@ class ServerConfig:
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     quantization: str | None = None       # --quantization: the base projections' weights (None: float)
     quantize_lm_head: bool = False        # --quantize-lm-head: the lm_head in int8 too (needs --quantization int8)
+    int4_group_size: int | None = None    # --int4-group-size (needs --quantization int4; None: 128)
     kv_cache_dtype: str = "auto"          # --kv-cache-dtype: what the KV pool stores (auto: the model dtype)
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
@@ -204,6 +205,10 @@ class ServerConfig:
             raise ConfigError(f"--quantization: {e}") from None
         if self.quantize_lm_head and self.quantization != "int8":
             raise ConfigError("--quantize-lm-head needs --quantization int8")
+        if self.int4_group_size is not None and self.quantization != "int4":
+            raise ConfigError("--int4-group-size needs --quantization int4")
+        if self.int4_group_size is not None and (self.int4_group_size <= 0 or self.int4_group_size % 32):
+            raise ConfigError(f"--int4-group-size must be a positive multiple of 32, got {self.int4_group_size}")
         try:
             check_kv_cache_dtype_name(self.kv_cache_dtype)
         except ValueError as e:
@@ -294,6 +299,7 @@ class ServerConfig:
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             quantization=getattr(args, "quantization", None),
             quantize_lm_head=getattr(args, "quantize_lm_head", False),
+            int4_group_size=getattr(args, "int4_group_size", None),
             kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),

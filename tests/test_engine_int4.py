@@ -17,7 +17,7 @@ from kernels.int4_avx2 import avx2_int4_linear_or_none
 from kernels.int4_weights import (Int4Weight, cat_int4, dequant_int4_linear, dequantize_int4, int4_linear_for,
                                   pack_nibbles, quantize_int4, unpack_nibbles)
 from server.cli import build_parser
-from server.config import ServerConfig
+from server.config import ConfigError, ServerConfig
 from server.engine import LLM, SamplingParams
 from server.engine.config import EngineConfig, ModelConfigError
 from tests.engine_helpers import GREEDY, assert_matches_peft, drive, random_prompts
@@ -250,10 +250,31 @@ def test_int4_is_served_on_the_cpu_and_the_gpu(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir), quantization="int4", quantize_lm_head=True)
 
 
-def test_cli_flag_reaches_the_server_config(tmp_path):
+def test_cli_flags_reach_the_server_config(tmp_path):
     parser = build_parser()
-    base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16, "--quantization", "int4"]
-    assert ServerConfig.from_args(parser.parse_args(base), env={}).quantization == "int4"
+    base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
+    config = ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int4"]), env={})
+    assert config.quantization == "int4" and config.int4_group_size is None
+    grouped = base + ["--quantization", "int4", "--int4-group-size", "32"]
+    assert ServerConfig.from_args(parser.parse_args(grouped), env={}).int4_group_size == 32
+    for argv, message in ((base + ["--int4-group-size", "32"], "--int4-group-size needs --quantization int4"),
+                          (base + ["--quantization", "int4", "--int4-group-size", "48"], "multiple of 32, got 48")):
+        with pytest.raises(ConfigError, match=message):
+            ServerConfig.from_args(parser.parse_args(argv), env={})
+
+
+def test_a_group_size_is_honoured_or_refused(tiny_model_dir, gptq_dirs):
+    with pytest.raises(ValueError, match="int4_group_size needs quantization 'int4'"):
+        EngineConfig(model=str(tiny_model_dir), quantization="int8", int4_group_size=32)
+    with pytest.raises(ValueError, match="multiple of 32, got 40"):
+        EngineConfig(model=str(tiny_model_dir), quantization="int4", int4_group_size=40)
+    llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=64, quantization="int4",
+              int4_group_size=32)
+    assert {w.group_size for w in stored_projections(llm)} == {32}
+    assert llm.engine.model.layers[0].down.weight.scale.shape == (64, 4)  # 128 inputs in groups of 32
+    with pytest.raises(ModelConfigError, match="GPTQ checkpoint with groups of 32, served as they are"):
+        LLM(gptq_dirs[0], device="cpu", kv_cache_blocks=16, max_model_len=64, quantization="int4",
+            int4_group_size=64)
 
 
 def test_a_server_started_with_int4_serves_the_quantized_model(tmp_path, tiny_model_dir, int4_reference_dir,

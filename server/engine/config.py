@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kernels.int4_weights import check_group_size
+
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 
@@ -166,6 +168,10 @@ class EngineConfig:
     # kernel as the projections. Off by default: the logits are where rounding shows most, and a
     # tied lm_head gets an int8 copy beside the float embedding (the gather needs float rows).
     quantize_lm_head: bool = False
+    # int4's input channels per group when quantizing a float checkpoint (a multiple of 32; None: 128,
+    # GPTQ's usual). Smaller groups cost 5 bytes per group and row and round less (eval-quantized.md).
+    # A GPTQ checkpoint keeps its own groups, so giving one there is refused (server.engine.weights).
+    int4_group_size: int | None = None
     # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.
     kv_cache_dtype: str = "auto"
     # vLLM's --async-scheduling: the host schedules and prepares decode step N+1 while step N runs
@@ -204,6 +210,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false")
         if self.quantize_lm_head and self.quantization != "int8":
             raise ValueError(f"quantize_lm_head needs quantization 'int8', not {self.quantization!r}")
+        if self.int4_group_size is not None:
+            if self.quantization != "int4":
+                raise ValueError(f"int4_group_size needs quantization 'int4', not {self.quantization!r}")
+            check_group_size(self.int4_group_size, 16)
         object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))  # "4" -> 4; raises
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")

@@ -9,6 +9,7 @@ import torch
 from adapters.format import LoraAdapter, ModelShape
 from adapters.host_tier import Fetch, HostTier
 from kernels.cpu_linear import upcast_linear
+from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
 from kernels.ops import select_kernels
 from server.engine.async_step import AsyncScheduling
@@ -131,14 +132,16 @@ class LLMEngine(OutputProcessing):
             vocab_size=mcfg.vocab_size,
         )
 
-        weights = load_weights(config.model, mcfg, self.dtype, self.device, config.quantization)
+        weights = load_weights(config.model, mcfg, self.dtype, self.device, config.quantization,
+                               config.int4_group_size)
         # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
         self.max_loras, why = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, self.dtype,
                                                 free_device_bytes(self.device))
         log.info("%s", why)
         lora_layers = allocate_lora_slots(mcfg, self.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
-                              config.max_num_batched_tokens, config.quantization, config.quantize_lm_head)
+                              config.max_num_batched_tokens, config.quantization, config.quantize_lm_head,
+                              config.int4_group_size or DEFAULT_GROUP_SIZE)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
         self.slots = AdapterSlots(lora_layers, self.max_loras, DoraScales.of_model(self.model), dora_scale_store)

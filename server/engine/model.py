@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernels.dora_scale import dora_scale
 from kernels.fp8_weights import Fp8Weight, quantize_fp8
-from kernels.int4_weights import Int4Weight, cat_int4, quantize_int4
+from kernels.int4_weights import DEFAULT_GROUP_SIZE, Int4Weight, cat_int4, quantize_int4
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
 from kernels.kernel_ops import KernelOps
@@ -73,7 +73,8 @@ class LoraLinear:
 
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope,
-                 quantization: str | None = None, dequant_scratch: torch.Tensor | None = None) -> None:
+                 quantization: str | None = None, dequant_scratch: torch.Tensor | None = None,
+                 int4_group_size: int = DEFAULT_GROUP_SIZE) -> None:
         """quantization: None (float projections), "int8" (kernels.int8_weights), "int4"
         (kernels.int4_weights) or "fp8" (kernels.fp8_weights), quantized here after fusing: scales are
         per output row, so fused and unfused quantization agree. An int4 weight may come quantized
@@ -87,7 +88,7 @@ class DecoderLayer:
             weight = w.pop(f"{name}.weight")
             assert quantization == "int4" or not isinstance(weight, Int4Weight), "only int4 keeps a checkpoint's int4"
             if quantization == "int4" and not isinstance(weight, Int4Weight):
-                weight = quantize_int4(weight)
+                weight = quantize_int4(weight, int4_group_size)
             elif quantization == "int8":
                 weight = quantize_int8(weight)
             elif quantization == "fp8":
@@ -131,9 +132,11 @@ class CausalLM:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora_layers, max_positions: int,
-                 max_tokens: int, quantization: str | None = None, quantize_lm_head: bool = False) -> None:
+                 max_tokens: int, quantization: str | None = None, quantize_lm_head: bool = False,
+                 int4_group_size: int = DEFAULT_GROUP_SIZE) -> None:
         """max_tokens: the most tokens one forward takes (max_num_batched_tokens), the workspace's rows.
-        quantization: None, "int8", "int4" or "fp8" for the decoder layers' projections. The lm_head stays float
+        quantization: None, "int8", "int4" or "fp8" for the decoder layers' projections; int4_group_size:
+        int4's groups where it quantizes a float weight (a GPTQ checkpoint's come quantized). The lm_head stays float
         unless quantize_lm_head (int8 only): the logits are where rounding shows most (GPTQ/AWQ keep it
         float by default), and where tied it is the embedding itself, whose gather needs float rows, so
         int8 adds a copy (a quarter of the embedding) rather than saving one. What it buys is speed: on
@@ -149,7 +152,8 @@ class CausalLM:
         self.lm_head = quantize_int8(lm_head) if quantize_lm_head else lm_head  # [V, H], float or int8
         self.rope = rope
         self.layers = [
-            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant)
+            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant,
+                         int4_group_size)
             for i in range(cfg.num_layers)
         ]
 
