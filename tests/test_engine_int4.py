@@ -285,6 +285,9 @@ def test_a_server_started_with_int4_serves_the_quantized_model(tmp_path, tiny_mo
     with running_server(config) as server:
         engine = server.state.engine.engine
         assert isinstance(engine.model.layers[0].gate_up.weight, Int4Weight)
+        view = server.admin("GET", "/admin/engine").json()["base_weights"]
+        assert view["projections"] == "int4" and view["int4_group_size"] == 128 and view["lm_head"] == "float32"
+        assert view["projection_bytes"] == sum(w.nbytes for w in stored_projections(server.state.engine))
         if AVX2 is not None:  # the engine's own choice here
             assert engine.kernels.int4_linear.__name__ == "avx2_int4_linear"
         _, key = server.new_tenant()

@@ -87,6 +87,7 @@ async def engine(request: Request) -> Response:
         "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
         "kv_cache": {"dtype": pool.dtype, "requested_dtype": cfg.kv_cache_dtype, "blocks": pool.blocks,
                      "block_size": pool.block_size, "tokens": pool.tokens, "bytes": pool.bytes},
+        "base_weights": state.engine.engine.model.base_weights(),  # fixed at start
         "slots": {"used": s.adapters_resident, "total": state.engine.engine.max_loras,
                   "max_lora_rank": cfg.max_lora_rank},
         "host": {"adapters": s.adapters_registered, "bytes": s.host_bytes_used, "budget_bytes": s.host_budget_bytes,

@@ -157,6 +157,19 @@ class CausalLM:
             for i in range(cfg.num_layers)
         ]
 
+    def base_weights(self) -> dict:
+        """What the decoder projections and the lm_head are stored as, and the projections' bytes on the
+        device (quantized or not): /admin/engine's `base_weights`."""
+        lins = [lin.weight for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        kinds = {type(w).__name__ for w in lins}
+        assert len(kinds) == 1, "every projection is stored alike"
+        first = lins[0]
+        kind = {Int8Weight: "int8", Int4Weight: "int4", Fp8Weight: "fp8"}.get(type(first))
+        return {"projections": kind or str(first.dtype).removeprefix("torch."),
+                "int4_group_size": first.group_size if isinstance(first, Int4Weight) else None,
+                "projection_bytes": sum(w.nbytes for w in lins),
+                "lm_head": "int8" if isinstance(self.lm_head, Int8Weight) else str(self.lm_head.dtype).removeprefix("torch.")}
+
     @torch.inference_mode()
     def forward(
         self,
