@@ -5,9 +5,9 @@
 // activations; with float32 ones it took 44 ms for an 8-row smol135 gate_up against 1.1 ms for the
 // float32 matmul on an AVX2 EPYC.
 //
-// The arithmetic per group g of a row: sum_k x[k] * s (q[k] - z) = sum_k x[k] (s q[k]) - s z sum_k x[k],
-// so the inner loop is int8_avx2's (widen, convert, scale, FMA) and the zero is applied once per group
-// from the sum of x over the group, which the caller computes once per call. 8 packed bytes widen to 16
+// The arithmetic per group g of a row: sum_k x[k] (s q[k] + m) = sum_k x[k] (s q[k]) + m sum_k x[k],
+// so the inner loop is int8_avx2's (widen, convert, scale, FMA) and the offset is applied once per
+// group from the sum of x over the group, which the caller computes once per call. 8 packed bytes widen to 16
 // weights: their low nibbles are the even input channels, their high ones the odd, so the caller hands
 // x with each block of 16 channels reordered evens first (xe) and both halves load contiguously.
 // Half a byte of weight traffic per weight instead of 4.
@@ -29,19 +29,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One output column o for NT token rows: y[t, o] = sum_g (sum_{k in g} xe[t, k] s[g] q[o, k] - s[g] z[g] xsum[t, g]) + b.
+// One output column o for NT token rows: y[t, o] = sum_g (sum_{k in g} xe[t, k] s[g] q[o, k] + m[g] xsum[t, g]) + b.
 template <int NT>
 inline void row_tile(const float* xe, int64_t ldx, const float* xsum, int64_t G, const uint8_t* wr, const float* sr,
-                     const uint8_t* zr, int64_t K, int64_t gs, float b, float* y, int64_t ldy) {
+                     const float* mr, int64_t K, int64_t gs, float b, float* y, int64_t ldy) {
   // Independent FMA chains per token (an FMA's latency is 4-5 cycles): few tokens unroll two blocks of 16
   // and keep their even and odd halves apart; 8 tokens are 8 chains already, and more accumulators
   // than 8 ymm registers would spill.
   constexpr int U = NT <= 2 ? 2 : 1;  // blocks of 16 channels per iteration
   constexpr int C = NT <= 4 ? 2 * U : 1;  // accumulators per token
   __m256 acc[C][NT];
-  float zterm[NT];
+  float mterm[NT];
   for (int t = 0; t < NT; ++t) {
-    zterm[t] = 0.0f;
+    mterm[t] = 0.0f;
     for (int c = 0; c < C; ++c) acc[c][t] = _mm256_setzero_ps();
   }
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += gs, ++gi) {
@@ -71,24 +71,23 @@ inline void row_tile(const float* xe, int64_t ldx, const float* xsum, int64_t G,
         acc[C - 1][t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xe + t * ldx + k + 8), acc[C - 1][t]);
       }
     }
-    const float sz = sr[gi] * static_cast<float>(zr[gi]);
-    for (int t = 0; t < NT; ++t) zterm[t] += sz * xsum[t * G + gi];
+    for (int t = 0; t < NT; ++t) mterm[t] += mr[gi] * xsum[t * G + gi];
   }
   for (int t = 0; t < NT; ++t) {
     for (int c = 1; c < C; ++c) acc[0][t] = _mm256_add_ps(acc[0][t], acc[c][t]);
-    y[t * ldy] = hsum(acc[0][t]) - zterm[t] + b;
+    y[t * ldy] = hsum(acc[0][t]) + mterm[t] + b;
   }
 }
 
 template <int NT>
-void rows(const float* xe, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale, const uint8_t* zero,
+void rows(const float* xe, int64_t ldx, const float* xsum, const uint8_t* w, const float* scale, const float* offset,
           const float* bias, float* y, int64_t ldy, int64_t K, int64_t gs, int64_t G, int64_t o0, int64_t o1) {
   for (int64_t o = o0; o < o1; ++o)
-    row_tile<NT>(xe, ldx, xsum, G, w + o * (K / 2), scale + o * G, zero + o * G, K, gs, bias ? bias[o] : 0.0f, y + o,
+    row_tile<NT>(xe, ldx, xsum, G, w + o * (K / 2), scale + o * G, offset + o * G, K, gs, bias ? bias[o] : 0.0f, y + o,
                  ldy);
 }
 
-using RowsFn = void (*)(const float*, int64_t, const float*, const uint8_t*, const float*, const uint8_t*,
+using RowsFn = void (*)(const float*, int64_t, const float*, const uint8_t*, const float*, const float*,
                         const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 constexpr RowsFn ROWS[9] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
 // Output rows per block: their packed weights (32 x K / 2 bytes) stay in L1/L2 while every group of 8
@@ -98,12 +97,12 @@ constexpr int64_t ROW_BLOCK = 32;
 }  // namespace
 
 // y[T, O] (row stride ldy) = x[T, K] @ w[O, K]^T + bias[O] (bias may be null), with
-// w[o, k] = scale[o, k / gs] * (q[o, k] - zero[o, k / gs]); q packed two per byte [O, K / 2], scale and
-// zero [O, G]. xe [T, K] (row stride ldx): x with every block of 16 channels reordered evens first;
+// w[o, k] = scale[o, k / gs] * q[o, k] + offset[o, k / gs]; q packed two per byte [O, K / 2], scale and
+// offset [O, G]. xe [T, K] (row stride ldx): x with every block of 16 channels reordered evens first;
 // xsum [T, G] contiguous: x's sum over each group. K % 16 == 0, gs % 32 == 0. Row blocks are shared out
 // over `threads` OpenMP threads (torch's intra-op count).
 extern "C" void loraplex_int4_linear_f32(const float* xe, int64_t ldx, const float* xsum, const uint8_t* q,
-                                         const float* scale, const uint8_t* zero, const float* bias, float* y,
+                                         const float* scale, const float* offset, const float* bias, float* y,
                                          int64_t ldy, int64_t T, int64_t O, int64_t K, int64_t gs, int64_t G,
                                          int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -111,7 +110,7 @@ extern "C" void loraplex_int4_linear_f32(const float* xe, int64_t ldx, const flo
     const int64_t oe = ob + ROW_BLOCK < O ? ob + ROW_BLOCK : O;
     for (int64_t t = 0; t < T; t += 8) {
       const int64_t nt = T - t < 8 ? T - t : 8;
-      ROWS[nt](xe + t * ldx, ldx, xsum + t * G, q, scale, zero, bias, y + t * ldy, ldy, K, gs, G, ob, oe);
+      ROWS[nt](xe + t * ldx, ldx, xsum + t * G, q, scale, offset, bias, y + t * ldy, ldy, K, gs, G, ob, oe);
     }
   }
 }

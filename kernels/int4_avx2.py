@@ -5,7 +5,7 @@ through ctypes.
 Why a kernel of our own: torch's CPU int4 matmul (aten._weight_int4pack_mm_for_cpu) is vectorized for
 half-precision activations only (float32 ones: 40x the float32 matmul here), and dequantizing the whole
 weight per call moves more bytes than the float32 matmul it replaces. This kernel widens 16 nibbles at
-a time in registers, scales them and multiplies them with up to 8 token rows; each group's zero is
+a time in registers, scales them and multiplies them with up to 8 token rows; each group's offset is
 applied once per group, from the activations' per-group sums, which are computed here once per call
 (with the activations' channels reordered to match the packing: the .cpp says why).
 """
@@ -40,16 +40,16 @@ def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = 
                          out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """The base projection on an Int4Weight (kernels.int4_weights), F.linear's contract.
 
-        Semantics: y = x @ w.T + bias, w = s * (q - z) (kernels.int4_weights), computed per group g as
-        sum_k x (s q) - s z sum_k x in float32 FMAs over 8-wide lanes: equals dequant_int4_linear up
+        Semantics: y = x @ w.T + bias, w = s * q + m (kernels.int4_weights), computed per group g as
+        sum_k x (s q) + m sum_k x in float32 FMAs over 8-wide lanes: equals dequant_int4_linear up
         to the order and grouping of float accumulation. `scratch`
         is unused (the matmuls' common signature). Raises ValueError on operands the kernel cannot
         take (it reads and writes through raw pointers, so every extent is checked, not asserted).
         Shape: x [T, in] float32 on the CPU, in % 16 == 0; weight.qweight [out, in / 2] uint8, weight.scale and
-        weight.zero [out, G]; bias [out] float32 or None; out [T, out] float32 with unit column
+        weight.offset [out, G]; bias [out] float32 or None; out [T, out] float32 with unit column
         stride, or None; returns [T, out] (`out` itself when given).
         """
-        q, scale, zero = weight.qweight, weight.scale, weight.zero
+        q, scale, offset = weight.qweight, weight.scale, weight.offset
         x = x.contiguous()
         n_tok, n_in = x.shape
         n_out, groups = scale.shape
@@ -58,8 +58,8 @@ def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = 
         if (x.dtype != torch.float32 or x.device.type != "cpu" or q.device.type != "cpu" or q.dtype != torch.uint8
                 or not q.is_contiguous() or q.shape != (n_out, n_in // 2) or n_in % 16
                 or groups != -(-n_in // weight.group_size) or weight.group_size % 8
-                or scale.dtype != torch.float32 or not scale.is_contiguous() or zero.dtype != torch.uint8
-                or zero.shape != (n_out, groups) or not zero.is_contiguous()
+                or scale.dtype != torch.float32 or not scale.is_contiguous() or offset.dtype != torch.float32
+                or offset.shape != (n_out, groups) or not offset.is_contiguous()
                 or out.dtype != torch.float32 or out.shape != (n_tok, n_out) or out.stride(1) != 1
                 or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n_out,)
                                           or not bias.is_contiguous()))):
@@ -69,7 +69,7 @@ def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = 
         xe = x.view(n_tok, n_in // 16, 8, 2).transpose(2, 3).contiguous()  # [T, in/16, 2, 8]: evens, then odds
         pad = groups * weight.group_size - n_in
         xsum = torch.nn.functional.pad(x, (0, pad)).view(n_tok, groups, -1).sum(dim=2)  # [T, G]
-        kernel(xe.data_ptr(), n_in, xsum.data_ptr(), q.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+        kernel(xe.data_ptr(), n_in, xsum.data_ptr(), q.data_ptr(), scale.data_ptr(), offset.data_ptr(),
                None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), n_tok, n_out, n_in,
                weight.group_size, groups, torch.get_num_threads())
         return out

@@ -3,11 +3,11 @@ dequantizes it in registers (w4a16, the weights of kernels.int4_weights with act
 dtype).
 
 Decode reads every weight once per step, so bytes are the cost on a GPU: an int4 weight moves a quarter
-of a bfloat16 one's bytes (plus 5 bytes per group of a row), where dequantizing first
+of a bfloat16 one's bytes (plus 8 bytes per group of a row), where dequantizing first
 (kernels.int4_weights.dequant_int4_linear) would write and read a float copy on top. Each program
 computes a [BLOCK_T, BLOCK_N] tile of the output over all of K. Per K tile it loads the activations,
-the packed bytes, and the tile's group's scale and zero per column (a K tile never straddles two groups:
-the group size is a multiple of BLOCK_K), unpacks the nibbles, forms w = s * (q - z) in fp32 as
+the packed bytes, and the tile's group's scale and offset per column (a K tile never straddles two groups:
+the group size is a multiple of BLOCK_K), unpacks the nibbles, forms w = s * q + m in fp32 as
 kernels.int4_weights defines it, rounds w to the activations' dtype (the oracle's dequantized weight,
 bit for bit) and accumulates `tl.dot` in fp32. The bias is added once at the end.
 
@@ -34,19 +34,19 @@ assert GROUP_MULTIPLE % BLOCK_K == 0
 
 @triton.jit(do_not_specialize=["T"])
 def _int4_linear_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, bias_ptr, y_ptr,
     T, N, K, G, group_size,
     stride_xt, stride_qn, stride_yt,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Semantics: program (row tile, column tile) writes y[t, n] = sum_k x[t, k] * w[n, k] + bias[n] for its
-    rows t < T and columns n < N, where w[n, k] = s[n, g] * (q[n, k] - z[n, g]), g = k // group_size, is
+    rows t < T and columns n < N, where w[n, k] = s[n, g] * q[n, k] + m[n, g], g = k // group_size, is
     formed in fp32 and rounded to x's dtype; accumulated in fp32 and rounded once to y's dtype. UPCAST
     (float32 activations): the products in fp32 (`ieee`, no tf32), else in the activations' dtype.
     q[n, k] is the low nibble of byte k // 2 of row n for even k, the high one for odd k.
     Shape: grid (cdiv(T, BLOCK_T), cdiv(N, BLOCK_N)); x [T, K] with unit column stride; q [N, K / 2]
-    uint8 with unit column stride; s [N, G] float32 and z [N, G] uint8, contiguous, G = cdiv(K,
+    uint8 with unit column stride; s and m [N, G] float32, contiguous, G = cdiv(K,
     group_size); bias [N] (unread unless HAS_BIAS); y [T, N] with unit column stride. group_size is a
     multiple of BLOCK_K, so each K tile has one group (a runtime value: one compiled variant serves
     every group size). Row offsets are int64: T x N passes 2^31 at long prefills of wide projections."""
@@ -55,7 +55,7 @@ def _int4_linear_kernel(
     row_ok = rows < T
     col_ok = cols < N
     q_rows = q_ptr + cols[:, None].to(tl.int64) * stride_qn  # [BN, 1]
-    sz_rows = cols.to(tl.int64) * G  # [BN]
+    sm_rows = cols.to(tl.int64) * G  # [BN]
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
@@ -69,9 +69,9 @@ def _int4_linear_kernel(
         packed = tl.load(q_rows + js[None, :], mask=col_ok[:, None] & (js < K // 2)[None, :], other=0)  # [BN, BK/2]
         q = tl.interleave(packed & 0xF, packed >> 4).to(tl.int32)  # [BN, BK]: feature 2j low, 2j + 1 high
         g = k0 // group_size
-        s = tl.load(s_ptr + sz_rows + g, mask=col_ok, other=0.0)  # [BN] float32
-        z = tl.load(z_ptr + sz_rows + g, mask=col_ok, other=0).to(tl.int32)  # [BN]
-        w = tl.trans(s[:, None] * (q - z[:, None]).to(tl.float32))  # [BK, BN]: dequantize_int4's fp32 value
+        s = tl.load(s_ptr + sm_rows + g, mask=col_ok, other=0.0)  # [BN] float32
+        m = tl.load(m_ptr + sm_rows + g, mask=col_ok, other=0.0)  # [BN] float32
+        w = tl.trans(s[:, None] * q.to(tl.float32) + m[:, None])  # [BK, BN]: dequantize_int4's fp32 value
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
@@ -90,7 +90,7 @@ def int4_triton_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor |
     dtype; equal to kernels.int4_weights.dequant_int4_linear up to the order of accumulation. `scratch`
     (the int8 matmuls' signature) is not needed: the weight is dequantized in registers.
     Shape: x [T, in] with unit column stride; weight.qweight [out, in / 2] uint8, weight.scale [out, G]
-    float32, weight.zero [out, G] uint8; bias [out] or None; out [T, out] in x's dtype with unit column
+    float32, weight.offset [out, G] float32; bias [out] or None; out [T, out] in x's dtype with unit column
     stride, or None; returns [T, out] (`out` itself when given).
     """
     t, k = x.shape
@@ -105,7 +105,7 @@ def int4_triton_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor |
     block_t = SMALL_ROWS if t <= SMALL_ROWS else large_rows
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
     _int4_linear_kernel[grid](
-        x, weight.qweight, weight.scale, weight.zero, bias if bias is not None else weight.scale, y,
+        x, weight.qweight, weight.scale, weight.offset, bias if bias is not None else weight.scale, y,
         t, n, k, weight.scale.shape[1], weight.group_size,
         x.stride(0), weight.qweight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, UPCAST=upcast,

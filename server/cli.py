@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default off: the lm_head stays float)")
     s.add_argument("--int4-group-size", type=int, metavar="N",
                    help="with --quantization int4 on a float checkpoint, input channels per scale and zero "
-                        "(a multiple of 32): smaller groups round less and take 5 more bytes per group and "
+                        "(a multiple of 32): smaller groups round less and take 8 more bytes per group and "
                         "row; a GPTQ checkpoint keeps its own (default 128)")
     s.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
                    help="what the KV pool stores: auto (default) = the model dtype; fp8_e4m3 (alias fp8) or "

@@ -1,5 +1,5 @@
 """kernels.int4_triton, the GPU's int4 weight-only matmul, against the dequantized product (under the
-Triton interpreter without a GPU): groups of 32, 64 and 128 with a short last group, zeros 0..16,
+Triton interpreter without a GPU): groups of 32, 64 and 128 with a short last group, GPTQ's zeros 0..16,
 ragged rows and columns, bias, strided rows; and the engine on the Triton kernel set with int4 weights
 against transformers + peft on the same dequantized weights."""
 from __future__ import annotations
@@ -28,12 +28,14 @@ DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
 
 def random_int4(n: int, k: int, group_size: int, g: torch.Generator, device: torch.device) -> Int4Weight:
-    """Every nibble and every zero a GPTQ checkpoint can hold (0..16): q - z from -16 to 15."""
+    """Every nibble and every zero a GPTQ checkpoint can hold (0..16, offset -scale * zero), and an
+    arbitrary float offset in every other group."""
     groups = -(-k // group_size)
     q = torch.randint(0, 16, (n, k), generator=g)
-    zero = torch.randint(0, 17, (n, groups), generator=g).to(torch.uint8)
+    zero = torch.randint(0, 17, (n, groups), generator=g).float()
     scale = torch.rand(n, groups, generator=g) * 0.1 + 1e-3
-    return Int4Weight(pack_nibbles(q).to(device), scale.to(device), zero.to(device), group_size)
+    offset = torch.where(torch.arange(groups) % 2 == 0, -scale * zero, torch.randn(n, groups, generator=g) * 0.3)
+    return Int4Weight(pack_nibbles(q).to(device), scale.to(device), offset.contiguous().to(device), group_size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -59,22 +61,26 @@ def test_the_kernel_equals_the_dequantized_matmul(kernel_device, dtype, bias, t,
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_one_hot_rows_read_out_the_dequantized_weight_bit_for_bit(kernel_device, dtype, n, k, group_size):
     """Row t of the identity picks column t of w: one product per output, so y is w[:, t] exactly as
-    the oracle dequantizes it (s * (q - z) in fp32, rounded to x's dtype) for every nibble position,
-    group (the short last one included) and zero. The rows are a strided view, as the engine's
-    workspace rows are."""
+    the oracle dequantizes it (s * q + m in fp32, rounded to x's dtype) for every nibble position,
+    group (the short last one included) and offset. The rows are a strided view, as the engine's
+    workspace rows are. On a GPU the compiler may fuse s * q + m into one FMA (one rounding fewer):
+    there, within a unit in the last place of x's dtype."""
     w = random_int4(n, k, group_size, torch.Generator().manual_seed(k), kernel_device)
     x_wide = torch.zeros(k, k + 8, dtype=dtype, device=kernel_device)
     x = x_wide[:, 4:4 + k]  # [K, K], row stride K + 8
     x.copy_(torch.eye(k, dtype=dtype, device=kernel_device))
     y = int4_triton_linear(x, w)
-    assert torch.equal(y, dequantize_int4(w, dtype).t())
+    if kernel_device.type == "cuda":
+        torch.testing.assert_close(y, dequantize_int4(w, dtype).t(), rtol=torch.finfo(dtype).eps, atol=0)
+    else:
+        assert torch.equal(y, dequantize_int4(w, dtype).t())
 
 
 def test_a_strided_output_and_input_rows_are_honoured(kernel_device):
     """The engine's workspace rows and split qkv views: row strides wider than the row."""
     g = torch.Generator().manual_seed(5)
     w = quantize_int4(torch.randn(48, 96, generator=g), group_size=32)
-    w = Int4Weight(w.qweight.to(kernel_device), w.scale.to(kernel_device), w.zero.to(kernel_device), 32)
+    w = Int4Weight(w.qweight.to(kernel_device), w.scale.to(kernel_device), w.offset.to(kernel_device), 32)
     x_wide = torch.randn(5, 100, generator=g).to(kernel_device)
     x = x_wide[:, :96]  # [5, 96], row stride 100
     y_wide = torch.zeros(5, 60, device=kernel_device)

@@ -161,15 +161,15 @@ class EngineConfig:
     enforce_eager: bool = False
     # The decoder projections' weights: None (float, the activation dtype), "int8" (weight-only,
     # per-output-channel symmetric scales; LoRA stays in the activation dtype), "int4" (weight-only,
-    # GPTQ's groupwise zeros and scales: a GPTQ checkpoint's own 4-bit weights, else round-to-nearest
-    # in groups of 128) or "fp8" (Ada, Hopper).
+    # a scale and an offset per group of inputs: a GPTQ checkpoint's own 4-bit weights, else
+    # round-to-nearest in groups of int4_group_size) or "fp8" (Ada, Hopper).
     quantization: str | None = None
     # The lm_head in int8 as well (needs quantization "int8"): per-vocabulary-row scales, the same
     # kernel as the projections. Off by default: the logits are where rounding shows most, and a
     # tied lm_head gets an int8 copy beside the float embedding (the gather needs float rows).
     quantize_lm_head: bool = False
     # int4's input channels per group when quantizing a float checkpoint (a multiple of 32; None: 128,
-    # GPTQ's usual). Smaller groups cost 5 bytes per group and row and round less (eval-quantized.md).
+    # GPTQ's usual). Smaller groups cost 8 bytes per group and row and round less (eval-quantized.md).
     # A GPTQ checkpoint keeps its own groups, so giving one there is refused (server.engine.weights).
     int4_group_size: int | None = None
     # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.

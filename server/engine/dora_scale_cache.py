@@ -140,7 +140,7 @@ def _layer_digest(layer: int, groups: dict) -> bytes:
     for group in sorted(groups):
         weight = groups[group]
         if isinstance(weight, Int4Weight):
-            parts, kind = [weight.qweight, weight.scale, weight.zero], f"Int4Weight/{weight.group_size}"
+            parts, kind = [weight.qweight, weight.scale, weight.offset], f"Int4Weight/{weight.group_size}"
         elif isinstance(weight, (Int8Weight, Fp8Weight)):
             parts, kind = [weight.qweight, weight.scale], type(weight).__name__
         else:

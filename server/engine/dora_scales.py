@@ -106,7 +106,7 @@ def _blocks(weight: torch.Tensor | Int8Weight, lo: int, hi: int):
 
 def _rows(weight: torch.Tensor | Int8Weight, lo: int, hi: int) -> torch.Tensor:
     """Rows lo..hi of the served weight, as float32 (a quantized weight dequantized: q * scale, or
-    scale * (q - zero) for int4)."""
+    scale * q + offset for int4)."""
     if isinstance(weight, Int4Weight):
         return rows_int4(weight, torch.arange(lo, hi, device=weight.qweight.device))
     if isinstance(weight, (Int8Weight, Fp8Weight)):

@@ -106,8 +106,8 @@ def dequantize_checkpoint(parts: dict[str, torch.Tensor], spec: GptqSpec) -> dic
 
 def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                    group_size: int) -> Int4Weight:
-    """The same weight as dequantize_gptq's, kept in 4 bits: q and z + 1 repacked per output row, scales
-    widened to float32 (exact from float16). Raises ModelConfigError for what kernels.int4_weights cannot
+    """The same weight as dequantize_gptq's, bit for bit, kept in 4 bits: q repacked per output row,
+    scales widened to float32 and offsets m = -scale * (z + 1), both exact (kernels.int4_weights). Raises ModelConfigError for what kernels.int4_weights cannot
     hold: act-order groups, a group size that is not a multiple of 32, widths not multiples of 16.
     Shape: as dequantize_gptq's arguments; returns an Int4Weight of [out, in]."""
     q = _unpack(qweight, 0)  # [in, out]
@@ -126,8 +126,8 @@ def int4_from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     if z.shape != (groups, n_out) or scales.shape != (groups, n_out):
         raise ModelConfigError(f"GPTQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                                f"scales {tuple(scales.shape)}")
-    return Int4Weight(pack_nibbles(q.t()), scales.float().t().contiguous(), z.t().to(torch.uint8).contiguous(),
-                      group_size)
+    scale = scales.float().t().contiguous()  # [out, G]
+    return Int4Weight(pack_nibbles(q.t()), scale, (-scale * z.t().float()).contiguous(), group_size)
 
 
 def int4_checkpoint(parts: dict[str, torch.Tensor], spec: GptqSpec) -> dict[str, Int4Weight]:
