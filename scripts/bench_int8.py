@@ -5,7 +5,7 @@ Five variants (`--variants` picks some; float32 always runs): float32; "int8", t
 choice of int8 matmul for this CPU (kernels.int8_weights.int8_linear_for: on an AVX2-only CPU,
 kernels.int8_avx2's kernel); "int8_lm_head", the same with the lm_head in int8 too
 (`quantize_lm_head`); and "dequant", the int8 engine forced onto dequant_linear (the fallback where
-the AVX2 kernel cannot be built); "int4", groups of 128 (kernels.int4_weights, on an AVX2 CPU
+the AVX2 kernel cannot be built); "int4", groups of 32 (kernels.int4_weights, on an AVX2 CPU
 kernels.int4_avx2's kernel). The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding
 sequences spread over `--adapters` adapter slots (one LoRA file loaded under each name: every slot
 is its own adapter to the kernels, which is what costs). Rounds alternate the variants (the order

@@ -27,7 +27,7 @@ from server.bench.eval_items import load_items  # noqa: E402
 # variant name -> the EngineConfig fields that make it (float32 activations throughout)
 VARIANTS = {"int8": {"quantization": "int8"}, "int8-lm-head": {"quantization": "int8", "quantize_lm_head": True},
             "int4": {"quantization": "int4"}, "int4-g64": {"quantization": "int4", "int4_group_size": 64},
-            "int4-g32": {"quantization": "int4", "int4_group_size": 32},
+            "int4-g128": {"quantization": "int4", "int4_group_size": 128},
             "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
             "fp8_e5m2-kv": {"kv_cache_dtype": "fp8_e5m2"}}
 

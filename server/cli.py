@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales (a C++ kernel on AVX2 CPUs, a Triton one on GPUs); int4 is "
                         "weight-only with a scale and zero per group of input channels: a GPTQ checkpoint's own "
-                        "4-bit weights, or round-to-nearest in groups of 128 from a float checkpoint; fp8 (e4m3, per-channel weight and per-token "
+                        "4-bit weights, or round-to-nearest in groups of --int4-group-size from a float checkpoint; fp8 (e4m3, per-channel weight and per-token "
                         "activation scales) needs a GPU of compute capability >= 8.9 and --dtype bfloat16; "
                         "adapters and lm_head stay float (default: none, the checkpoint's float weights)")
     s.add_argument("--quantize-lm-head", action="store_true",
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--int4-group-size", type=int, metavar="N",
                    help="with --quantization int4 on a float checkpoint, input channels per scale and zero "
                         "(a multiple of 32): smaller groups round less and take 8 more bytes per group and "
-                        "row; a GPTQ checkpoint keeps its own (default 128)")
+                        "row; a GPTQ checkpoint keeps its own (default 32)")
     s.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8|fp8_e4m3|fp8_e5m2",
                    help="what the KV pool stores: auto (default) = the model dtype; fp8_e4m3 (alias fp8) or "
                         "fp8_e5m2 take a quarter of float32's bytes, so the same memory holds 4x the tokens "

@@ -113,7 +113,7 @@ class ServerConfig:
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     quantization: str | None = None       # --quantization: the base projections' weights (None: float)
     quantize_lm_head: bool = False        # --quantize-lm-head: the lm_head in int8 too (needs --quantization int8)
-    int4_group_size: int | None = None    # --int4-group-size (needs --quantization int4; None: 128)
+    int4_group_size: int | None = None    # --int4-group-size (needs --quantization int4; None: 32)
     kv_cache_dtype: str = "auto"          # --kv-cache-dtype: what the KV pool stores (auto: the model dtype)
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)

@@ -168,8 +168,8 @@ class EngineConfig:
     # kernel as the projections. Off by default: the logits are where rounding shows most, and a
     # tied lm_head gets an int8 copy beside the float embedding (the gather needs float rows).
     quantize_lm_head: bool = False
-    # int4's input channels per group when quantizing a float checkpoint (a multiple of 32; None: 128,
-    # GPTQ's usual). Smaller groups cost 8 bytes per group and row and round less (eval-quantized.md).
+    # int4's input channels per group when quantizing a float checkpoint (a multiple of 32; None: 32,
+    # kernels.int4_weights.DEFAULT_GROUP_SIZE says why). Smaller groups cost 8 bytes per group and row and round less (eval-quantized.md).
     # A GPTQ checkpoint keeps its own groups, so giving one there is refused (server.engine.weights).
     int4_group_size: int | None = None
     # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.
