@@ -114,3 +114,26 @@ extern "C" void loraplex_int4_linear_f32(const float* xe, int64_t ldx, const flo
     }
   }
 }
+
+// w[O, K] (float32, row-major, channels in their natural order) = scale * q + offset: the weight for a
+// float32 GEMM where many token rows share it (a prefill), so each weight is unpacked once per call
+// instead of once per 8 token rows. Rows are shared out over `threads` OpenMP threads.
+extern "C" void loraplex_int4_dequant_f32(const uint8_t* q, const float* scale, const float* offset, float* w,
+                                          int64_t O, int64_t K, int64_t gs, int64_t G, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t o = 0; o < O; ++o) {
+    const uint8_t* qr = q + o * (K / 2);
+    float* wr = w + o * K;
+    for (int64_t k = 0; k < K; k += 16) {  // K % 16 == 0; a block of 16 never straddles a group
+      const int64_t g = o * G + k / gs;
+      const __m256 s = _mm256_set1_ps(scale[g]);
+      const __m256 m = _mm256_set1_ps(offset[g]);
+      __m256 even, odd;  // channels k, k + 2, ..., k + 14 and k + 1, ..., k + 15
+      load_w16(qr + k / 2, even, odd);
+      const __m256 a = _mm256_unpacklo_ps(even, odd);  // k+0..3 | k+8..11
+      const __m256 b = _mm256_unpackhi_ps(even, odd);  // k+4..7 | k+12..15
+      _mm256_storeu_ps(wr + k, _mm256_add_ps(_mm256_mul_ps(_mm256_permute2f128_ps(a, b, 0x20), s), m));
+      _mm256_storeu_ps(wr + k + 8, _mm256_add_ps(_mm256_mul_ps(_mm256_permute2f128_ps(a, b, 0x31), s), m));
+    }
+  }
+}

@@ -7,7 +7,11 @@ half-precision activations only (float32 ones: 40x the float32 matmul here), and
 weight per call moves more bytes than the float32 matmul it replaces. This kernel widens 16 nibbles at
 a time in registers, scales them and multiplies them with up to 8 token rows; each group's offset is
 applied once per group, from the activations' per-group sums, which are computed here once per call
-(with the activations' channels reordered to match the packing: the .cpp says why).
+(with the activations' channels reordered to match the packing: the .cpp says why). Past
+DEQUANT_ROWS token rows (a prefill) the float32 GEMM wins even with the weight's unpacking on top, so
+the kernel instead unpacks the weight once into the workspace's scratch and torch.mm runs on it:
+measured on the AVX2 EPYC, the smol135 projections at 32 rows took 389 CPU ms through the row kernel
+against 274 for float32 (docs/benchmarks/int4-cpu.md).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_avx2.cpp")
 ENTRY = "loraplex_int4_linear_f32"
+DEQUANT_ENTRY = "loraplex_int4_dequant_f32"
+DEQUANT_ROWS = 16  # more token rows than this: unpack once, then the float32 GEMM
 
 
 def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = None) -> Callable[..., torch.Tensor]:
@@ -35,6 +41,8 @@ def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = 
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     kernel = cpp_kernel.load_entry(SOURCE, ENTRY, [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int],
                                    cache_dir, compiler)
+    dequant = cpp_kernel.load_entry(SOURCE, DEQUANT_ENTRY, [p, p, p, p, i64, i64, i64, i64, ctypes.c_int], cache_dir,
+                                    compiler)
 
     def avx2_int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None,
                          out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,8 +50,9 @@ def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = 
 
         Semantics: y = x @ w.T + bias, w = s * q + m (kernels.int4_weights), computed per group g as
         sum_k x (s q) + m sum_k x in float32 FMAs over 8-wide lanes: equals dequant_int4_linear up
-        to the order and grouping of float accumulation. `scratch`
-        is unused (the matmuls' common signature). Raises ValueError on operands the kernel cannot
+        to the order and grouping of float accumulation. Past DEQUANT_ROWS rows: w unpacked into
+        `scratch` (a flat float32 buffer of at least out * in elements, reused across calls; None:
+        allocated), then x @ w.T by torch. Raises ValueError on operands the kernel cannot
         take (it reads and writes through raw pointers, so every extent is checked, not asserted).
         Shape: x [T, in] float32 on the CPU, in % 16 == 0; weight.qweight [out, in / 2] uint8, weight.scale and
         weight.offset [out, G]; bias [out] float32 or None; out [T, out] float32 with unit column
@@ -66,6 +75,15 @@ def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = 
             raise ValueError(f"avx2_int4_linear takes float32 x [T, in] and an int4 [out, in] weight: got x "
                              f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} in {groups} groups of "
                              f"{weight.group_size}, out {tuple(out.shape)} {out.dtype}")
+        if n_tok > DEQUANT_ROWS:
+            if scratch is None:
+                scratch = torch.empty(n_out * n_in, dtype=torch.float32)
+            assert scratch.dtype == torch.float32 and scratch.numel() >= n_out * n_in and scratch.is_contiguous()
+            w = scratch[: n_out * n_in].view(n_out, n_in)
+            dequant(q.data_ptr(), scale.data_ptr(), offset.data_ptr(), w.data_ptr(), n_out, n_in, weight.group_size,
+                    groups, torch.get_num_threads())
+            torch.mm(x, w.t(), out=out)
+            return out if bias is None else out.add_(bias)
         xe = x.view(n_tok, n_in // 16, 8, 2).transpose(2, 3).contiguous()  # [T, in/16, 2, 8]: evens, then odds
         pad = groups * weight.group_size - n_in
         xsum = torch.nn.functional.pad(x, (0, pad)).view(n_tok, groups, -1).sum(dim=2)  # [T, G]

@@ -91,7 +91,7 @@ MATMULS = {"dequant": dequant_int4_linear, "avx2": AVX2}
 
 
 @pytest.mark.parametrize("matmul", MATMULS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 40])  # past 16 rows the AVX2 kernel unpacks, then GEMMs
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_matmul_equals_the_dequantized_matmul(matmul, rows, group, bias):
@@ -109,6 +109,8 @@ def test_int4_matmul_equals_the_dequantized_matmul(matmul, rows, group, bias):
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     out = torch.full((rows, 70), float("nan"))
     assert int4_linear(x, w, b, out=out) is out and torch.equal(out, y)
+    stale = torch.full((70 * 208 + 3,), float("nan"))  # the workspace's scratch, last used by another weight
+    assert torch.equal(int4_linear(x, w, b, scratch=stale), y)
     strided = torch.randn(208, rows, generator=g).t()  # [T, in], not contiguous
     assert torch.allclose(int4_linear(strided, w), strided @ dequantize_int4(w).t(), atol=1e-4)
 

@@ -57,7 +57,7 @@ class LoraLinear:
         if isinstance(self.weight, Int8Weight):
             y = ctx.ops.int8_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
         elif isinstance(self.weight, Int4Weight):
-            y = ctx.ops.int4_linear(x, self.weight, bias, out=out)  # [T, out]
+            y = ctx.ops.int4_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
         elif isinstance(self.weight, Fp8Weight):
             y = ctx.ops.fp8_linear(x, self.weight, bias, out=out)  # [T, out]
         else:
@@ -143,7 +143,8 @@ class CausalLM:
         a CPU the lm_head is the largest matmul of a decode step (docs/benchmarks/int8-cpu.md)."""
         self.cfg = cfg
         some = weights["model.embed_tokens.weight"]
-        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device, dequant=quantization == "int8")
+        self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device,
+                                            dequant=quantization in ("int8", "int4") and some.device.type == "cpu")
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
         self.norm = weights["model.norm.weight"]

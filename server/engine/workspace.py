@@ -23,8 +23,8 @@ class Workspace:
     gate_up: torch.Tensor  # [max_tokens, 2 I]
     act: torch.Tensor  # [max_tokens, I], silu(gate) * up: down's input
     down: torch.Tensor  # [max_tokens, H]
-    # [largest projection's out * in], where an int8 weight is turned back into floats before its
-    # matmul (kernels.int8_weights.dequant_linear); None for float weights.
+    # [largest projection's out * in], where an int8 or int4 weight is turned back into floats before
+    # its matmul (kernels.int8_weights.dequant_linear; kernels.int4_avx2 past 16 rows); None for float weights.
     dequant: torch.Tensor | None = None
 
     @staticmethod
