@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <vector>
+
 namespace {
 
 inline void load_w16(const uint8_t* p, __m256& lo, __m256& hi) {  // 8 bytes -> even, odd channels' q
@@ -96,21 +98,33 @@ constexpr int64_t ROW_BLOCK = 32;
 
 }  // namespace
 
-// y[T, O] (row stride ldy) = x[T, K] @ w[O, K]^T + bias[O] (bias may be null), with
+// y[T, O] (row stride ldy) = x[T, K] (row stride ldx) @ w[O, K]^T + bias[O] (bias may be null), with
 // w[o, k] = scale[o, k / gs] * q[o, k] + offset[o, k / gs]; q packed two per byte [O, K / 2], scale and
-// offset [O, G]. xe [T, K] (row stride ldx): x with every block of 16 channels reordered evens first;
-// xsum [T, G] contiguous: x's sum over each group. K % 16 == 0, gs % 32 == 0. Row blocks are shared out
-// over `threads` OpenMP threads (torch's intra-op count).
-extern "C" void loraplex_int4_linear_f32(const float* xe, int64_t ldx, const float* xsum, const uint8_t* q,
-                                         const float* scale, const float* offset, const float* bias, float* y,
-                                         int64_t ldy, int64_t T, int64_t O, int64_t K, int64_t gs, int64_t G,
-                                         int threads) {
+// offset [O, G]. K % 16 == 0, gs % 32 == 0. First, once per call (a few KB at decode sizes): xe, x with
+// every block of 16 channels reordered evens first, and xsum [T, G], x's sum over each group. Then row
+// blocks are shared out over `threads` OpenMP threads (torch's intra-op count).
+extern "C" void loraplex_int4_linear_f32(const float* x, int64_t ldx, const uint8_t* q, const float* scale,
+                                         const float* offset, const float* bias, float* y, int64_t ldy, int64_t T,
+                                         int64_t O, int64_t K, int64_t gs, int64_t G, int threads) {
+  std::vector<float> xe_buf(T * K), xsum_buf(T * G, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * ldx;
+    float* et = xe_buf.data() + t * K;
+    for (int64_t k = 0; k < K; k += 16)
+      for (int j = 0; j < 8; ++j) {
+        et[k + j] = xt[k + 2 * j];
+        et[k + 8 + j] = xt[k + 2 * j + 1];
+      }
+    for (int64_t k = 0; k < K; ++k) xsum_buf[t * G + k / gs] += xt[k];
+  }
+  const float* xe = xe_buf.data();
+  const float* xsum = xsum_buf.data();
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t ob = 0; ob < O; ob += ROW_BLOCK) {
     const int64_t oe = ob + ROW_BLOCK < O ? ob + ROW_BLOCK : O;
     for (int64_t t = 0; t < T; t += 8) {
       const int64_t nt = T - t < 8 ? T - t : 8;
-      ROWS[nt](xe + t * ldx, ldx, xsum + t * G, q, scale, offset, bias, y + t * ldy, ldy, K, gs, G, ob, oe);
+      ROWS[nt](xe + t * K, K, xsum + t * G, q, scale, offset, bias, y + t * ldy, ldy, K, gs, G, ob, oe);
     }
   }
 }

@@ -6,7 +6,7 @@ Why a kernel of our own: torch's CPU int4 matmul (aten._weight_int4pack_mm_for_c
 half-precision activations only (float32 ones: 40x the float32 matmul here), and dequantizing the whole
 weight per call moves more bytes than the float32 matmul it replaces. This kernel widens 16 nibbles at
 a time in registers, scales them and multiplies them with up to 8 token rows; each group's offset is
-applied once per group, from the activations' per-group sums, which are computed here once per call
+applied once per group, from the activations' per-group sums, which the kernel computes once per call
 (with the activations' channels reordered to match the packing: the .cpp says why). Past
 DEQUANT_ROWS token rows (a prefill) the float32 GEMM wins even with the weight's unpacking on top, so
 the kernel instead unpacks the weight once into the workspace's scratch and torch.mm runs on it:
@@ -39,7 +39,7 @@ DEQUANT_ROWS = 16  # more token rows than this: unpack once, then the float32 GE
 def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = None) -> Callable[..., torch.Tensor]:
     """avx2_int4_linear on the compiled kernel (built if need be). Raises KernelBuildError."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    kernel = cpp_kernel.load_entry(SOURCE, ENTRY, [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int],
+    kernel = cpp_kernel.load_entry(SOURCE, ENTRY, [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int],
                                    cache_dir, compiler)
     dequant = cpp_kernel.load_entry(SOURCE, DEQUANT_ENTRY, [p, p, p, p, i64, i64, i64, i64, ctypes.c_int], cache_dir,
                                     compiler)
@@ -84,10 +84,7 @@ def load_avx2_int4_linear(cache_dir: Path | None = None, compiler: str | None = 
                     groups, torch.get_num_threads())
             torch.mm(x, w.t(), out=out)
             return out if bias is None else out.add_(bias)
-        xe = x.view(n_tok, n_in // 16, 8, 2).transpose(2, 3).contiguous()  # [T, in/16, 2, 8]: evens, then odds
-        pad = groups * weight.group_size - n_in
-        xsum = torch.nn.functional.pad(x, (0, pad)).view(n_tok, groups, -1).sum(dim=2)  # [T, G]
-        kernel(xe.data_ptr(), n_in, xsum.data_ptr(), q.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+        kernel(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), offset.data_ptr(),
                None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), n_tok, n_out, n_in,
                weight.group_size, groups, torch.get_num_threads())
         return out
