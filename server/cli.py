@@ -140,11 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "a worker thread), post-processing a step while the next runs; steps that cannot "
                         "overlap (prefill, penalties, grammars, n > 1 forks, admissions, preemption) run as "
                         "without it. Greedy output is the same (default off)")
-    s.add_argument("--quantization", metavar="int8|int4|fp8",
+    s.add_argument("--quantization", metavar="int8|int4|fp8|gptq",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales (a C++ kernel on AVX2 CPUs, a Triton one on GPUs); int4 is "
-                        "weight-only with a scale and zero per group of input channels: a GPTQ checkpoint's own "
-                        "4-bit weights, or round-to-nearest in groups of --int4-group-size from a float checkpoint; fp8 (e4m3, per-channel weight and per-token "
+                        "weight-only with a scale and offset per group of input channels: a GPTQ checkpoint's own "
+                        "4-bit weights, or round-to-nearest in groups of --int4-group-size from a float checkpoint "
+                        "(gptq and gptq_marlin, vLLM's names: int4 on a checkpoint that must be GPTQ); fp8 (e4m3, per-channel weight and per-token "
                         "activation scales) needs a GPU of compute capability >= 8.9 and --dtype bfloat16; "
                         "adapters and lm_head stay float (default: none, the checkpoint's float weights)")
     s.add_argument("--quantize-lm-head", action="store_true",

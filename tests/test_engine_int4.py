@@ -313,3 +313,17 @@ def test_a_server_started_with_int4_serves_the_quantized_model(tmp_path, tiny_mo
         r = server.client(key).completions.create(model=server.state.model_id, prompt=ids, max_tokens=8,
                                                    temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].text == engine.tokenizer.decode(peft_oracle(int4_reference_dir, None, ids, 8))
+
+
+@pytest.mark.parametrize("name", ["gptq", "gptq_marlin"])
+def test_vllms_gptq_names_serve_a_gptq_checkpoint_in_int4_and_refuse_a_float_one(name, gptq_dirs, tiny_model_dir,
+                                                                                  tmp_path):
+    config = EngineConfig(model=str(gptq_dirs[0]), quantization=name)
+    assert config.quantization == "int4" and config.require_gptq_checkpoint
+    llm = LLM(gptq_dirs[0], device="cpu", kv_cache_blocks=16, max_model_len=64, quantization=name)
+    assert {w.group_size for w in stored_projections(llm)} == {32}  # the checkpoint's own groups
+    with pytest.raises(ModelConfigError, match="--quantization gptq serves a GPTQ checkpoint's own 4-bit weights"):
+        LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=64, quantization=name)
+    parser = build_parser()
+    argv = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16, "--quantization", name]
+    assert ServerConfig.from_args(parser.parse_args(argv), env={}).quantization == name

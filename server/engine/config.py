@@ -24,14 +24,17 @@ MAX_NUM_BATCHED_TOKENS = 65536
 # Base-weight quantizations served (kernels.int8_weights, kernels.int4_weights, kernels.fp8_weights);
 # None serves the checkpoint's floats. Which device serves which: EngineConfig.check_quantization.
 QUANTIZATIONS = ("int8", "int4", "fp8")
+# vLLM's names for serving a GPTQ checkpoint in its 4 bits: int4 here, on a checkpoint that must be GPTQ.
+GPTQ_QUANTIZATIONS = ("gptq", "gptq_marlin")
 # fp8 products on tensor cores: Ada (8.9) and Hopper (9.0) on.
 FP8_MIN_CAPABILITY = (8, 9)
 
 
 def check_quantization_name(name: str | None) -> None:
     """Raises ValueError, naming the supported values, for a quantization loraplex does not serve."""
-    if name is not None and name not in QUANTIZATIONS:
-        raise ValueError(f"quantization {name!r} is not supported; supported: {', '.join(QUANTIZATIONS)} or none")
+    if name is not None and name not in QUANTIZATIONS + GPTQ_QUANTIZATIONS:
+        raise ValueError(f"quantization {name!r} is not supported; supported: {', '.join(QUANTIZATIONS)} or none "
+                         f"({' and '.join(GPTQ_QUANTIZATIONS)}: int4 on a GPTQ checkpoint)")
 
 
 class ModelConfigError(ValueError):
@@ -172,6 +175,9 @@ class EngineConfig:
     # kernels.int4_weights.DEFAULT_GROUP_SIZE says why). Smaller groups cost 8 bytes per group and row and round less (eval-quantized.md).
     # A GPTQ checkpoint keeps its own groups, so giving one there is refused (server.engine.weights).
     int4_group_size: int | None = None
+    # Set from quantization "gptq"/"gptq_marlin" (vLLM's names, served as "int4"): the checkpoint must be
+    # GPTQ, or loading refuses it (server.engine.weights) rather than quantize a float one.
+    require_gptq_checkpoint: bool = False
     # vLLM's --kv-cache-dtype: what the KV pool stores (server.engine.kv_cache_dtype); auto: the model dtype.
     kv_cache_dtype: str = "auto"
     # vLLM's --async-scheduling: the host schedules and prepares decode step N+1 while step N runs
@@ -180,6 +186,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_quantization_name(self.quantization)
+        if self.quantization in GPTQ_QUANTIZATIONS:
+            object.__setattr__(self, "quantization", "int4")
+            object.__setattr__(self, "require_gptq_checkpoint", True)
         check_kv_cache_dtype_name(self.kv_cache_dtype)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")

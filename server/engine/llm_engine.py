@@ -133,7 +133,7 @@ class LLMEngine(OutputProcessing):
         )
 
         weights = load_weights(config.model, mcfg, self.dtype, self.device, config.quantization,
-                               config.int4_group_size)
+                               config.int4_group_size, config.require_gptq_checkpoint)
         # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
         self.max_loras, why = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, self.dtype,
                                                 free_device_bytes(self.device))

@@ -13,10 +13,12 @@ from server.engine.gptq_checkpoint import checkpoint_quantization, dequantize_ch
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 quantization: str | None = None, int4_group_size: int | None = None) -> dict[str, torch.Tensor | Int4Weight]:
+                 quantization: str | None = None, int4_group_size: int | None = None,
+                 require_gptq: bool = False) -> dict[str, torch.Tensor | Int4Weight]:
     """Every tensor the model needs, by checkpoint key. A GPTQ checkpoint's quantized layers come as
     Int4Weight under quantization "int4", else dequantized to `dtype` (server.engine.gptq_checkpoint).
-    int4_group_size: the one asked for, refused for a GPTQ checkpoint (it keeps its own groups)."""
+    int4_group_size: the one asked for, refused for a GPTQ checkpoint (it keeps its own groups);
+    require_gptq: a float checkpoint is refused (quantization "gptq", vLLM's name)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         bins = sorted(Path(model_dir).glob("*.bin"))
@@ -32,6 +34,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                     packed[key] = f.get_tensor(key)
                 elif key.startswith("model.") or key == "lm_head.weight":
                     weights[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+    if gptq is None and require_gptq:
+        raise ModelConfigError(f"--quantization gptq serves a GPTQ checkpoint's own 4-bit weights, and {model_dir} is "
+                               f"not one (no quantization_config): use --quantization int4 to quantize it at load")
     if gptq is not None and int4_group_size is not None:
         raise ModelConfigError(f"{model_dir} is a GPTQ checkpoint with groups of {gptq.group_size}, served as they "
                                f"are: drop --int4-group-size")
