@@ -40,5 +40,18 @@ def drive(engine, check=None, max_steps: int = 100_000) -> dict:
     raise AssertionError("engine did not finish")
 
 
+def generate_in_one_batch(llm: LLM, prompts, names, params: SamplingParams) -> list:
+    """Every request added before the first step, which must run them all together (adapters of every
+    rank and base rows in one forward pass); the finished outputs in request order."""
+    engine = llm.engine
+    ids = [f"one-batch-{i}" for i in range(len(prompts))]
+    for rid, prompt, name in zip(ids, prompts, names):
+        engine.add_request(rid, prompt, params, llm._versions.get(name) if name else None)
+    engine.step()
+    assert engine.stats().num_running == len(prompts)
+    final = drive(engine)
+    return [final[r] for r in ids]
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **GREEDY)

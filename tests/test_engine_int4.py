@@ -20,7 +20,7 @@ from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.engine import LLM, SamplingParams
 from server.engine.config import EngineConfig, ModelConfigError
-from tests.engine_helpers import GREEDY, assert_matches_peft, drive, random_prompts
+from tests.engine_helpers import GREEDY, assert_matches_peft, generate_in_one_batch, random_prompts
 from tests.gptq_writer import PROJECTIONS, write_gptq_checkpoint
 from tests.test_engine_int8 import max_logprob_gap
 
@@ -186,15 +186,7 @@ def test_base_projection_weights_are_stored_in_int4(llm, tiny_model_dir):
 def test_mixed_adapters_and_base_rows_match_quantized_peft(llm, int4_reference_dir, tiny_adapters, peft_oracle):
     names = [None, *tiny_adapters] * 4  # 20 requests: 4 adapters of ranks 4..32 plus base rows
     prompts = random_prompts(len(names), (3, 40), VOCAB, seed=1)
-    engine = llm.engine
-    ids = [f"int4-mix-{i}" for i in range(len(names))]
-    for rid, prompt, name in zip(ids, prompts, names):
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=8, logprobs=0, **GREEDY),
-                           llm._versions.get(name) if name else None)
-    engine.step()
-    assert engine.stats().num_running == len(names)  # one batch: every adapter and base rows together
-    final = drive(engine)
-    outs = [final[r] for r in ids]
+    outs = generate_in_one_batch(llm, prompts, names, SamplingParams(max_tokens=8, logprobs=0, **GREEDY))
     assert_matches_peft(llm, int4_reference_dir, tiny_adapters, prompts, names, outs, 8, peft_oracle)
     assert max_logprob_gap(int4_reference_dir, tiny_adapters, prompts, names, outs) <= LOGPROB_TOL
     assert max_logprob_gap(llm.engine.config.model, tiny_adapters, prompts, names, outs) > 1e-3  # 4 bits show

@@ -5,7 +5,7 @@ import pytest
 
 from adapters.format import AdapterFormatError
 from server.engine import LLM, RequestError, SamplingParams
-from tests.engine_helpers import assert_matches_peft, drive, greedy, random_prompts
+from tests.engine_helpers import assert_matches_peft, generate_in_one_batch, greedy, random_prompts
 
 VOCAB = 512
 
@@ -21,17 +21,9 @@ def llm(tiny_model_dir, tiny_adapters):
 def test_mixed_adapters_and_base_rows_match_peft(llm, tiny_model_dir, tiny_adapters, peft_oracle):
     names = [None, *tiny_adapters] * 4  # 20 requests: 4 adapters of ranks 4..32 plus base rows
     prompts = random_prompts(len(names), (3, 40), VOCAB, seed=1)
-    engine = llm.engine
-    ids = [f"mix-{i}" for i in range(len(names))]
-    for rid, prompt, name in zip(ids, prompts, names):
-        engine.add_request(rid, prompt, greedy(8), llm._versions.get(name) if name else None)
-    engine.step()
-    # Every request shares the first forward pass: adapters of all ranks and base rows in one batch.
-    assert engine.stats().num_running == len(names)
-    final = drive(engine)
-    outs = [final[r] for r in ids]
+    outs = generate_in_one_batch(llm, prompts, names, greedy(8))
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 8, peft_oracle)
-    assert engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks_used == 0
 
 
 def test_generate_api_with_text_prompts(llm, tiny_model_dir, tiny_adapters, peft_oracle):
