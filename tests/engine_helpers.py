@@ -53,5 +53,19 @@ def generate_in_one_batch(llm: LLM, prompts, names, params: SamplingParams) -> l
     return [final[r] for r in ids]
 
 
+def generate_through_preemption_and_prefix_hits(llm: LLM, vocab: int) -> tuple[list, list, list]:
+    """8 greedy sequences of ~50 + 24 tokens over base rows and the adapters "r8_all" and "r4_qv" (added
+    to `llm` already), sharing a 33-token prefix. With the KV pool at 18 blocks of 16, preemption is
+    certain and the prefix is served from the cache to those that come after its first writer; both
+    are asserted. Returns (prompts, adapter names, outputs)."""
+    prefix = random_prompts(1, (33, 33), vocab, seed=6)[0]
+    prompts = [prefix + p for p in random_prompts(8, (10, 20), vocab, seed=7)]
+    names = [None, "r8_all", "r4_qv", None] * 2
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=0, **GREEDY), adapters=names)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    return prompts, names, outs
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **GREEDY)

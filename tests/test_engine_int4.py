@@ -20,7 +20,8 @@ from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.engine import LLM, SamplingParams
 from server.engine.config import EngineConfig, ModelConfigError
-from tests.engine_helpers import GREEDY, assert_matches_peft, generate_in_one_batch, random_prompts
+from tests.engine_helpers import (GREEDY, assert_matches_peft, generate_in_one_batch,
+                                   generate_through_preemption_and_prefix_hits, random_prompts)
 from tests.gptq_writer import PROJECTIONS, write_gptq_checkpoint
 from tests.test_engine_int8 import max_logprob_gap
 
@@ -201,12 +202,7 @@ def test_preemption_and_prefix_hits_match_quantized_peft(tiny_model_dir, tiny_ad
     adapters = {n: tiny_adapters[n] for n in ("r8_all", "r4_qv")}
     for name, path in adapters.items():
         llm.add_adapter(name, path)
-    prefix = random_prompts(1, (33, 33), VOCAB, seed=6)[0]
-    prompts = [prefix + p for p in random_prompts(8, (10, 20), VOCAB, seed=7)]
-    names = [None, "r8_all", "r4_qv", None] * 2
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=0, **GREEDY), adapters=names)
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    prompts, names, outs = generate_through_preemption_and_prefix_hits(llm, VOCAB)
     assert_matches_peft(llm, int4_reference_dir, adapters, prompts, names, outs, 24, peft_oracle)
     assert max_logprob_gap(int4_reference_dir, adapters, prompts, names, outs) <= LOGPROB_TOL
 

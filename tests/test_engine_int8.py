@@ -21,7 +21,8 @@ from server.config import ConfigError, ServerConfig
 from server.demo import make_adapter
 from server.engine import LLM, SamplingParams
 from server.engine.config import EngineConfig
-from tests.engine_helpers import GREEDY, assert_matches_peft, generate_in_one_batch, random_prompts
+from tests.engine_helpers import (GREEDY, assert_matches_peft, generate_in_one_batch,
+                                   generate_through_preemption_and_prefix_hits, random_prompts)
 
 VOCAB = 512
 LOGPROB_TOL = 1e-3  # the target; the measured gap is printed by the test (-s)
@@ -197,12 +198,7 @@ def test_preemption_and_prefix_hits_match_quantized_peft(tiny_model_dir, tiny_ad
     adapters = {n: tiny_adapters[n] for n in ("r8_all", "r4_qv")}
     for name, path in adapters.items():
         llm.add_adapter(name, path)
-    prefix = random_prompts(1, (33, 33), VOCAB, seed=6)[0]
-    prompts = [prefix + p for p in random_prompts(8, (10, 20), VOCAB, seed=7)]
-    names = [None, "r8_all", "r4_qv", None] * 2
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=0, **GREEDY), adapters=names)
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    prompts, names, outs = generate_through_preemption_and_prefix_hits(llm, VOCAB)
     assert_matches_peft(llm, reference, adapters, prompts, names, outs, 24, peft_oracle)
     assert max_logprob_gap(reference, adapters, prompts, names, outs) <= LOGPROB_TOL
 

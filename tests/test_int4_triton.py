@@ -10,10 +10,9 @@ import torch
 from kernels.int4_triton import int4_triton_linear
 from kernels.int4_weights import Int4Weight, dequant_int4_linear, dequantize_int4, pack_nibbles, quantize_int4
 from kernels.triton_ops import triton_ops
-from server.engine import LLM, SamplingParams
-from tests.engine_helpers import GREEDY, assert_matches_peft, random_prompts
+from server.engine import LLM
 from tests.test_engine_int4 import write_int4_reference
-from tests.test_engine_int8 import LOGPROB_TOL, VOCAB, max_logprob_gap
+from tests.test_int8_triton import assert_mixed_batch_matches_quantized_peft
 
 # (rows, out, in, group size). Rows: one decode row, a small row tile's edge and one past it, a prefill
 # past one large tile; out off the 32 and 64 column tiles; in not a multiple of the group (a short last
@@ -107,11 +106,4 @@ def test_the_triton_engine_with_int4_weights_matches_quantized_peft(kernel_devic
     llm = LLM(tiny_model_dir, device=kernel_device.type, dtype="float32", kernels="triton", max_loras=2,
               kv_cache_blocks=64, max_model_len=128, quantization="int4")
     assert llm.engine.kernels.int4_linear is int4_triton_linear
-    adapters = {n: tiny_adapters[n] for n in ("r8_all", "r4_qv")}
-    for name, path in adapters.items():
-        llm.add_adapter(name, path)
-    names = ["r8_all", None, "r4_qv", "r8_all"]
-    prompts = random_prompts(len(names), (4, 20), VOCAB, seed=31)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=5, logprobs=0, **GREEDY), adapters=names)
-    assert_matches_peft(llm, reference, adapters, prompts, names, outs, 5, peft_oracle)
-    assert max_logprob_gap(reference, adapters, prompts, names, outs) <= LOGPROB_TOL
+    assert_mixed_batch_matches_quantized_peft(llm, reference, tiny_adapters, peft_oracle)

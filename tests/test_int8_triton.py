@@ -65,6 +65,12 @@ def test_the_triton_engine_with_int8_weights_matches_quantized_peft(kernel_devic
     llm = LLM(tiny_model_dir, device=kernel_device.type, dtype="float32", kernels="triton", max_loras=2,
               kv_cache_blocks=64, max_model_len=128, quantization="int8", quantize_lm_head=True)
     assert llm.engine.kernels.int8_linear is int8_linear
+    assert_mixed_batch_matches_quantized_peft(llm, reference, tiny_adapters, peft_oracle)
+
+
+def assert_mixed_batch_matches_quantized_peft(llm, reference, tiny_adapters, peft_oracle) -> None:
+    """Two adapters and base rows, 5 greedy tokens each: peft's tokens on `reference` (the same quantized
+    weights, dequantized), logprobs within the quantized tolerance."""
     adapters = {n: tiny_adapters[n] for n in ("r8_all", "r4_qv")}
     for name, path in adapters.items():
         llm.add_adapter(name, path)

@@ -23,7 +23,7 @@ from server.config import ConfigError, ServerConfig
 from server.engine import LLM, SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
-from tests.engine_helpers import GREEDY, random_prompts
+from tests.engine_helpers import GREEDY, generate_through_preemption_and_prefix_hits, random_prompts
 
 VOCAB = 512
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -185,15 +185,10 @@ def test_preemption_and_prefix_hits_match_the_fp8_oracle(tiny_model_dir, tiny_ad
     # prefix is served from the cache (two full blocks) to those that come after its first writer.
     adapters = {n: tiny_adapters[n] for n in ("r8_all", "r4_qv")}
     llm = fp8_llm(tiny_model_dir, adapters, "fp8_e4m3", kv_cache_blocks=18, max_model_len=128)
-    prefix = random_prompts(1, (33, 33), VOCAB, seed=6)[0]
-    prompts = [prefix + p for p in random_prompts(8, (10, 20), VOCAB, seed=7)]
-    names = [None, "r8_all", "r4_qv", None] * 2
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=0, **GREEDY), adapters=names)
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    prompts, names, outs = generate_through_preemption_and_prefix_hits(llm, VOCAB)
     assert any(o.num_cached_tokens >= 32 for o in outs)
     check_against_oracle(fp8_logprobs, "fp8_e4m3", prompts, names, outs)
-    assert stats.kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks_used == 0
 
 
 @triton_available

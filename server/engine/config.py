@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from kernels.int4_weights import check_group_size
-
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 
@@ -172,7 +171,8 @@ class EngineConfig:
     # tied lm_head gets an int8 copy beside the float embedding (the gather needs float rows).
     quantize_lm_head: bool = False
     # int4's input channels per group when quantizing a float checkpoint (a multiple of 32; None: 32,
-    # kernels.int4_weights.DEFAULT_GROUP_SIZE says why). Smaller groups cost 8 bytes per group and row and round less (eval-quantized.md).
+    # kernels.int4_weights.DEFAULT_GROUP_SIZE says why). Smaller groups cost 8 bytes per group and row
+    # and round less (eval-quantized.md).
     # A GPTQ checkpoint keeps its own groups, so giving one there is refused (server.engine.weights).
     int4_group_size: int | None = None
     # Set from quantization "gptq"/"gptq_marlin" (vLLM's names, served as "int4"): the checkpoint must be

@@ -48,7 +48,7 @@ class LoraLinear:
         self.weight = weight  # [out, in], float, or int8 / fp8 with per-row scales, or int4 with per-group ones
         self.bias = bias  # [out] or None
         self.lora = lora
-        self.dequant_scratch = dequant_scratch  # the workspace's, for an int8 weight (Workspace.dequant)
+        self.dequant_scratch = dequant_scratch  # the workspace's, for an int8 or int4 weight (Workspace.dequant)
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
         """out: [T, out] workspace rows the result is written into (and returned)."""
