@@ -1,4 +1,4 @@
-"""Every request parameter in the README's table, through the `openai` client: supported ones for
+"""Every request parameter in the HTTP API reference's table (docs/http-api.md), through the `openai` client: supported ones for
 their effect, refused ones for the 400 that names them, ignored ones for an unchanged answer."""
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import openai
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+HTTP_API = Path(__file__).resolve().parent.parent / "docs" / "http-api.md"
 PROMPT = [3, 14, 15, 92, 65]
 CHAT = [{"role": "user", "content": "hi"}]
 
 
 def readme_rows() -> dict[str, tuple[str, str]]:
-    """parameter -> (completions, chat) as the README's table states them."""
-    text = README.read_text()
+    """parameter -> (completions, chat) as docs/http-api.md's table states them."""
+    text = HTTP_API.read_text()
     table = text[text.index("| parameter | /v1/completions"):].split("\n\n")[0]
     rows = {}
     for line in table.splitlines()[2:]:

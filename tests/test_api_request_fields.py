@@ -88,7 +88,7 @@ def test_lorax_adapter_id_selects_the_adapter(api_server, tenant):
 
 
 def test_supported_vllm_and_openai_extras_are_accepted(api_server, tenant):
-    """The README's parameter table: each of these is read, so none is refused as unknown."""
+    """The parameter table (docs/http-api.md): each of these is read, so none is refused as unknown."""
     c = api_server.client(tenant)
     extras = {"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True,
               "stop_token_ids": [3], "prompt_logprobs": 1, "priority": 0, "cache_salt": "s1",

@@ -14,7 +14,7 @@ import httpx
 EXAMPLES = 5  # per operation in the fuzzing phase; seeded, so a run is repeatable
 # Bodies whose validity a JSON schema cannot say in full, so "schema-valid yet refused" is expected
 # there: every value must keep the body's bounds (integers of at most 24 digits, nesting at most 32:
-# README, "Limits and isolation"; unknown fields are refused, as published); the generation
+# docs/limits-and-isolation.md; unknown fields are refused, as published); the generation
 # endpoints also refuse prompts longer than the context, vLLM fields we know but do not implement unless
 # left at their defaults, and combinations such as stream_options without stream; an adapter upload must
 # be a PEFT config and safetensors that fit the base model. Everything else (query parameters, the
