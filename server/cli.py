@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-grammar-compile-ms", type=_positive_int, default=5000,
                    help="deadline for compiling one structured-output constraint (JSON schema, regex, grammar), "
                         "in ms; the compile is killed past it and the request gets a 400 (default 5000)")
+    s.add_argument("--compile-seconds-per-minute", type=float, default=30.0, metavar="S",
+                   help="seconds of grammar compile processes one tenant may use per rate window "
+                        "(--rate-window-seconds), failed and timed-out compiles included; past it its new "
+                        "constraints get a 429 with Retry-After, cached ones still serve (default 30; 0: no limit)")
     s.add_argument("--max-schema-bytes", type=_positive_int, default=64 << 10,
                    help="largest structured-output constraint accepted, in bytes of canonical JSON schema, "
                         "regex or grammar; larger is a 400 (default 65536)")

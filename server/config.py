@@ -124,6 +124,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     max_grammar_compile_ms: int = 5000    # a structured-output constraint's compile deadline (killed past it)
     max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
+    compile_seconds_per_minute: float = 30.0  # one tenant's compile-process seconds per rate window (0: no limit)
     tool_call_parser: str = "hermes"      # --tool-call-parser: how tool_choice auto reads the model's calls
     enable_prefix_caching: bool = True    # --enable-prefix-caching / --no-enable-prefix-caching
     share_base_prefix_cache: bool = False  # --share-base-prefix-cache (a cross-tenant timing channel)
@@ -168,6 +169,8 @@ class ServerConfig:
                      "max_grammar_compile_ms", "max_schema_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not self.compile_seconds_per_minute >= 0:
+            raise ConfigError(f"--compile-seconds-per-minute must be >= 0, got {self.compile_seconds_per_minute}")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")
         cap = self.max_prefill_tokens_while_decoding
@@ -305,6 +308,7 @@ class ServerConfig:
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),
             shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
             max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,
+            compile_seconds_per_minute=getattr(args, "compile_seconds_per_minute", 30.0),
             tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
             enable_prefix_caching=args.enable_prefix_caching,
             share_base_prefix_cache=args.share_base_prefix_cache,

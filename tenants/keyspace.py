@@ -97,6 +97,9 @@ class Keyspace:
     def leases(self, tenant_id: str) -> str:
         return f"{self.owned(tenant_id)}rl:conc"
 
+    def compile_seconds(self, tenant_id: str) -> str:
+        return f"{self.owned(tenant_id)}rl:compile"
+
     # Adapter-source credentials (tenants.source_credentials): one hash, sealed values per kind.
     def source_credentials(self, tenant_id: str) -> str:
         return f"{self.owned(tenant_id)}srccred"

@@ -15,8 +15,9 @@ import redis
 from tenants.keyspace import Keyspace, as_str
 from tenants.models import Tenant
 
-# The three rate limits a 429 names (tenants.limits), then one reason per kind of refusal.
-REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "invalid_request",
+# The rate limits a 429 names (tenants.limits, tenants.compile_budget), then one reason per kind of refusal.
+REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "compile_seconds_per_minute",
+           "invalid_request",
            "too_large", "forbidden", "not_found", "conflict", "unavailable", "server_error")
 
 # KEYS: tenant hash, the day's refusal hash, the tenant's usage index. ARGV: tenant id, ttl seconds, reason.

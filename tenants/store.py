@@ -120,7 +120,8 @@ class TenantStore:
                 return None
             keys = [self._ks.tenant(name), self._ks.tenants(), self._ks.pending_purges(),
                     self._ks.tenant_keys(tenant.id), self._ks.usage_index(tenant.id),
-                    *self._ks.limit_keys(tenant.id), self._ks.source_credentials(tenant.id)]
+                    *self._ks.limit_keys(tenant.id), self._ks.compile_seconds(tenant.id),
+                    self._ks.source_credentials(tenant.id)]
             if int(self._delete(keys=keys, args=[name, tenant.id, self._ks.api_key_prefix()])) == 1:
                 return tenant
         raise TenantConcurrentChange(f"tenant {name!r} kept being recreated during its deletion")

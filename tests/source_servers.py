@@ -18,7 +18,8 @@ class FileServer:
         self.files: dict[str, bytes] = {}
         self.redirects: dict[str, str] = {}
         self.huge: set[str] = set()        # paths that declare a 10 GiB body and then send little
-        self.drip: set[str] = set()        # paths that send one byte every 0.2 s until the client leaves
+        self.drip: set[str] = set()        # paths that send one byte every drip_interval s until the client leaves
+        self.drip_interval = 0.2
         self.requests: list[str] = []
         self.body_bytes_sent = 0
         handler = self._handler()
@@ -62,7 +63,7 @@ class FileServer:
                         for _ in range(600):
                             self.wfile.write(b"\0")
                             self.wfile.flush()
-                            time.sleep(0.2)
+                            time.sleep(owner.drip_interval)
                     return
                 data = owner.files.get(self.path)
                 if data is None:

@@ -45,7 +45,7 @@ def test_the_reasons_are_a_fixed_set(redis_client: redis.Redis) -> None:
         with pytest.raises(ValueError):
             refusals.get(acme, days=bad_days)
     assert refusals.get(acme)["total"] == {"refused": 0, "reasons": {}}
-    assert len(REFUSAL_REASONS) == len(set(REFUSAL_REASONS)) == 10
+    assert len(REFUSAL_REASONS) == len(set(REFUSAL_REASONS)) == 11  # compile_seconds_per_minute added
 
 
 def test_refusals_of_a_deleted_tenant_are_not_kept(redis_client: redis.Redis) -> None:

@@ -1,9 +1,12 @@
 """GET over http(s) from an allowed host: each hop (redirects included) is checked and connected to
 the address the guard checked; the size is checked from Content-Length before reading, then while
-reading."""
+reading; the whole fetch ends at its deadline, however the source drips."""
 from __future__ import annotations
 
+import socket
 import ssl
+import threading
+import time
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
@@ -37,15 +40,68 @@ def _pinned(url: str, policy: SourcePolicy) -> tuple[str, str, str]:
     return urlunsplit((scheme, netloc, parts.path or "/", parts.query, "")), host_header, host
 
 
+class _Cutoff:
+    """Shuts a hop's socket down at the fetch's deadline. httpx's timeouts bound each read, not the
+    whole: a source sending a byte just inside each read timeout would hold the fetch (and its
+    loader process) for as long as it likes. A shut-down socket wakes the read blocked on it."""
+
+    def __init__(self, deadline: float) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._fired = False
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
+        self._timer.daemon = True
+
+    def trace(self, event: str, info: dict) -> None:
+        """httpcore's trace hook: the socket of each connection (and of its TLS layer, a new object)."""
+        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            sock = info["return_value"].get_extra_info("socket")
+            with self._lock:
+                self._sock = sock
+                if not self._fired:
+                    return
+            _shut(sock)
+
+    @property
+    def fired(self) -> bool:
+        with self._lock:
+            return self._fired
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._fired = True
+            sock = self._sock
+        if sock is not None:
+            _shut(sock)
+
+    def __enter__(self) -> "_Cutoff":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain call on a TLS socket too: no TLS alert
+    except OSError:  # closed already
+        pass
+
+
 def http_get(url: str, policy: SourcePolicy, cap: int, deadline: float, what: str,
              tls: ssl.SSLContext) -> bytes:
     """Blocking: call it off the event loop. `tls`: a shared context (making one per client is slow)."""
     for _ in range(policy.max_redirects + 1):
         target, host_header, server_name = _pinned(url, policy)
         timeout = httpx.Timeout(min(policy.timeout_seconds, remaining(deadline, what)))
-        extensions = {"sni_hostname": server_name} if target.startswith("https:") else {}
+        cutoff = _Cutoff(deadline)
+        extensions = {"trace": cutoff.trace}
+        if target.startswith("https:"):
+            extensions["sni_hostname"] = server_name
         try:
-            with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False, verify=tls) as client:
+            with cutoff, httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False,
+                                      verify=tls) as client:
                 with client.stream("GET", target, headers={"Host": host_header, "Accept-Encoding": "identity"},
                                    extensions=extensions) as response:
                     if response.status_code in _REDIRECTS:
@@ -63,10 +119,15 @@ def http_get(url: str, policy: SourcePolicy, cap: int, deadline: float, what: st
                     if length is not None and length.isdigit() and int(length) > cap:
                         raise too_large(what, int(length), cap)  # before reading a byte of the body
                     # As received (no re-chunking, which would wait for a full chunk of a slow drip).
-                    return read_capped(response.iter_raw(), cap, deadline, what)
+                    data = read_capped(response.iter_raw(), cap, deadline, what)
+                    if cutoff.fired:  # a body that ends with its connection looks whole when cut
+                        raise timed_out(what)
+                    return data
         except httpx.TimeoutException:
             raise timed_out(what) from None
         except httpx.HTTPError as e:
+            if time.monotonic() >= deadline:  # the cutoff ended it
+                raise timed_out(what) from None
             raise SourceError(502, f"{what}: the source is unreachable ({type(e).__name__})",
                               "source_unreachable") from None
     raise SourceError(502, f"{what}: more than {policy.max_redirects} redirects", "source_error")

@@ -14,6 +14,7 @@ from adapters.sources import SourcePolicy, fetch_adapter, parse_reference
 from adapters.sources.policy import operator_policy
 from server.api.adapter_intake import store_adapter
 from server.api.errors import APIError
+from server.api.fetch_flights import NEAR, REMOTE
 from server.api.state import ServerState
 from tenants import Quota, Tenant
 
@@ -25,18 +26,22 @@ def _policy(state: ServerState, owner: str) -> SourcePolicy:
 async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
                           ref: AdapterReference) -> AdapterRecord:
     """Fetch a reference's files (off the event loop, bounded by the source policy), validate and
-    store them; the version stays the same when the content did. One fetch per (owner, name)."""
+    store them; the version stays the same when the content did. One fetch per (owner, name). A local
+    directory goes through the near lane and the pager's process (bounded by the disk, like the
+    page-ins it serves), never behind remote fetches."""
+    source = parse_reference(ref.source)
+    near = source.kind == "local"
 
     async def run() -> AdapterRecord:
-        source = parse_reference(ref.source)
         keys = None
         if source.kind == "s3" and owner != OPERATOR_OWNER:
             keys = await run_in_threadpool(state.source_credentials.get, owner, "s3")
         policy = _policy(state, owner)
-        if state.loaders is not None:
+        pool = state.pager if near and state.pager is not None else state.loaders
+        if pool is not None:
             # Fetch and full validation in a loader process: the CPU a cold load costs stays off the
             # interpreter the engine thread runs on.
-            loaded = await run_in_threadpool(state.loaders.load, ref.source, policy, keys,
+            loaded = await run_in_threadpool(pool.load, ref.source, policy, keys,
                                              state.engine.engine.adapter_shape, state.config.max_lora_rank)
             config_json, weights, validated, sha256 = (loaded.summary.canonical_config_json, loaded.weights,
                                                        loaded.summary, loaded.sha256)
@@ -54,7 +59,7 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
         await run_in_threadpool(state.references.put, owner, ref.name, ref.source, sha256)
         return record
 
-    return await state.fetches.run((owner, ref.name), run)
+    return await state.fetches.run((owner, ref.name), run, NEAR if near else REMOTE)
 
 
 async def register_reference(state: ServerState, owner: str, quota: Quota | None, name: str, source: str,

@@ -6,7 +6,8 @@ being read or parsed, and no tenant has more bodies in flight than its concurren
 generation hands the gate over once its body is parsed and its prompts are tokenized: each
 prompt is then admitted with its real token estimate (all or none, see openai_routes). A request
 refused at any point (a 4xx or a 429) is cancelled from the window: it counts in no per-minute
-window and is never billed.
+window and is never billed; except a constraint whose compile failed or hit its deadline, which
+spent the server's CPU and stays counted as one request (server.api.compile_charge).
 """
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ async def cancel_admission(state: ServerState, admission: Admission) -> None:
             log.warning("cancelling the admission of %s failed (%r)", admission.request_id, e)
 
 
+async def keep_admission(state: ServerState, admission: Admission) -> None:
+    """End an admission that stays counted in the window (one request, 0 tokens): a request that
+    succeeded as itself, or one refused after it cost the server work (a failed compile)."""
+    state.settlements.discard(admission)
+    with anyio.CancelScope(shield=True):
+        try:
+            await run_in_threadpool(state.limiter.release, admission, 0)
+        except redis.RedisError as e:
+            log.warning("releasing the admission of %s failed (%r); its lease will expire",
+                        admission.request_id, e)
+
+
 class Gate:
     """One request of the tenant's rate and one concurrency slot, held while the body is read."""
 
@@ -55,12 +68,7 @@ class Gate:
         """The request succeeded as itself (tokenize, detokenize): it stays counted in the window."""
         if self._open:
             self._open = False
-            with anyio.CancelScope(shield=True):
-                try:
-                    await run_in_threadpool(self._state.limiter.release, self._admission, 0)
-                except redis.RedisError as e:
-                    log.warning("releasing the gate of %s failed (%r); its lease will expire",
-                                self._admission.request_id, e)
+            await keep_admission(self._state, self._admission)
 
 
 @contextlib.asynccontextmanager

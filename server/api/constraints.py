@@ -5,6 +5,7 @@ At most one way per request; the constraint is bounded (--max-schema-bytes) here
 before anything compiles it."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from starlette.concurrency import run_in_threadpool
@@ -92,11 +93,13 @@ def constraint_of(req: CompletionRequest | ChatCompletionRequest, max_schema_byt
     return constraint
 
 
-async def compile_constraint(compiler: GrammarCompileService, constraint: Constraint):
+async def compile_constraint(compiler: GrammarCompileService, constraint: Constraint, owner: str = "",
+                             spent: Callable[[float], None] | None = None):
     """The compiled grammar, compiled in a child process under --max-grammar-compile-ms (or from
-    the cache); the caller holds the tenant's admission, so compiles count against its concurrency."""
+    the cache); the caller holds the tenant's admission, so compiles count against its concurrency.
+    `owner`, `spent`: GrammarCompileService.compile's."""
     try:
-        return await run_in_threadpool(compiler.compile, constraint.spec)
+        return await run_in_threadpool(compiler.compile, constraint.spec, owner, spent)
     except GrammarTimeout as e:
         raise _bad(constraint.param, f"{e} (--max-grammar-compile-ms); simplify it") from None
     except GrammarCompilerBusy as e:

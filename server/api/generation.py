@@ -18,8 +18,9 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters.registry import AdapterRecord
 from server.api.adapter_references import resolve_adapter
-from server.api.admission import cancel_admission
-from server.api.constraints import Constraint, compile_constraint
+from server.api.admission import cancel_admission, keep_admission
+from server.api.compile_charge import charged_compile
+from server.api.constraints import Constraint
 from server.api.errors import APIError
 from server.api.state import ServerState
 from server.engine import SamplingParams
@@ -97,7 +98,17 @@ class Generation:
         try:
             # Compiled while the request holds its admission (the tenant's concurrency), and before
             # the engine sees it: the step loop never waits on a compile.
-            grammar = None if constraint is None else await compile_constraint(state.grammar_compiler, constraint)
+            grammar = None if constraint is None else await charged_compile(state, tenant, constraint)
+        except APIError as e:
+            if e.status == 400:  # the compile failed or hit its deadline: its CPU was spent, so it counts
+                await keep_admission(state, admission)
+            else:
+                await cancel_admission(state, admission)
+            raise
+        except BaseException:
+            await cancel_admission(state, admission)
+            raise
+        try:
             # The engine pages the adapter in from Redis if it is not resident; this request
             # waits for it without holding up anyone else's.
             stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.id,

@@ -34,6 +34,7 @@ from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
 from server.embedded_redis.server import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
+from tenants.compile_budget import CompileBudget
 from tenants.source_credentials import KEY_BYTES, SourceCredentials
 
 log = logging.getLogger(__name__)
@@ -81,13 +82,14 @@ class ServerState:
     fetches: FetchFlights
     source_clients: SourceClients
     loaders: LoaderPool | None               # loader processes for adapters from sources (None: in-process)
-    pager: LoaderPool | None                 # the loader process that parses stored versions for the host tier
+    pager: LoaderPool | None                 # the loader process for stored versions (host tier) and local directories
     retirements: RetirementListener
     metrics: Metrics
     prompts: PromptTokenizer
     settlements: Settlements
     history: EngineHistory
     grammar_compiler: GrammarCompileService
+    compile_budget: CompileBudget            # each tenant's compile seconds in the rate window
     demo: DemoPaths | None
     embedded_redis: EmbeddedRedis | None
 
@@ -113,7 +115,8 @@ class ServerState:
             demo, model_dir = resolved.demo, str(resolved.model_dir)
             if config.adapter_load_workers and (config.adapter_sources or config.lora_modules):
                 # Started first: their imports overlap the model's loading. The pager parses stored
-                # versions for the host tier, so page-ins never queue behind slow fetches.
+                # versions for the host tier and loads local directories, so neither ever queues
+                # behind slow remote fetches.
                 loaders = LoaderPool(config.adapter_load_workers, config.max_upload_bytes)
                 pager = LoaderPool(1, config.max_upload_bytes)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
@@ -164,11 +167,13 @@ class ServerState:
                     KEY_BYTES), config.redis_prefix),
                 registry=registry, references=ReferenceStore(client, config.redis_prefix),
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
-                fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant),
+                fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant,
+                                     near_concurrent=1 if pager is not None else _IN_PROCESS_FETCHES),
                 source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
-                grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
+                grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms),
+                compile_budget=CompileBudget(client, config.redis_prefix, config.rate_window_seconds), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
             for pool in (loaders, pager):

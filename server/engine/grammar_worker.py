@@ -13,7 +13,8 @@ killed process's replacement starts in the background (forked from a fork server
 imported xgrammar once, then loading the tokenizer) while a warm spare takes the next compile. The result comes back serialised and
 is bound to the engine's tokenizer in this process (Grammars.deserialize). Callers block (run
 `compile` off the event loop and off the engine thread); at most `processes` compiles run at
-once, the rest wait for a free slot.
+once, the rest wait for a free slot, in fair turns by tenant (server.tenant_share): one tenant's
+compiles never hold every process, so a flood of slow schemas leaves a process for everyone else.
 """
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import psutil
 
 from server.engine.grammar import GrammarError, Grammars, compile_constraint
 from server.engine.structured_outputs import StructuredOutputsParams
+from server.tenant_share import TenantShare
 
 START_TIMEOUT_S = 180.0  # the first process waits for the fork server to import xgrammar (and torch)
 # Compile processes run at a lower CPU priority than the engine: on a machine with few cores, a
@@ -142,7 +145,9 @@ class GrammarCompileService:
         # this process's threads.
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(["__main__", __name__])
-        self._slots = threading.BoundedSemaphore(processes)
+        # A tenant takes at most all processes but one: another tenant's compile never waits for a
+        # flood's deadline-hitting compiles to end.
+        self._slots = TenantShare[threading.Event](processes, max(1, processes - 1))
         self._spares = spares
         self._pool_size = processes + spares
         # Processes the pool keeps: the most compiles seen at once plus the spares (grown lazily,
@@ -183,15 +188,18 @@ class GrammarCompileService:
             self._target = max(self._target, 1)
             self._top_up()
 
-    def compile(self, spec: StructuredOutputsParams):
-        """The compiled grammar (from the cache when it can); GrammarError / GrammarTimeout say why not."""
+    def compile(self, spec: StructuredOutputsParams, owner: str = "",
+                spent: Callable[[float], None] | None = None):
+        """The compiled grammar (from the cache when it can); GrammarError / GrammarTimeout say why not.
+        `owner`: the tenant asking (its share of the processes); `spent`: told the seconds a process
+        spent on this compile, whatever its outcome (nothing for a cached one)."""
         cached = self.grammars.lookup(spec)
         if cached is not None:
             return cached
         with self._lock:
             self._running += 1
         try:
-            return self._compile(spec)
+            return self._compile(spec, owner, spent)
         finally:
             with self._lock:
                 self._running -= 1
@@ -265,19 +273,38 @@ class GrammarCompileService:
             if proc.conn.poll(min(max(cpu_left, _CPU_TICK_S), wall_left)):
                 return True
 
-    def _compile(self, spec: StructuredOutputsParams):
-        if not self._slots.acquire(timeout=self.wait_s):
-            raise GrammarCompilerBusy("every grammar compile process is busy")
+    def _acquire(self, owner: str) -> None:
+        turn = threading.Event()
+        with self._lock:
+            for granted in self._slots.ask(owner, turn):
+                granted.set()
+        if not turn.wait(self.wait_s):
+            with self._lock:
+                if self._slots.cancel(turn):
+                    raise GrammarCompilerBusy("every grammar compile process is busy")
+            # granted as the wait ended: it holds the slot
+
+    def _release(self, owner: str) -> None:
+        with self._lock:
+            for granted in self._slots.release(owner):
+                granted.set()
+
+    def _compile(self, spec: StructuredOutputsParams, owner: str, spent: Callable[[float], None] | None):
+        self._acquire(owner)
         try:
             proc = self._take(time.monotonic() + START_TIMEOUT_S)
+            start = time.perf_counter()
             try:
                 status, payload, seconds = self._run(proc, spec)
             except BaseException:
                 self._give_back(None)  # _run killed it
                 raise
+            finally:
+                if spent is not None:
+                    spent(time.perf_counter() - start)
             self._give_back(proc)
         finally:
-            self._slots.release()
+            self._release(owner)
         if status != "ok":
             self.grammars.count_failure()
             raise GrammarError(payload)
