@@ -8,7 +8,6 @@ position, so a recomputed sequence must come out the same.
 import itertools
 from collections import Counter
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -288,7 +287,6 @@ def test_random_workloads_keep_every_limit_and_finish_every_request_intact(reque
     assert not s.scheduler.running and not s.scheduler.waiting and s.scheduler.fork_seats == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a preempted tenant is lifted as if returning from idle (fixed next)")
 def test_a_preempted_tenant_keeps_its_fair_share_credit():
     # Preemption is not idling: the victim's tenant must not be lifted to the others' counters (as one
     # returning from idle is), or the lightest user, the one preempted first, loses what it is owed.
