@@ -283,13 +283,15 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, back into the queue."""
+        # Queued while it still counts as running: a preempted tenant did not idle, so the fair queue
+        # must not lift its counter to the others' (that would take the credit of the lightest user).
+        self.waiting.push(seq)
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         self.num_preemptions += 1
-        self.waiting.push(seq)
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             for column in (batch.seqs, batch.num_tokens, batch.slots):

@@ -1,0 +1,302 @@
+"""Scheduler: token budget and chunked prefill, seats, adapter slots, preemption, fair share, forks, aborts.
+
+Real parts throughout: a BlockManager, AdapterSlots over a one-layer slot buffer, a HostTier holding tiny
+adapters, and a `Steps` driver that plays the engine's part (advance what a batch computed, index full
+blocks, append a token when a prompt is in, fork, finish) with tokens that depend only on their
+position, so a recomputed sequence must come out the same.
+"""
+import itertools
+from collections import Counter
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters.format import LoraAdapter, LoraWeights
+from adapters.host_tier import HostTier
+from server.engine.block_manager import BlockManager
+from server.engine.lora_slots import AdapterSlots, LoraGroupBuffers
+from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from server.engine.sequence import Sequence, SequenceStatus
+from tests.server.engine.sequences import request
+
+BLOCK = 4
+WIDTH, RANK = 4, 2  # the one adapted projection (layer 0's o_proj) of the slot buffers
+
+
+def _adapter() -> LoraAdapter:
+    weights = {(0, "o_proj"): LoraWeights(torch.ones(RANK, WIDTH), torch.ones(WIDTH, RANK), 1.0)}
+    return LoraAdapter(RANK, ("o_proj",), False, weights, 2 * RANK * WIDTH * 4, {})
+
+
+def _token(seq: Sequence) -> int:
+    return (7 * len(seq.token_ids) + seq.index) % 97
+
+
+class Steps:
+    """A Scheduler and the engine's side of each step, checking the batch's limits as it goes."""
+
+    def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, max_loras: int = 2,
+                 cap: int | None = None, versions: tuple[str, ...] = ()) -> None:
+        self.config = SchedulerConfig(max_num_seqs, budget, cap)
+        self.blocks = BlockManager(num_blocks, BLOCK)
+        layers = [{"o": LoraGroupBuffers.allocate(WIDTH, (WIDTH,), max_loras, RANK, torch.float32, "cpu")}]
+        self.slots = AdapterSlots(layers, max_loras)
+        self.host = HostTier(None, None)
+        for version in versions:
+            self.host.add(version, _adapter())
+        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.host)
+        self.arrivals = itertools.count()
+        self.admitted: list[Sequence] = []  # in order of first admission
+        self.finished: list[Sequence] = []
+
+    def add(self, prompt_len: int = 8, **kw) -> Sequence:
+        arrival = next(self.arrivals)
+        seq = request([(arrival + i) % 89 for i in range(prompt_len)], arrival, **kw)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> ScheduledBatch:
+        batch = self.scheduler.schedule()
+        self._check(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq not in self.admitted:
+                self.admitted.append(seq)
+            seq.num_computed_tokens += n
+            self.scheduler.prefix_cache.register(seq)
+            if seq.num_pending_tokens:
+                continue  # a prompt chunk
+            choices = [seq, *self.scheduler.fork(seq)] if seq.group.needs_fork else [seq]
+            for choice in choices:
+                choice.token_ids.append(_token(choice))
+                self.scheduler.waiting.charge_output(choice)
+                if choice.num_output_tokens == choice.params.max_tokens:
+                    self.scheduler.finish(choice)
+                    self.finished.append(choice)
+        return batch
+
+    def abort(self, seq: Sequence) -> None:
+        for choice in seq.group.seqs:
+            if not choice.finished:
+                self.scheduler.finish(choice)
+
+    def drain(self, max_steps: int = 500) -> list[ScheduledBatch]:
+        batches = []
+        while self.scheduler.has_unfinished():
+            assert len(batches) < max_steps, "the scheduler stopped making progress"
+            batches.append(self.step())
+        return batches
+
+    def _check(self, batch: ScheduledBatch) -> None:
+        sched = self.scheduler
+        assert sum(batch.num_tokens) <= self.config.max_num_batched_tokens
+        assert len(sched.running) <= self.config.max_num_seqs
+        assert len(set(map(id, batch.seqs))) == len(batch.seqs)
+        versions = {s.adapter_id for s in batch.seqs if s.adapter_id is not None}
+        assert len(versions) <= self.slots.max_loras
+        for seq, n, slot in zip(batch.seqs, batch.num_tokens, batch.slots):
+            assert seq.status is SequenceStatus.RUNNING and 0 < n <= seq.num_pending_tokens
+            assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n
+            assert (slot == -1) == (seq.adapter_id is None)
+            assert slot == -1 or self.slots.slot_of[seq.adapter_id] == slot
+        held = Counter(b for s in sched.running for b in s.block_table)
+        assert all(self.blocks.ref_counts[b] == held[b] for b in range(self.blocks.num_blocks))
+        for seq in batch.preempted:
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq in sched.waiting
+
+    def expected_tokens(self, seq: Sequence) -> list[int]:
+        """What `seq` generates had it never been preempted (tokens depend on their position alone)."""
+        tokens = list(seq.prompt_token_ids)
+        while len(tokens) < seq.num_prompt_tokens + seq.params.max_tokens:
+            tokens.append((7 * len(tokens) + seq.index) % 97)
+        return tokens
+
+
+def test_admission_fills_the_token_budget_and_prefills_what_does_not_fit_in_chunks():
+    s = Steps(budget=16)
+    a, b, c = s.add(10), s.add(10), s.add(10)
+    first = s.step()
+    assert first.seqs == [a, b] and first.num_tokens == [10, 6]
+    second = s.step()
+    assert second.seqs == [a, b, c] and second.num_tokens == [1, 4, 10]
+    assert b.num_output_tokens == 1 and c.num_output_tokens == 1
+
+
+def test_prompts_are_capped_while_a_sequence_decodes():
+    s = Steps(budget=32, cap=4)
+    a = s.add(6)
+    assert s.step().num_tokens == [6]  # nothing decodes yet: the whole budget
+    b = s.add(20)
+    batches = [s.step() for _ in range(5)]
+    assert [x.num_tokens for x in batches] == [[1, 4], [1, 4], [1, 4], [8], [1]]
+    assert a.finished and b.num_output_tokens == 2
+
+
+def test_no_more_sequences_run_than_max_num_seqs():
+    s = Steps(max_num_seqs=2)
+    a, b, c = s.add(), s.add(), s.add()
+    s.step()
+    assert s.scheduler.running == [a, b] and c in s.scheduler.waiting
+    while not a.finished:
+        s.step()
+    s.step()
+    assert c in s.scheduler.running
+
+
+def test_a_batch_holds_at_most_max_loras_adapters_and_base_requests_pass_a_blocked_one():
+    s = Steps(max_loras=2, versions=("v1", "v2", "v3"))
+    r1, r2, r3 = s.add(version="v1"), s.add(version="v2"), s.add(version="v3")
+    base = s.add()
+    first = s.step()
+    assert first.seqs == [r1, r2, base] and r3 in s.scheduler.waiting
+    s.drain()
+    assert r3.finished and s.admitted.index(r3) == 3
+    assert not s.slots.users and not s.host.pins
+
+
+def test_requests_for_one_adapter_share_its_slot():
+    s = Steps(max_loras=1, versions=("v1", "v2"))
+    same = [s.add(version="v1") for _ in range(3)]
+    other = s.add(version="v2")
+    first = s.step()
+    assert first.seqs == same and len(set(first.slots)) == 1 and other in s.scheduler.waiting
+    s.drain()
+    assert other.finished
+
+
+def test_a_short_pool_preempts_the_newest_which_comes_back_and_finishes_unchanged():
+    s = Steps(num_blocks=6, budget=64)
+    old, new = s.add(8, max_tokens=12), s.add(8, max_tokens=12)
+    preempted = [seq for batch in s.drain() for seq in batch.preempted]
+    assert preempted and set(preempted) == {new}
+    assert s.scheduler.num_preemptions == len(preempted)
+    assert s.finished[0] is old
+    assert new.token_ids == s.expected_tokens(new) and old.token_ids == s.expected_tokens(old)
+    assert s.blocks.num_used_blocks == 0
+
+
+def test_a_preempted_sequence_is_recomputed_from_its_tokens():
+    s = Steps(num_blocks=6, budget=64)
+    s.add(8, max_tokens=12)
+    new = s.add(8, max_tokens=12)
+    while not (batch := s.step()).preempted:
+        pass
+    kept = len(new.token_ids)
+    assert kept > 8 and new.num_computed_tokens == 0 and new.num_pending_tokens == kept
+    while new not in (batch := s.step()).seqs:
+        pass
+    assert new.num_computed_tokens == kept and len(new.token_ids) == kept + 1  # all of it again, in one step
+
+
+def test_fair_share_interleaves_a_late_tenant_with_a_backlogged_one():
+    s = Steps(max_num_seqs=1)
+    flood = [s.add(tenant="a", max_tokens=2) for _ in range(4)]
+    late = [s.add(tenant="b", max_tokens=2) for _ in range(2)]
+    s.drain()
+    assert s.admitted == [flood[0], late[0], flood[1], late[1], flood[2], flood[3]]
+
+
+def test_a_heavier_tenant_is_admitted_more_often():
+    s = Steps(max_num_seqs=1)
+    s.scheduler.waiting.set_weight("heavy", 3.0)
+    for _ in range(6):
+        s.add(tenant="heavy", max_tokens=1)
+        s.add(tenant="light", max_tokens=1)
+    s.drain()
+    assert [seq.tenant for seq in s.admitted[:4]].count("heavy") == 3
+
+
+def test_aborting_frees_blocks_and_slots_and_a_waiting_request_never_runs():
+    s = Steps(max_num_seqs=1, budget=4, versions=("v1",))
+    running = s.add(12, version="v1")
+    waiting = s.add(8)
+    s.step()  # the first chunk of `running`
+    assert s.blocks.num_used_blocks == 1 and s.slots.users == {"v1": 1} and s.host.pins == {"v1": 1}
+    s.abort(waiting)
+    s.abort(running)
+    assert s.blocks.num_used_blocks == 0 and not s.slots.users and not s.host.pins
+    assert not s.scheduler.has_unfinished() and s.step().empty
+    assert running.finished and waiting.finished and waiting not in s.admitted
+
+
+def test_n_choices_fork_after_the_prompt_sharing_its_blocks_and_copying_the_one_they_write():
+    s = Steps(max_num_seqs=2)
+    first = s.add(6, n=2, max_tokens=3)
+    other = s.add(4)
+    batch = s.step()
+    assert batch.seqs == [first] and other in s.scheduler.waiting  # the second choice's seat is held
+    child = first.group.seqs[1]
+    assert child.status is SequenceStatus.RUNNING and child.block_table == first.block_table
+    batch = s.step()
+    assert batch.seqs == [first, child] and len(batch.block_copies) == 1
+    src, dst = batch.block_copies[0]
+    assert first.block_table == [child.block_table[0], dst] and child.block_table[1] == src
+    s.drain()
+    assert first.token_ids != child.token_ids
+    assert [seq.token_ids for seq in (first, child)] == [s.expected_tokens(seq) for seq in (first, child)]
+
+
+def test_a_request_whose_adapter_cannot_be_loaded_fails_without_holding_up_others():
+    s = Steps()
+    lost = s.add(version="gone")
+    base = s.add()
+    assert s.step().seqs == [base] and lost in s.scheduler.waiting
+    batch = s.step()
+    assert batch.failed and batch.failed[0][0] is lost and lost not in s.scheduler.waiting
+
+
+def test_adapters_in_use_lists_running_and_waiting_versions():
+    s = Steps(max_loras=1, versions=("v1", "v2"))
+    s.add(version="v1")
+    s.add(version="v2")
+    s.add()
+    s.step()
+    assert s.scheduler.adapters_in_use() == (frozenset({"v1"}), frozenset({"v2"}))
+
+
+# (prompt length, tenant, adapter version, n, max_tokens, the step before which it is aborted or None)
+_request = st.tuples(st.integers(1, 20), st.sampled_from(["a", "b", None]), st.sampled_from([None, "v1", "v2", "v3"]),
+                     st.integers(1, 2), st.integers(1, 6), st.one_of(st.none(), st.integers(0, 12)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_request, min_size=3, max_size=10), st.sampled_from([7, 10, 16]), st.sampled_from([8, 16, 64]),
+       st.integers(2, 4), st.sampled_from([None, 4]))
+def test_random_workloads_keep_every_limit_and_finish_every_request_intact(requests, num_blocks, budget, max_num_seqs,
+                                                                           cap):
+    # 7 blocks hold the longest request (26 tokens) alone: smaller pools could never finish it.
+    s = Steps(num_blocks, max_num_seqs=max_num_seqs, budget=budget, cap=cap, versions=("v1", "v2", "v3"))
+    seqs = [(s.add(prompt_len, tenant=tenant, version=version, n=n, max_tokens=max_tokens), abort_at)
+            for prompt_len, tenant, version, n, max_tokens, abort_at in requests]
+    for step in itertools.count():
+        for seq, abort_at in seqs:
+            if abort_at == step:
+                s.abort(seq)
+        if not s.scheduler.has_unfinished():
+            break
+        assert step < 500, "the scheduler stopped making progress"
+        s.step()
+    for seq, abort_at in seqs:
+        for choice in seq.group.seqs:
+            assert choice.finished
+            if choice in s.finished:
+                assert choice.token_ids == s.expected_tokens(choice)
+        if abort_at is None:
+            assert all(choice in s.finished for choice in seq.group.seqs)
+    assert s.blocks.num_used_blocks == 0 and not s.slots.users and not s.host.pins
+    assert not s.scheduler.running and not s.scheduler.waiting and s.scheduler.fork_seats == 0
+
+
+def test_a_preempted_tenant_keeps_its_fair_share_credit():
+    # Preemption is not idling: the victim's tenant must not be lifted to the others' counters (as one
+    # returning from idle is), or the lightest user, the one preempted first, loses what it is owed.
+    s = Steps(num_blocks=6)
+    s.scheduler.waiting.set_weight("light", 10.0)
+    s.add(8, tenant="heavy", max_tokens=12)
+    light = s.add(8, tenant="light", max_tokens=12)
+    counters = s.scheduler.waiting.counters
+    while True:
+        owed = counters["light"]
+        if s.step().preempted:
+            break
+    assert light in s.scheduler.waiting and counters["light"] == owed < counters["heavy"] / 5
