@@ -6,7 +6,7 @@ adapters. Per configuration: the median time per call, the bandwidth achieved
 (bytes of adapter weights and activations the op must move, divided by time)
 and that bandwidth as a share of the device's copy bandwidth, measured in the
 same run with a large device-to-device copy. Slot buffers use the engine's
-layout (B rank-major, server.engine.lora_slots).
+layout (B rank-major, server.engine.lora.slots).
 
 On CUDA every configuration gets a pool of argument sets (inputs, slot buffers,
 outputs) whose bytes touched exceed twice the L2 cache, so each call reads its

@@ -20,7 +20,8 @@ from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_byte
 from adapters.host_tier import HostTier
 from adapters.registry import AdapterRegistry
 from server.demo import make_adapter
-from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams, dora_precompute, dora_scale_cache
+from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from server.engine.lora import dora_precompute, dora_scale_cache
 from tests.engine_helpers import drive, random_prompts
 from tests.fixtures_models import TINY_DORA_ADAPTERS
 from tests.test_engine_logprobs import assert_matches
@@ -236,7 +237,7 @@ def test_a_base_model_with_biases(model_variant_dir, reference, tmp_path):
         assert_matches(out, prompt, p, reference(name, prompt + out.token_ids, model_dir, dirs))
 
 
-# ---- the scales' Redis tier (adapters.dora_scale_store, server.engine.dora_scale_cache) ----
+# ---- the scales' Redis tier (adapters.dora_scale_store, server.engine.lora.dora_scale_cache) ----
 
 STORED = ("dora_r8_all", "dora_r16_pattern")
 
@@ -355,7 +356,7 @@ def test_another_base_does_not_reuse_the_scales(stored, reference, tiny_model_di
     assert [stored.store.put(version, b, b"\0" * 4) for b in bases] == [True] * (MAX_BASES - 3) + [False] * 3
 
 
-# ---- scales computed when a version is accepted (server.engine.dora_precompute) ----
+# ---- scales computed when a version is accepted (server.engine.lora.dora_precompute) ----
 
 def test_scales_precomputed_at_intake_make_the_first_load_a_reload(stored, reference, monkeypatch):
     """An engine with a store computes its base identity at start-up, once; a version submitted at

@@ -23,7 +23,7 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.config import MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig
 from server.engine.cuda_device import thread_binder
 from server.engine.kv_cache import allocate_lora_slots
-from server.engine.lora_slots import AdapterSlots
+from server.engine.lora.slots import AdapterSlots
 from server.engine.model import CausalLM
 from server.engine.warmup import rank_classes, step_inputs, warmup_steps
 

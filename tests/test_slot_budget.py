@@ -7,7 +7,7 @@ import torch
 
 from server.engine.aot_shapes import MODELS
 from server.engine.config import ModelConfig
-from server.engine.slot_budget import (
+from server.engine.lora.slot_budget import (
     CPU_DEFAULT_LORAS, MAX_AUTO_LORAS, SlotBudgetError, free_device_bytes, resolve_max_loras, slot_bytes,
     slots_for_memory)
 

@@ -106,7 +106,7 @@ async def engine(request: Request) -> Response:
                               "compile_timeouts": state.grammar_compiler.timeouts,
                               "compiles_running": state.grammar_compiler.running,
                               "compile_cold_starts": state.grammar_compiler.cold_starts},
-        # DoRA scales: computed against the base, or read from Redis (server.engine.dora_scale_cache).
+        # DoRA scales: computed against the base, or read from Redis (server.engine.lora.dora_scale_cache).
         "dora_scales": vars(state.engine.engine.slots.dora_cache.stats),
         "history": list(state.history.points)})
 

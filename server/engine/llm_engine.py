@@ -22,17 +22,17 @@ from server.engine.grammar import GrammarError, Grammars
 from server.engine.grammar_mask import GrammarMask
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
-from server.engine.dora_precompute import DoraPrecompute
-from server.engine.dora_scale_cache import ScaleStore
-from server.engine.dora_scales import DoraScales
-from server.engine.lora_slots import AdapterSlots
+from server.engine.lora.dora_precompute import DoraPrecompute
+from server.engine.lora.dora_scale_cache import ScaleStore
+from server.engine.lora.dora_scales import DoraScales
+from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
+from server.engine.lora.slots import AdapterSlots
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.postprocess import OutputProcessing
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
-from server.engine.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.stop import StopChecker
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
@@ -99,7 +99,7 @@ class EngineStats:
 class LLMEngine(OutputProcessing):
     """`adapter_source`, when given, loads adapter versions on demand (e.g. from the Redis registry);
     it runs on background threads, so it may block. `dora_scale_store` keeps DoRA adapters' scales per
-    version and base (server.engine.dora_scale_cache; e.g. adapters.dora_scale_store)."""
+    version and base (server.engine.lora.dora_scale_cache; e.g. adapters.dora_scale_store)."""
 
     def __init__(self, config: EngineConfig, adapter_source: Fetch | None = None,
                  dora_scale_store: ScaleStore | None = None) -> None:

@@ -18,7 +18,7 @@ An activated LoRA's blocks wholly before its activation point hold base-model
 KV, so they are keyed (and indexed) as the base model's blocks of the same
 tenant and salt: the base model and every aLoRA on that prompt share them.
 Its blocks from the point on are keyed on the version and the point
-(server.engine.alora).
+(server.engine.lora.alora).
 
 Hashes depend only on a sequence's tokens, so each is computed once per
 sequence (kept in `Sequence.block_hashes`, surviving preemption) and never per
@@ -41,8 +41,8 @@ import hashlib
 import json
 import struct
 
-from server.engine.alora import base_blocks
 from server.engine.block_manager import BlockManager
+from server.engine.lora.alora import base_blocks
 from server.engine.sequence import Sequence
 
 ROOT = bytes(32)  # the "previous block" of a sequence's first block
@@ -138,7 +138,7 @@ class PrefixCache:
         hashes = seq.block_hashes
         if len(hashes) < n:
             first_active = seq.group.adapter_from
-            # Blocks before an aLoRA's activation point are keyed as the base model's (server.engine.alora).
+            # Blocks before an aLoRA's activation point are keyed as the base model's (server.engine.lora.alora).
             base = base_blocks(first_active, self.block_size)
             own = self._seed(seq.adapter_id, seq, first_active)
             base_seed = own if seq.adapter_id is None or not base else self._seed(None, seq, 0)

@@ -30,13 +30,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
-from server.engine.alora import adapter_from
 from server.engine.block_manager import BlockManager
 from server.engine.fair_queue import FairQueue
-from server.engine.lora_slots import AdapterSlots
+from server.engine.lora.alora import adapter_from
+from server.engine.lora.slot_share import SlotShare
+from server.engine.lora.slots import AdapterSlots
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
-from server.engine.slot_share import SlotShare
 
 # After this many steps blocked on an adapter slot, the head of the queue stops letting requests
 # of its own tenant, or of tenants above their share of the slots, join adapters already in a slot,

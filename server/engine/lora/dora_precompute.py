@@ -2,7 +2,7 @@
 
 A DoRA adapter's first load would otherwise compute its per-output scales m / ||W + s B A|| (a W A^T
 over every targeted projection: ~2x a LoRA load's time on the smol135 shape) before storing them for
-later loads (server.engine.dora_scale_cache). The server calls `submit` as it accepts a version (an
+later loads (server.engine.lora.dora_scale_cache). The server calls `submit` as it accepts a version (an
 upload, a source fetch, a preload: server.api.adapter_intake) and waits for it before answering, so a
 request right after the upload finds the scales in the store and its load is a reload.
 
@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from adapters.format import LoraAdapter
 from adapters.host_tier import HostTier
-from server.engine.dora_scale_cache import DoraScaleCache
+from server.engine.lora.dora_scale_cache import DoraScaleCache
 
 log = logging.getLogger(__name__)
 
