@@ -211,7 +211,7 @@ def lora_batch(slots: list[int], num_slots: int, padded: bool, device):
 def lora_impls(split_k: list[str]) -> dict:
     """impl name -> (the `lora` entry, splits argument): torch, then a Triton row per --split-k value."""
     from kernels import lora_triton
-    from kernels.ops import torch_ops
+    from server.engine.kernel_choice import torch_ops
 
     impls = {"torch": (torch_ops().lora, None)}
     for value in split_k:
@@ -379,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is imported
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kernels.ops import torch_ops
-    from kernels.triton_ops import triton_ops
+    from server.engine.kernel_choice import torch_ops
+    from server.engine.triton_ops import triton_ops
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)

@@ -21,7 +21,7 @@ import torch
 
 from kernels import lora_ref, lora_triton
 from kernels.metadata import LoraBatch
-from kernels.ops import select_kernels
+from server.engine.kernel_choice import select_kernels
 from tests.kernel_helpers import bit_equal
 
 FORMS = {

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.metadata import LoraBatch
-from kernels.ops import select_kernels
+from server.engine.kernel_choice import select_kernels
 
 
 @pytest.mark.parametrize("kind", ["torch", "triton"])

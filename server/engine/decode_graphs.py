@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.kernel_ops import KernelOps
 from server.engine.decode_buffers import DecodeBuffers, bucket_for, decode_buckets
+from server.engine.kernel_ops import KernelOps
 from server.engine.model import CausalLM, StepContext
 
 log = logging.getLogger(__name__)

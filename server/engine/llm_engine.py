@@ -11,7 +11,6 @@ from adapters.host_tier import Fetch, HostTier
 from kernels.cpu_linear import upcast_linear
 from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
-from kernels.ops import select_kernels
 from server.engine.async_step import AsyncScheduling
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
@@ -20,6 +19,7 @@ from server.engine.cuda_device import thread_binder
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.grammar import GrammarError, Grammars
 from server.engine.grammar_mask import GrammarMask
+from server.engine.kernel_choice import select_kernels
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
 from server.engine.lora.dora_precompute import DoraPrecompute

@@ -14,9 +14,9 @@ from kernels.dora_scale import dora_scale
 from kernels.fp8_weights import Fp8Weight, quantize_fp8
 from kernels.int4_weights import DEFAULT_GROUP_SIZE, Int4Weight, cat_int4, quantize_int4
 from kernels.int8_weights import Int8Weight, quantize_int8
-from kernels.kernel_ops import KernelOps
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.config import ModelConfig
+from server.engine.kernel_ops import KernelOps
 from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.rope import RotaryEmbedding
 from server.engine.workspace import Workspace

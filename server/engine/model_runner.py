@@ -12,11 +12,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kernels.kernel_ops import KernelOps
 from kernels.kv_quant import storage
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar_mask import GrammarMask
+from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
 from server.engine.lora.alora import token_slots as alora_token_slots
 from server.engine.model import CausalLM, StepContext

@@ -1,5 +1,5 @@
-"""The kernel entry points as one set per implementation (kernels.ops for torch and the choice,
-kernels.triton_ops for Triton): what the model calls, whichever set it was given."""
+"""The kernel entry points as one set per implementation (server.engine.kernel_choice for torch and the choice,
+server.engine.triton_ops for Triton): what the model calls, whichever set it was given."""
 from __future__ import annotations
 
 from dataclasses import dataclass

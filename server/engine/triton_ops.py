@@ -1,8 +1,8 @@
-"""The Triton implementation of the kernel entry points (see kernels.kernel_ops)."""
+"""The Triton implementation of the kernel entry points (see server.engine.kernel_ops)."""
 from __future__ import annotations
 
 from kernels import attention_triton, int4_triton, int8_triton, lora_triton
-from kernels.kernel_ops import KernelOps
+from server.engine.kernel_ops import KernelOps
 
 
 def triton_ops() -> KernelOps:

@@ -10,7 +10,7 @@ from kernels import attention_ref, lora_cpu, lora_ref
 from kernels.cpu_linear import linear, linear_for
 from kernels.int4_weights import dequant_int4_linear, int4_linear_for
 from kernels.int8_weights import dequant_linear, int8_linear_for
-from kernels.kernel_ops import KernelOps
+from server.engine.kernel_ops import KernelOps
 
 KERNEL_KINDS = ("auto", "triton", "torch")
 
@@ -47,6 +47,6 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.f
         return torch_ops(linear_for(device, dtype), int8_linear, int4_linear)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
-    from kernels.triton_ops import triton_ops
+    from server.engine.triton_ops import triton_ops
 
     return triton_ops()
