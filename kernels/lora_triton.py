@@ -204,8 +204,8 @@ def lora_apply(
     y: torch.Tensor,
     splits: int | None = None,
 ) -> None:
-    """The `lora` entry (server.engine.kernel_ops): a projection's shrink then expand, every slice, in one launch
-    of each per form in the step's plan.
+    """The Triton LoRA strategy's apply (server.engine.lora.backends): a projection's shrink then expand,
+    every slice, in one launch of each per form in the step's plan.
 
     Semantics: for t with s = slot[t] >= 0, y[t, off_i : off_i + n_i] += hs @ lora_b[i][s].T, hs =
         scaling[i, s] * (x[t] @ lora_a[i, s].T), summed in fp32, y rounded once. Unsplit, each form

@@ -213,7 +213,7 @@ def lora_impls(split_k: list[str]) -> dict:
     from kernels import lora_triton
     from server.engine.kernel_choice import torch_ops
 
-    impls = {"torch": (torch_ops().lora, None)}
+    impls = {"torch": (torch_ops().lora.apply, None)}
     for value in split_k:
         if value == "plan":
             impls["triton"] = (lora_triton.lora_apply, None)
@@ -379,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is imported
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from server.engine.kernel_choice import torch_ops
-    from server.engine.triton_ops import triton_ops
+    from server.engine.kernel_choice import torch_ops, triton_ops
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)

@@ -65,7 +65,7 @@ class LoraLinear:
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             lora = self.lora
-            ctx.ops.lora(x, lora.a, lora.b, lora.scaling, lora.offsets, ctx.lora, h, y)
+            ctx.ops.lora.apply(x, lora.a, lora.b, lora.scaling, lora.offsets, ctx.lora, h, y)
         if dora:
             dora_scale(y, self.lora.dora_scale, ctx.lora, self.bias)
         return y
