@@ -69,10 +69,10 @@ def timed_load(llm: LLM, registry: AdapterRegistry, version: str, max_rank: int)
     t2 = time.perf_counter()
     packed = engine.host.packed(adapter, version)  # a DoRA adapter's scales: read from Redis, else computed
     t3 = time.perf_counter()
-    engine.slots.acquire(version, packed)
+    engine.lora_slots.acquire(version, packed)
     t4 = time.perf_counter()
-    engine.slots.release(version)
-    engine.slots.remove(version)
+    engine.lora_slots.release(version)
+    engine.lora_slots.remove(version)
     ms = [1e3 * (b - a) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))]
     return dict(zip(STAGES, ms))
 
@@ -100,7 +100,7 @@ def main() -> None:
         registry = AdapterRegistry(client)
         # The offline LLM keeps no store; the server gives its engine one (server.api.state), and so the
         # intake's precompute, which computes the base identity as it starts (at engine start-up).
-        cache = llm.engine.slots.dora_cache
+        cache = llm.engine.lora_slots.dora_cache
         cache.store = DoraScaleStore(client)
         precompute = DoraPrecompute(llm.engine.host, cache)
         identity_ms = cache.stats.base_identity_ms

@@ -85,12 +85,12 @@ class ModelRunner:
         ops: KernelOps,
         block_size: int,
         lora_scratch: torch.Tensor,  # [3, max_tokens, R]
-        slot_ranks: list[int],  # live view of AdapterSlots.slot_ranks
-        rank_table: torch.Tensor | None,  # AdapterSlots.rank_table: the same on the device, [L] int32
+        slot_ranks: list[int],  # live view of LoraSlots.slot_ranks
+        rank_table: torch.Tensor | None,  # LoraSlots.rank_table: the same on the device, [L] int32
         device: torch.device,
         seed: int,
         grammar_mask: GrammarMask | None = None,
-        slot_dora: list[bool] | None = None,  # live view of AdapterSlots.slot_dora
+        slot_dora: list[bool] | None = None,  # live view of LoraSlots.slot_dora
     ) -> None:
         self.slot_ranks = slot_ranks
         self.slot_dora = slot_dora
@@ -128,7 +128,7 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         row_starts = [0]
         prompt: _PromptPositions | None = None
-        for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.slots)):
+        for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots)):
             start = seq.num_computed_tokens + (1 if ahead else 0)
             first = len(input_ids)
             if ahead:

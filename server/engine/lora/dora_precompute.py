@@ -11,7 +11,7 @@ on meanwhile), with at most MAX_PENDING versions waiting; past that a version is
 its first load computes the scales as before (counted: `precompute_skipped`). A failure here never
 fails the intake: the load computes what is missing.
 
-Only CPU engines with a store precompute: there the host tier's loader hook (AdapterSlots.prepare) reads
+Only CPU engines with a store precompute: there the host tier's loader hook (LoraSlots.prepare) reads
 the store. A CUDA engine computes a DoRA adapter's scales as it enters a device slot, against the
 weights on the device, and keeps none in the store; nothing here runs there. Such an engine, or one
 without a store, answers every submit with "off" and computes no base identity.

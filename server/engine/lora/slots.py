@@ -86,7 +86,7 @@ class LoraGroupBuffers:
         )
 
 
-class AdapterSlots:
+class LoraSlots:
     """The device tier: which adapter version sits in which slot; evicts the least recently used idle slot.
 
     A slot in use by a running request is never evicted. LRU among idle slots,
