@@ -2,7 +2,7 @@
 
 The scales depend on the adapter version (immutable) and on the base weights as a process serves them,
 so they are stored per (version, base identity): one hash per version, `P ad:dora:{version}`, a field
-per base identity (the engine's fingerprint of its served weights, server.engine.dora_scale_cache).
+per base identity (the engine's fingerprint of its served weights, server.engine.lora.dora_scale_cache).
 Another replica with the same base, or this one after its host tier evicted the adapter or after a
 restart, reads them instead of computing them again (a W A^T over every targeted projection).
 

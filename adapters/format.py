@@ -6,7 +6,7 @@ targets (`check_target_module_exists`), per-module rank/alpha overrides
 `(.*\\.)?(key)$` matches the module name), and scaling `alpha / r` or
 `alpha / sqrt(r)` (rslora), and DoRA's magnitude vectors (`use_dora`; the
 engine turns them into per-output scales against its base weights,
-server.engine.dora_scales). Anything loraplex could not reproduce exactly is
+server.engine.lora.dora_scales). Anything loraplex could not reproduce exactly is
 refused with an AdapterFormatError that says why. Everything that bounds
 memory (ranks, shapes, byte ranges, total size) is checked from the
 safetensors header before a single tensor is materialised; the config's

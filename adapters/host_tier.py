@@ -49,7 +49,7 @@ class HostTier:
     """`dtype`: the serving dtype adapters are kept in (adapters.packed); `pin_memory`: page-lock them;
     `init_thread`: run first on each loader thread (binds the engine's CUDA device); `prepare`: run on each
     packed adapter with its version id, on the loader threads for loads (the engine's DoRA scales:
-    AdapterSlots.prepare)."""
+    LoraSlots.prepare)."""
 
     def __init__(self, fetch: Fetch | None, budget_bytes: int | None, pin_memory: bool = False, workers: int = 2,
                  max_parked: int = 8, dtype: torch.dtype = torch.float32,

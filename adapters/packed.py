@@ -34,7 +34,7 @@ class PackedLoraAdapter(LoraAdapter):
     offsets: tuple[int, ...]  # start of each module's A, then of its B^T, in `flat`
     module_numel: tuple[int, ...]  # elements of each module's A plus B
     # The host tier replaced each magnitude m in `magnitudes` by its DoRA scale m / ||W + s B A|| against the
-    # engine's base weights (server.engine.lora_slots.AdapterSlots.prepare): a slot load then copies them.
+    # engine's base weights (server.engine.lora.slots.LoraSlots.prepare): a slot load then copies them.
     magnitudes_are_scales: bool = False
 
     def tensors(self) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 The LoRA kernels (Triton, CPU or reference alike) add x A^T B^T scaled onto x W^T; for a DoRA adapter
 the module's output is that sum times g = m / ||W + s B A|| per output column, plus the bias
-(server.engine.dora_scales). So a step with DoRA rows needs one gathered multiply after the LoRA
+(server.engine.lora.dora_scales). So a step with DoRA rows needs one gathered multiply after the LoRA
 kernels, whatever the kernel set, and base, LoRA and DoRA rows share the batch and every launch:
 plain-LoRA slots and base rows have scale 1.0, which leaves their values as they were.
 """

@@ -90,7 +90,7 @@ def lora_work(starts: list[int], lens: list[int], slots: list[int], gather_max: 
     return gather, tiles
 
 
-# The gathered shrink splits K (in features) across programs (kernels.lora_kernels, SPLIT): a decode
+# The gathered shrink splits K (in features) across programs (kernels.lora_triton_jit, SPLIT): a decode
 # step's shrink is otherwise (tokens x slices) programs each streaming all of K, 3 at batch 1 on
 # Llama-3-8B's qkv, and the first H100 run measured 24 us for a few KB of output. At least this many
 # features per split, and at most this many splits: a split's partial costs an fp32 row per token.

@@ -17,7 +17,7 @@ one adapter's consecutive tokens (a step may use both):
   32 adapters the gathers, copies and scatters around the matmuls took twice the matmuls' time.
 
 A is best stored slot-major ([L, S, R, in] in memory, viewed as [S, L, R, in]; see
-server.engine.lora_slots): then one slot's slices are one [S*R, in] matrix, and a span of slots is
+server.engine.lora.slots): then one slot's slices are one [S*R, in] matrix, and a span of slots is
 read in place by the shrink's single batched matmul. Other layouts give the same result with a copy.
 """
 from __future__ import annotations

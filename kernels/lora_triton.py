@@ -37,8 +37,8 @@ import triton
 
 from kernels import launch_plan
 from kernels.launch_plan import MAX_SHRINK_SPLITS, TILE_ROWS, LoraLaunchPlan, shrink_splits
-from kernels.lora_kernels import _bgmv_expand_kernel, _bgmv_shrink_kernel, _sgmv_expand_kernel, _sgmv_shrink_kernel
 from kernels.lora_tiles import lora_tiles
+from kernels.lora_triton_jit import _bgmv_expand_kernel, _bgmv_shrink_kernel, _sgmv_expand_kernel, _sgmv_shrink_kernel
 from kernels.metadata import LoraBatch
 
 # Expand takes up to this many output slices per launch (fused qkv is 3).
@@ -204,8 +204,8 @@ def lora_apply(
     y: torch.Tensor,
     splits: int | None = None,
 ) -> None:
-    """The `lora` entry (kernels.kernel_ops): a projection's shrink then expand, every slice, in one launch
-    of each per form in the step's plan.
+    """The Triton LoRA strategy's apply (server.engine.lora.backends): a projection's shrink then expand,
+    every slice, in one launch of each per form in the step's plan.
 
     Semantics: for t with s = slot[t] >= 0, y[t, off_i : off_i + n_i] += hs @ lora_b[i][s].T, hs =
         scaling[i, s] * (x[t] @ lora_a[i, s].T), summed in fp32, y rounded once. Unsplit, each form

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from kernels import aot  # noqa: E402
-from kernels.triton_ops import triton_ops  # noqa: E402
 from server.engine.aot_shapes import DTYPES, MODELS, EngineShape, meta_engine, scenarios  # noqa: E402
 from server.engine.kv_cache_dtype import KV_CACHE_DTYPES  # noqa: E402
+from server.engine.kernel_choice import triton_ops  # noqa: E402
 from server.engine.warmup import step_inputs, warmup_steps  # noqa: E402
 
 TARGETS = (90, 80)

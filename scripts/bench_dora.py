@@ -5,10 +5,10 @@
    real redis-server (adapters.registry), parse and validate them (adapters.format), pack them for the
    host tier (adapters.packed; on a CPU engine the host tier then gets a DoRA adapter's per-output
    scales m / ||W + s B A|| against the base weights, so "pack" includes them), copy them into a device
-   slot (server.engine.lora_slots; "slot" is what a later page-in of the same adapter costs). A DoRA
+   slot (server.engine.lora.slots; "slot" is what a later page-in of the same adapter costs). A DoRA
    load is timed three ways: "dora_after_upload", the first load after the server accepted the
    version (its scales deleted, then computed and stored as the upload does before answering,
-   server.engine.dora_precompute, timed apart as "intake_precompute_ms": what DoRA adds to the
+   server.engine.lora.dora_precompute, timed apart as "intake_precompute_ms": what DoRA adds to the
    upload's latency); "dora_reload", a later load (after a host eviction, on another replica, after a
    restart), which reads them from Redis too; "dora_first", a load that finds none in Redis and
    computes and stores them (the fallback: a version accepted while the precompute queue was full, or
@@ -51,7 +51,7 @@ from server.bench.model_shape import build_model_shape  # noqa: E402
 from server.demo import make_adapter  # noqa: E402
 from server.embedded_redis.server import EmbeddedRedis  # noqa: E402
 from server.engine import LLM  # noqa: E402
-from server.engine.dora_precompute import DoraPrecompute  # noqa: E402
+from server.engine.lora.dora_precompute import DoraPrecompute  # noqa: E402
 
 KINDS = ("lora", "dora")
 # A DoRA load after its upload computed the scales, a reload reading them, a load computing them (the fallback)
@@ -69,10 +69,10 @@ def timed_load(llm: LLM, registry: AdapterRegistry, version: str, max_rank: int)
     t2 = time.perf_counter()
     packed = engine.host.packed(adapter, version)  # a DoRA adapter's scales: read from Redis, else computed
     t3 = time.perf_counter()
-    engine.slots.acquire(version, packed)
+    engine.lora_slots.acquire(version, packed)
     t4 = time.perf_counter()
-    engine.slots.release(version)
-    engine.slots.remove(version)
+    engine.lora_slots.release(version)
+    engine.lora_slots.remove(version)
     ms = [1e3 * (b - a) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))]
     return dict(zip(STAGES, ms))
 
@@ -100,7 +100,7 @@ def main() -> None:
         registry = AdapterRegistry(client)
         # The offline LLM keeps no store; the server gives its engine one (server.api.state), and so the
         # intake's precompute, which computes the base identity as it starts (at engine start-up).
-        cache = llm.engine.slots.dora_cache
+        cache = llm.engine.lora_slots.dora_cache
         cache.store = DoraScaleStore(client)
         precompute = DoraPrecompute(llm.engine.host, cache)
         identity_ms = cache.stats.base_identity_ms

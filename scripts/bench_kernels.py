@@ -6,7 +6,7 @@ adapters. Per configuration: the median time per call, the bandwidth achieved
 (bytes of adapter weights and activations the op must move, divided by time)
 and that bandwidth as a share of the device's copy bandwidth, measured in the
 same run with a large device-to-device copy. Slot buffers use the engine's
-layout (B rank-major, server.engine.lora_slots).
+layout (B rank-major, server.engine.lora.slots).
 
 On CUDA every configuration gets a pool of argument sets (inputs, slot buffers,
 outputs) whose bytes touched exceed twice the L2 cache, so each call reads its
@@ -211,9 +211,9 @@ def lora_batch(slots: list[int], num_slots: int, padded: bool, device):
 def lora_impls(split_k: list[str]) -> dict:
     """impl name -> (the `lora` entry, splits argument): torch, then a Triton row per --split-k value."""
     from kernels import lora_triton
-    from kernels.ops import torch_ops
+    from server.engine.kernel_choice import torch_ops
 
-    impls = {"torch": (torch_ops().lora, None)}
+    impls = {"torch": (torch_ops().lora.apply, None)}
     for value in split_k:
         if value == "plan":
             impls["triton"] = (lora_triton.lora_apply, None)
@@ -379,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is imported
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kernels.ops import torch_ops
-    from kernels.triton_ops import triton_ops
+    from server.engine.kernel_choice import torch_ops, triton_ops
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)

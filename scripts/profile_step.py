@@ -19,6 +19,7 @@ Prints the tables and writes JSON. Absolute times are this machine's; shares are
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import random
@@ -59,7 +60,9 @@ def _labelled_linear(linear):
 def _label_kernels(llm: LLM) -> None:
     """Each kernel entry runs inside a record_function of its name (on this engine instance only)."""
     ops = llm.engine.runner.ops
-    labelled = {n: _labelled(n, getattr(ops, n)) for n in KERNEL_PARTS}
+    labelled = {n: _labelled(n, getattr(ops, n)) for n in KERNEL_PARTS if n != "lora"}
+    labelled["lora"] = copy.copy(ops.lora)  # the strategy object, its apply labelled
+    labelled["lora"].apply = _labelled("lora", ops.lora.apply)
     llm.engine.runner.ops = dataclasses.replace(ops, linear=_labelled_linear(ops.linear),
                                                 int8_linear=_labelled_linear(ops.int8_linear), **labelled)
 

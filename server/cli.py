@@ -13,7 +13,7 @@ from server.version import loraplex_version
 
 
 def _max_loras(text: str) -> int | None:
-    """--max-loras: a positive integer, or auto (None: sized from memory, server.engine.slot_budget)."""
+    """--max-loras: a positive integer, or auto (None: sized from memory, server.engine.lora.slot_budget)."""
     return None if text == "auto" else _positive_int(text)
 
 

@@ -96,7 +96,7 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     adapters: tuple[tuple[str | None, str, str], ...] = ()  # --adapter: (tenant or None: the default owner, name, dir)
-    max_loras: int | None = 8  # None: --max-loras auto (server.engine.slot_budget)
+    max_loras: int | None = 8  # None: --max-loras auto (server.engine.lora.slot_budget)
     max_lora_rank: int = 64
     max_model_len: int | None = None
     max_num_seqs: int = 256

@@ -81,14 +81,14 @@ class PeftMultiOracle:
 
 def check_tiers(budget: int, slots: int):
     def check(engine: LLMEngine) -> None:
-        host, dev = engine.host, engine.slots
+        host, dev = engine.host, engine.lora_slots
         assert host.bytes_used <= budget
         assert host.bytes_used == sum(a.size_bytes for a in host.entries.values())
         assert dev.num_resident <= slots
         for seq in engine.scheduler.running:
-            if seq.adapter_id:  # an adapter in use is resident in both tiers
-                assert seq.adapter_id in host.entries
-                assert seq.adapter_id in dev.slot_of
+            if seq.version_id:  # an adapter in use is resident in both tiers
+                assert seq.version_id in host.entries
+                assert seq.version_id in dev.slot_of
         assert set(host.pins) <= set(host.entries)
 
     return check
@@ -133,7 +133,7 @@ def test_200_adapters_8_slots_32_host_budget_from_redis(tiny_model_dir, tiny_ada
         out = final[f"q{i}"]
         assert out.finish_reason == "length"
         assert out.token_ids == oracle(dirs[name] if name else None, name, prompt, 3), name
-    assert stats.kv_blocks_used == 0 and not engine.host.pins and not engine.slots.users
+    assert stats.kv_blocks_used == 0 and not engine.host.pins and not engine.lora_slots.users
     engine.shutdown()
 
 
@@ -191,8 +191,8 @@ def test_remove_while_in_use_finishes_then_frees_every_tier(tiny_model_dir, tiny
     final = drive(engine)
     assert final["r"].token_ids == peft_oracle(tiny_model_dir, tiny_adapters["r8_all"], prompt, 6)
     assert "v1" not in engine.host.entries and engine.host.bytes_used == 0
-    assert "v1" not in engine.slots.slot_of and len(engine.slots.free_slots) == engine.slots.max_loras
-    assert all(float(b.a.abs().sum()) == 0 for groups in engine.slots.layers for b in groups.values())
+    assert "v1" not in engine.lora_slots.slot_of and len(engine.lora_slots.free_slots) == engine.lora_slots.max_loras
+    assert all(float(b.a.abs().sum()) == 0 for groups in engine.lora_slots.layers for b in groups.values())
     with pytest.raises(ValueError, match="not loaded"):
         engine.add_request("again", prompt, greedy(2), "v1")
 

@@ -52,7 +52,7 @@ def test_a_dora_upload_is_served_as_peft_serves_it(api_server, tiny_model_dir, t
     uploaded = _scale_counts(api_server)
     assert _delta(uploaded, before) == {"computed": 1, "precomputed": 1, "read": 0, "stored": 1, "refused": 0}
     assert _stored_bases(api_server, r.json()["version"]) == [
-        api_server.state.engine.engine.slots.dora_cache.base.encode()]
+        api_server.state.engine.engine.lora_slots.dora_cache.base.encode()]
     completion = api_server.client(key).completions.create(model="dora", prompt=PROMPT, max_tokens=6, temperature=0,
                                                            extra_body={"ignore_eos": True})
     tok = api_server.state.engine.engine.tokenizer
@@ -73,7 +73,7 @@ def test_a_preloaded_dora_adapter_is_reloaded_at_its_first_request(tiny_model_di
             started = _scale_counts(server)
             assert (started["computed"], started["precomputed"], started["stored"]) == (1, 1, 1)
             version = server.state.registry.get(server.state.tenants.get("acme").id, "pre").version
-            assert _stored_bases(server, version) == [server.state.engine.engine.slots.dora_cache.base.encode()]
+            assert _stored_bases(server, version) == [server.state.engine.engine.lora_slots.dora_cache.base.encode()]
         with running_server(replace(config, port=free_port())) as server:
             assert _scale_counts(server)["computed"] == 0  # found in Redis at start-up
             _, key = server.state.tenants.create_key("acme")

@@ -46,7 +46,7 @@ def test_delete_in_use_on_another_server(tiny_model_dir, tiny_adapters, redis_se
         assert events[-1]["usage"]["completion_tokens"] == 60  # the running request finished
         assert [e for e in events if e["choices"]][-1]["choices"][0]["finish_reason"] == "length"
         # b heard of the delete through Redis pub/sub: the version left every tier.
-        wait_for(lambda: not engine_b.has_adapter(version) and version not in engine_b.slots.slot_of)
+        wait_for(lambda: not engine_b.has_adapter(version) and version not in engine_b.lora_slots.slot_of)
         assert engine_b.host.bytes_used == 0
         with b.http(key) as h:
             assert h.post("/v1/completions", json={"model": "ad", "prompt": "x"}).status_code == 404

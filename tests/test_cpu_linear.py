@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import cpu_flags, linear, linear_for, upcast_linear
-from kernels.ops import select_kernels
+from server.engine.kernel_choice import select_kernels
 
 
 def test_upcast_linear_is_the_float32_product_rounded_once():

@@ -1,6 +1,6 @@
-"""server.engine.dora_scales against PEFT's formula m / ||W + scaling * B @ A|| (materialised, row norms):
+"""server.engine.lora.dora_scales against PEFT's formula m / ||W + scaling * B @ A|| (materialised, row norms):
 the expanded norm, blocks of rows, rows an adapter nearly cancels, an all-zero row, an int8 base; and the
-served-weights identity stored scales are keyed by (server.engine.dora_scale_cache)."""
+served-weights identity stored scales are keyed by (server.engine.lora.dora_scale_cache)."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +8,8 @@ import torch
 
 from kernels.int4_weights import dequantize_int4, quantize_int4
 from kernels.int8_weights import quantize_int8
-from server.engine import dora_scale_cache, dora_scales
-from server.engine.dora_scales import DoraScales
+from server.engine.lora import dora_scale_cache, dora_scales
+from server.engine.lora.dora_scales import DoraScales
 
 
 def peft_scale(w, a, b, scaling, m):

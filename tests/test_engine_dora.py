@@ -20,7 +20,8 @@ from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_byte
 from adapters.host_tier import HostTier
 from adapters.registry import AdapterRegistry
 from server.demo import make_adapter
-from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams, dora_precompute, dora_scale_cache
+from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from server.engine.lora import dora_precompute, dora_scale_cache
 from tests.engine_helpers import drive, random_prompts
 from tests.fixtures_models import TINY_DORA_ADAPTERS
 from tests.test_engine_logprobs import assert_matches
@@ -90,7 +91,7 @@ def test_64_requests_mixing_base_lora_and_dora_match_peft(tiny_model_dir, adapte
 
     def recording():
         out = step()
-        steps_with_dora.append(any(engine.slots.slot_dora))
+        steps_with_dora.append(any(engine.lora_slots.slot_dora))
         return out
 
     engine.step = recording
@@ -162,7 +163,7 @@ def test_paging_dora_adapters_through_two_slots(tiny_model_dir, adapter_dirs, re
     check(outs, prompts, names, p, reference)
     one_by_one = [llm.generate([q], p, adapters=[n])[0] for q, n in zip(prompts, names)]
     check(one_by_one, prompts, names, p, reference)
-    slots = llm.engine.slots
+    slots = llm.engine.lora_slots
     assert slots.loads > 2 * len(set(names) - {None}) and slots.evictions > 0
     for slot, dora in enumerate(slots.slot_dora):
         tables = [g.dora_scale[slot] for layer in slots.layers for g in layer.values()]
@@ -185,7 +186,7 @@ def test_scales_from_the_host_tier_or_at_slot_load(tiny_model_dir, adapter_dirs,
     prompts = random_prompts(len(names), (5, 30), VOCAB, seed=90)
     p = params(4)
     check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
-    assert llm.engine.slots.evictions > 0
+    assert llm.engine.lora_slots.evictions > 0
 
 
 def test_padded_decode_with_dora_rows(tiny_model_dir, adapter_dirs, reference):
@@ -236,7 +237,7 @@ def test_a_base_model_with_biases(model_variant_dir, reference, tmp_path):
         assert_matches(out, prompt, p, reference(name, prompt + out.token_ids, model_dir, dirs))
 
 
-# ---- the scales' Redis tier (adapters.dora_scale_store, server.engine.dora_scale_cache) ----
+# ---- the scales' Redis tier (adapters.dora_scale_store, server.engine.lora.dora_scale_cache) ----
 
 STORED = ("dora_r8_all", "dora_r16_pattern")
 
@@ -283,7 +284,7 @@ def test_a_reload_reads_the_scales_from_redis(stored, reference):
     from Redis, not computed again, and serve as PEFT does; a fresh engine (another replica, a restart)
     reads them too."""
     engine = stored.engine()
-    cache = engine.slots.dora_cache
+    cache = engine.lora_slots.dora_cache
     for i, name in enumerate(("dora_r8_all", "dora_r16_pattern", "dora_r8_all", "dora_r16_pattern")):
         serve(engine, stored.versions, name, reference, seed=100 + i)
     stats = engine.stats()
@@ -292,8 +293,8 @@ def test_a_reload_reads_the_scales_from_redis(stored, reference):
     engine.shutdown()
     replica = stored.engine()
     serve(replica, stored.versions, "dora_r16_pattern", reference, seed=104)
-    assert (replica.slots.dora_cache.stats.computed, replica.slots.dora_cache.stats.read) == (0, 1)
-    assert replica.slots.dora_cache.base == cache.base
+    assert (replica.lora_slots.dora_cache.stats.computed, replica.lora_slots.dora_cache.stats.read) == (0, 1)
+    assert replica.lora_slots.dora_cache.base == cache.base
     replica.shutdown()
 
 
@@ -301,7 +302,7 @@ def test_a_reload_reads_the_scales_from_redis(stored, reference):
 def test_corrupt_stored_scales_are_ignored_and_recomputed(stored, reference, damage):
     engine = stored.engine()
     serve(engine, stored.versions, "dora_r8_all", reference, seed=110)
-    version, base = stored.versions["dora_r8_all"], engine.slots.dora_cache.base
+    version, base = stored.versions["dora_r8_all"], engine.lora_slots.dora_cache.base
     good = stored.store.get(version, base)
     bad = {"short": good[:-4], "nan": good[:-4] + torch.tensor([float("nan")]).numpy().tobytes(),
            "long": good + good[:4]}[damage]
@@ -309,7 +310,7 @@ def test_corrupt_stored_scales_are_ignored_and_recomputed(stored, reference, dam
     engine.shutdown()
     replica = stored.engine()
     serve(replica, stored.versions, "dora_r8_all", reference, seed=111)
-    assert (replica.slots.dora_cache.stats.refused, replica.slots.dora_cache.stats.computed) == (1, 1)
+    assert (replica.lora_slots.dora_cache.stats.refused, replica.lora_slots.dora_cache.stats.computed) == (1, 1)
     assert stored.store.get(version, base) == good  # the recomputed scales replaced the damaged ones
     replica.shutdown()
 
@@ -317,7 +318,7 @@ def test_corrupt_stored_scales_are_ignored_and_recomputed(stored, reference, dam
 def test_deleting_the_adapter_deletes_its_scales(stored, reference):
     engine = stored.engine()
     serve(engine, stored.versions, "dora_r8_all", reference, seed=120)
-    version, base = stored.versions["dora_r8_all"], engine.slots.dora_cache.base
+    version, base = stored.versions["dora_r8_all"], engine.lora_slots.dora_cache.base
     key = f"lp:ad:dora:{version}"
     assert stored.redis.exists(key) and stored.store.bytes_used(version) == 4 * sum(
         w.magnitude.numel() for w in engine.host.get(version).weights.values())
@@ -347,7 +348,7 @@ def test_another_base_does_not_reuse_the_scales(stored, reference, tiny_model_di
         else:
             other.add_request("q", [5, 6, 7], params(2), stored.versions["dora_r8_all"])
             drive(other)
-        assert (other.slots.dora_cache.stats.read, other.slots.dora_cache.stats.computed) == (0, 1)
+        assert (other.lora_slots.dora_cache.stats.read, other.lora_slots.dora_cache.stats.computed) == (0, 1)
         other.shutdown()
     version = stored.versions["dora_r8_all"]
     assert stored.redis.hlen(f"lp:ad:dora:{version}") == 3
@@ -355,7 +356,7 @@ def test_another_base_does_not_reuse_the_scales(stored, reference, tiny_model_di
     assert [stored.store.put(version, b, b"\0" * 4) for b in bases] == [True] * (MAX_BASES - 3) + [False] * 3
 
 
-# ---- scales computed when a version is accepted (server.engine.dora_precompute) ----
+# ---- scales computed when a version is accepted (server.engine.lora.dora_precompute) ----
 
 def test_scales_precomputed_at_intake_make_the_first_load_a_reload(stored, reference, monkeypatch):
     """An engine with a store computes its base identity at start-up, once; a version submitted at
@@ -366,7 +367,7 @@ def test_scales_precomputed_at_intake_make_the_first_load_a_reload(stored, refer
     monkeypatch.setattr(dora_scale_cache, "served_weights_identity", lambda w: identities.append(1) or real(w))
     engine = stored.engine()
     assert identities == [1]
-    cache, version = engine.slots.dora_cache, stored.versions["dora_r8_all"]
+    cache, version = engine.lora_slots.dora_cache, stored.versions["dora_r8_all"]
     adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
     assert engine.dora_precompute.submit(version, adapter).result() == "computed"
     assert stored.store.get(version, cache.base) is not None
@@ -384,9 +385,9 @@ def test_past_the_queue_bound_the_first_load_computes(stored, reference, monkeyp
     version = stored.versions["dora_r16_pattern"]
     adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
     assert engine.dora_precompute.submit(version, adapter).result() == "busy"
-    assert stored.store.get(version, engine.slots.dora_cache.base) is None
+    assert stored.store.get(version, engine.lora_slots.dora_cache.base) is None
     serve(engine, stored.versions, "dora_r16_pattern", reference, seed=141)
-    stats = engine.slots.dora_cache.stats
+    stats = engine.lora_slots.dora_cache.stats
     assert (stats.precompute_skipped, stats.computed, stats.precomputed, stats.read) == (1, 1, 0, 0)
     engine.shutdown()
 
@@ -402,7 +403,7 @@ def test_without_a_store_nothing_is_precomputed(stored, monkeypatch, tiny_model_
     adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
     assert engine.dora_precompute.submit(version, adapter).result() == "off"
     cuda_like = dora_precompute.DoraPrecompute(HostTier(None, None),
-                                               dora_scale_cache.DoraScaleCache(stored.store, engine.slots.dora.weights))
+                                               dora_scale_cache.DoraScaleCache(stored.store, engine.lora_slots.dora.weights))
     assert cuda_like.submit(version, adapter).result() == "off"
     assert identities == [] and not stored.redis.exists(f"lp:ad:dora:{version}")
     engine.shutdown()

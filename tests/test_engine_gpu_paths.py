@@ -15,15 +15,15 @@ from adapters.host_tier import HostTier
 from adapters.packed import PackedLoraAdapter, pack_adapter
 from kernels.launch_plan import GATHER_MAX_SEG_LEN, MIN_SPLIT_TOKENS, TILE_ROWS, lora_work, runs
 from kernels.lora_tiles import lora_tiles
-from kernels.ops import select_kernels
 from server.engine import LLM
 from server.engine import kv_cache as kv
 from server.engine.aot_shapes import MODELS, meta_weights
 from server.engine.async_engine import AsyncEngine
 from server.engine.config import MAX_NUM_BATCHED_TOKENS, EngineConfig, ModelConfig
 from server.engine.cuda_device import thread_binder
+from server.engine.kernel_choice import select_kernels
 from server.engine.kv_cache import allocate_lora_slots
-from server.engine.lora_slots import AdapterSlots
+from server.engine.lora.slots import LoraSlots
 from server.engine.model import CausalLM
 from server.engine.warmup import rank_classes, step_inputs, warmup_steps
 
@@ -197,7 +197,7 @@ def test_packed_spans_fit_a_staging_buffer(tiny_model_dir, tiny_adapters) -> Non
 
 def test_slot_load_and_evict_are_batched_copies(tiny_model_dir, tiny_adapters, monkeypatch) -> None:
     cfg = ModelConfig.from_dir(tiny_model_dir)
-    slots = AdapterSlots(allocate_lora_slots(cfg, 2, 16, torch.float32, "cpu"), 2)
+    slots = LoraSlots(allocate_lora_slots(cfg, 2, 16, torch.float32, "cpu"), 2)
     adapter = pack_adapter(load_adapter_dir(tiny_adapters["r8_all"], _shape(tiny_model_dir), 16), torch.float32,
                            False)
     calls: list[int] = []

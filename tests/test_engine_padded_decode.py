@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernels import attention_decode, attention_triton, launch_plan, lora_kernels
+from kernels import attention_decode, attention_triton, launch_plan, lora_triton_jit
 from server.engine import LLM, SamplingParams
 from server.engine.decode_buffers import bucket_for, decode_buckets
 from tests.engine_helpers import random_prompts
@@ -25,10 +25,10 @@ KERNELS = {
     "prefill_attention": attention_triton._paged_attention_kernel,
     "decode_attention": attention_decode._decode_kernel,
     "combine_splits": attention_decode._combine_splits_kernel,
-    "lora_shrink_gathered": lora_kernels._bgmv_shrink_kernel,
-    "lora_expand_gathered": lora_kernels._bgmv_expand_kernel,
-    "lora_shrink_segmented": lora_kernels._sgmv_shrink_kernel,
-    "lora_expand_segmented": lora_kernels._sgmv_expand_kernel,
+    "lora_shrink_gathered": lora_triton_jit._bgmv_shrink_kernel,
+    "lora_expand_gathered": lora_triton_jit._bgmv_expand_kernel,
+    "lora_shrink_segmented": lora_triton_jit._sgmv_shrink_kernel,
+    "lora_expand_segmented": lora_triton_jit._sgmv_expand_kernel,
 }
 
 

@@ -107,7 +107,7 @@ def test_bad_requests_are_refused(llm):
     with pytest.raises(RequestError, match="empty"):
         llm.engine.add_request("empty", [], SamplingParams(max_tokens=2))
     with pytest.raises(RequestError, match="not loaded"):
-        llm.engine.add_request("ghost", [5, 6], SamplingParams(max_tokens=2), adapter_id="nope@1")
+        llm.engine.add_request("ghost", [5, 6], SamplingParams(max_tokens=2), version_id="nope@1")
     with pytest.raises(ValueError, match="unknown adapter"):
         llm.generate([[5, 6]], greedy(2), adapters=["nope"])
     assert not llm.engine.has_unfinished_requests()

@@ -61,7 +61,7 @@ def test_more_adapters_than_slots_all_complete(tiny_model_dir, tiny_adapters, pe
     for rid, prompt, name in zip(ids, prompts, names):
         engine.add_request(rid, prompt, greedy(6), llm._versions[name] if name else None)
     def at_most_two_adapters(e) -> None:  # never more distinct adapters in a step than slots
-        assert len({s.adapter_id for s in e.scheduler.running if s.adapter_id}) <= 2
+        assert len({s.version_id for s in e.scheduler.running if s.version_id}) <= 2
 
     final = drive(engine, at_most_two_adapters)
     outs = [final[r] for r in ids]
@@ -137,7 +137,7 @@ def test_choices_share_the_prompt_blocks(tiny_model_dir, tiny_adapters):
     finals = {o.index: o for o in outputs if o.finished}
     assert sorted(finals) == [0, 1, 2] and all(f.token_ids == alone for f in finals.values())
     assert engine.stats().kv_blocks_used == 0 and all(c == 0 for c in engine.blocks.ref_counts)
-    assert not engine.seqs and not engine.slots.users and not engine.host.pins and engine.scheduler.fork_seats == 0
+    assert not engine.seqs and not engine.lora_slots.users and not engine.host.pins and engine.scheduler.fork_seats == 0
 
 
 def test_preempted_choices_recompute_their_own_tokens(tiny_model_dir):

@@ -128,7 +128,7 @@ def test_non_finite_adapter_requests_fail_alone(engine, tiny_model_dir, tiny_ada
     # The engine goes on serving, over the blocks and slots the bad requests used.
     again = run(engine, {rid + "-again": (p, greedy(6), a) for rid, (p, a) in good.items()})
     assert {rid: o.token_ids for rid, o in again.items()} == {rid + "-again": t for rid, t in expected.items()}
-    assert engine.stats().kv_blocks_used == 0 and not engine.host.pins and not engine.slots.users
+    assert engine.stats().kv_blocks_used == 0 and not engine.host.pins and not engine.lora_slots.users
 
 
 def test_postprocess_failure_fails_that_request_only(engine):

@@ -9,8 +9,8 @@ import torch
 
 from kernels.int4_triton import int4_triton_linear
 from kernels.int4_weights import Int4Weight, dequant_int4_linear, dequantize_int4, pack_nibbles, quantize_int4
-from kernels.triton_ops import triton_ops
 from server.engine import LLM
+from server.engine.kernel_choice import triton_ops
 from tests.test_engine_int4 import write_int4_reference
 from tests.test_int8_triton import assert_mixed_batch_matches_quantized_peft
 

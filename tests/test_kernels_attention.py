@@ -15,7 +15,7 @@ import torch
 
 from kernels import attention_decode, attention_ref, attention_triton, launch_plan
 from kernels.metadata import AttentionBatch
-from kernels.ops import select_kernels
+from server.engine.kernel_choice import select_kernels
 from tests.kernel_helpers import bit_equal
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),

@@ -21,7 +21,7 @@ import torch
 
 from kernels import lora_ref, lora_triton
 from kernels.metadata import LoraBatch
-from kernels.ops import select_kernels
+from server.engine.kernel_choice import select_kernels
 from tests.kernel_helpers import bit_equal
 
 FORMS = {
@@ -195,17 +195,17 @@ def test_entry_points_pick_the_form_by_batch_shape(shape: str, kernel_device) ->
     slots = token_slots([0, 1, -1, 2, 1], lens)
     p = make_problem(slots, hidden=64, max_rank=8, widths=[32, 32], dtype=torch.float32, num_slots=3)
     assert lora_triton.use_gather(p.batch) == (shape == "decode")
-    run_and_check(p, slots, ops.lora_shrink, ops.lora_expand, kernel_device)
+    run_and_check(p, slots, ops.lora.shrink, ops.lora.expand, kernel_device)
 
 
 def test_empty_batch_is_a_no_op(kernel_device) -> None:
     ops = select_kernels("triton", kernel_device)
     batch = LoraBatch.build([], kernel_device)
     h = torch.empty(2, 0, 8, device=kernel_device)
-    ops.lora_shrink(torch.empty(0, 32, device=kernel_device), torch.randn(2, 3, 8, 32, device=kernel_device), batch,
+    ops.lora.shrink(torch.empty(0, 32, device=kernel_device), torch.randn(2, 3, 8, 32, device=kernel_device), batch,
                     torch.ones(2, 3, device=kernel_device), h)
     y = torch.empty(0, 40, device=kernel_device)
-    ops.lora_expand(h, (torch.randn(3, 16, 8, device=kernel_device), torch.randn(3, 24, 8, device=kernel_device)),
+    ops.lora.expand(h, (torch.randn(3, 16, 8, device=kernel_device), torch.randn(3, 24, 8, device=kernel_device)),
                     batch, y, (0, 16))
     assert h.shape == (2, 0, 8) and y.shape == (0, 40)
 
@@ -251,13 +251,13 @@ def test_bf16_on_gpu(shape: str) -> None:
                      num_slots=len(lens))
     cuda = p.to(torch.device("cuda"), slots)
     h = torch.full((3, len(slots), 16), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ops.lora_shrink(cuda.x, cuda.lora_a, cuda.batch, cuda.scaling, h)
+    ops.lora.shrink(cuda.x, cuda.lora_a, cuda.batch, cuda.scaling, h)
     h_ref = torch.full_like(h, float("nan"))
     lora_ref.lora_shrink(cuda.x, cuda.lora_a, cuda.batch, cuda.scaling, h_ref)
     torch.testing.assert_close(h, h_ref, equal_nan=True, **TOL[torch.bfloat16])
     y0 = torch.randn(len(slots), p.y_width, device="cuda", dtype=torch.bfloat16)
     y, y_ref = y0.clone(), y0.clone()
-    ops.lora_expand(h_ref, cuda.lora_b, cuda.batch, y, cuda.offsets)
+    ops.lora.expand(h_ref, cuda.lora_b, cuda.batch, y, cuda.offsets)
     lora_ref.lora_expand(h_ref, cuda.lora_b, cuda.batch, y_ref, cuda.offsets)
     off = torch.tensor([s < 0 for s in slots], device="cuda")
     assert torch.equal(y[off], y0[off])

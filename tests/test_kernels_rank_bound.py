@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.metadata import LoraBatch
-from kernels.ops import select_kernels
+from server.engine.kernel_choice import select_kernels
 
 
 @pytest.mark.parametrize("kind", ["torch", "triton"])
@@ -30,8 +30,8 @@ def test_rank_bound_matches_full_rank(kind, token_slots, kernel_device):
         batch = LoraBatch.build(token_slots, device, slot_ranks)
         h = torch.zeros(len(outs), len(token_slots), max_rank, device=device)
         y = torch.ones(len(token_slots), sum(outs), device=device)
-        ops.lora_shrink(x, a, batch, scaling, h)
-        ops.lora_expand(h, b, batch, y, (0, outs[0]))
+        ops.lora.shrink(x, a, batch, scaling, h)
+        ops.lora.expand(h, b, batch, y, (0, outs[0]))
         results.append(y.cpu())
     bounded = LoraBatch.build(token_slots, "cpu", ranks)
     assert bounded.rank_bound == max(ranks[s] for s in set(token_slots) if s >= 0) < max_rank
@@ -69,8 +69,8 @@ def test_gathered_kernels_stop_at_each_slots_own_rank(kernel_device):
         assert batch.effective_rank(max_rank) == max_rank  # no host bound: only the table stops the kernels
         h = torch.zeros(len(outs), len(token_slots), max_rank, device=device)
         y = torch.ones(len(token_slots), sum(outs), device=device)
-        run.lora_shrink(x.to(device), wa.to(device), batch, scaling.to(device), h)
-        run.lora_expand(h, tuple(bi.to(device) for bi in wb), batch, y, (0, outs[0]))
+        run.lora.shrink(x.to(device), wa.to(device), batch, scaling.to(device), h)
+        run.lora.expand(h, tuple(bi.to(device) for bi in wb), batch, y, (0, outs[0]))
         results.append(y.cpu())
     assert torch.isfinite(results[1]).all()
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import torch
 
 from server.engine.aot_shapes import MODELS
 from server.engine.config import ModelConfig
-from server.engine.slot_budget import (
+from server.engine.lora.slot_budget import (
     CPU_DEFAULT_LORAS, MAX_AUTO_LORAS, SlotBudgetError, free_device_bytes, resolve_max_loras, slot_bytes,
     slots_for_memory)
 
@@ -65,7 +65,7 @@ def test_an_engine_on_the_cpu_keeps_8_slots_when_unset(tiny_model_dir) -> None:
     from server.engine import LLM
 
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_blocks=16, max_model_len=64)
-    assert llm.engine.config.max_loras is None and llm.engine.max_loras == llm.engine.slots.max_loras == 8
+    assert llm.engine.config.max_loras is None and llm.engine.max_loras == llm.engine.lora_slots.max_loras == 8
 
 
 def test_max_loras_auto_on_the_command_line(tmp_path) -> None:

@@ -44,7 +44,7 @@ def test_a_slot_swap_is_a_few_batched_ops_and_outputs_stay_exact(tiny_model_dir:
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_loras=1, max_lora_rank=32)
     for n in names:
         llm.add_adapter(n, tiny_adapters[n])
-    slots = llm.engine.slots
+    slots = llm.engine.lora_slots
     swaps: list[int] = []  # torch calls of each acquire that evicted an adapter
     acquire = slots.acquire
 

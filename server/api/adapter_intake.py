@@ -1,7 +1,7 @@
 """One path from two PEFT files to a registry version, whatever brought them (an upload, a source
 fetch, the operator's --lora-modules): the tenant's quota, the server's caps, the engine loader's
 full rules (values included), the canonical config, then the registry; and a DoRA version's scales
-against the served base, computed and stored before the answer (server.engine.dora_precompute), so the
+against the served base, computed and stored before the answer (server.engine.lora.dora_precompute), so the
 first request for it loads them from Redis instead of computing them."""
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ async def _precompute(state: ServerState, version: str, dora: LoraAdapter | None
 
 def dora_scales(state: ServerState, version: str, adapter: LoraAdapter) -> Future[str]:
     """Compute and store a DoRA `version`'s scales against the served base unless the store has them
-    (its outcome: server.engine.dora_precompute); a plain LoRA adapter is done at once."""
+    (its outcome: server.engine.lora.dora_precompute); a plain LoRA adapter is done at once."""
     return state.engine.engine.dora_precompute.submit(version, adapter)
 
 

@@ -48,7 +48,7 @@ async def tenant_keys(request: Request) -> Response:
 def _residency_of(engine) -> dict[str, str]:
     """version -> the fastest tier holding it (runs on the engine thread)."""
     where = {v: "host" for v in engine.host.entries}
-    where.update({v: "device" for v in engine.slots.slot_of})
+    where.update({v: "device" for v in engine.lora_slots.slot_of})
     return where
 
 
@@ -106,8 +106,8 @@ async def engine(request: Request) -> Response:
                               "compile_timeouts": state.grammar_compiler.timeouts,
                               "compiles_running": state.grammar_compiler.running,
                               "compile_cold_starts": state.grammar_compiler.cold_starts},
-        # DoRA scales: computed against the base, or read from Redis (server.engine.dora_scale_cache).
-        "dora_scales": vars(state.engine.engine.slots.dora_cache.stats),
+        # DoRA scales: computed against the base, or read from Redis (server.engine.lora.dora_scale_cache).
+        "dora_scales": vars(state.engine.engine.lora_slots.dora_cache.stats),
         "history": list(state.history.points)})
 
 

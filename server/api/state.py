@@ -56,7 +56,7 @@ def _held_versions(engine: AsyncEngine) -> set[str]:
     done: concurrent.futures.Future = concurrent.futures.Future()
     try:
         engine.post(lambda e: done.set_result(
-            set(e.host.entries) | set(e.host.loading) | set(e.host.parked) | set(e.slots.slot_of)))
+            set(e.host.entries) | set(e.host.loading) | set(e.host.parked) | set(e.lora_slots.slot_of)))
         return done.result(timeout=30)
     except Exception:  # noqa: BLE001 - a dead or stuck engine holds nothing worth resyncing
         log.warning("could not list the engine's adapter versions for a resync", exc_info=True)

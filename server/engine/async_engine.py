@@ -136,7 +136,7 @@ class AsyncEngine:
 
     # ---- requests ----
     async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     adapter_id: str | None = None, tenant: str | None = None,
+                     version_id: str | None = None, tenant: str | None = None,
                      priority: int = 0, tenant_weight: float | None = None,
                      cache_salt: str | None = None, grammar=None) -> RequestStream:
         """Add the request; raises RequestError (too long, unknown adapter...) before any output.
@@ -145,7 +145,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, asyncio.Queue(), params.n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", request_id, prompt, params, adapter_id, tenant, priority, tenant_weight, cache_salt,
+        self._send(("add", request_id, prompt, params, version_id, tenant, priority, tenant_weight, cache_salt,
                     grammar, sink, accepted))
         try:
             await asyncio.wrap_future(accepted)
@@ -155,9 +155,9 @@ class AsyncEngine:
         return RequestStream(self, request_id, sink, params.n)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       adapter_id: str | None = None, tenant: str | None = None,
+                       version_id: str | None = None, tenant: str | None = None,
                        ) -> AsyncIterator[RequestOutput]:
-        stream = await self.submit(request_id, prompt, params, adapter_id, tenant)
+        stream = await self.submit(request_id, prompt, params, version_id, tenant)
         try:
             async for out in stream:
                 yield out
@@ -236,9 +236,9 @@ class AsyncEngine:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, adapter_id, tenant, priority, weight, salt, grammar, sink, accepted = cmd
+                _, rid, prompt, params, version_id, tenant, priority, weight, salt, grammar, sink, accepted = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, adapter_id, tenant, priority, weight,
+                    self.engine.add_request(rid, prompt, params, version_id, tenant, priority, weight,
                                             cache_salt=salt, grammar=grammar)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     accepted.set_exception(e)

@@ -195,7 +195,7 @@ class AsyncScheduling:
             need += self.blocks.blocks_needed(table, position + 1)
             batch.seqs.append(seq)
             batch.num_tokens.append(1)
-            batch.slots.append(scheduler.slot_of_seq.get(seq, -1))
+            batch.lora_slots.append(scheduler.lora_slot_of_seq.get(seq, -1))
             source.append(i)
         if batch.empty or need > self.blocks.num_free_blocks:
             return None  # nothing to run, or the synchronous scheduler would preempt

@@ -133,7 +133,7 @@ class EngineConfig:
     model: str
     device: str = "auto"
     dtype: str = "auto"
-    # Adapter slots; None: sized from memory on CUDA (server.engine.slot_budget), 8 elsewhere.
+    # Adapter slots; None: sized from memory on CUDA (server.engine.lora.slot_budget), 8 elsewhere.
     max_loras: int | None = None
     max_lora_rank: int = 64
     max_model_len: int | None = None

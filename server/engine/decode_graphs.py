@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.kernel_ops import KernelOps
 from server.engine.decode_buffers import DecodeBuffers, bucket_for, decode_buckets
+from server.engine.kernel_ops import KernelOps
 from server.engine.model import CausalLM, StepContext
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class PaddedDecode:
     def __init__(self, model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torch.Tensor,
                  num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
                  rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None) -> None:
-        """rank_table: AdapterSlots.rank_table, each slot's own rank [L] int32 (None: full rank);
-        slot_dora: AdapterSlots.slot_dora, whether each slot holds a DoRA adapter (a live view)."""
+        """rank_table: LoraSlots.rank_table, each slot's own rank [L] int32 (None: full rank);
+        slot_dora: LoraSlots.slot_dora, whether each slot holds a DoRA adapter (a live view)."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device

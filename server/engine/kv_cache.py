@@ -8,7 +8,7 @@ import torch
 
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.kv_cache_dtype import kv_cache_dtype_label
-from server.engine.lora_slots import LoraGroupBuffers
+from server.engine.lora.slots import LoraGroupBuffers
 
 
 def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

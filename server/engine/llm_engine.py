@@ -11,7 +11,6 @@ from adapters.host_tier import Fetch, HostTier
 from kernels.cpu_linear import upcast_linear
 from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
-from kernels.ops import select_kernels
 from server.engine.async_step import AsyncScheduling
 from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig
@@ -20,19 +19,20 @@ from server.engine.cuda_device import thread_binder
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.grammar import GrammarError, Grammars
 from server.engine.grammar_mask import GrammarMask
+from server.engine.kernel_choice import select_kernels
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
-from server.engine.dora_precompute import DoraPrecompute
-from server.engine.dora_scale_cache import ScaleStore
-from server.engine.dora_scales import DoraScales
-from server.engine.lora_slots import AdapterSlots
+from server.engine.lora.dora_precompute import DoraPrecompute
+from server.engine.lora.dora_scale_cache import ScaleStore
+from server.engine.lora.dora_scales import DoraScales
+from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
+from server.engine.lora.slots import LoraSlots
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.postprocess import OutputProcessing
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
-from server.engine.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.stop import StopChecker
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
@@ -99,7 +99,7 @@ class EngineStats:
 class LLMEngine(OutputProcessing):
     """`adapter_source`, when given, loads adapter versions on demand (e.g. from the Redis registry);
     it runs on background threads, so it may block. `dora_scale_store` keeps DoRA adapters' scales per
-    version and base (server.engine.dora_scale_cache; e.g. adapters.dora_scale_store)."""
+    version and base (server.engine.lora.dora_scale_cache; e.g. adapters.dora_scale_store)."""
 
     def __init__(self, config: EngineConfig, adapter_source: Fetch | None = None,
                  dora_scale_store: ScaleStore | None = None) -> None:
@@ -144,7 +144,7 @@ class LLMEngine(OutputProcessing):
                               config.int4_group_size or DEFAULT_GROUP_SIZE)
         del weights
         # Everything else on the device is allocated before the KV pool is sized from what is left.
-        self.slots = AdapterSlots(lora_layers, self.max_loras, DoraScales.of_model(self.model), dora_scale_store)
+        self.lora_slots = LoraSlots(lora_layers, self.max_loras, DoraScales.of_model(self.model), dora_scale_store)
         scratch = torch.empty(
             3, config.max_num_batched_tokens, config.max_lora_rank, dtype=self.dtype, device=self.device
         )
@@ -158,10 +158,10 @@ class LLMEngine(OutputProcessing):
         # prefetches can wait, loaded, for room, instead of being fetched again.
         self.host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=self.device.type == "cuda",
                              max_parked=PREFETCH_WINDOW, dtype=self.dtype, init_thread=self.bind_thread,
-                             prepare=self.slots.prepare if self.device.type == "cpu" else None)
+                             prepare=self.lora_slots.prepare if self.device.type == "cpu" else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.max_prefill_tokens_while_decoding), self.blocks, self.slots, self.host)
+                            config.max_prefill_tokens_while_decoding), self.blocks, self.lora_slots, self.host)
         self.kernels = select_kernels(config.kernels, self.device, self.dtype, config.quantization)
         if self.kernels.linear is upcast_linear:
             log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)",
@@ -172,9 +172,9 @@ class LLMEngine(OutputProcessing):
         # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
         self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(
-            self.model, kv_caches, self.kernels, config.block_size, scratch, self.slots.slot_ranks,
-            self.slots.rank_table, self.device,
-            config.seed, GrammarMask(self.grammars.info.vocab_size), self.slots.slot_dora,
+            self.model, kv_caches, self.kernels, config.block_size, scratch, self.lora_slots.slot_ranks,
+            self.lora_slots.rank_table, self.device,
+            config.seed, GrammarMask(self.grammars.info.vocab_size), self.lora_slots.slot_dora,
         )
         self.constrained_requests = 0
         # Every Triton variant is compiled now, not in the middle of serving (server.engine.warmup).
@@ -186,7 +186,7 @@ class LLMEngine(OutputProcessing):
         if self.warmup_seconds:
             log.info("compiled every kernel variant in %.1f s", self.warmup_seconds)
         # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
-        self.dora_precompute = DoraPrecompute(self.host, self.slots.dora_cache)
+        self.dora_precompute = DoraPrecompute(self.host, self.lora_slots.dora_cache)
         if self.device.type == "cuda" and self.kernels.name == "triton" and not config.enforce_eager:
             # Decode steps of up to the largest batch the scheduler forms replay a captured graph. Not with
             # the torch kernels: their padded LoRA gathers every row's weights (kernels.lora_cpu), which a
@@ -205,19 +205,19 @@ class LLMEngine(OutputProcessing):
                                      getattr(config, "share_base_prefix_cache", False))
 
     # ---- adapters (keyed by immutable version id) ----
-    def add_adapter(self, adapter_id: str, adapter: LoraAdapter) -> None:
+    def add_adapter(self, version_id: str, adapter: LoraAdapter) -> None:
         """Preload an adapter version into the host tier; it stays until removed."""
         if adapter.rank > self.config.max_lora_rank:
             raise RequestError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
-        self.host.add(adapter_id, adapter)
-        self.scheduler.prefix_cache.restore(adapter_id)
+        self.host.add(version_id, adapter)
+        self.scheduler.prefix_cache.restore(version_id)
 
-    def remove_adapter(self, adapter_id: str) -> None:
+    def remove_adapter(self, version_id: str) -> None:
         """A deleted or replaced version leaves every tier once no request uses it; its cached KV
         blocks leave the prefix cache at once."""
-        self.host.remove(adapter_id)
-        self.slots.remove(adapter_id)
-        self.scheduler.prefix_cache.retire(adapter_id)
+        self.host.remove(version_id)
+        self.lora_slots.remove(version_id)
+        self.scheduler.prefix_cache.retire(version_id)
 
     # ---- prefix cache ----
     def set_prefix_cache_policy(self, enabled: bool = True, share_base_across_tenants: bool = False) -> None:
@@ -229,8 +229,8 @@ class LLMEngine(OutputProcessing):
                 for seq in first.group.seqs:
                     seq.block_hashes.clear()  # hashed under the old keys: recomputed when needed
 
-    def has_adapter(self, adapter_id: str) -> bool:
-        return self.host.ready(adapter_id)
+    def has_adapter(self, version_id: str) -> bool:
+        return self.host.ready(version_id)
 
     # ---- requests ----
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -243,7 +243,7 @@ class LLMEngine(OutputProcessing):
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        adapter_id: str | None = None,
+        version_id: str | None = None,
         tenant: str | None = None,
         priority: int = 0,
         tenant_weight: float | None = None,
@@ -261,7 +261,7 @@ class LLMEngine(OutputProcessing):
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError("cache_salt must be a string")
         ids = self.tokenize(prompt)
-        self.validate(ids, params, adapter_id)
+        self.validate(ids, params, version_id)
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         stop_ids: tuple[int, ...] = ()
@@ -275,7 +275,7 @@ class LLMEngine(OutputProcessing):
                 raise RequestError(str(e)) from None
         group = SequenceGroup(request_id, params.prompt_logprobs is not None, stop_ids)
         for index in range(params.n):  # choices 1.. wait, unscheduled, for choice 0's prefill
-            seq = Sequence(request_id, ids, params, adapter_id, self.arrivals, tenant, priority, index, group,
+            seq = Sequence(request_id, ids, params, version_id, self.arrivals, tenant, priority, index, group,
                            cache_salt)
             seq.detok_state = self.detokenizer.new_state(start=len(ids))
             seq.stop = StopChecker(params.stop)
@@ -288,7 +288,7 @@ class LLMEngine(OutputProcessing):
             self.scheduler.waiting.set_weight(tenant, tenant_weight)
         self.scheduler.add(group.seqs[0])
 
-    def validate(self, ids: list[int], params: SamplingParams, adapter_id: str | None) -> None:
+    def validate(self, ids: list[int], params: SamplingParams, version_id: str | None) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -303,8 +303,8 @@ class LLMEngine(OutputProcessing):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise RequestError(f"n ({params.n}) exceeds max_num_seqs {self.config.max_num_seqs}")
-        if adapter_id is not None and not self.host.can_serve(adapter_id):
-            raise RequestError(f"adapter {adapter_id!r} is not loaded")
+        if version_id is not None and not self.host.can_serve(version_id):
+            raise RequestError(f"adapter {version_id!r} is not loaded")
 
     def abort_request(self, request_id: str) -> None:
         """Abort every unfinished choice of the request."""
@@ -350,8 +350,8 @@ class LLMEngine(OutputProcessing):
             kv_blocks_used=self.blocks.num_used_blocks,
             kv_blocks_total=self.blocks.num_blocks,
             adapters_registered=len(self.host.entries),
-            adapters_resident=self.slots.num_resident,
-            adapter_loads=self.slots.loads,
+            adapters_resident=self.lora_slots.num_resident,
+            adapter_loads=self.lora_slots.loads,
             num_preemptions=self.scheduler.num_preemptions,
             host_bytes_used=self.host.bytes_used,
             host_budget_bytes=self.host.budget_bytes,
@@ -363,8 +363,8 @@ class LLMEngine(OutputProcessing):
             adapters_loading=len(self.host.loading),
             adapters_parked=len(self.host.parked),
             host_parked_bytes=self.host.parked_bytes,
-            device_hits=self.slots.hits,
-            device_evictions=self.slots.evictions,
+            device_hits=self.lora_slots.hits,
+            device_evictions=self.lora_slots.evictions,
             prefix_cache_enabled=prefix.enabled,
             prefix_queries_tokens=prefix.queries_tokens,
             prefix_hit_tokens=prefix.hit_tokens,

@@ -15,9 +15,9 @@ from kernels.fp8_weights import Fp8Weight, quantize_fp8
 from kernels.int4_weights import DEFAULT_GROUP_SIZE, Int4Weight, cat_int4, quantize_int4
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.kernel_ops import KernelOps
 from server.engine.config import ModelConfig
-from server.engine.lora_slots import LoraGroupBuffers
+from server.engine.kernel_ops import KernelOps
+from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.rope import RotaryEmbedding
 from server.engine.workspace import Workspace
 
@@ -65,7 +65,7 @@ class LoraLinear:
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             lora = self.lora
-            ctx.ops.lora(x, lora.a, lora.b, lora.scaling, lora.offsets, ctx.lora, h, y)
+            ctx.ops.lora.apply(x, lora.a, lora.b, lora.scaling, lora.offsets, ctx.lora, h, y)
         if dora:
             dora_scale(y, self.lora.dora_scale, ctx.lora, self.bias)
         return y

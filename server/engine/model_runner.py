@@ -14,11 +14,11 @@ import torch
 
 from kernels.kv_quant import storage
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.kernel_ops import KernelOps
-from server.engine.alora import token_slots as alora_token_slots
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar_mask import GrammarMask
+from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
+from server.engine.lora.alora import token_slots as alora_token_slots
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, sample_rows
 from server.engine.sampling_row import SamplingRow
@@ -85,12 +85,12 @@ class ModelRunner:
         ops: KernelOps,
         block_size: int,
         lora_scratch: torch.Tensor,  # [3, max_tokens, R]
-        slot_ranks: list[int],  # live view of AdapterSlots.slot_ranks
-        rank_table: torch.Tensor | None,  # AdapterSlots.rank_table: the same on the device, [L] int32
+        slot_ranks: list[int],  # live view of LoraSlots.slot_ranks
+        rank_table: torch.Tensor | None,  # LoraSlots.rank_table: the same on the device, [L] int32
         device: torch.device,
         seed: int,
         grammar_mask: GrammarMask | None = None,
-        slot_dora: list[bool] | None = None,  # live view of AdapterSlots.slot_dora
+        slot_dora: list[bool] | None = None,  # live view of LoraSlots.slot_dora
     ) -> None:
         self.slot_ranks = slot_ranks
         self.slot_dora = slot_dora
@@ -128,7 +128,7 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         row_starts = [0]
         prompt: _PromptPositions | None = None
-        for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.slots)):
+        for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots)):
             start = seq.num_computed_tokens + (1 if ahead else 0)
             first = len(input_ids)
             if ahead:

@@ -30,7 +30,7 @@ class OutputProcessing:
         outputs = [self._output(seq) for seq in self.aborted]
         self.aborted.clear()
         for seq, error in batch.failed:
-            outputs += self._fail(seq, f"adapter {seq.adapter_id} could not be loaded: {error}")
+            outputs += self._fail(seq, f"adapter {seq.version_id} could not be loaded: {error}")
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if seq.finished:
                 continue  # async scheduling: aborted, or ended by the step before, while this one ran
@@ -102,7 +102,7 @@ class OutputProcessing:
     def _failure_message(seq: Sequence, failure: SampleFailure) -> str:
         if not failure.non_finite:
             return failure.reason
-        source = f"adapter {seq.adapter_id}" if seq.adapter_id is not None else "the base model"
+        source = f"adapter {seq.version_id}" if seq.version_id is not None else "the base model"
         return f"{source} {failure.reason}"
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -18,7 +18,7 @@ An activated LoRA's blocks wholly before its activation point hold base-model
 KV, so they are keyed (and indexed) as the base model's blocks of the same
 tenant and salt: the base model and every aLoRA on that prompt share them.
 Its blocks from the point on are keyed on the version and the point
-(server.engine.alora).
+(server.engine.lora.alora).
 
 Hashes depend only on a sequence's tokens, so each is computed once per
 sequence (kept in `Sequence.block_hashes`, surviving preemption) and never per
@@ -41,8 +41,8 @@ import hashlib
 import json
 import struct
 
-from server.engine.alora import base_blocks
 from server.engine.block_manager import BlockManager
+from server.engine.lora.alora import base_blocks
 from server.engine.sequence import Sequence
 
 ROOT = bytes(32)  # the "previous block" of a sequence's first block
@@ -74,7 +74,7 @@ class PrefixCache:
     def lookup(self, seq: Sequence) -> list[int] | None:
         """The cached blocks that start `seq` (not yet referenced: BlockManager.take does that), or
         None when `seq` may not use the cache."""
-        if not self.enabled or seq.adapter_id in self.retired:
+        if not self.enabled or seq.version_id in self.retired:
             return None
         limit = len(seq.token_ids) - 1  # at least the last token runs: its logits give the next token
         owed = seq.group.prompt_logprobs
@@ -114,7 +114,7 @@ class PrefixCache:
         if full <= done or not self.enabled:
             return
         seq.num_registered_blocks = full
-        version = seq.adapter_id
+        version = seq.version_id
         if version in self.retired:
             return
         hashes = self._hashes(seq, full)
@@ -138,10 +138,10 @@ class PrefixCache:
         hashes = seq.block_hashes
         if len(hashes) < n:
             first_active = seq.group.adapter_from
-            # Blocks before an aLoRA's activation point are keyed as the base model's (server.engine.alora).
+            # Blocks before an aLoRA's activation point are keyed as the base model's (server.engine.lora.alora).
             base = base_blocks(first_active, self.block_size)
-            own = self._seed(seq.adapter_id, seq, first_active)
-            base_seed = own if seq.adapter_id is None or not base else self._seed(None, seq, 0)
+            own = self._seed(seq.version_id, seq, first_active)
+            base_seed = own if seq.version_id is None or not base else self._seed(None, seq, 0)
             tokens, size, pack = seq.token_ids, self.block_size, self.pack
             parent = hashes[-1] if hashes else ROOT
             for i in range(len(hashes), n):
@@ -150,12 +150,12 @@ class PrefixCache:
                 hashes.append(parent)
         return hashes
 
-    def _seed(self, adapter_id: str | None, seq: Sequence, first_active: int) -> bytes:
+    def _seed(self, version_id: str | None, seq: Sequence, first_active: int) -> bytes:
         """What besides the tokens decides a block's KV, and who may reuse it: the adapter version
         (None: the base model) and, for an aLoRA, where it starts applying."""
         # A salt is the tenant's own: another tenant sending the same string must reach nothing.
-        shared = adapter_id is None and self.share_base_across_tenants and seq.cache_salt is None
-        key = [adapter_id, None if shared else seq.tenant, shared, seq.cache_salt]
-        if adapter_id is not None and first_active:
+        shared = version_id is None and self.share_base_across_tenants and seq.cache_salt is None
+        key = [version_id, None if shared else seq.tenant, shared, seq.cache_salt]
+        if version_id is not None and first_active:
             key.append(first_active)
         return hashlib.sha256(json.dumps(key).encode()).digest()

@@ -30,13 +30,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
-from server.engine.alora import adapter_from
 from server.engine.block_manager import BlockManager
 from server.engine.fair_queue import FairQueue
-from server.engine.lora_slots import AdapterSlots
+from server.engine.lora.alora import adapter_from
+from server.engine.lora.slot_share import SlotShare
+from server.engine.lora.slots import LoraSlots
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
-from server.engine.slot_share import SlotShare
 
 # After this many steps blocked on an adapter slot, the head of the queue stops letting requests
 # of its own tenant, or of tenants above their share of the slots, join adapters already in a slot,
@@ -64,7 +64,7 @@ class SchedulerConfig:
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per sequence
-    slots: list[int] = field(default_factory=list)  # adapter slot per sequence, -1 = base model
+    lora_slots: list[int] = field(default_factory=list)  # adapter slot per sequence, -1 = base model
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # adapter load failed: (seq, error)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy), copy-on-write
@@ -75,15 +75,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: AdapterSlots, host: HostTier) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier) -> None:
         self.config = config
         self.blocks = blocks
         self.prefix_cache = PrefixCache(blocks)
-        self.slots = slots
+        self.lora_slots = lora_slots
         self.host = host
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
-        self.slot_of_seq: dict[Sequence, int] = {}  # pinned adapter slot of each running sequence
+        self.lora_slot_of_seq: dict[Sequence, int] = {}  # pinned adapter slot of each running sequence
         self.waited_for_load: set[Sequence] = set()
         # Adapter versions the waiting requests scanned last step need: the host tier keeps them when
         # it makes room for a finished load, so prefetching one never evicts another still waited for.
@@ -102,9 +102,9 @@ class Scheduler:
     def adapters_in_use(self) -> tuple[frozenset[str], frozenset[str]]:
         """Distinct adapter versions of the running and of the waiting requests (the base model: none),
         what a LoRA-aware router reads to send a request where its adapter is already loaded."""
-        running = frozenset(s.adapter_id for s in self.running if s.adapter_id is not None)
-        waiting = frozenset(entry[2].adapter_id for queue in self.waiting.queues.values() for entry in queue
-                            if entry[2].adapter_id is not None)
+        running = frozenset(s.version_id for s in self.running if s.version_id is not None)
+        waiting = frozenset(entry[2].version_id for queue in self.waiting.queues.values() for entry in queue
+                            if entry[2].version_id is not None)
         return running, waiting
 
     def schedule(self) -> ScheduledBatch:
@@ -157,9 +157,9 @@ class Scheduler:
             # Same tokens so far: the same block hashes, and the same blocks already indexed.
             child.block_hashes = list(parent.block_hashes)
             child.num_registered_blocks = parent.num_registered_blocks
-            if parent in self.slot_of_seq:
-                version = child.adapter_id
-                self.slot_of_seq[child] = self.slots.acquire(version, self.host.get(version))
+            if parent in self.lora_slot_of_seq:
+                version = child.version_id
+                self.lora_slot_of_seq[child] = self.lora_slots.acquire(version, self.host.get(version))
                 self.host.pin(version)
             self.waiting.started_running(child)
             child.status = SequenceStatus.RUNNING
@@ -205,7 +205,7 @@ class Scheduler:
         slot_share: SlotShare | None = None  # computed once per step, only when the head has waited long
         prefetching: set[str] = set()  # distinct versions, so many requests for one load use one place
         for seq in list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON)):
-            version = seq.adapter_id
+            version = seq.version_id
             if version is not None:
                 self.wanted.add(version)
             if version is not None and not self.host.ready(version):
@@ -221,7 +221,7 @@ class Scheduler:
             joining = seq.group.n if seq.group.needs_fork else 1
             if not admit or budget == 0 or len(self.running) + self.fork_seats + joining > self.config.max_num_seqs:
                 continue  # keep scanning only to start loads for requests near the head
-            if version is not None and not self.slots.can_acquire(version):
+            if version is not None and not self.lora_slots.can_acquire(version):
                 if not head_blocked:
                     head_blocked = True
                     self.head_blocked_steps += 1
@@ -234,12 +234,12 @@ class Scheduler:
                 # while the head's tenant, and tenants above their weighted share of the slots, stop
                 # joining theirs; those slots drain to let the head in, while a tenant within its share
                 # keeps its slot, so one tenant's many adapters cannot take every slot from the others.
-                if version not in self.slots.users:
+                if version not in self.lora_slots.users:
                     continue
                 if self.head_blocked_steps > MAX_BYPASS_STEPS:
                     if slot_share is None:
-                        slot_share = SlotShare.of(self.running, self.slot_of_seq, self.waiting.weights,
-                                                  self.slots.max_loras, head_tenant)
+                        slot_share = SlotShare.of(self.running, self.lora_slot_of_seq, self.waiting.weights,
+                                                  self.lora_slots.max_loras, head_tenant)
                     if seq.tenant == head_tenant or slot_share.over(seq.tenant):
                         continue
             assert not seq.block_table and seq.num_computed_tokens == 0, "a waiting sequence holds no KV"
@@ -265,7 +265,7 @@ class Scheduler:
                 if seq not in self.waited_for_load:
                     self.host.note_hit()
                 self.waited_for_load.discard(seq)
-                self.slot_of_seq[seq] = self.slots.acquire(version, self.host.get(version))
+                self.lora_slot_of_seq[seq] = self.lora_slots.acquire(version, self.host.get(version))
                 self.host.pin(version)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -274,12 +274,12 @@ class Scheduler:
             budget -= n
         if not head_blocked:
             self.head_blocked_steps = 0
-        self.slots.sync()
+        self.lora_slots.sync()
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
-        batch.slots.append(self.slot_of_seq.get(seq, -1))
+        batch.lora_slots.append(self.lora_slot_of_seq.get(seq, -1))
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, back into the queue."""
@@ -294,7 +294,7 @@ class Scheduler:
         self.num_preemptions += 1
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
-            for column in (batch.seqs, batch.num_tokens, batch.slots):
+            for column in (batch.seqs, batch.num_tokens, batch.lora_slots):
                 del column[i]
         batch.preempted.append(seq)
 
@@ -303,6 +303,6 @@ class Scheduler:
             self.fork_seats -= seq.group.n - 1
         self.blocks.free(seq.block_table)
         self.waiting.stopped_running(seq)
-        if self.slot_of_seq.pop(seq, None) is not None:
-            self.slots.release(seq.adapter_id)
-            self.host.unpin(seq.adapter_id)
+        if self.lora_slot_of_seq.pop(seq, None) is not None:
+            self.lora_slots.release(seq.version_id)
+            self.host.unpin(seq.version_id)

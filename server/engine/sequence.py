@@ -84,7 +84,7 @@ class SequenceGroup:
         # Prompt tokens whose KV came from the prefix cache when choice 0 was first admitted (vLLM
         # counts that admission only); None until then. Forked choices share that prefill.
         self.num_cached_tokens: int | None = None
-        # The first position the adapter applies to (server.engine.alora): 0 but for an activated LoRA,
+        # The first position the adapter applies to (server.engine.lora.alora): 0 but for an activated LoRA,
         # whose point the scheduler finds at admission.
         self.adapter_from = 0
         self._prompt_tensor: torch.Tensor | None = None
@@ -108,7 +108,7 @@ class Sequence:
     """Token ids, progress and KV blocks of one choice of a request."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "token_ids", "params", "adapter_id", "tenant", "priority", "arrival",
+        "request_id", "prompt_token_ids", "token_ids", "params", "version_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
         "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
         "num_registered_blocks", "grammar",
@@ -119,7 +119,7 @@ class Sequence:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        adapter_id: str | None,
+        version_id: str | None,
         arrival: int,
         tenant: str | None = None,
         priority: int = 0,
@@ -131,7 +131,7 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + generated
         self.params = params
-        self.adapter_id = adapter_id
+        self.version_id = version_id
         self.tenant = tenant
         self.priority = priority
         self.arrival = arrival  # monotone admission counter: preemption victims are the newest

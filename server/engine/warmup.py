@@ -33,7 +33,7 @@ import torch
 from kernels.launch_plan import GATHER_MAX_SEG_LEN, MIN_SPLIT_TOKENS, TILE_ROWS
 from kernels.lora_tiles import lora_tiles
 from kernels.metadata import AttentionBatch, LoraBatch
-from kernels.kernel_ops import KernelOps
+from server.engine.kernel_ops import KernelOps
 from server.engine.model import CausalLM, StepContext
 
 

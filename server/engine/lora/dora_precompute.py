@@ -2,7 +2,7 @@
 
 A DoRA adapter's first load would otherwise compute its per-output scales m / ||W + s B A|| (a W A^T
 over every targeted projection: ~2x a LoRA load's time on the smol135 shape) before storing them for
-later loads (server.engine.dora_scale_cache). The server calls `submit` as it accepts a version (an
+later loads (server.engine.lora.dora_scale_cache). The server calls `submit` as it accepts a version (an
 upload, a source fetch, a preload: server.api.adapter_intake) and waits for it before answering, so a
 request right after the upload finds the scales in the store and its load is a reload.
 
@@ -11,7 +11,7 @@ on meanwhile), with at most MAX_PENDING versions waiting; past that a version is
 its first load computes the scales as before (counted: `precompute_skipped`). A failure here never
 fails the intake: the load computes what is missing.
 
-Only CPU engines with a store precompute: there the host tier's loader hook (AdapterSlots.prepare) reads
+Only CPU engines with a store precompute: there the host tier's loader hook (LoraSlots.prepare) reads
 the store. A CUDA engine computes a DoRA adapter's scales as it enters a device slot, against the
 weights on the device, and keeps none in the store; nothing here runs there. Such an engine, or one
 without a store, answers every submit with "off" and computes no base identity.
@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from adapters.format import LoraAdapter
 from adapters.host_tier import HostTier
-from server.engine.dora_scale_cache import DoraScaleCache
+from server.engine.lora.dora_scale_cache import DoraScaleCache
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ class SlotShare:
     share: Mapping[str | None, float]  # tenant -> its weighted share of the slots
 
     @classmethod
-    def of(cls, running: Iterable[Sequence], slot_of_seq: Mapping[Sequence, int],
+    def of(cls, running: Iterable[Sequence], lora_slot_of_seq: Mapping[Sequence, int],
            weights: Mapping[str | None, float], max_loras: int, head_tenant: str | None) -> SlotShare:
         versions: dict[str | None, set[str]] = {head_tenant: set()}
         for seq in running:
-            if seq in slot_of_seq:
-                versions.setdefault(seq.tenant, set()).add(seq.adapter_id)
+            if seq in lora_slot_of_seq:
+                versions.setdefault(seq.tenant, set()).add(seq.version_id)
         total = sum(weights.get(t, 1.0) for t in versions)
         return cls(held={t: len(v) for t, v in versions.items()},
                    share={t: max_loras * weights.get(t, 1.0) / total for t in versions})

@@ -6,7 +6,7 @@ the norm taken over each row of the [out, in] weight (fan_in_fan_out is False fo
 detached. So the module computes
     g * (x W^T + scaling * x A^T B^T) + bias:
 the plain LoRA output, bias aside, scaled per output column by g, which depends on the adapter and the
-base weights only. It is computed once, when the adapter enters a device slot (server.engine.lora_slots),
+base weights only. It is computed once, when the adapter enters a device slot (server.engine.lora.slots),
 and the forward applies it as one gathered multiply (kernels.dora_scale).
 
 PEFT materialises W + scaling * B @ A ([out, in]) and takes its row norms: four passes over a
@@ -35,7 +35,7 @@ BLOCK_ELEMENTS = 4 << 20
 # A row whose expanded squared norm is below this fraction of ||W_j||^2 is recomputed exactly: there the
 # expansion's float32 rounding (~1e-7 of ||W_j||^2) would be above ~1e-5 of the result.
 CANCELLATION = 1e-2
-# The model's attribute for each slot group (server.engine.lora_slots.PROJECTION_SLICES).
+# The model's attribute for each slot group (server.engine.lora.slots.PROJECTION_SLICES).
 _GROUP_ATTRS = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down"}
 
 

@@ -1,5 +1,5 @@
-"""The kernel entry points as one set per implementation (kernels.ops for torch and the choice,
-kernels.triton_ops for Triton): what the model calls, whichever set it was given."""
+"""The kernel entry points the model calls, one set per implementation, picked at start-up
+(server.engine.kernel_choice): the LoRA strategy, the KV writes and paged attention, the projections."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,14 +11,13 @@ from kernels.cpu_linear import linear
 from kernels.fp8_weights import scaled_mm_linear
 from kernels.int4_weights import dequant_int4_linear
 from kernels.int8_weights import dequant_linear
+from server.engine.lora.backends.base import LoraBackend
 
 
 @dataclass(frozen=True)
 class KernelOps:
     name: str
-    lora_shrink: Callable[..., None]  # see kernels.lora_ref.lora_shrink
-    lora_expand: Callable[..., None]  # see kernels.lora_ref.lora_expand
-    lora: Callable[..., None]  # one fused projection's LoRA, both sides: kernels.lora_cpu / lora_triton.lora_apply
+    lora: LoraBackend  # the adapters' shrink/expand (server.engine.lora.backends)
     write_kv: Callable[..., None]  # see kernels.attention_ref.write_kv
     write_kv_padded: Callable[..., None]  # write_kv skipping negative slots: see kernels.attention_ref.write_kv_padded
     paged_attention: Callable[..., None]  # see kernels.attention_ref.paged_attention
@@ -26,4 +25,3 @@ class KernelOps:
     int8_linear: Callable[..., torch.Tensor] = dequant_linear  # the same on an Int8Weight (kernels.int8_weights)
     fp8_linear: Callable[..., torch.Tensor] = scaled_mm_linear  # the same on an Fp8Weight (kernels.fp8_weights)
     int4_linear: Callable[..., torch.Tensor] = dequant_int4_linear  # the same on an Int4Weight (kernels.int4_weights)
-

@@ -2,7 +2,7 @@
 
 Slots are fixed-size: every targeted projection of every layer holds A and B at
 `max_lora_rank`, a float32 scaling and a float32 DoRA scale per output column
-(server.engine.lora_slots), so one slot's bytes follow from the model's shape,
+(server.engine.lora.slots), so one slot's bytes follow from the model's shape,
 the rank and the dtype alone, and the slot count from a byte budget. Rank-16
 slots for Llama-3-8B in bf16 are 89 MB each (83.9 MB of A and B), so 64 of
 them take 5.7 GB: 9% of what an 80 GB card has left beside the 16 GB of

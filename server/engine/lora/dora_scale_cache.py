@@ -1,6 +1,6 @@
 """DoRA scales kept with the adapter version in its store (Redis), keyed by the base weights as served.
 
-A DoRA adapter's per-output scales g = m / ||W + s B A|| (server.engine.dora_scales) cost a W A^T over
+A DoRA adapter's per-output scales g = m / ||W + s B A|| (server.engine.lora.dora_scales) cost a W A^T over
 every targeted projection: most of a DoRA load. They depend on the immutable adapter version and on W as
 this process serves it, so once computed they are written to the adapter's store under (version, base
 identity), and a later load of the version (after the host tier evicted it, on another replica, after a
@@ -9,7 +9,7 @@ restart) reads them instead.
 The base identity is a sha256 of the served weights' bytes (each fused projection the scales are
 computed against, after dtype casting and quantization, with its dtype, layout and shape): anything
 that changes W as served changes it, and replicas serving the same bytes share it. It is computed once
-per process, at engine start-up where the store is used (`prime`, server.engine.dora_precompute), else by
+per process, at engine start-up where the store is used (`prime`, server.engine.lora.dora_precompute), else by
 the first use, layers hashed on up to IDENTITY_THREADS threads (hashlib releases the GIL): about 0.4 s of
 one core per GB of weights.
 
@@ -50,7 +50,7 @@ class ScaleStore(Protocol):
 @dataclass
 class DoraScaleStats:
     computed: int = 0  # adapters whose scales were computed against the base weights
-    precomputed: int = 0  # of those, computed when the version was accepted (server.engine.dora_precompute)
+    precomputed: int = 0  # of those, computed when the version was accepted (server.engine.lora.dora_precompute)
     precompute_skipped: int = 0  # versions accepted while MAX_PENDING others waited: their first load computes
     read: int = 0  # loads whose scales came from the store
     refused: int = 0  # stored scales ignored (wrong length, non-finite values), computed instead

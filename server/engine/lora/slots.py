@@ -16,13 +16,13 @@ that swapped 8 adapters (a storm of distinct adapters' first uses) spend ~40% of
 its time there, while every running stream waited for that step.
 
 A DoRA adapter's slot also gets its per-output scales m / ||W + s B A|| against
-this base (server.engine.dora_scales), in a table beside A and B that is 1.0
+this base (server.engine.lora.dora_scales), in a table beside A and B that is 1.0
 for plain-LoRA slots and for base rows. On a CPU they are computed once per
 host-tier load, on its loader threads (`prepare`), so neither the engine's
 step loop nor a later page-in of the same adapter pays for them, and kept in
-the adapter's store (Redis) against this base (server.engine.dora_scale_cache),
+the adapter's store (Redis) against this base (server.engine.lora.dora_scale_cache),
 so a later host-tier load of the version reads them; the server has them
-computed when it accepts the version (server.engine.dora_precompute, through
+computed when it accepts the version (server.engine.lora.dora_precompute, through
 the same hook), so even the first load reads them; on CUDA, where the base
 weights live on the device, they are computed as the adapter enters its slot.
 """
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from adapters.packed import PackedLoraAdapter
-from server.engine.dora_scale_cache import DoraScaleCache, ScaleStore
-from server.engine.dora_scales import DoraScales
+from server.engine.lora.dora_scale_cache import DoraScaleCache, ScaleStore
+from server.engine.lora.dora_scales import DoraScales
 
 # Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
 # rank_pattern adapters), so the cache stays bounded.
@@ -86,7 +86,7 @@ class LoraGroupBuffers:
         )
 
 
-class AdapterSlots:
+class LoraSlots:
     """The device tier: which adapter version sits in which slot; evicts the least recently used idle slot.
 
     A slot in use by a running request is never evicted. LRU among idle slots,

@@ -1,4 +1,4 @@
-"""The torch kernel set, and the choice among the implementations the engine makes at start-up."""
+"""The kernel sets (torch, Triton), and the choice between them the engine makes at start-up."""
 from __future__ import annotations
 
 import os
@@ -6,11 +6,12 @@ from typing import Callable
 
 import torch
 
-from kernels import attention_ref, lora_cpu, lora_ref
+from kernels import attention_ref
 from kernels.cpu_linear import linear, linear_for
 from kernels.int4_weights import dequant_int4_linear, int4_linear_for
 from kernels.int8_weights import dequant_linear, int8_linear_for
-from kernels.kernel_ops import KernelOps
+from server.engine.kernel_ops import KernelOps
+from server.engine.lora.backends.torch_backend import TorchLoraBackend
 
 KERNEL_KINDS = ("auto", "triton", "torch")
 
@@ -20,9 +21,7 @@ def torch_ops(linear: Callable[..., torch.Tensor] = linear,
               int4_linear: Callable[..., torch.Tensor] = dequant_int4_linear) -> KernelOps:
     return KernelOps(
         name="torch",
-        lora_shrink=lora_ref.lora_shrink,
-        lora_expand=lora_ref.lora_expand,
-        lora=lora_cpu.lora_apply,
+        lora=TorchLoraBackend(),
         write_kv=attention_ref.write_kv,
         write_kv_padded=attention_ref.write_kv_padded,
         paged_attention=attention_ref.paged_attention,
@@ -47,6 +46,20 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.f
         return torch_ops(linear_for(device, dtype), int8_linear, int4_linear)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU")
-    from kernels.triton_ops import triton_ops
-
     return triton_ops()
+
+
+def triton_ops() -> KernelOps:
+    """Triton kernels; tensors on CUDA, or on CPU under TRITON_INTERPRET=1. Imported only when chosen."""
+    from kernels import attention_triton, int4_triton, int8_triton
+    from server.engine.lora.backends.triton_backend import TritonLoraBackend
+
+    return KernelOps(
+        name="triton",
+        lora=TritonLoraBackend(),
+        write_kv=attention_triton.write_kv,
+        write_kv_padded=attention_triton.write_kv,  # skips negative slots already
+        paged_attention=attention_triton.paged_attention,
+        int8_linear=int8_triton.int8_linear,  # reads the int8 weight in place (kernels.int8_triton)
+        int4_linear=int4_triton.int4_triton_linear,  # unpacks the int4 weight in registers (kernels.int4_triton)
+    )
