@@ -1,6 +1,6 @@
 """Scheduler: token budget and chunked prefill, seats, adapter slots, preemption, fair share, forks, aborts.
 
-Real parts throughout: a BlockManager, AdapterSlots over a one-layer slot buffer, a HostTier holding tiny
+Real parts throughout: a BlockManager, LoraSlots over a one-layer slot buffer, a HostTier holding tiny
 adapters, and a `Steps` driver that plays the engine's part (advance what a batch computed, index full
 blocks, append a token when a prompt is in, fork, finish) with tokens that depend only on their
 position, so a recomputed sequence must come out the same.
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from adapters.format import LoraAdapter, LoraWeights
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
-from server.engine.lora_slots import AdapterSlots, LoraGroupBuffers
+from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
 from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from server.engine.sequence import Sequence, SequenceStatus
 from tests.server.engine.sequences import request
@@ -41,7 +41,7 @@ class Steps:
         self.config = SchedulerConfig(max_num_seqs, budget, cap)
         self.blocks = BlockManager(num_blocks, BLOCK)
         layers = [{"o": LoraGroupBuffers.allocate(WIDTH, (WIDTH,), max_loras, RANK, torch.float32, "cpu")}]
-        self.slots = AdapterSlots(layers, max_loras)
+        self.slots = LoraSlots(layers, max_loras)
         self.host = HostTier(None, None)
         for version in versions:
             self.host.add(version, _adapter())
@@ -92,13 +92,13 @@ class Steps:
         assert sum(batch.num_tokens) <= self.config.max_num_batched_tokens
         assert len(sched.running) <= self.config.max_num_seqs
         assert len(set(map(id, batch.seqs))) == len(batch.seqs)
-        versions = {s.adapter_id for s in batch.seqs if s.adapter_id is not None}
+        versions = {s.version_id for s in batch.seqs if s.version_id is not None}
         assert len(versions) <= self.slots.max_loras
-        for seq, n, slot in zip(batch.seqs, batch.num_tokens, batch.slots):
+        for seq, n, slot in zip(batch.seqs, batch.num_tokens, batch.lora_slots):
             assert seq.status is SequenceStatus.RUNNING and 0 < n <= seq.num_pending_tokens
             assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n
-            assert (slot == -1) == (seq.adapter_id is None)
-            assert slot == -1 or self.slots.slot_of[seq.adapter_id] == slot
+            assert (slot == -1) == (seq.version_id is None)
+            assert slot == -1 or self.slots.slot_of[seq.version_id] == slot
         held = Counter(b for s in sched.running for b in s.block_table)
         assert all(self.blocks.ref_counts[b] == held[b] for b in range(self.blocks.num_blocks))
         for seq in batch.preempted:
@@ -159,7 +159,7 @@ def test_requests_for_one_adapter_share_its_slot():
     same = [s.add(version="v1") for _ in range(3)]
     other = s.add(version="v2")
     first = s.step()
-    assert first.seqs == same and len(set(first.slots)) == 1 and other in s.scheduler.waiting
+    assert first.seqs == same and len(set(first.lora_slots)) == 1 and other in s.scheduler.waiting
     s.drain()
     assert other.finished
 
