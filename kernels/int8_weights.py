@@ -82,13 +82,20 @@ def int8pack_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | No
     Shape: x [T, in]; weight.qweight [out, in] int8, weight.scale [out]; bias [out] or None;
     out [T, out] in x's dtype or None; returns [T, out] (`out` itself when given).
     """
-    if x.device.type != "cpu" or x.dtype not in INT8PACK_DTYPES:
+    if x.device.type != "cpu" or x.dtype not in INT8PACK_DTYPES or not _int8pack_takes(x):
         return dequant_linear(x, weight, bias, out, scratch)
     scale = weight.scale if weight.scale.dtype == x.dtype else weight.scale.to(x.dtype)
     y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.qweight, scale)  # [T, out]
     if bias is not None:
         y += bias
     return y if out is None else out.copy_(y)
+
+
+def _int8pack_takes(x: torch.Tensor) -> bool:
+    """Whether aten._weight_int8pack_mm computes this x right. torch 2.13's bfloat16 path on CPUs with
+    AVX512-BF16 (Sapphire Rapids) reads past a row whose features are not a multiple of 16: garbage
+    (in=72) or a segfault (in=8, 200). float32 and float16 are right at every width."""
+    return x.dtype is not torch.bfloat16 or x.shape[-1] % 16 == 0
 
 
 def dequant_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None,

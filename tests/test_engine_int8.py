@@ -54,6 +54,18 @@ def test_fused_quantization_equals_per_projection():
 MATMULS = {"int8pack": int8pack_linear, "dequant": dequant_linear}
 
 
+@pytest.mark.parametrize("features", [8, 72, 200, 64])
+def test_int8pack_bfloat16_is_right_at_every_width(features):
+    """torch's bfloat16 int8pack kernel on AVX512-BF16 CPUs gives garbage or segfaults below a multiple
+    of 16 features (kernels.int8_weights._int8pack_takes): such widths take the dequantizing matmul."""
+    g = torch.Generator().manual_seed(3)
+    q = quantize_int8(torch.randn(256, features, generator=g), scale_dtype=torch.bfloat16)
+    x = torch.randn(11, features, generator=g).to(torch.bfloat16)  # [T, in]
+    ref = torch.nn.functional.linear(x.float(), dequantize_int8(q))  # [T, out]
+    y = int8pack_linear(x, q)
+    assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
 @pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [False, True])
