@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from server.bench import core_share
+from benchmarks.profile import core_share
 
 BURN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from benchmarks.eval.eval_checks import is_correct, is_french, is_json, is_pirate
 from server import default_model
-from server.bench.eval_checks import is_correct, is_french, is_json, is_pirate
 from server.bench.eval_items import EvalItem, build_items, load_items
 from server.config import ServerConfig
 from server.default_model import DefaultModelMissing
@@ -70,15 +70,10 @@ def smol_with_adapters(request, redis_server):
 
 
 def test_a_20_item_slice_agrees_with_peft_and_shows_the_adapters_effects(smol_with_adapters):
-    import sys
-    from pathlib import Path
-
-    from server.bench.eval_http import http_replies
-    from server.bench.eval_peft import peft_replies
-    from server.bench.eval_report import agreement, score
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from eval_real_model import spread
+    from benchmarks.eval.eval_http import http_replies
+    from benchmarks.eval.eval_peft import peft_replies
+    from benchmarks.eval.eval_real_model import spread
+    from benchmarks.eval.eval_report import agreement, score
 
     srv = smol_with_adapters
     info = srv.app.state.startup

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import triton
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from benchmarks.serving.bench_first_start import ENGLISH, main, phases
 
-from bench_first_start import ENGLISH, main, phases  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_phases_are_the_seconds_between_progress_lines_up_to_ready() -> None:

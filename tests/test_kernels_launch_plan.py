@@ -11,10 +11,11 @@ import math
 
 import torch
 
-from kernels import aot, attention_triton, lora_triton
+from benchmarks.aot import aot
+from benchmarks.aot.aot_shapes import mixed_batch
+from kernels import attention_triton, lora_triton
 from kernels.launch_plan import GATHER_MAX_SEG_LEN, TILE_ROWS, attention_plan, lora_work, pack_int32, runs
 from kernels.metadata import AttentionBatch, LoraBatch
-from server.engine.aot_shapes import mixed_batch
 
 HIDDEN, Q, KV, INTER, HEADS, KV_HEADS = 4096, 4096, 1024, 14336, 32, 8
 GROUPS = {"qkv": (HIDDEN, (Q, KV, KV)), "o": (Q, (HIDDEN,)), "gate_up": (HIDDEN, (INTER, INTER)),

@@ -215,7 +215,7 @@ def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
     launch plan's split count (unsplit at this K) and 4 splits forced, decode rows as padded batches."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "kernels.json"
-    done = subprocess.run([sys.executable, "scripts/bench_kernels.py", "--smoke", "--projections", "down",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.kernels.bench_kernels", "--smoke", "--projections", "down",
                            "--split-k", "plan", "4", "--padded-decode", "--attention", "--json", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from benchmarks.eval.quant_eval import compare, effect_gaps, kl_and_top1, targets, teacher_forced
 from server.bench.eval_items import load_items
-from server.bench.quant_eval import compare, effect_gaps, kl_and_top1, targets, teacher_forced
 from server.engine import LLM, SamplingParams
 
 ITEMS = load_items()[::45]  # 6 items, every kind
