@@ -1,4 +1,4 @@
-"""The abuse benchmark's harness (scripts/bench_abuse.py) runs end to end against a real server for a
+"""The abuse benchmark's harness (benchmarks/security/bench_abuse.py) runs end to end against a real server for a
 few seconds: the victim keeps streaming and /health keeps answering through each attack, and every
 attack gets the refusal it should. Bounds are generous: speed is the benchmark's business."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/bench.py's peer mode and thread fairness: argument handling, the vLLM command and
+"""benchmarks/serving/bench.py's peer mode and thread fairness: argument handling, the vLLM command and
 environment it would build, and the thread count and load averages the JSON records. The vLLM
 run itself is not in CI (docs/benchmarks/cpu-vs-vllm.md)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""server.bench.cpu_neighbours: a real busy process shows up among the machine's busiest, with the
+"""benchmarks.profile.cpu_neighbours: a real busy process shows up among the machine's busiest, with the
 cores it may run on and its command line."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/bench_first_start.py's reading of a start (where the time went), and the CPU engine's
+"""benchmarks/serving/bench_first_start.py's reading of a start (where the time went), and the CPU engine's
 import path staying clear of triton (a first start no longer imports it)."""
 from __future__ import annotations
 

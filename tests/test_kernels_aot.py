@@ -1,5 +1,5 @@
 """The ahead-of-time compile check: every Triton variant the engine can launch, compiled for sm_90 and
-sm_80 with no GPU (scripts/aot_check.py), and proof that each of its checks can fail.
+sm_80 with no GPU (benchmarks/aot/aot_check.py), and proof that each of its checks can fail.
 
 The compiles run in subprocesses: @triton.jit must give real JIT functions there, and the suite
 runs with TRITON_INTERPRET=1 on machines without a GPU.

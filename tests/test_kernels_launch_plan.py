@@ -1,7 +1,7 @@
 """Per-step launch plans: the programs a step launches are the work it has (kernels.launch_plan).
 
 The captured mixed batch is Llama-3-8B's: a 1793-token chunk continuing a 2000-token prefix next to
-255 decodes over 8 adapters and the base model (2048 tokens, server.engine.aot_shapes.mixed_batch).
+255 decodes over 8 adapters and the base model (2048 tokens, benchmarks.aot.aot_shapes.mixed_batch).
 Launches are captured through the real entry points on meta activations (nothing runs) with the
 step's metadata on the CPU, so every program of every grid can be checked against its work list.
 """

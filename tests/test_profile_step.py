@@ -1,4 +1,4 @@
-"""scripts/profile_step.py splits a real decode and prefill step into phases, forward parts and ops."""
+"""benchmarks/profile/profile_step.py splits a real decode and prefill step into phases, forward parts and ops."""
 from __future__ import annotations
 
 import json

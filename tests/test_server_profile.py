@@ -1,4 +1,4 @@
-"""The bench's server profiler (server/bench/server_profile.py): attribution of raw py-spy stacks to
+"""The bench's server profiler (benchmarks/profile/server_profile.py): attribution of raw py-spy stacks to
 who spent them, and a real py-spy recording of a real process whose threads burn CPU in known places."""
 from __future__ import annotations
 

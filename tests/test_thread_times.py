@@ -1,4 +1,4 @@
-"""server.bench.thread_times: the kernel's per-thread counters of a real process, grouped by the
+"""benchmarks.profile.thread_times: the kernel's per-thread counters of a real process, grouped by the
 thread names a py-spy recording gives."""
 from __future__ import annotations
 

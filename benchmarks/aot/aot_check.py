@@ -5,15 +5,15 @@ For each engine shape (model widths x dtype x max_lora_rank) it runs the real
 forward pass (server.engine.model) on `meta` tensors over decode (1, 8, 256
 sequences), prefill, chunked-prefill and mixed steps at every rank class,
 captures each Triton launch with the specialisation the JIT would apply
-(kernels.aot), and compiles every distinct variant for both targets. It fails
+(benchmarks.aot.aot), and compiles every distinct variant for both targets. It fails
 (exit 1) on a compile error, shared memory over the per-block limit, more than
 1024 threads, a grid dimension outside CUDA's limits, a kernel in kernels/
 that no step launched, or a variant that engine warm-up (server.engine.warmup)
 would not have compiled before serving. Registers and spills are reported.
 
-    .venv/bin/python scripts/aot_check.py                 # the default set (tests/test_kernels_aot.py)
-    .venv/bin/python scripts/aot_check.py --full          # fp16 too (the GPU runbook runs this)
-    .venv/bin/python scripts/aot_check.py --json out.json --models llama3-8b --dtypes bf16
+    .venv/bin/python -m benchmarks.aot.aot_check                 # the default set (tests/test_kernels_aot.py)
+    .venv/bin/python -m benchmarks.aot.aot_check --full          # fp16 too (the GPU runbook runs this)
+    .venv/bin/python -m benchmarks.aot.aot_check --json out.json --models llama3-8b --dtypes bf16
 
 The default set leaves out fp16, which shares every code path and tile size
 with bf16 (only the element type differs), to stay under a minute on two cores.

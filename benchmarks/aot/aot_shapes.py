@@ -2,7 +2,7 @@
 
 `meta` tensors have shapes, strides and (offset-only) data pointers but no
 storage, so the forward pass of an 8B model costs nothing and every Triton
-launch it makes carries the arguments a GPU run would (scripts/aot_check.py,
+launch it makes carries the arguments a GPU run would (benchmarks/aot/aot_check.py,
 the kernel-plan tests). One decoder layer stands for all: layers are identical.
 """
 from __future__ import annotations

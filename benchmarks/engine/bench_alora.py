@@ -10,13 +10,13 @@ prefills only the last block. The same weights served as plain LoRAs (the
 config without `alora_invocation_tokens`, "aLoRA treated as plain LoRA")
 share nothing, and the second prefills the whole prompt again.
 
-The smol135 shape (server.bench.model_shape), one engine holding all four
+The smol135 shape (benchmarks.model_shape), one engine holding all four
 adapters with the prefix cache on, requests one at a time (max_tokens 1).
 Each round takes a fresh prompt and times both modes, the order flipping
 every round so a shared machine loads both alike; the table reports medians.
 Prints a table and writes JSON.
 
-    .venv/bin/python scripts/bench_alora.py --json docs/benchmarks/alora-cpu.json
+    .venv/bin/python -m benchmarks.engine.bench_alora --json docs/benchmarks/alora-cpu.json
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ model (every (adapters+1)-th request), greedy, run to completion. Both engines a
 round runs both, alternating which goes first, and checks that they produced the same tokens.
 Prints a table and writes JSON.
 
-    .venv/bin/python scripts/bench_async_scheduling.py --model-shape smol135 --cpu-threads 1 \\
+    .venv/bin/python -m benchmarks.engine.bench_async_scheduling --model-shape smol135 --cpu-threads 1 \\
         --json docs/benchmarks/async-scheduling-cpu.json
 """
 from __future__ import annotations

@@ -21,9 +21,9 @@
 
 Targets (issue 28): DoRA load <= 2x the LoRA load (every load the server makes: after upload and
 reloads; the "dora_first" fallback also computes the scales); DoRA decode >= 0.9x LoRA decode. Medians over
-rounds. The smol135 shape (server.bench.model_shape, random weights), float32, on the CPU.
+rounds. The smol135 shape (benchmarks.model_shape, random weights), float32, on the CPU.
 
-    .venv/bin/python scripts/bench_dora.py --json docs/benchmarks/dora-cpu.json
+    .venv/bin/python -m benchmarks.engine.bench_dora --json docs/benchmarks/dora-cpu.json
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ to its last token with the cache off and on, and the time inside the cache's
 calls (lookup at admission, hashing and indexing of every block once full)
 taken as a share of step time.
 
-    .venv/bin/python scripts/bench_engine.py --json bench-out/engine.json
-    .venv/bin/python scripts/bench_engine.py --prefix-cache --seqs 16,64 --json bench-out/prefix-cost.json
+    .venv/bin/python -m benchmarks.engine.bench_engine --json bench-out/engine.json
+    .venv/bin/python -m benchmarks.engine.bench_engine --prefix-cache --seqs 16,64 --json bench-out/prefix-cost.json
 """
 from __future__ import annotations
 

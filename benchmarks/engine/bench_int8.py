@@ -6,7 +6,7 @@ choice of int8 matmul for this CPU (kernels.int8_weights.int8_linear_for: on an 
 kernels.int8_avx2's kernel); "int8_lm_head", the same with the lm_head in int8 too
 (`quantize_lm_head`); and "dequant", the int8 engine forced onto dequant_linear (the fallback where
 the AVX2 kernel cannot be built); "int4", groups of 32 (kernels.int4_weights, on an AVX2 CPU
-kernels.int4_avx2's kernel). The smol135 shape (server.bench.model_shape), one engine per variant, `--seqs` decoding
+kernels.int4_avx2's kernel). The smol135 shape (benchmarks.model_shape), one engine per variant, `--seqs` decoding
 sequences spread over `--adapters` adapter slots (one LoRA file loaded under each name: every slot
 is its own adapter to the kernels, which is what costs). Rounds alternate the variants (the order
 flips each round) so a machine shared with other work loads all alike; each round times `--steps`
@@ -15,7 +15,7 @@ tok/s and of tok/s per second of process CPU time (which other work on a shared 
 dilute). First, the projections alone at `--projection-tokens` rows, in CPU ms. The load average
 before and after goes into the JSON. Prints a table and writes JSON.
 
-    .venv/bin/python scripts/bench_int8.py --json docs/benchmarks/int8-cpu.json
+    .venv/bin/python -m benchmarks.engine.bench_int8 --json docs/benchmarks/int8-cpu.json
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Wall time of one mixed-adapter `LLM.generate` vs the same requests through transformers + peft one by one.
 
-A first ratio for the engine (the multi-tenant HTTP benchmark is scripts/bench.py).
+A first ratio for the engine (the multi-tenant HTTP benchmark is benchmarks/serving/bench.py).
 Prints a table and writes JSON.
 
-    .venv/bin/python scripts/bench_offline_vs_peft.py --requests 64 --json bench-out/offline.json
+    .venv/bin/python -m benchmarks.engine.bench_offline_vs_peft --requests 64 --json bench-out/offline.json
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ far), and everything at once (also logit_bias, min_tokens, top_k, min_p).
 Greedy cases are compared with plain greedy, sampled ones with plain
 temperature + top_p. Prints a table of medians and writes JSON.
 
-    .venv/bin/python scripts/bench_sampling.py --json docs/benchmarks/sampling-cpu.json
+    .venv/bin/python -m benchmarks.engine.bench_sampling --json docs/benchmarks/sampling-cpu.json
 """
 from __future__ import annotations
 

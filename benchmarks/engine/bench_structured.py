@@ -9,7 +9,7 @@ runs generate the same number of tokens and the ratio is the cost of the masks a
 one batch bitmask filled per step after the forward call, applied before sampling, and one matcher
 advance per constrained token.
 
-    .venv/bin/python scripts/bench_structured.py --json docs/benchmarks/structured-cpu.json
+    .venv/bin/python -m benchmarks.engine.bench_structured --json docs/benchmarks/structured-cpu.json
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """The quality cost of a quantized base against the unquantized model, on the real-model evaluation's items.
 
-    .venv/bin/python scripts/eval_quantized.py --json docs/benchmarks/eval-quantized.json
-    .venv/bin/python scripts/eval_quantized.py --limit 32 --variants int8     # a quick slice
+    .venv/bin/python -m benchmarks.eval.eval_quantized --json docs/benchmarks/eval-quantized.json
+    .venv/bin/python -m benchmarks.eval.eval_quantized --limit 32 --variants int8     # a quick slice
 
 Loads the real default model (SmolLM2-135M-Instruct, converted once) with the demo adapters into the
 offline engine (server.engine.LLM, in-process: no HTTP) twice, float32 and quantized, and for the base
 and every adapter, greedy: teacher-forced top-1 agreement and mean KL(float || quantized) per token
 over the float model's continuation, greedy reply agreement, and each adapter's effect rate on both
-sides (server.bench.quant_eval). Checks issue 27's targets (top-1 >= 95%, mean KL <= 0.02 nats/token,
+sides (benchmarks.eval.quant_eval). Checks issue 27's targets (top-1 >= 95%, mean KL <= 0.02 nats/token,
 each effect rate within 3 points of float), prints a table per variant and writes JSON.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Quality of the real default model and its demo adapters, measured end to end.
 
-    .venv/bin/python scripts/eval_real_model.py --json docs/benchmarks/eval-real-model.json
-    .venv/bin/python scripts/eval_real_model.py --limit 20          # a quick slice, every kind
-    .venv/bin/python scripts/eval_real_model.py --write-items       # regenerate server/bench/eval_items.jsonl
+    .venv/bin/python -m benchmarks.eval.eval_real_model --json docs/benchmarks/eval-real-model.json
+    .venv/bin/python -m benchmarks.eval.eval_real_model --limit 20          # a quick slice, every kind
+    .venv/bin/python -m benchmarks.eval.eval_real_model --write-items       # regenerate server/bench/eval_items.jsonl
 
 Runs the evaluation's items (server/bench/eval_items.jsonl: capitals, arithmetic, facts, format
 following) through a `loraplex serve` child over HTTP with the `openai` client (greedy, float32), for

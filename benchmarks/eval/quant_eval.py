@@ -8,7 +8,7 @@ For every item and model (the base, every adapter), greedy, float32 activations:
   float argmax) and KL(float || quantized) in nats, per continuation position (the prompt's last one
   included: it predicts the first generated token);
 - the quantized engine's own greedy replies: how many equal the float ones token for token, and each
-  adapter's effect rate (server.bench.eval_checks) against float's.
+  adapter's effect rate (benchmarks.eval.eval_checks) against float's.
 """
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ CPU (--smoke) the wall clock times one argument set, as before.
 128) for 1..256 sequences over 1k/4k-token contexts: the bytes are the K and V
 it must read; few sequences run split-context (the `splits` column).
 
-    python scripts/bench_kernels.py --json bench-out/kernels.json      # needs a CUDA GPU
-    python scripts/bench_kernels.py --attention --json bench-out/kernels.json
-    python scripts/bench_kernels.py --smoke [--attention]              # CPU, Triton interpreter
+    python -m benchmarks.kernels.bench_kernels --json bench-out/kernels.json      # needs a CUDA GPU
+    python -m benchmarks.kernels.bench_kernels --attention --json bench-out/kernels.json
+    python -m benchmarks.kernels.bench_kernels --smoke [--attention]              # CPU, Triton interpreter
 
 --split-k picks the Triton rows (issue 21's split-K shrink, kernels.launch_plan.shrink_splits):
 `plan` (row `triton`: the split count the engine's launch plan picks, the `splits` column), `off` (row

@@ -86,7 +86,7 @@ class VllmPeerConfig:
     max_num_batched_tokens: int = 4096
     port: int = 8001
     preloads: tuple[str, ...] = ()    # LD_PRELOAD (tcmalloc, libiomp5), as vLLM's CPU docs advise
-    pythonpath: tuple[str, ...] = ()  # --peer-patch's start-up shim (server.bench.peer_quantization)
+    pythonpath: tuple[str, ...] = ()  # --peer-patch's start-up shim (benchmarks.peers.peer_quantization)
 
     def __post_init__(self) -> None:
         if self.threads < 1 or len(self.cores) != self.threads:
@@ -179,7 +179,7 @@ def peer_version(python: Path) -> str | None:
 
 
 def add_peer_arguments(p) -> None:
-    g = p.add_argument_group("peer (scripts/bench.py only)")
+    g = p.add_argument_group("peer (benchmarks.serving.bench only)")
     g.add_argument("--peer", choices=PEERS, default=None, help="also run this server on the same workload")
     g.add_argument("--peer-python", default=None, metavar="PATH",
                    help="the peer's environment: a venv root (PATH/bin/python) or its python")

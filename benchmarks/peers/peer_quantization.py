@@ -5,7 +5,7 @@ The copy (server.bench.quantized_peer_checkpoint) holds the int8 weights and sca
 model; that is why an int8 peer needs `--quantization int8` on loraplex's side. GPTQ 4-bit is not offered:
 for it, give the GPTQ checkpoint as `--model` and both sides serve it as is.
 
-`--peer-patch lora-device` puts server/bench/vllm_shims/lora_device on the peer's PYTHONPATH: its
+`--peer-patch lora-device` puts benchmarks/peers/vllm_shims/lora_device on the peer's PYTHONPATH: its
 sitecustomize.py mends vLLM 0.32's LoRA wrapper for a base layer whose int8 weight the oneDNN kernel
 released after prepacking (the only int8 path on CPUs without AMX), which otherwise fails at start with
 "AttributeError: 'NoneType' object has no attribute 'device'" (docs/benchmarks/cpu-vs-vllm.md,

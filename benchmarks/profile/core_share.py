@@ -2,7 +2,7 @@
 whole process tree (its own threads, its child processes, and children that ended within the phase,
 through their parent's reaped-children time), and how busy the CPUs the server may run on were, so
 that what other processes on the machine took of them is told apart from what the server did.
-Per-thread times are server.bench.thread_times'."""
+Per-thread times are benchmarks.profile.thread_times'."""
 from __future__ import annotations
 
 import contextlib

@@ -14,7 +14,7 @@ steps that prefill `--prefill-seqs` prompts of `--prefill-len` tokens. Three vie
 
 Prints the tables and writes JSON. Absolute times are this machine's; shares are what to attack.
 
-    .venv/bin/python scripts/profile_step.py --adapters 8 --cpu-threads 1 --json bench-out/profile.json
+    .venv/bin/python -m benchmarks.profile.profile_step --adapters 8 --cpu-threads 1 --json bench-out/profile.json
 """
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def summarize(path: Path, wall_s: float, rate: int, top: int = 12) -> dict:
 def profile_lines(name: str, summary: dict) -> list[str]:
     """A phase's profile as printable lines."""
     # py-spy counts a thread that is runnable but waiting for a core as active: on a busy core these
-    # "cores" exceed what the server got (server.bench.thread_times has the kernel's split)
+    # "cores" exceed what the server got (benchmarks.profile.thread_times has the kernel's split)
     lines = [f"  {name}: py-spy {summary['cpu_cores']} threads running or runnable over {summary['wall_s']} s "
              f"({summary['samples']} samples at {summary['rate_hz']} Hz)"]
     for row in summary["by_category"]:

@@ -1,5 +1,5 @@
 """Wall time of an engine step's phases (schedule, prepare, forward, sample, postprocess), for the
-step benchmarks (scripts/bench_engine.py, scripts/profile_step.py). Installed on one engine
+step benchmarks (benchmarks/engine/bench_engine.py, benchmarks/profile/profile_step.py). Installed on one engine
 instance (and the runner module's sampler) and removed again; the engine is not changed."""
 from __future__ import annotations
 

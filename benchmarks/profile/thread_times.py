@@ -3,7 +3,7 @@ counters (Linux `/proc/<pid>/task/<tid>/schedstat` and `status`): seconds on a C
 but waiting for one (the core was busy with another thread or process), and how often it went to sleep
 (voluntary context switches: a blocking call, a lock, the GIL) or was preempted.
 
-A py-spy profile (server.bench.server_profile) samples stacks, and a thread that is runnable but not
+A py-spy profile (benchmarks.profile.server_profile) samples stacks, and a thread that is runnable but not
 running looks on-CPU to it; these counters separate the two, so "the engine thread got 40% of its core"
 and "the engine thread waited 50% of the phase for its core" can be told apart. Thread names come from
 the py-spy recording of the same phase (its frames name each thread by id), since Python does not

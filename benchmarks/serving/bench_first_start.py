@@ -4,7 +4,7 @@ dir and no .venv (so the install, the default model's wheel and its conversion a
 until the ready line; stop it, start it again (everything now in place), and run the curl line the
 banner prints.
 
-    python3 scripts/bench_first_start.py --repo . --json docs/benchmarks/first-start-cpu.json
+    python3 -m benchmarks.serving.bench_first_start --repo . --json docs/benchmarks/first-start-cpu.json
 
 With --second-only and the --workdir of an earlier --keep run, the kept clone is brought to the repo's
 checked-out commit (git pull) and only the second start is timed, against the kept .venv and data dir.

@@ -6,7 +6,7 @@ heartbeat (Settlements.beat: every lease in one round trip). Under no load, and 
 of the same process as an engine step makes them (pure Python; small torch ops). Prints a table,
 writes JSON.
 
-    .venv/bin/python scripts/bench_lease_heartbeat.py --json docs/benchmarks/lease-heartbeat-cpu.json
+    .venv/bin/python -m benchmarks.serving.bench_lease_heartbeat --json docs/benchmarks/lease-heartbeat-cpu.json
 
 Starts its own redis-server (loopback: the round trips are the cheapest they get).
 """

@@ -1,5 +1,5 @@
 """Imported at start-up by every process of the vLLM peer when `--peer-patch lora-device` puts this
-directory on its PYTHONPATH (server.bench.peer_quantization). Nothing in loraplex imports it.
+directory on its PYTHONPATH (benchmarks.peers.peer_quantization). Nothing in loraplex imports it.
 
 vLLM 0.32's CPU int8 kernel (CPUInt8ScaledMMLinearKernel) on a CPU without AMX hands the int8 weight
 to oneDNN, which prepacks it, and sets the layer's `weight` to None. The LoRA wrapper then asks that
