@@ -27,7 +27,7 @@ from kernels.metadata import AttentionBatch
 
 def num_warps(dtype: torch.dtype) -> int:
     """Warps per attention program: fp32 products run on FMA units with their operands in registers,
-    and 4 warps needed 255 registers and spilled 1.2-1.3 KB on sm_90 (scripts/aot_check.py); 8 do not."""
+    and 4 warps needed 255 registers and spilled 1.2-1.3 KB on sm_90 (benchmarks/aot/aot_check.py); 8 do not."""
     return 8 if dtype == torch.float32 else 4
 
 

@@ -29,7 +29,7 @@ from kernels.metadata import AttentionBatch
 
 # Rows of one program's query tile (query tokens x heads of one GQA group) for prefill, per dtype:
 # fp32 products run on FMA units with both operands and the accumulator in registers, and 64 rows
-# of a 128-wide head spilled 7-40 KB per program (scripts/aot_check.py); 32 rows (with 8 warps) do not.
+# of a 128-wide head spilled 7-40 KB per program (benchmarks/aot/aot_check.py); 32 rows (with 8 warps) do not.
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_M_FP32 = 32
 # Keys per inner-loop tile; independent of the pool's block size.

@@ -27,7 +27,7 @@ SMALL_ROWS = 16  # tl.dot's minimum tile height: one row tile for decode-sized s
 BLOCK_K = 32  # every K tile within one group: group sizes are multiples of GROUP_MULTIPLE
 # (rows of a prefill-sized tile, BLOCK_N output columns), keyed by UPCAST (float32 activations): half
 # precision runs on the tensor cores; float32's `ieee` products run on the FMA units, whose tiles must
-# be smaller to stay in registers (64 x 64 spilled 1360 bytes per thread on sm_90; scripts/aot_check.py).
+# be smaller to stay in registers (64 x 64 spilled 1360 bytes per thread on sm_90; benchmarks/aot/aot_check.py).
 TILES = {True: (32, 32), False: (64, 64)}
 assert GROUP_MULTIPLE % BLOCK_K == 0
 

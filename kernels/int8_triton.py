@@ -22,7 +22,7 @@ from kernels.int8_weights import Int8Weight
 SMALL_ROWS = 16  # tl.dot's minimum tile height: one row tile for decode-sized steps
 # (rows of a prefill-sized tile, BLOCK_N output columns, BLOCK_K features per iteration): half precision
 # runs on the tensor cores; float32's `ieee` products run on the FMA units, whose tiles must be smaller
-# to stay in registers (64 x 64 spilled 16-18 KB per thread on sm_80/sm_90, scripts/aot_check.py).
+# to stay in registers (64 x 64 spilled 16-18 KB per thread on sm_80/sm_90, benchmarks/aot/aot_check.py).
 TILES = {True: (32, 32, 32), False: (64, 64, 64)}  # keyed by UPCAST (float32 activations)
 
 

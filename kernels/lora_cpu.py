@@ -1,7 +1,7 @@
 """Multi-LoRA on the CPU: shrink and expand of one fused projection in one pass, a fixed handful of ops
 whatever the number of adapters in the batch.
 
-Same result as kernels.lora_ref's shrink then expand; profiled with scripts/profile_step.py.
+Same result as kernels.lora_ref's shrink then expand; profiled with benchmarks/profile/profile_step.py.
 Slot buffers hold every loaded adapter at the maximum rank; rows beyond an adapter's own rank are
 zero, so only the first `batch.rank_bound` rank columns are computed. Two forms, chosen per run of
 one adapter's consecutive tokens (a step may use both):

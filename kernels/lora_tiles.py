@@ -7,7 +7,7 @@ wide, so max_lora_rank 512 costs more programs or iterations, never a larger
 tile: before, fp32 at rank 512 needed 262-328 KB and did not launch. fp32
 tiles are half the 16-bit ones: same bytes, and fp32 products run on FMA units
 (no tensor cores), whose accumulators live in registers.
-scripts/aot_check.py compiles every variant and fails if one stops fitting.
+benchmarks/aot/aot_check.py compiles every variant and fails if one stops fitting.
 """
 from __future__ import annotations
 

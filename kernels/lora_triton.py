@@ -217,7 +217,7 @@ def lora_apply(
         are left bit-identical.
     Shape: x [T, in]; lora_a [S, L, R, in]; lora_b: S tensors [L, n_i, R]; scaling [S, L] float32;
         slice_offsets: S column offsets into y; h [S, T, R] scratch; y [T, >= max(off_i + n_i)].
-        splits: None = the plan's choice; 1 = unsplit; 2, 4, 8 forced (tests, scripts/bench_kernels.py).
+        splits: None = the plan's choice; 1 = unsplit; 2, 4, 8 forced (tests, benchmarks/kernels/bench_kernels.py).
     """
     if not batch.any_lora:
         return

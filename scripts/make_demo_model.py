@@ -8,10 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-# Runnable as a plain script from a checkout, without installing the project.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from server.demo import ensure_demo  # noqa: E402
+from server.demo import ensure_demo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,8 @@ from its seed; the hand-written core (server/bench/schemas/core/) is left alone.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from server.bench.schema_suite import DEFAULT_COUNT, DEFAULT_SEED, SUITE_DIR, write_generated  # noqa: E402
+from server.bench.schema_suite import DEFAULT_COUNT, DEFAULT_SEED, SUITE_DIR, write_generated
 
 
 def main() -> None:

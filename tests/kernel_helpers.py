@@ -1,5 +1,5 @@
 """Helpers shared by the kernel test files: bit-exact comparison (the AOT compile check,
-kernels/aot.py, lowers every kernel to CUDA without a GPU)."""
+benchmarks/aot/aot.py, lowers every kernel to CUDA without a GPU)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""The abuse benchmark's harness (scripts/bench_abuse.py) runs end to end against a real server for a
+"""The abuse benchmark's harness (benchmarks/security/bench_abuse.py) runs end to end against a real server for a
 few seconds: the victim keeps streaming and /health keeps answering through each attack, and every
 attack gets the refusal it should. Bounds are generous: speed is the benchmark's business."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from server.bench import abuse
-from server.bench.server_profile import ENGINE_THREAD, can_profile
-from server.bench.victim_harness import Target, profile_text
+from benchmarks.profile.server_profile import ENGINE_THREAD, can_profile
+from benchmarks.security import abuse
+from benchmarks.security.victim_harness import Target, profile_text
 
 
 def test_abuse_harness_runs_and_the_victim_keeps_streaming(api_server):

@@ -1,30 +1,25 @@
-"""scripts/bench.py's peer mode and thread fairness: argument handling, the vLLM command and
+"""benchmarks/serving/bench.py's peer mode and thread fairness: argument handling, the vLLM command and
 environment it would build, and the thread count and load averages the JSON records. The vLLM
 run itself is not in CI (docs/benchmarks/cpu-vs-vllm.md)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from server.bench.peer import (PeerConfigError, VllmPeerConfig, check_peer_arguments, core_list, find_preloads,
-                               peer_config, python_executable)
+from benchmarks.peers.peer import (PeerConfigError, VllmPeerConfig, check_peer_arguments, core_list,
+                                   find_preloads, peer_config, python_executable)
+from benchmarks.serving import bench
 from server.bench.report import format_table
 from server.bench.model_setup import serve_args as _serve_args
 from server.bench.runner import BenchConfig, BenchConfigError, run_bench
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
-
 
 @pytest.fixture(scope="module")
 def bench_script():
-    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench
 
 
 @pytest.fixture
@@ -224,7 +219,7 @@ def test_the_peer_runs_each_point_right_after_loraplex_every_round(bench_script,
     import sys
     import statistics
 
-    from server.bench.peer import peer_runner
+    from benchmarks.peers.peer import peer_runner
     from server.bench.server_proc import free_port
 
     (tmp_path / "fake_vllm.py").write_text(FAKE_SERVER)
@@ -275,7 +270,7 @@ def test_peer_quantization_options_are_checked_before_anything_runs(bench_script
 def test_the_peer_serves_the_int8_copy_with_the_shim_on_its_path(bench_script, peer_env, tiny_model_dir, tmp_path):
     import json
 
-    from server.bench.peer_quantization import peer_model_dir
+    from benchmarks.peers.peer_quantization import peer_model_dir
 
     args = _parse(bench_script, "--peer", "vllm", "--peer-python", str(peer_env), "--quantization", "int8",
                   "--peer-quantization", "w8a16-int8", "--peer-patch", "lora-device", "--cpu-threads", "1")

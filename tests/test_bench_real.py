@@ -1,4 +1,4 @@
-"""`scripts/bench.py --workload real`: the mixed trace with evaluation questions in SmolLM2's chat
+"""`python -m benchmarks.serving.bench --workload real`: the mixed trace with evaluation questions in SmolLM2's chat
 template as prompts, and the shipped demo adapters behind the bench's adapter names."""
 from __future__ import annotations
 

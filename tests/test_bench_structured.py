@@ -1,5 +1,5 @@
 """The structured workload's set-up (server.bench.structured); the run itself is a benchmark
-(scripts/bench.py --workload structured), not a test."""
+(python -m benchmarks.serving.bench --workload structured), not a test."""
 from __future__ import annotations
 
 import jsonschema

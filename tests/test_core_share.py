@@ -1,4 +1,4 @@
-"""The bench's view of who used the server's cores (server/bench/core_share.py), read from the real
+"""The bench's view of who used the server's cores (benchmarks/profile/core_share.py), read from the real
 kernel counters: a child process that burned CPU and ended within the phase still counts in the
 tree (through its parent's reaped-children time), by its label while it lived."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from server.bench import core_share
+from benchmarks.profile import core_share
 
 BURN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
 

@@ -1,4 +1,4 @@
-"""server.bench.cpu_neighbours: a real busy process shows up among the machine's busiest, with the
+"""benchmarks.profile.cpu_neighbours: a real busy process shows up among the machine's busiest, with the
 cores it may run on and its command line."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from server.bench.cpu_neighbours import busiest, neighbour_lines, snapshot
+from benchmarks.profile.cpu_neighbours import busiest, neighbour_lines, snapshot
 
 
 def test_a_spinning_process_is_among_the_busiest_with_its_cores() -> None:

@@ -1,4 +1,4 @@
-"""The real-model evaluation (scripts/eval_real_model.py): its items file is what the generator writes,
+"""The real-model evaluation (benchmarks/eval/eval_real_model.py): its items file is what the generator writes,
 its checks tell each effect from its absence, and a 20-item slice on SmolLM2 with the shipped demo
 adapters gives the same tokens over HTTP as transformers + peft, with the adapters' effects showing.
 The full evaluation is a benchmark (docs/benchmarks/eval-real-model.md), not a test; the slice runs
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from benchmarks.eval.eval_checks import is_correct, is_french, is_json, is_pirate
 from server import default_model
-from server.bench.eval_checks import is_correct, is_french, is_json, is_pirate
 from server.bench.eval_items import EvalItem, build_items, load_items
 from server.config import ServerConfig
 from server.default_model import DefaultModelMissing
@@ -54,12 +54,12 @@ def smol_with_adapters(request, redis_server):
     if not os.environ.get("LORAPLEX_REAL_EVAL"):
         # 303 s with LORAPLEX_REAL_EVAL=1 on the shared 2-core machine (load ~12): a server start and 60
         # generations each side, one request at a time
-        pytest.skip("the real-model slice takes over a minute here: run scripts/eval_real_model.py --limit 20, "
-                    "or set LORAPLEX_REAL_EVAL=1 to run this test")
+        pytest.skip("the real-model slice takes over a minute here: run python -m benchmarks.eval.eval_real_model "
+                    "--limit 20, or set LORAPLEX_REAL_EVAL=1 to run this test")
     try:
         default_model.packaged_gguf()
     except DefaultModelMissing as e:
-        pytest.skip(f"{e}; the real-model evaluation is scripts/eval_real_model.py")
+        pytest.skip(f"{e}; the real-model evaluation is benchmarks/eval/eval_real_model.py")
     if not (SHIPPED_ADAPTERS / "french").is_dir():
         pytest.skip(f"no demo adapters in {SHIPPED_ADAPTERS}; scripts/train_demo_adapters.py makes them")
     data_dir = request.config.cache.mkdir("loraplex-default-model")  # shares test_default_model's conversion
@@ -70,15 +70,10 @@ def smol_with_adapters(request, redis_server):
 
 
 def test_a_20_item_slice_agrees_with_peft_and_shows_the_adapters_effects(smol_with_adapters):
-    import sys
-    from pathlib import Path
-
-    from server.bench.eval_http import http_replies
-    from server.bench.eval_peft import peft_replies
-    from server.bench.eval_report import agreement, score
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from eval_real_model import spread
+    from benchmarks.eval.eval_http import http_replies
+    from benchmarks.eval.eval_peft import peft_replies
+    from benchmarks.eval.eval_real_model import spread
+    from benchmarks.eval.eval_report import agreement, score
 
     srv = smol_with_adapters
     info = srv.app.state.startup

@@ -1,4 +1,4 @@
-"""scripts/bench_first_start.py's reading of a start (where the time went), and the CPU engine's
+"""benchmarks/serving/bench_first_start.py's reading of a start (where the time went), and the CPU engine's
 import path staying clear of triton (a first start no longer imports it)."""
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import triton
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from benchmarks.serving.bench_first_start import ENGLISH, main, phases
 
-from bench_first_start import ENGLISH, main, phases  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_phases_are_the_seconds_between_progress_lines_up_to_ready() -> None:

@@ -1,5 +1,5 @@
 """The ahead-of-time compile check: every Triton variant the engine can launch, compiled for sm_90 and
-sm_80 with no GPU (scripts/aot_check.py), and proof that each of its checks can fail.
+sm_80 with no GPU (benchmarks/aot/aot_check.py), and proof that each of its checks can fail.
 
 The compiles run in subprocesses: @triton.jit must give real JIT functions there, and the suite
 runs with TRITON_INTERPRET=1 on machines without a GPU.
@@ -16,7 +16,7 @@ import pytest
 import torch
 import triton
 
-from kernels import aot
+from benchmarks.aot import aot
 from kernels.launch_plan import TILE_ROWS
 from kernels.metadata import LoraBatch
 
@@ -47,7 +47,7 @@ def run_python(code: str, tmp_path: Path, timeout: int = 600) -> subprocess.Comp
 @needs_ptxas
 def test_default_set_compiles_every_kernel_for_hopper_and_ampere(tmp_path: Path) -> None:
     out = tmp_path / "aot.json"
-    done = subprocess.run([sys.executable, "scripts/aot_check.py", "--json", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.aot.aot_check", "--json", str(out)], cwd=ROOT,
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
@@ -76,10 +76,10 @@ def test_default_set_compiles_every_kernel_for_hopper_and_ampere(tmp_path: Path)
 def test_a_tile_too_large_fails_the_check(tmp_path: Path) -> None:
     """A segmented-shrink K tile of 512 needs ~390 KB of shared memory in bf16: over both limits."""
     done = run_python(
-        "import sys; sys.path.insert(0, 'scripts')\n"
+        "import sys\n"
         "import kernels.lora_tiles as t\n"
         "t.WIDE = t.LoraTiles(shrink_k=512, expand_n=128, rank_cap=64, gather_elems=4096)\n"
-        "import aot_check\n"
+        "from benchmarks.aot import aot_check\n"
         "sys.exit(aot_check.main(['--models', 'llama3.2-1b', '--dtypes', 'bf16', '--max-lora-ranks', '64',\n"
         "                         '--compile-only', '_sgmv_shrink_kernel']))\n", tmp_path)
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
@@ -120,7 +120,8 @@ def test_row_offsets_are_64_bit_past_2_31_elements(tmp_path: Path) -> None:
     assert last_row * width + width - 1 >= 2**31  # the offsets the kernels form really pass 2^31
     done = run_python(f"""
 import torch
-from kernels import aot, lora_triton
+from benchmarks.aot import aot
+from kernels import lora_triton
 from kernels.metadata import LoraBatch
 meta = dict(device="meta", dtype=torch.bfloat16)
 batch = LoraBatch.build({slots!r}, "meta", [16] * 8)
@@ -192,8 +193,8 @@ def test_fp8_kv_attention_compiles_without_spills_e4m3_for_hopper_only(tmp_path:
     which spilled ~1.9 KB per prefill program); an e4m3 pool is compiled for sm_90 only, as the engine
     refuses it below compute capability 8.9."""
     out = tmp_path / "aot-kv.json"
-    done = subprocess.run([sys.executable, "scripts/aot_check.py", "--models", "llama3.2-1b", "--dtypes", "bf16",
-                           "--max-lora-ranks", "64", "--kv-cache-dtypes", "fp8_e4m3", "fp8_e5m2",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.aot.aot_check", "--models", "llama3.2-1b",
+                           "--dtypes", "bf16", "--max-lora-ranks", "64", "--kv-cache-dtypes", "fp8_e4m3", "fp8_e5m2",
                            "--quantizations", "none", "--compile-only",
                            "_decode_kernel", "_paged_attention_kernel", "_write_kv_kernel", "--json", str(out)],
                           cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},

@@ -1,7 +1,7 @@
 """Per-step launch plans: the programs a step launches are the work it has (kernels.launch_plan).
 
 The captured mixed batch is Llama-3-8B's: a 1793-token chunk continuing a 2000-token prefix next to
-255 decodes over 8 adapters and the base model (2048 tokens, server.engine.aot_shapes.mixed_batch).
+255 decodes over 8 adapters and the base model (2048 tokens, benchmarks.aot.aot_shapes.mixed_batch).
 Launches are captured through the real entry points on meta activations (nothing runs) with the
 step's metadata on the CPU, so every program of every grid can be checked against its work list.
 """
@@ -11,10 +11,11 @@ import math
 
 import torch
 
-from kernels import aot, attention_triton, lora_triton
+from benchmarks.aot import aot
+from benchmarks.aot.aot_shapes import mixed_batch
+from kernels import attention_triton, lora_triton
 from kernels.launch_plan import GATHER_MAX_SEG_LEN, TILE_ROWS, attention_plan, lora_work, pack_int32, runs
 from kernels.metadata import AttentionBatch, LoraBatch
-from server.engine.aot_shapes import mixed_batch
 
 HIDDEN, Q, KV, INTER, HEADS, KV_HEADS = 4096, 4096, 1024, 14336, 32, 8
 GROUPS = {"qkv": (HIDDEN, (Q, KV, KV)), "o": (Q, (HIDDEN,)), "gate_up": (HIDDEN, (INTER, INTER)),

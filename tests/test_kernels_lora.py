@@ -211,11 +211,11 @@ def test_empty_batch_is_a_no_op(kernel_device) -> None:
 
 
 def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
-    """scripts/bench_kernels.py --smoke: end to end under the interpreter, Triton matching torch, with the
-    launch plan's split count (unsplit at this K) and 4 splits forced, decode rows as padded batches."""
+    """python -m benchmarks.kernels.bench_kernels --smoke: end to end under the interpreter, Triton matching torch,
+    with the launch plan's split count (unsplit at this K) and 4 splits forced, decode rows as padded batches."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "kernels.json"
-    done = subprocess.run([sys.executable, "scripts/bench_kernels.py", "--smoke", "--projections", "down",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.kernels.bench_kernels", "--smoke", "--projections", "down",
                            "--split-k", "plan", "4", "--padded-decode", "--attention", "--json", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

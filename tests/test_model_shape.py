@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from server.bench.model_shape import SMOL135, ModelShapeError, build_model_shape, extend_vocab
+from benchmarks.model_shape import SMOL135, ModelShapeError, build_model_shape, extend_vocab
 
 PROMPT = [0, 261, 78, 377, 493, 311, 40, 41]
 

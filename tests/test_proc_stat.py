@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from server.bench.cpu_pinning import children
+from benchmarks.profile.cpu_pinning import children
 from server.bench.proc_stat import PPID, all_stat_fields, cmdline, cpu_s, stat_fields
 
 # a command name with a space and parentheses: it would split a naive parse of the stat line

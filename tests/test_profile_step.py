@@ -1,21 +1,16 @@
-"""scripts/profile_step.py splits a real decode and prefill step into phases, forward parts and ops."""
+"""benchmarks/profile/profile_step.py splits a real decode and prefill step into phases, forward parts and ops."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.profile import profile_step as step_profile
 
 
 @pytest.fixture(scope="module")
 def profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return step_profile
 
 
 def _run(profile_step, tmp_path, adapters: int) -> dict:

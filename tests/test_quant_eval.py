@@ -1,4 +1,4 @@
-"""server.bench.quant_eval, the quantized-vs-float comparison behind scripts/eval_quantized.py, on the
+"""benchmarks.eval.quant_eval, the quantized-vs-float comparison behind benchmarks/eval/eval_quantized.py, on the
 small demo model: the captured teacher-forced rows are the engine's own prompt logprobs at the right
 positions (chunked prefill included), two identical float engines give KL 0 and full agreement, and
 an int8 engine gives KL > 0."""
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from benchmarks.eval.quant_eval import compare, effect_gaps, kl_and_top1, targets, teacher_forced
 from server.bench.eval_items import load_items
-from server.bench.quant_eval import compare, effect_gaps, kl_and_top1, targets, teacher_forced
 from server.engine import LLM, SamplingParams
 
 ITEMS = load_items()[::45]  # 6 items, every kind

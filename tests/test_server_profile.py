@@ -1,7 +1,8 @@
-"""The bench's server profiler (server/bench/server_profile.py): attribution of raw py-spy stacks to
+"""The bench's server profiler (benchmarks/profile/server_profile.py): attribution of raw py-spy stacks to
 who spent them, and a real py-spy recording of a real process whose threads burn CPU in known places."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from server.bench.server_profile import Sampler, can_profile, category, summarize
+from benchmarks.profile.server_profile import Sampler, can_profile, category, summarize
 
 SERVER = 'process 10:"python -m server.cli serve"'
 
@@ -53,9 +54,8 @@ def test_a_recording_of_a_real_process_attributes_its_burning_threads(tmp_path: 
                 sum(range(500))
     """))
     (tmp_path / "target.py").write_text(textwrap.dedent("""
-        import sys, threading, time
-        sys.path.insert(0, sys.argv[1])
-        from server.api.routes import handle
+        import threading, time
+        from server.api.routes import handle  # tmp_path's server/, beside this script
 
         class LLMEngine:
             def step(self):
@@ -69,7 +69,9 @@ def test_a_recording_of_a_real_process_attributes_its_burning_threads(tmp_path: 
         handle(6)
         engine.join()
     """))
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "target.py"), str(tmp_path)])
+    # without PYTHONPATH: a checkout's server/ on it would shadow tmp_path's
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "target.py")], env=env)
     try:
         time.sleep(1.0)
         out = tmp_path / "phase.txt"

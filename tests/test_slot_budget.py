@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.aot_shapes import MODELS
+from benchmarks.aot.aot_shapes import MODELS
 from server.engine.config import ModelConfig
 from server.engine.lora.slot_budget import (
     CPU_DEFAULT_LORAS, MAX_AUTO_LORAS, SlotBudgetError, free_device_bytes, resolve_max_loras, slot_bytes,

@@ -22,7 +22,7 @@ def engine_with_storm_adapters(tiny_model_dir, tiny_adapters, max_loras: int) ->
 
 
 class Storm:
-    """The warm storm of scripts/bench_cold_sources.py: a tenant keeps 16 one-token requests waiting,
+    """The warm storm of benchmarks/serving/bench_cold_sources.py: a tenant keeps 16 one-token requests waiting,
     each for the next of its 40 adapters, so the slots thrash and the queue's head waits for one."""
 
     def __init__(self, engine: LLMEngine) -> None:

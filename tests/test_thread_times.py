@@ -1,4 +1,4 @@
-"""server.bench.thread_times: the kernel's per-thread counters of a real process, grouped by the
+"""benchmarks.profile.thread_times: the kernel's per-thread counters of a real process, grouped by the
 thread names a py-spy recording gives."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from server.bench.thread_times import phase_times, snapshot, thread_lines, thread_names
+from benchmarks.profile.thread_times import phase_times, snapshot, thread_lines, thread_names
 
 
 def test_a_spinning_thread_shows_cpu_and_a_sleeping_pool_shows_sleeps(tmp_path: Path) -> None:

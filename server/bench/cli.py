@@ -1,4 +1,4 @@
-"""`loraplex bench` / `scripts/bench.py`: argument parsing and the run."""
+"""`loraplex bench` / `benchmarks/serving/bench.py`: argument parsing and the run."""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,6 @@
 """A quantized copy of a float Llama checkpoint in a layout vLLM's CPU backend reads (`--peer-quantization`).
 
-So that both servers of `scripts/bench.py --peer vllm` serve the same quantized weights, the decoder's
+So that both servers of `python -m benchmarks.serving.bench --peer vllm` serve the same quantized weights, the decoder's
 seven projections are quantized with loraplex's own int8 quantizer (kernels.int8_weights.quantize_int8:
 per-output-channel symmetric, s[o] = max|w[o, :]| / 127, q = round(w / s) in [-127, 127]) and written
 in compressed-tensors' layouts; loraplex serves the float checkpoint with `--quantization int8`, which

@@ -300,7 +300,7 @@ def run_point(cfg: BenchConfig, model_dir: Path, n: int, log: Callable[[str], No
 def run_bench(cfg: BenchConfig, json_path: Path | None = None, log: Callable[[str], None] = print,
               after_point: Callable[[dict], None] | None = None) -> dict:
     """The sweep, cfg.repeats times; after_point(point) runs another system on a point right after
-    loraplex (and PEFT) did (scripts/bench.py's peer), adding its results to the point."""
+    loraplex (and PEFT) did (benchmarks/serving/bench.py's peer), adding its results to the point."""
     if cfg.workload_type == "prefix":
         from server.bench.prefix import run_prefix_bench
 

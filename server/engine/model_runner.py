@@ -23,7 +23,7 @@ from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, sample_rows
 from server.engine.sampling_row import SamplingRow
 # Bound as `sample`: the runner looks it up as a module global each step, so a profiler
-# (scripts/bench_engine.py) can wrap model_runner.sample.
+# (benchmarks/engine/bench_engine.py) can wrap model_runner.sample.
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Sequence, TokenLogprobs
 

@@ -17,7 +17,7 @@ a handful of steps reaches them all:
 Whether the gathered shrink splits K (kernels.launch_plan.shrink_splits) depends on the projection's
 in features alone, so the decode token of the first steps reaches the split form where there is one.
 
-scripts/aot_check.py checks that these steps reach every variant that the
+benchmarks/aot/aot_check.py checks that these steps reach every variant that the
 decode, prefill, chunked and mixed batches of three real model shapes reach.
 Synthetic steps write no KV (every slot is -1) and read only block 0, and the
 adapter slots they name are still zero at start-up.

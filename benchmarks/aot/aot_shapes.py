@@ -1,0 +1,131 @@
+"""The engine's model on `meta` tensors at real model shapes, and the steps to drive it with.
+
+`meta` tensors have shapes, strides and (offset-only) data pointers but no
+storage, so the forward pass of an 8B model costs nothing and every Triton
+launch it makes carries the arguments a GPU run would (benchmarks/aot/aot_check.py,
+the kernel-plan tests). One decoder layer stands for all: layers are identical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.config import ModelConfig
+from server.engine.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype_name
+from server.engine.kv_cache import allocate_lora_slots
+from server.engine.model import CausalLM
+from server.engine.warmup import SyntheticSeq, SyntheticStep
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+MODELS = {
+    "llama3-8b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                  "max_position_embeddings": 8192, "rope_theta": 500000.0},
+    "qwen2-7b": {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+                 "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                 "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                 "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    "llama3.2-1b": {**_LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+                    "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+}
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    model: str  # a key of MODELS
+    dtype: str  # a key of DTYPES
+    max_lora_rank: int
+    max_loras: int = 8
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    num_kv_blocks: int = 4096
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the pool's (server.engine.kv_cache_dtype)
+    # --quantization int8 (with --quantize-lm-head: the vocabulary-wide launch too), int4 (the decoder
+    # layers' projections), or None for float weights; fp8 runs torch._scaled_mm, no Triton kernel of ours.
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS or self.dtype not in DTYPES:
+            raise ValueError(f"unknown model {self.model!r} or dtype {self.dtype!r}")
+        check_kv_cache_dtype_name(self.kv_cache_dtype)
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, int8 or int4 here, got {self.quantization!r}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+
+    @property
+    def label(self) -> str:
+        kv = "" if self.kv_cache_dtype == "auto" else f"/kv-{self.kv_cache_dtype}"
+        quant = "" if self.quantization is None else f"/{self.quantization}"
+        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}{quant}"
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or DTYPES[self.dtype]
+
+    def runs_on(self, capability: int) -> bool:
+        """Whether the engine serves this shape on sm_<capability> (e4m3 KV needs 8.9: refused below)."""
+        return self.cache_dtype != torch.float8_e4m3fn or capability >= 89
+
+
+def meta_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors (Hugging Face names) on meta."""
+    h, q, kv, i, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+        if cfg.attention_bias:
+            shapes |= {p + f"self_attn.{n}_proj.bias": (size,) for n, size in (("q", q), ("k", kv), ("v", kv))}
+    return {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in shapes.items()}
+
+
+def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """(model with one layer, its KV caches, the LoRA scratch), all on meta, as LLMEngine allocates them."""
+    cfg = ModelConfig.from_dict({**MODELS[shape.model], "num_hidden_layers": 1})
+    dtype = DTYPES[shape.dtype]
+    lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta")
+    model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len, shape.max_num_batched_tokens,
+                     shape.quantization, quantize_lm_head=shape.quantization == "int8")
+    pool = (shape.num_kv_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = [(torch.empty(pool, dtype=shape.cache_dtype, device="meta"),
+           torch.empty(pool, dtype=shape.cache_dtype, device="meta"))]
+    scratch = torch.empty(3, shape.max_num_batched_tokens, shape.max_lora_rank, dtype=dtype, device="meta")
+    return model, kv, scratch
+
+
+def _slot(i: int) -> int:
+    """Adapter slot of request i: a few popular adapters, a tail, and base-model requests between."""
+    return -1 if i % 5 == 4 else (0 if i % 3 == 0 else i % 8)
+
+
+def mixed_batch(chunk: int = 1793, decodes: int = 255) -> tuple[SyntheticSeq, ...]:
+    """A chunk of a long prompt continuing its cached prefix, plus many decodes: 2048 tokens."""
+    return (SyntheticSeq(2000, chunk, 0), *(SyntheticSeq(50 + 13 * i, 1, _slot(i)) for i in range(decodes)))
+
+
+def scenarios(shape: EngineShape) -> dict[str, list[SyntheticStep]]:
+    """Decode (1, 8, 256 sequences), prefill, chunked prefill and mixed steps, at every rank 8..64 and the max."""
+    mixes = {
+        "decode-1": (SyntheticSeq(4095, 1, 0),),
+        "decode-8": tuple(SyntheticSeq(1000 + 250 * i, 1, _slot(i)) for i in range(8)),
+        "decode-256": tuple(SyntheticSeq(100 + 7 * i, 1, _slot(i)) for i in range(256)),
+        "prefill": (SyntheticSeq(0, 2048, 0), SyntheticSeq(0, 517, 1), SyntheticSeq(0, 3, 2),
+                    SyntheticSeq(0, 40, -1), SyntheticSeq(0, 21, 3)),
+        "chunked": (SyntheticSeq(3000, 1024, 1), SyntheticSeq(0, 20, 2)),
+        "mixed": mixed_batch(),
+    }
+    ranks = sorted({r for r in (8, 16, 32, 64) if r <= shape.max_lora_rank} | {shape.max_lora_rank})
+    return {name: [SyntheticStep(seqs, r) for r in ranks] for name, seqs in mixes.items()}

@@ -1,0 +1,1 @@
+"""Kernel benchmarks (Triton against torch) and the GPU warm-up check."""
