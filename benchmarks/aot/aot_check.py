@@ -11,7 +11,7 @@ captures each Triton launch with the specialisation the JIT would apply
 that no step launched, or a variant that engine warm-up (server.engine.warmup)
 would not have compiled before serving. Registers and spills are reported.
 
-    .venv/bin/python -m benchmarks.aot.aot_check                 # the default set (tests/test_kernels_aot.py)
+    .venv/bin/python -m benchmarks.aot.aot_check                 # the default set (tests/kernels/test_kernels_aot.py)
     .venv/bin/python -m benchmarks.aot.aot_check --full          # fp16 too (the GPU runbook runs this)
     .venv/bin/python -m benchmarks.aot.aot_check --json out.json --models llama3-8b --dtypes bf16
 

@@ -26,7 +26,7 @@ GENERATED = "generated"
 CORE = "core"
 DEFAULT_COUNT = 220
 DEFAULT_SEED = 24
-# formats xgrammar enforces exactly (checked against jsonschema's FormatChecker by tests/test_schema_suite.py)
+# formats xgrammar enforces exactly (checked against jsonschema's FormatChecker by tests/server/bench/test_schema_suite.py)
 FORMATS = ("email", "uuid", "ipv6", "uri", "hostname")
 _WORDS = ("alpha", "beta", "gamma", "delta", "red", "green", "blue", "small", "large", "open", "closed",
           "pending", "north", "south", "cat", "dog", "yes", "no", "low", "high")

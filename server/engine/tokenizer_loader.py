@@ -17,7 +17,7 @@ from pathlib import Path
 # The names transformers gives its generic tokenizers.json-backed class (`PreTrainedTokenizerFast` is an
 # alias of `TokenizersBackend` in transformers 5).
 GENERIC_FAST_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
-# The model types whose declared generic class AutoTokenizer keeps (tests/test_tokenizer_loader.py checks
+# The model types whose declared generic class AutoTokenizer keeps (tests/server/engine/test_tokenizer_loader.py checks
 # each against AutoTokenizer).
 DIRECT_MODEL_TYPES = frozenset({"llama", "mistral"})
 # Local JSON files of a model directory, read before any tokenizer exists: bounded all the same.

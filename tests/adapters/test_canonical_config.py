@@ -18,7 +18,7 @@ import torch
 from adapters import pattern_match, pattern_resolver
 from adapters.format import (
     PROJECTIONS, ModelShape, inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir, module_name)
-from tests.test_adapter_format import MAX_RANK, SHAPE, peft_reloaded, read, rebuild, save_adapter
+from tests.adapters.test_adapter_format import MAX_RANK, SHAPE, peft_reloaded, read, rebuild, save_adapter
 
 
 @pytest.fixture(scope="module")

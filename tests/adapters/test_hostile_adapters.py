@@ -14,7 +14,7 @@ import torch
 
 from adapters.bounded_json import MAX_DEPTH, MAX_INT_DIGITS, MAX_ITEMS, JsonLimitError, loads_bounded
 from adapters.format import AdapterFormatError, inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir
-from tests.test_adapter_format import MAX_RANK, Q0_A, Q0_B, SHAPE, read, rebuild, save_adapter
+from tests.adapters.test_adapter_format import MAX_RANK, Q0_A, Q0_B, SHAPE, read, rebuild, save_adapter
 
 Q0 = "model.layers.0.self_attn.q_proj"
 SLOW = r"(.|.){0,24}\.q_proj"       # exponential backtracking in Python's re: ~40 s per upload unbounded

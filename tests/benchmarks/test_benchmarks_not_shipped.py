@@ -10,8 +10,8 @@ import tomllib
 from pathlib import Path
 
 from setuptools import find_namespace_packages
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("server", "adapters", "kernels", "tenants")
 
 

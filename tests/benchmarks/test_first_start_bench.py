@@ -10,8 +10,8 @@ import pytest
 import triton
 
 from benchmarks.serving.bench_first_start import ENGLISH, main, phases
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_phases_are_the_seconds_between_progress_lines_up_to_ready() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _docs(path: Path) -> dict:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from server.cli import build_parser
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 README_MAX_LINES = 260
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.fixtures_server import ServerHandle, api_redis_url, running_server, server_config
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPES = (ROOT / "docs" / "recipes.md").read_text()
 METRICS_TOKEN = "recipe-metrics-token-0123456789"
 

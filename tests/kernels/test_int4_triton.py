@@ -11,8 +11,8 @@ from kernels.int4_triton import int4_triton_linear
 from kernels.int4_weights import Int4Weight, dequant_int4_linear, dequantize_int4, pack_nibbles, quantize_int4
 from server.engine import LLM
 from server.engine.kernel_choice import triton_ops
-from tests.test_engine_int4 import write_int4_reference
-from tests.test_int8_triton import assert_mixed_batch_matches_quantized_peft
+from tests.server.engine.test_engine_int4 import write_int4_reference
+from tests.kernels.test_int8_triton import assert_mixed_batch_matches_quantized_peft
 
 # (rows, out, in, group size). Rows: one decode row, a small row tile's edge and one past it, a prefill
 # past one large tile; out off the 32 and 64 column tiles; in not a multiple of the group (a short last

@@ -10,7 +10,7 @@ from kernels.int8_triton import int8_linear
 from kernels.int8_weights import dequantize_int8, quantize_int8
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import GREEDY, assert_matches_peft, random_prompts
-from tests.test_engine_int8 import LOGPROB_TOL, VOCAB, max_logprob_gap, write_quantized_reference
+from tests.server.engine.test_engine_int8 import LOGPROB_TOL, VOCAB, max_logprob_gap, write_quantized_reference
 
 # Rows: one decode row, a small row tile's edge and one past it, a prefill past one large tile; columns
 # and features off the 64 tiles.

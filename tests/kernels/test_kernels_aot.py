@@ -20,7 +20,6 @@ from benchmarks.aot import aot
 from kernels.launch_plan import TILE_ROWS
 from kernels.metadata import LoraBatch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 
@@ -123,6 +122,7 @@ import torch
 from benchmarks.aot import aot
 from kernels import lora_triton
 from kernels.metadata import LoraBatch
+from tests.repo import ROOT_DIR as ROOT
 meta = dict(device="meta", dtype=torch.bfloat16)
 batch = LoraBatch.build({slots!r}, "meta", [16] * 8)
 x, y = torch.empty({tokens}, 4096, **meta), torch.empty({tokens}, {width}, **meta)

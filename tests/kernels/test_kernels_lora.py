@@ -3,7 +3,7 @@
 On CPU these run under TRITON_INTERPRET=1 (set by conftest), which is ~1000x
 slower than a GPU: shapes are small and the matrix is chosen, not crossed.
 With a GPU they launch for real on it (`kernel_device`). Compiling every
-variant for sm_90/sm_80 is tests/test_kernels_aot.py's job.
+variant for sm_90/sm_80 is tests/kernels/test_kernels_aot.py's job.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from kernels import lora_ref, lora_triton
 from kernels.metadata import LoraBatch
 from server.engine.kernel_choice import select_kernels
 from tests.kernel_helpers import bit_equal
+from tests.repo import ROOT_DIR
 
 FORMS = {
     "segmented": (lora_triton.shrink_segmented, lora_triton.expand_segmented),
@@ -213,7 +214,7 @@ def test_empty_batch_is_a_no_op(kernel_device) -> None:
 def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
     """python -m benchmarks.kernels.bench_kernels --smoke: end to end under the interpreter, Triton matching torch,
     with the launch plan's split count (unsplit at this K) and 4 splits forced, decode rows as padded batches."""
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT_DIR
     out = tmp_path / "kernels.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.kernels.bench_kernels", "--smoke", "--projections", "down",
                            "--split-k", "plan", "4", "--padded-decode", "--attention", "--json", str(out)],

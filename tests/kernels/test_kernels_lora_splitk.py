@@ -14,7 +14,7 @@ from kernels import launch_plan, lora_ref, lora_triton
 from kernels.launch_plan import MAX_SHRINK_SPLITS, MIN_SPLIT_K, shrink_splits
 from kernels.metadata import LoraBatch
 from tests.kernel_helpers import bit_equal
-from tests.test_kernels_lora import TOL, make_problem, request_slots, token_slots
+from tests.kernels.test_kernels_lora import TOL, make_problem, request_slots, token_slots
 
 
 def test_the_plan_splits_big_in_features_by_the_programs_it_has() -> None:

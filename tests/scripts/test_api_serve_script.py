@@ -1,6 +1,6 @@
 """`scripts/serve --model demo` from an empty data dir: it builds the demo model, starts the
 embedded Redis, prints an admin token, a demo key and a curl line that works. (The default real
-model's start is tests/test_default_model.py's.)"""
+model's start is tests/server/test_default_model.py's.)"""
 from __future__ import annotations
 
 import json
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from server.embedded_redis.server import free_port
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl to run the printed line")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "cluster-admin-token-0123456789"
 REPLICAS = 3
 SETTLE_INTERVAL = 1.0  # --usage-settle-interval of the replicas; --lease-ttl stays at its default

@@ -10,8 +10,9 @@ import pytest
 
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
+from tests.repo import ROOT_DIR
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_demo_adapters.py"
+SCRIPT = ROOT_DIR / "scripts" / "train_demo_adapters.py"
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import pytest
 from server.cli import build_parser
 from server.config import ConfigError, parse_adapter_flag
 from server.embedded_redis.server import free_port
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # What a library's noise looks like on stderr: warnings, tqdm bars, tracebacks.
 NOISE = re.compile(r"Warning|warnings\.warn|it/s\]|\d+%\||Traceback")
 

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from server.demo import (DEMO_ADAPTERS, SEVEN, AdapterSpec, DemoConfigError, ensure_demo, make_adapter,
                          make_base_model)
 from tests.fixtures_models import LLAMA3_ROPE
+from tests.repo import ROOT_DIR as REPO
 
-REPO = Path(__file__).resolve().parent.parent
 MULTILINGUAL = ["Héllo wörld, café crème — Grüß Gott!", "中文是一种美丽的语言。", "Deploy ✅ 🚀 in 3m 12s 🎉",
                 "def f(x):\n    return x ** 2  # √2 ≈ 1.41421\n", "unseen: ÆØÅ ŋ ∮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \t\r\n"]
 

@@ -1,5 +1,5 @@
 """--shutdown-timeout: parsed from the CLI into the config the server stops with, refused out of range
-(tests/test_cli_start_stop.py checks a running server's stop line names it)."""
+(tests/server/test_cli_start_stop.py checks a running server's stop line names it)."""
 from __future__ import annotations
 
 import pytest

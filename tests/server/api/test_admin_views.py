@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 ADMIN_VIEWS = ["/admin/tenants/{t}/usage", "/admin/tenants/{t}/refusals", "/admin/tenants/{t}/keys", "/admin/adapters",
                "/admin/engine"]

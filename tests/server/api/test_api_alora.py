@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.hostile_helpers import tampered_adapter
-from tests.test_engine_alora import INV_A, words
+from tests.server.engine.lora.test_engine_alora import INV_A, words
 
 
 def _complete(server, key: str, model: str, prompt: list[int]) -> dict:

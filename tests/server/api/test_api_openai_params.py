@@ -8,8 +8,9 @@ from pathlib import Path
 
 import openai
 import pytest
+from tests.repo import ROOT_DIR
 
-HTTP_API = Path(__file__).resolve().parent.parent / "docs" / "http-api.md"
+HTTP_API = ROOT_DIR / "docs" / "http-api.md"
 PROMPT = [3, 14, 15, 92, 65]
 CHAT = [{"role": "user", "content": "hi"}]
 

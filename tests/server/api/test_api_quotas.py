@@ -18,6 +18,7 @@ from server.api.upload import read_adapter_upload
 
 from tests.fixtures_server import ADMIN_TOKEN, api_redis_url
 from server.embedded_redis.server import free_port
+from tests.repo import ROOT_DIR
 
 
 def _complete(server, key, **kw) -> httpx.Response:
@@ -152,7 +153,7 @@ def _spawn(model_dir, redis_url, port, data_dir):
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--redis-url", redis_url,
            "--port", str(port), "--device", "cpu", "--kv-cache-blocks", "64", "--max-model-len", "256",
            "--data-dir", str(data_dir)]
-    return subprocess.Popen(cmd, env=env, cwd=os.path.dirname(os.path.dirname(__file__)),
+    return subprocess.Popen(cmd, env=env, cwd=str(ROOT_DIR),
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 

@@ -19,8 +19,8 @@ from server.config import ServerConfig
 from server.credentials import ADMIN_TOKEN_FILE, DEMO_KEY_FILE
 from server.embedded_redis.server import free_port
 from tests.fixtures_server import api_redis_url, running_server, server_config
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_new_tenant_with_an_old_name_starts_empty(tiny_model_dir, tiny_adapters, redis_server, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 
 from server.embedded_redis.server import free_port
 from tests.fixtures_server import API_DB, api_redis_url, running_server, server_config
+from tests.repo import ROOT_DIR
 
 LEASE_TTL = 2.0
 REDIS_DELAY_MS = 40
@@ -32,7 +33,7 @@ def distant_redis_url(redis_server) -> Iterator[str]:
     api_redis_url(redis_server)  # flushed
     port = free_port()
     proxy = subprocess.Popen([sys.executable, "-m", "tests.latency_proxy", str(port), str(redis_server.port),
-                              str(REDIS_DELAY_MS)], cwd=Path(__file__).resolve().parent.parent,
+                              str(REDIS_DELAY_MS)], cwd=ROOT_DIR,
                              stdout=subprocess.PIPE, text=True)
     try:
         assert proxy.stdout.readline().strip() == "ready"

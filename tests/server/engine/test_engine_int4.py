@@ -23,7 +23,7 @@ from server.engine.config import EngineConfig, ModelConfigError
 from tests.engine_helpers import (GREEDY, assert_matches_peft, generate_in_one_batch,
                                    generate_through_preemption_and_prefix_hits, random_prompts)
 from tests.gptq_writer import PROJECTIONS, write_gptq_checkpoint
-from tests.test_engine_int8 import max_logprob_gap
+from tests.server.engine.test_engine_int8 import max_logprob_gap
 
 VOCAB = 512
 LOGPROB_TOL = 1e-3  # the target for a quantized base

@@ -126,7 +126,7 @@ def quantized_reference_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module", params=[*MATMULS, "avx2"])
 def llm(request, tiny_model_dir, tiny_adapters):
     """The int8 engine with each matmul, whichever this CPU would pick (the AVX2 kernel where this
-    CPU has AVX2 + FMA: tests/test_int8_avx2.py tests it alone)."""
+    CPU has AVX2 + FMA: tests/kernels/test_int8_avx2.py tests it alone)."""
     matmul = MATMULS.get(request.param) or avx2_int8_linear_or_none(cpu_flags())
     if matmul is None:
         pytest.skip("no AVX2 + FMA on this CPU, or no compiler: the engine runs dequant_linear")
@@ -267,7 +267,7 @@ def test_unsupported_quantizations_are_refused(tiny_model_dir, value, message):
 
 
 def test_int8_is_served_on_the_cpu_and_the_gpu(tiny_model_dir):
-    """On a GPU through kernels.int8_triton (tests/test_int8_triton.py); fp8 alone has a device rule."""
+    """On a GPU through kernels.int8_triton (tests/kernels/test_int8_triton.py); fp8 alone has a device rule."""
     config = EngineConfig(model=str(tiny_model_dir), quantization="int8")
     for device in (torch.device("cuda", 0), torch.device("cpu")):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -13,7 +13,7 @@ from adapters.activation import NOT_INVOKED, activation_start
 from server.engine import LLM, SamplingParams
 from tests.fixtures_models import TINY_DORA_ADAPTERS
 from tests.hostile_helpers import tampered_adapter
-from tests.test_engine_logprobs import assert_matches
+from tests.server.engine.test_engine_logprobs import assert_matches
 
 VOCAB = 512
 INVOCATION = [7, 8, 9]

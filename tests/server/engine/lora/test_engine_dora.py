@@ -24,7 +24,7 @@ from server.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from server.engine.lora import dora_precompute, dora_scale_cache
 from tests.engine_helpers import drive, random_prompts
 from tests.fixtures_models import TINY_DORA_ADAPTERS
-from tests.test_engine_logprobs import assert_matches
+from tests.server.engine.test_engine_logprobs import assert_matches
 
 VOCAB = 512
 DORA = tuple(TINY_DORA_ADAPTERS)
