@@ -14,7 +14,7 @@ from adapters.sharing import OPERATOR_OWNER
 from adapters.sources import SourceError, SourcePolicy, SourceRef, fetch_adapter, parse_reference
 from adapters.sources.admission import admit_reference
 from adapters.sources.policy import operator_policy
-from server.api.adapter_intake import store_adapter
+from server.api.adapter_intake import check_adapter_room, store_adapter
 from server.api.errors import APIError
 from server.api.state import ServerState
 from tenants import Quota, Tenant
@@ -84,7 +84,7 @@ async def register_reference(state: ServerState, owner: str, quota: Quota | None
         raise APIError(409, f"adapter '{name}' already exists; send replace=true (load_inplace) to replace it",
                        "adapter_exists")
     if not exists:
-        await check_adapter_room(state, owner, quota)
+        await check_adapter_room(state, owner, quota, name)
     stored = await run_in_threadpool(state.references.put, owner, name, source)
     if not prefetch:
         old = await run_in_threadpool(state.registry.delete, owner, name)
@@ -101,20 +101,6 @@ async def register_reference(state: ServerState, owner: str, quota: Quota | None
             await run_in_threadpool(state.references.restore, owner, previous)
         raise
     return await run_in_threadpool(state.references.get, owner, name) or stored, record
-
-
-async def check_adapter_room(state: ServerState, owner: str, quota: Quota | None) -> None:
-    """403 when a new name would take `owner` past max_adapters: stored adapters and references
-    (lazy ones included) count together, by name."""
-    if quota is not None and quota.max_adapters is not None:
-        if await run_in_threadpool(_adapter_count, state, owner) >= quota.max_adapters:
-            raise APIError(403, f"tenant already has the maximum of {quota.max_adapters} adapters; delete one "
-                                "or ask the operator for a higher max_adapters", "max_adapters")
-
-
-def _adapter_count(state: ServerState, owner: str) -> int:
-    names = {r.name for r in state.registry.list(owner)}
-    return len(names | set(state.references.list(owner)))
 
 
 async def unregister(state: ServerState, owner: str, name: str) -> AdapterRecord | None | bool:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from adapters.format import MAX_CONFIG_BYTES
 from adapters.registry import validate_name
 from server.api.adapter_intake import store_adapter
-from server.api.adapter_references import check_adapter_room, register_reference, unregister
+from server.api.adapter_references import register_reference, unregister
 from server.api.adapter_requests import AdapterByReference
 from server.api.auth import require_tenant, state_of
 from server.api.body import read_json_object
@@ -56,8 +56,6 @@ async def store_upload(request: Request, state: ServerState, tenant: Tenant) -> 
         validate_name(upload.name)
     except ValueError as e:
         raise APIError(400, str(e), "invalid_field", param="name") from None
-    if await run_in_threadpool(_is_new_name, state, tenant.id, upload.name):
-        await check_adapter_room(state, tenant.id, quota)  # lazy references hold places too
     record = await store_adapter(state, tenant.id, quota, upload.name, upload.config_json, upload.weights,
                                  upload.replace)
     return JSONResponse(_public(record), status_code=201)
@@ -74,10 +72,6 @@ async def _register_by_reference(request: Request, tenant, state) -> Response:
     if record is not None:
         out.update(_public(record))
     return JSONResponse(out, status_code=201)
-
-
-def _is_new_name(state: ServerState, owner: str, name: str) -> bool:
-    return state.registry.get(owner, name) is None and state.references.get(owner, name) is None
 
 
 def _public(record) -> dict:
