@@ -19,6 +19,7 @@ from dataclasses import asdict, fields
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from adapters.file_bound import bounded_by_model
 from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
 from adapters.sources.clients import SourceClients
@@ -70,9 +71,10 @@ class _Keys:
 
 def _fetch_job(job: dict, clients: SourceClients) -> tuple[dict, tuple[bytes, ...]]:
     keys = None if job.get("s3_keys") is None else _Keys(**job["s3_keys"])
-    files = fetch_adapter(parse_reference(job["reference"]), policy_from_json(job["policy"]), clients, keys)
     shape = ModelShape(**job["shape"])
     rank_cap = job["max_lora_rank"]
+    policy = bounded_by_model(policy_from_json(job["policy"]), shape, rank_cap)
+    files = fetch_adapter(parse_reference(job["reference"]), policy, clients, keys)
     summary = inspect_adapter_bytes(files.config_json, files.weights, shape, rank_cap)
     load_adapter_bytes(summary.canonical_config_json, files.weights, shape, rank_cap)  # values too
     header = {"ok": True, "rank": summary.rank, "target_modules": list(summary.target_modules),

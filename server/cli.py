@@ -293,11 +293,18 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
 
 def prepare_model(config: ServerConfig) -> None:
     """Convert a GGUF or build the demo model now, with progress on stderr, rather than in the app's
-    start-up (which finds the result in the data dir)."""
+    start-up (which finds the result in the data dir); then check the checkpoint's quantization from
+    its config and tensor names, so an unsupported one is one line here, not a lifespan traceback."""
+    from server.engine.config import GPTQ_QUANTIZATIONS, ModelConfigError
+    from server.engine.gptq_checkpoint import check_checkpoint
     from server.model_source import resolve_model
 
-    resolve_model(config.model, config.data_dir, lambda line: print(f"loraplex: {line}", file=sys.stderr,
-                                                                     flush=True))
+    resolved = resolve_model(config.model, config.data_dir, lambda line: print(f"loraplex: {line}", file=sys.stderr,
+                                                                                flush=True))
+    try:
+        check_checkpoint(resolved.model_dir, require_gptq=config.quantization in GPTQ_QUANTIZATIONS)
+    except ModelConfigError as e:
+        raise ConfigError(f"--model: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,22 +8,29 @@ import socket
 
 from adapters.sources.errors import SourceError, refused
 from adapters.sources.policy import SourcePolicy
+from adapters.sources.special_addresses import IPAddress, embedded_ipv4, special_range
 
 
-def _normalised(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+def _parsed(text: str) -> IPAddress:
     ip = ipaddress.ip_address(text.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback
+        return ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1 on the wire
     return ip
 
 
-def _forbidden(ip, policy: SourcePolicy) -> bool:
-    if ip.is_multicast or ip.is_unspecified:
-        return True  # never a file server
-    if ip.is_link_local:
-        return True  # cloud metadata (169.254.169.254, fe80::): refused even where private networks are allowed
-    # not is_global: loopback, private (RFC 1918, ULA), link-local (cloud metadata), CGNAT, reserved ...
-    return not ip.is_global and not policy.allow_private_networks
+def refusal(ip: IPAddress, policy: SourcePolicy) -> str | None:
+    """Why `ip` may not be contacted (None: it may). An IPv6 address that carries an IPv4 one (NAT64,
+    6to4, Teredo, IPv4-compatible) is judged by that IPv4 address first, then by its own range."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        for inner in embedded_ipv4(ip):
+            why = refusal(inner, policy)
+            if why is not None:
+                return f"it embeds {inner}: {why}"
+    row = special_range(ip)
+    if row is None or (row.private and policy.allow_private_networks):
+        return None
+    hint = "; the operator can allow loopback and private networks" if row.private else ""
+    return f"{row.network} is {row.name}{hint}"
 
 
 def checked_address(host: str, port: int, policy: SourcePolicy) -> str:
@@ -36,12 +43,21 @@ def checked_address(host: str, port: int, policy: SourcePolicy) -> str:
         infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise SourceError(502, f"cannot resolve adapter source host {name!r}: {e}", "source_unreachable") from None
-    addresses = [_normalised(info[4][0]) for info in infos]
+    addresses = [_parsed(info[4][0]) for info in infos]
     if not addresses:
         raise SourceError(502, f"adapter source host {name!r} has no address", "source_unreachable")
-    bad = [str(ip) for ip in addresses if _forbidden(ip, policy)]
-    if bad:
-        raise refused(f"host {name!r} resolves to {bad[0]}, an address adapter sources may not use "
-                      "(loopback, private or link-local; the operator can allow loopback and private networks, "
-                      "never link-local)")
+    for ip in addresses:
+        why = refusal(ip, policy)
+        if why is not None:
+            raise refused(f"host {name!r} resolves to {ip}, an address adapter sources may not use ({why})")
     return str(addresses[0])
+
+
+def literal_refusal(host: str, policy: SourcePolicy) -> str | None:
+    """Why a host written as an IP address may not be contacted (None: allowed, or not a literal);
+    no DNS, so it can run at registration."""
+    try:
+        ip = _parsed(host)
+    except ValueError:
+        return None
+    return refusal(ip, policy)

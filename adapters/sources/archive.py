@@ -9,6 +9,7 @@ import posixpath
 import tarfile
 import zipfile
 import zlib
+from typing import IO
 
 from adapters.format import CONFIG_FILE, MAX_CONFIG_BYTES, PICKLE_FILE, WEIGHTS_FILE
 from adapters.sources.errors import SourceError, too_large
@@ -37,10 +38,30 @@ def _pick(names: list[str], what: str) -> tuple[str, str]:
     return posixpath.join(d, CONFIG_FILE), posixpath.join(d, WEIGHTS_FILE)
 
 
+_READ_CHUNK = 1 << 20
+
+
+def _limit(name: str, cap: int) -> int:
+    return MAX_CONFIG_BYTES if name.endswith(CONFIG_FILE) else cap
+
+
 def _check_size(what: str, name: str, size: int, cap: int) -> None:
-    limit = MAX_CONFIG_BYTES if name.endswith(CONFIG_FILE) else cap
-    if size > limit:
-        raise too_large(f"{what}: {name}", size, limit)
+    """The member's declared size, before any of it is read."""
+    if size > _limit(name, cap):
+        raise too_large(f"{what}: {name}", size, _limit(name, cap))
+
+
+def _read_bounded(f: IO[bytes], what: str, name: str, cap: int) -> bytes:
+    """A member's bytes as they decompress, chunk by chunk, stopping one chunk past its limit: a
+    member whose declared size lies (or a decompressor that does not check it) holds no more."""
+    limit = _limit(name, cap)
+    chunks, total = [], 0
+    while chunk := f.read(min(_READ_CHUNK, limit + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise too_large(f"{what}: {name}", total, limit)
+    return b"".join(chunks)
 
 
 def _from_tar(data: bytes, cap: int, what: str) -> tuple[bytes, bytes]:
@@ -58,7 +79,7 @@ def _from_tar(data: bytes, cap: int, what: str) -> tuple[bytes, bytes]:
                 _check_size(what, name, members[name].size, cap)
                 f = tf.extractfile(members[name])
                 assert f is not None  # a regular file
-                files.append(f.read())
+                files.append(_read_bounded(f, what, name, cap))
             return files[0], files[1]
     except tarfile.TarError as e:
         raise _bad(what, f"not a readable tar archive ({e})") from None
@@ -79,8 +100,8 @@ def _from_zip(data: bytes, cap: int, what: str) -> tuple[bytes, bytes]:
                 if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                     raise _bad(what, f"{name}: unsupported zip compression")
                 with zf.open(info) as f:
-                    # zipfile stops at the declared size and checks the CRC.
-                    files.append(f.read(info.file_size + 1))
+                    # zipfile also stops at the declared size and checks the CRC.
+                    files.append(_read_bounded(f, what, name, cap))
             return files[0], files[1]
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:
         raise _bad(what, f"not a readable zip archive ({e})") from None
@@ -95,10 +116,8 @@ def extract_adapter_files(data: bytes, name: str, cap: int, what: str) -> tuple[
         limit = cap + MAX_CONFIG_BYTES + (1 << 20)  # both files plus tar headers
         try:
             with gzip.GzipFile(fileobj=io.BytesIO(data)) as gz:
-                plain = gz.read(limit + 1)  # a gzip bomb stops here
+                plain = _read_bounded(gz, what, "(decompressed)", limit)  # a gzip bomb stops here
         except (OSError, EOFError, zlib.error) as e:
             raise _bad(what, f"not a readable gzip stream ({e})") from None
-        if len(plain) > limit:
-            raise too_large(f"{what} (decompressed)", len(plain), limit)
         return _from_tar(plain, cap, what)
     return _from_tar(data, cap, what)

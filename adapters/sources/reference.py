@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from adapters.sources.errors import SourceError
+from adapters.sources.s3_key import s3_key_problem
 
 MAX_REFERENCE_CHARS = 2048
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
@@ -29,6 +30,16 @@ def _invalid(text: str, why: str) -> SourceError:
     return SourceError(400, f"adapter source {text[:200]!r}: {why}", "invalid_source")
 
 
+def _split(text: str) -> SplitResult:
+    """urlsplit, with what it refuses (an unclosed `[`, a bad port) a 400 instead of a ValueError."""
+    try:
+        parts = urlsplit(text)
+        _ = (parts.hostname, parts.port)  # both parse lazily and raise on a malformed host or port
+    except ValueError as e:
+        raise _invalid(text, f"not a well-formed URL ({e})") from None
+    return parts
+
+
 def parse_reference(text: str) -> SourceRef:
     if not isinstance(text, str) or not text or len(text) > MAX_REFERENCE_CHARS or not text.isascii() \
             or not text.isprintable():
@@ -37,13 +48,16 @@ def parse_reference(text: str) -> SourceRef:
                           "invalid_source")
     scheme = text.split("://", 1)[0].lower() if "://" in text else ""
     if scheme == "s3":
-        parts = urlsplit(text)
-        key = parts.path.lstrip("/")
+        parts = _split(text)
+        key = parts.path.removeprefix("/")
         if not parts.netloc or not key or parts.query or parts.fragment or "@" in parts.netloc:
             raise _invalid(text, "write s3://BUCKET/PREFIX (a PEFT directory's prefix or an archive's key)")
+        problem = s3_key_problem(key.removesuffix("/"))
+        if problem is not None:
+            raise _invalid(text, problem)
         return SourceRef("s3", key.rstrip("/") if not key.endswith(ARCHIVE_SUFFIXES) else key, parts.netloc)
     if scheme in ("http", "https"):
-        parts = urlsplit(text)
+        parts = _split(text)
         if not parts.hostname:
             raise _invalid(text, "the URL has no host")
         if parts.username is not None or parts.password is not None:
@@ -53,7 +67,7 @@ def parse_reference(text: str) -> SourceRef:
             raise _invalid(text, "a URL fragment is not accepted")
         return SourceRef(scheme, text)
     if scheme == "file":
-        parts = urlsplit(text)
+        parts = _split(text)
         if parts.netloc not in ("", "localhost") or not parts.path:
             raise _invalid(text, "write file:///ABSOLUTE/DIR")
         return SourceRef("local", parts.path)

@@ -20,6 +20,7 @@ import urllib3.exceptions
 from adapters.sources.bounded_read import read_capped, remaining, timed_out
 from adapters.sources.errors import SourceError, refused, too_large
 from adapters.sources.policy import SourcePolicy
+from adapters.sources.s3_key import s3_key_problem
 
 _CHUNK = 1 << 16
 
@@ -89,6 +90,9 @@ class S3Reader:
 
     def size(self, key: str) -> int | None:
         """The object's size, None if it does not exist."""
+        problem = s3_key_problem(key)
+        if problem is not None:  # parse_reference refused it already; a joined key is checked again here
+            raise SourceError(400, f"s3://{self._bucket}/{key[:200]}: {problem}", "invalid_source")
         try:
             head = self._client.head_object(Bucket=self._bucket, Key=key)
         except botocore.exceptions.ClientError as e:

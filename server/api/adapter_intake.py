@@ -56,6 +56,7 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
         del adapter
     else:
         dora = None
+    await check_adapter_room(state, owner, quota, name)
     old = await run_in_threadpool(state.registry.get, owner, name)
     if keep_identical and old is not None:
         stored = await run_in_threadpool(state.registry.read_files, old.version)
@@ -73,6 +74,23 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     # an answered upload's first request then reloads, at a LoRA load's cost.
     await _precompute(state, record.version, dora)
     return record
+
+
+async def check_adapter_room(state: ServerState, owner: str, quota: Quota | None, name: str) -> None:
+    """403 when `name` is new to `owner` and would take it past max_adapters: stored adapters and
+    references (lazy ones included) count together, by name. (The registry's own atomic check counts
+    stored versions only; this one sees the references too.)"""
+    if quota is None or quota.max_adapters is None:
+        return
+    if await run_in_threadpool(_holds_room_for, state, owner, name, quota.max_adapters):
+        return
+    raise APIError(403, f"tenant already has the maximum of {quota.max_adapters} adapters; delete one "
+                        "or ask the operator for a higher max_adapters", "max_adapters")
+
+
+def _holds_room_for(state: ServerState, owner: str, name: str, limit: int) -> bool:
+    names = {r.name for r in state.registry.list(owner)} | set(state.references.list(owner))
+    return name in names or len(names) < limit
 
 
 async def _precompute(state: ServerState, version: str, dora: LoraAdapter | None) -> None:

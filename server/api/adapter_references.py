@@ -7,12 +7,14 @@ import hashlib
 
 from starlette.concurrency import run_in_threadpool
 
+from adapters.file_bound import bounded_by_model
 from adapters.references import AdapterReference
 from adapters.registry import AdapterRecord, validate_name
 from adapters.sharing import OPERATOR_OWNER
-from adapters.sources import SourcePolicy, fetch_adapter, parse_reference
+from adapters.sources import SourceError, SourcePolicy, SourceRef, fetch_adapter, parse_reference
+from adapters.sources.admission import admit_reference
 from adapters.sources.policy import operator_policy
-from server.api.adapter_intake import store_adapter
+from server.api.adapter_intake import check_adapter_room, store_adapter
 from server.api.errors import APIError
 from server.api.fetch_flights import NEAR, REMOTE
 from server.api.state import ServerState
@@ -46,7 +48,8 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
             config_json, weights, validated, sha256 = (loaded.summary.canonical_config_json, loaded.weights,
                                                        loaded.summary, loaded.sha256)
         else:
-            files = await run_in_threadpool(fetch_adapter, source, policy, state.source_clients, keys)
+            bounded = bounded_by_model(policy, state.engine.engine.adapter_shape, state.config.max_lora_rank)
+            files = await run_in_threadpool(fetch_adapter, source, bounded, state.source_clients, keys)
             config_json, weights, validated, sha256 = files.config_json, files.weights, None, files.sha256
         record = await store_adapter(state, owner, quota, ref.name, config_json, weights,
                                      replace=True, keep_identical=True, validated=validated)
@@ -62,24 +65,31 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
     return await state.fetches.run((owner, ref.name), run, NEAR if near else REMOTE)
 
 
+def parsed_reference(source: str, policy: SourcePolicy, param: str) -> SourceRef:
+    """`source` parsed and admitted by `policy` (adapters.sources.admission), or a 400/403 naming
+    `param`, the request field that holds it. Blocking (a local path is resolved): off the event loop."""
+    try:
+        ref = parse_reference(source)
+        admit_reference(ref, policy)
+    except SourceError as e:
+        raise APIError(e.status, e.message, e.code, param=param) from None
+    return ref
+
+
 async def register_reference(state: ServerState, owner: str, quota: Quota | None, name: str, source: str,
-                             prefetch: bool, replace: bool) -> tuple[AdapterReference, AdapterRecord | None]:
-    """Check the reference against the source policy now (so a refused one fails at once), keep it,
-    and fetch it now when `prefetch`, else on first use."""
-    ref = parse_reference(source)
-    policy = _policy(state, owner)
-    if not policy.allows(ref.kind):
-        raise APIError(403, f"{ref.kind} adapter sources are not allowed on this server (--adapter-sources)",
-                       "source_not_allowed")
+                             prefetch: bool, replace: bool,
+                             param: str = "source") -> tuple[AdapterReference, AdapterRecord | None]:
+    """Check the reference against the source policy now (so a refused one fails at once, lazy or
+    not), keep it, and fetch it now when `prefetch`, else on first use. `param`: the request field
+    that holds `source`."""
+    await run_in_threadpool(parsed_reference, source, _policy(state, owner), param)
     previous = await run_in_threadpool(state.references.get, owner, name)
     exists = previous is not None or await run_in_threadpool(state.registry.get, owner, name) is not None
     if exists and not replace:
         raise APIError(409, f"adapter '{name}' already exists; send replace=true (load_inplace) to replace it",
                        "adapter_exists")
-    if not exists and quota is not None and quota.max_adapters is not None:
-        if await run_in_threadpool(_adapter_count, state, owner) >= quota.max_adapters:
-            raise APIError(403, f"tenant already has the maximum of {quota.max_adapters} adapters; delete one "
-                                "or ask the operator for a higher max_adapters", "max_adapters")
+    if not exists:
+        await check_adapter_room(state, owner, quota, name)
     stored = await run_in_threadpool(state.references.put, owner, name, source)
     if not prefetch:
         old = await run_in_threadpool(state.registry.delete, owner, name)
@@ -96,11 +106,6 @@ async def register_reference(state: ServerState, owner: str, quota: Quota | None
             await run_in_threadpool(state.references.restore, owner, previous)
         raise
     return await run_in_threadpool(state.references.get, owner, name) or stored, record
-
-
-def _adapter_count(state: ServerState, owner: str) -> int:
-    names = {r.name for r in state.registry.list(owner)}
-    return len(names | set(state.references.list(owner)))
 
 
 async def unregister(state: ServerState, owner: str, name: str) -> AdapterRecord | None | bool:
@@ -155,7 +160,7 @@ async def resolve_lorax_adapter(state: ServerState, tenant: Tenant, adapter_id: 
                        "invalid_value", param="adapter_source")
     scheme = _LORAX_SOURCES[adapter_source]
     source = adapter_id if not scheme or adapter_id.startswith(scheme) else scheme + adapter_id
-    kind = parse_reference(source).kind
+    kind = (await run_in_threadpool(parsed_reference, source, _policy(state, tenant.id), "adapter_id")).kind
     if adapter_source not in ("url", kind) and not (adapter_source == "local" and kind == "local"):
         raise APIError(400, f"'adapter_id' is not a {adapter_source} reference", "invalid_value",
                        param="adapter_id")
@@ -164,7 +169,16 @@ async def resolve_lorax_adapter(state: ServerState, tenant: Tenant, adapter_id: 
     if record is not None:
         return record
     ref = await run_in_threadpool(state.references.get, tenant.id, name)
-    if ref is None:
-        ref, _ = await register_reference(state, tenant.id, tenant.quota, name, source, prefetch=False,
-                                          replace=False)
-    return await fetch_and_store(state, tenant.id, tenant.quota, ref)
+    if ref is not None:
+        return await fetch_and_store(state, tenant.id, tenant.quota, ref)
+    ref, _ = await register_reference(state, tenant.id, tenant.quota, name, source, prefetch=False,
+                                      replace=False, param="adapter_id")
+    try:
+        return await fetch_and_store(state, tenant.id, tenant.quota, ref)
+    except BaseException:
+        # A reference this request made and could not fetch is not kept: it would hold a place
+        # under max_adapters for something that never loaded.
+        current = await run_in_threadpool(state.references.get, tenant.id, name)
+        if current is not None and current.registered_at == ref.registered_at:
+            await run_in_threadpool(state.references.delete, tenant.id, name)
+        raise

@@ -38,7 +38,7 @@ async def load_lora_adapter(request: Request) -> Response:
                             f"the adapter in place, set 'load_inplace' to True.", "adapter_exists",
                        param="lora_name")
     await register_reference(state, tenant.id, tenant.quota, body.lora_name, body.lora_path,
-                             prefetch=body.prefetch, replace=body.load_inplace)
+                             prefetch=body.prefetch, replace=body.load_inplace, param="lora_path")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

@@ -1,7 +1,6 @@
 """/health, /version, /metrics and /v1/usage."""
 from __future__ import annotations
 
-import redis
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
@@ -17,14 +16,14 @@ from server.version import loraplex_version, package_version
 
 async def health(request: Request) -> Response:
     state = state_of(request)
-    try:
-        redis_ok = bool(await run_in_threadpool(state.redis.ping))
-    except redis.RedisError:
-        redis_ok = False
+    redis_problem = await state.redis_probe.problem()
+    redis_ok = redis_problem is None
     engine_ok = state.engine.is_healthy
     ok = redis_ok and engine_ok
     body = {"status": "ok" if ok else "unavailable", "engine": engine_ok, "redis": redis_ok,
             "model": state.model_id, "replica": state.config.replica, "version": package_version("loraplex")}
+    if not redis_ok:
+        body["redis_error"] = redis_problem
     if not engine_ok:
         body["engine_error"] = state.engine.error or "the engine is not running"
     return JSONResponse(body, status_code=200 if ok else 503)

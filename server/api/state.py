@@ -20,6 +20,7 @@ from adapters.sources import SourcePolicy
 from adapters.sources.clients import SourceClients
 from server.api.adapter_source import RetirementListener, registry_fetch
 from server.api.metrics import Metrics
+from server.api.redis_probe import RedisProbe
 from server.api.engine_history import EngineHistory
 from server.api.fetch_flights import FetchFlights
 from server.api.prompts import PromptTokenizer
@@ -69,6 +70,7 @@ class ServerState:
     model_id: str
     engine: AsyncEngine
     redis: redis.Redis
+    redis_probe: RedisProbe                  # /health's own short-timeout view of Redis
     tenants: TenantStore
     limiter: Limiter
     auth_throttle: AuthThrottle
@@ -158,6 +160,7 @@ class ServerState:
                     pool.wait_ready()
             return cls(
                 config=config, model_id=config.model_id, engine=async_engine, redis=client,
+                redis_probe=RedisProbe(url),
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 refusals=RefusalLog(client, config.redis_prefix),
                 auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
@@ -193,6 +196,7 @@ class ServerState:
         for pool in (self.loaders, self.pager):
             if pool is not None:
                 pool.close()
+        self.redis_probe.close()
         self.redis.close()
         if self.embedded_redis is not None:
             self.embedded_redis.stop()

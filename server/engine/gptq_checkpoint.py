@@ -21,9 +21,13 @@ weights. Every other quantized format is refused with what is supported.
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from kernels.int4_weights import GROUP_MULTIPLE, Int4Weight, pack_nibbles
 from server.engine.config import ModelConfigError
@@ -32,6 +36,7 @@ SUPPORTED = ("GPTQ 4-bit in the Hugging Face layout (quant_method gptq, bits 4, 
              "or an unquantized checkpoint")
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 PACK = 8  # 4-bit values per int32
+_FLOAT_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,37 @@ def checkpoint_quantization(config: dict) -> GptqSpec | None:
     if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
         raise ModelConfigError(f"GPTQ group_size must be a positive integer or -1, got {group_size!r}")
     return GptqSpec(group_size)
+
+
+def refuse_float_projections(keys, spec: GptqSpec | None, where: str) -> None:
+    """ModelConfigError when config.json says GPTQ but a layer projection is a float `.weight`: the
+    config would be silently wrong about what is served (the float weights would serve as they are)."""
+    if spec is None:
+        return
+    floats = sorted(k for k in keys if _FLOAT_PROJECTION.fullmatch(k))
+    if floats:
+        raise ModelConfigError(f"{where}: config.json's quantization_config says GPTQ 4-bit, but {len(floats)} "
+                               f"projections are float tensors, not GPTQ (qweight, qzeros, scales), e.g. "
+                               f"{floats[0]}; drop quantization_config to serve it as a float checkpoint")
+
+
+def check_checkpoint(model_dir: str | Path, require_gptq: bool = False) -> GptqSpec | None:
+    """The checkpoint's GPTQ spec (None: float), from config.json and the safetensors headers only (no
+    tensor is read, so the CLI runs it before the server starts and a mistake is one line):
+    ModelConfigError for an unsupported quantization_config, a GPTQ config over float projections, or
+    a float checkpoint where `require_gptq` (--quantization gptq)."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ModelConfigError(f"{config_path} not found: --model must be a Hugging Face model directory")
+    spec = checkpoint_quantization(json.loads(config_path.read_text()))
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            refuse_float_projections(f.keys(), spec, str(model_dir))
+    if spec is None and require_gptq:
+        raise ModelConfigError(f"--quantization gptq serves a GPTQ checkpoint's own 4-bit weights, and {model_dir} is "
+                               f"not one (no quantization_config): use --quantization int4 to quantize it at load")
+    return spec
 
 
 def is_gptq_part(key: str) -> bool:

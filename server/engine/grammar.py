@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from server.engine.schema_keywords import unenforced_in_tag, unenforced_keyword
 from server.engine.structured_outputs import StructuredOutputsParams
 
 DEFAULT_CACHE_ENTRIES = 512
@@ -43,30 +44,40 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> xgr.TokenizerI
                                               stop_token_ids=sorted(stop_token_ids))
 
 
-def _refuse_unenforced(schema) -> None:
-    """GrammarError for a keyword xgrammar 0.2.8 accepts but does not enforce (the output would not
-    satisfy it): `uniqueItems: true` and an `allOf` of more than one schema. Iterative: a schema
-    is at most as deep as the request body's bound, but nothing here relies on it."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("uniqueItems") is True:
-                raise GrammarError("invalid json constraint: uniqueItems is not supported")
-            if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-                raise GrammarError("invalid json constraint: allOf with more than one schema is not supported")
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+def _refuse_unenforced(spec: StructuredOutputsParams) -> None:
+    if spec.kind == "json":
+        problem = unenforced_keyword(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
+    elif spec.kind == "structural_tag":
+        problem = unenforced_in_tag(spec.structural_tag)
+    else:
+        return
+    if problem is not None:
+        raise GrammarError(f"invalid {spec.kind} constraint: {problem}")
+
+
+def _refuse_unsatisfiable(compiled: xgr.CompiledGrammar, kind: str) -> None:
+    """GrammarError when no first token (end of output included) is allowed: `root ::= root`, a
+    `$ref` cycle with no base case. Generation would otherwise stop at its first step, the server's
+    fault as far as the client could tell. One mask fill, as the first step would do."""
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    if not bool(mask.any()):
+        raise GrammarError(f"invalid {kind} constraint: no output satisfies it (a rule or $ref that only "
+                           "leads back to itself, with no way to end)")
 
 
 def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """Compile one constraint; GrammarError says what is wrong with it."""
     kind = spec.kind
-    if kind == "json":
-        _refuse_unenforced(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
-    if kind == "structural_tag":  # its schemas, wherever they sit in the tag
-        _refuse_unenforced(spec.structural_tag)
+    _refuse_unenforced(spec)
+    compiled = _compiled(compiler, spec)
+    _refuse_unsatisfiable(compiled, kind)
+    return compiled
+
+
+def _compiled(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    kind = spec.kind
     try:
         if kind == "json":
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

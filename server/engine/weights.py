@@ -1,7 +1,6 @@
 """Reading a Hugging Face checkpoint's safetensors into tensors on the target device."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -9,7 +8,7 @@ from safetensors import safe_open
 
 from server.engine.config import ModelConfig, ModelConfigError
 from kernels.int4_weights import Int4Weight, int4_to
-from server.engine.gptq_checkpoint import checkpoint_quantization, dequantize_checkpoint, int4_checkpoint, is_gptq_part
+from server.engine.gptq_checkpoint import check_checkpoint, dequantize_checkpoint, int4_checkpoint, is_gptq_part
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -24,7 +23,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         bins = sorted(Path(model_dir).glob("*.bin"))
         hint = " (pickle .bin checkpoints are not loaded: convert to safetensors)" if bins else ""
         raise ModelConfigError(f"no *.safetensors files in {model_dir}{hint}")
-    gptq = checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()))
+    gptq = check_checkpoint(model_dir, require_gptq)
     weights: dict[str, torch.Tensor] = {}
     packed: dict[str, torch.Tensor] = {}
     for path in files:
@@ -34,9 +33,6 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                     packed[key] = f.get_tensor(key)
                 elif key.startswith("model.") or key == "lm_head.weight":
                     weights[key] = f.get_tensor(key).to(device=device, dtype=dtype)
-    if gptq is None and require_gptq:
-        raise ModelConfigError(f"--quantization gptq serves a GPTQ checkpoint's own 4-bit weights, and {model_dir} is "
-                               f"not one (no quantization_config): use --quantization int4 to quantize it at load")
     if gptq is not None and int4_group_size is not None:
         raise ModelConfigError(f"{model_dir} is a GPTQ checkpoint with groups of {gptq.group_size}, served as they "
                                f"are: drop --int4-group-size")
