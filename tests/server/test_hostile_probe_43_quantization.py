@@ -15,8 +15,8 @@ import pytest
 from server.embedded_redis.server import free_port
 from server.engine import LLM
 from server.engine.config import ModelConfigError
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _with_quantization(tiny_model_dir: Path, dest: Path, qc: dict) -> Path:
