@@ -194,10 +194,10 @@ def test_overlappable_steps(tiny_model_dir, tiny_adapters):
     engine.add_request("b", prompts[1], SamplingParams(max_tokens=5, temperature=0.0, frequency_penalty=0.5), None)
     prefill = engine.scheduler.schedule()
     assert not overlappable(prefill)  # a prefill step
-    engine.postprocess(prefill, engine.runner.run(prefill))
+    engine.output_processor.postprocess(prefill, engine.runner.run(prefill))
     decode = engine.scheduler.schedule()
     assert not overlappable(decode)  # the penalty row
-    engine.postprocess(decode, engine.runner.run(decode))
+    engine.output_processor.postprocess(decode, engine.runner.run(decode))
     engine.abort_request("b")
     engine.step()
     assert overlappable(engine.scheduler.schedule())

@@ -27,10 +27,10 @@ from server.engine.dora_scale_cache import ScaleStore
 from server.engine.dora_scales import DoraScales
 from server.engine.lora_slots import AdapterSlots
 from server.engine.model import CausalLM
-from server.engine.model_runner import ModelRunner
-from server.engine.postprocess import OutputProcessing
+from server.engine.model_runner import ModelRunner, SeqResult
+from server.engine.output_processor import OutputProcessor
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.scheduler import PREFETCH_WINDOW, ScheduledBatch, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
 from server.engine.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.stop import StopChecker
@@ -96,7 +96,7 @@ class EngineStats:
     waiting_adapters: frozenset[str] = frozenset()  # adapter versions of the waiting requests
 
 
-class LLMEngine(OutputProcessing):
+class LLMEngine:
     """`adapter_source`, when given, loads adapter versions on demand (e.g. from the Redis registry);
     it runs on background threads, so it may block. `dora_scale_store` keeps DoRA adapters' scales per
     version and base (server.engine.dora_scale_cache; e.g. adapters.dora_scale_store)."""
@@ -197,12 +197,18 @@ class LLMEngine(OutputProcessing):
         # (server.engine.async_step); None: every step synchronous.
         self.overlap = AsyncScheduling(self.runner, self.scheduler, self.blocks, self.max_model_len,
                                        self.bind_thread) if config.async_scheduling else None
+        self.step_fn = self.step_overlapped if self.overlap is not None else self.step_plain
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        self.seqs: dict[str, Sequence] = {}
-        self.aborted: list[Sequence] = []
+        self.output_processor = OutputProcessor(self.scheduler, self.detokenizer, self.eos_token_ids,
+                                                self.max_model_len)
         self.arrivals = 0
         self.set_prefix_cache_policy(getattr(config, "enable_prefix_caching", True),
                                      getattr(config, "share_base_prefix_cache", False))
+
+    @property
+    def seqs(self) -> dict[str, Sequence]:
+        """The requests in flight: request id -> its choice 0 (kept by the output processor)."""
+        return self.output_processor.seqs
 
     # ---- adapters (keyed by immutable version id) ----
     def add_adapter(self, adapter_id: str, adapter: LoraAdapter) -> None:
@@ -283,7 +289,7 @@ class LLMEngine(OutputProcessing):
                 seq.grammar = self.grammars.matcher(grammar)  # one per choice: each goes its own way
         self.constrained_requests += grammar is not None
         self.arrivals += 1
-        self.seqs[request_id] = group.seqs[0]
+        self.output_processor.add(group.seqs[0])
         if tenant_weight is not None:
             self.scheduler.waiting.set_weight(tenant, tenant_weight)
         self.scheduler.add(group.seqs[0])
@@ -308,34 +314,46 @@ class LLMEngine(OutputProcessing):
 
     def abort_request(self, request_id: str) -> None:
         """Abort every unfinished choice of the request."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return
-        for choice in seq.group.seqs:
-            if not choice.finished:
-                self.scheduler.finish(choice)
-                choice.finish_reason = "abort"
-                self.aborted.append(choice)
+        self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.aborted) or (self.overlap is not None
-                                                                         and self.overlap.in_flight)
+        return self.scheduler.has_unfinished() or bool(self.output_processor.aborted) or (
+            self.overlap is not None and self.overlap.in_flight)
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run -> postprocess; overlapped under --async-scheduling (the
+        variant is chosen once, at construction)."""
+        return self.step_fn()
+
+    def step_plain(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if self._idle(batch):
+            return []
+        return self.output_processor.postprocess(batch, self._run(batch))
+
+    def step_overlapped(self) -> list[RequestOutput]:
+        """While step N runs on the worker, step N+1 is scheduled and prepared and queued behind it where
+        it can be; then N's tokens are post-processed while N+1 runs (server.engine.async_step)."""
         overlap = self.overlap
-        if overlap is None or not overlap.in_flight:
+        if not overlap.in_flight:
             batch = self.scheduler.schedule()
-            if batch.empty and not batch.failed and not self.aborted:
-                self.host.wait_for_load(0.005)  # only adapter loads are pending: wait for one, don't spin
+            if self._idle(batch):
                 return []
-            if overlap is None or not overlap.launch(batch):
-                results = self.runner.run(batch) if not batch.empty else {}
-                return self.postprocess(batch, results)
-        # Async scheduling: while step N runs on the worker, step N+1 is scheduled and prepared and queued
-        # behind it where it can be; then N's tokens are post-processed while N+1 runs.
+            if not overlap.launch(batch):  # a step that cannot overlap runs as the plain step would
+                return self.output_processor.postprocess(batch, self._run(batch))
         overlap.launch_ahead()
-        return self.postprocess(*overlap.collect())
+        return self.output_processor.postprocess(*overlap.collect())
+
+    def _idle(self, batch: ScheduledBatch) -> bool:
+        """Nothing to run or report: only adapter loads are pending, so wait for one rather than spin."""
+        if batch.empty and not batch.failed and not self.output_processor.aborted:
+            self.host.wait_for_load(0.005)
+            return True
+        return False
+
+    def _run(self, batch: ScheduledBatch) -> dict[int, SeqResult]:
+        return self.runner.run(batch) if not batch.empty else {}
 
     def stats(self) -> EngineStats:
         prefix = self.scheduler.prefix_cache
