@@ -45,6 +45,21 @@ class HostTierStats:
     evictions: int = 0
 
 
+@dataclass(frozen=True)
+class HostTierSnapshot:
+    adapters: int  # parsed adapters in host memory
+    bytes_used: int
+    budget_bytes: int | None
+    hits: int
+    misses: int
+    loads: int
+    load_failures: int
+    evictions: int
+    loading: int  # loads in flight
+    parked: int  # loaded, waiting for unpinned room (outside the budget)
+    parked_bytes: int
+
+
 class HostTier:
     """`dtype`: the serving dtype adapters are kept in (adapters.packed); `pin_memory`: page-lock them;
     `init_thread`: run first on each loader thread (binds the engine's CUDA device); `prepare`: run on each
@@ -94,6 +109,12 @@ class HostTier:
     @property
     def parked_bytes(self) -> int:
         return sum(adapter.size_bytes for adapter, _ in self.parked.values())
+
+    def snapshot(self) -> HostTierSnapshot:
+        """The tier's state and counters now (`stats` holds the live counters)."""
+        s = self.stats
+        return HostTierSnapshot(len(self.entries), self.bytes_used, self.budget_bytes, s.hits, s.misses, s.loads,
+                                s.load_failures, s.evictions, len(self.loading), len(self.parked), self.parked_bytes)
 
     def get(self, version: str) -> LoraAdapter:
         self.entries.move_to_end(version)

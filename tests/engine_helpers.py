@@ -48,7 +48,7 @@ def generate_in_one_batch(llm: LLM, prompts, names, params: SamplingParams) -> l
     for rid, prompt, name in zip(ids, prompts, names):
         engine.add_request(rid, prompt, params, llm._versions.get(name) if name else None)
     engine.step()
-    assert engine.stats().num_running == len(prompts)
+    assert engine.stats().scheduler.running == len(prompts)
     final = drive(engine)
     return [final[r] for r in ids]
 
@@ -63,7 +63,7 @@ def generate_through_preemption_and_prefix_hits(llm: LLM, vocab: int) -> tuple[l
     names = [None, "r8_all", "r4_qv", None] * 2
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=0, **GREEDY), adapters=names)
     stats = llm.engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert stats.scheduler.preemptions > 0 and stats.prefix_cache.hit_tokens > 0
     return prompts, names, outs
 
 

@@ -57,7 +57,7 @@ def write_adapters(model_dir: Path, root: Path, rank: int) -> dict[str, Path]:
 def ttft(llm: LLM, rid: str, prompt: list[int], adapter: str) -> tuple[float, int]:
     """Seconds from add_request to the first token, and the prompt tokens served from the cache."""
     engine = llm.engine
-    hits = engine.stats().prefix_hit_tokens
+    hits = engine.stats().prefix_cache.hit_tokens
     t = time.perf_counter()
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                        llm._versions[adapter])
@@ -68,7 +68,7 @@ def ttft(llm: LLM, rid: str, prompt: list[int], adapter: str) -> tuple[float, in
             break
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, engine.stats().prefix_hit_tokens - hits
+    return seconds, engine.stats().prefix_cache.hit_tokens - hits
 
 
 def main() -> None:

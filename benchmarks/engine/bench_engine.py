@@ -38,7 +38,7 @@ def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int)
         engine.add_request(f"b{num_seqs}-{i}", prompt, SamplingParams(max_tokens=steps + 40, temperature=0.0,
                                                                       ignore_eos=True),
                            llm._versions[name] if name else None)
-    while engine.stats().num_running < num_seqs or any(
+    while engine.stats().scheduler.running < num_seqs or any(
         s.num_pending_tokens > 1 for s in engine.scheduler.running
     ):
         engine.step()  # until every sequence is decoding
@@ -102,9 +102,9 @@ def measure_prefix_cost(llm: LLM, adapters: list[str], num_seqs: int, prompt_len
     for r in range(repeats):
         for cache in (False, True):
             engine.set_prefix_cache_policy(cache)
-            before = engine.stats().prefix_hit_tokens
+            before = engine.stats().prefix_cache.hit_tokens
             steps, book = _run_batch(llm, adapters, num_seqs, prompt_len, max_tokens, rng, f"p{num_seqs}-{r}-{cache}")
-            runs[cache].append((steps, book, engine.stats().prefix_hit_tokens - before))
+            runs[cache].append((steps, book, engine.stats().prefix_cache.hit_tokens - before))
     row = {"num_seqs": num_seqs, "prompt_len": prompt_len, "max_tokens": max_tokens, "repeats": repeats}
     for cache, key in ((False, "off"), (True, "on")):
         steps, book, hits = min(runs[cache], key=lambda run: sum(run[0]))

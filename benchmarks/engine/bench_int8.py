@@ -54,7 +54,8 @@ def decode_tok_s(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed:
     for i in range(num_seqs):
         prompt = [rng.randrange(3, 500) for _ in range(16)]
         engine.add_request(f"{tag}-{i}", prompt, params, llm._versions[adapters[i % len(adapters)]])
-    while engine.stats().num_running < num_seqs or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
+    while engine.stats().scheduler.running < num_seqs or any(
+            s.num_pending_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     t, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):

@@ -84,9 +84,9 @@ def run_point(llm: LLM, names: list[str], seqs: int, adapters: int, args) -> tup
         started.update(out.request_id for out in eng.step())
     for _ in range(3):
         eng.step()
-    replays = eng.stats().graph_replays
+    replays = eng.stats().decode_graphs.replays
     point = {"seqs": seqs, "adapters": adapters, "step_ms": median_ms(eng.step, args.steps)}
-    point["replayed_steps"] = eng.stats().graph_replays - replays
+    point["replayed_steps"] = eng.stats().decode_graphs.replays - replays
     padded = eng.runner.padded
     if padded is not None:
         graph = padded.graphs[bucket_for(seqs, padded.buckets), adapters > 0, False][0]
@@ -104,8 +104,9 @@ def run_engine(model: Path, adapter_dirs: list[Path], graphs: bool, args) -> tup
         names.append(f"a{i}")
         llm.add_adapter(names[-1], d)
     s = llm.engine.stats()
-    result = {"graphs": graphs, "cuda_graphs": s.cuda_graphs, "capture_seconds": s.graph_capture_seconds,
-              "capture_mib": s.graph_capture_bytes / (1 << 20), "warmup_seconds": llm.engine.warmup_seconds,
+    result = {"graphs": graphs, "cuda_graphs": s.decode_graphs.graphs,
+              "capture_seconds": s.decode_graphs.capture_seconds,
+              "capture_mib": s.decode_graphs.capture_bytes / (1 << 20), "warmup_seconds": llm.engine.warmup_seconds,
               "points": []}
     tokens = {}
     for seqs in args.seqs:

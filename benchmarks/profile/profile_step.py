@@ -127,7 +127,7 @@ def run(args) -> dict:
     _label_kernels(llm)
     with timed_phases(engine) as timers:
         _add(llm, names, args.decode_seqs, args.context, args.steps + 64, rng, "d")
-        while any(s.num_pending_tokens > 1 for s in engine.scheduler.running) or engine.stats().num_waiting:
+        while any(s.num_pending_tokens > 1 for s in engine.scheduler.running) or engine.stats().scheduler.waiting:
             engine.step()  # until every sequence decodes
         engine.step()
         decode = _profile_steps(llm, timers, args.steps, args.top)

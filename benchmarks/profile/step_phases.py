@@ -34,7 +34,7 @@ def timed_phases(engine) -> Iterator[dict[str, Timer]]:
     """Yields phase -> Timer while each phase of `engine.step()` runs through its timer."""
     # Each phase is the method of that name on its owner; sampling is the runner module's function.
     owners = {"schedule": engine.scheduler, "prepare": engine.runner, "forward": engine.runner.model,
-              "postprocess": engine}
+              "postprocess": engine.output_processor}
     timers = {phase: Timer(getattr(owner, phase)) for phase, owner in owners.items()}
     timers["sample"] = Timer(model_runner.sample_rows)
     for phase, owner in owners.items():

@@ -39,8 +39,8 @@ class EngineHistory:
         self._ttfts.clear()
         point = {"t": time.time(), "tokens_per_s": (self._tokens - self._last_tokens) / elapsed,
                  "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-                 "running": stats.num_running, "waiting": stats.num_waiting,
-                 "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total}
+                 "running": stats.scheduler.running, "waiting": stats.scheduler.waiting,
+                 "kv_blocks_used": stats.kv_blocks.used, "kv_blocks_total": stats.kv_blocks.total}
         self._last_at, self._last_tokens = now, self._tokens
         self.points.append(point)
         return point

@@ -36,13 +36,13 @@ class VllmMetrics:
 
     def observe(self, s: EngineStats, model: str, max_loras: int, label_of: Callable[[str], str | None]) -> None:
         """`label_of(version)`: the adapter's label, None for a version gone from the registry."""
-        self.waiting.labels(model).set(s.num_waiting)
-        self.running.labels(model).set(s.num_running)
-        self.kv_usage.labels(model).set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        self.waiting.labels(model).set(s.scheduler.waiting)
+        self.running.labels(model).set(s.scheduler.running)
+        self.kv_usage.labels(model).set(s.kv_blocks.used / s.kv_blocks.total if s.kv_blocks.total else 0.0)
         if len(self._labels) > _LABEL_CACHE:
             self._labels.clear()
         names = []
-        for versions in (s.running_adapters, s.waiting_adapters):
+        for versions in (s.scheduler.running_adapters, s.scheduler.waiting_adapters):
             labels = []
             for v in versions:
                 if v not in self._labels:

@@ -49,11 +49,11 @@ def _run_once(cfg, model_dir: Path, reqs, named: dict[str, Path], cache: bool) -
     summary["ttft_p50_by_turn_s"] = {
         str(t): percentile([rec.ttft_s for r, rec in zip(reqs, records) if r.turn == t and rec.ok], 50)
         for t in turns}
-    queries = after.prefix_queries_tokens - before.prefix_queries_tokens
-    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
-    summary["prefix_cache"] = {"enabled": after.prefix_cache_enabled, "queries_tokens": queries,
+    queries = after.prefix_cache.queried_tokens - before.prefix_cache.queried_tokens
+    hits = after.prefix_cache.hit_tokens - before.prefix_cache.hit_tokens
+    summary["prefix_cache"] = {"enabled": after.prefix_cache.enabled, "queries_tokens": queries,
                                "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
-                               "cached_free_blocks_at_end": after.prefix_cached_free_blocks}
+                               "cached_free_blocks_at_end": after.prefix_cache.cached_free_blocks}
     outputs = target.outputs
     target.engine.shutdown()
     del target

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from server.engine.llm_engine import EngineStats, LLMEngine
+from server.engine.engine_stats import EngineStats
+from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import RequestOutput
 

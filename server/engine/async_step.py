@@ -68,10 +68,12 @@ def overlappable(batch: ScheduledBatch) -> bool:
 
 @dataclass(frozen=True)
 class AsyncStats:
-    launched: int  # steps run on the worker
-    ahead: int  # of those, scheduled while the step before them ran
-    discarded: int  # rows of those whose request had ended (or was aborted) before their token came
-    host_overlapped_seconds: float  # engine-thread time spent while a step ran on the worker
+    """All 0 without --async-scheduling."""
+
+    launched: int = 0  # steps run on the worker
+    ahead: int = 0  # of those, scheduled while the step before them ran
+    discarded: int = 0  # rows of those whose request had ended (or was aborted) before their token came
+    host_overlapped_seconds: float = 0.0  # engine-thread time spent while a step ran on the worker
 
 
 @dataclass

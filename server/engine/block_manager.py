@@ -20,6 +20,13 @@ report never says whether another tenant sent them (prefix_cache has why).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KvBlockStats:
+    used: int  # blocks some sequence references
+    total: int
 
 
 class BlockManager:
@@ -53,6 +60,9 @@ class BlockManager:
     @property
     def num_evictable_blocks(self) -> int:
         return len(self.evictable)
+
+    def stats(self) -> KvBlockStats:
+        return KvBlockStats(self.num_used_blocks, self.num_blocks)
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """Extra blocks for a sequence holding `block_table` to cover `num_tokens` tokens."""

@@ -42,6 +42,14 @@ class CaptureStats:
     bytes: int  # device memory the graphs' pool took (mem_get_info before and after)
 
 
+@dataclass(frozen=True)
+class DecodeGraphStats:
+    graphs: int = 0  # captured (none: enforce_eager, a CPU, or the torch kernels)
+    replays: int = 0  # decode steps that replayed one
+    capture_seconds: float = 0.0
+    capture_bytes: int = 0
+
+
 class PaddedDecode:
     """Runs decode-only steps padded to a bucket; `capture()` turns each bucket into a CUDA graph."""
 
@@ -72,6 +80,12 @@ class PaddedDecode:
         self.replays = 0
         self.eager_steps = 0
         self.capture_stats: CaptureStats | None = None
+
+    def stats(self) -> DecodeGraphStats:
+        captured = self.capture_stats
+        if captured is None:
+            return DecodeGraphStats(replays=self.replays)
+        return DecodeGraphStats(captured.graphs, self.replays, captured.seconds, captured.bytes)
 
     @property
     def max_rows(self) -> int:

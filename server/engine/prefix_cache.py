@@ -40,12 +40,25 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 
 from server.engine.block_manager import BlockManager
 from server.engine.lora.alora import base_blocks
 from server.engine.sequence import Sequence
 
 ROOT = bytes(32)  # the "previous block" of a sequence's first block
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Tokens counted at each admission, readmissions after preemption included; hit rate =
+    hit_tokens / queried_tokens."""
+
+    enabled: bool
+    queried_tokens: int  # tokens of the sequences looked up
+    hit_tokens: int  # of those, tokens whose KV came from the cache
+    cached_blocks: int  # KV blocks indexed in the cache (in use or not)
+    cached_free_blocks: int  # of those, blocks no request holds: evictable, counted as free
 
 
 class PrefixCache:
@@ -61,6 +74,10 @@ class PrefixCache:
         self.retired: set[str] = set()
         self.queries_tokens = 0  # tokens of the sequences looked up (at admission)
         self.hit_tokens = 0  # of those, tokens whose KV came from the cache
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.enabled, self.queries_tokens, self.hit_tokens, self.blocks.num_cached_blocks,
+                                self.blocks.num_evictable_blocks)
 
     def set_policy(self, enabled: bool, share_base_across_tenants: bool) -> bool:
         """True if the keys changed: every indexed block is dropped, and the caller must clear every

@@ -74,6 +74,15 @@ class ScheduledBatch:
         return not self.seqs
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    running: int  # sequences in the running batch
+    waiting: int  # requests waiting to be admitted
+    preemptions: int  # since start
+    running_adapters: frozenset[str]  # adapter versions of the running requests
+    waiting_adapters: frozenset[str]  # adapter versions of the waiting requests
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier) -> None:
         self.config = config
@@ -106,6 +115,11 @@ class Scheduler:
         waiting = frozenset(entry[2].version_id for queue in self.waiting.queues.values() for entry in queue
                             if entry[2].version_id is not None)
         return running, waiting
+
+    def stats(self) -> SchedulerStats:
+        running_adapters, waiting_adapters = self.adapters_in_use()
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, running_adapters,
+                              waiting_adapters)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

@@ -130,13 +130,13 @@ def test_adapter_larger_than_the_host_budget(tiny_model_dir, tiny_adapters, redi
         summary = inspect_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape,
                                         state.config.max_lora_rank)
         state.registry.put(state.tenants.get(name).id, "big", config_json, weights, summary=summary)
-        misses = state.engine.stats().host_misses
+        misses = state.engine.stats().host.misses
         with server.http(key) as h:
             start = time.monotonic()
             r = h.post("/v1/completions", json={"model": "big", "prompt": "hi", "max_tokens": 2})
             assert r.status_code >= 400 and "budget" in r.json()["error"]["message"], r.text
             assert time.monotonic() - start < 10
             time.sleep(0.5)
-            assert state.engine.stats().host_misses - misses <= 2  # no reload loop
+            assert state.engine.stats().host.misses - misses <= 2  # no reload loop
             ok = h.post("/v1/completions", json={"model": "small", "prompt": "hi", "max_tokens": 2})
             assert ok.status_code == 200

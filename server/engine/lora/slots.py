@@ -86,6 +86,14 @@ class LoraGroupBuffers:
         )
 
 
+@dataclass(frozen=True)
+class SlotStats:
+    resident: int  # adapters in slots
+    loads: int  # copies into a slot
+    hits: int
+    evictions: int
+
+
 class LoraSlots:
     """The device tier: which adapter version sits in which slot; evicts the least recently used idle slot.
 
@@ -133,6 +141,9 @@ class LoraSlots:
     @property
     def num_resident(self) -> int:
         return len(self.slot_of)
+
+    def stats(self) -> SlotStats:
+        return SlotStats(self.num_resident, self.loads, self.hits, self.evictions)
 
     def can_acquire(self, version: str) -> bool:
         return version in self.slot_of or bool(self.free_slots) or bool(self.idle)

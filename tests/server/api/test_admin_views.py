@@ -16,6 +16,18 @@ from tests.repo import ROOT_DIR as ROOT
 ADMIN_VIEWS = ["/admin/tenants/{t}/usage", "/admin/tenants/{t}/refusals", "/admin/tenants/{t}/keys", "/admin/adapters",
                "/admin/engine"]
 
+# /admin/engine's sections read from EngineStats, key by key.
+STATS_SECTIONS = {
+    "kv_blocks": ["total", "used"],
+    "slots": ["max_lora_rank", "total", "used"],
+    "host": ["adapters", "budget_bytes", "bytes", "loads_in_flight", "parked"],
+    "prefix_cache": ["cached_blocks", "cached_free_blocks", "enabled", "hit_rate", "hit_tokens", "queried_tokens"],
+    "cuda_graphs": ["capture_bytes", "capture_seconds", "enabled", "graphs", "replays"],
+    "async_scheduling": ["enabled", "rows_discarded", "steps", "steps_ahead"],
+    "structured_output": ["cache_hits", "cached_grammars", "compile_cold_starts", "compile_seconds",
+                          "compile_timeouts", "compiles", "compiles_running", "constrained_requests", "failures"],
+}
+
 
 def test_tenant_usage_and_keys(api_server, tiny_adapters):
     name, key = api_server.new_tenant()
@@ -128,6 +140,10 @@ def test_engine_view_and_history(api_server):
                                               extra_body={"ignore_eos": True})
     view = api_server.admin("GET", "/admin/engine").json()
     assert view["healthy"] and view["kv_blocks"]["total"] == 64 and view["slots"]["total"] == 4
+    # The view's shape is public (the console reads it); EngineStats nests differently.
+    assert {k: sorted(v) for k, v in view.items() if k in STATS_SECTIONS} == STATS_SECTIONS
+    assert {"healthy", "error", "running", "waiting", "preemptions", "kv_cache", "base_weights", "dora_scales",
+            "history"} | set(STATS_SECTIONS) == set(view)
     assert view["kv_cache"] == {"dtype": "float32", "requested_dtype": "auto", "blocks": 64, "block_size": 16,
                                 "tokens": 1024, "bytes": api_server.state.engine.engine.kv_pool.bytes}
     assert view["base_weights"] == {"projections": "float32", "int4_group_size": None, "lm_head": "float32",

@@ -339,8 +339,8 @@ def test_vllm_router_metrics_match_the_engine(server, tiny_adapters):
     with server.engine_throttled(0.05), ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(generate, m) for m in names + ["shared-sql"]]
         deadline = time.monotonic() + 60
-        while not (server.state.engine.stats().num_running >= 1
-                   and server.state.engine.stats().num_running + server.state.engine.stats().num_waiting == 5):
+        while not ((sched := server.state.engine.stats().scheduler).running >= 1
+                   and sched.running + sched.waiting == 5):
             assert time.monotonic() < deadline, "the requests never reached the engine"
             time.sleep(0.02)
         with server.engine_paused():  # between steps: the engine's published state holds still
@@ -351,10 +351,10 @@ def test_vllm_router_metrics_match_the_engine(server, tiny_adapters):
     model = server.state.model_id
     value = {name: {tuple(sorted(s.labels.items())): s.value for s in families[name].samples}
              for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")}
-    assert value["vllm:num_requests_waiting"] == {(("model_name", model),): stats.num_waiting}
-    assert value["vllm:num_requests_running"] == {(("model_name", model),): stats.num_running}
+    assert value["vllm:num_requests_waiting"] == {(("model_name", model),): stats.scheduler.waiting}
+    assert value["vllm:num_requests_running"] == {(("model_name", model),): stats.scheduler.running}
     assert value["vllm:kv_cache_usage_perc"] == {(("model_name", model),):
-                                                 pytest.approx(stats.kv_blocks_used / stats.kv_blocks_total)}
+                                                 pytest.approx(stats.kv_blocks.used / stats.kv_blocks.total)}
     [info] = families["vllm:lora_requests_info"].samples
     running = set(filter(None, info.labels["running_lora_adapters"].split(",")))
     waiting = set(filter(None, info.labels["waiting_lora_adapters"].split(",")))
@@ -362,8 +362,8 @@ def test_vllm_router_metrics_match_the_engine(server, tiny_adapters):
     assert 1 <= len(running) <= 4 and running | waiting == expected and not running & waiting
     label = {f"{a_id}/{r.name}": r.version for r in server.state.registry.list(a_id)}
     label["shared-sql"] = server.state.registry.get("~operator", "shared-sql").version
-    assert {label[n] for n in running} == stats.running_adapters
-    assert {label[n] for n in waiting} == stats.waiting_adapters
+    assert {label[n] for n in running} == stats.scheduler.running_adapters
+    assert {label[n] for n in waiting} == stats.scheduler.waiting_adapters
     # Behind the metrics credential: a tenant key is refused.
     with server.http(a_key) as h:
         assert h.get("/metrics").status_code == 403

@@ -84,7 +84,7 @@ def test_hanging_up_mid_stream_aborts_and_frees_kv(async_server):
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
     deadline = time.monotonic() + 15
-    while async_server.state.engine.stats().kv_blocks_used or async_server.state.engine.stats().num_running:
+    while async_server.state.engine.stats().kv_blocks.used or async_server.state.engine.stats().scheduler.running:
         assert time.monotonic() < deadline, "the aborted request kept its KV blocks"
         time.sleep(0.02)
     with async_server.http(key) as h:

@@ -72,9 +72,9 @@ def test_host_budget_is_respected_over_http(tiny_model_dir, tiny_adapters, redis
             for name in ("r4-qv", "r8-all", "r16-rslora"):
                 out = client.completions.create(model=name, prompt="hello", max_tokens=3, temperature=0)
                 assert out.usage.completion_tokens == 3
-                assert s.state.engine.stats().host_bytes_used <= budget
+                assert s.state.engine.stats().host.bytes_used <= budget
         stats = s.state.engine.stats()
-        assert stats.host_evictions >= 2 and stats.device_evictions >= 2
+        assert stats.host.evictions >= 2 and stats.slots.evictions >= 2
 
 
 def test_idle_server_frees_retired_versions_after_grace(tiny_model_dir, tiny_adapters, redis_server, tmp_path):

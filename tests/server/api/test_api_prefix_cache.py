@@ -25,10 +25,10 @@ def test_hits_stay_inside_tenant_salt_and_adapter_version(api_server, tiny_adapt
     _, b = api_server.new_tenant()
     text, cached = _complete(api_server, a, base)
     assert cached == 0
-    before = state.engine.stats().prefix_hit_tokens
+    before = state.engine.stats().prefix_cache.hit_tokens
     again, cached = _complete(api_server, a, base)
     assert again == text and cached == 96  # every full block but the one holding the last token
-    assert state.engine.stats().prefix_hit_tokens == before + 96
+    assert state.engine.stats().prefix_cache.hit_tokens == before + 96
     assert _complete(api_server, b, base) == (text, 0)  # same tokens, another tenant: no hit
     assert _complete(api_server, a, base, cache_salt="s1") == (text, 0)  # a salt partitions within a tenant
     assert _complete(api_server, a, base, cache_salt="s1") == (text, 96)
@@ -81,16 +81,16 @@ def test_share_base_tells_no_tenant_what_another_sent(tiny_model_dir, redis_serv
         _, a = server.new_tenant()
         _, b = server.new_tenant()
         text, _ = _complete(server, a, model)
-        hits = engine.stats().prefix_hit_tokens
+        hits = engine.stats().prefix_cache.hit_tokens
         # B's first copy of A's prompt reuses A's KV (the point of the option) but reports nothing,
         # exactly as if A had never sent it; B's second copy reports what B itself sent.
         assert _complete(server, b, model) == (text, 0)
-        assert engine.stats().prefix_hit_tokens == hits + 96
+        assert engine.stats().prefix_cache.hit_tokens == hits + 96
         assert _complete(server, b, model) == (text, 96)
 
         # A salt is the tenant's own: B sending A's salt string reaches none of A's salted blocks.
         assert _complete(server, a, model, cache_salt="a-secret") == (text, 0)
         assert _complete(server, a, model, cache_salt="a-secret") == (text, 96)
-        hits = engine.stats().prefix_hit_tokens
+        hits = engine.stats().prefix_cache.hit_tokens
         assert _complete(server, b, model, cache_salt="a-secret") == (text, 0)
-        assert engine.stats().prefix_hit_tokens == hits
+        assert engine.stats().prefix_cache.hit_tokens == hits

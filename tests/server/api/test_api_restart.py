@@ -15,7 +15,7 @@ def test_restart_keeps_tenants_keys_and_adapters(tiny_model_dir, tiny_adapters, 
         before = first.client(key).completions.create(model="keep", prompt="hello", max_tokens=6,
                                                       temperature=0).choices[0].text
     with running_server(replace(config, port=free_port())) as second:
-        assert second.state.engine.stats().adapters_registered == 0  # nothing carried over in memory
+        assert second.state.engine.stats().host.adapters == 0  # nothing carried over in memory
         c = second.client(key)
         assert [m.id for m in c.models.list().data] == [second.state.model_id, "keep"]
         after = c.completions.create(model="keep", prompt="hello", max_tokens=6, temperature=0)

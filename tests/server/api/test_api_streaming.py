@@ -33,11 +33,11 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(api_server):
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
                 stats = api_server.state.engine.stats()
-                assert stats.num_running == 1 and stats.kv_blocks_used >= 100 // 16
+                assert stats.scheduler.running == 1 and stats.kv_blocks.used >= 100 // 16
         # the connection is closed: the server must abort the request
         _wait_for(lambda: _aborted(api_server, tenant) == 1)
-        _wait_for(lambda: api_server.state.engine.stats().kv_blocks_used == 0)
-        assert api_server.state.engine.stats().num_running == 0
+        _wait_for(lambda: api_server.state.engine.stats().kv_blocks.used == 0)
+        assert api_server.state.engine.stats().scheduler.running == 0
     with api_server.http(key) as h:
         usage = h.get("/v1/usage").json()
     assert 1 <= usage["total"]["completion_tokens"] < 400  # charged for what it got
@@ -64,7 +64,7 @@ def test_disconnect_before_first_token(api_server):
         client.close()  # hang up while the request waits for the engine
         sender.join(10)
     _wait_for(lambda: _aborted(api_server, tenant) == 1)
-    _wait_for(lambda: api_server.state.engine.stats().kv_blocks_used == 0)
+    _wait_for(lambda: api_server.state.engine.stats().kv_blocks.used == 0)
     _wait_for(lambda: api_server.state.limiter.current(api_server.state.tenants.get(tenant))["concurrent_requests"] == 0)
 
 
@@ -78,4 +78,4 @@ def test_non_streaming_disconnect_aborts_too(api_server):
         except httpx.ReadTimeout:
             pass
         _wait_for(lambda: _aborted(api_server, tenant) == 1)
-        _wait_for(lambda: api_server.state.engine.stats().kv_blocks_used == 0)
+        _wait_for(lambda: api_server.state.engine.stats().kv_blocks.used == 0)

@@ -126,14 +126,14 @@ def test_200_adapters_8_slots_32_host_budget_from_redis(tiny_model_dir, tiny_ada
         engine.add_request(f"q{i}", prompt, greedy(3), versions[name] if name else None)
     final = drive(engine, check_tiers(budget, 8))
     stats = engine.stats()
-    assert stats.host_evictions > 0 and stats.device_evictions > 0  # both budgets were under pressure
-    assert stats.host_misses > 32 and stats.host_load_failures == 0
+    assert stats.host.evictions > 0 and stats.slots.evictions > 0  # both budgets were under pressure
+    assert stats.host.misses > 32 and stats.host.load_failures == 0
     oracle = PeftMultiOracle(tiny_model_dir)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         out = final[f"q{i}"]
         assert out.finish_reason == "length"
         assert out.token_ids == oracle(dirs[name] if name else None, name, prompt, 3), name
-    assert stats.kv_blocks_used == 0 and not engine.host.pins and not engine.lora_slots.users
+    assert stats.kv_blocks.used == 0 and not engine.host.pins and not engine.lora_slots.users
     engine.shutdown()
 
 
@@ -256,7 +256,7 @@ def test_requests_for_a_loading_adapter_share_one_load(tiny_model_dir, tiny_adap
     final = drive(engine)
     assert calls == ["shared@1"]  # five waiting requests, one fetch
     assert all(final[f"r{i}"].finish_reason == "length" for i in range(5))
-    assert engine.stats().host_misses == 1 and engine.stats().host_loads == 1
+    assert engine.stats().host.misses == 1 and engine.stats().host.loads == 1
     engine.shutdown()
 
 
@@ -283,7 +283,7 @@ def test_thousands_of_waiting_requests_are_scanned_within_a_horizon(tiny_model_d
         examined.clear()
         engine.step()
         assert 0 < len(examined) <= SCAN_HORIZON < 3000  # a step's cost does not grow with the queue
-    assert engine.stats().num_running == 4 and engine.stats().num_waiting == 2997
+    assert engine.stats().scheduler.running == 4 and engine.stats().scheduler.waiting == 2997
 
 
 class Source:
@@ -329,7 +329,7 @@ def test_adapter_larger_than_the_host_budget_fails_at_once(tiny_model_dir, tiny_
     assert final["base"].finish_reason == "length"
     assert source.calls == ["big@1"]  # the waiting requests shared one load, and nobody retried it
     stats = engine.stats()
-    assert stats.host_misses == 1 and stats.host_load_failures == 1 and stats.host_bytes_used == 0
+    assert stats.host.misses == 1 and stats.host.load_failures == 1 and stats.host.bytes_used == 0
     engine.shutdown()
 
 
@@ -344,7 +344,7 @@ def park_b_behind_a(tiny_model_dir, tiny_adapters):
     sizes = {v: load_adapter_dir(d, model_shape(tiny_model_dir), 64).size_bytes for v, d in dirs.items()}
     engine = source.engine(tiny_model_dir, max_cpu_lora_bytes=max(sizes.values()))
     engine.add_request("a", [5, 6, 7, 8], greedy(200), "A")
-    step_until(engine, lambda: engine.stats().num_running == 1)
+    step_until(engine, lambda: engine.stats().scheduler.running == 1)
     engine.add_request("b", [9, 10, 11], greedy(4), "B")
     step_until(engine, lambda: "B" in engine.host.parked)
     return engine, source, sizes
@@ -356,15 +356,15 @@ def test_load_that_finds_every_byte_pinned_is_parked_not_fetched_again(tiny_mode
         engine.step()
         time.sleep(0.001)
         stats = engine.stats()
-        assert stats.adapters_parked == 1 and stats.host_parked_bytes == sizes["B"]
-        assert stats.host_misses == 2 and stats.host_loads == 1 and stats.host_bytes_used == sizes["A"]
+        assert stats.host.parked == 1 and stats.host.parked_bytes == sizes["B"]
+        assert stats.host.misses == 2 and stats.host.loads == 1 and stats.host.bytes_used == sizes["A"]
     assert source.calls == ["A", "B"]
     engine.abort_request("a")  # room frees: B goes in at once
     final = drive(engine)
     assert final["b"].token_ids == peft_oracle(tiny_model_dir, tiny_adapters["r16_rslora"], [9, 10, 11], 4)
     stats = engine.stats()
-    assert source.calls == ["A", "B"] and stats.host_misses == 2 and stats.host_loads == 2
-    assert stats.adapters_parked == 0 and stats.host_evictions == 1 and list(engine.host.entries) == ["B"]
+    assert source.calls == ["A", "B"] and stats.host.misses == 2 and stats.host.loads == 2
+    assert stats.host.parked == 0 and stats.host.evictions == 1 and list(engine.host.entries) == ["B"]
     engine.shutdown()
 
 
@@ -372,7 +372,7 @@ def test_removing_a_parked_version_drops_it(tiny_model_dir, tiny_adapters):
     engine, source, _ = park_b_behind_a(tiny_model_dir, tiny_adapters)
     engine.abort_request("b")
     engine.remove_adapter("B")
-    assert "B" not in engine.host.parked and engine.stats().host_parked_bytes == 0
+    assert "B" not in engine.host.parked and engine.stats().host.parked_bytes == 0
     engine.abort_request("a")
     drive(engine)
     assert list(engine.host.entries) == ["A"] and source.calls == ["A", "B"]
@@ -387,7 +387,7 @@ def test_parked_and_in_flight_loads_stay_within_the_prefetch_window(tiny_model_d
     budget = load_adapter_dir(tiny_adapters["r8_all"], model_shape(tiny_model_dir), 64).size_bytes
     engine = source.engine(tiny_model_dir, max_cpu_lora_bytes=budget, max_loras=2)
     engine.add_request("a", [5, 6, 7, 8], greedy(200), "A")
-    step_until(engine, lambda: engine.stats().num_running == 1)
+    step_until(engine, lambda: engine.stats().scheduler.running == 1)
     for i, name in enumerate(names):
         engine.add_request(name, [9, 10, 11 + i], greedy(2), name)
     step_until(engine, lambda: len(engine.host.parked) == PREFETCH_WINDOW)

@@ -90,7 +90,7 @@ def test_async_steps_match_the_synchronous_engine_and_peft(tiny_model_dir, tiny_
                                      params.max_tokens)
         assert final[rid][5] == "length"
     engine = fast.engine
-    assert engine.stats().kv_blocks_used == 0 and all(c == 0 for c in engine.blocks.ref_counts)
+    assert engine.stats().kv_blocks.used == 0 and all(c == 0 for c in engine.blocks.ref_counts)
     assert not engine.has_unfinished_requests() and not engine.overlap.in_flight
 
 
@@ -149,7 +149,7 @@ def test_aborts_mid_stream_and_a_seeded_sampled_row(tiny_model_dir, tiny_adapter
         assert all(o[2] == aborted[o[0]][2] for o in step if o[0] in aborted and o[4])
     stats = fast.engine.overlap.stats()
     assert stats.ahead > 0 and stats.discarded >= 3  # aborted while their step, or the next, was in flight
-    assert fast.engine.stats().kv_blocks_used == 0
+    assert fast.engine.stats().kv_blocks.used == 0
 
 
 def test_preemption_and_admissions_fall_back_to_synchronous_steps(tiny_model_dir, tiny_adapters, peft_oracle):
@@ -165,7 +165,7 @@ def test_preemption_and_admissions_fall_back_to_synchronous_steps(tiny_model_dir
     fast = make_llm(tiny_model_dir, tiny_adapters, True, **kw)
     got = trace(fast, requests)
     assert_same_trace(got, want)
-    assert fast.engine.stats().num_preemptions == sync.engine.stats().num_preemptions > 0
+    assert fast.engine.stats().scheduler.preemptions == sync.engine.stats().scheduler.preemptions > 0
     assert fast.engine.overlap.stats().ahead > 0
     final = {o[0]: o[2] for step in got for o in step if o[4]}
     for (rid, prompt, _, name) in requests[:4]:
@@ -194,10 +194,10 @@ def test_overlappable_steps(tiny_model_dir, tiny_adapters):
     engine.add_request("b", prompts[1], SamplingParams(max_tokens=5, temperature=0.0, frequency_penalty=0.5), None)
     prefill = engine.scheduler.schedule()
     assert not overlappable(prefill)  # a prefill step
-    engine.postprocess(prefill, engine.runner.run(prefill))
+    engine.output_processor.postprocess(prefill, engine.runner.run(prefill))
     decode = engine.scheduler.schedule()
     assert not overlappable(decode)  # the penalty row
-    engine.postprocess(decode, engine.runner.run(decode))
+    engine.output_processor.postprocess(decode, engine.runner.run(decode))
     engine.abort_request("b")
     engine.step()
     assert overlappable(engine.scheduler.schedule())
@@ -275,6 +275,6 @@ def test_random_workloads_match_the_synchronous_engine(tiny_model_dir, tiny_adap
     sync = make_llm(tiny_model_dir, tiny_adapters, False, **kw)
     fast = make_llm(tiny_model_dir, tiny_adapters, True, **kw)
     assert_same_trace(trace(fast, requests, aborts), trace(sync, requests, aborts))
-    assert fast.engine.stats().num_preemptions == sync.engine.stats().num_preemptions
+    assert fast.engine.stats().scheduler.preemptions == sync.engine.stats().scheduler.preemptions
     assert fast.engine.scheduler.waiting.counters == sync.engine.scheduler.waiting.counters
     assert fast.engine.blocks.num_free_blocks == kw["kv_cache_blocks"]

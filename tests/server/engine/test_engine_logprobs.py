@@ -78,7 +78,7 @@ def test_logprobs_and_prompt_logprobs_match_peft(tiny_model_dir, tiny_adapters, 
         assert len(out.token_ids) == p.max_tokens
         assert_matches(out, prompt, p, hf_logprobs(name, prompt + out.token_ids))
     assert outs[3].token_ids == [] and outs[3].text == ""
-    assert llm.engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks.used == 0
 
 
 def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_model_dir, tiny_adapters, hf_logprobs):
@@ -102,7 +102,7 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_model_dir, tiny_ada
     assert mid_prefill
     for prompt, name, out in zip(prompts, names, outs):
         assert_matches(out, prompt, params, hf_logprobs(name, prompt + out.token_ids))
-    assert llm.engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks.used == 0
 
 
 def test_forked_choices_logprobs_match_peft(tiny_model_dir, tiny_adapters, hf_logprobs):

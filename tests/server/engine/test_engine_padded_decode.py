@@ -283,4 +283,4 @@ def test_enforce_eager_flag_reaches_the_engine(tiny_model_dir, tmp_path):
     # A CPU device has no CUDA graphs: eager and unpadded whatever the flag says, and it says so.
     for eager in (True, False):
         llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=64, enforce_eager=eager)
-        assert llm.engine.runner.padded is None and llm.engine.stats().cuda_graphs == 0
+        assert llm.engine.runner.padded is None and llm.engine.stats().decode_graphs.graphs == 0

@@ -23,7 +23,7 @@ def test_mixed_adapters_and_base_rows_match_peft(llm, tiny_model_dir, tiny_adapt
     prompts = random_prompts(len(names), (3, 40), VOCAB, seed=1)
     outs = generate_in_one_batch(llm, prompts, names, greedy(8))
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 8, peft_oracle)
-    assert llm.engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks.used == 0
 
 
 def test_generate_api_with_text_prompts(llm, tiny_model_dir, tiny_adapters, peft_oracle):

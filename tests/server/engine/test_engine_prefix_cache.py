@@ -83,11 +83,11 @@ def test_mixed_adapters_match_cache_off_and_peft(tiny_model_dir, tiny_adapters, 
             # a resent prompt every full block it has but the one with its last token.
             assert [b[f"b{i}"].num_cached_tokens for i in range(4)] == [32] * 4
             assert b["b4"].num_cached_tokens == (len(first[0]) - 1) // BLOCK * BLOCK
-            assert stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in outs[True].values()) > 0
+            assert stats.prefix_cache.hit_tokens == sum(o.num_cached_tokens for o in outs[True].values()) > 0
         else:
             assert all(o.num_cached_tokens == 0 for o in outs[False].values())
-            assert stats.prefix_hit_tokens == stats.prefix_queries_tokens == 0
-        assert stats.kv_blocks_used == 0
+            assert stats.prefix_cache.hit_tokens == stats.prefix_cache.queried_tokens == 0
+        assert stats.kv_blocks.used == 0
     assert {k: o.token_ids for k, o in outs[True].items()} == {k: o.token_ids for k, o in outs[False].items()}
     for rid, prompt, name in [(f"a{i}", p, n) for i, (p, n) in enumerate(zip(first, names))] + \
                              [(f"b{i}", p, n) for i, (p, n) in enumerate(zip(second, later_names))]:
@@ -129,12 +129,12 @@ def test_hits_after_preemption_match_peft(tiny_model_dir, tiny_adapters, peft_or
     prompts = with_prefix(prefix, 8, (10, 20), seed=7)
     final = run(llm, {f"r{i}": req(p, 30, n) for i, (p, n) in enumerate(zip(prompts, names))})
     stats = llm.engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
-    assert stats.prefix_queries_tokens > sum(len(p) for p in prompts)  # readmissions are looked up too
+    assert stats.scheduler.preemptions > 0 and stats.prefix_cache.hit_tokens > 0
+    assert stats.prefix_cache.queried_tokens > sum(len(p) for p in prompts)  # readmissions are looked up too
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         assert final[f"r{i}"].token_ids == peft_oracle(tiny_model_dir, tiny_adapters[name] if name else None,
                                                        prompt, 30), i
-    assert stats.kv_blocks_used == 0 and all(c == 0 for c in llm.engine.blocks.ref_counts)
+    assert stats.kv_blocks.used == 0 and all(c == 0 for c in llm.engine.blocks.ref_counts)
 
 
 def finished_outputs(engine) -> list:
@@ -161,7 +161,7 @@ def test_n_choices_fork_from_a_cached_prefix(tiny_model_dir, tiny_adapters, peft
         assert sorted((o.index, o.token_ids) for o in outs if o.request_id == "g") == [(i, expected) for i in range(3)]
         assert [o.num_cached_tokens for o in outs] == [64 if cache else 0] * 6  # 4 of the 4 full blocks
         sampled[cache] = sorted((o.index, o.token_ids) for o in outs if o.request_id == "s")
-        assert engine.stats().kv_blocks_used == 0 and engine.scheduler.fork_seats == 0
+        assert engine.stats().kv_blocks.used == 0 and engine.scheduler.fork_seats == 0
     assert sampled[True] == sampled[False]
 
 
@@ -171,12 +171,12 @@ def test_replaced_adapter_never_reuses_the_old_versions_blocks(tiny_model_dir, t
     prompt = random_prompts(1, (60, 60), VOCAB, seed=9)[0]
     old = llm.add_adapter("a", tiny_adapters["r8_all"])
     run(llm, {"old": req(prompt, 5, "a")})
-    assert old in engine.blocks.by_version and engine.stats().prefix_cached_free_blocks >= 3
-    hits = engine.stats().prefix_hit_tokens
+    assert old in engine.blocks.by_version and engine.stats().prefix_cache.cached_free_blocks >= 3
+    hits = engine.stats().prefix_cache.hit_tokens
     llm.add_adapter("a", tiny_adapters["r4_qv"])  # same name, new weights, new version id
     assert old not in engine.blocks.by_version  # dropped at once, nobody held them
     final = run(llm, {"new": req(prompt, 5, "a")})
-    assert final["new"].num_cached_tokens == 0 and engine.stats().prefix_hit_tokens == hits
+    assert final["new"].num_cached_tokens == 0 and engine.stats().prefix_cache.hit_tokens == hits
     assert final["new"].token_ids == peft_oracle(tiny_model_dir, tiny_adapters["r4_qv"], prompt, 5)
     again = run(llm, {"again": req(prompt, 5, "a")})["again"]  # the new version's own blocks are fine
     assert again.num_cached_tokens == 48 and again.token_ids == final["new"].token_ids
@@ -189,7 +189,7 @@ def test_adapters_and_the_base_model_never_share_blocks(tiny_model_dir, tiny_ada
         out = run(llm, {f"r{i}": req(prompt, 5, name, tenant="A")})[f"r{i}"]
         assert out.num_cached_tokens == 0, name
         assert out.token_ids == peft_oracle(tiny_model_dir, tiny_adapters[name] if name else None, prompt, 5)
-    assert llm.engine.stats().prefix_hit_tokens == 0
+    assert llm.engine.stats().prefix_cache.hit_tokens == 0
 
 
 def test_a_version_retired_while_running_indexes_nothing_more(tiny_model_dir, tiny_adapters):
@@ -213,18 +213,18 @@ def test_tenants_never_share_base_blocks_unless_allowed(tiny_model_dir):
     a = run(llm, {"a1": req(prompt, tenant="A")})["a1"]
     stats = engine.stats()
     b = run(llm, {"b1": req(prompt, tenant="B")})["b1"]
-    assert b.num_cached_tokens == 0 and engine.stats().prefix_hit_tokens == stats.prefix_hit_tokens
-    assert engine.stats().prefix_queries_tokens == stats.prefix_queries_tokens + len(prompt)
+    assert b.num_cached_tokens == 0 and engine.stats().prefix_cache.hit_tokens == stats.prefix_cache.hit_tokens
+    assert engine.stats().prefix_cache.queried_tokens == stats.prefix_cache.queried_tokens + len(prompt)
     a2 = run(llm, {"a2": req(prompt, tenant="A")})["a2"]
     assert a2.num_cached_tokens == 48 and a2.token_ids == a.token_ids == b.token_ids
 
     engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
     assert engine.blocks.num_cached_blocks == 0  # new keys: nothing old is reachable
     run(llm, {"a3": req(prompt, tenant="A")})
-    hits = engine.stats().prefix_hit_tokens
+    hits = engine.stats().prefix_cache.hit_tokens
     b2 = run(llm, {"b2": req(prompt, tenant="B")})["b2"]
     # B reuses A's blocks (the compute is saved) but is not told: that would say what A sent.
-    assert engine.stats().prefix_hit_tokens == hits + 48
+    assert engine.stats().prefix_cache.hit_tokens == hits + 48
     assert b2.num_cached_tokens == 0 and b2.token_ids == a.token_ids
     b3 = run(llm, {"b3": req(prompt, tenant="B")})["b3"]
     assert b3.num_cached_tokens == 48  # B sent it itself now, as it would be had A never sent it
@@ -243,7 +243,7 @@ def test_share_base_reports_what_the_tenant_sent_never_what_others_did(tiny_mode
         outs = [run(llm, {f"b{i}": req(p, tenant="B")})[f"b{i}"] for i, p in enumerate([prompt, prompt, longer])]
         told[a_first] = [o.num_cached_tokens for o in outs]
         if a_first:  # the compute was saved all the same
-            assert llm.engine.stats().prefix_hit_tokens == 64 + 64 + 64
+            assert llm.engine.stats().prefix_cache.hit_tokens == 64 + 64 + 64
     assert told[False] == told[True] == [0, 64, 64]
 
 
@@ -252,9 +252,9 @@ def test_a_salt_is_never_shared_across_tenants(tiny_model_dir):
     llm.engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
     prompt = random_prompts(1, (40, 40), VOCAB, seed=16)[0]
     run(llm, {"a": req(prompt, tenant="A", cache_salt="s")})
-    hits = llm.engine.stats().prefix_hit_tokens
+    hits = llm.engine.stats().prefix_cache.hit_tokens
     b = run(llm, {"b": req(prompt, tenant="B", cache_salt="s")})["b"]
-    assert b.num_cached_tokens == 0 and llm.engine.stats().prefix_hit_tokens == hits
+    assert b.num_cached_tokens == 0 and llm.engine.stats().prefix_cache.hit_tokens == hits
     assert run(llm, {"a2": req(prompt, tenant="A", cache_salt="s")})["a2"].num_cached_tokens == 32
 
 
@@ -290,13 +290,14 @@ def test_eviction_under_pressure_keeps_blocks_in_use(tiny_model_dir, peft_oracle
     for w, prompts in enumerate(waves):
         run(llm, {f"w{w}-{i}": req(p, 12) for i, p in enumerate(prompts)})
     stats = engine.stats()
-    assert stats.prefix_cached_free_blocks > 0 and stats.prefix_cached_blocks == stats.prefix_cached_free_blocks
-    assert engine.blocks.num_free_blocks == 24 and stats.kv_blocks_used == 0
+    prefix = stats.prefix_cache
+    assert prefix.cached_free_blocks > 0 and prefix.cached_blocks == prefix.cached_free_blocks
+    assert engine.blocks.num_free_blocks == 24 and stats.kv_blocks.used == 0
     # Caching never shrinks what running requests can use: one request needing every block runs alone.
     long = random_prompts(1, (110, 110), VOCAB, seed=30)[0]
-    preemptions = stats.num_preemptions
+    preemptions = stats.scheduler.preemptions
     final = run(llm, {"long": req(long, 18)})
-    assert engine.stats().num_preemptions == preemptions
+    assert engine.stats().scheduler.preemptions == preemptions
     assert final["long"].token_ids == peft_oracle(tiny_model_dir, None, long, 18)
     # Old prompts again, mixed with new ones, under pressure: whatever is still cached is reused.
     mixed = waves[2][:2] + random_prompts(4, (40, 70), VOCAB, seed=31)
@@ -314,7 +315,7 @@ def test_reviving_cached_blocks_counts_against_the_free_pool(tiny_model_dir, pef
     p, r, tail = random_prompts(3, (40, 70), VOCAB, seed=45)
     p = (p * 2)[:70]
     run(llm, {"p": req(p, 3)})
-    assert engine.stats().prefix_cached_free_blocks == 4
+    assert engine.stats().prefix_cache.cached_free_blocks == 4
     engine.add_request("r", r[:40], greedy(20))
     engine.step()
     q = p[:64] + (tail * 2)[:40]
@@ -322,7 +323,7 @@ def test_reviving_cached_blocks_counts_against_the_free_pool(tiny_model_dir, pef
     engine.step()
     assert [s.request_id for s in engine.scheduler.running] == ["r"]
     final = drive(engine, check_blocks)
-    assert final["q"].num_cached_tokens == 64 and engine.stats().num_preemptions == 0
+    assert final["q"].num_cached_tokens == 64 and engine.stats().scheduler.preemptions == 0
     assert final["q"].token_ids == peft_oracle(tiny_model_dir, None, q, 3)
 
 
@@ -357,9 +358,9 @@ def test_policy_changes_mid_run_drop_the_cache_and_rekey(tiny_model_dir, peft_or
     engine = llm.engine
     prompt = random_prompts(1, (40, 40), VOCAB, seed=42)[0]
     run(llm, {"a": req(prompt)})
-    assert engine.stats().prefix_cached_blocks == 2 and engine.stats().prefix_cache_enabled
+    assert engine.stats().prefix_cache.cached_blocks == 2 and engine.stats().prefix_cache.enabled
     engine.set_prefix_cache_policy(False)
-    assert engine.stats().prefix_cached_blocks == 0 and not engine.stats().prefix_cache_enabled
+    assert engine.stats().prefix_cache.cached_blocks == 0 and not engine.stats().prefix_cache.enabled
     assert run(llm, {"b": req(prompt)})["b"].num_cached_tokens == 0
     assert engine.blocks.num_cached_blocks == 0
     # Turned on (with new keys) while a request runs: its blocks are hashed under the new keys, so
@@ -368,9 +369,9 @@ def test_policy_changes_mid_run_drop_the_cache_and_rekey(tiny_model_dir, peft_or
     engine.step()
     engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
     drive(engine, check_blocks)
-    hits = engine.stats().prefix_hit_tokens
+    hits = engine.stats().prefix_cache.hit_tokens
     d = run(llm, {"d": req(prompt, 6, tenant="B")})["d"]
-    assert engine.stats().prefix_hit_tokens == hits + 32 and d.num_cached_tokens == 0  # A's blocks: not told
+    assert engine.stats().prefix_cache.hit_tokens == hits + 32 and d.num_cached_tokens == 0  # A's blocks: not told
     assert d.token_ids == peft_oracle(tiny_model_dir, None, prompt, 6)
 
 

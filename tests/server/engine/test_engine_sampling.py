@@ -39,7 +39,7 @@ def test_seeded_sampling_survives_preemption(tiny_model_dir):
     tight = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=10, max_model_len=128)
     expected = [o.token_ids for o in roomy.generate(prompts, params)]
     got = [o.token_ids for o in tight.generate(prompts, params)]
-    assert tight.engine.stats().num_preemptions > 0
+    assert tight.engine.stats().scheduler.preemptions > 0
     assert got == expected
 
 
@@ -187,7 +187,7 @@ def test_stream_yields_every_choice_and_abort_ends_them_all(llm):
 
         # A consumer that fell behind gets only the newest output of each choice.
         late = await engine.submit("s2", prompt, SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True))
-        while engine.stats().num_running or engine.stats().num_waiting:
+        while engine.stats().scheduler.running or engine.stats().scheduler.waiting:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         got = [out async for out in late]
@@ -214,7 +214,7 @@ def test_stream_yields_every_choice_and_abort_ends_them_all(llm):
         asyncio.run(scenario())
     finally:
         engine.shutdown()
-    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.seqs and not engine._sinks
+    assert llm.engine.stats().kv_blocks.used == 0 and not llm.engine.seqs and not engine._sinks
 
 
 def test_abort_before_the_prefill_ends_every_choice(llm):

@@ -16,7 +16,7 @@ def run_all(llm: LLM, prompts, names, params) -> tuple[list, int]:
     for rid, prompt, name in zip(ids, prompts, names):
         engine.add_request(rid, prompt, params, llm._versions[name] if name else None)
     peaks = [0]
-    final = drive(engine, lambda e: peaks.append(e.stats().num_running))
+    final = drive(engine, lambda e: peaks.append(e.stats().scheduler.running))
     return [final[r] for r in ids], max(peaks)
 
 
@@ -31,7 +31,7 @@ def test_long_prompts_chunked_prefill_and_block_spanning(tiny_model_dir, tiny_ad
     prompts = random_prompts(4, (70, 150), VOCAB, seed=11)
     outs, _ = run_all(llm, prompts, names, greedy(10))
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 10, peft_oracle)
-    assert llm.engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks.used == 0
 
 
 def test_preemption_by_recompute_gives_same_tokens(tiny_model_dir, tiny_adapters, peft_oracle):
@@ -43,9 +43,9 @@ def test_preemption_by_recompute_gives_same_tokens(tiny_model_dir, tiny_adapters
     prompts = random_prompts(8, (20, 30), VOCAB, seed=12)
     outs, _ = run_all(llm, prompts, names, greedy(24))
     stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
+    assert stats.scheduler.preemptions > 0
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 24, peft_oracle)
-    assert stats.kv_blocks_used == 0
+    assert stats.kv_blocks.used == 0
     assert llm.engine.blocks.num_free_blocks == 14
     assert all(c == 0 for c in llm.engine.blocks.ref_counts)
 
@@ -66,8 +66,8 @@ def test_more_adapters_than_slots_all_complete(tiny_model_dir, tiny_adapters, pe
     final = drive(engine, at_most_two_adapters)
     outs = [final[r] for r in ids]
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 6, peft_oracle)
-    assert engine.stats().adapter_loads >= 4
-    assert engine.stats().adapters_resident <= 2
+    assert engine.stats().slots.loads >= 4
+    assert engine.stats().slots.resident <= 2
 
 
 def test_max_num_seqs_bounds_the_running_batch(tiny_model_dir):
@@ -85,12 +85,12 @@ def test_abort_frees_blocks(tiny_model_dir):
     engine.add_request("b", random_prompts(1, (10, 10), VOCAB, 16)[0], SamplingParams(max_tokens=50))
     engine.step()
     engine.step()
-    assert engine.stats().kv_blocks_used > 0
+    assert engine.stats().kv_blocks.used > 0
     engine.abort_request("a")
     engine.abort_request("b")
     outs = engine.step()
     assert {o.request_id: o.finish_reason for o in outs} == {"a": "abort", "b": "abort"}
-    assert engine.stats().kv_blocks_used == 0
+    assert engine.stats().kv_blocks.used == 0
     assert not engine.has_unfinished_requests()
 
 
@@ -136,7 +136,7 @@ def test_choices_share_the_prompt_blocks(tiny_model_dir, tiny_adapters):
     assert max(used) == 7
     finals = {o.index: o for o in outputs if o.finished}
     assert sorted(finals) == [0, 1, 2] and all(f.token_ids == alone for f in finals.values())
-    assert engine.stats().kv_blocks_used == 0 and all(c == 0 for c in engine.blocks.ref_counts)
+    assert engine.stats().kv_blocks.used == 0 and all(c == 0 for c in engine.blocks.ref_counts)
     assert not engine.seqs and not engine.lora_slots.users and not engine.host.pins and engine.scheduler.fork_seats == 0
 
 
@@ -147,9 +147,9 @@ def test_preempted_choices_recompute_their_own_tokens(tiny_model_dir):
     tight = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=9, max_model_len=64, block_size=16)
     expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params)]
     got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
-    assert tight.engine.stats().num_preemptions > 0
+    assert tight.engine.stats().scheduler.preemptions > 0
     assert got == expected
-    assert tight.engine.stats().kv_blocks_used == 0 and all(c == 0 for c in tight.engine.blocks.ref_counts)
+    assert tight.engine.stats().kv_blocks.used == 0 and all(c == 0 for c in tight.engine.blocks.ref_counts)
 
 
 def test_every_choice_counts_for_fair_share_and_max_num_seqs(tiny_model_dir):

@@ -140,7 +140,7 @@ def test_constrained_outputs_survive_preemption(tiny_model_dir):
     tight = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=12, max_model_len=128)
     expected = [(o.token_ids, o.finish_reason) for o in roomy.generate(prompts, params)]
     got = [(o.token_ids, o.finish_reason) for o in tight.generate(prompts, params)]
-    assert tight.engine.stats().num_preemptions > 0
+    assert tight.engine.stats().scheduler.preemptions > 0
     assert got == expected
 
 
@@ -168,7 +168,7 @@ def test_compiled_grammars_are_cached_by_canonical_schema(llm):
     llm.generate(["hi", "ho"], SamplingParams(max_tokens=4, structured_outputs=spec))
     llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs=SPECS["json"]))
     after = llm.engine.stats()
-    assert after.grammar_cache_hits >= before.grammar_cache_hits + 2
+    assert after.grammar.cache_hits >= before.grammar.cache_hits + 2
     assert after.constrained_requests == before.constrained_requests + 3
 
 

@@ -128,7 +128,7 @@ def test_non_finite_adapter_requests_fail_alone(engine, tiny_model_dir, tiny_ada
     # The engine goes on serving, over the blocks and slots the bad requests used.
     again = run(engine, {rid + "-again": (p, greedy(6), a) for rid, (p, a) in good.items()})
     assert {rid: o.token_ids for rid, o in again.items()} == {rid + "-again": t for rid, t in expected.items()}
-    assert engine.stats().kv_blocks_used == 0 and not engine.host.pins and not engine.lora_slots.users
+    assert engine.stats().kv_blocks.used == 0 and not engine.host.pins and not engine.lora_slots.users
 
 
 def test_postprocess_failure_fails_that_request_only(engine):
@@ -151,12 +151,12 @@ def test_postprocess_failure_fails_that_request_only(engine):
         def flush(self, state, ids):
             return inner.flush(state, ids)
 
-    engine.detokenizer = Exploding()
+    engine.output_processor.detokenizer = Exploding()  # the post-processing half detokenizes
     final = drive(engine, max_steps=200)
     assert final["r1"].finish_reason == "error" and "UnicodeError: broken byte sequence" in final["r1"].error
     assert final["r1"].token_ids == clean["c1"].token_ids[:3]
     assert final["r0"].token_ids == clean["c0"].token_ids and final["r2"].token_ids == clean["c2"].token_ids
-    assert engine.stats().kv_blocks_used == 0
+    assert engine.stats().kv_blocks.used == 0
 
 
 # ---- freed KV blocks never leak into another sequence ----

@@ -188,7 +188,7 @@ def test_preemption_and_prefix_hits_match_the_fp8_oracle(tiny_model_dir, tiny_ad
     prompts, names, outs = generate_through_preemption_and_prefix_hits(llm, VOCAB)
     assert any(o.num_cached_tokens >= 32 for o in outs)
     check_against_oracle(fp8_logprobs, "fp8_e4m3", prompts, names, outs)
-    assert llm.engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks.used == 0
 
 
 @triton_available

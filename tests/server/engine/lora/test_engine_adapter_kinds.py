@@ -77,4 +77,4 @@ def test_64_requests_mixing_base_lora_dora_and_alora_match_peft(tiny_model_dir, 
         assert_matches(out, prompt, p, reference(name, prompt, prompt + out.token_ids))
         invoked += name == "alora" and activation_start(INVOCATION, prompt) != NOT_INVOKED
     assert invoked >= 4
-    assert llm.engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks.used == 0

@@ -159,8 +159,8 @@ def test_mixed_batch_matches_peft_torch(tiny_model_dir, adapter_dirs, expected, 
             assert outs[case].token_ids == expected[case], (tag, case)
             assert_logprobs(outs[case], name, prompt, peft_logprobs)
     stats = llm.engine.stats()
-    assert (stats.prefix_hit_tokens > 0) == cache
-    assert stats.kv_blocks_used == 0
+    assert (stats.prefix_cache.hit_tokens > 0) == cache
+    assert stats.kv_blocks.used == 0
     # The aLoRA's rule is not plain LoRA's and not the base model's: the same prompt gives three answers.
     assert len({tuple(expected[c]) for c in ("present", "base", "plain_lora")}) == 3
     assert expected["absent"] == llm.generate([CASES["absent"][1]], greedy(6))[0].token_ids
@@ -223,7 +223,7 @@ def test_preemption_mid_decode_and_forks_match_peft(tiny_model_dir, adapter_dirs
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for choice in out.outputs:
         assert_logprobs(choice, name, prompt, peft_logprobs)
-    assert llm.engine.stats().kv_blocks_used == 0
+    assert llm.engine.stats().kv_blocks.used == 0
 
 
 def test_prefix_cache_shares_blocks_before_the_point_only(tiny_model_dir, adapter_dirs, peft_oracle):
@@ -235,12 +235,12 @@ def test_prefix_cache_shares_blocks_before_the_point_only(tiny_model_dir, adapte
     blocks = engine.blocks
 
     def send(rid, name, tenant="t1", salt=None):
-        before = engine.stats().prefix_hit_tokens
+        before = engine.stats().prefix_cache.hit_tokens
         engine.add_request(rid, prompt, greedy(4), llm._versions[name] if name else None, tenant=tenant,
                            cache_salt=salt)
         out = drive(engine)[rid]
         assert out.token_ids == peft_oracle(tiny_model_dir, adapter_dirs[name] if name else None, prompt, 4)
-        return engine.stats().prefix_hit_tokens - before
+        return engine.stats().prefix_cache.hit_tokens - before
 
     assert send("a", "alora_a") == 0
     # a's blocks before the point are indexed as base-model KV (no version), its own two on its version.
@@ -257,7 +257,7 @@ def test_prefix_cache_shares_blocks_before_the_point_only(tiny_model_dir, adapte
     llm.remove_adapter("alora_a")
     assert version_a not in blocks.by_version
     assert send("base-after", None) == 96
-    assert engine.stats().kv_blocks_used == 0
+    assert engine.stats().kv_blocks.used == 0
 
 
 def test_two_aloras_with_their_points_elsewhere_share_nothing_past_either(tiny_model_dir, adapter_dirs,
@@ -268,11 +268,11 @@ def test_two_aloras_with_their_points_elsewhere_share_nothing_past_either(tiny_m
     llm = make_llm(tiny_model_dir, adapter_dirs, max_num_batched_tokens=128)
     engine = llm.engine
     for rid, name, hits in (("a", "alora_a", 0), ("b", "alora_b", 16), ("a2", "alora_a", 80)):
-        before = engine.stats().prefix_hit_tokens
+        before = engine.stats().prefix_cache.hit_tokens
         engine.add_request(rid, prompt, greedy(4), llm._versions[name])
         out = drive(engine)[rid]
         assert out.token_ids == peft_oracle(tiny_model_dir, adapter_dirs[name], prompt, 4)
-        assert engine.stats().prefix_hit_tokens - before == hits, rid
+        assert engine.stats().prefix_cache.hit_tokens - before == hits, rid
 
 
 def test_same_blocks_with_the_point_elsewhere_are_not_shared(tiny_model_dir, adapter_dirs, peft_oracle):
@@ -285,11 +285,11 @@ def test_same_blocks_with_the_point_elsewhere_are_not_shared(tiny_model_dir, ada
     llm = make_llm(tiny_model_dir, adapter_dirs, max_num_batched_tokens=128)
     engine = llm.engine
     for rid, prompt, hits in (("straddle", straddle, 0), ("inside", inside, 16)):
-        before = engine.stats().prefix_hit_tokens
+        before = engine.stats().prefix_cache.hit_tokens
         engine.add_request(rid, prompt, greedy(4), llm._versions["alora_a"])
         out = drive(engine)[rid]
         assert out.token_ids == peft_oracle(tiny_model_dir, adapter_dirs["alora_a"], prompt, 4), rid
-        assert engine.stats().prefix_hit_tokens - before == hits, rid
+        assert engine.stats().prefix_cache.hit_tokens - before == hits, rid
 
 
 @pytest.mark.parametrize("extra, why", [({"use_dora": True}, "use_dora"), ({"init_lora_weights": "mica"}, "mica")])
@@ -308,10 +308,10 @@ def test_shared_base_blocks_follow_the_operators_policy(tiny_model_dir, adapter_
     engine = llm.engine
     engine.set_prefix_cache_policy(True, share_base_across_tenants=True)
     for rid, name, tenant, hits in (("a", "alora_a", "t1", 0), ("base", None, "t2", 64), ("a-t2", "alora_a", "t2", 64)):
-        before = engine.stats().prefix_hit_tokens
+        before = engine.stats().prefix_cache.hit_tokens
         engine.add_request(rid, prompt, greedy(4), llm._versions[name] if name else None, tenant=tenant)
         out = drive(engine)[rid]
         assert out.token_ids == peft_oracle(tiny_model_dir, adapter_dirs[name] if name else None, prompt, 4), rid
-        assert engine.stats().prefix_hit_tokens - before == hits, rid
+        assert engine.stats().prefix_cache.hit_tokens - before == hits, rid
         # cached_tokens reports only what the caller's own tenant sent before.
         assert out.num_cached_tokens == (64 if rid == "a-t2" else 0), rid

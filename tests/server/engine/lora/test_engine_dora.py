@@ -98,7 +98,7 @@ def test_64_requests_mixing_base_lora_and_dora_match_peft(tiny_model_dir, adapte
     outs = llm.generate(prompts, p, adapters=names)
     check(outs, prompts, names, p, reference)
     assert any(steps_with_dora)
-    assert engine.stats().kv_blocks_used == 0
+    assert engine.stats().kv_blocks.used == 0
 
 
 def test_the_magnitude_vectors_change_the_output(tiny_model_dir, adapter_dirs, tmp_path):
@@ -288,7 +288,7 @@ def test_a_reload_reads_the_scales_from_redis(stored, reference):
     for i, name in enumerate(("dora_r8_all", "dora_r16_pattern", "dora_r8_all", "dora_r16_pattern")):
         serve(engine, stored.versions, name, reference, seed=100 + i)
     stats = engine.stats()
-    assert stats.host_evictions >= 3 and stats.device_evictions >= 3 and stats.host_misses == 4
+    assert stats.host.evictions >= 3 and stats.slots.evictions >= 3 and stats.host.misses == 4
     assert (cache.stats.computed, cache.stats.stored, cache.stats.read, cache.stats.refused) == (2, 2, 2, 0)
     engine.shutdown()
     replica = stored.engine()

@@ -1,5 +1,6 @@
 """A step's results become RequestOutputs: tokens appended, text detokenised, stops found,
-requests forked into their n choices and finished. Every per-request failure ends here too."""
+requests forked into their n choices and finished. Every per-request failure ends here too, and so
+does every abort: the processor keeps the requests in flight."""
 from __future__ import annotations
 
 import logging
@@ -16,15 +17,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class OutputProcessing:
-    """LLMEngine's post-processing half (a mixin: the engine owns the state it reads)."""
+class OutputProcessor:
+    """The engine's post-processing half: the requests in flight, and what each step makes of them."""
 
-    scheduler: Scheduler
-    detokenizer: IncrementalDetokenizer
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-    seqs: dict[str, Sequence]  # request id -> its choice 0, until every choice finished
-    aborted: list[Sequence]
+    def __init__(self, scheduler: Scheduler, detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
+        self.scheduler = scheduler  # finishes sequences, forks choices, charges output tokens
+        self.detokenizer = detokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.seqs: dict[str, Sequence] = {}  # request id -> its choice 0, until every choice finished
+        self.aborted: list[Sequence] = []  # choices aborted since the last step: its outputs report them
+
+    def add(self, seq: Sequence) -> None:
+        """Track a new request by its choice 0 (the scheduler has it already)."""
+        self.seqs[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        """Abort every unfinished choice of the request; the next step reports them."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return
+        for choice in seq.group.seqs:
+            if not choice.finished:
+                self.scheduler.finish(choice)
+                choice.finish_reason = "abort"
+                self.aborted.append(choice)
 
     def postprocess(self, batch: ScheduledBatch, results: dict[int, SeqResult]) -> list[RequestOutput]:
         outputs = [self._output(seq) for seq in self.aborted]

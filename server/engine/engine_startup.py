@@ -1,0 +1,210 @@
+"""LLMEngine's start-up, step by step; the engine takes the parts built here.
+
+The order is the point: the device is bound and the dtypes refused or chosen
+before anything loads; the weights load; the adapter slots and the LoRA
+scratch are allocated before the KV pool, which is sized from what the rest
+left (on CUDA); kernels are compiled and decode graphs captured last, when
+every buffer they read exists.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from adapters.format import ModelShape
+from adapters.host_tier import Fetch, HostTier
+from kernels.cpu_linear import upcast_linear
+from kernels.int4_weights import DEFAULT_GROUP_SIZE
+from kernels.int8_weights import dequant_linear
+from server.engine.async_step import AsyncScheduling
+from server.engine.block_manager import BlockManager
+from server.engine.config import EngineConfig, ModelConfig
+from server.engine.context_len import choose_max_model_len, model_limit
+from server.engine.cuda_device import thread_binder
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.grammar import Grammars
+from server.engine.grammar_mask import GrammarMask
+from server.engine.kernel_choice import select_kernels
+from server.engine.kernel_ops import KernelOps
+from server.engine.kv_cache import KvPoolInfo, allocate_kv_cache, allocate_lora_slots
+from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
+from server.engine.lora.dora_precompute import DoraPrecompute
+from server.engine.lora.dora_scale_cache import ScaleStore
+from server.engine.lora.dora_scales import DoraScales
+from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
+from server.engine.lora.slots import LoraSlots
+from server.engine.model import CausalLM
+from server.engine.model_runner import ModelRunner
+from server.engine.output_processor import OutputProcessor
+from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.tokenizer_loader import load_tokenizer
+from server.engine.warmup import warm_up
+from server.engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """Everything LLMEngine serves with, built and ready."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    bind_thread: Callable[[], None]  # makes the engine's device current on the calling thread
+    dtype: torch.dtype
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    adapter_shape: ModelShape
+    max_loras: int
+    model: CausalLM
+    lora_slots: LoraSlots
+    kv_pool: KvPoolInfo
+    max_model_len: int
+    blocks: BlockManager
+    host: HostTier
+    scheduler: Scheduler
+    kernels: KernelOps
+    grammars: Grammars
+    runner: ModelRunner
+    warmup_seconds: float
+    dora_precompute: DoraPrecompute
+    overlap: AsyncScheduling | None  # None: every step synchronous
+    detokenizer: IncrementalDetokenizer
+    output_processor: OutputProcessor
+
+
+def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
+                       dora_scale_store: ScaleStore | None) -> EngineParts:
+    mcfg = ModelConfig.from_dir(config.model)
+    device, bind_thread, dtype, kv_dtype = _set_up_device(config, mcfg)
+    # Until the KV pool is sized, the longest context the model allows (or the one asked for).
+    limit = model_limit(mcfg, config.max_model_len)
+    max_len = config.max_model_len or limit
+    tokenizer, eos_token_ids = _load_tokenizer(config, mcfg)
+    max_loras, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
+    # Everything else on the device is allocated before the KV pool is sized from what is left.
+    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store)
+    scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
+    kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype)
+    context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size)
+    max_model_len = context.max_model_len
+    log.info("%s", context.reason)
+    blocks = BlockManager(kv_pool.blocks, config.block_size)
+    host, scheduler = _build_tiers(config, adapter_source, device, dtype, bind_thread, slots, blocks)
+    kernels = _select_kernels(config, device, dtype)
+    # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
+    grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids)
+    runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
+                         device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora)
+    warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device)
+    # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
+    dora_precompute = DoraPrecompute(host, slots.dora_cache)
+    _capture_decode_graphs(config, device, kernels, runner, max_loras, max_model_len)
+    # --async-scheduling: forwards on a worker thread while this one prepares the next step
+    # (server.engine.async_step).
+    overlap = AsyncScheduling(runner, scheduler, blocks, max_model_len,
+                              bind_thread) if config.async_scheduling else None
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    return EngineParts(
+        config=config, model_config=mcfg, device=device, bind_thread=bind_thread, dtype=dtype, tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg), max_loras=max_loras, model=model,
+        lora_slots=slots, kv_pool=kv_pool, max_model_len=max_model_len, blocks=blocks, host=host, scheduler=scheduler,
+        kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
+        dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,
+        output_processor=OutputProcessor(scheduler, detokenizer, eos_token_ids, max_model_len))
+
+
+def _set_up_device(config: EngineConfig,
+                   mcfg: ModelConfig) -> tuple[torch.device, Callable[[], None], torch.dtype, torch.dtype]:
+    """The device, bound on this thread, the serving dtype and the KV cache's: refused before loading."""
+    device = config.resolve_device()
+    # Every thread that touches CUDA makes the engine's device current (server.engine.cuda_device).
+    bind_thread = thread_binder(device)
+    bind_thread()
+    dtype = config.resolve_dtype(mcfg, device)
+    config.check_quantization(device, dtype)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    if device.type == "cpu" and (threads := config.resolve_cpu_threads()) is not None:
+        torch.set_num_threads(threads)  # process-wide: the engine owns its process
+    return device, bind_thread, dtype, kv_dtype
+
+
+def _load_tokenizer(config: EngineConfig, mcfg: ModelConfig) -> tuple[PreTrainedTokenizerBase, frozenset[int]]:
+    """The tokenizer, and the ids that end a choice: the model's and the tokenizer's EOS."""
+    tokenizer = load_tokenizer(config.model)
+    eos = set(mcfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return tokenizer, frozenset(eos)
+
+
+def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
+    """The widths an adapter must match to be served on this model."""
+    return ModelShape(num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, q_size=mcfg.q_size,
+                      kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size)
+
+
+def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_len: int) -> tuple[int, list, CausalLM]:
+    """The slot count, the slots' LoRA buffers and the model that reads them."""
+    weights = load_weights(config.model, mcfg, dtype, device, config.quantization, config.int4_group_size,
+                           config.require_gptq_checkpoint)
+    # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
+    max_loras, why = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, dtype,
+                                       free_device_bytes(device))
+    log.info("%s", why)
+    lora_layers = allocate_lora_slots(mcfg, max_loras, config.max_lora_rank, dtype, device)
+    model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
+                     config.max_num_batched_tokens, config.quantization, config.quantize_lm_head,
+                     config.int4_group_size or DEFAULT_GROUP_SIZE)
+    return max_loras, lora_layers, model
+
+
+def _build_tiers(config: EngineConfig, adapter_source: Fetch | None, device: torch.device, dtype: torch.dtype,
+                 bind_thread: Callable[[], None], slots: LoraSlots,
+                 blocks: BlockManager) -> tuple[HostTier, Scheduler]:
+    """The host tier of adapters, and the scheduler over it, the slots and the KV blocks."""
+    # Parking places for finished loads match the scheduler's prefetch window: every adapter it
+    # prefetches can wait, loaded, for room, instead of being fetched again.
+    host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=device.type == "cuda",
+                    max_parked=PREFETCH_WINDOW, dtype=dtype, init_thread=bind_thread,
+                    prepare=slots.prepare if device.type == "cpu" else None)
+    scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                          config.max_prefill_tokens_while_decoding), blocks, slots, host)
+    return host, scheduler
+
+
+def _select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KernelOps:
+    kernels = select_kernels(config.kernels, device, dtype, config.quantization)
+    if kernels.linear is upcast_linear:
+        log.info("this CPU has no native %s matmul: projections upcast to float32 (weights stay %s)", dtype, dtype)
+    if config.quantize_lm_head and kernels.int8_linear is dequant_linear:
+        log.warning("quantize_lm_head: this CPU has no int8 matmul kernel for %s activations, so the int8 "
+                    "lm_head is dequantized every step: slower than a float one", dtype)
+    return kernels
+
+
+def _warm_up(config: EngineConfig, model: CausalLM, kv_caches: list, kernels: KernelOps, scratch: torch.Tensor,
+             max_model_len: int, device: torch.device) -> float:
+    """Every Triton variant compiled now, not in the middle of serving (server.engine.warmup); its seconds."""
+    seconds = warm_up(model, kv_caches, kernels, scratch, block_size=config.block_size,
+                      max_lora_rank=config.max_lora_rank, max_num_batched_tokens=config.max_num_batched_tokens,
+                      max_model_len=max_model_len, device=device)
+    if seconds:
+        log.info("compiled every kernel variant in %.1f s", seconds)
+    return seconds
+
+
+def _capture_decode_graphs(config: EngineConfig, device: torch.device, kernels: KernelOps, runner: ModelRunner,
+                           max_loras: int, max_model_len: int) -> None:
+    """Decode steps of up to the largest batch the scheduler forms replay a captured graph (CUDA, Triton
+    kernels, unless enforce_eager). Not with the torch kernels: their padded LoRA gathers every row's
+    weights (kernels.lora_cpu), which a graph would keep for good (~1 GB at Llama-3-8B widths, 256 rows)."""
+    if device.type == "cuda" and kernels.name == "triton" and not config.enforce_eager:
+        rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+        runner.use_padded_decode(max_loras, rows, max_model_len).capture()
