@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from server.engine.json_string_safety import json_schema_grammar, structural_tag_grammar
 from server.engine.structured_outputs import StructuredOutputsParams
 
 DEFAULT_CACHE_ENTRIES = 512
@@ -61,7 +62,8 @@ def _refuse_unenforced(schema) -> None:
 
 
 def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    """Compile one constraint; GrammarError says what is wrong with it."""
+    """Compile one constraint; GrammarError says what is wrong with it. JSON schemas (alone or in a
+    structural tag) go through server.engine.json_string_safety, whose strings are always valid JSON."""
     kind = spec.kind
     if kind == "json":
         _refuse_unenforced(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
@@ -69,8 +71,7 @@ def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsPar
         _refuse_unenforced(spec.structural_tag)
     try:
         if kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return compiler.compile_json_schema(schema, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar(spec.json))
         if kind == "json_object":
             # Any JSON object (OpenAI's json_object), not xgrammar's built-in any-JSON-value grammar.
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -80,7 +81,7 @@ def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsPar
             # Each choice verbatim: a JSON string literal is a valid EBNF literal (same escapes).
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
         if kind == "structural_tag":
-            return compiler.compile_structural_tag(json.dumps(spec.structural_tag))
+            return compiler.compile_grammar(structural_tag_grammar(spec.structural_tag))
         return compiler.compile_grammar(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"invalid {kind} constraint: {_first_line(e)}") from None
