@@ -17,9 +17,10 @@ import json
 
 import xgrammar as xgr
 
-# The length-bounded string's character class as xgrammar prints it, and the email's quoted pair.
-_RAW_CHAR_CLASS = r'(([^\"\\\r\n]))'
-_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" lp_json_escape))'
+# The length-bounded string's character class as xgrammar prints it (wherever it sits: a rule of
+# its own, or inlined as an optional one), and the email's quoted pair.
+_RAW_CHAR_CLASS = r'[^\"\\\r\n]'
+_JSON_CHAR = r'([^\0-\x1f\"\\] | "\\" lp_json_escape)'
 _EMAIL_QUOTED_PAIR = r'(("\\" [ -~]) | ([ !#-[\]-~]))'
 _JSON_QUOTED_PAIR = r'(("\\\\" ([ !#-[\]-~] | "\\\\" | "\\\"")) | ([ !#-[\]-~]))'
 # One escape after the backslash; \u of a UTF-16 surrogate is left out, so that each escape is one
