@@ -166,7 +166,7 @@ class ServerState:
                 sharing=SharingStore(client, config.redis_prefix), sources=config.source_policy(),
                 fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant),
                 source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
-                prompts=PromptTokenizer(model_dir, engine.max_model_len),
+                prompts=PromptTokenizer(model_dir, engine.max_model_len, config.chat_template_text()),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms), demo=demo,
                 embedded_redis=embedded)
