@@ -15,6 +15,7 @@ from server.chat_templates import SHIPPED_DIR, resolve_chat_template
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from tests.fixtures_server import api_redis_url, running_server, server_config
+from tests.test_api_tools import SMOL_TEMPLATE
 
 SMOL_TOOLS = (SHIPPED_DIR / "smollm2-tools.jinja").read_text(encoding="utf-8")
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -76,6 +77,21 @@ def test_smollm2_tools_renders_an_agent_turn_the_hermes_parser_reads_back(tiny_m
     parsed.add(parser.finish())
     assert parsed.content == "" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
         ("add", {"a": 2, "b": 3})]
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}],
+])
+def test_without_tools_smollm2_tools_renders_as_smollm2s_own(tiny_model_dir, messages):
+    """The default model's prompts without tools are what its own template wrote before."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for generation_prompt in (True, False):
+        assert tok.apply_chat_template(messages, chat_template=SMOL_TOOLS, tokenize=False,
+                                       add_generation_prompt=generation_prompt) == \
+            tok.apply_chat_template(messages, chat_template=SMOL_TEMPLATE, tokenize=False,
+                                    add_generation_prompt=generation_prompt)
 
 
 @pytest.fixture(scope="module")
