@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, Field
 
-from server import default_model
 from server.config import ServerConfig
-from server.default_model import DefaultModelMissing
 from server.embedded_redis.server import free_port
+from tests.fixtures_models import default_model_data_dir
 from tests.fixtures_server import ADMIN_TOKEN, api_redis_url, running_server
 
 
@@ -23,14 +22,9 @@ class AddArgs(BaseModel):
 
 @pytest.fixture(scope="module")
 def chat(request, redis_server):
-    try:
-        default_model.packaged_gguf()
-    except DefaultModelMissing as e:
-        pytest.skip(str(e))
     from langchain_openai import ChatOpenAI
 
-    data_dir = request.config.cache.mkdir("loraplex-default-model")  # the conversion test_default_model keeps
-    config = ServerConfig(data_dir=data_dir, admin_token=ADMIN_TOKEN, redis_url=api_redis_url(redis_server),
+    config = ServerConfig(data_dir=default_model_data_dir(request), admin_token=ADMIN_TOKEN, redis_url=api_redis_url(redis_server),
                           port=free_port(), device="cpu", max_lora_rank=8, max_model_len=2048)
     with running_server(config, timeout=600) as server:
         info = server.app.state.startup
