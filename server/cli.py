@@ -181,7 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
                    help="how tool_choice auto reads tool calls from the model's text: hermes (Hermes/Qwen "
                         "<tool_call>{...}</tool_call>) or llama3_json (Llama 3's {\"name\", \"parameters\"} "
-                        "objects); default hermes")
+                        "objects); default hermes. The default model's template (smollm2-tools) writes hermes")
+    s.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's flag: tool_choice \"auto\" (the default when a request has tools) lets the "
+                        "model choose whether to call, read by --tool-call-parser. On by default here (vLLM: "
+                        "off), so passing it changes nothing; --no-enable-auto-tool-choice makes an auto "
+                        "request a 400 as in vLLM without the flag (named functions, required and none still work)")
+    s.add_argument("--chat-template", metavar="FILE|TEMPLATE|NAME",
+                   help="the chat template instead of the model's own, as vLLM takes it: a Jinja file's path or "
+                        "the template's text; or a shipped one by name (smollm2-tools: SmolLM2's ChatML with "
+                        "tools rendered Hermes-style, <tool_call>{...}</tool_call>). Default: the model's own, "
+                        "except the default model, which gets smollm2-tools so that tools work on it")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes a tenant sent before, per adapter version (default on)")
     s.add_argument("--share-base-prefix-cache", action="store_true",

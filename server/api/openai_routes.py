@@ -140,7 +140,8 @@ async def _generate(request: Request, chat: bool) -> Response:
         req = await read_model(request, ChatCompletionRequest if chat else CompletionRequest,
                                max_body_values(state), lenient_scope(request))
         record = await _request_adapter(state, tenant, req)
-        tools = plan_tools(req, state.config.tool_call_parser, state.config.max_schema_bytes) if chat else None
+        tools = plan_tools(req, state.config.tool_call_parser if state.config.enable_auto_tool_choice else None,
+                           state.config.max_schema_bytes) if chat else None
         if chat:
             prompts = [await state.prompts.encode_chat(*chat_inputs(req, tools, state.prompts.chat_template))]
         else:

@@ -36,8 +36,10 @@ def longest_token_chars(tokenizer) -> int:
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: str, max_model_len: int) -> None:
+    def __init__(self, model_dir: str, max_model_len: int, chat_template: str | None = None) -> None:
         self._template = load_tokenizer(model_dir)
+        if chat_template is not None:  # --chat-template (server.chat_templates)
+            self._template.chat_template = chat_template
         self._local = threading.local()
         self.max_model_len = max_model_len
         self.max_prompt_chars = max_model_len * longest_token_chars(self._template)

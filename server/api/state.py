@@ -173,7 +173,7 @@ class ServerState:
                 fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant,
                                      near_concurrent=1 if pager is not None else _IN_PROCESS_FETCHES),
                 source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
-                prompts=PromptTokenizer(model_dir, engine.max_model_len),
+                prompts=PromptTokenizer(model_dir, engine.max_model_len, config.chat_template_text()),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms),
                 compile_budget=CompileBudget(client, config.redis_prefix, config.rate_window_seconds), demo=demo,

@@ -81,9 +81,10 @@ class ToolPlan:
         return FAMILY_PARSERS[self.parser](frozenset(f.name for f in self.functions), self.parallel)
 
 
-def plan_tools(req: ChatCompletionRequest, parser: str, max_schema_bytes: int) -> ToolPlan | None:
+def plan_tools(req: ChatCompletionRequest, parser: str | None, max_schema_bytes: int) -> ToolPlan | None:
     """The request's tool plan, or None without tools; a 400 naming the field for a function
-    schema past --max-schema-bytes, a name given twice, or a named choice that is not offered."""
+    schema past --max-schema-bytes, a name given twice, a named choice that is not offered, or
+    tool_choice auto when `parser` is None (--no-enable-auto-tool-choice)."""
     if not req.tools:
         return None
     seen: set[str] = set()
@@ -103,6 +104,10 @@ def plan_tools(req: ChatCompletionRequest, parser: str, max_schema_bytes: int) -
         if choice.function.name not in seen:
             raise _bad("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
         return ToolPlan("named", functions, parallel, parser, choice.function.name)
+    if (choice or "auto") == "auto" and parser is None:
+        # vLLM's wording for the same request to a server started without the flag.
+        raise _bad("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                  "to be set")
     return ToolPlan(choice or "auto", functions, parallel, parser)
 
 

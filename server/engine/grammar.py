@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from server.engine.json_string_safety import json_schema_grammar, structural_tag_grammar
 from server.engine.schema_keywords import unenforced_in_tag, unenforced_keyword
 from server.engine.structured_outputs import StructuredOutputsParams
 
@@ -68,7 +69,8 @@ def _refuse_unsatisfiable(compiled: xgr.CompiledGrammar, kind: str) -> None:
 
 
 def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-    """Compile one constraint; GrammarError says what is wrong with it."""
+    """Compile one constraint; GrammarError says what is wrong with it. JSON schemas (alone or in a
+    structural tag) go through server.engine.json_string_safety, whose strings are always valid JSON."""
     kind = spec.kind
     _refuse_unenforced(spec)
     compiled = _compiled(compiler, spec)
@@ -80,8 +82,7 @@ def _compiled(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> x
     kind = spec.kind
     try:
         if kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return compiler.compile_json_schema(schema, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar(spec.json))
         if kind == "json_object":
             # Any JSON object (OpenAI's json_object), not xgrammar's built-in any-JSON-value grammar.
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -91,7 +92,7 @@ def _compiled(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> x
             # Each choice verbatim: a JSON string literal is a valid EBNF literal (same escapes).
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
         if kind == "structural_tag":
-            return compiler.compile_structural_tag(json.dumps(spec.structural_tag))
+            return compiler.compile_grammar(structural_tag_grammar(spec.structural_tag))
         return compiler.compile_grammar(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"invalid {kind} constraint: {_first_line(e)}") from None

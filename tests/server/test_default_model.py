@@ -10,6 +10,7 @@ from server.default_model import DefaultModelMissing
 from server.gguf_reader import is_gguf
 from server.config import ServerConfig
 from server.embedded_redis.server import free_port
+from tests.fixtures_models import default_model_data_dir
 from tests.fixtures_server import ADMIN_TOKEN, api_redis_url, running_server
 
 
@@ -52,11 +53,7 @@ def test_adapters_under_the_data_dir_go_to_the_demo_tenant(request, tmp_path):
 
     from server.model_source import DEFAULT_MODEL_ADAPTERS_DIR, SHIPPED_ADAPTERS, resolve_model
 
-    try:
-        default_model.packaged_gguf()
-    except DefaultModelMissing as e:
-        pytest.skip(str(e))
-    data_dir = request.config.cache.mkdir("loraplex-default-model")  # the conversion smol_server made
+    data_dir = default_model_data_dir(request)  # with the conversion smol_server made
     root = data_dir / DEFAULT_MODEL_ADAPTERS_DIR
     for name, files in (("french", ("adapter_config.json", "adapter_model.safetensors")),
                         ("half-written", ("adapter_config.json",)),
