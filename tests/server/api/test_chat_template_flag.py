@@ -15,7 +15,7 @@ from server.chat_templates import SHIPPED_DIR, resolve_chat_template
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from tests.fixtures_server import api_redis_url, running_server, server_config
-from tests.test_api_tools import SMOL_TEMPLATE
+from tests.server.api.test_api_tools import SMOL_TEMPLATE
 
 SMOL_TOOLS = (SHIPPED_DIR / "smollm2-tools.jinja").read_text(encoding="utf-8")
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
