@@ -1,2 +1,3 @@
 """The embedded Redis: a supervised, password-protected redis-server child bound to loopback
-(server.py), its restart policy (supervisor.py) and its password file (password.py)."""
+(server.py), the binary its data dir belongs to (binary.py), its restart policy (supervisor.py) and
+its password file (password.py)."""
