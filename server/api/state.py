@@ -32,6 +32,7 @@ from server.engine.config import ModelConfig
 from server.engine.async_engine import AsyncEngine
 from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
+from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
 from tenants.compile_budget import CompileBudget
@@ -101,7 +102,7 @@ class ServerState:
         loaders = pager = None
         try:
             if config.redis_url is None:
-                embedded = EmbeddedRedis.start(Path(config.data_dir) / "redis")
+                embedded = EmbeddedRedis.start(Path(config.data_dir) / DATA_SUBDIR)
                 url = embedded.url
             else:
                 url = config.redis_url
