@@ -117,8 +117,9 @@ class AdapterRegistry:
     # ---- writes -------------------------------------------------------
 
     def put(self, tenant_id: str, name: str, config_json: bytes, weights: bytes, *, summary,
-            replace: bool = False, max_adapters: int | None = None) -> AdapterRecord:
-        """Store a validated adapter; all-or-nothing (see the module docstring).
+            replace: bool = False, max_adapters: int | None = None, base: str = "") -> AdapterRecord:
+        """Store a validated adapter; all-or-nothing (see the module docstring). `base`: the base
+        model it was validated against (kept in its record).
         Raises TenantAdaptersPurged if the tenant's adapters were purged meanwhile."""
         _validate_tenant_id(tenant_id)
         validate_name(name)
@@ -139,7 +140,7 @@ class AdapterRegistry:
         payloads = {**config_chunks, **weights_chunks}
         counts = Counter(config_layout.digests + weights_layout.digests)
         record = AdapterRecord(tenant_id, name, uuid.uuid4().hex, int(summary.rank),
-                               tuple(summary.target_modules), int(summary.size_bytes), now)
+                               tuple(summary.target_modules), int(summary.size_bytes), now, base)
         fields = StoredVersion(record, config_layout, weights_layout, None).fields()
         upload_id = uuid.uuid4().hex
         staged: set[str] = set()

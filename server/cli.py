@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "/tokenize and /detokenize are ignored and named in the X-Loraplex-Ignored-Fields "
                         "response header (default off: OpenAI's, a 400 naming them); another server's adapter "
                         "selector (lora_request, parameters.adapter_id, ...) is refused either way")
+    s.add_argument("--strict-adapter-base", action="store_true",
+                   help="refuse an adapter upload whose adapter_config.json names another base model "
+                        "(base_model_name_or_path, compared by its last path component) (default off: "
+                        "accepted, with a warning in the upload's answer)")
     s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
                    help="most prompts in one /v1/completions batch (a list of prompts); default 64")
     s.add_argument("--max-logprob-entries", type=_positive_int, default=1 << 16,

@@ -167,6 +167,7 @@ class ServerConfig:
     adapter_loads_per_tenant: int = 1     # --adapter-loads-per-tenant: one tenant's fetches under way at once
     source_credentials_key_file: Path | None = None  # --source-credentials-key-file (None: in data_dir)
     lenient_request_fields: bool = False  # --lenient-request-fields: drop unknown fields (and say so) instead of 400
+    strict_adapter_base: bool = False     # --strict-adapter-base: refuse an upload declaring another base model
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -350,7 +351,8 @@ class ServerConfig:
             adapter_loads_per_tenant=getattr(args, "adapter_loads_per_tenant", 1),
             source_credentials_key_file=(Path(args.source_credentials_key_file).expanduser()
                                          if getattr(args, "source_credentials_key_file", None) else None),
-            lenient_request_fields=getattr(args, "lenient_request_fields", False))
+            lenient_request_fields=getattr(args, "lenient_request_fields", False),
+            strict_adapter_base=getattr(args, "strict_adapter_base", False))
 
 
 def _model_id(served_model_name: str | None, model: str | None) -> str:

@@ -13,6 +13,7 @@ from adapters.sharing import OPERATOR_OWNER
 from adapters.sources import SourcePolicy, fetch_adapter, parse_reference
 from adapters.sources.policy import operator_policy
 from server.api.adapter_intake import store_adapter
+from server.api.base_identity import require_same_base, unavailable_reason
 from server.api.errors import APIError
 from server.api.fetch_flights import NEAR, REMOTE
 from server.api.state import ServerState
@@ -123,20 +124,25 @@ async def resolve_adapter(state: ServerState, tenant: Tenant, name: str) -> Adap
         validate_name(name)
     except ValueError:
         raise _not_found(name) from None
-    record = await run_in_threadpool(state.registry.get, tenant.id, name)
-    if record is not None:
+    found = await _usable(state, tenant.id, tenant.quota, name)
+    if found is None and await run_in_threadpool(state.sharing.visible, name, tenant.id):
+        found = await _usable(state, OPERATOR_OWNER, None, name)
+    if found is None:
+        raise _not_found(name)
+    return found
+
+
+async def _usable(state: ServerState, owner: str, quota: Quota | None, name: str) -> AdapterRecord | None:
+    """`owner`'s stored version of `name` if it was validated against the served base; else its
+    reference's, fetched (again) and validated now; a 400 naming both bases for an upload of another
+    base (server.api.base_identity); None if `owner` has no such name."""
+    record = await run_in_threadpool(state.registry.get, owner, name)
+    if record is not None and unavailable_reason(record, state.base) is None:
         return record
-    ref = await run_in_threadpool(state.references.get, tenant.id, name)
+    ref = await run_in_threadpool(state.references.get, owner, name)
     if ref is not None:
-        return await fetch_and_store(state, tenant.id, tenant.quota, ref)
-    if await run_in_threadpool(state.sharing.visible, name, tenant.id):
-        record = await run_in_threadpool(state.registry.get, OPERATOR_OWNER, name)
-        if record is not None:
-            return record
-        ref = await run_in_threadpool(state.references.get, OPERATOR_OWNER, name)
-        if ref is not None:
-            return await fetch_and_store(state, OPERATOR_OWNER, None, ref)
-    raise _not_found(name)
+        return await fetch_and_store(state, owner, quota, ref)
+    return None if record is None else require_same_base(record, state.base)
 
 
 _LORAX_SOURCES = {"s3": "s3://", "local": "", "https": "https://", "http": "http://", "url": ""}
@@ -161,7 +167,7 @@ async def resolve_lorax_adapter(state: ServerState, tenant: Tenant, adapter_id: 
                        param="adapter_id")
     name = "ref-" + hashlib.sha256(source.encode()).hexdigest()[:24]
     record = await run_in_threadpool(state.registry.get, tenant.id, name)
-    if record is not None:
+    if record is not None and unavailable_reason(record, state.base) is None:
         return record
     ref = await run_in_threadpool(state.references.get, tenant.id, name)
     if ref is None:
