@@ -18,9 +18,13 @@ LOCK_NAME = "serve.lock"
 
 def hold_data_dir(data_dir: Path) -> IO[str]:
     """The open lock file; the lock lasts while it stays open. ConfigError names the holder."""
-    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = data_dir / LOCK_NAME
-    f = open(path, "a+")
+    try:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:
+        raise ConfigError(f"--data-dir {data_dir}: cannot write there ({e.strerror or e}); pass a directory "
+                          "this user can write") from None
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -107,3 +107,11 @@ def test_a_data_dir_written_by_a_newer_redis_that_is_gone(tmp_path):
     assert f"was written by redis-server 7.0.15 at {gone} (which is gone)" in line, line
     assert f"at {real} is older and may not read it" in line and "--redis-url" in line, line
     assert (redis_dir / "appendonly.aof").read_bytes() == aof  # nothing started over it
+
+
+def test_a_data_dir_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = _refused(blocker / "data")
+    assert line.startswith(f"loraplex: error: --data-dir {blocker / 'data'}: cannot write there (") and \
+        line.endswith("pass a directory this user can write"), line
