@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Callable
 
 from adapters.chunks import AdapterRecord, ChunkStore, RegistryKeys, StoredVersion, split
-from adapters.registry_scripts import (_COLLECT_LUA, _COMMIT_LUA, _DELETE_LUA,
+from adapters.registry_scripts import (_CLAIM_BASE_LUA, _COLLECT_LUA, _COMMIT_LUA, _DELETE_LUA,
                                        _MIGRATE_INDEX_LUA, _RETIRE_ALL_LUA)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -109,6 +109,7 @@ class AdapterRegistry:
         self._retire_all = redis.register_script(_RETIRE_ALL_LUA)
         self._migrate_index = redis.register_script(_MIGRATE_INDEX_LUA)
         self._collect = redis.register_script(_COLLECT_LUA)
+        self._claim_base = redis.register_script(_CLAIM_BASE_LUA)
 
     @property
     def events_channel(self) -> str:
@@ -229,6 +230,13 @@ class AdapterRegistry:
             released += n
             if n < _GC_BATCH:
                 return released
+
+    def claim_base(self, version: str, base: str) -> bool:
+        """Record `base` on a version stored without one (validated against it since); False if the
+        version is gone or has its base already."""
+        if not _VERSION_RE.fullmatch(version) or not base:
+            raise ValueError("claim_base needs a version id and a base")
+        return bool(self._claim_base(keys=[self._keys.version(version)], args=[base]))
 
     # ---- reads --------------------------------------------------------
 

@@ -6,7 +6,8 @@ dimension; not the checkpoint's dtype, nor its context length). A data dir (a Re
 another `--model` keeps the old base's adapters: they stay stored and listed (so their tenant sees
 them and can delete or upload again) with why they cannot be used, and a request for one is a 400
 that names the adapter and both bases, never a retryable 503. A version stored before bases were
-recorded (`base` empty) is served as before.
+recorded (`base` empty) is validated against the served base on its first use and claims it
+(server.api.adapter_references).
 
 An upload's `base_model_name_or_path` is only a name (a hub id here, a local directory there), so one
 that disagrees with the served model is a warning in the upload's answer, or a refusal under

@@ -11,6 +11,7 @@ import shutil
 import openai
 import pytest
 
+from adapters.chunks import RegistryKeys
 from server.api.base_identity import base_identity
 from server.demo import make_adapter, make_base_model
 from server.engine.config import ModelConfig
@@ -21,9 +22,9 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory):
-    """Another tiny Llama: three layers where the first has two, so the first's adapters cannot fit."""
-    return make_base_model(tmp_path_factory.mktemp("other-model"), "llama", hidden_size=64, num_layers=3,
-                           num_heads=4, num_kv_heads=2, intermediate_size=128)
+    """Another tiny Llama, twice as wide as the first: the first's adapters cannot fit it."""
+    return make_base_model(tmp_path_factory.mktemp("other-model"), "llama", hidden_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, intermediate_size=256)
 
 
 def _declaring(tmp_path, adapter_dir, base_name: str):
@@ -78,6 +79,35 @@ def test_a_model_change_leaves_the_old_bases_adapters_listed_unavailable(
             assert refused.json()["error"]["param"] == "base_model_name_or_path"
             assert "'meta-llama/Llama-3.1-8B'" in refused.json()["error"]["message"]
             assert h.get("/v1/adapters/other").status_code == 404
+
+
+def test_versions_stored_before_bases_were_recorded(tmp_path, redis_server, tiny_model_dir, other_model_dir,
+                                                   tiny_adapters):
+    """An older loraplex stored no base: a version is validated against the served base on its first use
+    and the base recorded; one that does not fit is a 400 naming it, not a 503."""
+    url, data = api_redis_url(redis_server), tmp_path / "data"
+    with running_server(server_config(tiny_model_dir, data, url)) as first:
+        tenant, key = first.new_tenant()
+        tenant_id = first.admin("GET", f"/admin/tenants/{tenant}").json()["id"]
+        for name in ("kept", "moved"):
+            assert first.upload(key, name, tiny_adapters["r4_qv"]).status_code == 201
+            # What an older loraplex stored: the same record without its base.
+            version = first.state.registry.get(tenant_id, name).version
+            assert first.state.redis.hdel(RegistryKeys(first.config.redis_prefix).version(version), "base") == 1
+        with first.http(key) as h:
+            assert h.get("/v1/adapters/kept").json()["base"] is None
+            r = h.post("/v1/completions", json={"model": "kept", "prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert h.get("/v1/adapters/kept").json()["base"] == first.state.base
+    with running_server(server_config(other_model_dir, data, api_redis_url(redis_server, flush=False))) as second:
+        with second.http(key) as h:
+            assert h.get("/v1/adapters/kept").json()["available"] is False
+            r = h.post("/v1/completions", json={"model": "moved", "prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert message.startswith("adapter 'moved' was stored before loraplex recorded adapters' base models "
+                                      f"and does not fit the served base model '{second.state.model_id}'"), message
+            assert r.json()["error"]["code"] == "adapter_base_mismatch"
 
 
 def test_a_declared_base_of_another_name_is_warned_about(api_server, tmp_path, tiny_adapters):
