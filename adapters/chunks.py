@@ -123,11 +123,14 @@ class AdapterRecord:
     target_modules: tuple[str, ...]
     size_bytes: int
     created_at: float
+    # The base model it was validated against ("NAME@FINGERPRINT", server.api.base_identity); "" for a
+    # version stored before bases were recorded.
+    base: str = ""
 
     def public(self) -> dict:
         return {"id": self.version, "name": self.name, "version": self.version,
                 "rank": self.rank, "target_modules": list(self.target_modules),
-                "size_bytes": self.size_bytes, "created_at": self.created_at}
+                "size_bytes": self.size_bytes, "created_at": self.created_at, "base": self.base or None}
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ class StoredVersion:
         r, config, weights = self.record, self.config, self.weights
         return {"tenant": r.tenant, "name": r.name, "version": r.version,
                 "rank": str(r.rank), "target_modules": json.dumps(list(r.target_modules)),
-                "size_bytes": str(r.size_bytes), "created_at": repr(r.created_at),
+                "size_bytes": str(r.size_bytes), "created_at": repr(r.created_at), "base": r.base,
                 "config_sha256": config.sha256, "config_len": str(config.length),
                 "config_chunks": json.dumps(list(config.digests)),
                 "weights_sha256": weights.sha256, "weights_len": str(weights.length),
@@ -157,7 +160,7 @@ class StoredVersion:
         record = AdapterRecord(
             tenant=f["tenant"], name=f["name"], version=f["version"], rank=int(f["rank"]),
             target_modules=tuple(json.loads(f["target_modules"])),
-            size_bytes=int(f["size_bytes"]), created_at=float(f["created_at"]))
+            size_bytes=int(f["size_bytes"]), created_at=float(f["created_at"]), base=f.get("base", ""))
         config = ChunkedFile(f["config_sha256"], int(f["config_len"]),
                              tuple(json.loads(f["config_chunks"])))
         weights = ChunkedFile(f["weights_sha256"], int(f["weights_len"]),

@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Callable
 
 from adapters.chunks import AdapterRecord, ChunkStore, RegistryKeys, StoredVersion, split
-from adapters.registry_scripts import (_COLLECT_LUA, _COMMIT_LUA, _DELETE_LUA,
+from adapters.registry_scripts import (_CLAIM_BASE_LUA, _COLLECT_LUA, _COMMIT_LUA, _DELETE_LUA,
                                        _MIGRATE_INDEX_LUA, _RETIRE_ALL_LUA)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -109,6 +109,7 @@ class AdapterRegistry:
         self._retire_all = redis.register_script(_RETIRE_ALL_LUA)
         self._migrate_index = redis.register_script(_MIGRATE_INDEX_LUA)
         self._collect = redis.register_script(_COLLECT_LUA)
+        self._claim_base = redis.register_script(_CLAIM_BASE_LUA)
 
     @property
     def events_channel(self) -> str:
@@ -117,8 +118,9 @@ class AdapterRegistry:
     # ---- writes -------------------------------------------------------
 
     def put(self, tenant_id: str, name: str, config_json: bytes, weights: bytes, *, summary,
-            replace: bool = False, max_adapters: int | None = None) -> AdapterRecord:
-        """Store a validated adapter; all-or-nothing (see the module docstring).
+            replace: bool = False, max_adapters: int | None = None, base: str = "") -> AdapterRecord:
+        """Store a validated adapter; all-or-nothing (see the module docstring). `base`: the base
+        model it was validated against (kept in its record).
         Raises TenantAdaptersPurged if the tenant's adapters were purged meanwhile."""
         _validate_tenant_id(tenant_id)
         validate_name(name)
@@ -139,7 +141,7 @@ class AdapterRegistry:
         payloads = {**config_chunks, **weights_chunks}
         counts = Counter(config_layout.digests + weights_layout.digests)
         record = AdapterRecord(tenant_id, name, uuid.uuid4().hex, int(summary.rank),
-                               tuple(summary.target_modules), int(summary.size_bytes), now)
+                               tuple(summary.target_modules), int(summary.size_bytes), now, base)
         fields = StoredVersion(record, config_layout, weights_layout, None).fields()
         upload_id = uuid.uuid4().hex
         staged: set[str] = set()
@@ -228,6 +230,13 @@ class AdapterRegistry:
             released += n
             if n < _GC_BATCH:
                 return released
+
+    def claim_base(self, version: str, base: str) -> bool:
+        """Record `base` on a version stored without one (validated against it since); False if the
+        version is gone or has its base already."""
+        if not _VERSION_RE.fullmatch(version) or not base:
+            raise ValueError("claim_base needs a version id and a base")
+        return bool(self._claim_base(keys=[self._keys.version(version)], args=[base]))
 
     # ---- reads --------------------------------------------------------
 

@@ -155,3 +155,13 @@ for _, v in ipairs(vs) do
 end
 return #vs
 """
+
+# KEYS: a version record. ARGV: the base model identity.
+# Records a base on a version stored before bases were recorded: never on another's, never a new hash.
+_CLAIM_BASE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local base = redis.call('HGET', KEYS[1], 'base')
+if base and base ~= '' then return 0 end
+redis.call('HSET', KEYS[1], 'base', ARGV[1])
+return 1
+"""

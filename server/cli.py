@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
+from contextlib import ExitStack
 
-from server.config import AUTO_PREFILL_CAP, CPU_PREFILL_CAP, TOOL_CALL_PARSERS, ConfigError, ServerConfig
+from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS,
+                           TOOL_CALL_PARSERS, ConfigError, ServerConfig)
 from server.default_model import DefaultModelMissing
 from server.gguf_reader import GGUFError
+from server.startup_checks import check_before_model
 from server.version import loraplex_version
 
 
@@ -43,8 +47,15 @@ def _fraction(text: str) -> float:
     return value
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A mistaken flag is one line that names it, not the whole usage (--help has that)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving.")
+    parser = _OneLineErrors(prog="loraplex", description="Multi-tenant LoRA serving.")
     parser.add_argument("--version", action="version", version=f"loraplex {loraplex_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -57,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "default: an embedded redis-server)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 for every interface (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on, 0..65535 (default 8000)")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs; auto: cuda when a GPU is visible, else cpu (default auto)")
     s.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -71,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most distinct adapters in one batch (accelerator slots), or auto: on CUDA as many at "
                         "--max-lora-rank as fit in 10%% of the memory the weights leave (8 on a CPU); default 8")
     s.add_argument("--max-lora-rank", type=_positive_int, default=64,
-                   help="largest adapter rank accepted; default 64")
+                   help="largest adapter rank accepted, 1..%d; default 64" % MAX_LORA_RANK)
     s.add_argument("--enable-lora", action="store_true",
                    help="vLLM's flag, accepted for its scripts: loraplex always serves adapters (default on)")
     s.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
@@ -101,16 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="limit on one whole adapter fetch from a source (default 30)")
     s.add_argument("--adapter-load-workers", type=int, default=2, metavar="N",
                    help="processes that fetch and validate adapters from sources, off the server process "
-                        "so cold loads do not slow other tenants' tokens; 0: in the server process (default 2)")
+                        "so cold loads do not slow other tenants' tokens; 0..64; 0: in the server process (default 2)")
     s.add_argument("--adapter-loads-per-tenant", type=int, default=1, metavar="N",
                    help="most adapter fetches one tenant has under way at once (default 1)")
     s.add_argument("--max-model-len", type=_positive_int,
-                   help="longest prompt + completion in tokens (default: the model's, or less if the KV pool "
+                   help="longest prompt + completion in tokens, at least 2 (default: the model's, or less if the KV pool "
                         "cannot hold 4 sequences of that; the start-up log says which and why)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=256,
                    help="most sequences running at once (each choice of n counts); default 256")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
-                   help="tokens one engine step computes at most (prompt chunks and decodes); default 2048")
+                   help="tokens one engine step computes at most (prompt chunks and decodes), 1..%d; default 2048"
+                        % MAX_NUM_BATCHED_TOKENS)
     s.add_argument("--max-prefill-tokens-while-decoding", type=_prefill_cap, default=AUTO_PREFILL_CAP,
                    metavar="N|auto|off",
                    help="prompt tokens one step may compute while other requests decode, so one long prompt "
@@ -164,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
                    help="torch threads on a CPU device: auto (default) = the cores in this process's "
                         "affinity mask, less one for the HTTP side when there is more than one")
-    s.add_argument("--admin-token", help="admin bearer token (or $LORAPLEX_ADMIN_TOKEN; default: one generated "
+    s.add_argument("--admin-token", help="admin bearer token, 16+ characters (or $LORAPLEX_ADMIN_TOKEN; default: one generated "
                                          "once, kept in the data dir and printed at start)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="largest JSON request body accepted, in bytes (default 16 MiB); larger is a 413")
@@ -202,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "/tokenize and /detokenize are ignored and named in the X-Loraplex-Ignored-Fields "
                         "response header (default off: OpenAI's, a 400 naming them); another server's adapter "
                         "selector (lora_request, parameters.adapter_id, ...) is refused either way")
+    s.add_argument("--strict-adapter-base", action="store_true",
+                   help="refuse an adapter upload whose adapter_config.json names another base model "
+                        "(base_model_name_or_path, compared by its last path component) (default off: "
+                        "accepted, with a warning in the upload's answer)")
     s.add_argument("--max-batch-prompts", type=_positive_int, default=64,
                    help="most prompts in one /v1/completions batch (a list of prompts); default 64")
     s.add_argument("--max-logprob-entries", type=_positive_int, default=1 << 16,
@@ -210,22 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 65536)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long running requests may finish before they are cut "
-                        "(new connections are refused at once; a second Ctrl-C stops at once) (default 30)")
-    s.add_argument("--metrics-token", help="bearer token that may read /metrics besides the admin token "
+                        "(new connections are refused at once; a second Ctrl-C stops at once), 0..3600 (default 30)")
+    s.add_argument("--metrics-token", help="bearer token (16+ characters) that may read /metrics besides the admin token "
                                            "(or $LORAPLEX_METRICS_TOKEN), for Prometheus' bearer_token (default none)")
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without credentials (it names tenants: only on a private network; "
                         "default off)")
     s.add_argument("--replica-name", help="this replica's name among several behind one proxy, shown in "
                                           "/health, /version, the x-loraplex-replica header and /metrics "
-                                          "(default: hostname:port)")
+                                          "(1-128 characters; default: hostname:port)")
     s.add_argument("--lease-ttl", type=float, default=10.0, metavar="SECONDS",
                    help="a replica beats the heartbeat of its requests' concurrency slots every third of this; "
                         "a replica unheard for this long (killed, frozen) has its slots reclaimed by the others "
-                        "(default 10, at least 1)")
+                        "(default 10; 1..3600)")
     s.add_argument("--usage-settle-interval", type=float, default=2.0, metavar="SECONDS",
                    help="running requests' usage (tokens delivered so far) is recorded this often, so a crash "
-                        "loses at most this much of it (default 2)")
+                        "loses at most this much of it, 0.1..3600 (default 2)")
     s.add_argument("--auth-failure-limit", type=_positive_int, default=30, metavar="N",
                    help="failed API-key checks a minute allowed per client address and per key id; past it "
                         "an address gets 429 before its key is checked, and a key id's failing attempts get "
@@ -329,9 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loraplex: error: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
               f"(is another server running there? pick another --port)", file=sys.stderr)
         return 2
-    with sock:
+    with sock, ExitStack() as held:
         _log_to_stderr()
         try:
+            check_before_model(args, os.environ, held)
             config = ServerConfig.from_args(args)
             prepare_model(config)
         except (ConfigError, DefaultModelMissing, GGUFError) as e:

@@ -26,6 +26,10 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser: server.api.
 CPU_PREFILL_CAP = 256
 DEMO_MODEL_FLAG = "demo"  # --model demo: the built-in random-weight model
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # no --model: server.default_model
+# server.engine.config's bounds, repeated: checked here so a start-up mistake is one line before the model
+# loads, and named in --help, without importing torch.
+MAX_LORA_RANK = 512
+MAX_NUM_BATCHED_TOKENS = 65536
 
 
 class ConfigError(ValueError):
@@ -38,6 +42,16 @@ def default_data_dir(env: Mapping[str, str]) -> Path:
         return Path(env["LORAPLEX_DATA_DIR"]).expanduser()
     base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base).expanduser() / "loraplex"
+
+
+def data_dir_of(args, env: Mapping[str, str]) -> Path:
+    """`serve`'s --data-dir, else the default."""
+    return Path(args.data_dir).expanduser() if args.data_dir else default_data_dir(env)
+
+
+def redis_url_of(args, env: Mapping[str, str]) -> str | None:
+    """`serve`'s --redis-url or $LORAPLEX_REDIS_URL; None: the embedded Redis."""
+    return args.redis_url or env.get("LORAPLEX_REDIS_URL") or None
 
 
 def valid_adapter_name(name: str) -> bool:
@@ -156,6 +170,7 @@ class ServerConfig:
     adapter_loads_per_tenant: int = 1     # --adapter-loads-per-tenant: one tenant's fetches under way at once
     source_credentials_key_file: Path | None = None  # --source-credentials-key-file (None: in data_dir)
     lenient_request_fields: bool = False  # --lenient-request-fields: drop unknown fields (and say so) instead of 400
+    strict_adapter_base: bool = False     # --strict-adapter-base: refuse an upload declaring another base model
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -172,6 +187,12 @@ class ServerConfig:
                      "max_grammar_compile_ms", "max_schema_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ConfigError(f"--max-lora-rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}: "
+                              f"pass --max-lora-rank {MAX_LORA_RANK} or less")
+        if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
+            raise ConfigError(f"--max-num-batched-tokens must be at most {MAX_NUM_BATCHED_TOKENS}, got "
+                              f"{self.max_num_batched_tokens}")
         if not self.compile_seconds_per_minute >= 0:
             raise ConfigError(f"--compile-seconds-per-minute must be >= 0, got {self.compile_seconds_per_minute}")
         if not 0 <= self.shutdown_timeout <= 3600:
@@ -288,7 +309,7 @@ class ServerConfig:
     def from_args(cls, args, env: Mapping[str, str] | None = None) -> "ServerConfig":
         """From the `serve` subcommand's argparse namespace plus the environment."""
         env = os.environ if env is None else env
-        data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir(env)
+        data_dir = data_dir_of(args, env)
         token = args.admin_token or env.get("LORAPLEX_ADMIN_TOKEN") or None
         generated = token is None
         if generated:
@@ -298,7 +319,7 @@ class ServerConfig:
         return cls(
             data_dir=data_dir, admin_token=token, admin_token_generated=generated,
             model=args.model, served_model_name=args.served_model_name,
-            redis_url=args.redis_url or env.get("LORAPLEX_REDIS_URL") or None,
+            redis_url=redis_url_of(args, env),
             host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             adapters=tuple(parse_adapter_flag(a) for a in args.adapter or ()),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
@@ -343,7 +364,8 @@ class ServerConfig:
             adapter_loads_per_tenant=getattr(args, "adapter_loads_per_tenant", 1),
             source_credentials_key_file=(Path(args.source_credentials_key_file).expanduser()
                                          if getattr(args, "source_credentials_key_file", None) else None),
-            lenient_request_fields=getattr(args, "lenient_request_fields", False))
+            lenient_request_fields=getattr(args, "lenient_request_fields", False),
+            strict_adapter_base=getattr(args, "strict_adapter_base", False))
 
 
 def _model_id(served_model_name: str | None, model: str | None) -> str:

@@ -60,14 +60,15 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     old = await run_in_threadpool(state.registry.get, owner, name)
     if keep_identical and old is not None:
         stored = await run_in_threadpool(state.registry.read_files, old.version)
-        if stored == (summary.canonical_config_json, weights):
+        if stored == (summary.canonical_config_json, weights) and old.base == state.base:
             await _precompute(state, old.version, dora)  # stored against another base, maybe
             return old
     # The canonical config is stored: the user's patterns were resolved once, above, and a
     # later load never runs them again.
     record = await run_in_threadpool(
         lambda: state.registry.put(owner, name, summary.canonical_config_json, weights, summary=summary,
-                                   replace=replace, max_adapters=None if quota is None else quota.max_adapters))
+                                   replace=replace, max_adapters=None if quota is None else quota.max_adapters,
+                                   base=state.base))
     if old is not None and old.version != record.version:
         await state.engine.remove_adapter(old.version)  # other processes hear it via the registry's events
     # Waited for (a W A^T per DoRA module, on the engine's one precompute thread, off the event loop):

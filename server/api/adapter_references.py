@@ -3,11 +3,13 @@
 its references, and the operator's adapters shared with it (read-only, outside its quota)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 from starlette.concurrency import run_in_threadpool
 
 from adapters.file_bound import bounded_by_model
+from adapters.format import AdapterFormatError, inspect_adapter_bytes
 from adapters.references import AdapterReference
 from adapters.registry import AdapterRecord, validate_name
 from adapters.sharing import OPERATOR_OWNER
@@ -15,6 +17,7 @@ from adapters.sources import SourceError, SourcePolicy, SourceRef, fetch_adapter
 from adapters.sources.admission import admit_reference
 from adapters.sources.policy import operator_policy
 from server.api.adapter_intake import check_adapter_room, store_adapter
+from server.api.base_identity import require_same_base, unavailable_reason
 from server.api.errors import APIError
 from server.api.fetch_flights import NEAR, REMOTE
 from server.api.state import ServerState
@@ -128,20 +131,44 @@ async def resolve_adapter(state: ServerState, tenant: Tenant, name: str) -> Adap
         validate_name(name)
     except ValueError:
         raise _not_found(name) from None
-    record = await run_in_threadpool(state.registry.get, tenant.id, name)
-    if record is not None:
+    found = await _usable(state, tenant.id, tenant.quota, name)
+    if found is None and await run_in_threadpool(state.sharing.visible, name, tenant.id):
+        found = await _usable(state, OPERATOR_OWNER, None, name)
+    if found is None:
+        raise _not_found(name)
+    return found
+
+
+async def _usable(state: ServerState, owner: str, quota: Quota | None, name: str) -> AdapterRecord | None:
+    """`owner`'s stored version of `name` if it was validated against the served base; else its
+    reference's, fetched (again) and validated now; a 400 naming both bases for an upload of another
+    base (server.api.base_identity); None if `owner` has no such name."""
+    record = await run_in_threadpool(state.registry.get, owner, name)
+    if record is not None and not record.base:
+        record = await _claim_unrecorded_base(state, record)
+    if record is not None and unavailable_reason(record, state.base) is None:
         return record
-    ref = await run_in_threadpool(state.references.get, tenant.id, name)
+    ref = await run_in_threadpool(state.references.get, owner, name)
     if ref is not None:
-        return await fetch_and_store(state, tenant.id, tenant.quota, ref)
-    if await run_in_threadpool(state.sharing.visible, name, tenant.id):
-        record = await run_in_threadpool(state.registry.get, OPERATOR_OWNER, name)
-        if record is not None:
-            return record
-        ref = await run_in_threadpool(state.references.get, OPERATOR_OWNER, name)
-        if ref is not None:
-            return await fetch_and_store(state, OPERATOR_OWNER, None, ref)
-    raise _not_found(name)
+        return await fetch_and_store(state, owner, quota, ref)
+    return None if record is None else require_same_base(record, state.base)
+
+
+async def _claim_unrecorded_base(state: ServerState, record: AdapterRecord) -> AdapterRecord:
+    """A version stored before bases were recorded: validated against the served base once, on its first
+    use, and that base recorded on it; one that does not fit is a 400 naming it, not a failed load."""
+    def check() -> None:
+        config_json, weights = state.registry.read_files(record.version)
+        inspect_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape, state.config.max_lora_rank)
+
+    try:
+        await run_in_threadpool(check)
+    except AdapterFormatError as e:
+        raise APIError(400, f"adapter '{record.name}' was stored before loraplex recorded adapters' base models "
+                            f"and does not fit the served base model '{state.model_id}' ({e}): upload it again "
+                            "for this model", "adapter_base_mismatch", param="model") from None
+    await run_in_threadpool(state.registry.claim_base, record.version, state.base)
+    return dataclasses.replace(record, base=state.base)
 
 
 _LORAX_SOURCES = {"s3": "s3://", "local": "", "https": "https://", "http": "http://", "url": ""}
@@ -166,7 +193,7 @@ async def resolve_lorax_adapter(state: ServerState, tenant: Tenant, adapter_id: 
                        param="adapter_id")
     name = "ref-" + hashlib.sha256(source.encode()).hexdigest()[:24]
     record = await run_in_threadpool(state.registry.get, tenant.id, name)
-    if record is not None:
+    if record is not None and unavailable_reason(record, state.base) is None:
         return record
     ref = await run_in_threadpool(state.references.get, tenant.id, name)
     if ref is not None:

@@ -16,6 +16,7 @@ from server.api.adapter_intake import store_adapter
 from server.api.adapter_references import register_reference, unregister
 from server.api.adapter_requests import AdapterByReference
 from server.api.auth import require_tenant, state_of
+from server.api.base_identity import declared_base_problem, listed
 from server.api.body import read_json_object
 from server.api.errors import APIError
 from server.api.state import ServerState
@@ -56,9 +57,13 @@ async def store_upload(request: Request, state: ServerState, tenant: Tenant) -> 
         validate_name(upload.name)
     except ValueError as e:
         raise APIError(400, str(e), "invalid_field", param="name") from None
+    warning = declared_base_problem(upload.config_json, state.model_id, state.config.model)
+    if warning is not None and state.config.strict_adapter_base:
+        raise APIError(400, f"{warning} (refused: the server runs with --strict-adapter-base)",
+                       "adapter_base_mismatch", param="base_model_name_or_path")
     record = await store_adapter(state, tenant.id, quota, upload.name, upload.config_json, upload.weights,
                                  upload.replace)
-    return JSONResponse(_public(record), status_code=201)
+    return JSONResponse({**_public(record), **({"warnings": [warning]} if warning else {})}, status_code=201)
 
 
 async def _register_by_reference(request: Request, tenant, state) -> Response:
@@ -80,8 +85,9 @@ def _public(record) -> dict:
 
 async def list_adapters(request: Request) -> Response:
     tenant = await require_tenant(request)
-    records = await run_in_threadpool(state_of(request).registry.list, tenant.id)
-    return JSONResponse({"object": "list", "data": [_public(r) for r in records]})
+    state = state_of(request)
+    records = await run_in_threadpool(state.registry.list, tenant.id)
+    return JSONResponse({"object": "list", "data": [listed(r, state.base) for r in records]})
 
 
 async def get_adapter(request: Request) -> Response:
@@ -91,7 +97,7 @@ async def get_adapter(request: Request) -> Response:
         state_of(request).registry.get, tenant.id, name)
     if record is None:
         raise APIError(404, f"adapter '{request.path_params['name']}' does not exist", "not_found")
-    return JSONResponse(_public(record))
+    return JSONResponse(listed(record, state_of(request).base))
 
 
 async def delete_adapter(request: Request) -> Response:

@@ -49,8 +49,10 @@ def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, we
     # What is stored is the canonical config (user patterns resolved once, here).
     config_json = summary.canonical_config_json
     record = state.registry.get(owner, name)
-    if record is None or state.registry.read_files(record.version) != (config_json, weights):
-        record = state.registry.put(owner, name, config_json, weights, summary=summary, replace=True)
+    if record is None or record.base != state.base or state.registry.read_files(record.version) != (config_json,
+                                                                                                     weights):
+        record = state.registry.put(owner, name, config_json, weights, summary=summary, replace=True,
+                                    base=state.base)
     dora_scales_of_files(state, record.version, config_json, weights)  # the first request reloads them
 
 

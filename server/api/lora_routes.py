@@ -1,5 +1,7 @@
 """vLLM's runtime adapter endpoints, scoped to the calling tenant:
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter {"lora_name"}`.
+Unload frees memory and keeps what is stored, as vLLM's does: an uploaded adapter stays (listed, loaded
+again on its next use); a name registered by reference is dropped, its source untouched.
 `lora_path` is any source the operator allows (adapters.sources); success answers are vLLM's text."""
 from __future__ import annotations
 
@@ -50,9 +52,23 @@ async def unload_lora_adapter(request: Request) -> Response:
         raise APIError(400, "'lora_int_id' is not supported: name the adapter with 'lora_name'", "unsupported",
                        param="lora_int_id")
     await _refuse_shared(state, tenant, body.lora_name)
-    if await unregister(state, tenant.id, body.lora_name) is False:
-        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found")
+    if await run_in_threadpool(state.references.get, tenant.id, body.lora_name) is not None:
+        # Registered by reference (vLLM's load): its name goes, as in vLLM, and the source keeps the files.
+        await unregister(state, tenant.id, body.lora_name)
+    else:
+        record = await run_in_threadpool(state.registry.get, tenant.id, body.lora_name)
+        if record is None:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found")
+        # An upload is the only copy: it stays stored and listed, and the next request loads it again.
+        await state.engine.call(lambda engine: _release_memory(engine, record.version))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _release_memory(engine, version: str) -> None:
+    """The version leaves the device slots and the host tier (once no running request uses it); unlike
+    remove_adapter, its cached prefix KV stays valid: the same version id is the same weights."""
+    engine.host.remove(version)
+    engine.slots.remove(version)
 
 
 ROUTES = [

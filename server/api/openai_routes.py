@@ -17,6 +17,7 @@ from server.api.auth import require_tenant, state_of
 from server.api.body import BASE_VALUES
 from server.api.budget import check_completion_cap, check_request_cost
 from server.api.constraints import constraint_of
+from server.api.base_identity import unavailable_reason
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -38,7 +39,8 @@ def _ref_card(state: ServerState, tenant: Tenant, name: str, created: float, own
 
 def _listing(state: ServerState, tenant: Tenant) -> list[dict]:
     """The base model, the caller's adapters (fetched or not yet), then the operator's shared with it."""
-    records = state.registry.list(tenant.id)
+    # Adapters of another base (server.api.base_identity) cannot be called: /v1/adapters lists them, with why.
+    records = [r for r in state.registry.list(tenant.id) if unavailable_reason(r, state.base) is None]
     cards = [_model_card(state, tenant, None)] + [_model_card(state, tenant, r) for r in records]
     names = {r.name for r in records}
     for name, ref in sorted(state.references.list(tenant.id).items()):
@@ -47,7 +49,7 @@ def _listing(state: ServerState, tenant: Tenant) -> list[dict]:
             cards.append(_ref_card(state, tenant, name, ref.registered_at, tenant.name))
     for name in state.sharing.visible_names(tenant.id):
         record = state.registry.get(OPERATOR_OWNER, name)
-        if name not in names and record is not None:
+        if name not in names and record is not None and unavailable_reason(record, state.base) is None:
             cards.append(_ref_card(state, tenant, name, record.created_at, "operator"))
     return cards
 

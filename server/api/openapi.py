@@ -63,8 +63,8 @@ OPERATIONS = (
        am.AdapterDeleted),
     Op("post", "/v1/load_lora_adapter", "vLLM's: load an adapter from a source the operator allows", "tenant",
        None, ar.LoadLoraAdapter, text="text/plain"),
-    Op("post", "/v1/unload_lora_adapter", "vLLM's: unload one of the caller's adapters", "tenant", None,
-       ar.UnloadLoraAdapter, text="text/plain"),
+    Op("post", "/v1/unload_lora_adapter", "vLLM's: free one of the caller's adapters from memory (an upload "
+       "stays stored)", "tenant", None, ar.UnloadLoraAdapter, text="text/plain"),
     Op("get", "/v1/adapter_source_credentials", "Which of the caller's own source credentials are set "
        "(never the secrets)", "tenant", sc.SourceCredentialList),
     Op("put", "/v1/adapter_source_credentials/{kind}", "Set the caller's own credentials for s3:// sources "

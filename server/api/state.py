@@ -33,6 +33,8 @@ from server.engine.config import ModelConfig
 from server.engine.async_engine import AsyncEngine
 from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
+from server.api.base_identity import base_identity
+from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
 from tenants.compile_budget import CompileBudget
@@ -68,6 +70,7 @@ def _held_versions(engine: AsyncEngine) -> set[str]:
 class ServerState:
     config: ServerConfig
     model_id: str
+    base: str                                # the served base's identity (server.api.base_identity)
     engine: AsyncEngine
     redis: redis.Redis
     redis_probe: RedisProbe                  # /health's own short-timeout view of Redis
@@ -103,7 +106,7 @@ class ServerState:
         loaders = pager = None
         try:
             if config.redis_url is None:
-                embedded = EmbeddedRedis.start(Path(config.data_dir) / "redis")
+                embedded = EmbeddedRedis.start(Path(config.data_dir) / DATA_SUBDIR)
                 url = embedded.url
             else:
                 url = config.redis_url
@@ -159,8 +162,8 @@ class ServerState:
                 if pool is not None:
                     pool.wait_ready()
             return cls(
-                config=config, model_id=config.model_id, engine=async_engine, redis=client,
-                redis_probe=RedisProbe(url),
+                config=config, model_id=config.model_id, base=base_identity(config.model_id, engine.model_config),
+                engine=async_engine, redis=client, redis_probe=RedisProbe(url),
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 refusals=RefusalLog(client, config.redis_prefix),
                 auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,

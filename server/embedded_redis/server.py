@@ -8,9 +8,12 @@ survive a restart), its log in `data_dir/redis.log`. Any local user can reach
 config file rather than argv, which `ps` shows to everyone. A pidfile guards
 the data dir: two servers appending to one AOF would corrupt it. A supervisor
 thread restarts the child on the same port if it dies (crash, OOM kill).
+The data dir keeps which redis-server wrote it, and a start never hands its
+data to one that may not read it (server.embedded_redis.binary).
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -26,9 +29,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from server.embedded_redis.binary import BinaryMismatch, choose_binary, write_record
 from server.embedded_redis.password import (PASSWORD_NAME, PasswordFileError, load_or_create_password,
                                    write_private)
 from server.embedded_redis.supervisor import SpawnError, Supervisor
+
+log = logging.getLogger(__name__)
 
 _LOG_NAME = "redis.log"
 _PID_NAME = "redis.pid"
@@ -128,7 +134,15 @@ class EmbeddedRedis:
         # 0700 when we create it: the AOF in it holds every tenant's data.
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         _check_data_dir_free(data_dir)
-        exe = executable or find_redis_server()
+        found = executable or find_redis_server()
+        try:
+            binary = choose_binary(data_dir, found, explicit=executable is not None)
+        except BinaryMismatch as e:
+            raise EmbeddedRedisError(str(e)) from None
+        if binary.path != found:
+            log.warning("using %s (redis-server %s), which wrote %s, rather than %s", binary.path,
+                        binary.version, data_dir, found)
+        exe = binary.path
         try:
             password = load_or_create_password(data_dir)
         except PasswordFileError as e:
@@ -145,6 +159,7 @@ class EmbeddedRedis:
                 if attempt == attempts - 1:
                     raise
                 continue
+            write_record(data_dir, binary)
             server._supervisor.start()
             return server
         raise AssertionError("unreachable")

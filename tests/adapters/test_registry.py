@@ -75,7 +75,7 @@ def test_put_get_list_delete(reg, redis_client):
     pub = rec.public()
     assert pub == {"id": rec.version, "name": "sql", "version": rec.version, "rank": 16,
                    "target_modules": ["q_proj", "v_proj"], "size_bytes": 1234,
-                   "created_at": rec.created_at}
+                   "created_at": rec.created_at, "base": None}
     assert reg.delete("acme", "sql") == rec
     assert reg.get("acme", "sql") is None
     assert reg.delete("acme", "sql") is None
