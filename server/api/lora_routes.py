@@ -60,15 +60,8 @@ async def unload_lora_adapter(request: Request) -> Response:
         if record is None:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found")
         # An upload is the only copy: it stays stored and listed, and the next request loads it again.
-        await state.engine.call(lambda engine: _release_memory(engine, record.version))
+        await state.engine.call(lambda engine: engine.release_adapter_memory(record.version))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-
-def _release_memory(engine, version: str) -> None:
-    """The version leaves the device slots and the host tier (once no running request uses it); unlike
-    remove_adapter, its cached prefix KV stays valid: the same version id is the same weights."""
-    engine.host.remove(version)
-    engine.slots.remove(version)
 
 
 ROUTES = [

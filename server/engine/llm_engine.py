@@ -79,6 +79,13 @@ class LLMEngine:
         self.lora_slots.remove(version_id)
         self.scheduler.prefix_cache.retire(version_id)
 
+    def release_adapter_memory(self, version_id: str) -> None:
+        """vLLM's unload: the version leaves the device slots and the host tier once no running request
+        uses it, and stays valid: the next request loads it again, and its cached prefix KV still holds
+        (the same version id is the same weights)."""
+        self.host.remove(version_id)
+        self.lora_slots.remove(version_id)
+
     # ---- prefix cache ----
     def set_prefix_cache_policy(self, enabled: bool = True, share_base_across_tenants: bool = False) -> None:
         """Turn prefix caching on or off, and allow base-model blocks to be reused across tenants

@@ -17,8 +17,8 @@ import redis
 from server.cli import build_parser
 from server.embedded_redis.binary import RECORD_NAME, probe
 from server.embedded_redis.server import EmbeddedRedis, find_redis_server, free_port
+from tests.repo import ROOT_DIR as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 LIMIT_S = 5.0
 
 
