@@ -19,6 +19,7 @@ import triton
 from benchmarks.aot import aot
 from kernels.launch_plan import TILE_ROWS
 from kernels.metadata import LoraBatch
+from tests.repo import ROOT_DIR as ROOT
 
 
 
@@ -93,7 +94,7 @@ def test_a_32_bit_row_offset_fails_the_check(tmp_path: Path) -> None:
     """The check reads each variant's TTIR: a token row times its stride in i32 is reported."""
     done = run_python(
         "import torch, triton, triton.language as tl\n"
-        "from kernels import aot\n"
+        "from benchmarks.aot import aot\n"
         "@triton.jit\n"
         "def _narrow_kernel(y_ptr, stride_yt, N, BLOCK: tl.constexpr):\n"
         "    t = tl.program_id(0)\n"
@@ -122,7 +123,6 @@ import torch
 from benchmarks.aot import aot
 from kernels import lora_triton
 from kernels.metadata import LoraBatch
-from tests.repo import ROOT_DIR as ROOT
 meta = dict(device="meta", dtype=torch.bfloat16)
 batch = LoraBatch.build({slots!r}, "meta", [16] * 8)
 x, y = torch.empty({tokens}, 4096, **meta), torch.empty({tokens}, {width}, **meta)

@@ -14,6 +14,7 @@ import httpx
 import redis
 
 from server.bench.server_proc import ServerProcess
+from server.demo import make_base_model
 from server.embedded_redis.server import free_port
 from tenants import TenantStore, UsageLog
 from tests.fixtures_server import api_redis_url, running_server, server_config
@@ -131,13 +132,16 @@ def test_running_requests_usage_is_recorded_as_they_run_and_stays_exact(tiny_mod
         assert server.state.settlements.running == 0
 
 
-def test_a_killed_replica_loses_at_most_the_settle_interval_of_usage(tiny_model_dir, redis_server, tmp_path):
+def test_a_killed_replica_loses_at_most_the_settle_interval_of_usage(redis_server, tmp_path):
     """kill -9 of a real `loraplex serve` mid-stream: the usage recorded equals the tokens the
     client received, less at most what one settle interval (plus scheduling slack) produced."""
     interval = 0.5
     url = api_redis_url(redis_server)
-    serve_args = ["--redis-url", url, "--device", "cpu", "--kv-cache-blocks", "80", "--max-model-len", "1024",
-                  "--usage-settle-interval", str(interval), "--model", str(tiny_model_dir)]
+    # The tiny model with a long context: a fast CPU streamed 1000 tokens in 1.3 s, before the kill; 8000 take long enough.
+    model_dir = make_base_model(tmp_path / "model", "llama", hidden_size=64, num_layers=2, num_heads=4,
+                            num_kv_heads=2, intermediate_size=128, max_position_embeddings=8192)
+    serve_args = ["--redis-url", url, "--device", "cpu", "--kv-cache-blocks", "520", "--max-model-len", "8192",
+                  "--usage-settle-interval", str(interval), "--model", str(model_dir)]
     with ServerProcess(tmp_path / "data", tmp_path / "serve.log", model_dir=None, serve_args=serve_args) as srv:
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         assert httpx.post(f"{srv.url}/admin/tenants", headers=admin, timeout=30,
@@ -146,7 +150,7 @@ def test_a_killed_replica_loses_at_most_the_settle_interval_of_usage(tiny_model_
         model = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": f"Bearer {key}"},
                           timeout=30).json()["data"][0]["id"]
         events: list = []
-        stream = _stream(srv.url, key, model, 1000, events)
+        stream = _stream(srv.url, key, model, 8000, events)
         _wait(lambda: bool(events))
         started = events[0][0]
         _wait(lambda: events[-1][0] == "end" or events[-1][0] - started > 3 * interval + 1)
