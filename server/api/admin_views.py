@@ -45,13 +45,6 @@ async def tenant_keys(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": keys})
 
 
-def _residency_of(engine) -> dict[str, str]:
-    """version -> the fastest tier holding it (runs on the engine thread)."""
-    where = {v: "host" for v in engine.host.entries}
-    where.update({v: "device" for v in engine.lora_slots.slot_of})
-    return where
-
-
 def _all_adapters(state: ServerState, tenant_filter: str | None) -> list[tuple[Tenant, object]]:
     tenants = state.tenants.list()
     if tenant_filter:
@@ -68,7 +61,7 @@ async def adapters(request: Request) -> Response:
     if tenant_filter is not None and len(tenant_filter) > 64:
         raise APIError(400, "'tenant' filter is longer than 64 characters", "invalid_value", param="tenant")
     rows = await run_in_threadpool(_all_adapters, state, tenant_filter)
-    residency = await state.engine.call(_residency_of)
+    residency = await state.engine.adapter_residency()
     page = rows[offset:offset + limit]
     data = [{**r.public(), "object": "adapter", "tenant": t.name, "tenant_id": t.id,
              "residency": residency.get(r.version, "redis")} for t, r in page]
@@ -78,18 +71,19 @@ async def adapters(request: Request) -> Response:
 async def engine(request: Request) -> Response:
     require_admin(request)
     state = state_of(request)
-    s = state.engine.stats()
-    cfg = state.engine.engine.config
-    pool = state.engine.engine.kv_pool  # fixed at start
+    snapshot = state.engine.snapshot()
+    s = snapshot.stats
+    info = state.engine.info  # fixed at start
+    pool = info.kv_pool
     return JSONResponse({
         "healthy": state.engine.is_healthy, "error": state.engine.error,
         "running": s.num_running, "waiting": s.num_waiting, "preemptions": s.num_preemptions,
         "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
-        "kv_cache": {"dtype": pool.dtype, "requested_dtype": cfg.kv_cache_dtype, "blocks": pool.blocks,
+        "kv_cache": {"dtype": pool.dtype, "requested_dtype": info.requested_kv_cache_dtype, "blocks": pool.blocks,
                      "block_size": pool.block_size, "tokens": pool.tokens, "bytes": pool.bytes},
-        "base_weights": state.engine.engine.model.base_weights(),  # fixed at start
-        "slots": {"used": s.adapters_resident, "total": state.engine.engine.max_loras,
-                  "max_lora_rank": cfg.max_lora_rank},
+        "base_weights": info.base_weights,
+        "slots": {"used": s.adapters_resident, "total": info.max_loras,
+                  "max_lora_rank": info.max_lora_rank},
         "host": {"adapters": s.adapters_registered, "bytes": s.host_bytes_used, "budget_bytes": s.host_budget_bytes,
                  "loads_in_flight": s.adapters_loading, "parked": s.adapters_parked},
         "prefix_cache": {"enabled": s.prefix_cache_enabled, "queried_tokens": s.prefix_queries_tokens,
@@ -98,7 +92,7 @@ async def engine(request: Request) -> Response:
                          "cached_blocks": s.prefix_cached_blocks, "cached_free_blocks": s.prefix_cached_free_blocks},
         "cuda_graphs": {"enabled": bool(s.cuda_graphs), "graphs": s.cuda_graphs, "replays": s.graph_replays,
                         "capture_seconds": s.graph_capture_seconds, "capture_bytes": s.graph_capture_bytes},
-        "async_scheduling": {"enabled": cfg.async_scheduling, "steps": s.async_steps,
+        "async_scheduling": {"enabled": info.async_scheduling, "steps": s.async_steps,
                              "steps_ahead": s.async_steps_ahead, "rows_discarded": s.async_rows_discarded},
         "structured_output": {"constrained_requests": s.constrained_requests, "compiles": s.grammar_compiles,
                               "cache_hits": s.grammar_cache_hits, "compile_seconds": s.grammar_compile_seconds,
@@ -107,7 +101,7 @@ async def engine(request: Request) -> Response:
                               "compiles_running": state.grammar_compiler.running,
                               "compile_cold_starts": state.grammar_compiler.cold_starts},
         # DoRA scales: computed against the base, or read from Redis (server.engine.lora.dora_scale_cache).
-        "dora_scales": vars(state.engine.engine.lora_slots.dora_cache.stats),
+        "dora_scales": snapshot.dora_scales,
         "history": list(state.history.points)})
 
 

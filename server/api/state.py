@@ -1,7 +1,6 @@
 """ServerState: the long-lived objects one app owns, built in its lifespan."""
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -28,11 +27,12 @@ from server.api.settlement import Settlements
 from server.config import ServerConfig
 from server.credentials import SOURCE_CREDENTIALS_KEY_FILE, load_or_create_key
 from server.demo import DemoPaths
-from server.engine import EngineConfig, LLMEngine
+from server.engine import EngineConfig
 from server.engine.config import ModelConfig
-from server.engine.async_engine import AsyncEngine
-from server.model_source import resolve_model
 from server.engine.grammar_worker import GrammarCompileService
+from server.engine.protocol import EngineClient
+from server.engine.protocol.in_process import InProcessEngineClient
+from server.model_source import resolve_model
 from server.embedded_redis.server import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
 from tenants.compile_budget import CompileBudget
@@ -52,13 +52,10 @@ def cpu_loras_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int, count:
     return count * shape.num_layers * per_layer * itemsize
 
 
-def _held_versions(engine: AsyncEngine) -> set[str]:
-    """The adapter versions this process holds in any tier (asked on the engine thread; blocking)."""
-    done: concurrent.futures.Future = concurrent.futures.Future()
+def _held_versions(engine: EngineClient) -> set[str]:
+    """The adapter versions this process holds in any tier (blocking)."""
     try:
-        engine.post(lambda e: done.set_result(
-            set(e.host.entries) | set(e.host.loading) | set(e.host.parked) | set(e.lora_slots.slot_of)))
-        return done.result(timeout=30)
+        return engine.held_adapter_versions(timeout=30)
     except Exception:  # noqa: BLE001 - a dead or stuck engine holds nothing worth resyncing
         log.warning("could not list the engine's adapter versions for a resync", exc_info=True)
         return set()
@@ -68,7 +65,7 @@ def _held_versions(engine: AsyncEngine) -> set[str]:
 class ServerState:
     config: ServerConfig
     model_id: str
-    engine: AsyncEngine
+    engine: EngineClient
     redis: redis.Redis
     redis_probe: RedisProbe                  # /health's own short-timeout view of Redis
     tenants: TenantStore
@@ -146,11 +143,11 @@ class ServerState:
                                                        engine_config.resolve_device()).itemsize
                 engine_config = dataclasses.replace(engine_config, max_cpu_lora_bytes=cpu_loras_bytes(
                     shape, config.max_lora_rank, itemsize, config.max_cpu_loras))
-            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank, pager),
-                               DoraScaleStore(client, prefix=config.redis_prefix))
-            async_engine = AsyncEngine(engine)
-            retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
-                                             held=lambda: _held_versions(async_engine),
+            engine = InProcessEngineClient.build(
+                engine_config, registry_fetch(registry, shape, config.max_lora_rank, pager),
+                DoraScaleStore(client, prefix=config.redis_prefix))
+            retirements = RetirementListener(client, registry.events_channel, engine.remove_adapter_nowait,
+                                             held=lambda: _held_versions(engine),
                                              retired=registry.retired_versions)
             limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds,
                               lease_seconds=config.lease_ttl, holder=config.replica)
@@ -159,7 +156,7 @@ class ServerState:
                 if pool is not None:
                     pool.wait_ready()
             return cls(
-                config=config, model_id=config.model_id, engine=async_engine, redis=client,
+                config=config, model_id=config.model_id, engine=engine, redis=client,
                 redis_probe=RedisProbe(url),
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 refusals=RefusalLog(client, config.redis_prefix),
@@ -173,9 +170,9 @@ class ServerState:
                 fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant,
                                      near_concurrent=1 if pager is not None else _IN_PROCESS_FETCHES),
                 source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
-                prompts=PromptTokenizer(model_dir, engine.max_model_len),
+                prompts=PromptTokenizer(model_dir, engine.info.max_model_len),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
-                grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms),
+                grammar_compiler=engine.grammar_compiler(config.max_grammar_compile_ms),
                 compile_budget=CompileBudget(client, config.redis_prefix, config.rate_window_seconds), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
@@ -191,7 +188,6 @@ class ServerState:
     def close(self) -> None:
         self.retirements.stop()
         self.engine.shutdown()
-        self.engine.engine.shutdown()
         self.grammar_compiler.shutdown()
         for pool in (self.loaders, self.pager):
             if pool is not None:
