@@ -1,7 +1,6 @@
 """ServerState: the long-lived objects one app owns, built in its lifespan."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from pathlib import Path
 import redis
 
 from adapters.dora_scale_store import DoraScaleStore
-from adapters.format import PROJECTIONS, ModelShape
+from adapters.format import ModelShape
 from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
 from adapters.sharing import SharingStore
@@ -27,11 +26,10 @@ from server.api.settlement import Settlements
 from server.config import ServerConfig
 from server.credentials import SOURCE_CREDENTIALS_KEY_FILE, load_or_create_key
 from server.demo import DemoPaths
-from server.engine import EngineConfig
-from server.engine.config import ModelConfig
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.protocol import EngineClient
 from server.engine.protocol.in_process import InProcessEngineClient
+from server.engine_settings import engine_config
 from server.model_source import resolve_model
 from server.embedded_redis.server import EmbeddedRedis
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
@@ -43,13 +41,6 @@ log = logging.getLogger(__name__)
 REDIS_TIMEOUT_SECONDS = 5.0
 # Fetches under way at once without loader processes: each takes the interpreter from the engine thread.
 _IN_PROCESS_FETCHES = 4
-
-
-def cpu_loras_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int, count: int) -> int:
-    """vLLM's --max-cpu-loras as a byte budget: room for `count` adapters of the largest rank on all
-    seven projections of every layer, in the serving dtype."""
-    per_layer = sum(max_lora_rank * sum(shape.in_out(p)) for p in PROJECTIONS)
-    return count * shape.num_layers * per_layer * itemsize
 
 
 def _held_versions(engine: EngineClient) -> set[str]:
@@ -120,31 +111,9 @@ class ServerState:
                 pager = LoaderPool(1, config.max_upload_bytes)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
-            engine_config = EngineConfig(
-                model=model_dir, device=config.device, dtype=config.dtype,
-                max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                kv_cache_blocks=config.kv_cache_blocks,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                max_cpu_lora_bytes=config.max_cpu_lora_bytes,
-                kernels=config.kernels, seed=config.seed, enforce_eager=config.enforce_eager,
-                async_scheduling=config.async_scheduling,
-                enable_prefix_caching=config.enable_prefix_caching,
-                share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
-                quantization=config.quantization,
-                quantize_lm_head=config.quantize_lm_head, int4_group_size=config.int4_group_size,
-                kv_cache_dtype=config.kv_cache_dtype)
-            engine_config = dataclasses.replace(engine_config, max_prefill_tokens_while_decoding=config.prefill_cap_for(
-                engine_config.resolve_device().type))
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-            if config.max_cpu_loras is not None:
-                itemsize = engine_config.resolve_dtype(ModelConfig.from_dir(model_dir),
-                                                       engine_config.resolve_device()).itemsize
-                engine_config = dataclasses.replace(engine_config, max_cpu_lora_bytes=cpu_loras_bytes(
-                    shape, config.max_lora_rank, itemsize, config.max_cpu_loras))
             engine = InProcessEngineClient.build(
-                engine_config, registry_fetch(registry, shape, config.max_lora_rank, pager),
+                engine_config(config, model_dir, shape), registry_fetch(registry, shape, config.max_lora_rank, pager),
                 DoraScaleStore(client, prefix=config.redis_prefix))
             retirements = RetirementListener(client, registry.events_channel, engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(engine),

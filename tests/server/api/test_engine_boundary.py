@@ -7,26 +7,30 @@ import ast
 from tests.repo import ROOT_DIR
 
 API_DIR = ROOT_DIR / "server" / "api"
-# Engine modules the front end may import: the protocol, request parameters, tokenizing and grammar
-# compiling (front-end work), and the engine's config (to build it at start).
+# Engine modules the front end may import: the protocol, request parameters, and tokenizing and grammar
+# compiling (front-end work). The engine's config is built outside it (server.engine_settings).
 ALLOWED_MODULES = {
     "server.engine.protocol", "server.engine.protocol.in_process", "server.engine.sampling_params",
     "server.engine.structured_outputs", "server.engine.tokenizer_loader", "server.engine.detokenizer",
-    "server.engine.grammar", "server.engine.grammar_worker", "server.engine.config",
+    "server.engine.grammar", "server.engine.grammar_worker",
 }
 # Names the front end may take from the server.engine package itself.
-ALLOWED_PACKAGE_NAMES = {"SamplingParams", "StructuredOutputsParams", "EngineConfig", "ModelConfig"}
+ALLOWED_PACKAGE_NAMES = {"SamplingParams", "StructuredOutputsParams"}
 # Only the server's state builds the in-process client; every other module holds an EngineClient.
 BUILDER = "state.py"
+
+
+def _is_engine(module: str) -> bool:
+    return module == "server.engine" or module.startswith("server.engine.")
 
 
 def _engine_imports(path) -> list[tuple[str, list[str]]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("server.engine"):
+        if isinstance(node, ast.ImportFrom) and node.module and _is_engine(node.module):
             found.append((node.module, [a.name for a in node.names]))
         elif isinstance(node, ast.Import):
-            found += [(a.name, []) for a in node.names if a.name.startswith("server.engine")]
+            found += [(a.name, []) for a in node.names if _is_engine(a.name)]
     return found
 
 
