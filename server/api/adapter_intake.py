@@ -29,7 +29,7 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     if name == state.model_id:
         raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
                        param="name")
-    shape = state.engine.engine.adapter_shape
+    shape = state.engine.info.adapter_shape
     rank_cap = state.config.max_lora_rank
     summary = validated or await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)
     if quota is not None and quota.max_lora_rank is not None and summary.rank > quota.max_lora_rank:
@@ -38,9 +38,9 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     if quota is not None and quota.max_adapter_bytes is not None and summary.size_bytes > quota.max_adapter_bytes:
         raise APIError(413, f"adapter size {summary.size_bytes} bytes (as float32) exceeds this "
                             f"tenant's max_adapter_bytes of {quota.max_adapter_bytes}", "max_adapter_bytes")
-    host_budget = state.engine.engine.config.max_cpu_lora_bytes
+    host_budget = state.engine.info.max_cpu_lora_bytes
     # The host tier keeps adapters in the serving dtype; the summary counts them as float32.
-    host_bytes = summary.size_bytes * state.engine.engine.dtype.itemsize // 4
+    host_bytes = summary.size_bytes * state.engine.info.dtype_bytes // 4
     if host_budget is not None and host_bytes > host_budget:
         # It could never be paged in: every request for it would fail.
         raise APIError(413, f"adapter size {host_bytes} bytes (in the serving dtype) exceeds the server's "
@@ -103,12 +103,12 @@ async def _precompute(state: ServerState, version: str, dora: LoraAdapter | None
 def dora_scales(state: ServerState, version: str, adapter: LoraAdapter) -> Future[str]:
     """Compute and store a DoRA `version`'s scales against the served base unless the store has them
     (its outcome: server.engine.lora.dora_precompute); a plain LoRA adapter is done at once."""
-    return state.engine.engine.dora_precompute.submit(version, adapter)
+    return state.engine.precompute_dora(version, adapter)
 
 
 def dora_scales_of_files(state: ServerState, version: str, config_json: bytes, weights: bytes) -> str:
     """Blocking dora_scales for stored files (start-up preloads): only a DoRA config's files are parsed."""
     if not json.loads(config_json).get("use_dora", False):
         return "lora"
-    adapter = load_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape, state.config.max_lora_rank)
+    adapter = load_adapter_bytes(config_json, weights, state.engine.info.adapter_shape, state.config.max_lora_rank)
     return dora_scales(state, version, adapter).result()

@@ -45,13 +45,6 @@ async def tenant_keys(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": keys})
 
 
-def _residency_of(engine) -> dict[str, str]:
-    """version -> the fastest tier holding it (runs on the engine thread)."""
-    where = {v: "host" for v in engine.host.entries}
-    where.update({v: "device" for v in engine.lora_slots.slot_of})
-    return where
-
-
 def _all_adapters(state: ServerState, tenant_filter: str | None) -> list[tuple[Tenant, object]]:
     tenants = state.tenants.list()
     if tenant_filter:
@@ -68,7 +61,7 @@ async def adapters(request: Request) -> Response:
     if tenant_filter is not None and len(tenant_filter) > 64:
         raise APIError(400, "'tenant' filter is longer than 64 characters", "invalid_value", param="tenant")
     rows = await run_in_threadpool(_all_adapters, state, tenant_filter)
-    residency = await state.engine.call(_residency_of)
+    residency = await state.engine.adapter_residency()
     page = rows[offset:offset + limit]
     data = [{**r.public(), "object": "adapter", "tenant": t.name, "tenant_id": t.id,
              "residency": residency.get(r.version, "redis")} for t, r in page]
@@ -78,19 +71,20 @@ async def adapters(request: Request) -> Response:
 async def engine(request: Request) -> Response:
     require_admin(request)
     state = state_of(request)
-    s = state.engine.stats()
-    cfg = state.engine.engine.config
-    pool = state.engine.engine.kv_pool  # fixed at start
+    snapshot = state.engine.snapshot()
+    s = snapshot.stats
+    info = state.engine.info  # fixed at start
+    pool = info.kv_pool
     prefix, graphs, overlap, grammar = s.prefix_cache, s.decode_graphs, s.async_scheduling, s.grammar
     return JSONResponse({
         "healthy": state.engine.is_healthy, "error": state.engine.error,
         "running": s.scheduler.running, "waiting": s.scheduler.waiting, "preemptions": s.scheduler.preemptions,
         "kv_blocks": {"used": s.kv_blocks.used, "total": s.kv_blocks.total},
-        "kv_cache": {"dtype": pool.dtype, "requested_dtype": cfg.kv_cache_dtype, "blocks": pool.blocks,
+        "kv_cache": {"dtype": pool.dtype, "requested_dtype": info.requested_kv_cache_dtype, "blocks": pool.blocks,
                      "block_size": pool.block_size, "tokens": pool.tokens, "bytes": pool.bytes},
-        "base_weights": state.engine.engine.model.base_weights(),  # fixed at start
-        "slots": {"used": s.slots.resident, "total": state.engine.engine.max_loras,
-                  "max_lora_rank": cfg.max_lora_rank},
+        "base_weights": info.base_weights,
+        "slots": {"used": s.slots.resident, "total": info.max_loras,
+                  "max_lora_rank": info.max_lora_rank},
         "host": {"adapters": s.host.adapters, "bytes": s.host.bytes_used, "budget_bytes": s.host.budget_bytes,
                  "loads_in_flight": s.host.loading, "parked": s.host.parked},
         "prefix_cache": {"enabled": prefix.enabled, "queried_tokens": prefix.queried_tokens,
@@ -99,7 +93,7 @@ async def engine(request: Request) -> Response:
                          "cached_blocks": prefix.cached_blocks, "cached_free_blocks": prefix.cached_free_blocks},
         "cuda_graphs": {"enabled": bool(graphs.graphs), "graphs": graphs.graphs, "replays": graphs.replays,
                         "capture_seconds": graphs.capture_seconds, "capture_bytes": graphs.capture_bytes},
-        "async_scheduling": {"enabled": cfg.async_scheduling, "steps": overlap.launched,
+        "async_scheduling": {"enabled": info.async_scheduling, "steps": overlap.launched,
                              "steps_ahead": overlap.ahead, "rows_discarded": overlap.discarded},
         "structured_output": {"constrained_requests": s.constrained_requests, "compiles": grammar.compiles,
                               "cache_hits": grammar.cache_hits, "compile_seconds": grammar.compile_seconds,
@@ -108,7 +102,7 @@ async def engine(request: Request) -> Response:
                               "compiles_running": state.grammar_compiler.running,
                               "compile_cold_starts": state.grammar_compiler.cold_starts},
         # DoRA scales: computed against the base, or read from Redis (server.engine.lora.dora_scale_cache).
-        "dora_scales": vars(state.engine.engine.lora_slots.dora_cache.stats),
+        "dora_scales": snapshot.dora_scales,
         "history": list(state.history.points)})
 
 

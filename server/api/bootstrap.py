@@ -44,7 +44,7 @@ def _put_dir(state: ServerState, tenant: Tenant, name: str, directory: str | Pat
 
 
 def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, weights: bytes) -> None:
-    summary = inspect_adapter_bytes(config_json, weights, state.engine.engine.adapter_shape,
+    summary = inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
                                     state.config.max_lora_rank)
     # What is stored is the canonical config (user patterns resolved once, here).
     config_json = summary.canonical_config_json

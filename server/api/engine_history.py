@@ -12,7 +12,7 @@ import statistics
 import time
 from collections import deque
 
-from server.engine import EngineStats
+from server.engine.protocol import EngineStats
 
 SAMPLE_SECONDS = 2.0
 POINTS = 150  # five minutes at one point per two seconds

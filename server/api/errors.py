@@ -15,8 +15,7 @@ from adapters.format import AdapterFormatError
 from adapters.registry import AdapterExists, AdapterNotFound, AdapterQuotaExceeded
 from adapters.sources import SourceError
 from server.api.refusal_count import count_refusal
-from server.engine import RequestError
-from server.engine.async_engine import EngineDeadError
+from server.engine.protocol import EngineDeadError, RequestError
 from tenants import (QuotaError, QuotaExceeded, RequestTooLarge, TenantExists, TenantNameError,
                      TenantNotFound)
 

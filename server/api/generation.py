@@ -24,8 +24,7 @@ from server.api.constraints import Constraint
 from server.api.errors import APIError
 from server.api.state import ServerState
 from server.engine import SamplingParams
-from server.engine.async_engine import RequestStream
-from server.engine.sequence import RequestOutput, TokenLogprobs
+from server.engine.protocol import EngineRequest, OutputStream, RequestOutput, TokenLogprobs
 from tenants import Admission, Tenant
 
 
@@ -59,7 +58,7 @@ class _Choice:
 
 class Generation:
     def __init__(self, state: ServerState, tenant: Tenant, endpoint: str, prompt_ids: list[int],
-                 params: SamplingParams, admission: Admission, stream: RequestStream, arrived: float,
+                 params: SamplingParams, admission: Admission, stream: OutputStream, arrived: float,
                  adapter: str | None) -> None:
         self.state = state
         self.tenant = tenant
@@ -84,7 +83,7 @@ class Generation:
                     prompt_ids: list[int], record: AdapterRecord | None, priority: int,
                     arrived: float, cache_salt: str | None = None,
                     constraint: Constraint | None = None) -> "Generation":
-        limit = state.engine.engine.max_model_len
+        limit = state.engine.info.max_model_len
         if len(prompt_ids) + params.max_tokens > limit:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                 f"the maximum context length of {limit} tokens", "context_length_exceeded",
@@ -111,9 +110,9 @@ class Generation:
         try:
             # The engine pages the adapter in from Redis if it is not resident; this request
             # waits for it without holding up anyone else's.
-            stream = await state.engine.submit(request_id, prompt_ids, params, version, tenant.id,
-                                               priority, tenant.quota.weight, cache_salt=cache_salt,
-                                               grammar=grammar)
+            stream = await state.engine.submit(EngineRequest(
+                request_id, prompt_ids, params, version, tenant.id, priority, tenant.quota.weight,
+                cache_salt=cache_salt, grammar=grammar))
         except BaseException:
             await cancel_admission(state, admission)  # refused by the engine: neither counted nor billed
             raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from server.api.token_text import TokenText
-from server.engine.sequence import TokenLogprobs
+from server.engine.protocol import TokenLogprobs
 
 
 class CompletionLogprobs:

@@ -60,7 +60,7 @@ async def unload_lora_adapter(request: Request) -> Response:
         if record is None:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found")
         # An upload is the only copy: it stays stored and listed, and the next request loads it again.
-        await state.engine.call(lambda engine: engine.release_adapter_memory(record.version))
+        await state.engine.release_adapter_memory(record.version)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

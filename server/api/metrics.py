@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from server.api.vllm_metrics import VllmMetrics
-from server.engine import EngineStats
+from server.engine.protocol import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -131,9 +131,9 @@ class Metrics:
         self.replica.info({"replica": replica, "model": model, "version": version})
 
     def observe_load_times(self, seconds) -> None:
-        """Drain the engine's recent load durations (a deque it appends to) into the histogram."""
-        while seconds:
-            self.load_time.observe(seconds.popleft())
+        """The engine's load durations since the last call (EngineClient.take_load_seconds) into the histogram."""
+        for s in seconds:
+            self.load_time.observe(s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

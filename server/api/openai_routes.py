@@ -34,7 +34,7 @@ from tenants import Tenant
 def _ref_card(state: ServerState, tenant: Tenant, name: str, created: float, owner: str) -> dict:
     base = state.model_id
     return {"id": name, "object": "model", "created": int(created), "owned_by": owner, "root": base,
-            "parent": base, "max_model_len": state.engine.engine.max_model_len}
+            "parent": base, "max_model_len": state.engine.info.max_model_len}
 
 
 def _listing(state: ServerState, tenant: Tenant) -> list[dict]:
@@ -56,7 +56,7 @@ def _listing(state: ServerState, tenant: Tenant) -> list[dict]:
 
 def _model_card(state: ServerState, tenant: Tenant, record: AdapterRecord | None) -> dict:
     base = state.model_id
-    limit = state.engine.engine.max_model_len
+    limit = state.engine.info.max_model_len
     if record is None:
         return {"id": base, "object": "model", "created": 0, "owned_by": "loraplex", "root": base,
                 "parent": None, "max_model_len": limit}
@@ -91,7 +91,7 @@ async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list
     """One generation per prompt; all or none (a refused one undoes those already started: a refused
     batch counts in no window and is not billed)."""
     gens: list[Generation] = []
-    vocab = state.engine.engine.model_config.vocab_size
+    vocab = state.engine.info.vocab_size
     constraint = (request_constraint(req, tools, state.config.max_schema_bytes) if endpoint == "chat"
                   else constraint_of(req, state.config.max_schema_bytes))
     try:
@@ -110,7 +110,7 @@ async def _start_all(state: ServerState, tenant: Tenant, req, prompts: list[list
 
 def max_body_values(state: ServerState) -> int:
     """The most values a generation body can need: a full batch of token-id prompts plus the rest."""
-    return state.config.max_batch_prompts * state.engine.engine.max_model_len + BASE_VALUES
+    return state.config.max_batch_prompts * state.engine.info.max_model_len + BASE_VALUES
 
 
 def _render(body: dict) -> bytes:
@@ -154,7 +154,7 @@ async def _generate(request: Request, chat: bool) -> Response:
                                     f"(--max-batch-prompts)", "invalid_value", param="prompt")
             check_completion_cap(req, tenant, len(batch))
             prompts = await state.prompts.encode_batch(batch)
-        limit = state.engine.engine.max_model_len
+        limit = state.engine.info.max_model_len
         max_tokens = [max_tokens_for(req, tenant, len(ids), limit) for ids in prompts]
         check_request_cost(req, tenant, [len(ids) for ids in prompts], max_tokens,
                            state.config.max_logprob_entries)

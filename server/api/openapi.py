@@ -171,7 +171,7 @@ def build_openapi(version: str, vocab_size: int = 1 << 31) -> dict:
 async def openapi_json(request: Request) -> Response:
     doc = getattr(request.app.state, "openapi", None)
     if doc is None:
-        vocab = request.app.state.lp.engine.engine.model_config.vocab_size
+        vocab = request.app.state.lp.engine.info.vocab_size
         doc = request.app.state.openapi = build_openapi(loraplex_version(), vocab)
     return JSONResponse(doc)
 

@@ -33,11 +33,11 @@ async def version(request: Request) -> Response:
     """What this replica runs, for bug reports and for checking that a rollout reached every replica.
     Public like /health: versions and the model id, no tenant data."""
     state = state_of(request)
-    engine = state.engine.engine
+    info = state.engine.info
     return JSONResponse({"version": package_version("loraplex"), "torch": torch.__version__,
                          "triton": package_version("triton"),
                          "transformers": package_version("transformers"),
-                         "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+                         "device": info.device, "dtype": info.dtype,
                          "model": state.model_id, "replica": state.config.replica})
 
 
@@ -48,9 +48,9 @@ async def metrics(request: Request) -> Response:
                                    loraplex_version())
     stats = state.engine.stats()
     state.metrics.observe_engine(stats)
-    await run_in_threadpool(state.metrics.vllm.observe, stats, state.model_id, state.engine.engine.max_loras,
+    await run_in_threadpool(state.metrics.vllm.observe, stats, state.model_id, state.engine.info.max_loras,
                             lambda v: adapter_label(state.registry.get_version(v)))
-    state.metrics.observe_load_times(state.engine.engine.host.load_seconds)
+    state.metrics.observe_load_times(state.engine.take_load_seconds())
     state.metrics.running_leases.set(state.settlements.running)
     state.metrics.leases_lost.set(state.settlements.leases_lost)
     state.metrics.longest_beat_gap.set(state.settlements.longest_beat_gap)

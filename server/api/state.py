@@ -1,8 +1,6 @@
 """ServerState: the long-lived objects one app owns, built in its lifespan."""
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -11,31 +9,31 @@ from pathlib import Path
 import redis
 
 from adapters.dora_scale_store import DoraScaleStore
-from adapters.format import PROJECTIONS, ModelShape
+from adapters.format import ModelShape
+from adapters.loader_pool import LoaderPool
 from adapters.references import ReferenceStore
 from adapters.registry import AdapterRegistry
 from adapters.sharing import SharingStore
-from adapters.loader_pool import LoaderPool
 from adapters.sources import SourcePolicy
 from adapters.sources.clients import SourceClients
 from server.api.adapter_source import RetirementListener, registry_fetch
-from server.api.metrics import Metrics
-from server.api.redis_probe import RedisProbe
+from server.api.base_identity import base_identity
 from server.api.engine_history import EngineHistory
 from server.api.fetch_flights import FetchFlights
+from server.api.metrics import Metrics
 from server.api.prompts import PromptTokenizer
+from server.api.redis_probe import RedisProbe
 from server.api.settlement import Settlements
 from server.config import ServerConfig
 from server.credentials import SOURCE_CREDENTIALS_KEY_FILE, load_or_create_key
 from server.demo import DemoPaths
-from server.engine import EngineConfig, LLMEngine
-from server.engine.config import ModelConfig
-from server.engine.async_engine import AsyncEngine
-from server.model_source import resolve_model
-from server.engine.grammar_worker import GrammarCompileService
-from server.api.base_identity import base_identity
 from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
+from server.engine.grammar_worker import GrammarCompileService
+from server.engine.protocol import EngineClient
+from server.engine.protocol.in_process import InProcessEngineClient
+from server.engine_settings import engine_config
+from server.model_source import resolve_model
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
 from tenants.compile_budget import CompileBudget
 from tenants.source_credentials import KEY_BYTES, SourceCredentials
@@ -47,20 +45,10 @@ REDIS_TIMEOUT_SECONDS = 5.0
 _IN_PROCESS_FETCHES = 4
 
 
-def cpu_loras_bytes(shape: ModelShape, max_lora_rank: int, itemsize: int, count: int) -> int:
-    """vLLM's --max-cpu-loras as a byte budget: room for `count` adapters of the largest rank on all
-    seven projections of every layer, in the serving dtype."""
-    per_layer = sum(max_lora_rank * sum(shape.in_out(p)) for p in PROJECTIONS)
-    return count * shape.num_layers * per_layer * itemsize
-
-
-def _held_versions(engine: AsyncEngine) -> set[str]:
-    """The adapter versions this process holds in any tier (asked on the engine thread; blocking)."""
-    done: concurrent.futures.Future = concurrent.futures.Future()
+def _held_versions(engine: EngineClient) -> set[str]:
+    """The adapter versions this process holds in any tier (blocking)."""
     try:
-        engine.post(lambda e: done.set_result(
-            set(e.host.entries) | set(e.host.loading) | set(e.host.parked) | set(e.lora_slots.slot_of)))
-        return done.result(timeout=30)
+        return engine.held_adapter_versions(timeout=30)
     except Exception:  # noqa: BLE001 - a dead or stuck engine holds nothing worth resyncing
         log.warning("could not list the engine's adapter versions for a resync", exc_info=True)
         return set()
@@ -71,7 +59,7 @@ class ServerState:
     config: ServerConfig
     model_id: str
     base: str                                # the served base's identity (server.api.base_identity)
-    engine: AsyncEngine
+    engine: EngineClient
     redis: redis.Redis
     redis_probe: RedisProbe                  # /health's own short-timeout view of Redis
     tenants: TenantStore
@@ -126,34 +114,12 @@ class ServerState:
                 pager = LoaderPool(1, config.max_upload_bytes)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
-            engine_config = EngineConfig(
-                model=model_dir, device=config.device, dtype=config.dtype,
-                max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                kv_cache_blocks=config.kv_cache_blocks,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                max_cpu_lora_bytes=config.max_cpu_lora_bytes,
-                kernels=config.kernels, seed=config.seed, enforce_eager=config.enforce_eager,
-                async_scheduling=config.async_scheduling,
-                enable_prefix_caching=config.enable_prefix_caching,
-                share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
-                quantization=config.quantization,
-                quantize_lm_head=config.quantize_lm_head, int4_group_size=config.int4_group_size,
-                kv_cache_dtype=config.kv_cache_dtype)
-            engine_config = dataclasses.replace(engine_config, max_prefill_tokens_while_decoding=config.prefill_cap_for(
-                engine_config.resolve_device().type))
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-            if config.max_cpu_loras is not None:
-                itemsize = engine_config.resolve_dtype(ModelConfig.from_dir(model_dir),
-                                                       engine_config.resolve_device()).itemsize
-                engine_config = dataclasses.replace(engine_config, max_cpu_lora_bytes=cpu_loras_bytes(
-                    shape, config.max_lora_rank, itemsize, config.max_cpu_loras))
-            engine = LLMEngine(engine_config, registry_fetch(registry, shape, config.max_lora_rank, pager),
-                               DoraScaleStore(client, prefix=config.redis_prefix))
-            async_engine = AsyncEngine(engine)
-            retirements = RetirementListener(client, registry.events_channel, async_engine.remove_adapter_nowait,
-                                             held=lambda: _held_versions(async_engine),
+            engine = InProcessEngineClient.build(
+                engine_config(config, model_dir, shape), registry_fetch(registry, shape, config.max_lora_rank, pager),
+                DoraScaleStore(client, prefix=config.redis_prefix))
+            retirements = RetirementListener(client, registry.events_channel, engine.remove_adapter_nowait,
+                                             held=lambda: _held_versions(engine),
                                              retired=registry.retired_versions)
             limiter = Limiter(client, config.redis_prefix, window_seconds=config.rate_window_seconds,
                               lease_seconds=config.lease_ttl, holder=config.replica)
@@ -162,8 +128,9 @@ class ServerState:
                 if pool is not None:
                     pool.wait_ready()
             return cls(
-                config=config, model_id=config.model_id, base=base_identity(config.model_id, engine.model_config),
-                engine=async_engine, redis=client, redis_probe=RedisProbe(url),
+                config=config, model_id=config.model_id,
+                base=base_identity(config.model_id, engine.info.model_config), engine=engine, redis=client,
+                redis_probe=RedisProbe(url),
                 tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
                 refusals=RefusalLog(client, config.redis_prefix),
                 auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
@@ -176,9 +143,9 @@ class ServerState:
                 fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant,
                                      near_concurrent=1 if pager is not None else _IN_PROCESS_FETCHES),
                 source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
-                prompts=PromptTokenizer(model_dir, engine.max_model_len, config.chat_template_text()),
+                prompts=PromptTokenizer(model_dir, engine.info.max_model_len, config.chat_template_text()),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
-                grammar_compiler=GrammarCompileService(engine.grammars, config.max_grammar_compile_ms),
+                grammar_compiler=engine.grammar_compiler(config.max_grammar_compile_ms),
                 compile_budget=CompileBudget(client, config.redis_prefix, config.rate_window_seconds), demo=demo,
                 embedded_redis=embedded)
         except BaseException:
@@ -194,7 +161,6 @@ class ServerState:
     def close(self) -> None:
         self.retirements.stop()
         self.engine.shutdown()
-        self.engine.engine.shutdown()
         self.grammar_compiler.shutdown()
         for pool in (self.loaders, self.pager):
             if pool is not None:

@@ -49,7 +49,7 @@ async def detokenize(request: Request) -> Response:
             raise APIError(400, f"'tokens' has {len(req.tokens)} ids; at most {limit} (the maximum context "
                                 f"length)", "context_length_exceeded", param="tokens")
         await resolve_model(state, tenant, req.model)
-        vocab = state.engine.engine.model_config.vocab_size
+        vocab = state.engine.info.vocab_size
         if any(t >= vocab for t in req.tokens):
             raise APIError(400, f"'tokens' must be ids below the vocabulary size {vocab}", "invalid_value",
                            param="tokens")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Gauge
 
 from adapters.sharing import OPERATOR_OWNER
-from server.engine import EngineStats
+from server.engine.protocol import EngineStats
 
 # Versions are immutable, so their labels can be remembered; the bound keeps a long-lived server's
 # memory flat (a miss costs one Redis read).

@@ -19,17 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from server.engine.engine_stats import EngineStats
 from server.engine.llm_engine import LLMEngine
-from server.engine.sampling_params import SamplingParams
+from server.engine.protocol.errors import EngineDeadError
+from server.engine.protocol.request import EngineRequest
 from server.engine.sequence import RequestOutput
 
 if TYPE_CHECKING:
     from adapters.format import LoraAdapter
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop crashed or was shut down; no request can be served."""
 
 
 @dataclass
@@ -136,29 +133,23 @@ class AsyncEngine:
         return None if self._error is None else repr(self._error)
 
     # ---- requests ----
-    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     version_id: str | None = None, tenant: str | None = None,
-                     priority: int = 0, tenant_weight: float | None = None,
-                     cache_salt: str | None = None, grammar=None) -> RequestStream:
+    async def submit(self, request: EngineRequest) -> RequestStream:
         """Add the request; raises RequestError (too long, unknown adapter...) before any output.
-        `cache_salt` partitions the prefix cache within the tenant; `grammar` is the request's
-        constraint compiled already (LLMEngine.add_request), so the loop never compiles."""
+        Its `grammar` is compiled already (LLMEngine.add_request), so the loop never compiles."""
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop, asyncio.Queue(), params.n)
+        n = request.params.n
+        sink = _Sink(loop, asyncio.Queue(), n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", request_id, prompt, params, version_id, tenant, priority, tenant_weight, cache_salt,
-                    grammar, sink, accepted))
+        self._send(("add", request, sink, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been added just before we gave up
+            self.abort(request.request_id)  # it may have been added just before we gave up
             raise
-        return RequestStream(self, request_id, sink, params.n)
+        return RequestStream(self, request.request_id, sink, n)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       version_id: str | None = None, tenant: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        stream = await self.submit(request_id, prompt, params, version_id, tenant)
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        stream = await self.submit(request)
         try:
             async for out in stream:
                 yield out
@@ -237,14 +228,15 @@ class AsyncEngine:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, version_id, tenant, priority, weight, salt, grammar, sink, accepted = cmd
+                _, r, sink, accepted = cmd
                 try:
-                    self.engine.add_request(rid, prompt, params, version_id, tenant, priority, weight,
-                                            cache_salt=salt, grammar=grammar)
+                    self.engine.add_request(r.request_id, r.prompt_ids, r.params, r.version_id, r.tenant,
+                                            r.priority, r.tenant_weight, cache_salt=r.cache_salt,
+                                            grammar=r.grammar)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     accepted.set_exception(e)
                     continue
-                self._sinks[rid] = sink
+                self._sinks[r.request_id] = sink
                 accepted.set_result(None)
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])

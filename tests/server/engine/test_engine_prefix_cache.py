@@ -379,13 +379,15 @@ def test_async_engine_passes_the_cache_salt(tiny_model_dir):
     import asyncio
 
     from server.engine.async_engine import AsyncEngine
+    from server.engine.protocol import EngineRequest
 
     llm = make_llm(tiny_model_dir)
     prompt = random_prompts(1, (40, 40), VOCAB, seed=43)[0]
 
     async def final(loop_engine, rid, salt):
         out = None
-        async for out in await loop_engine.submit(rid, prompt, greedy(3), tenant="A", cache_salt=salt):
+        request = EngineRequest(rid, prompt, greedy(3), tenant="A", cache_salt=salt)
+        async for out in await loop_engine.submit(request):
             pass
         return out
 

@@ -172,13 +172,14 @@ def test_stream_yields_every_choice_and_abort_ends_them_all(llm):
     import asyncio
 
     from server.engine.async_engine import AsyncEngine
+    from server.engine.protocol import EngineRequest
 
     engine = AsyncEngine(llm.engine)
     prompt = random_prompts(1, (10, 10), VOCAB, seed=33)[0]
 
     async def scenario():
-        stream = await engine.submit("s1", prompt, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1,
-                                                                  ignore_eos=True))
+        params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)
+        stream = await engine.submit(EngineRequest("s1", prompt, params))
         last = {}
         async for out in stream:
             assert out.request_id == "s1" and not last.get(out.index, out).finished
@@ -186,15 +187,16 @@ def test_stream_yields_every_choice_and_abort_ends_them_all(llm):
         assert sorted(last) == [0, 1, 2] and all(o.finished and len(o.token_ids) == 6 for o in last.values())
 
         # A consumer that fell behind gets only the newest output of each choice.
-        late = await engine.submit("s2", prompt, SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True)
+        late = await engine.submit(EngineRequest("s2", prompt, params))
         while engine.stats().scheduler.running or engine.stats().scheduler.waiting:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         got = [out async for out in late]
         assert sorted(o.index for o in got) == [0, 1] and all(o.finished and len(o.token_ids) == 5 for o in got)
 
-        stream = await engine.submit("s3", prompt, SamplingParams(n=3, max_tokens=400, temperature=1.0,
-                                                                  ignore_eos=True))
+        params = SamplingParams(n=3, max_tokens=400, temperature=1.0, ignore_eos=True)
+        stream = await engine.submit(EngineRequest("s3", prompt, params))
         first = await stream.__anext__()
         assert not first.finished
         engine.abort("s3")
@@ -204,7 +206,8 @@ def test_stream_yields_every_choice_and_abort_ends_them_all(llm):
                 ends[out.index] = out.finish_reason
         assert ends == {0: "abort", 1: "abort", 2: "abort"}
 
-        stream = await engine.submit("s4", prompt, SamplingParams(n=3, max_tokens=400, ignore_eos=True))
+        params = SamplingParams(n=3, max_tokens=400, ignore_eos=True)
+        stream = await engine.submit(EngineRequest("s4", prompt, params))
         engine.abort("s4")  # most likely before the prompt ran
         assert sorted((o.index, o.finish_reason) for o in [out async for out in stream] if o.finished) == \
             [(0, "abort"), (1, "abort"), (2, "abort")]

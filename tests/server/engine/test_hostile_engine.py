@@ -17,7 +17,8 @@ from adapters.format import LoraAdapter, LoraWeights, load_adapter_dir
 from kernels import attention_ref, attention_triton
 from kernels.metadata import AttentionBatch
 from server.engine import EngineConfig, LLMEngine, SamplingParams
-from server.engine.async_engine import AsyncEngine, EngineDeadError
+from server.engine.async_engine import AsyncEngine
+from server.engine.protocol import EngineDeadError, EngineRequest
 from server.engine.sampler import SamplingRow, sample_rows
 from tests.engine_helpers import drive, greedy, random_prompts
 
@@ -206,7 +207,8 @@ def test_async_engine_outlives_bad_requests_and_says_why_it_died(engine):
     async def scenario(loop_engine: AsyncEngine) -> None:
         async def final(rid, prompt, params, adapter=None):
             out = None
-            async for out in loop_engine.generate(rid, prompt, params, adapter):
+            ids = prompt if isinstance(prompt, list) else engine.tokenize(prompt)
+            async for out in loop_engine.generate(EngineRequest(rid, ids, params, adapter)):
                 pass
             return out
 

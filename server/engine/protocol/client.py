@@ -1,0 +1,111 @@
+"""EngineClient: everything the front end (the HTTP side) may ask of the engine.
+
+The front end holds one of these and nothing else of the engine: no LLMEngine, scheduler, model or
+tier objects (tests/server/api/test_engine_boundary.py checks its imports). Its arguments and answers
+are the protocol's messages (EngineRequest, RequestOutput, EngineInfo, EngineSnapshot: frozen
+dataclasses of primitives and compact lists), so an implementation that talks to an engine-core
+process (msgspec over ZMQ) can stand where the in-process one stands today.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from server.engine.llm_engine import EngineStats
+from server.engine.protocol.info import EngineInfo
+from server.engine.protocol.outputs import OutputStream
+from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.snapshot import EngineSnapshot
+
+if TYPE_CHECKING:
+    from adapters.format import LoraAdapter
+    from server.engine.grammar_worker import GrammarCompileService
+
+
+class EngineClient(ABC):
+    info: EngineInfo  # fixed at start
+
+    # ---- lifecycle and health ----
+    @abstractmethod
+    def start(self) -> None:
+        """Start the step loop; requests are served from then on."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the step loop (every open stream ends with EngineDeadError) and free the engine."""
+
+    @property
+    @abstractmethod
+    def is_healthy(self) -> bool:
+        """The step loop runs."""
+
+    @property
+    @abstractmethod
+    def error(self) -> str | None:
+        """Why the step loop died, for /health; None while it runs or after a clean shutdown."""
+
+    # ---- requests ----
+    @abstractmethod
+    async def submit(self, request: EngineRequest) -> OutputStream:
+        """Add the request; raises RequestError (too long, unknown adapter...) before any output,
+        EngineDeadError when the engine is not running."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; a no-op for a request that already finished."""
+
+    # ---- adapters (keyed by immutable version id) ----
+    @abstractmethod
+    async def add_adapter(self, version_id: str, adapter: LoraAdapter) -> None:
+        """Preload a parsed adapter version into the host tier."""
+
+    @abstractmethod
+    async def remove_adapter(self, version_id: str) -> None:
+        """The version leaves every tier once no request uses it, and its cached KV blocks at once."""
+
+    @abstractmethod
+    def remove_adapter_nowait(self, version_id: str) -> None:
+        """remove_adapter without waiting; ordered with every other command. Callable from any thread."""
+
+    @abstractmethod
+    async def release_adapter_memory(self, version_id: str) -> None:
+        """vLLM's unload: the version leaves the device slots and the host tier once no request uses it,
+        and stays valid (its next request loads it again; its cached KV still holds)."""
+
+    @abstractmethod
+    async def has_adapter(self, version_id: str) -> bool:
+        """The version is loaded in the host tier."""
+
+    @abstractmethod
+    async def adapter_residency(self) -> dict[str, str]:
+        """version -> the fastest tier holding it ("device" or "host"); versions in neither are absent."""
+
+    @abstractmethod
+    def held_adapter_versions(self, timeout: float) -> set[str]:
+        """Every version the engine holds in any tier, loading and parked ones included. Blocking: for
+        threads off the event loop (the registry's retirement listener)."""
+
+    @abstractmethod
+    def precompute_dora(self, version_id: str, adapter: LoraAdapter) -> concurrent.futures.Future[str]:
+        """Compute and store a DoRA version's scales against the served base unless the store has them;
+        a plain LoRA adapter is done at once. The future's result names the outcome
+        (server.engine.lora.dora_precompute)."""
+
+    # ---- structured output ----
+    @abstractmethod
+    def grammar_compiler(self, timeout_ms: int) -> GrammarCompileService:
+        """The front end's compiler of constraints for this engine's vocabulary (EngineRequest.grammar)."""
+
+    # ---- stats ----
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """The counters as of the last step or command (a consistent snapshot; never waits)."""
+
+    @abstractmethod
+    def snapshot(self) -> EngineSnapshot:
+        """stats() and the engine's other published counters."""
+
+    @abstractmethod
+    def take_load_seconds(self) -> list[float]:
+        """Adapter load durations (Redis -> host) since the last call: for one reader, /metrics."""
