@@ -17,6 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from adapters.format import (
     PROJECTIONS, AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir)
 
+pytestmark = pytest.mark.unit
+
 HF_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=100)
 SHAPE = ModelShape(num_layers=2, hidden_size=32, q_size=32, kv_size=16, intermediate_size=64, vocab_size=100)

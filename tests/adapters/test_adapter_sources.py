@@ -15,6 +15,8 @@ from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_ref
 from adapters.sources.archive import extract_adapter_files
 from tests.source_servers import FileServer
 
+pytestmark = pytest.mark.unit
+
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 CAP = 1 << 20
 

@@ -13,6 +13,8 @@ from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_ref
 from adapters.sources.clients import SourceClients
 from tests.source_servers import FileServer
 
+pytestmark = pytest.mark.unit
+
 CANARY_HOST = "127.0.0.2"  # loopback too, but not the allowed host name
 MAX_REDIRECTS = 3
 

@@ -18,6 +18,8 @@ from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_ref
 from adapters.sources.clients import SourceClients
 from tests.source_servers import FileServer
 
+pytestmark = pytest.mark.unit
+
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 POLICY = SourcePolicy(kinds=frozenset({"https"}), http_hosts=frozenset({"127.0.0.1"}),
                       allow_private_networks=True, timeout_seconds=5.0, max_file_bytes=1 << 20)

@@ -12,6 +12,8 @@ import redis
 from adapters.registry import (AdapterCorrupted, AdapterExists, AdapterNotFound,
                                AdapterQuotaExceeded, AdapterRecord, AdapterRegistry)
 
+pytestmark = pytest.mark.unit
+
 GRACE = 60.0
 
 

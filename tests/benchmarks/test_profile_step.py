@@ -7,6 +7,8 @@ import pytest
 
 from benchmarks.profile import profile_step as step_profile
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def profile_step():

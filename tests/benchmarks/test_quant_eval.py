@@ -13,6 +13,8 @@ from benchmarks.eval.quant_eval import compare, effect_gaps, kl_and_top1, target
 from server.bench.eval_items import load_items
 from server.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 ITEMS = load_items()[::45]  # 6 items, every kind
 
 

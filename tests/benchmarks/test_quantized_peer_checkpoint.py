@@ -15,6 +15,8 @@ from server.bench.quantized_peer_checkpoint import (GPTQ_GROUP, QuantizedCheckpo
                                                     write_int8_reference, write_quantized_checkpoint)
 from server.engine.gptq_checkpoint import checkpoint_quantization
 
+pytestmark = pytest.mark.unit
+
 HIDDEN, INTER = 128, 192
 
 

@@ -7,7 +7,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from benchmarks.profile.thread_times import phase_times, snapshot, thread_lines, thread_names
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_spinning_thread_shows_cpu_and_a_sleeping_pool_shows_sleeps(tmp_path: Path) -> None:

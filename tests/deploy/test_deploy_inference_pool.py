@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from tests.repo import ROOT_DIR as ROOT
+
+pytestmark = pytest.mark.unit
 
 
 

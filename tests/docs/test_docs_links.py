@@ -11,6 +11,8 @@ import pytest
 from server.cli import build_parser
 from tests.repo import ROOT_DIR as ROOT
 
+pytestmark = pytest.mark.unit
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 README_MAX_LINES = 260
 

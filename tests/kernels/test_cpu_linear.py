@@ -1,11 +1,14 @@
 """Half-precision projections on CPUs without half-precision matmul instructions compute in float32."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu_linear import cpu_flags, linear, linear_for, upcast_linear
 from server.engine.kernel_choice import select_kernels
+
+pytestmark = pytest.mark.unit
 
 
 def test_upcast_linear_is_the_float32_product_rounded_once():

@@ -16,6 +16,8 @@ from kernels.int8_avx2 import (REQUIRED_FLAGS, KernelBuildError, avx2_int8_linea
                                load_avx2_int8_linear)
 from kernels.int8_weights import dequant_linear, dequantize_int8, int8_linear_for, int8pack_linear, quantize_int8
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 HAS_AVX2 = REQUIRED_FLAGS <= cpu_flags()
 needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2 + FMA")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from benchmarks.aot import aot
@@ -16,6 +17,8 @@ from benchmarks.aot.aot_shapes import mixed_batch
 from kernels import attention_triton, lora_triton
 from kernels.launch_plan import GATHER_MAX_SEG_LEN, TILE_ROWS, attention_plan, lora_work, pack_int32, runs
 from kernels.metadata import AttentionBatch, LoraBatch
+
+pytestmark = pytest.mark.unit
 
 HIDDEN, Q, KV, INTER, HEADS, KV_HEADS = 4096, 4096, 1024, 14336, 32, 8
 GROUPS = {"qkv": (HIDDEN, (Q, KV, KV)), "o": (Q, (HIDDEN,)), "gate_up": (HIDDEN, (INTER, INTER)),

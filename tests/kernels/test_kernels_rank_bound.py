@@ -7,6 +7,8 @@ import torch
 from kernels.metadata import LoraBatch
 from server.engine.kernel_choice import select_kernels
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("kind", ["torch", "triton"])
 @pytest.mark.parametrize("token_slots", [[0, 0, 1, -1, 2, 2, 2], [2, 1, 0, -1]])

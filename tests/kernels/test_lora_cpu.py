@@ -9,6 +9,8 @@ import torch
 from kernels import lora_cpu, lora_ref
 from kernels.metadata import LoraBatch
 
+pytestmark = pytest.mark.unit
+
 HIDDEN, RANK, SLOTS = 48, 8, 32
 WIDTHS = (48, 16, 16)  # q, k, v of a fused qkv projection
 

@@ -12,6 +12,8 @@ from server.engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
 from tests.repo import ROOT_DIR
 
+pytestmark = pytest.mark.unit
+
 SCRIPT = ROOT_DIR / "scripts" / "train_demo_adapters.py"
 
 

@@ -17,6 +17,8 @@ from server.gguf_convert import ensure_converted
 from server.gguf_reader import GGUFError, GGUFFile
 from tests.engine_helpers import random_prompts
 
+pytestmark = pytest.mark.unit
+
 gguf = pytest.importorskip("gguf")
 
 TOL = 1e-4

@@ -6,6 +6,8 @@ import pytest
 from server.cli import build_parser
 from server.config import CPU_PREFILL_CAP, ConfigError, ServerConfig
 
+pytestmark = pytest.mark.unit
+
 
 def _config(tmp_path, *flags: str) -> ServerConfig:
     args = build_parser().parse_args(["serve", "--model", "demo", "--data-dir", str(tmp_path),

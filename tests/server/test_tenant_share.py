@@ -1,7 +1,10 @@
 """TenantShare's bookkeeping: an equal split among the tenants asking, fair turns for waiters."""
 from __future__ import annotations
 
+import pytest
 from server.tenant_share import TenantShare
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_lone_tenant_takes_every_slot_and_a_newcomer_gets_the_next_free_one():

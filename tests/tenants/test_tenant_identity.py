@@ -16,6 +16,8 @@ import redis
 from adapters.registry import AdapterNotFound, AdapterRegistry, TenantAdaptersPurged
 from tenants import Limiter, Quota, TenantIdError, TenantStore, UsageLog
 
+pytestmark = pytest.mark.unit
+
 GRACE = 60.0
 DAY = 1_772_409_600.0  # 2026-03-02 00:00 UTC
 

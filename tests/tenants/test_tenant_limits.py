@@ -12,6 +12,8 @@ from tenants import (Limiter, Quota, QuotaExceeded, RequestTooLarge, Tenant, Ten
                      check_request_tokens)
 from tests.tenant_helpers import make_tenant
 
+pytestmark = pytest.mark.unit
+
 T0 = 1_700_000_000.0  # an injected clock; limits only compare differences
 
 

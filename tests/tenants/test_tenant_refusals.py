@@ -11,6 +11,8 @@ import redis
 from tenants import REFUSAL_REASONS, RefusalLog, Tenant, TenantStore, UsageLog
 from tests.tenant_helpers import ACME_ID
 
+pytestmark = pytest.mark.unit
+
 
 def test_refusals_per_day_and_reason_are_exact(redis_client: redis.Redis) -> None:
     store, refusals = TenantStore(redis_client), RefusalLog(redis_client)

@@ -12,6 +12,8 @@ from tenants import (Quota, QuotaError, RunUsage, Tenant, TenantExists, TenantId
 from tenants.usage import ENDED_RUN_TTL_SECONDS
 from tests.tenant_helpers import ACME_ID
 
+pytestmark = pytest.mark.unit
+
 
 # ---- Quota and Tenant values ---------------------------------------------
 

@@ -10,6 +10,8 @@ import pytest
 from server.api.body import BASE_VALUES, MAX_JSON_DEPTH, parse_json_object
 from server.api.errors import APIError
 
+pytestmark = pytest.mark.unit
+
 
 def _raw(doc: dict) -> bytes:
     return json.dumps(doc).encode()

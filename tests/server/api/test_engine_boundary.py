@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 
+import pytest
 from tests.repo import ROOT_DIR
+
+pytestmark = pytest.mark.unit
 
 API_DIR = ROOT_DIR / "server" / "api"
 # Engine modules the front end may import: the protocol, request parameters, and tokenizing and grammar

@@ -11,6 +11,8 @@ from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.api.tool_parsers import ForcedArgumentsParser, ForcedArrayParser, HermesParser, Llama3JsonParser
 
+pytestmark = pytest.mark.unit
+
 NAMES = frozenset({"get_weather", "add"})
 
 

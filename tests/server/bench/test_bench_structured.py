@@ -10,6 +10,8 @@ from server.bench.runner import BenchConfigError
 from server.bench.schema_suite import load_suite
 from server.bench.structured import _long_array, _validity_summary, Outcome, format_structured_table
 
+pytestmark = pytest.mark.unit
+
 
 def _cfg(*argv):
     import argparse

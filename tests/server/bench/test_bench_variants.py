@@ -8,6 +8,8 @@ import pytest
 from server.bench.runner import BenchConfig, BenchConfigError
 from server.bench.variants import EngineVariant, median_ratios, throughput_ratios, variant_order
 
+pytestmark = pytest.mark.unit
+
 
 def test_every_combination_in_the_given_order_the_first_the_reference():
     cfg = BenchConfig(quantization=("none", "int8"), kv_cache_dtype=("auto", "fp8_e4m3"))

@@ -17,6 +17,8 @@ from server.bench.schema_suite import GENERATED, SUITE_DIR, dump, generate_schem
 from server.engine import StructuredOutputsParams
 from server.engine.grammar import Grammars
 
+pytestmark = pytest.mark.unit
+
 FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
 WALK_SAMPLE = 6  # every 6th schema is walked (all of them take a minute on 2 cores)
 

@@ -1,10 +1,13 @@
 """BlockManager: KV blocks handed out and taken back, shared by reference count, and cached when indexed."""
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.engine.block_manager import BlockManager
+
+pytestmark = pytest.mark.unit
 
 
 def _hash(i: int) -> bytes:

@@ -12,6 +12,8 @@ from server.engine.config import ModelConfig
 from server.engine.context_len import MIN_FULL_SEQUENCES, ContextLengthError, choose_max_model_len, model_limit
 from server.engine.kv_cache import CPU_KV_MAX_BYTES, cpu_kv_budget_bytes, kv_bytes_per_block
 
+pytestmark = pytest.mark.unit
+
 GIB = 1 << 30
 # SmolLM2-135M's shape: 30 layers of 3 KV heads of 64, 8192 positions (the failing default).
 SMOL = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
@@ -65,14 +67,14 @@ def test_model_limits_refuse_explicit_lengths_past_them():
 
 
 def test_engine_fits_an_unset_length_to_the_pool_and_logs_it(tiny_model_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="server.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="server.engine.engine_startup"):
         llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_num_seqs=4)
     assert llm.engine.max_model_len == 64  # 16 blocks of 16 tokens hold 4 sequences of 64, of the model's 1024
     assert any("max_model_len 64 (the model allows 1024)" in r.getMessage() for r in caplog.records)
 
 
 def test_engine_uses_the_models_length_when_the_memory_share_holds_it(tiny_model_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="server.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="server.engine.engine_startup"):
         llm = LLM(tiny_model_dir, device="cpu", max_num_seqs=4)
     assert llm.engine.max_model_len == 1024
     # max_num_seqs sequences of the full length is all the pool is given

@@ -9,6 +9,8 @@ from transformers import PreTrainedTokenizerFast
 
 from server.engine.detokenizer import IncrementalDetokenizer, bytes_to_unicode
 
+pytestmark = pytest.mark.unit
+
 
 def _byte_level(vocab: list[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({piece: i for i, piece in enumerate(vocab)}, unk_token=vocab[0]))

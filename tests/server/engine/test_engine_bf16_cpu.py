@@ -4,9 +4,12 @@ rows in one batch. bf16 rounds differently from float32 and between implementati
 tolerance, not the float32 exact match the other engine tests demand."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 AGREEMENT = 0.95  # greedy tokens that transformers + peft picks too, teacher-forced on ours
 LOGPROB_TOL = 0.1  # |top logprob difference|, nats

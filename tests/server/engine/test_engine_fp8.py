@@ -15,6 +15,8 @@ from server.engine import LLM, SamplingParams
 from server.engine.config import EngineConfig
 from tests.engine_helpers import GREEDY, random_prompts
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 

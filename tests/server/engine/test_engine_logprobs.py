@@ -3,10 +3,13 @@ for mixed batches of adapters of different ranks and base rows, across prefill c
 preemption and forks."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 512
 TOL = 1e-4

@@ -15,6 +15,8 @@ from server.engine.sampling_row import SamplingRow
 from server.engine.truncation import sampling_probs
 from tests.engine_helpers import random_prompts
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 
 

@@ -7,6 +7,8 @@ from adapters.format import AdapterFormatError
 from server.engine import LLM, RequestError, SamplingParams
 from tests.engine_helpers import assert_matches_peft, generate_in_one_batch, greedy, random_prompts
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 
 

@@ -15,6 +15,8 @@ from server.engine import LLM, SamplingParams
 from server.engine.block_manager import BlockManager
 from tests.engine_helpers import drive, greedy, random_prompts
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 BLOCK = 16
 

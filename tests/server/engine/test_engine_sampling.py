@@ -6,6 +6,8 @@ import pytest
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 
 

@@ -16,6 +16,8 @@ from server.engine.lora.slots import SlotStats
 from server.engine.prefix_cache import PrefixCacheStats
 from server.engine.scheduler import SchedulerStats
 
+pytestmark = pytest.mark.unit
+
 
 def numbered(cls):
     """An instance of the snapshot dataclass `cls` whose every field holds a distinct value."""

@@ -9,10 +9,10 @@ import torch
 from server.engine import LLM
 from tests.engine_helpers import assert_matches_peft, greedy, random_prompts
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton needs a GPU or the interpreter",
-)
+)]
 
 
 def test_triton_kernels_match_peft_for_mixed_batch(tiny_model_dir, tiny_adapters, peft_oracle):

@@ -11,6 +11,8 @@ from server.engine import LLM, ModelConfig
 from tests.engine_helpers import assert_matches_peft, greedy, random_prompts
 from tests.fixtures_models import LLAMA3_ROPE
 
+pytestmark = pytest.mark.unit
+
 VARIANTS = {
     "qwen2": dict(arch="qwen2"),
     "mistral": dict(arch="mistral"),

@@ -6,9 +6,12 @@ reused buffers is the PEFT parity suite's; this checks the allocations themselve
 """
 from __future__ import annotations
 
+import pytest
 from torch.profiler import ProfilerActivity, profile
 
 from server.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def test_prefill_projections_allocate_nothing(tiny_model_dir, tiny_adapters) -> None:

@@ -1,11 +1,14 @@
 """FairQueue: virtual token counters (VTC) per tenant, lowest backlogged counter first, no banking of credit."""
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.engine.fair_queue import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairQueue
 from tests.server.engine.sequences import request
+
+pytestmark = pytest.mark.unit
 
 
 class Arrivals:

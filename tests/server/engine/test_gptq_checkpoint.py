@@ -17,6 +17,8 @@ from server.engine.gptq_checkpoint import checkpoint_quantization, dequantize_gp
 from tests.engine_helpers import assert_matches_peft, greedy, random_prompts
 from tests.gptq_writer import write_gptq_checkpoint
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 GROUP = 32
 

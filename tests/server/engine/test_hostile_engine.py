@@ -22,6 +22,8 @@ from server.engine.protocol import EngineDeadError, EngineRequest
 from server.engine.sampler import SamplingRow, sample_rows
 from tests.engine_helpers import drive, greedy, random_prompts
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 
 

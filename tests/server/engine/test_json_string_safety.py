@@ -15,6 +15,8 @@ from server.engine.grammar import Grammars
 from server.engine.json_string_safety import json_string_pattern
 from tests.engine_helpers import random_prompts
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 
 

@@ -17,6 +17,8 @@ from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
 from server.engine.stop import StopChecker
 from server.engine.tokenizer_loader import load_tokenizer
 
+pytestmark = pytest.mark.unit
+
 EOS = 1
 PROMPT = [0, 261, 78]  # "<|bos|>hel" in the tiny model's vocabulary
 LO, WOR, LD, DOT, ST, O, P = 377, 493, 311, 16, 303, 81, 82  # "lo", " wor", "ld", ".", " st", "o", "p"

@@ -1,10 +1,13 @@
 """PrefixCache over a real BlockManager: what hits, what is evicted, and what a request is told it reused."""
 import itertools
 
+import pytest
 from server.engine.block_manager import BlockManager
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence
 from tests.server.engine.sequences import request
+
+pytestmark = pytest.mark.unit
 
 BLOCK = 4
 PROMPT = list(range(100, 113))  # 13 tokens: 3 full blocks may hit (the last token always runs)

@@ -3,10 +3,13 @@ to the host. On a GPU that copy (and a host-side sort) per sampled row is what t
 here every host transfer (.cpu(), .tolist(), .item(), .numpy()) is recorded and must be batch-sized."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.engine.sampler import SamplingRow, sample_rows
 from server.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 4096
 

@@ -8,6 +8,7 @@ position, so a recomputed sequence must come out the same.
 import itertools
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,8 @@ from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
 from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from server.engine.sequence import Sequence, SequenceStatus
 from tests.server.engine.sequences import request
+
+pytestmark = pytest.mark.unit
 
 BLOCK = 4
 WIDTH, RANK = 4, 2  # the one adapted projection (layer 0's o_proj) of the slot buffers

@@ -11,6 +11,8 @@ from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB
 
 from server.engine.tokenizer_loader import DIRECT_MODEL_TYPES, direct_fast_tokenizer, load_tokenizer
 
+pytestmark = pytest.mark.unit
+
 TEXTS = ["What is the capital of France?", "  leading spaces, tabs\tand\nnew lines\n\n",
          "unicode: héllo wörld — 日本語 🙂", "<|im_start|>user\nhi<|im_end|>", "<s> </s> <pad> <unk>", ""]
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a colour."},

@@ -11,6 +11,8 @@ from kernels.int8_weights import quantize_int8
 from server.engine.lora import dora_scale_cache, dora_scales
 from server.engine.lora.dora_scales import DoraScales
 
+pytestmark = pytest.mark.unit
+
 
 def peft_scale(w, a, b, scaling, m):
     """PEFT 0.21's DoraLinearLayer: get_weight_norm on W + scaling * (B @ A), then m / norm."""

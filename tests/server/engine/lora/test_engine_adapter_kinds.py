@@ -15,6 +15,8 @@ from tests.fixtures_models import TINY_DORA_ADAPTERS
 from tests.hostile_helpers import tampered_adapter
 from tests.server.engine.test_engine_logprobs import assert_matches
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 512
 INVOCATION = [7, 8, 9]
 KINDS = (None, "r4_qv", "r8_all", *tuple(TINY_DORA_ADAPTERS)[:2], "alora")

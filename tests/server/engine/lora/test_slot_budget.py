@@ -11,6 +11,8 @@ from server.engine.lora.slot_budget import (
     CPU_DEFAULT_LORAS, MAX_AUTO_LORAS, SlotBudgetError, free_device_bytes, resolve_max_loras, slot_bytes,
     slots_for_memory)
 
+pytestmark = pytest.mark.unit
+
 LLAMA3_8B = ModelConfig.from_dict(MODELS["llama3-8b"])
 WEIGHTS_8B = 16_060_522_496  # Llama-3-8B's bf16 weights
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from torch.overrides import TorchFunctionMode
 
 from server.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 # Evict: zero what the load wrote (1); load: A/B and scalings (2); slack for bookkeeping reads.
 MAX_OPS_PER_SWAP = 6
