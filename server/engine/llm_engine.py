@@ -23,6 +23,7 @@ from server.engine.kernel_choice import select_kernels
 from server.engine.kv_cache import allocate_kv_cache, allocate_lora_slots
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
 from server.engine.lora.dora_precompute import DoraPrecompute
+from server.engine.mask_lane import MaskBudget
 from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
@@ -170,7 +171,8 @@ class LLMEngine(OutputProcessing):
             log.warning("quantize_lm_head: this CPU has no int8 matmul kernel for %s activations, so the int8 "
                         "lm_head is dequantized every step: slower than a float one", self.dtype)
         # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
-        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_token_ids,
+                                 mask_budget=MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request))
         self.runner = ModelRunner(
             self.model, kv_caches, self.kernels, config.block_size, scratch, self.lora_slots.slot_ranks,
             self.lora_slots.rank_table, self.device,
@@ -280,7 +282,8 @@ class LLMEngine(OutputProcessing):
             seq.detok_state = self.detokenizer.new_state(start=len(ids))
             seq.stop = StopChecker(params.stop)
             if grammar is not None:
-                seq.grammar = self.grammars.matcher(grammar)  # one per choice: each goes its own way
+                # One per choice: each goes its own way; its first mask is filled from now, off the step.
+                seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind)
         self.constrained_requests += grammar is not None
         self.arrivals += 1
         self.seqs[request_id] = group.seqs[0]
