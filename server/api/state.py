@@ -137,7 +137,9 @@ class ServerState:
                 share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
                 quantization=config.quantization,
                 quantize_lm_head=config.quantize_lm_head, int4_group_size=config.int4_group_size,
-                kv_cache_dtype=config.kv_cache_dtype)
+                kv_cache_dtype=config.kv_cache_dtype,
+                max_mask_fill_seconds=config.max_grammar_mask_ms / 1000,
+                max_mask_seconds_per_request=config.max_grammar_mask_seconds)
             engine_config = dataclasses.replace(engine_config, max_prefill_tokens_while_decoding=config.prefill_cap_for(
                 engine_config.resolve_device().type))
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
