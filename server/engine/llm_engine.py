@@ -395,3 +395,4 @@ class LLMEngine(OutputProcessing):
             self.overlap.shutdown()
         self.host.shutdown()
         self.dora_precompute.shutdown()
+        self.grammars.lane.shutdown()
