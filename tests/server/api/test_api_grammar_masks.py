@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from benchmarks.security.nested_constraints import nested_grammar, nested_regex
 from server.engine.repetition_depth import MAX_NESTED_REPETITION
 from tests.fixtures_server import api_redis_url, running_server, server_config
-from tests.server.engine.test_repetition_depth import nested_grammar, nested_regex
 
 # min_tokens keeps a grammar that may always go on from ending before its budget does.
 # Loose for 2 busy cores; the stall it guards against lasted seconds.

@@ -4,22 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.security.nested_constraints import nested_grammar, nested_regex
 from server.engine import LLM, RequestError, SamplingParams, StructuredOutputsParams
 from server.engine.repetition_depth import MAX_NESTED_REPETITION, grammar_depth, regex_depth
 from tests.server.engine.test_engine_structured import EBNF, REGEX, SCHEMA
-
-
-def nested_grammar(depth: int) -> str:
-    """Issue 43's grammar at depth 40 (926 bytes): every level may take any letter."""
-    return "root ::= a0\n" + "".join(f"a{i} ::= (a{i + 1} | [a-z])*\n" for i in range(depth)) + f"a{depth} ::= [a-z]\n"
-
-
-def nested_regex(depth: int) -> str:
-    """The same nesting as a regex (~370 bytes at depth 40)."""
-    pattern = "[a-z]"
-    for _ in range(depth):
-        pattern = f"([a-z]|{pattern})*"
-    return pattern
 
 
 @pytest.mark.parametrize(("text", "depth"), [
