@@ -86,11 +86,17 @@ def _refuse_unsatisfiable(compiled: xgr.CompiledGrammar, kind: str) -> None:
                            "leads back to itself, with no way to end)")
 
 
+def refuse_from_text(spec: StructuredOutputsParams) -> None:
+    """GrammarError for what is refused from the constraint's text alone, before any compile (cheap:
+    the server checks here before it hands the constraint to a compile process)."""
+    _refuse_unenforced(spec)
+    _refuse_nested_repetition(spec)
+
+
 def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """Compile one constraint; GrammarError says what is wrong with it."""
     kind = spec.kind
-    _refuse_unenforced(spec)
-    _refuse_nested_repetition(spec)
+    refuse_from_text(spec)
     compiled = _compiled(compiler, spec)
     _refuse_unsatisfiable(compiled, kind)
     return compiled
