@@ -125,7 +125,7 @@ class ServerConfig:
     max_grammar_compile_ms: int = 5000    # a structured-output constraint's compile deadline (killed past it)
     max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
     max_grammar_mask_ms: int = 1000       # CPU time one token's grammar mask may take (server.engine.mask_lane)
-    max_grammar_mask_seconds: float = 60.0  # a request's grammar masks together (per choice)
+    max_grammar_mask_seconds: float = 60.0  # a request's grammar masks together (all its choices)
     compile_seconds_per_minute: float = 30.0  # one tenant's compile-process seconds per rate window (0: no limit)
     tool_call_parser: str = "hermes"      # --tool-call-parser: how tool_choice auto reads the model's calls
     enable_prefix_caching: bool = True    # --enable-prefix-caching / --no-enable-prefix-caching

@@ -183,8 +183,8 @@ class EngineConfig:
     # vLLM's --async-scheduling: the host schedules and prepares decode step N+1 while step N runs
     # (server.engine.async_step says which steps overlap); off: every step synchronous.
     async_scheduling: bool = False
-    # Structured output's mask budget per constrained choice (server.engine.mask_lane): the CPU time one
-    # token's mask may take, and all its masks together; past either, the request ends with an error
+    # Structured output's mask budget per constrained request (server.engine.mask_lane): the CPU time one
+    # token's mask may take, and all its choices' masks together; past either, the request ends with an error
     # naming its constraint. Masks are filled off the step either way: these bound what one request costs.
     max_mask_fill_seconds: float = 1.0
     max_mask_seconds_per_request: float = 60.0

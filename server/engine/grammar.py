@@ -184,9 +184,10 @@ class Grammars:
     def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled)
 
-    def choice_matcher(self, compiled: xgr.CompiledGrammar, kind: str) -> LaneMatcher:
-        """A constrained choice's matcher, its first mask already being filled on the lane."""
-        return self.lane.matcher(compiled, kind)
+    def choice_matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None) -> LaneMatcher:
+        """A constrained choice's matcher, its first mask already being filled on the lane; `sibling`: an
+        earlier choice of its request (None for the first), whose mask budget it shares."""
+        return self.lane.matcher(compiled, kind, sibling)
 
     def stats(self) -> GrammarStats:
         with self._lock:

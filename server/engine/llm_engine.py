@@ -283,7 +283,7 @@ class LLMEngine(OutputProcessing):
             seq.stop = StopChecker(params.stop)
             if grammar is not None:
                 # One per choice: each goes its own way; its first mask is filled from now, off the step.
-                seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind)
+                seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind, group.seqs[0].grammar)
         self.constrained_requests += grammar is not None
         self.arrivals += 1
         self.seqs[request_id] = group.seqs[0]

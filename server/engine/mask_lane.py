@@ -12,9 +12,10 @@ A matcher is never touched by two threads at once: a fill is in flight only betw
 token and the next sample of that choice, and the engine thread reads the matcher's termination
 state once, before the fill starts.
 
-Each fill's CPU time is charged to its choice: one fill past `max_fill_seconds`, or a choice's
-fills together past `max_total_seconds`, fail it (`failure`), and its next step ends the request
-with an error naming the constraint, a client error (400), since the constraint is what costs.
+Each fill's CPU time is charged to its request (its n choices share one account): one fill past
+`max_fill_seconds`, or the request's fills together past `max_total_seconds`, fail the choice
+(`failure`), and its next step ends the request with an error naming the constraint, a client error
+(400), since the constraint is what costs.
 """
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ FILL_NICENESS = 10
 # An in-flight fill's wall time counts as over budget past this many times the per-fill cap (its
 # CPU time is only known at its end; wall time on a busy machine runs ahead of CPU time).
 IN_FLIGHT_SLACK = 4.0
+
+
+class MaskSpend:
+    """One request's mask CPU time so far, charged from the fill threads of each of its choices."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> float:
+        """The total with `seconds` charged."""
+        with self._lock:
+            self.seconds += seconds
+            return self.seconds
 
 
 @dataclass(frozen=True)
@@ -62,8 +77,9 @@ class MaskLane:
         workers = threads or max(1, min(4, os.cpu_count() or 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="loraplex-mask", initializer=_lower_priority)
 
-    def matcher(self, compiled: xgr.CompiledGrammar, kind: str) -> LaneMatcher:
-        return LaneMatcher(self, xgr.GrammarMatcher(compiled), kind)
+    def matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None = None) -> LaneMatcher:
+        """A new choice's matcher; `sibling`: another choice of its request, whose account it shares."""
+        return LaneMatcher(self, xgr.GrammarMatcher(compiled), kind, sibling.spend if sibling else MaskSpend())
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -72,11 +88,11 @@ class MaskLane:
 class LaneMatcher:
     """One constrained choice's matcher, with its next mask row filled ahead on the lane."""
 
-    def __init__(self, lane: MaskLane, matcher: xgr.GrammarMatcher, kind: str) -> None:
+    def __init__(self, lane: MaskLane, matcher: xgr.GrammarMatcher, kind: str, spend: MaskSpend) -> None:
         self.lane = lane
         self.matcher = matcher
         self.kind = kind
-        self.mask_seconds = 0.0  # CPU time of this choice's fills so far
+        self.spend = spend  # its request's mask CPU time
         self.failure: str | None = None
         self._terminated = False
         self._row = xgr.allocate_token_bitmask(1, lane.vocab_size)  # [1, W] int32
@@ -126,13 +142,12 @@ class LaneMatcher:
             self.failure = f"the {self.kind} constraint's token mask failed: {type(e).__name__}: {e}"
             return
         seconds = time.thread_time() - start
-        self.mask_seconds += seconds
+        total = self.spend.add(seconds)
         budget = self.lane.budget
         if seconds > budget.max_fill_seconds:
             self.failure = self.failure or self._over(budget.max_fill_seconds, f"one token's mask ({seconds:.2f} s)")
-        elif self.mask_seconds > budget.max_total_seconds:
-            self.failure = self.failure or self._over(budget.max_total_seconds,
-                                                      f"its masks together ({self.mask_seconds:.2f} s)")
+        elif total > budget.max_total_seconds:
+            self.failure = self.failure or self._over(budget.max_total_seconds, f"its masks together ({total:.2f} s)")
 
     def _over(self, cap: float, what: str) -> str:
         return (f"the {self.kind} constraint is too costly to enforce: {what} took longer than the "

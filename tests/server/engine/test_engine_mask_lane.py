@@ -118,3 +118,17 @@ def test_a_fill_running_far_past_its_cap_ends_the_request_without_waiting_for_it
         regex="[a-z]+")))
     assert out.finish_reason == "error" and out.error_is_client and "regex constraint" in out.error
     assert time.perf_counter() - start < 1.5
+
+
+def test_a_requests_choices_share_one_mask_account(tiny_model_dir):
+    grammars = _llm(tiny_model_dir, kv_cache_blocks=16).engine.grammars
+    compiled = grammars.compile(StructuredOutputsParams(regex=REGEX))
+    first = grammars.choice_matcher(compiled, "regex", None)
+    second = grammars.choice_matcher(compiled, "regex", first)
+    other = grammars.choice_matcher(compiled, "regex", None)
+    deadline = time.monotonic() + 30
+    while not (first.ready and second.ready and other.ready):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert first.spend is second.spend is not other.spend
+    assert first.spend.seconds > 0 and other.spend.seconds > 0
