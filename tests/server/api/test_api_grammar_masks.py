@@ -15,11 +15,15 @@ import pytest
 from benchmarks.security.nested_constraints import nested_grammar, nested_regex
 from server.engine.repetition_depth import MAX_NESTED_REPETITION
 from tests.fixtures_server import api_redis_url, running_server, server_config
+from tests.server.engine.test_engine_mask_lane import _Delayed
 
 # min_tokens keeps a grammar that may always go on from ending before its budget does.
 # Loose for 2 busy cores; the stall it guards against lasted seconds.
 MAX_VICTIM_GAP_S = 1.5
 PASSES_THE_CHECK = nested_grammar(MAX_NESTED_REPETITION)
+# A mask fill made this slow (a sleep before it: no CPU time, so no budget ends it): the old engine,
+# filling inside the step, would have held every stream for as long.
+SLOW_FILL_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +109,33 @@ def test_a_victims_stream_keeps_its_pace_while_another_tenant_attacks(server):
     gap = max(b - a for a, b in zip(times, times[1:]))
     assert gap < MAX_VICTIM_GAP_S, f"the victim's stream stalled {gap:.2f} s"
     assert outcomes and set(outcomes) == {400}, outcomes
+
+
+def test_a_slow_mask_holds_up_only_its_own_request(server, monkeypatch):
+    lane = server.state.engine.engine.grammars.lane
+    monkeypatch.setattr(lane, "pool", _Delayed(lane.pool, lambda: SLOW_FILL_S))
+    _, victim = server.new_tenant()
+    _, attacker = server.new_tenant()
+    stop, first_token = threading.Event(), threading.Event()
+
+    def attack() -> None:
+        body = {"model": server.state.model_id, "prompt": "x", "max_tokens": 200, "min_tokens": 150,
+                "stream": True, "guided_regex": "[a-z]+"}
+        with server.http(attacker) as c, c.stream("POST", "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first_token.set()
+                if stop.is_set():
+                    break  # hangs up: the server aborts it
+
+    thread = threading.Thread(target=attack)
+    thread.start()
+    try:
+        assert first_token.wait(60)  # running now, each next token SLOW_FILL_S away
+        events = _stream_events(server, victim, max_tokens=300, ignore_eos=True)
+    finally:
+        stop.set()
+        thread.join(60)
+    times = [t for t, e in events if isinstance(e, dict) and e.get("choices")]
+    gap = max(b - a for a, b in zip(times, times[1:]))
+    assert gap < SLOW_FILL_S / 2, f"the victim's stream stalled {gap:.2f} s behind another request's mask"
