@@ -17,7 +17,9 @@ from server.engine.mask_lane import LaneMatcher
 
 
 class GrammarMask:
-    """Owned by the model runner. `vocab_size` is the grammar tokenizer's width (server.engine.grammar.tokenizer_info), at
+    """Owned by the model runner.
+
+    `vocab_size` is the grammar tokenizer's width (server.engine.grammar.tokenizer_info), at
     least the logits' width; the mask is applied to the logits' width.
     """
 

@@ -171,8 +171,8 @@ class LLMEngine(OutputProcessing):
             log.warning("quantize_lm_head: this CPU has no int8 matmul kernel for %s activations, so the int8 "
                         "lm_head is dequantized every step: slower than a float one", self.dtype)
         # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
-        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_token_ids,
-                                 mask_budget=MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request))
+        budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
+        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_token_ids, mask_budget=budget)
         self.runner = ModelRunner(
             self.model, kv_caches, self.kernels, config.block_size, scratch, self.lora_slots.slot_ranks,
             self.lora_slots.rank_table, self.device,
@@ -283,7 +283,8 @@ class LLMEngine(OutputProcessing):
             seq.stop = StopChecker(params.stop)
             if grammar is not None:
                 # One per choice: each goes its own way; its first mask is filled from now, off the step.
-                seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind, group.seqs[0].grammar)
+                seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind,
+                                                           group.seqs[0].grammar)
         self.constrained_requests += grammar is not None
         self.arrivals += 1
         self.seqs[request_id] = group.seqs[0]

@@ -93,7 +93,8 @@ def test_a_slow_mask_stalls_only_its_own_request(tiny_model_dir):
                 done[out.request_id] = out
         longest = max(longest, time.perf_counter() - start)
     assert len(done["plain"].token_ids) == 30
-    assert "constrained" not in done or len(done["constrained"].token_ids) < 15  # a token per 0.3 s fill at most, meanwhile
+    # a token per 0.3 s fill at most, meanwhile
+    assert "constrained" not in done or len(done["constrained"].token_ids) < 15
     assert longest < 0.25, f"a step took {longest:.2f} s: it waited on the grammar"
     engine.abort_request("constrained")
 
