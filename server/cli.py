@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-grammar-compile-ms", type=_positive_int, default=5000,
                    help="deadline for compiling one structured-output constraint (JSON schema, regex, grammar), "
                         "in ms; the compile is killed past it and the request gets a 400 (default 5000)")
+    s.add_argument("--max-grammar-mask-ms", type=_positive_int, default=1000,
+                   help="CPU time one token's structured-output mask may take, in ms; past it the request ends "
+                        "with a 400 (or a stream's error event) naming its constraint (default 1000)")
+    s.add_argument("--max-grammar-mask-seconds", type=float, default=60.0, metavar="S",
+                   help="CPU time a request's structured-output masks may take together (all its choices); past it "
+                        "the request ends alike (default 60)")
     s.add_argument("--compile-seconds-per-minute", type=float, default=30.0, metavar="S",
                    help="seconds of grammar compile processes one tenant may use per rate window "
                         "(--rate-window-seconds), failed and timed-out compiles included; past it its new "

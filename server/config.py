@@ -139,6 +139,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     max_grammar_compile_ms: int = 5000    # a structured-output constraint's compile deadline (killed past it)
     max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
+    max_grammar_mask_ms: int = 1000       # CPU time one token's grammar mask may take (server.engine.mask_lane)
+    max_grammar_mask_seconds: float = 60.0  # a request's grammar masks together (all its choices)
     compile_seconds_per_minute: float = 30.0  # one tenant's compile-process seconds per rate window (0: no limit)
     tool_call_parser: str = "hermes"      # --tool-call-parser: how tool_choice auto reads the model's calls
     enable_auto_tool_choice: bool = True  # --[no-]enable-auto-tool-choice: off, tool_choice auto is a 400 (vLLM's default)
@@ -184,7 +186,7 @@ class ServerConfig:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens",
                      "max_upload_bytes", "max_request_bytes", "max_batch_prompts", "max_logprob_entries",
-                     "max_grammar_compile_ms", "max_schema_bytes"):
+                     "max_grammar_compile_ms", "max_schema_bytes", "max_grammar_mask_ms"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_lora_rank > MAX_LORA_RANK:
@@ -193,6 +195,8 @@ class ServerConfig:
         if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
             raise ConfigError(f"--max-num-batched-tokens must be at most {MAX_NUM_BATCHED_TOKENS}, got "
                               f"{self.max_num_batched_tokens}")
+        if not self.max_grammar_mask_seconds > 0:
+            raise ConfigError(f"--max-grammar-mask-seconds must be > 0, got {self.max_grammar_mask_seconds}")
         if not self.compile_seconds_per_minute >= 0:
             raise ConfigError(f"--compile-seconds-per-minute must be >= 0, got {self.compile_seconds_per_minute}")
         if not 0 <= self.shutdown_timeout <= 3600:
@@ -341,6 +345,8 @@ class ServerConfig:
             shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
             max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,
             compile_seconds_per_minute=getattr(args, "compile_seconds_per_minute", 30.0),
+            max_grammar_mask_ms=getattr(args, "max_grammar_mask_ms", 1000),
+            max_grammar_mask_seconds=getattr(args, "max_grammar_mask_seconds", 60.0),
             tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", True),
             chat_template=getattr(args, "chat_template", None),

@@ -37,7 +37,9 @@ def engine_config(config: ServerConfig, model_dir: str, shape: ModelShape) -> En
         share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
         quantization=config.quantization,
         quantize_lm_head=config.quantize_lm_head, int4_group_size=config.int4_group_size,
-        kv_cache_dtype=config.kv_cache_dtype)
+        kv_cache_dtype=config.kv_cache_dtype,
+        max_mask_fill_seconds=config.max_grammar_mask_ms / 1000,
+        max_mask_seconds_per_request=config.max_grammar_mask_seconds)
     device = engine.resolve_device()
     engine = dataclasses.replace(engine, max_prefill_tokens_while_decoding=config.prefill_cap_for(device.type))
     if config.max_cpu_loras is not None:

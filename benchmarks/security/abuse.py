@@ -5,7 +5,8 @@ the victim streams greedy completions one after another and records every inter-
 a poller times GET /health. The attacks are the ones seen to stall everyone: a 16 MB token-array
 body (from a tenant within its quota and from one over it), /tokenize and /detokenize floods,
 logprob-heavy echo requests (the 200 MB response, and the largest one the output budget allows),
-and n x max_tokens batches past the tenant's per-request cap. Target: the victim's p99 ITL moves
+and n x max_tokens batches past the tenant's per-request cap, and grammars and regexes nesting
+unbounded repetitions 40 deep (issue 43). Target: the victim's p99 ITL moves
 by at most 20% against the baseline and /health p99 stays at most 100 ms.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.security.nested_constraints import nested_grammar, nested_regex
 from benchmarks.security.victim_harness import VICTIM_TOKENS, Target, client, new_tenant, run_phases
 
 ITL_TARGET_RATIO = 1.20
@@ -56,6 +58,11 @@ def _attacks(target: Target) -> dict[str, Attack]:
         "logprob_echo_in_budget": Attack("open", 1, "/v1/completions", body(allowed)),
         "n_x_max_tokens": Attack("capped", 2, "/v1/completions", body({
             "model": m, "prompt": ["hello"] * 64, "n": 16, "max_tokens": 10, "ignore_eos": True})),
+        # Issue 43: masks that grow costlier with every token (refused at compile now).
+        "nested_grammar": Attack("open", 2, "/v1/completions", body({
+            "model": m, "prompt": "hi", "max_tokens": 40, "min_tokens": 40, "guided_grammar": nested_grammar(40)})),
+        "nested_regex": Attack("open", 2, "/v1/completions", body({
+            "model": m, "prompt": "hi", "max_tokens": 40, "min_tokens": 40, "guided_regex": nested_regex(40)})),
     }
 
 

@@ -155,6 +155,8 @@ class Generation:
             choice.text = out.text
         if out.finished:
             if out.finish_reason == "error":
+                if out.error_is_client:  # its constraint ran past its mask budget
+                    raise APIError(400, out.error, "constraint_too_costly")
                 raise APIError(503, out.error or "generation failed", "generation_failed")
             choice.finish_reason = out.finish_reason
         if not (piece or new_tokens or out.finished):

@@ -183,6 +183,11 @@ class EngineConfig:
     # vLLM's --async-scheduling: the host schedules and prepares decode step N+1 while step N runs
     # (server.engine.async_step says which steps overlap); off: every step synchronous.
     async_scheduling: bool = False
+    # Structured output's mask budget per constrained request (server.engine.mask_lane): the CPU time one
+    # token's mask may take, and all its choices' masks together; past either, the request ends with an error
+    # naming its constraint. Masks are filled off the step either way: these bound what one request costs.
+    max_mask_fill_seconds: float = 1.0
+    max_mask_seconds_per_request: float = 60.0
 
     def __post_init__(self) -> None:
         check_quantization_name(self.quantization)
@@ -205,6 +210,8 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be <= 512")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
             raise ValueError("max_cpu_lora_bytes must be >= 0")
+        if not (self.max_mask_fill_seconds > 0 and self.max_mask_seconds_per_request > 0):
+            raise ValueError("max_mask_fill_seconds and max_mask_seconds_per_request must be > 0")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:

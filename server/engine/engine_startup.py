@@ -37,6 +37,7 @@ from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.lora.slots import LoraSlots
+from server.engine.mask_lane import MaskBudget
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
@@ -98,7 +99,8 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     host, scheduler = _build_tiers(config, adapter_source, device, dtype, bind_thread, slots, blocks)
     kernels = _select_kernels(config, device, dtype)
     # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
-    grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids)
+    budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
+    grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)
     runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
                          device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora)
     warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device)

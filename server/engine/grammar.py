@@ -4,7 +4,8 @@ A StructuredOutputsParams becomes an xgrammar CompiledGrammar here, once per dis
 constraint: the cache is keyed by `StructuredOutputsParams.key` (sha256 of the canonical
 constraint) and lives with the engine, whose tokenizer is fixed, so the key stands for
 (tokenizer, constraint). Each constrained choice then gets a GrammarMatcher of its own,
-advanced with every token it accepts. Compiling runs in the caller's thread (xgrammar
+advanced with every token it accepts, its masks filled ahead on the mask lane
+(server.engine.mask_lane). Compiling runs in the caller's thread (xgrammar
 releases the GIL while it works); server.engine.grammar_worker does it in another process
 under a hard deadline for the server.
 """
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import xgrammar as xgr
 
 from server.engine.json_string_safety import json_schema_grammar, structural_tag_grammar
+from server.engine.mask_lane import LaneMatcher, MaskBudget, MaskLane
+from server.engine.repetition_depth import MAX_NESTED_REPETITION, grammar_depth, regex_depth
 from server.engine.schema_keywords import unenforced_in_tag, unenforced_keyword
 from server.engine.structured_outputs import StructuredOutputsParams
 
@@ -56,6 +59,22 @@ def _refuse_unenforced(spec: StructuredOutputsParams) -> None:
         raise GrammarError(f"invalid {spec.kind} constraint: {problem}")
 
 
+def _refuse_nested_repetition(spec: StructuredOutputsParams) -> None:
+    """GrammarError for a user grammar or regex nesting unbounded repetitions past MAX_NESTED_REPETITION:
+    its token masks can grow costlier with every token (server.engine.repetition_depth). JSON schemas
+    are xgrammar's own lowering and not checked."""
+    if spec.kind == "grammar":
+        depth = grammar_depth(spec.grammar)
+    elif spec.kind == "regex":
+        depth = regex_depth(spec.regex)
+    else:
+        return
+    if depth > MAX_NESTED_REPETITION:
+        raise GrammarError(f"invalid {spec.kind} constraint: unbounded repetitions (*, +, {{n,}}) nested {depth} "
+                           f"deep, more than the {MAX_NESTED_REPETITION} allowed: its token masks grow costlier "
+                           "with every token; bound or flatten the inner repetitions")
+
+
 def _refuse_unsatisfiable(compiled: xgr.CompiledGrammar, kind: str) -> None:
     """GrammarError when no first token (end of output included) is allowed: `root ::= root`, a
     `$ref` cycle with no base case. Generation would otherwise stop at its first step, the server's
@@ -68,11 +87,18 @@ def _refuse_unsatisfiable(compiled: xgr.CompiledGrammar, kind: str) -> None:
                            "leads back to itself, with no way to end)")
 
 
+def refuse_from_text(spec: StructuredOutputsParams) -> None:
+    """GrammarError for what is refused from the constraint's text alone, before any compile (cheap:
+    the server checks here before it hands the constraint to a compile process)."""
+    _refuse_unenforced(spec)
+    _refuse_nested_repetition(spec)
+
+
 def compile_constraint(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
     """Compile one constraint; GrammarError says what is wrong with it. JSON schemas (alone or in a
     structural tag) go through server.engine.json_string_safety, whose strings are always valid JSON."""
     kind = spec.kind
-    _refuse_unenforced(spec)
+    refuse_from_text(spec)
     compiled = _compiled(compiler, spec)
     _refuse_unsatisfiable(compiled, kind)
     return compiled
@@ -102,9 +128,11 @@ class Grammars:
     """The engine's compiled-grammar cache. Thread-safe: the server compiles off the engine
     thread and hands the result in; the engine thread only looks up and makes matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_entries: int = DEFAULT_CACHE_ENTRIES,
+                 mask_budget: MaskBudget | None = None) -> None:
         assert max_entries > 0
         self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.lane = MaskLane(self.info.vocab_size, mask_budget or MaskBudget())
         self.vocab_size = vocab_size
         # xgrammar's own cache stays off: ours is bounded in entries and counted.
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
@@ -156,6 +184,11 @@ class Grammars:
     @staticmethod
     def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled)
+
+    def choice_matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None) -> LaneMatcher:
+        """A constrained choice's matcher, its first mask already being filled on the lane; `sibling`: an
+        earlier choice of its request (None for the first), whose mask budget it shares."""
+        return self.lane.matcher(compiled, kind, sibling)
 
     def stats(self) -> GrammarStats:
         with self._lock:

@@ -1,5 +1,6 @@
-"""The structured-output token mask of a step: one bitmask for the whole batch, filled by
-xgrammar in one call, applied to the logits on their device.
+"""The structured-output token mask of a step: one bitmask for the whole batch, gathered from the
+rows its constrained choices had filled ahead (server.engine.mask_lane), applied to the logits on
+their device. Nothing is filled here: the step never waits on a grammar.
 
 A row without a constraint keeps every bit set, so applying the mask leaves its logits
 exactly as they were: unconstrained requests sample the same tokens whether or not a
@@ -12,13 +13,11 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from server.engine.mask_lane import LaneMatcher
+
 
 class GrammarMask:
-    """Owned by the model runner: the batch matcher (its thread pool) lives across steps.
-
-    The runner fills the mask after the forward call returns: on a GPU the forward's kernels are
-    still running then, so the fill overlaps them; on a CPU the forward's own threads use every
-    core, so a fill on a thread beside it (tried first) only competes with them.
+    """Owned by the model runner.
 
     `vocab_size` is the grammar tokenizer's width (server.engine.grammar.tokenizer_info), at
     least the logits' width; the mask is applied to the logits' width.
@@ -26,16 +25,17 @@ class GrammarMask:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._batch = xgr.BatchGrammarMatcher()
 
-    def fill(self, matchers: Sequence[xgr.GrammarMatcher | None]) -> torch.Tensor | None:
+    def gather(self, matchers: Sequence[LaneMatcher | None]) -> torch.Tensor | None:
         """[N, ceil(V / 32)] int32 on the CPU, bit t of row i set when row i may take token t;
-        None when no row is constrained (the batch pays nothing)."""
+        None when no row is constrained (the batch pays nothing). Every matcher's mask is ready
+        (the scheduler ran only those)."""
         indices = [i for i, m in enumerate(matchers) if m is not None]
         if not indices:
             return None
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # every bit set
-        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in indices], bitmask, indices)
+        for i in indices:
+            bitmask[i] = matchers[i].row()[0]
         return bitmask
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:

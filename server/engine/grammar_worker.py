@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 
 import psutil
 
-from server.engine.grammar import GrammarError, Grammars, compile_constraint
+from server.engine.grammar import GrammarError, Grammars, compile_constraint, refuse_from_text
 from server.engine.structured_outputs import StructuredOutputsParams
 from server.tenant_share import TenantShare
 
@@ -196,6 +196,11 @@ class GrammarCompileService:
         cached = self.grammars.lookup(spec)
         if cached is not None:
             return cached
+        try:
+            refuse_from_text(spec)  # in this process: a refusal from the text alone costs no compile process
+        except GrammarError:
+            self.grammars.count_failure()
+            raise
         with self._lock:
             self._running += 1
         try:

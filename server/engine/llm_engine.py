@@ -147,7 +147,9 @@ class LLMEngine:
             seq.detok_state = self.detokenizer.new_state(start=len(ids))
             seq.stop = StopChecker(params.stop)
             if grammar is not None:
-                seq.grammar = self.grammars.matcher(grammar)  # one per choice: each goes its own way
+                # One per choice: each goes its own way; its first mask is filled from now, off the step.
+                seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind,
+                                                           group.seqs[0].grammar)
         self.constrained_requests += grammar is not None
         self.arrivals += 1
         self.output_processor.add(group.seqs[0])
@@ -235,3 +237,4 @@ class LLMEngine:
             self.overlap.shutdown()
         self.host.shutdown()
         self.dora_precompute.shutdown()
+        self.grammars.lane.shutdown()

@@ -209,8 +209,10 @@ class ModelRunner:
                 owner = [s for s in range(len(sampled)) for _ in range(starts[s + 1] - starts[s])]
                 row_logits = row_logits.index_select(0, torch.tensor(owner, device=logits.device))
             mask = self.grammar_mask
-            bitmask = mask.fill([r.grammar for r in inputs.rows]) if mask is not None else None  # [rows, W] int32
+            bitmask = mask.gather([r.grammar for r in inputs.rows]) if mask is not None else None  # [rows, W] int32
             out = sample_rows(row_logits, inputs.rows, self.generator, mask, bitmask)
+            if bitmask is not None:
+                _fail_costly_constraints(inputs.rows, out.tokens)
             for s, i in enumerate(sampled):
                 a, b = starts[s], starts[s + 1]
                 results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
@@ -241,6 +243,14 @@ class ModelRunner:
         for kv in self.kv_caches:  # each [num_blocks, block_size, Hkv, D]
             for cache in map(storage, kv):  # bytes: CPU index_copy_ has no fp8 kernel
                 cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def _fail_costly_constraints(rows: list[SamplingRow], tokens: list[int | SampleFailure]) -> None:
+    """A choice whose constraint ran past its mask budget (server.engine.mask_lane) gets its failure, not
+    a token: its request ends with an error naming the constraint."""
+    for i, row in enumerate(rows):
+        if row.grammar is not None and row.grammar.failure is not None:
+            tokens[i] = SampleFailure(row.grammar.failure)
 
 
 def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:

@@ -55,7 +55,7 @@ class SamplerOutput:
 def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_generator: torch.Generator,
                 grammar_mask: GrammarMask | None = None, bitmask: torch.Tensor | None = None) -> SamplerOutput:
     """logits: [N, V] float32, one row per SamplingRow; bitmask: [N, W] int32 from
-    grammar_mask.fill (None: no row is constrained), applied before any other modification.
+    grammar_mask.gather (None: no row is constrained), applied before any other modification.
 
     A seeded row's draw depends only on (seed, choice, output index) and its own
     logits, so the same seed gives the same tokens whatever shares the batch,

@@ -19,4 +19,4 @@ class SamplingRow(NamedTuple):
     output_ids: Sequence[int] = ()  # the choice's output so far; read only with a penalty
     prompt_ids: torch.Tensor | None = None  # [P] CPU; read only with a repetition penalty
     stop_ids: tuple[int, ...] = ()  # masked while output_index < min_tokens
-    grammar: object | None = None  # the choice's xgrammar GrammarMatcher, when constrained
+    grammar: object | None = None  # the choice's LaneMatcher (server.engine.mask_lane), when constrained

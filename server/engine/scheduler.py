@@ -19,6 +19,10 @@ is prefilled the other choices fork from it, sharing its blocks. A sequence
 about to write into a shared block gets a private copy first: the copies are
 listed in the batch, for the runner to make before the forward pass.
 
+A constrained sequence whose next token's grammar mask is still being filled (off the step, on
+server.engine.mask_lane's threads) sits out the steps until it is ready; prompt chunks that sample
+nothing need no mask.
+
 An admitted sequence starts with the longest run of its full blocks found in
 the prefix cache (server.engine.prefix_cache) and computes only the rest, in
 chunks as usual. Cached blocks nobody holds count as free: taking one costs a
@@ -132,7 +136,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             prefilling = seq.num_pending_tokens > 1
             n = min(seq.num_pending_tokens, budget, prefill_budget if prefilling else budget)
-            if n == 0 or not self._make_room(seq, n, batch):
+            if n == 0 or not _mask_ready(seq, seq.num_computed_tokens + n) or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n)
             budget -= n
@@ -263,6 +267,8 @@ class Scheduler:
             table = hit or []
             start = len(table) * self.blocks.block_size
             n = min(len(seq.token_ids) - start, budget)
+            if not _mask_ready(seq, start + n):
+                continue  # its first mask is still being filled: admitted next step, no one held up
             # Keep one block spare so running sequences can decode without preempting at once; cached
             # blocks nobody holds come out of the free pool when taken.
             reserve = (1 if self.running else 0) + self.blocks.num_unreferenced(table)
@@ -320,3 +326,14 @@ class Scheduler:
         if self.lora_slot_of_seq.pop(seq, None) is not None:
             self.lora_slots.release(seq.version_id)
             self.host.unpin(seq.version_id)
+
+
+def _mask_ready(seq: Sequence, end: int) -> bool:
+    """Whether `seq` may compute its tokens up to `end` this step: a step that samples a constrained
+    choice runs only once its mask is filled (server.engine.mask_lane), and until then the choice sits
+    out, keeping its blocks and seat, so the batch never waits on one request's grammar. Prompt chunks
+    that sample nothing run regardless."""
+    if seq.grammar is None or end < len(seq.token_ids) or seq.params.max_tokens == 0:
+        return True
+    choices = seq.group.seqs if seq.group.needs_fork else (seq,)  # a fork samples every choice's first token
+    return all(c.grammar.ready for c in choices)

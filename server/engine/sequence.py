@@ -49,6 +49,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
+    # The error is the request's own doing (its constraint was too costly to enforce,
+    # server.engine.mask_lane): a client error, not the server's.
+    error_is_client: bool = False
     index: int = 0  # the choice, 0..n-1
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -194,6 +197,7 @@ class Sequence:
             finished=self.finished,
             finish_reason=self.finish_reason,
             error=self.error,
+            error_is_client=self.error is not None and self.grammar is not None and self.grammar.failure is not None,
             index=self.index,
             logprobs=None if self.logprobs is None else self.logprobs[:],
             prompt_logprobs=self.group.prompt_logprobs,

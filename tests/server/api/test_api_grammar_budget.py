@@ -81,8 +81,12 @@ def test_a_compile_holds_the_tenants_concurrency_slot(server):
     holder.join(300)
     assert first[0].status_code == 400 and "--max-grammar-compile-ms" in first[0].json()["error"]["message"]
     # the killed compile gave the slot back: the tenant's next constrained request runs
+    deadline = time.monotonic() + 10
+    while _concurrent(server, key):  # released as the refusal settles, just after its answer
+        assert time.monotonic() < deadline, "the killed compile kept its concurrency slot"
+        time.sleep(0.02)
     again = _complete(server, key, guided_choice=["ok"])
-    assert again.status_code == 200 and again.json()["choices"][0]["text"] == "ok"
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == "ok", again.text
 
 
 @pytest.mark.parametrize("kind", list(PATHOLOGICAL))
@@ -101,7 +105,10 @@ def test_a_pathological_constraint_is_refused_naming_the_limit(server, kind):
     r = _complete(server, key, **{field: slow})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == field and f"{COMPILE_MS} ms of CPU time (--max-grammar-compile-ms)" in err["message"]
+    # Killed at its CPU-time deadline, or at ten times that on the wall clock when a loaded machine
+    # starves the compile process: both are that flag's refusal.
+    assert err["param"] == field and "(--max-grammar-compile-ms)" in err["message"], err
+    assert f"{COMPILE_MS} ms of CPU time" in err["message"] or f"{10 * COMPILE_MS} ms wall-clock" in err["message"]
     # the killed process's replacement starts in the background: the next compile takes the spare
     cold = compiler.cold_starts
     r = _complete(server, key, guided_choice=[f"after-{kind}"], max_tokens=32)
