@@ -130,9 +130,11 @@ def test_engine_view_and_history(api_server):
     assert view["healthy"] and view["kv_blocks"]["total"] == 64 and view["slots"]["total"] == 4
     assert view["kv_cache"] == {"dtype": "float32", "requested_dtype": "auto", "blocks": 64, "block_size": 16,
                                 "tokens": 1024, "bytes": api_server.state.engine.engine.kv_pool.bytes}
+    model = api_server.state.engine.engine.model
     assert view["base_weights"] == {"projections": "float32", "int4_group_size": None, "lm_head": "float32",
-                                    "projection_bytes": api_server.state.engine.engine.model.base_weights()[
-                                        "projection_bytes"]}
+                                    "projection_bytes": model.base_weights()["projection_bytes"],
+                                    "bytes_by_dtype": {"float32": model.base_weights()["bytes"]},
+                                    "bytes": sum(t.nbytes for t in model.base_tensors())}
     assert view["base_weights"]["projection_bytes"] > 0
     # A CPU device captures no CUDA graph (issue 21): every step eager, none replayed.
     assert view["cuda_graphs"] == {"enabled": False, "graphs": 0, "replays": 0, "capture_seconds": 0.0,
