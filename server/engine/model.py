@@ -17,6 +17,7 @@ from kernels.int4_weights import DEFAULT_GROUP_SIZE, Int4Weight, cat_int4, quant
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.config import ModelConfig
+from server.engine.host_memory import return_freed_memory
 from server.engine.kernel_ops import KernelOps
 from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.rope import RotaryEmbedding
@@ -158,6 +159,8 @@ class CausalLM:
                          int4_group_size)
             for i in range(cfg.num_layers)
         ]
+        if some.device.type == "cpu":
+            return_freed_memory()  # the float projections just freed: their heap holes back to the OS
 
     def base_weights(self) -> dict:
         """What the decoder projections and the lm_head are stored as, the projections' bytes on the
