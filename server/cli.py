@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _banner(info) -> None:
+def _banner(info, shutdown_timeout: float) -> None:
     lines = ["", f"loraplex is serving {info.model_id} at {info.base_url}"]
     if info.admin_token_file is not None:
         lines.append(f"admin token (kept in {info.admin_token_file}): {info.admin_token}")
@@ -247,7 +247,8 @@ def _banner(info) -> None:
     if info.demo_key is not None:
         lines.append("try:")
         lines.append(f"  {info.curl_line()}")
-    lines.append("stop: Ctrl-C (or SIGTERM): running requests get 5 s to finish")
+    lines.append(f"stop: Ctrl-C (or SIGTERM): running requests get {shutdown_timeout:g} s to finish "
+                 f"(--shutdown-timeout)")
     lines.append("")
     print("\n".join(lines), flush=True)
 
@@ -285,7 +286,7 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
     from server.api.app import create_app
     from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
-    app = create_app(config, on_ready=_banner)
+    app = create_app(config, on_ready=lambda info: _banner(info, config.shutdown_timeout))
     uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=config.shutdown_timeout)
     quiet_uvicorn_lifecycle()
     QuietStopServer(uv_config).run(sockets=[sock])
