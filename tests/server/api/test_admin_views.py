@@ -27,7 +27,8 @@ def test_tenant_usage_and_keys(api_server, tiny_adapters):
     assert [d["date"] for d in usage["days"]] == sorted(d["date"] for d in usage["days"]) and len(usage["days"]) == 3
     total = usage["total"]
     assert total["requests"] == 2 and total["completion_tokens"] == 5
-    assert total["adapters"]["sql"]["completion_tokens"] == 3 and total["adapters"][""]["completion_tokens"] == 2
+    assert total["adapters"]["sql"]["completion_tokens"] == 3 and total["adapters"][api_server.state.model_id]["completion_tokens"] == 2
+    assert "" not in total["adapters"]  # issue 42: the base model's usage under its id
     assert usage["current"]["adapters"] == 1
     with api_server.http(key) as h:  # the same numbers the tenant sees
         assert h.get("/v1/usage", params={"days": 3}).json()["total"] == total
