@@ -7,7 +7,7 @@ import socket
 import sys
 
 from server.config import AUTO_PREFILL_CAP, CPU_PREFILL_CAP, TOOL_CALL_PARSERS, ConfigError, ServerConfig
-from server.default_model import DefaultModelMissing
+from server.default_model import DefaultModelMissing, announce as announce_default_model
 from server.gguf_reader import GGUFError
 from server.version import loraplex_version
 
@@ -296,12 +296,16 @@ def prepare_model(config: ServerConfig) -> None:
     """Convert a GGUF or build the demo model now, with progress on stderr, rather than in the app's
     start-up (which finds the result in the data dir); then check the checkpoint's quantization from
     its config and tensor names, so an unsupported one is one line here, not a lifespan traceback."""
+    def say(line: str) -> None:
+        print(f"loraplex: {line}", file=sys.stderr, flush=True)
+
+    if config.model is None:
+        announce_default_model(say)  # before the imports below: seconds of silence otherwise
     from server.engine.config import GPTQ_QUANTIZATIONS, ModelConfigError
     from server.engine.gptq_checkpoint import check_checkpoint
     from server.model_source import resolve_model
 
-    resolved = resolve_model(config.model, config.data_dir, lambda line: print(f"loraplex: {line}", file=sys.stderr,
-                                                                                flush=True))
+    resolved = resolve_model(config.model, config.data_dir, say)
     try:
         check_checkpoint(resolved.model_dir, require_gptq=config.quantization in GPTQ_QUANTIZATIONS)
     except ModelConfigError as e:
