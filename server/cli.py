@@ -10,7 +10,7 @@ from contextlib import ExitStack
 
 from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS,
                            TOOL_CALL_PARSERS, ConfigError, ServerConfig)
-from server.default_model import DefaultModelMissing
+from server.default_model import DefaultModelMissing, announce as announce_default_model
 from server.gguf_reader import GGUFError
 from server.startup_checks import check_before_model
 from server.version import loraplex_version
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _banner(info) -> None:
+def _banner(info, shutdown_timeout: float) -> None:
     lines = ["", f"loraplex is serving {info.model_id} at {info.base_url}"]
     if info.admin_token_file is not None:
         lines.append(f"admin token (kept in {info.admin_token_file}): {info.admin_token}")
@@ -279,7 +279,8 @@ def _banner(info) -> None:
     if info.demo_key is not None:
         lines.append("try:")
         lines.append(f"  {info.curl_line()}")
-    lines.append("stop: Ctrl-C (or SIGTERM): running requests get 5 s to finish")
+    lines.append(f"stop: Ctrl-C (or SIGTERM): running requests get {shutdown_timeout:g} s to finish "
+                 f"(--shutdown-timeout)")
     lines.append("")
     print("\n".join(lines), flush=True)
 
@@ -317,7 +318,7 @@ def serve(config: ServerConfig, sock: socket.socket) -> None:
     from server.api.app import create_app
     from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
-    app = create_app(config, on_ready=_banner)
+    app = create_app(config, on_ready=lambda info: _banner(info, config.shutdown_timeout))
     uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=config.shutdown_timeout)
     quiet_uvicorn_lifecycle()
     QuietStopServer(uv_config).run(sockets=[sock])
@@ -327,12 +328,16 @@ def prepare_model(config: ServerConfig) -> None:
     """Convert a GGUF or build the demo model now, with progress on stderr, rather than in the app's
     start-up (which finds the result in the data dir); then check the checkpoint's quantization from
     its config and tensor names, so an unsupported one is one line here, not a lifespan traceback."""
+    def say(line: str) -> None:
+        print(f"loraplex: {line}", file=sys.stderr, flush=True)
+
+    if config.model is None:
+        announce_default_model(say)  # before the imports below: seconds of silence otherwise
     from server.engine.config import GPTQ_QUANTIZATIONS, ModelConfigError
     from server.engine.gptq_checkpoint import check_checkpoint
     from server.model_source import resolve_model
 
-    resolved = resolve_model(config.model, config.data_dir, lambda line: print(f"loraplex: {line}", file=sys.stderr,
-                                                                                flush=True))
+    resolved = resolve_model(config.model, config.data_dir, say)
     try:
         check_checkpoint(resolved.model_dir, require_gptq=config.quantization in GPTQ_QUANTIZATIONS)
     except ModelConfigError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from pathlib import Path
+from typing import Callable
 
 from server.config import DEFAULT_MODEL_NAME as MODEL_NAME
 
@@ -40,3 +41,13 @@ def packaged_gguf() -> Path:
                 return path
     raise DefaultModelMissing(f"the {PACKAGE} wheel is installed but {GGUF_NAME} is not in it: reinstall it "
                               f"with `{install_command()} --force-reinstall`")
+
+
+def announce(say: Callable[[str], None]) -> Path:
+    """Says which model is served and from where, then returns packaged_gguf(): the line comes before
+    the model code is imported, seconds of silence otherwise (~14 s on a first start, which compiles
+    that code). Cheap: this module imports neither torch nor transformers."""
+    gguf = packaged_gguf()
+    say(f"the default model: {MODEL_NAME}, from the {PACKAGE} wheel ({gguf.name}); loading the model code "
+        f"(the first start also compiles it)")
+    return gguf

@@ -7,9 +7,14 @@ turns it into a KeyboardInterrupt traceback; for SIGTERM, the default action kil
 the process. QuietStopServer says one line when a signal arrives and, while it
 runs, holds handlers that take the re-raised signal as already dealt with, so
 `loraplex serve` returns from main normally once the shutdown is done.
+
+Requests still running when the grace period ends (or at a second Ctrl-C) are cancelled by uvicorn,
+which logs each one's CancelledError (and the lifespan's) as a 60-line traceback; while stopping,
+StopNoise drops those and the stop ends with one line saying how many were cut.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
@@ -30,6 +35,29 @@ def quiet_uvicorn_lifecycle() -> None:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
 
 
+class StopNoise(logging.Filter):
+    """While `stopping()`: drops the tracebacks of what the stop cancelled (a request's CancelledError or
+    KeyboardInterrupt, the lifespan's formatted traceback ending in one), counting the requests."""
+
+    CUT = (asyncio.CancelledError, KeyboardInterrupt)
+
+    def __init__(self, stopping) -> None:
+        super().__init__()
+        self.stopping = stopping
+        self.cut = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.stopping():
+            return True
+        if record.exc_info and isinstance(record.exc_info[1], self.CUT):
+            self.cut += 1
+            return False
+        text = str(record.msg)
+        last = text.rstrip().rsplit("\n", 1)[-1]
+        return not (text.startswith("Traceback") and last.startswith(("asyncio.exceptions.CancelledError",
+                                                                         "KeyboardInterrupt")))
+
+
 class QuietStopServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:
@@ -39,12 +67,17 @@ class QuietStopServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     def run(self, sockets=None) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            super().run(sockets=sockets)
-            return
-        previous = {sig: signal.signal(sig, _already_handled) for sig in STOP_SIGNALS}
+        noise = StopNoise(lambda: self.should_exit)
+        log = logging.getLogger("uvicorn.error")
+        log.addFilter(noise)
+        main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, _already_handled) for sig in STOP_SIGNALS} if main else {}
         try:
             super().run(sockets=sockets)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            log.removeFilter(noise)
+        if noise.cut:
+            print(f"loraplex: {noise.cut} running request(s) cut at the stop (past --shutdown-timeout "
+                  f"{self.config.timeout_graceful_shutdown:g} s, or a second Ctrl-C)", file=sys.stderr, flush=True)

@@ -144,10 +144,11 @@ class UsageLog:
         return ([self._ks.tenant(tenant.name), day_key, self._ks.usage_index(tenant.id)],
                 [tenant.id, ttl, *deltas, f"{_ADAPTER_FIELD}{adapter or ''}:"])
 
-    def get(self, tenant: Tenant, days: int = 1, now: float | None = None) -> dict[str, Any]:
+    def get(self, tenant: Tenant, days: int = 1, now: float | None = None, base_model: str = "") -> dict[str, Any]:
         """{"days": [{"date", "requests", "prompt_tokens", "completion_tokens", "adapters"}, ...]
         oldest first, ending today (UTC), and "total": the sums over those days (with "adapters")}.
-        "adapters" maps an adapter name ("" for the base model) to its three counters."""
+        "adapters" maps an adapter name to its three counters, the base model's under `base_model`
+        (its id; it is stored under "", so every record written before reads the same)."""
         tenant = _tenant(tenant)
         if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= self.retention_days:
             raise ValueError(f"days must be an int in 1..{self.retention_days}, got {days!r}")
@@ -166,7 +167,7 @@ class UsageLog:
                 if field.startswith(_ADAPTER_FIELD):
                     name, _, counter = field[len(_ADAPTER_FIELD):].rpartition(":")
                     if counter in _COUNTERS:
-                        adapters.setdefault(name, dict.fromkeys(_COUNTERS, 0))[counter] = value
+                        adapters.setdefault(name or base_model, dict.fromkeys(_COUNTERS, 0))[counter] += value
             for c in _COUNTERS:
                 total[c] += row[c]
             for name, counters in adapters.items():

@@ -179,6 +179,19 @@ class RefusalsOut(BaseModel):
     total: RefusalCounts
 
 
+class VersionInfo(BaseModel):
+    """GET /version: what this replica runs."""
+    model_config = ConfigDict(extra="allow")
+    version: str | None
+    torch: str
+    triton: str | None
+    transformers: str | None
+    device: str
+    dtype: str
+    model: str
+    replica: str | None
+
+
 class Health(BaseModel):
     model_config = ConfigDict(extra="allow")
     status: Literal["ok", "unavailable"]

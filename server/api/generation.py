@@ -87,7 +87,9 @@ class Generation:
         if len(prompt_ids) + params.max_tokens > limit:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                 f"the maximum context length of {limit} tokens", "context_length_exceeded",
-                           param="messages" if endpoint == "chat" else "prompt")
+                           # the prompt fits: what asks for too much is max_tokens
+                           param="max_tokens" if len(prompt_ids) < limit else "messages" if endpoint == "chat"
+                           else "prompt")
         request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         admission = await run_in_threadpool(state.limiter.admit, tenant, request_id,
                                             len(prompt_ids) + params.max_tokens * params.n)

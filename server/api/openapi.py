@@ -101,6 +101,8 @@ OPERATIONS = (
        None, ar.SharedAdapterSharing),
     Op("get", "/admin/engine", "The engine's live state and its last minutes", "admin", am.EngineView),
     Op("get", "/health", "Liveness of the engine and Redis", None, am.Health),
+    Op("get", "/version", "What this replica runs: versions, device, dtype, model and replica name", None,
+       am.VersionInfo),
     Op("get", "/metrics", "Prometheus metrics", "metrics", None, text="text/plain"),
 )
 

@@ -22,7 +22,7 @@ def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> in
 
 async def usage_report(state: ServerState, tenant: Tenant, request: Request) -> dict:
     days = int_param(request, "days", 1, 1, state.usage.retention_days)
-    log = await run_in_threadpool(state.usage.get, tenant, days)
+    log = await run_in_threadpool(state.usage.get, tenant, days, base_model=state.model_id)
     window = await run_in_threadpool(state.limiter.current, tenant)
     adapters = await run_in_threadpool(state.registry.count, tenant.id)
     return {"object": "usage", "tenant": tenant.name, "limits": tenant.quota.to_dict(),

@@ -66,16 +66,16 @@ def _serve(conn: Connection, tokenizer_info_json: str) -> None:
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    conn.send("ready")
-    while True:
-        try:
+    try:
+        conn.send("ready")
+        while True:
             spec = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", compile_constraint(compiler, spec).serialize_json()))
-        except GrammarError as e:
-            conn.send(("error", str(e)))
+            try:
+                conn.send(("ok", compile_constraint(compiler, spec).serialize_json()))
+            except GrammarError as e:
+                conn.send(("error", str(e)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the server stopped (or closed this worker): done
+        return
 
 
 def _lower_this_thread() -> None:

