@@ -67,6 +67,7 @@ class EngineCore:
         elif kind == "call":
             _, owner, call_id, fn = item
             reply = reply_of(call_id, lambda: fn(self.engine))
+            self._stats = self.engine.stats()  # the reply's snapshot shows the command done
             if call_id:
                 self._outbox.put(("send", owner, reply))
             elif reply.error is not None:

@@ -94,12 +94,16 @@ class Accepted(msgspec.Struct, tag="accepted"):
 
 class Outputs(msgspec.Struct, tag="outputs"):
     outputs: list[OutputDelta]
+    # The snapshot as of the step that made them: a front end woken by an output finds stats at least
+    # as new (EngineClient.stats' contract, as in the in-process mode).
+    snapshot: EngineSnapshot
 
 
 class Reply(msgspec.Struct, tag="reply"):
     call_id: int
     value: Any = None
     error: str | None = None
+    snapshot: EngineSnapshot | None = None  # as of the command (set by the output thread), like Outputs'
 
 
 class Stats(msgspec.Struct, tag="stats"):

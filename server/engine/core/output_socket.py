@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from server.engine.core.deltas import DeltaEncoder
-from server.engine.core.messages import STATS_INTERVAL_S, Fatal, OutputDelta, Outputs, Ready, Stats
+from server.engine.core.messages import STATS_INTERVAL_S, Fatal, OutputDelta, Outputs, Ready, Reply, Stats
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.snapshot import EngineSnapshot
 
@@ -63,10 +63,15 @@ class OutputSocket(threading.Thread):
                 routed = self._deltas.encode(out)
                 if routed is not None:
                     by_owner.setdefault(routed[0], []).append(routed[1])
-            for owner, deltas in by_owner.items():
-                self._send(owner, Outputs(deltas))
+            if by_owner:
+                snapshot = self._ready[1]()
+                for owner, deltas in by_owner.items():
+                    self._send(owner, Outputs(deltas, snapshot))
         elif kind == "send":
-            self._send(item[1], item[2])
+            message = item[2]
+            if isinstance(message, Reply) and self._ready is not None:
+                message.snapshot = self._ready[1]()  # the caller then reads stats at least as new as its command
+            self._send(item[1], message)
         elif kind == "track":
             self._deltas.track(item[1], item[2], item[3])
         elif kind == "hello":

@@ -296,6 +296,8 @@ class RemoteEngineClient(EngineClient):
         elif isinstance(message, Reply):
             with self._lock:
                 done = self._calls.pop(message.call_id, None)
+            if message.snapshot is not None:
+                self._snapshot = message.snapshot
             if done is not None:
                 _settle(done, message.value, None if message.error is None else RuntimeError(message.error))
         elif isinstance(message, Stats):
@@ -309,6 +311,7 @@ class RemoteEngineClient(EngineClient):
             self._die(f"the engine core failed: {message.error}")
 
     def _deliver(self, message: Outputs) -> None:
+        self._snapshot = message.snapshot  # first: a stream woken below finds stats at least this new
         with self._lock:
             outputs = [self._assembler.apply(delta) for delta in message.outputs]
             dispatch(self._sinks, [out for out in outputs if out is not None], self._assembler.drop)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from server.engine.core.deltas import DeltaEncoder, OutputAssembler
-from server.engine.core.messages import Outputs
+from server.engine.core.messages import OutputDelta
 from server.engine.sequence import RequestOutput, TokenLogprobs
 
 
@@ -28,10 +28,10 @@ def test_deltas_rebuild_the_cumulative_outputs():
     encoder, assembler = DeltaEncoder(), OutputAssembler()
     encoder.track("r", b"front", 2)
     assembler.track("r", prompt)
-    wire = msgspec.msgpack.Decoder(Outputs)
+    wire = msgspec.msgpack.Decoder(OutputDelta)
     for out in made:
         owner, delta = encoder.encode(out)
         assert owner == b"front"
-        rebuilt = assembler.apply(wire.decode(msgspec.msgpack.encode(Outputs([delta]))).outputs[0])
+        rebuilt = assembler.apply(wire.decode(msgspec.msgpack.encode(delta)))
         assert rebuilt == out
     assert encoder.encode(made[-1]) is None  # every choice finished: no longer tracked
