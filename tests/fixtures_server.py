@@ -132,7 +132,8 @@ def server_config(model_dir: Path, data_dir: Path, redis_url: str | None, **over
     """$LORAPLEX_TEST_ENGINE_PROCESS=separate runs the HTTP tests against an engine-core process (the
     tests that reach into the in-process engine, `.engine.engine` and engine_paused, fail there still)."""
     base = ServerConfig(engine_process=os.environ.get("LORAPLEX_TEST_ENGINE_PROCESS", "in-process"),
-                        data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url, port=free_port(), device="cpu", kv_cache_blocks=64,
+                        data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url,
+                        port=free_port(), device="cpu", kv_cache_blocks=64,
                         max_model_len=512, max_loras=4, max_lora_rank=32,
                         max_num_batched_tokens=512, max_num_seqs=16)
     return replace(base, **overrides)
