@@ -8,8 +8,8 @@ import socket
 import sys
 from contextlib import ExitStack
 
-from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS,
-                           TOOL_CALL_PARSERS, ConfigError, ServerConfig)
+from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, ENGINE_PROCESSES, MAX_LORA_RANK,
+                           MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError, ServerConfig)
 from server.default_model import DefaultModelMissing, announce as announce_default_model
 from server.gguf_reader import GGUFError
 from server.startup_checks import check_before_model
@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "a worker thread), post-processing a step while the next runs; steps that cannot "
                         "overlap (prefill, penalties, grammars, n > 1 forks, admissions, preemption) run as "
                         "without it. Greedy output is the same (default off)")
+    s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="in-process",
+                   help="where the engine runs: in-process (its step loop on a thread of the server process) or "
+                        "separate (an engine-core process of its own, reached over ZMQ: HTTP, tokenizing and "
+                        "SSE no longer share its interpreter; the server exits with status 1 if that process "
+                        "dies) (default in-process)")
     s.add_argument("--quantization", metavar="int8|int4|fp8|gptq",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales (a C++ kernel on AVX2 CPUs, a Triton one on GPUs); int4 is "
@@ -312,16 +317,26 @@ def _log_to_stderr() -> None:
     root.setLevel(logging.INFO)
 
 
-def serve(config: ServerConfig, sock: socket.socket) -> None:
+def serve(config: ServerConfig, sock: socket.socket) -> int:
+    """The exit status: 0 after a stop, 1 when the engine core died (--engine-process separate)."""
     import uvicorn
 
     from server.api.app import create_app
     from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
-    app = create_app(config, on_ready=lambda info: _banner(info, config.shutdown_timeout))
+    died = []
+
+    def engine_died() -> None:
+        died.append(True)
+        server.should_exit = True
+
+    app = create_app(config, on_ready=lambda info: _banner(info, config.shutdown_timeout),
+                     on_engine_death=engine_died)
     uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=config.shutdown_timeout)
     quiet_uvicorn_lifecycle()
-    QuietStopServer(uv_config).run(sockets=[sock])
+    server = QuietStopServer(uv_config)
+    server.run(sockets=[sock])
+    return 1 if died else 0
 
 
 def prepare_model(config: ServerConfig) -> None:
@@ -368,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("loraplex: interrupted while starting", file=sys.stderr)
             return 130
-        serve(config, sock)
-    return 0
+        return serve(config, sock)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ _TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
 AUTO_PREFILL_CAP = "auto"
+# --engine-process: the engine's step loop on a thread here (the default for now), or an engine-core
+# process of its own (server.engine.core).
+ENGINE_PROCESSES = ("in-process", "separate")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser: server.api.tool_parsers
 # On a 2-core CPU a 256-token chunk of the demo model's prompt keeps a decoding stream's worst gap under a
 # second where one 2,048-token step stalled it for ~6 s (docs/benchmarks/abuse.md).
@@ -125,6 +128,9 @@ class ServerConfig:
     kernels: str = "auto"
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     async_scheduling: bool = False        # --async-scheduling: prepare decode step N+1 while N runs
+    # --engine-process: the engine in this process's step-loop thread, or in an engine-core process of
+    # its own (server.engine.core); ENGINE_PROCESSES.
+    engine_process: str = "in-process"
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     quantization: str | None = None       # --quantization: the base projections' weights (None: float)
     quantize_lm_head: bool = False        # --quantize-lm-head: the lm_head in int8 too (needs --quantization int8)
@@ -199,6 +205,9 @@ class ServerConfig:
             raise ConfigError(f"--max-grammar-mask-seconds must be > 0, got {self.max_grammar_mask_seconds}")
         if not self.compile_seconds_per_minute >= 0:
             raise ConfigError(f"--compile-seconds-per-minute must be >= 0, got {self.compile_seconds_per_minute}")
+        if self.engine_process not in ENGINE_PROCESSES:
+            raise ConfigError(f"--engine-process must be one of {', '.join(ENGINE_PROCESSES)}, "
+                              f"got {self.engine_process!r}")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")
         cap = self.max_prefill_tokens_while_decoding
@@ -335,6 +344,7 @@ class ServerConfig:
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", False),
+            engine_process=getattr(args, "engine_process", "in-process"),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             quantization=getattr(args, "quantization", None),
             quantize_lm_head=getattr(args, "quantize_lm_head", False),

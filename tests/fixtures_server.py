@@ -4,6 +4,7 @@ engine is the slow part, so each test module shares one server."""
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import threading
 import time
@@ -128,8 +129,11 @@ def running_server(config: ServerConfig, timeout: float = 120.0) -> Iterator[Ser
 
 
 def server_config(model_dir: Path, data_dir: Path, redis_url: str | None, **overrides) -> ServerConfig:
-    base = ServerConfig(data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir),
-                        redis_url=redis_url, port=free_port(), device="cpu", kv_cache_blocks=64,
+    """$LORAPLEX_TEST_ENGINE_PROCESS=separate runs the HTTP tests against an engine-core process (the
+    tests that reach into the in-process engine, `.engine.engine` and engine_paused, fail there still)."""
+    base = ServerConfig(engine_process=os.environ.get("LORAPLEX_TEST_ENGINE_PROCESS", "in-process"),
+                        data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url,
+                        port=free_port(), device="cpu", kv_cache_blocks=64,
                         max_model_len=512, max_loras=4, max_lora_rank=32,
                         max_num_batched_tokens=512, max_num_seqs=16)
     return replace(base, **overrides)

@@ -1,8 +1,6 @@
-"""How the engine reaches the Redis registry: a loader for versions, and a listener for retirements.
+"""How the engine hears of retired versions (its loader of versions: adapters.registry_fetch).
 
-The engine pages adapters Redis -> host -> device itself (adapters.host_tier);
-it only needs a callable that turns a version id into a parsed adapter. The
-listener makes every server process sharing the Redis drop a deleted or
+The listener makes every server process sharing the Redis drop a deleted or
 replaced version from its tiers, not just the one that handled the request.
 """
 from __future__ import annotations
@@ -14,25 +12,7 @@ from typing import Callable
 
 import redis
 
-from adapters.format import LoraAdapter, ModelShape, load_adapter_bytes
-from adapters.loader_pool import LoaderPool
-from adapters.registry import AdapterRegistry
-
 log = logging.getLogger(__name__)
-
-
-def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: int,
-                   pager: LoaderPool | None = None) -> Callable[[str], LoraAdapter]:
-    """Runs on the engine's loader threads: read the version's files and validate them again, in
-    `pager`'s loader process when there is one (parsing and value checks take the interpreter)."""
-
-    def fetch(version: str) -> LoraAdapter:
-        config_json, weights = registry.read_files(version)
-        if pager is not None:
-            return pager.parse(config_json, weights, shape, max_lora_rank, f"stored version {version}")
-        return load_adapter_bytes(config_json, weights, shape, max_lora_rank)
-
-    return fetch
 
 
 class RetirementListener:

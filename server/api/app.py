@@ -15,6 +15,7 @@ from server.api import (adapter_routes, admin_adapter_routes, admin_routes, admi
                         tokenize_routes)
 from server.api.admin_auth_throttle import AdminAuthThrottle
 from server.api.bootstrap import StartupInfo, bootstrap
+from server.api.engine_watch import exit_when_engine_dies
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
 from server.api.replica import ReplicaHeader
@@ -31,9 +32,10 @@ def _base_url(config: ServerConfig) -> str:
     return f"http://{host}:{config.port}"
 
 
-def create_app(config: ServerConfig,
-               on_ready: Callable[[StartupInfo], None] | None = None) -> Starlette:
-    """`on_ready` gets the start-up info (tokens, demo key) once the server can serve."""
+def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | None = None,
+               on_engine_death: Callable[[], None] | None = None) -> Starlette:
+    """`on_ready` gets the start-up info (tokens, demo key) once the server can serve; `on_engine_death`
+    (--engine-process separate) stops the server once the engine core died (server.api.engine_watch)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -45,6 +47,8 @@ def create_app(config: ServerConfig,
             info = await run_in_threadpool(bootstrap, state, _base_url(config))
             background = [asyncio.create_task(run_upkeep(state)), asyncio.create_task(state.settlements.run()),
                           asyncio.create_task(state.history.run(state.engine.stats))]
+            if on_engine_death is not None and config.engine_process == "separate":
+                background.append(asyncio.create_task(exit_when_engine_dies(state.engine, on_engine_death)))
             app.state.lp = state
             app.state.startup = info
             if on_ready is not None:

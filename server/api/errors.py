@@ -28,6 +28,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 # Redis restarts (or fails over) in seconds; clients should come back about then.
+ENGINE_RETRY_AFTER_SECONDS = 1
 REDIS_RETRY_AFTER_SECONDS = 2
 
 
@@ -88,7 +89,9 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RequestError):
         return APIError(400, str(exc), "invalid_request")
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "engine_unavailable")
+        # Retry-After: a replica behind a balancer is being replaced, or (--engine-process separate) the
+        # server is about to exit for its orchestrator to restart it.
+        return APIError(503, str(exc), "engine_unavailable", {"Retry-After": str(ENGINE_RETRY_AFTER_SECONDS)})
     if isinstance(exc, redis.RedisError):
         log.warning("Redis unavailable: %r", exc)
         return APIError(503, "the tenant and adapter store (Redis) is unavailable; retry shortly",

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import redis
 
-from adapters.dora_scale_store import DoraScaleStore
 from adapters.format import ModelShape
 from adapters.loader_pool import LoaderPool
 from adapters.references import ReferenceStore
@@ -16,7 +15,7 @@ from adapters.registry import AdapterRegistry
 from adapters.sharing import SharingStore
 from adapters.sources import SourcePolicy
 from adapters.sources.clients import SourceClients
-from server.api.adapter_source import RetirementListener, registry_fetch
+from server.api.adapter_source import RetirementListener
 from server.api.base_identity import base_identity
 from server.api.engine_history import EngineHistory
 from server.api.fetch_flights import FetchFlights
@@ -31,7 +30,7 @@ from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.protocol import EngineClient
-from server.engine.protocol.in_process import InProcessEngineClient
+from server.engine_mode import build_engine_client
 from server.engine_settings import engine_config
 from server.model_source import resolve_model
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
@@ -115,9 +114,8 @@ class ServerState:
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-            engine = InProcessEngineClient.build(
-                engine_config(config, model_dir, shape), registry_fetch(registry, shape, config.max_lora_rank, pager),
-                DoraScaleStore(client, prefix=config.redis_prefix))
+            engine = build_engine_client(config, engine_config(config, model_dir, shape), url, shape, registry,
+                                         pager, client)
             retirements = RetirementListener(client, registry.events_channel, engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(engine),
                                              retired=registry.retired_versions)

@@ -14,13 +14,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from server.engine.engine_stats import EngineStats
 from server.engine.llm_engine import LLMEngine
 from server.engine.protocol.errors import EngineDeadError
 from server.engine.protocol.request import EngineRequest
+from server.engine.request_stream import RequestStream, Sink, dispatch
 from server.engine.sequence import RequestOutput
 
 if TYPE_CHECKING:
@@ -29,82 +29,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Sink:
-    """Where one request's outputs go: a queue on the caller's event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    unfinished: int = 1  # choices still running: the sink goes when the last one finishes
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the caller's loop is closed: nobody is listening any more
-
-
-class RequestStream:
-    """An accepted request's outputs: per choice (`index`), cumulative, the last one `finished`.
-
-    Iterate it; it ends once every one of the request's n choices has given
-    its finished output. Closing it (or cancelling the iterating task) before
-    the end aborts the request in the engine, which frees its KV blocks.
-    Outputs are cumulative, so a consumer that fell behind gets only the
-    newest one of each choice: one chunk carrying several tokens instead of a
-    backlog of one-token chunks.
-    """
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, sink: _Sink, n: int = 1) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._sink = sink
-        self._unfinished = n
-        self._pending: dict[int, RequestOutput] = {}  # choice index -> its newest undelivered output
-        self._done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._pending:
-            if self._done:
-                raise StopAsyncIteration
-            queue = self._sink.queue
-            try:
-                item = await queue.get()
-            except BaseException:
-                self.abort()  # cancelled while waiting: the consumer is gone
-                raise
-            while True:
-                if isinstance(item, BaseException):
-                    self._done = True
-                    raise item
-                # A choice's newer output replaces its older one, keeping its place in line.
-                self._pending[item.index] = item
-                self._unfinished -= item.finished
-                if queue.empty():
-                    break
-                item = queue.get_nowait()
-            self._done = self._unfinished == 0
-        return self._pending.pop(next(iter(self._pending)))
-
-    def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.abort()
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine  # read-only attributes (tokenizer, max_model_len, ...) are safe to share
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
-        self._sinks: dict[str, _Sink] = {}  # touched by the loop thread only
+        self._sinks: dict[str, Sink] = {}  # touched by the loop thread only
         self._stats_lock = threading.Lock()
         self._stats = engine.stats()
         self._thread: threading.Thread | None = None
@@ -138,7 +69,7 @@ class AsyncEngine:
         Its `grammar` is compiled already (LLMEngine.add_request), so the loop never compiles."""
         loop = asyncio.get_running_loop()
         n = request.params.n
-        sink = _Sink(loop, asyncio.Queue(), n)
+        sink = Sink(loop, asyncio.Queue(), n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request, sink, accepted))
         try:
@@ -210,7 +141,7 @@ class AsyncEngine:
                     outputs = engine.step()
                     # Stats first: a caller woken by an output must find a snapshot at least as new.
                     self._publish_stats()
-                    self._dispatch(outputs)
+                    dispatch(self._sinks, outputs)
                 else:
                     self._publish_stats()
                     self._wakeup.wait()
@@ -249,25 +180,6 @@ class AsyncEngine:
             else:
                 raise AssertionError(f"unknown command {kind!r}")
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        # One wake-up per event loop per step, not one per request: each call_soon_threadsafe
-        # writes the loop's self-pipe, and with hundreds of streams that cost showed up.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue
-            if out.finished:
-                sink.unfinished -= 1
-                if sink.unfinished == 0:
-                    del self._sinks[out.request_id]
-            by_loop.setdefault(sink.loop, []).append((sink.queue, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:
-                pass  # the caller's loop is closed: nobody is listening any more
-
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
         with self._stats_lock:
@@ -287,7 +199,3 @@ class AsyncEngine:
                 if isinstance(item, concurrent.futures.Future) and not item.done():
                     item.set_exception(dead)
 
-
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)

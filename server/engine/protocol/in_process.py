@@ -7,12 +7,14 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.engine.async_engine import AsyncEngine, RequestStream
+from server.engine.adapter_residency import held_versions, residency
+from server.engine.async_engine import AsyncEngine
+from server.engine.request_stream import RequestStream
 from server.engine.config import EngineConfig
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.protocol.client import EngineClient
-from server.engine.protocol.info import EngineInfo
+from server.engine.protocol.info import engine_info
 from server.engine.protocol.request import EngineRequest
 from server.engine.protocol.snapshot import EngineSnapshot
 
@@ -20,18 +22,6 @@ if TYPE_CHECKING:
     from adapters.format import LoraAdapter
     from adapters.host_tier import Fetch
     from server.engine.lora.dora_scale_cache import ScaleStore
-
-
-def engine_info(engine: LLMEngine) -> EngineInfo:
-    cfg = engine.config
-    return EngineInfo(
-        max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-        adapter_shape=engine.adapter_shape, max_loras=engine.max_loras, max_lora_rank=cfg.max_lora_rank,
-        max_num_seqs=cfg.max_num_seqs, max_cpu_lora_bytes=cfg.max_cpu_lora_bytes, device=str(engine.device),
-        dtype=str(engine.dtype).removeprefix("torch."), dtype_bytes=engine.dtype.itemsize, kv_pool=engine.kv_pool,
-        requested_kv_cache_dtype=cfg.kv_cache_dtype, block_size=cfg.block_size,
-        async_scheduling=cfg.async_scheduling, base_weights=engine.model.base_weights(),
-        model_config=engine.model_config)
 
 
 class InProcessEngineClient(EngineClient):
@@ -89,12 +79,11 @@ class InProcessEngineClient(EngineClient):
         return await self._loop.has_adapter(version_id)
 
     async def adapter_residency(self) -> dict[str, str]:
-        return await self._loop.call(_residency_of)
+        return await self._loop.call(residency)
 
     def held_adapter_versions(self, timeout: float) -> set[str]:
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._loop.post(lambda e: done.set_result(
-            set(e.host.entries) | set(e.host.loading) | set(e.host.parked) | set(e.lora_slots.slot_of)))
+        self._loop.post(lambda e: done.set_result(held_versions(e)))
         return done.result(timeout=timeout)
 
     def precompute_dora(self, version_id: str, adapter: LoraAdapter) -> concurrent.futures.Future[str]:
@@ -127,9 +116,3 @@ class InProcessEngineClient(EngineClient):
         """Run fn on the loop thread without waiting; ordered with every other command."""
         self._loop.post(fn)
 
-
-def _residency_of(engine: LLMEngine) -> dict[str, str]:
-    """version -> the fastest tier holding it (runs on the loop thread)."""
-    where = {v: "host" for v in engine.host.entries}
-    where.update({v: "device" for v in engine.lora_slots.slot_of})
-    return where

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from adapters.format import ModelShape
 from server.engine.config import ModelConfig
 from server.engine.kv_cache import KvPoolInfo
+
+if TYPE_CHECKING:
+    from server.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -29,3 +33,19 @@ class EngineInfo:
     async_scheduling: bool
     base_weights: dict  # what the projections and lm_head are stored as (CausalLM.base_weights)
     model_config: ModelConfig  # the checkpoint's architecture and dimensions (frozen, primitives)
+    # The ids that end a choice (the model's and the tokenizer's EOS): a front end that compiles grammars
+    # itself (the engine-core mode) builds its vocabulary's stop tokens from them.
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def engine_info(engine: LLMEngine) -> EngineInfo:
+    cfg = engine.config
+    return EngineInfo(
+        max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+        adapter_shape=engine.adapter_shape, max_loras=engine.max_loras, max_lora_rank=cfg.max_lora_rank,
+        max_num_seqs=cfg.max_num_seqs, max_cpu_lora_bytes=cfg.max_cpu_lora_bytes, device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."), dtype_bytes=engine.dtype.itemsize, kv_pool=engine.kv_pool,
+        requested_kv_cache_dtype=cfg.kv_cache_dtype, block_size=cfg.block_size,
+        async_scheduling=cfg.async_scheduling, base_weights=engine.model.base_weights(),
+        model_config=engine.model_config,
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)))

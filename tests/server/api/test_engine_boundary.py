@@ -11,16 +11,15 @@ pytestmark = pytest.mark.unit
 
 API_DIR = ROOT_DIR / "server" / "api"
 # Engine modules the front end may import: the protocol, request parameters, and tokenizing and grammar
-# compiling (front-end work). The engine's config is built outside it (server.engine_settings).
+# compiling (front-end work). The engine's config and its client (in-process or an engine core's) are
+# built outside it (server.engine_settings, server.engine_mode).
 ALLOWED_MODULES = {
-    "server.engine.protocol", "server.engine.protocol.in_process", "server.engine.sampling_params",
+    "server.engine.protocol", "server.engine.sampling_params",
     "server.engine.structured_outputs", "server.engine.tokenizer_loader", "server.engine.detokenizer",
     "server.engine.grammar", "server.engine.grammar_worker",
 }
 # Names the front end may take from the server.engine package itself.
 ALLOWED_PACKAGE_NAMES = {"SamplingParams", "StructuredOutputsParams"}
-# Only the server's state builds the in-process client; every other module holds an EngineClient.
-BUILDER = "state.py"
 
 
 def _is_engine(module: str) -> bool:
@@ -43,7 +42,7 @@ def test_api_modules_import_no_engine_internals():
         for module, names in _engine_imports(path):
             if module == "server.engine":
                 bad += [f"{path.name}: server.engine.{n}" for n in names if n not in ALLOWED_PACKAGE_NAMES]
-            elif module not in ALLOWED_MODULES or (module.endswith(".in_process") and path.name != BUILDER):
+            elif module not in ALLOWED_MODULES:
                 bad.append(f"{path.name}: {module}")
     assert not bad, "server/api reaches past the engine protocol: " + ", ".join(bad)
 

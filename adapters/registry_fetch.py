@@ -1,0 +1,27 @@
+"""registry_fetch: how the engine reads a stored version from the Redis registry.
+
+The engine pages adapters Redis -> host -> device itself (adapters.host_tier); it only needs a
+callable that turns a version id into a parsed adapter. Built by the server's state in the in-process
+mode and by the engine-core process itself in the separate one (server.engine.core).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from adapters.format import LoraAdapter, ModelShape, load_adapter_bytes
+from adapters.loader_pool import LoaderPool
+from adapters.registry import AdapterRegistry
+
+
+def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: int,
+                   pager: LoaderPool | None = None) -> Callable[[str], LoraAdapter]:
+    """Runs on the engine's loader threads: read the version's files and validate them again, in
+    `pager`'s loader process when there is one (parsing and value checks take the interpreter)."""
+
+    def fetch(version: str) -> LoraAdapter:
+        config_json, weights = registry.read_files(version)
+        if pager is not None:
+            return pager.parse(config_json, weights, shape, max_lora_rank, f"stored version {version}")
+        return load_adapter_bytes(config_json, weights, shape, max_lora_rank)
+
+    return fetch

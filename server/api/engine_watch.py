@@ -1,0 +1,29 @@
+"""exit_when_engine_dies: with --engine-process separate, a dead engine core ends the server.
+
+The client notices the death within a poll interval (server.engine.protocol.remote) and fails every
+open stream at once; for ENGINE_DEATH_EXIT_DELAY_S more the server still answers (/health 503,
+requests 503 with Retry-After, the ended streams' SSE error events flushed), then it stops with exit
+status 1 for its orchestrator to restart it (restarting the core in place, --engine-restart, is not
+built yet).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from server.engine.protocol import EngineClient
+
+log = logging.getLogger(__name__)
+
+ENGINE_DEATH_EXIT_DELAY_S = 1.0
+_POLL_S = 0.1
+
+
+async def exit_when_engine_dies(engine: EngineClient, exit_server: Callable[[], None]) -> None:
+    while engine.is_healthy:
+        await asyncio.sleep(_POLL_S)
+    log.error("the engine core is gone (%s): the server exits with status 1 in %g s", engine.error,
+              ENGINE_DEATH_EXIT_DELAY_S)
+    await asyncio.sleep(ENGINE_DEATH_EXIT_DELAY_S)
+    exit_server()

@@ -1,0 +1,21 @@
+"""Which adapter versions the engine holds, and where: read on the step loop's thread (the tiers are
+its), by the in-process client and by the engine core alike."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.engine.llm_engine import LLMEngine
+
+
+def residency(engine: LLMEngine) -> dict[str, str]:
+    """version -> the fastest tier holding it ("device" or "host")."""
+    where = {v: "host" for v in engine.host.entries}
+    where.update({v: "device" for v in engine.lora_slots.slot_of})
+    return where
+
+
+def held_versions(engine: LLMEngine) -> set[str]:
+    """Every version in any tier, loading and parked ones included."""
+    host = engine.host
+    return set(host.entries) | set(host.loading) | set(host.parked) | set(engine.lora_slots.slot_of)

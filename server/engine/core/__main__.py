@@ -1,0 +1,25 @@
+"""`python -m server.engine.core`: an engine-core process, its CoreLaunch read from stdin (msgpack)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import msgspec
+
+from server.engine.core.launch import CoreLaunch
+from server.engine.core.process import run_core
+
+
+def main() -> int:
+    launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreLaunch)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("loraplex engine core: %(message)s"))
+    root = logging.getLogger("server")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return run_core(launch, os.getpid())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""run_core: the engine-core process from its CoreLaunch to its exit status.
+
+The sockets and their threads start first (a front end can say hello while the weights load), then
+the engine is built, with the registry fetch and DoRA scale store it would get in the in-process mode
+but made here from the Redis URL; then Ready goes to every front end and the busy loop runs on this
+(the main) thread until a front end sends shutdown. A failure to start or a crash of the loop is one
+Fatal message and exit status 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+
+import redis
+import zmq
+
+from adapters.dora_scale_store import DoraScaleStore
+from adapters.loader_pool import LoaderPool
+from adapters.registry import AdapterRegistry
+from adapters.registry_fetch import registry_fetch
+from server.engine.core.busy_loop import EngineCore
+from server.engine.core.commands import FetchingCommands
+from server.engine.core.input_socket import InputSocket
+from server.engine.core.launch import CoreLaunch
+from server.engine.core.output_socket import OutputSocket
+from server.engine.llm_engine import LLMEngine
+from server.engine.protocol.info import engine_info
+
+log = logging.getLogger(__name__)
+
+REDIS_TIMEOUT_SECONDS = 5.0  # as the front end's (server.api.state): a stuck Redis fails a load, not the core
+FLUSH_SECONDS = 2.0
+
+
+def run_core(launch: CoreLaunch, pid: int) -> int:
+    ctx = zmq.Context()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    inputs = InputSocket(ctx, launch.input_address, launch.max_message_bytes, inbox, outbox)
+    outputs = OutputSocket(ctx, outbox, launch.parent_pid, refused=lambda: inputs.refused)
+    outputs.start()
+    inputs.start()
+    with contextlib.ExitStack() as owned:
+        try:
+            engine = _build_engine(launch, owned)
+        except Exception as e:  # noqa: BLE001 - the front end hears why, then we exit
+            log.exception("the engine core could not start")
+            return _fatal(outbox, f"{type(e).__name__}: {e}")
+        owned.callback(engine.shutdown)
+        fetching = FetchingCommands(engine, engine.host.fetch, inbox, outbox)
+        owned.callback(fetching.shutdown)
+        core = EngineCore(engine, inbox, outbox)
+        inputs.attach(engine.grammars, fetching)
+        outbox.put(("ready", engine_info(engine), core.snapshot, engine.host.load_seconds, pid))
+        try:
+            core.run()
+        except Exception as e:  # noqa: BLE001 - a bug in the engine: every front end must hear of it
+            log.exception("the engine core's step loop crashed")
+            return _fatal(outbox, f"the step loop crashed: {type(e).__name__}: {e}")
+    _flush(outbox)
+    return 0
+
+
+def _build_engine(launch: CoreLaunch, owned: contextlib.ExitStack) -> LLMEngine:
+    client = redis.Redis.from_url(launch.redis_url, decode_responses=False, socket_timeout=REDIS_TIMEOUT_SECONDS,
+                                  socket_connect_timeout=REDIS_TIMEOUT_SECONDS, health_check_interval=30)
+    owned.callback(client.close)
+    pager = None
+    if launch.pager:
+        pager = LoaderPool(1, launch.max_upload_bytes)
+        owned.callback(pager.close)
+    registry = AdapterRegistry(client, prefix=launch.redis_prefix, grace_seconds=launch.adapter_grace_seconds)
+    fetch = registry_fetch(registry, launch.adapter_shape, launch.max_lora_rank, pager)
+    engine = LLMEngine(launch.engine, fetch, DoraScaleStore(client, prefix=launch.redis_prefix))
+    if pager is not None:
+        pager.wait_ready()
+    return engine
+
+
+def _fatal(outbox: queue.SimpleQueue, error: str) -> int:
+    outbox.put(("fatal", error))
+    _flush(outbox)
+    return 1
+
+
+def _flush(outbox: queue.SimpleQueue) -> None:
+    """Wait (briefly) until the output thread has sent everything queued before this."""
+    done = threading.Event()
+    outbox.put(("flush", done))
+    done.wait(FLUSH_SECONDS)

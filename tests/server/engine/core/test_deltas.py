@@ -1,0 +1,37 @@
+"""Outputs cross as deltas and are rebuilt cumulative: what the front end gets equals what the
+engine made, tokens, text (a held-back tail cut short by a stop string too) and logprobs."""
+from __future__ import annotations
+
+import msgspec
+
+from server.engine.core.deltas import DeltaEncoder, OutputAssembler
+from server.engine.core.messages import OutputDelta
+from server.engine.sequence import RequestOutput, TokenLogprobs
+
+
+def _lp(token: int) -> TokenLogprobs:
+    return TokenLogprobs(token, -0.1 * token, ((token, -0.1 * token), (token + 1, -1.0 / 3)))
+
+
+def test_deltas_rebuild_the_cumulative_outputs():
+    prompt = [1, 2, 3]
+    prompt_lp = [None, _lp(2), _lp(3)]
+    made = []
+    texts = ["a", "ab", "abST", "abc"]  # "ST" held back as a possible stop, then cut
+    for i, text in enumerate(texts):
+        for index in (0, 1):
+            tokens = list(range(10, 11 + i))
+            made.append(RequestOutput("r", prompt, tokens, text + str(index), finished=i == len(texts) - 1,
+                                      finish_reason="stop" if i == len(texts) - 1 else None, index=index,
+                                      logprobs=[_lp(t) for t in tokens], prompt_logprobs=prompt_lp,
+                                      num_cached_tokens=1))
+    encoder, assembler = DeltaEncoder(), OutputAssembler()
+    encoder.track("r", b"front", 2)
+    assembler.track("r", prompt)
+    wire = msgspec.msgpack.Decoder(OutputDelta)
+    for out in made:
+        owner, delta = encoder.encode(out)
+        assert owner == b"front"
+        rebuilt = assembler.apply(wire.decode(msgspec.msgpack.encode(delta)))
+        assert rebuilt == out
+    assert encoder.encode(made[-1]) is None  # every choice finished: no longer tracked
