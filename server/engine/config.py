@@ -13,7 +13,11 @@ from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threa
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Per-head RMSNorm of the queries and keys before rope.
+QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+# Whose configs say use_sliding_window (false unless set); the others apply sliding_window when given.
+OPT_IN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # One step's tokens at most. Kernel offsets are int64, so this is not about overflow: it bounds one
 # step's activations (Llama-3-8B's gate_up output alone is 3.8 GB at this many bf16 tokens) and the
 # LoRA scratch allocated up front ([3, tokens, max_lora_rank]), and keeps every launch grid's y and z
@@ -62,6 +66,7 @@ class ModelConfig:
     checkpoint_dtype: str
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    qk_norm: bool = False  # q_norm/k_norm per head before rope (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -99,11 +104,15 @@ class ModelConfig:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
                 scaling = None
-            elif kind not in ("llama3", "linear"):
-                raise ModelConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+            elif kind not in ("llama3", "linear", "yarn"):
+                raise ModelConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+            if kind == "yarn":  # as transformers: a top-level pretraining length wins (Phi-3 writes one there)
+                old_len = cfg.get("original_max_position_embeddings")
+                scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 2048), **scaling}
+                scaling |= {"original_max_position_embeddings": old_len} if old_len is not None else {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch not in OPT_IN_WINDOW_ARCHS) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -123,6 +132,7 @@ class ModelConfig:
             checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
             sliding_window=window,
+            qk_norm=arch in QK_NORM_ARCHS,
         )
 
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache with batched multi-LoRA.
+"""Decoder-only transformers (Llama 2/3, Mistral, Qwen2/3) over a paged KV cache with batched multi-LoRA.
 
 Projections are fused (qkv, gate_up) so one base matmul and one LoRA
 shrink/expand pair serve each fused layer for the whole mixed-adapter batch.
@@ -83,6 +83,7 @@ class DecoderLayer:
         self.rope = rope
         self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
+        self.q_norm, self.k_norm = w.get("q_norm.weight"), w.get("k_norm.weight")  # [D] each, or None
 
         def base(name: str) -> LoraLinear:
             weight = w.pop(f"{name}.weight")
@@ -109,8 +110,11 @@ class DecoderLayer:
         t = h.shape[0]
         x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
         q, k, v = self.qkv(x, ctx, ws.qkv[:t]).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = self.rope.apply(q.reshape(t, cfg.num_heads, cfg.head_dim), rope)  # [T, Hq, D]
-        k = self.rope.apply(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), rope)  # [T, Hkv, D]
+        q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q = self.rope.apply(q, rope)  # [T, Hq, D]
+        k = self.rope.apply(k, rope)  # [T, Hkv, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv
         write_kv = ctx.ops.write_kv_padded if ctx.attn.padded else ctx.ops.write_kv
@@ -204,9 +208,16 @@ def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.T
         "post_attention_layernorm.weight": take(p + "post_attention_layernorm.weight"),
         "o_proj.weight": take(p + "self_attn.o_proj.weight"),
         "down_proj.weight": take(p + "mlp.down_proj.weight"),
-        "qkv.weight": _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-        "gate_up.weight": _fuse([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
     }
+    if p + "self_attn.qkv_proj.weight" in weights:  # fused in the checkpoint (checkpoint_layout)
+        w["qkv.weight"] = take(p + "self_attn.qkv_proj.weight")
+        w["gate_up.weight"] = take(p + "mlp.gate_up_proj.weight")
+    else:
+        w["qkv.weight"] = _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        w["gate_up.weight"] = _fuse([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    for norm in ("q_norm", "k_norm"):
+        if p + f"self_attn.{norm}.weight" in weights:
+            w[f"{norm}.weight"] = take(p + f"self_attn.{norm}.weight")
     if p + "self_attn.q_proj.bias" in weights:
         w["qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
     for name, key in (("o_proj.bias", "self_attn.o_proj.bias"), ("down_proj.bias", "mlp.down_proj.bias")):
