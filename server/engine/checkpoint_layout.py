@@ -1,10 +1,8 @@
 """Which tensors a decoder layer's checkpoint holds, per architecture (Hugging Face names)."""
 from __future__ import annotations
 
+from adapters.format import FUSED_PROJECTION_ARCHS
 from server.engine.config import ModelConfig
-
-# Phi-3/Phi-4 store q/k/v and gate/up already fused, in the engine's order (q, k, v and gate, up).
-FUSED_CHECKPOINT_ARCHS = ("Phi3ForCausalLM",)
 
 
 def layer_keys(cfg: ModelConfig, i: int) -> list[str]:
@@ -12,7 +10,7 @@ def layer_keys(cfg: ModelConfig, i: int) -> list[str]:
     p = f"model.layers.{i}."
     keys = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "self_attn.o_proj.weight",
             p + "mlp.down_proj.weight"]
-    if cfg.architecture in FUSED_CHECKPOINT_ARCHS:
+    if cfg.architecture in FUSED_PROJECTION_ARCHS:  # q/k/v and gate/up stored fused, in the engine's order
         keys += [p + "self_attn.qkv_proj.weight", p + "mlp.gate_up_proj.weight"]
     else:
         keys += [p + f"self_attn.{n}_proj.weight" for n in "qkv"]

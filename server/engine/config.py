@@ -13,7 +13,8 @@ from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threa
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "Phi3ForCausalLM")
 # Per-head RMSNorm of the queries and keys before rope.
 QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
 # Whose configs say use_sliding_window (false unless set); the others apply sliding_window when given.
@@ -110,6 +111,9 @@ class ModelConfig:
                 old_len = cfg.get("original_max_position_embeddings")
                 scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 2048), **scaling}
                 scaling |= {"original_max_position_embeddings": old_len} if old_len is not None else {}
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # Phi-4-mini's 0.75
+            raise ModelConfigError(f"partial_rotary_factor {partial} is not supported (rope over the whole head only)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch not in OPT_IN_WINDOW_ARCHS) else None
