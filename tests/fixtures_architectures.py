@@ -14,6 +14,12 @@ ARCH_MODELS = {
     "qwen3": ("qwen3", {}, None),
     "qwen3-yarn": ("qwen3", {}, YARN),
     "phi3": ("phi3", {}, None),
+    # Windows of 8 under prompts of up to 90 tokens, caps that bend unit-scale scores and logits, a
+    # query_pre_attn_scalar apart from head_dim 16; Gemma 3's local and global rope bases as it defaults.
+    "gemma2": ("gemma2", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              attn_logit_softcapping=2.0, final_logit_softcapping=5.0, query_pre_attn_scalar=24), None),
+    "gemma3": ("gemma3", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              final_logit_softcapping=5.0, query_pre_attn_scalar=24), None),
 }
 
 

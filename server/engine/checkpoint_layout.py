@@ -17,4 +17,6 @@ def layer_keys(cfg: ModelConfig, i: int) -> list[str]:
         keys += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]
     if cfg.qk_norm:
         keys += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if cfg.sandwich_norms:
+        keys += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
     return keys

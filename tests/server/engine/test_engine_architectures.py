@@ -3,6 +3,8 @@ base rows through chunked prefill gives transformers + peft's greedy tokens and 
 other architectures are refused by name."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -41,6 +43,23 @@ def test_mixed_batch_matches_peft(model, arch_model, peft_oracle):
     assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 6, peft_oracle)
     for prompt, name, out in zip(prompts, names, outs):
         assert_matches(out, prompt, params, reference(model_dir, name and adapters[name], prompt + out.token_ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton needs a GPU or the interpreter")
+def test_gemma2_through_the_triton_kernels(arch_model, peft_oracle):
+    """Soft-capped, windowed attention in the Triton kernels (the interpreter on a CPU): a prompt longer
+    than a query tile and the window, decodes past the window, beside an adapter's row."""
+    model_dir, adapters = arch_model("gemma2")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(model_dir, device=device, dtype="float32", kernels="triton", max_loras=1, kv_cache_blocks=32,
+              max_model_len=128)
+    assert llm.engine.kernels.name == "triton"
+    llm.add_adapter("dora_r16", adapters["dora_r16"])
+    names = ["dora_r16", None]
+    prompts = random_prompts(2, (20, 40), VOCAB, seed=46)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), adapters=names)
+    assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 5, peft_oracle)
 
 
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForConditionalGeneration"])
