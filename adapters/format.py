@@ -252,7 +252,7 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     if (why := invocation_vocab_problem(cfg, shape.vocab_size)) is not None:
         raise AdapterFormatError(f"{config_source}: {why}", param=INVOCATION_FIELD)
     names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers)
-             for proj in shape.projections}
+             for proj in _projections(cfg, shape)}
     resolved = resolve_modules(cfg, list(names.values()), config_source)
     expected = {slot for slot, name in names.items() if name in resolved.ranks}
 
@@ -305,6 +305,17 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     summary = AdapterSummary(max(m.rank for m in modules.values()),
                              tuple(sorted({proj for _, proj in modules})), size, resolved.canonical_json)
     return _Plan(MappingProxyType(modules), use_rslora, cfg, summary)
+
+
+def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
+    """The module names an adapter is matched against: the model's, except that on a fused model an
+    adapter listing split names (q_proj, gate_proj, ...: what a converter to the Llama layout writes) is
+    matched against those, each feeding its rows of the fused projection."""
+    target = cfg["target_modules"]
+    split = set(PROJECTIONS) - set(FUSED_PROJECTIONS)
+    if shape.fused_projections and isinstance(target, list) and any(t.rsplit(".", 1)[-1] in split for t in target):
+        return PROJECTIONS
+    return shape.projections
 
 
 def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int,

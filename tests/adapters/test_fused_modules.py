@@ -1,6 +1,6 @@
 """Adapters of a fused model (Phi-3: qkv_proj and gate_up_proj, as PEFT targets them): each fused module's
-lora_B rows split into the projections it fuses, sharing its lora_A; fused names on an unfused model and
-split names on a fused one are refused."""
+lora_B rows split into the projections it fuses, sharing its lora_A; fused names on an unfused model, and
+fused names beside split ones, are refused."""
 from __future__ import annotations
 
 import json
@@ -41,7 +41,13 @@ def test_fused_names_need_a_fused_model(phi3):
         load_adapter_dir(adapters["r8_all"], unfused, 64)
 
 
-def test_split_names_on_a_fused_model_are_refused(phi3, tiny_adapters):
-    shape, _ = phi3
-    with pytest.raises(AdapterFormatError, match="'q_proj' is not among"):
-        load_adapter_dir(tiny_adapters["r4_qv"], shape, 64)
+def test_split_and_fused_names_are_not_mixed(phi3, tmp_path):
+    """An adapter listing split names is matched against them alone: a fused module beside them is refused."""
+    shape, adapters = phi3
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "adapter_model.safetensors").write_bytes((adapters["r8_all"] / "adapter_model.safetensors").read_bytes())
+    cfg = json.loads((adapters["r8_all"] / "adapter_config.json").read_text())
+    (mixed / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "qkv_proj"]}))
+    with pytest.raises(AdapterFormatError, match="'qkv_proj' is not among"):
+        load_adapter_dir(mixed, shape, 64)

@@ -3,11 +3,15 @@ base rows through chunked prefill gives transformers + peft's greedy tokens and 
 other architectures are refused by name."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
+import safetensors.torch
 import torch
 
+from server.demo import make_adapter
 from server.engine import LLM, ModelConfig, SamplingParams
 from tests.engine_helpers import assert_matches_peft, random_prompts
 from tests.fixtures_architectures import ARCH_MODELS
@@ -60,6 +64,47 @@ def test_gemma2_through_the_triton_kernels(arch_model, peft_oracle):
     prompts = random_prompts(2, (20, 40), VOCAB, seed=46)
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), adapters=names)
     assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 5, peft_oracle)
+
+
+def unfused_llama(phi3_dir, out):
+    """The Phi-3 model in the Llama layout, as a converter writes it: q/k/v and gate/up split, same math."""
+    out.mkdir()
+    for f in phi3_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((phi3_dir / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False)
+    (out / "config.json").write_text(json.dumps(cfg))
+    q, kv, inter = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"], \
+        cfg["intermediate_size"]
+    tensors = {}
+    for key, w in safetensors.torch.load_file(phi3_dir / "model.safetensors").items():
+        if key.endswith("qkv_proj.weight"):
+            for name, part in zip("qkv", w.split([q, kv, kv])):
+                tensors[key.replace("qkv_proj", f"{name}_proj")] = part.contiguous()
+        elif key.endswith("gate_up_proj.weight"):
+            for name, part in zip(("gate", "up"), w.split([inter, inter])):
+                tensors[key.replace("gate_up_proj", f"{name}_proj")] = part.contiguous()
+        else:
+            tensors[key] = w
+    safetensors.torch.save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_phi3_adapter_with_split_names(arch_model, tmp_path, peft_oracle):
+    """An adapter trained on the converted (Llama-layout) Phi-3, q_proj/v_proj/gate_proj by name, served on
+    the Phi-3 itself: each feeds its rows of the fused projection, as PEFT on the converted model computes."""
+    phi3_dir, _ = arch_model("phi3")
+    llama_dir = unfused_llama(phi3_dir, tmp_path / "llama")
+    adapters = {"split": make_adapter(llama_dir, tmp_path / "split", r=8, seed=47,
+                                      target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))}
+    llm = LLM(phi3_dir, device="cpu", dtype="float32", max_loras=1, kv_cache_blocks=32, max_model_len=128)
+    llm.add_adapter("split", adapters["split"])
+    names = ["split", None]
+    prompts = random_prompts(2, (5, 30), VOCAB, seed=48)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), adapters=names)
+    assert_matches_peft(llm, llama_dir, adapters, prompts, names, outs, 6, peft_oracle)
+    assert [o.token_ids for o in outs] != [peft_oracle(phi3_dir, None, p, 6) for p in prompts]  # the adapter acts
 
 
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForConditionalGeneration"])
