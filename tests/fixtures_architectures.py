@@ -20,6 +20,11 @@ ARCH_MODELS = {
                               attn_logit_softcapping=2.0, final_logit_softcapping=5.0, query_pre_attn_scalar=24), None),
     "gemma3": ("gemma3", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                               final_logit_softcapping=5.0, query_pre_attn_scalar=24), None),
+    # Gemma 3 4B and up: linear scaling on the global layers only.
+    "gemma3-linear": ("gemma3", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                         "rope_theta": 1000000.0}}), None),
 }
 
 

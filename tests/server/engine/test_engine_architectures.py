@@ -13,7 +13,7 @@ import torch
 
 from server.demo import make_adapter
 from server.engine import LLM, ModelConfig, SamplingParams
-from tests.engine_helpers import assert_matches_peft, random_prompts
+from tests.engine_helpers import assert_matches_peft, generate_through_preemption_and_prefix_hits, random_prompts
 from tests.fixtures_architectures import ARCH_MODELS
 from tests.server.engine.test_engine_logprobs import assert_matches
 
@@ -47,6 +47,19 @@ def test_mixed_batch_matches_peft(model, arch_model, peft_oracle):
     assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 6, peft_oracle)
     for prompt, name, out in zip(prompts, names, outs):
         assert_matches(out, prompt, params, reference(model_dir, name and adapters[name], prompt + out.token_ids))
+
+
+@pytest.mark.parametrize("model", sorted(ARCH_MODELS))
+def test_preemption_and_prefix_hits_match_peft(model, arch_model, peft_oracle):
+    """8 sequences of ~50 + 24 tokens in 18 blocks of 16 (preempted), sharing a 33-token prefix (cache hits):
+    Gemma's windowed layers read the recomputed and the cached blocks alike."""
+    model_dir, dirs = arch_model(model)
+    adapters = {"r8_all": dirs["r8_all"], "r4_qv": dirs["r4_attn"]}  # the names the helper asks for
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=2, kv_cache_blocks=18, max_model_len=128)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    prompts, names, outs = generate_through_preemption_and_prefix_hits(llm, VOCAB)
+    assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 24, peft_oracle)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
