@@ -30,12 +30,17 @@ import torch
 # PROJECTIONS and AdapterFormatError stay importable from here: callers use adapters.format.
 from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
 from adapters.pattern_resolver import resolve_modules
-from adapters.peft_config import PROJECTIONS, AdapterFormatError, _parse_config, _positive_int
+from adapters.peft_config import (
+    FUSED_MODULES, FUSED_PROJECTIONS, PROJECTIONS, AdapterFormatError, _parse_config, _positive_int)
 from adapters.safetensors_header import (
     SafetensorsHeader, SafetensorsHeaderError, header_from_bytes, header_from_file)
 from adapters.value_checks import check_config_alphas, check_magnitude, check_scaling, check_weights
 
-_ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+_ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
+# Architectures whose checkpoints (and so PEFT's module names) fuse q/k/v and gate/up.
+FUSED_PROJECTION_ARCHS = ("Phi3ForCausalLM",)
+# Every module name an adapter tensor may carry, in the order modules are planned.
+_ORDER = {proj: i for i, proj in enumerate(dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS))}
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -47,7 +52,7 @@ _FLOAT_DTYPES = frozenset(("F32", "F16", "BF16", "F64"))
 # `.weight`); the `.default` forms are un-stripped PEFT state_dict keys, accepted as aliases of the same tensors.
 _KEY_RE = re.compile(
     r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)\."
     r"(?:lora_(A|B)(?:\.default)?\.weight|lora_(magnitude)_vector(?:\.default\.weight)?)")
 
 
@@ -60,6 +65,7 @@ class ModelShape:
     kv_size: int             # num_kv_heads * head_dim
     intermediate_size: int
     vocab_size: int | None = None  # bounds an aLoRA's invocation token ids; None: not checked
+    fused_projections: bool = False  # PEFT sees qkv_proj and gate_up_proj (FUSED_PROJECTION_ARCHS)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
@@ -70,20 +76,39 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
-        """From a Llama-family `config.json` dict (Llama, Mistral, Qwen2)."""
+        """From a decoder's `config.json` dict (the architectures server.engine.config serves)."""
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
+        fused = (cfg.get("architectures") or [None])[0] in FUSED_PROJECTION_ARCHS
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
-                   kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"))
+                   kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"), fused)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The Linear modules of a layer as PEFT names them."""
+        return FUSED_PROJECTIONS if self.fused_projections else PROJECTIONS
+
+    def parts(self, proj: str) -> tuple[tuple[str, int, int], ...]:
+        """(projection, first row, end row) of module `proj`'s output that each engine projection
+        takes: a fused module's lora_B rows split into the projections it fuses."""
+        if proj not in FUSED_MODULES:
+            return ((proj, 0, self.in_out(proj)[1]),)
+        out, start = [], 0
+        for part in FUSED_MODULES[proj]:
+            width = self.in_out(part)[1]
+            out.append((part, start, start + width))
+            start += width
+        return tuple(out)
 
     def in_out(self, proj: str) -> tuple[int, int]:
         """(in_features, out_features) of the base model's Linear `proj`."""
         h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
         table = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+                 "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
         if proj not in table:
-            raise ValueError(f"unknown projection {proj!r}; expected one of {PROJECTIONS}")
+            raise ValueError(f"unknown projection {proj!r}; expected one of {PROJECTIONS + FUSED_PROJECTIONS}")
         return table[proj]
 
 
@@ -107,9 +132,9 @@ class LoraWeights:
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
     rank: int                                        # max rank over modules
-    target_modules: tuple[str, ...]                  # sorted subset of PROJECTIONS present
+    target_modules: tuple[str, ...]                  # sorted: the modules targeted, as PEFT names them
     use_rslora: bool
-    weights: Mapping[tuple[int, str], LoraWeights]   # (layer, projection) -> weights
+    weights: Mapping[tuple[int, str], LoraWeights]   # (layer, one of PROJECTIONS) -> weights; fused ones split
     size_bytes: int                                  # A, B (and DoRA magnitudes) as float32
     config: Mapping[str, Any]                        # the parsed adapter_config.json
 
@@ -139,6 +164,7 @@ class _Module:
     a_key: str
     b_key: str
     m_key: str | None        # DoRA's magnitude vector; None for plain LoRA
+    parts: tuple[tuple[str, int, int], ...]  # ModelShape.parts: the engine projections it feeds
 
 
 @dataclass(frozen=True)
@@ -225,7 +251,8 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     check_config_alphas(cfg, max_lora_rank, config_source)
     if (why := invocation_vocab_problem(cfg, shape.vocab_size)) is not None:
         raise AdapterFormatError(f"{config_source}: {why}", param=INVOCATION_FIELD)
-    names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers) for proj in PROJECTIONS}
+    names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers)
+             for proj in _projections(cfg, shape)}
     resolved = resolve_modules(cfg, list(names.values()), config_source)
     expected = {slot for slot, name in names.items() if name in resolved.ranks}
 
@@ -233,7 +260,7 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     use_rslora = cfg.get("use_rslora", False)
     use_dora = cfg.get("use_dora", False)
     modules: dict[tuple[int, str], _Module] = {}
-    for slot in sorted(set(keys) | expected, key=lambda s: (s[0], PROJECTIONS.index(s[1]))):
+    for slot in sorted(set(keys) | expected, key=lambda s: (s[0], _ORDER[s[1]])):
         name = names.get(slot, module_name(*slot))
         if slot not in expected:
             raise AdapterFormatError(f"{source}: tensors for {name}, which adapter_config.json does not target")
@@ -268,7 +295,7 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
                 f"[{out_f}] (out_features)")
         scaling = module_alpha / math.sqrt(rank) if use_rslora else module_alpha / rank
         check_scaling(name, scaling, module_alpha, rank, use_rslora, config_source)
-        modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"], ab.get("M"))
+        modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"], ab.get("M"), shape.parts(slot[1]))
 
     size = sum(4 * (m.rank * (m.in_features + m.out_features) + (m.out_features if m.m_key else 0))
                for m in modules.values())
@@ -280,6 +307,17 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     return _Plan(MappingProxyType(modules), use_rslora, cfg, summary)
 
 
+def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
+    """The module names an adapter is matched against: the model's, except that on a fused model an
+    adapter listing split names (q_proj, gate_proj, ...: what a converter to the Llama layout writes) is
+    matched against those, each feeding its rows of the fused projection."""
+    target = cfg["target_modules"]
+    split = set(PROJECTIONS) - set(FUSED_PROJECTIONS)
+    if shape.fused_projections and isinstance(target, list) and any(t.rsplit(".", 1)[-1] in split for t in target):
+        return PROJECTIONS
+    return shape.projections
+
+
 def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int,
                  source: str) -> dict[tuple[int, str], dict[str, str]]:
     """(layer, proj) -> {"A": key, "B": key}; per-tensor checks that need no config."""
@@ -288,7 +326,7 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
         shown = ", ".join(repr(k) for k in sorted(unexpected)[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
         raise AdapterFormatError(f"{source}: unexpected tensor keys {shown}{more}; only lora_A/lora_B weights "
-                                 f"(and DoRA lora_magnitude_vector) of {', '.join(PROJECTIONS)} are served")
+                                 f"(and DoRA lora_magnitude_vector) of {', '.join(shape.projections)} are served")
     out: dict[tuple[int, str], dict[str, str]] = {}
     for key, info in header.tensors.items():
         layer_s, parent, proj, ab, magnitude = _KEY_RE.fullmatch(key).groups()
@@ -335,7 +373,11 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             if magnitude.shape != (m.out_features,):
                 raise AdapterFormatError(f"{source}: file changed while loading ({m.m_key!r})")
             check_magnitude(m.name, magnitude, source)
-        weights[slot] = LoraWeights(a, b, m.scaling, magnitude)
+        # A fused module's delta, row block by row block, is its parts' deltas: x A^T B[lo:hi]^T.
+        for proj, lo, hi in m.parts:
+            part_b = b if (lo, hi) == (0, m.out_features) else b[lo:hi].contiguous()
+            part_m = magnitude if magnitude is None or (lo, hi) == (0, m.out_features) else magnitude[lo:hi].contiguous()
+            weights[(slot[0], proj)] = LoraWeights(a, part_b, m.scaling, part_m)
     s = plan.summary
     return LoraAdapter(s.rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
                        plan.config)

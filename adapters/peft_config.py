@@ -22,6 +22,10 @@ from adapters.bounded_json import JsonLimitError, loads_bounded
 MAX_PATTERN_CHARS = 1024
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What a fused model (Phi-3/Phi-4) has instead of q/k/v and gate/up, as PEFT targets them: one module
+# each, whose lora_B spans the projections it fuses, in this order.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class AdapterFormatError(ValueError):

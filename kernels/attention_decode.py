@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,23 +32,56 @@ def num_warps(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float32 else 4
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits", "stride_btb"])
+# A window wider than any context: no window, without a second compiled variant.
+NO_WINDOW = 1 << 30
+
+
+@dataclass(frozen=True)
+class Scores:
+    """How the attention kernels turn q . k into log2-domain scores: x = scale * q . k, then
+    softcap * tanh(x / softcap) with a softcap (cap_in = scale / softcap, cap_out = softcap * log2 e),
+    x * log2 e without (qk_scale); keys more than `window` back from the query are not seen."""
+    qk_scale: float
+    cap_in: float
+    cap_out: float
+    softcap: bool
+    window: int
+
+    @classmethod
+    def of(cls, scale: float, softcap: float | None, window: int | None) -> "Scores":
+        cap = softcap or 1.0
+        return cls(scale * math.log2(math.e), scale / cap, cap * math.log2(math.e), softcap is not None,
+                   NO_WINDOW if window is None else window)
+
+
+@triton.jit
+def scores(s, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """Raw q . k products [BM, BN] -> log2-domain scores (Scores)."""
+    if SOFTCAP:
+        x = s * cap_in
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflows to inf: 1; underflows: -1).
+        return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * cap_out
+    return s * qk_scale
+
+
+@triton.jit(do_not_specialize=["split_len", "num_splits", "stride_btb", "window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, acc_ptr, ml_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, decode_ptr,
-    qk_scale, head_dim, block_size, split_len, num_splits, num_q_heads,
+    qk_scale, cap_in, cap_out, window, head_dim, block_size, split_len, num_splits, num_q_heads,
     stride_qt, stride_qh, stride_qd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_ot, stride_oh, stride_od,
     stride_btb, stride_btj,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Semantics: program (entry, kv head, split s) over keys [s*split_len, min((s+1)*split_len, seq_len))
     of sequence decode[entry, 0], per query head h of the group: with one split, out[q row, h] =
     softmax attention; else acc[entry, h, s] = sum_k exp2(x_k - m) v_k and ml[entry, h, s] =
-    (m, sum_k exp2(x_k - m)), x_k = qk_scale * q . k_k, for _combine_splits_kernel.
+    (m, sum_k exp2(x_k - m)), x_k = the log2-domain score (Scores), for _combine_splits_kernel. Keys
+    before the window (the last `window` of the sequence) are skipped.
     Shape: grid (decodes, Hkv, num_splits); q, out [T, Hq, D]; acc [n, Hq, num_splits, D] and
     ml [n, Hq, num_splits, 2] float32 contiguous (unused with one split); caches [num_blocks,
     block_size, Hkv, D]; block_tables [B, W]."""
@@ -60,6 +94,8 @@ def _decode_kernel(
     if k_start >= seq_len:
         return
     k_end = tl.minimum(seq_len, k_start + split_len)
+    # A split wholly before the window loops zero times and leaves (m, l) = (-1e30, 0): no weight.
+    k_start = tl.maximum(k_start, seq_len - window)
     q_row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows % GROUP  # [BM]
@@ -90,7 +126,7 @@ def _decode_kernel(
             k = k.to(q.dtype)  # an fp8 cache's values are exact in bf16 / fp16: tensor cores stay in use
             v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(k_ok[None, :], s * qk_scale, float("-inf"))  # every cached key is visible to a decode
+        s = tl.where(k_ok[None, :], scores(s, qk_scale, cap_in, cap_out, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [BM, BN]
@@ -147,7 +183,7 @@ def _combine_splits_kernel(
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-           plan: AttentionLaunchPlan, scale: float, out: torch.Tensor, key_tile: int) -> None:
+           plan: AttentionLaunchPlan, sc: Scores, out: torch.Tensor, key_tile: int) -> None:
     """Attention of the plan's decode sequences, each context cut into `plan.num_splits` splits.
 
     Semantics: as kernels.attention_ref.paged_attention for the decode sequences' rows only.
@@ -164,10 +200,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     _decode_kernel[(n, num_kv_heads, splits)](
         q, k_cache, v_cache, out, acc, ml,
         batch.block_tables, batch.query_start_loc, batch.seq_lens, plan.decode,
-        scale * math.log2(math.e), head_dim, block_size, plan.split_len, splits, num_q_heads,
+        sc.qk_scale, sc.cap_in, sc.cap_out, sc.window, head_dim, block_size, plan.split_len, splits, num_q_heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *batch.block_tables.stride(),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=key_tile, BLOCK_D=block_d,
-        UPCAST=upcast, num_warps=num_warps(q.dtype),
+        UPCAST=upcast, SOFTCAP=sc.softcap, num_warps=num_warps(q.dtype),
     )
     if splits > 1:
         _combine_splits_kernel[(n, num_q_heads)](

@@ -60,22 +60,28 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     out: torch.Tensor,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its cached + new K/V.
 
     Semantics: for sequence b, query j (absolute position p = context_len[b] + j),
-        out[t] = softmax(scale * q[t] @ K_b[:p+1].T) @ V_b[:p+1]
+        out[t] = softmax(cap(scale * q[t] @ K_b[w:p+1].T)) @ V_b[w:p+1]
     where K_b/V_b are read through block_tables[b]; query head h uses kv head
-    h // (Hq / Hkv) (GQA). Call write_kv for the step first.
+    h // (Hq / Hkv) (GQA); cap(x) = softcap * tanh(x / softcap) with a softcap, x
+    without (Gemma's attention soft-capping); w = max(0, p + 1 - window) with a
+    window (the window keys up to and including p), 0 without. Call write_kv for the
+    step first.
     Shape: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
         out [T, Hq, D], written in place.
     """
     if batch.padded:
-        _decode_attention(q, k_cache, v_cache, _padded_decode_plan(batch, k_cache.shape[1]), scale, out)
+        plan = _windowed(_padded_decode_plan(batch, k_cache.shape[1]), batch.seq_lens.long(), window)
+        _decode_attention(q, k_cache, v_cache, plan, scale, out, softcap)
         return
-    decode = _decode_plan(batch, k_cache.shape[1], q.device)
+    decode = _decode_plan(batch, k_cache.shape[1], q.device, window)
     if decode is not None:
-        _decode_attention(q, k_cache, v_cache, decode, scale, out)
+        _decode_attention(q, k_cache, v_cache, decode, scale, out, softcap)
     block_size = k_cache.shape[1]
     tables = None
     start = 0
@@ -89,22 +95,47 @@ def paged_attention(
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)  # [Hkv, slen, D]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)
         qs = q[start : start + qlen].float().transpose(0, 1)  # [Hq, qlen, D]
-        if qlen == slen:  # a whole prompt: plain causal, which needs no mask tensor
+        if qlen == slen and softcap is None and window is None:  # a whole prompt: plain causal, no mask tensor
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [Hq, qlen, D]
         else:
             pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)  # [qlen, 1]
-            keep = torch.arange(slen, device=q.device).unsqueeze(0) <= pos  # [qlen, slen], causal from the prefix on
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
+            kpos = torch.arange(slen, device=q.device).unsqueeze(0)  # [1, slen]
+            keep = kpos <= pos  # [qlen, slen], causal from the prefix on
+            if window is not None:
+                keep &= kpos > pos - window
+            o = _attention(qs, k, v, keep, scale, softcap)
         out[start : start + qlen] = o.transpose(0, 1).to(out.dtype)
         start += qlen
 
 
-def _decode_plan(batch: AttentionBatch, block_size: int, device) -> tuple | None:
-    """Rows, pool slots and validity of every decode sequence's context, built once per step.
+def _attention(q, k, v, keep: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """softmax(cap(scale * q k^T)) v over the keys `keep` allows; q [..., Hq, L, D], k and v
+    [..., Hkv, S, D], keep broadcastable to [..., Hq, L, S]. Without a softcap, SDPA; with one, the
+    scores one op at a time, as transformers' eager attention (SDPA has no soft-capping)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1) @ v
 
-    Cached on the batch (all layers share it). None when fewer than two sequences decode.
+
+def _windowed(plan: tuple, lens: torch.Tensor, window: int | None) -> tuple:
+    """A decode plan whose validity also drops the keys before each sequence's window."""
+    if window is None:
+        return plan
+    rows, slots, valid = plan
+    pos = torch.arange(valid.shape[1], device=valid.device)
+    return rows, slots, valid & (pos[None, :] >= (lens.to(valid.device) - window)[:, None])
+
+
+def _decode_plan(batch: AttentionBatch, block_size: int, device, window: int | None = None) -> tuple | None:
+    """Rows, pool slots and validity of every decode sequence's context (within `window` keys of
+    its newest when given), built once per step.
+
+    Cached on the batch (all layers of one window share it). None when fewer than two sequences decode.
     """
-    key = ("decode", block_size)
+    key = ("decode", block_size, window)
     if key in batch.scratch:
         return batch.scratch[key]
     qlens = torch.tensor(batch.query_lens_host)
@@ -122,7 +153,7 @@ def _decode_plan(batch: AttentionBatch, block_size: int, device) -> tuple | None
         # Padding reads the sequence's own newest slot, written this step: never another
         # sequence's leftovers (which may be NaN, and a masked NaN still poisons: 0 * NaN = NaN).
         own = slots.gather(1, (lens - 1)[:, None])  # [Bd, 1]
-        plan = (rows.to(device), torch.where(valid, slots, own).to(device), valid.to(device))
+        plan = _windowed((rows.to(device), torch.where(valid, slots, own).to(device), valid.to(device)), lens, window)
     batch.scratch[key] = plan
     return plan
 
@@ -141,7 +172,7 @@ def _padded_decode_plan(batch: AttentionBatch, block_size: int) -> tuple:
     return rows, torch.where(valid, slots, own), valid
 
 
-def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor) -> None:
+def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor, softcap: float | None = None) -> None:
     """All single-token queries at once over their padded, gathered contexts."""
     rows, slots, valid = plan
     num_blocks, block_size, hkv, d = k_cache.shape
@@ -151,7 +182,5 @@ def _decode_attention(q, k_cache, v_cache, plan, scale: float, out: torch.Tensor
     k = k_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()  # [Bd, L, Hkv, D]
     v = v_cache.view(-1, hkv, d).index_select(0, slots.flatten()).view(bd, -1, hkv, d).float()
     qd = q.index_select(0, rows).float().unsqueeze(2)  # [Bd, Hq, 1, D]
-    o = F.scaled_dot_product_attention(
-        qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
-    )  # [Bd, Hq, 1, D]
+    o = _attention(qd, k.transpose(1, 2), v.transpose(1, 2), valid[:, None, None, :], scale, softcap)  # [Bd, Hq, 1, D]
     out.index_copy_(0, rows, o.reshape(bd, hq, d).to(out.dtype))

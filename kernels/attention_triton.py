@@ -69,21 +69,25 @@ def _write_kv_kernel(
              v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["stride_btb"])
+_scores = attention_decode.scores
+
+
+@triton.jit(do_not_specialize=["stride_btb", "window"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tiles_ptr,
-    qk_scale, head_dim, block_size,
+    qk_scale, cap_in, cap_out, window, head_dim, block_size,
     stride_qt, stride_qh, stride_qd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_ot, stride_oh, stride_od,
     stride_btb, stride_btj,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Semantics: program (tile, kv head) computes causal attention for query tile q_blk of sequence
-    seq, (seq, q_blk) = tiles[tile], for the GROUP query heads of its kv head.
+    seq, (seq, q_blk) = tiles[tile], for the GROUP query heads of its kv head; each query sees the
+    `window` keys up to its own (soft_capped: kernels.attention_ref.paged_attention).
     Shape: grid (tiles, Hkv); q, out [T, Hq, D]; caches [num_blocks, block_size, Hkv, D];
     block_tables [B, W] (W, its row stride, changes every step: not specialised on)."""
     seq = tl.load(tiles_ptr + tl.program_id(0) * 2)
@@ -113,7 +117,9 @@ def _paged_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_btb
-    for k0 in range(0, kv_end, BLOCK_N):
+    # Keys before the tile's first query's window are masked for every row: never load them.
+    kv_start = tl.maximum(ctx_len + q_blk * BLOCK_Q - window + 1, 0)
+    for k0 in range(kv_start, kv_end, BLOCK_N):
         kpos = k0 + tl.arange(0, BLOCK_N)  # [BN]
         k_ok = kpos < kv_end
         blk = tl.load(table + (kpos // block_size) * stride_btj, mask=k_ok, other=0).to(tl.int64)
@@ -129,8 +135,8 @@ def _paged_attention_kernel(
             k = k.to(q.dtype)  # an fp8 cache's values are exact in bf16 / fp16: tensor cores stay in use
             v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # [BM, BN], log2 domain
-        visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        s = _scores(s, qk_scale, cap_in, cap_out, SOFTCAP)  # [BM, BN], log2 domain
+        visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -182,6 +188,8 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     out: torch.Tensor,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> None:
     """Same contract as kernels.attention_ref.paged_attention.
 
@@ -199,10 +207,11 @@ def paged_attention(
     rows = PREFILL_BLOCK_M_FP32 if q.dtype == torch.float32 else PREFILL_BLOCK_M
     prefill_m = max(rows, triton.next_power_of_2(group))
     plan = step_plan(batch, prefill_m // group, num_kv_heads, q.device)
+    scores = attention_decode.Scores.of(scale, softcap, window)
     if plan.num_decode:
-        attention_decode.decode(q, k_cache, v_cache, batch, plan, scale, out, BLOCK_N)
+        attention_decode.decode(q, k_cache, v_cache, batch, plan, scores, out, BLOCK_N)
     if plan.num_prefill_tiles:
-        _launch(q, k_cache, v_cache, batch, plan.prefill, scale, out, block_q=prefill_m // group, block_m=prefill_m)
+        _launch(q, k_cache, v_cache, batch, plan.prefill, scores, out, block_q=prefill_m // group, block_m=prefill_m)
 
 
 def step_plan(batch: AttentionBatch, block_q: int, num_kv_heads: int, device) -> AttentionLaunchPlan:
@@ -214,7 +223,7 @@ def step_plan(batch: AttentionBatch, block_q: int, num_kv_heads: int, device) ->
     return batch.scratch[key]
 
 
-def _launch(q, k_cache, v_cache, batch: AttentionBatch, tiles: torch.Tensor, scale: float, out,
+def _launch(q, k_cache, v_cache, batch: AttentionBatch, tiles: torch.Tensor, scores, out,
             block_q: int, block_m: int) -> None:
     num_q_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -222,9 +231,9 @@ def _launch(q, k_cache, v_cache, batch: AttentionBatch, tiles: torch.Tensor, sca
     _paged_attention_kernel[(tiles.shape[0], num_kv_heads)](
         q, k_cache, v_cache, out,
         batch.block_tables, batch.query_start_loc, batch.seq_lens, tiles,
-        scale * math.log2(math.e), head_dim, block_size,
+        scores.qk_scale, scores.cap_in, scores.cap_out, scores.window, head_dim, block_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *batch.block_tables.stride(),
         GROUP=num_q_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=upcast,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), UPCAST=upcast, SOFTCAP=scores.softcap,
         num_warps=attention_decode.num_warps(q.dtype),
     )

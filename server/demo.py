@@ -24,8 +24,10 @@ from server.atomic_dir import build_atomically, is_complete
 
 CORPUS_PATH = Path(__file__).parent / "assets" / "demo_corpus.txt"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's Linear modules, which PEFT targets as they are: q/k/v and gate/up fused.
+PHI3_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # Roles render as plain-text markers; each turn ends in EOS so a trained model
 # would learn to stop there. Content may be a string or OpenAI-style parts.
@@ -79,7 +81,7 @@ class AdapterSpec:
     def __post_init__(self) -> None:
         if self.r <= 0 or self.lora_alpha <= 0:
             raise DemoConfigError(f"r and lora_alpha must be positive, got r={self.r} alpha={self.lora_alpha}")
-        unknown = set(self.target_modules) - set(SEVEN)
+        unknown = set(self.target_modules) - set(SEVEN) - set(PHI3_MODULES)
         if not self.target_modules or unknown:
             raise DemoConfigError(f"target_modules must be a non-empty subset of {SEVEN}, got {self.target_modules}")
         for name, pattern in (("rank_pattern", self.rank_pattern), ("alpha_pattern", self.alpha_pattern)):
@@ -149,9 +151,12 @@ def _config(arch: str, **kw):
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch]
-    if arch == "mistral":
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config,
+           "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[arch]
+    if arch in ("mistral", "phi3"):
         kw["sliding_window"] = None  # a window wider than max length is just confusing
+    if arch in ("qwen3", "gemma2", "gemma3"):  # their defaults are the 8B-class 128/256
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
     rope_scaling = kw.pop("rope_scaling")
     if rope_scaling is not None:
         # transformers 5 folds rope_theta and the scaling dict into rope_parameters.
@@ -199,11 +204,13 @@ def make_base_model(out_dir: str | os.PathLike, arch: str = "llama", *, hidden_s
                     intermediate_size: int = 128, max_position_embeddings: int = 1024,
                     tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
                     attention_bias: bool | None = None, vocab_size: int = DEMO_VOCAB,
-                    seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+                    seed: int = 0, dtype: torch.dtype = torch.float32,
+                    config_overrides: dict | None = None) -> Path:
     """Write a random-weight HF model directory (config, safetensors, tokenizer).
 
     attention_bias: None means what the arch implies (qwen2: q/k/v biases,
-    llama/mistral: none); True is accepted for llama only.
+    the others: none); True is accepted for llama only. config_overrides: more
+    config fields (a Gemma's window, soft-caps, layer_types).
     """
     import transformers
 
@@ -226,7 +233,7 @@ def make_base_model(out_dir: str | os.PathLike, arch: str = "llama", *, hidden_s
               pad_token_id=tok.convert_tokens_to_ids(PAD))
     if arch == "llama":
         kw["attention_bias"] = bool(attention_bias)
-    config = _config(arch, **kw)
+    config = _config(arch, **kw, **(config_overrides or {}))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _decisive_init(model, hidden_size, seed)
     model.to(dtype).save_pretrained(out)
@@ -283,7 +290,7 @@ def make_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, r:
     # model card; normalise so the directory is byte-identical on every run.
     cfg_path = out / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    cfg["target_modules"] = [m for m in SEVEN if m in spec.target_modules]
+    cfg["target_modules"] = [m for m in dict.fromkeys(SEVEN + PHI3_MODULES) if m in spec.target_modules]
     _write_json(cfg_path, cfg)
     (out / "README.md").unlink(missing_ok=True)
     return out

@@ -24,11 +24,13 @@ from typing import Callable
 import numpy as np
 
 from server.atomic_dir import build_atomically, is_complete
+from server.gguf_archs import EXTRA_ARCHS, LAYER_NAMES, NORM_SHIFTED, arch_config
 from server.gguf_reader import GGUFError, GGUFFile
 
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "source.json")
 # GGUF architecture -> (HF architecture, model_type, q/k rows permuted by llama.cpp)
-ARCHS = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False)}
+ARCHS = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+         **{arch: (*names, False) for arch, names in EXTRA_ARCHS.items()}}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -55,11 +57,11 @@ def hf_config(g: GGUFFile) -> dict:
         return value
 
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in g.tensors:
+    if (scaling != "none" and arch != "gemma3") or "rope_freqs.weight" in g.tensors:  # gemma3: arch_config
         raise GGUFError(f"{g.path}: rope scaling ({scaling}) in a GGUF is not supported; serve the Hugging Face "
                         "directory instead")
     heads, hidden = key("attention.head_count"), key("embedding_length")
-    return {
+    config = {
         "architectures": [hf_arch], "model_type": model_type,
         "vocab_size": g.tensors["token_embd.weight"].shape[0], "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
@@ -72,6 +74,12 @@ def hf_config(g: GGUFFile) -> dict:
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"), "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": md.get("tokenizer.ggml.padding_token_id"), "dtype": "float32",
     }
+    if arch in EXTRA_ARCHS:
+        try:
+            config |= arch_config(arch, key, md, config, g.tensors)
+        except ValueError as e:
+            raise GGUFError(f"{g.path}: {e}") from None
+    return config
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -80,27 +88,31 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensor_name(name: str) -> str:
+def hf_tensor_name(name: str, arch: str = "llama") -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
+    layer = _LAYER | LAYER_NAMES.get(arch, {})
     m = _BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER:
+    if m is None or m.group(2) not in layer:
         raise GGUFError(f"GGUF tensor {name} has no Hugging Face counterpart that loraplex knows")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
 
 
 def hf_tensors(g: GGUFFile, config: dict):
     """(HF name, float32 tensor) per GGUF tensor, one at a time (the caller keeps what it needs)."""
     import torch
 
-    permuted = ARCHS[g.metadata["general.architecture"]][2]
+    arch = g.metadata["general.architecture"]
+    permuted = ARCHS[arch][2]
     for name in g.tensors:
         w = g.tensor(name)
         if permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, config["num_attention_heads"])
         elif permuted and name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, config["num_key_value_heads"])
-        yield hf_tensor_name(name), torch.from_numpy(w)
+        elif arch in NORM_SHIFTED and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
+        yield hf_tensor_name(name, arch), torch.from_numpy(w)
 
 
 def convert_gguf(path: Path, out: Path, say: Say) -> None:

@@ -10,10 +10,16 @@ import torch
 
 from kernels.int4_weights import check_group_size
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
+from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fields, split_layer_ropes
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "Phi3ForCausalLM", *GEMMA_ARCHS)
+# Per-head RMSNorm of the queries and keys before rope.
+QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+# Whose configs say use_sliding_window (false unless set); the others apply sliding_window when given.
+OPT_IN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # One step's tokens at most. Kernel offsets are int64, so this is not about overflow: it bounds one
 # step's activations (Llama-3-8B's gate_up output alone is 3.8 GB at this many bf16 tokens) and the
 # LoRA scratch allocated up front ([3, tokens, max_lora_rank]), and keeps every launch grid's y and z
@@ -62,6 +68,19 @@ class ModelConfig:
     checkpoint_dtype: str
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    qk_norm: bool = False  # q_norm/k_norm per head before rope (Qwen3, Gemma 3)
+    # Gemma's (server.engine.gemma_config): RMSNorm gains stored as w - 1, norms after attention and the
+    # MLP too, the MLP's activation, embeddings times sqrt(hidden), soft-capped attention scores and
+    # logits, the attention scale's denominator, each layer's window (None: global), sliding layers' rope base.
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    scale_embeddings: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -92,18 +111,31 @@ class ModelConfig:
             raise ModelConfigError(f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
         heads = cfg["num_attention_heads"]
         # Transformers 5 writes rope_parameters (with rope_theta inside); 4.x writes rope_theta + rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or {})
+        rope, local_rope = split_layer_ropes(dict(cfg.get("rope_parameters") or {}))
         scaling = cfg.get("rope_scaling") or (rope if rope else None)
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
                 scaling = None
-            elif kind not in ("llama3", "linear"):
-                raise ModelConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+            elif kind not in ("llama3", "linear", "yarn"):
+                raise ModelConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+            if kind == "yarn":  # as transformers: a top-level pretraining length wins (Phi-3 writes one there)
+                old_len = cfg.get("original_max_position_embeddings")
+                scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 2048), **scaling}
+                scaling |= {"original_max_position_embeddings": old_len} if old_len is not None else {}
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # Phi-4-mini's 0.75
+            raise ModelConfigError(f"partial_rotary_factor {partial} is not supported (rope over the whole head only)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch not in OPT_IN_WINDOW_ARCHS) else None
+        try:
+            extra = gemma_fields(cfg, arch, local_rope) if arch in GEMMA_ARCHS else {"qk_norm": arch in QK_NORM_ARCHS}
+        except GemmaConfigError as e:
+            raise ModelConfigError(str(e)) from None
+        if cfg.get("hidden_act", "silu") != "silu" and arch not in GEMMA_ARCHS:
+            raise ModelConfigError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu)")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -122,7 +154,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             checkpoint_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
-            sliding_window=window,
+            **{"sliding_window": window, **extra},
         )
 
 

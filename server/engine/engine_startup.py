@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from adapters.format import ModelShape
+from adapters.format import FUSED_PROJECTION_ARCHS, ModelShape
 from adapters.host_tier import Fetch, HostTier
 from kernels.cpu_linear import upcast_linear
 from kernels.int4_weights import DEFAULT_GROUP_SIZE
@@ -148,7 +148,8 @@ def _load_tokenizer(config: EngineConfig, mcfg: ModelConfig) -> tuple[PreTrained
 def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
     """The widths an adapter must match to be served on this model."""
     return ModelShape(num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, q_size=mcfg.q_size,
-                      kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size)
+                      kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
+                      fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS)
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache with batched multi-LoRA.
+"""Decoder-only transformers (Llama 2/3, Mistral, Qwen2/3, Phi-3/4, Gemma 2/3) over a paged KV cache with
+batched multi-LoRA.
 
 Projections are fused (qkv, gate_up) so one base matmul and one LoRA
 shrink/expand pair serve each fused layer for the whole mixed-adapter batch.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, fields, is_dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+class RMSNorm:
+    """Llama's RMSNorm, or Gemma's (plus_one): gain 1 + w, applied in float32 before the cast back."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, plus_one: bool) -> None:
+        self.weight = 1.0 + weight.float() if plus_one else weight  # as Gemma computes it, once
+        self.eps = eps
+        self.plus_one = plus_one
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.plus_one:
+            return rms_norm(x, self.weight, self.eps)
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
 class LoraLinear:
@@ -76,15 +93,28 @@ class LoraLinear:
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], lora: dict[str, LoraGroupBuffers], rope,
                  quantization: str | None = None, dequant_scratch: torch.Tensor | None = None,
-                 int4_group_size: int = DEFAULT_GROUP_SIZE) -> None:
+                 int4_group_size: int = DEFAULT_GROUP_SIZE, index: int = 0) -> None:
         """quantization: None (float projections), "int8" (kernels.int8_weights), "int4"
         (kernels.int4_weights) or "fp8" (kernels.fp8_weights), quantized here after fusing: scales are
         per output row, so fused and unfused quantization agree. An int4 weight may come quantized
-        already (a GPTQ checkpoint's, server.engine.weights)."""
+        already (a GPTQ checkpoint's, server.engine.weights). index: the layer's, for its window and rope
+        (Gemma's sliding layers)."""
         self.cfg = cfg
         self.rope = rope
-        self.input_norm = w["input_layernorm.weight"]
-        self.post_norm = w["post_attention_layernorm.weight"]
+
+        def norm(name: str) -> RMSNorm | None:
+            return RMSNorm(w[name], cfg.rms_norm_eps, cfg.norm_plus_one) if name in w else None
+
+        self.input_norm = norm("input_layernorm.weight")
+        # Sandwich norms (Gemma): post_attention_layernorm normalises the attention's output, and the MLP
+        # has its own pair; otherwise post_attention_layernorm is the MLP's input norm.
+        self.post_norm = norm("post_attention_layernorm.weight")
+        self.pre_mlp_norm, self.post_mlp_norm = norm("pre_feedforward_layernorm.weight"), norm("post_feedforward_layernorm.weight")
+        self.q_norm, self.k_norm = norm("q_norm.weight"), norm("k_norm.weight")  # over [D] each, or None
+        self.window = cfg.layer_windows[index] if cfg.layer_windows else None
+        self.local = self.window is not None and cfg.local_rope_theta is not None  # the sliding layers' rope
+        self.act = (partial(F.gelu, approximate="tanh") if cfg.hidden_act == "gelu_pytorch_tanh"
+                    else partial(F.silu, inplace=True))  # on workspace rows: overwritten in place where it can be
 
         def base(name: str) -> LoraLinear:
             weight = w.pop(f"{name}.weight")
@@ -101,7 +131,7 @@ class DecoderLayer:
         self.o = base("o_proj")
         self.gate_up = base("gate_up")
         self.down = base("down_proj")
-        self.scale = cfg.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
     def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext,
                  rope: tuple[torch.Tensor, torch.Tensor], ws: Workspace) -> torch.Tensor:
@@ -109,21 +139,33 @@ class DecoderLayer:
         tables (RotaryEmbedding.tables), shared by all layers; ws: the model's activation buffers."""
         cfg = self.cfg
         t = h.shape[0]
-        x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
+        x = self.input_norm(h)
         q, k, v = self.qkv(x, ctx, ws.qkv[:t]).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = self.rope.apply(q.reshape(t, cfg.num_heads, cfg.head_dim), rope)  # [T, Hq, D]
-        k = self.rope.apply(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), rope)  # [T, Hkv, D]
+        q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rope.apply(q, rope)  # [T, Hq, D]
+        k = self.rope.apply(k, rope)  # [T, Hkv, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv
         write_kv = ctx.ops.write_kv_padded if ctx.attn.padded else ctx.ops.write_kv
         write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         attn = ws.attn[:t]  # [T, Hq, D]
-        ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn)
-        h += self.o(attn.view(t, cfg.q_size), ctx, ws.o[:t])
-        x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
+        if cfg.attn_softcap is None and self.window is None:
+            ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn)
+        else:
+            ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn, cfg.attn_softcap, self.window)
+        o = self.o(attn.view(t, cfg.q_size), ctx, ws.o[:t])
+        if self.pre_mlp_norm is None:
+            h += o
+            x = self.post_norm(h)
+        else:
+            h += self.post_norm(o)
+            x = self.pre_mlp_norm(h)
         gate, up = self.gate_up(x, ctx, ws.gate_up[:t]).split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
-        act = torch.mul(F.silu(gate, inplace=True), up, out=ws.act[:t])  # gate is workspace: overwrite it
-        h += self.down(act, ctx, ws.down[:t])
+        act = torch.mul(self.act(gate), up, out=ws.act[:t])
+        down = self.down(act, ctx, ws.down[:t])
+        h += down if self.post_mlp_norm is None else self.post_mlp_norm(down)
         return h
 
 
@@ -148,15 +190,21 @@ class CausalLM:
         self.workspace = Workspace.allocate(cfg, max_tokens, some.dtype, some.device,
                                             dequant=quantization in ("int8", "int4") and some.device.type == "cpu")
         rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, some.dtype, some.device)
+        # Gemma 3's sliding layers: their own base, unscaled.
+        self.local_rope = (None if cfg.local_rope_theta is None else
+                           RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, None, some.dtype, some.device))
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
-        self.norm = weights["model.norm.weight"]
+        # Gemma's embeddings times sqrt(hidden), that factor rounded to the embedding's dtype first as transformers does.
+        self.embed_scale = (torch.tensor(cfg.hidden_size**0.5).to(some.dtype).item() if cfg.scale_embeddings
+                            else None)
+        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps, cfg.norm_plus_one)
         lm_head = self.embed if cfg.tie_word_embeddings else weights.pop("lm_head.weight")  # [V, H]
         assert not quantize_lm_head or quantization == "int8", "EngineConfig checks it"
         self.lm_head = quantize_int8(lm_head) if quantize_lm_head else lm_head  # [V, H], float or int8
         self.rope = rope
         self.layers = [
             DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant,
-                         int4_group_size)
+                         int4_group_size, i)
             for i in range(cfg.num_layers)
         ]
         if some.device.type == "cpu":
@@ -183,9 +231,11 @@ class CausalLM:
     def base_tensors(self) -> list[torch.Tensor]:
         """Every tensor the base model's weights are stored in (a quantized weight's values, scales
         and offsets), each once: not the LoRA slots, the workspace or the rotary tables."""
-        held = [self.embed, self.norm, self.lm_head]
+        held = [self.embed, self.norm.weight, self.lm_head]
         for layer in self.layers:
-            held += [layer.input_norm, layer.post_norm]
+            norms = (layer.input_norm, layer.post_norm, layer.pre_mlp_norm, layer.post_mlp_norm, layer.q_norm,
+                     layer.k_norm)
+            held += [norm.weight for norm in norms if norm is not None]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 held += [lin.weight, lin.bias]
         tensors = [t for w in held if w is not None for t in _stored_tensors(w)]
@@ -201,13 +251,20 @@ class CausalLM:
     ) -> torch.Tensor:
         assert input_ids.shape[0] <= self.workspace.max_tokens, "the scheduler bounds a step's tokens"
         h = self.embed.index_select(0, input_ids)  # [T, H], a new tensor: the layers add onto it in place
+        if self.embed_scale is not None:
+            h *= self.embed_scale
         rope = self.rope.tables(ctx.positions)
+        local = self.local_rope.tables(ctx.positions) if self.local_rope is not None else None
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, kv, ctx, rope, self.workspace)
-        h = rms_norm(h.index_select(0, logits_indices), self.norm, self.cfg.rms_norm_eps)  # [N, H]
+            h = layer(h, kv, ctx, local if layer.local else rope, self.workspace)
+        h = self.norm(h.index_select(0, logits_indices))  # [N, H]
         if isinstance(self.lm_head, Int8Weight):  # a fresh [N, V]: no scratch, the kernels read int8 in place
-            return ctx.ops.int8_linear(h, self.lm_head).float()  # [N, V]
-        return ctx.ops.linear(h, self.lm_head).float()  # [N, V]
+            logits = ctx.ops.int8_linear(h, self.lm_head)  # [N, V]
+        else:
+            logits = ctx.ops.linear(h, self.lm_head)  # [N, V]
+        if self.cfg.final_softcap is not None:  # Gemma: softcap * tanh(logits / softcap)
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits.float()
 
 
 def _stored_tensors(weight) -> list[torch.Tensor]:
@@ -232,9 +289,16 @@ def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.T
         "post_attention_layernorm.weight": take(p + "post_attention_layernorm.weight"),
         "o_proj.weight": take(p + "self_attn.o_proj.weight"),
         "down_proj.weight": take(p + "mlp.down_proj.weight"),
-        "qkv.weight": _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-        "gate_up.weight": _fuse([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
     }
+    if p + "self_attn.qkv_proj.weight" in weights:  # fused in the checkpoint (checkpoint_layout)
+        w["qkv.weight"] = take(p + "self_attn.qkv_proj.weight")
+        w["gate_up.weight"] = take(p + "mlp.gate_up_proj.weight")
+    else:
+        w["qkv.weight"] = _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        w["gate_up.weight"] = _fuse([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    for norm in ("self_attn.q_norm", "self_attn.k_norm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        if p + f"{norm}.weight" in weights:
+            w[f"{norm.removeprefix('self_attn.')}.weight"] = take(p + f"{norm}.weight")
     if p + "self_attn.q_proj.bias" in weights:
         w["qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
     for name, key in (("o_proj.bias", "self_attn.o_proj.bias"), ("down_proj.bias", "mlp.down_proj.bias")):

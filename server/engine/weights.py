@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from server.engine.checkpoint_layout import layer_keys
 from server.engine.checkpoint_tensors import CheckpointTensors, TensorEntry, read_index, read_tensor
 from server.engine.config import ModelConfig, ModelConfigError
 from kernels.int4_weights import Int4Weight, int4_to
@@ -49,10 +50,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     if not cfg.tie_word_embeddings:
         required.append("lm_head.weight")
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        required += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        required += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
-        required += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        required += layer_keys(cfg, i)
     missing = [k for k in required if k not in weights]
     if missing:
         raise ModelConfigError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -22,17 +22,23 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3,
        torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The oracle for one sequence: q [n, Hq, D] are the last n positions of k, v [L, Hkv, D]."""
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+    """The oracle for one sequence: q [n, Hq, D] are the last n positions of k, v [L, Hkv, D]; with a
+    window, query position p sees keys (p - window, p]; with a softcap, scores are softcap * tanh(x / softcap)."""
     n, hq, _ = q.shape
     length, hkv, _ = k.shape
     out = torch.empty(n, hq, q.shape[2])
     for j in range(n):
         pos = length - n + j
+        first = 0 if window is None else max(0, pos + 1 - window)
         for h in range(hq):
             kv = h // (hq // hkv)
-            w = torch.softmax((k[: pos + 1, kv].double() @ q[j, h].double()) * scale, dim=0)  # [pos+1]
-            out[j, h] = (w @ v[: pos + 1, kv].double()).float()
+            x = (k[first: pos + 1, kv].double() @ q[j, h].double()) * scale
+            if softcap is not None:
+                x = torch.tanh(x / softcap) * softcap
+            w = torch.softmax(x, dim=0)  # [pos + 1 - first]
+            out[j, h] = (w @ v[first: pos + 1, kv].double()).float()
     return out
 
 
@@ -86,8 +92,9 @@ def make_case(context_lens: list[int], query_lens: list[int], block_size: int, h
     )
 
 
-def check_attention(case: Case, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Triton on `device` against the reference and the dense oracle (on the CPU); returns the output."""
+def check_attention(case: Case, device: torch.device | str = "cpu", **options) -> torch.Tensor:
+    """Triton on `device` against the reference and the dense oracle (on the CPU); returns the output.
+    options: paged_attention's softcap and window."""
     dtype = case.q.dtype
     scale = case.q.shape[2] ** -0.5
     dev = case.to(torch.device(device))
@@ -98,15 +105,15 @@ def check_attention(case: Case, device: torch.device | str = "cpu") -> torch.Ten
     assert bit_equal(k_cache.cpu(), k_ref) and bit_equal(v_cache.cpu(), v_ref)
 
     out = torch.full_like(dev.q, float("nan"))  # poisoned: every query row must be written
-    attention_triton.paged_attention(dev.q, k_cache, v_cache, dev.batch, scale, out)
+    attention_triton.paged_attention(dev.q, k_cache, v_cache, dev.batch, scale, out, **options)
     out = out.cpu()
     assert not out.isnan().any()
     out_ref = torch.full_like(case.q, float("nan"))
-    attention_ref.paged_attention(case.q, k_ref, v_ref, case.batch, scale, out_ref)
+    attention_ref.paged_attention(case.q, k_ref, v_ref, case.batch, scale, out_ref, **options)
     torch.testing.assert_close(out, out_ref, **TOL[dtype])
     start = 0
     for n, k, v in zip(case.query_lens, case.k_full, case.v_full):
-        dense = dense_causal_attention(case.q[start: start + n], k, v, scale)
+        dense = dense_causal_attention(case.q[start: start + n], k, v, scale, **options)
         torch.testing.assert_close(out[start: start + n].float(), dense, **TOL[dtype])
         start += n
     return out
@@ -186,6 +193,21 @@ def test_split_context_decode_next_to_a_prefill(kernel_device) -> None:
     assert plan.num_decode == 1 and plan.num_splits >= 2
     assert plan.prefill.tolist() == [[1, 0], [1, 1], [1, 2], [2, 0], [2, 1]]  # 20 and 9 queries, 8 a tile
     check_attention(case, kernel_device)
+
+
+@pytest.mark.parametrize("softcap,window", [(1.5, None), (None, 7), (2.0, 20)], ids=["softcap", "window", "both"])
+def test_softcap_and_window(softcap, window, kernel_device) -> None:
+    """Gemma's attention: soft-capped scores (a cap small enough to bend unit-scale scores) and a sliding
+    window, over decodes, fresh and continued prefills; windows shorter and longer than a query tile."""
+    case = make_case([37, 0, 70, 5, 0], [1, 23, 9, 1, 1], 16, 8, 2, 32, torch.float32, seed=5)
+    check_attention(case, kernel_device, softcap=softcap, window=window)
+
+
+def test_split_decode_with_a_window(kernel_device) -> None:
+    """Long contexts split across programs, most splits wholly before the window: they give no weight."""
+    case = make_case([700, 300, 10], [1, 1, 1], 16, 8, 2, 32, torch.float32, seed=6)
+    assert attention_triton.step_plan(case.batch, 1, 2, "cpu").num_splits >= 2
+    check_attention(case, kernel_device, softcap=3.0, window=40)
 
 
 def test_many_decodes_are_not_split() -> None:

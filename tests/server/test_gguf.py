@@ -30,8 +30,34 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
-    """The HF model at model_dir as a GGUF file: 2-D weights in Q8_0, norms and biases in F32."""
+# llama.cpp's names beyond the llama ones (convert_hf_to_gguf's tensor map), per architecture.
+_GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+ARCH_LAYER = {"qwen3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"},
+              "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+              "gemma2": _GEMMA_LAYER,
+              "gemma3": {**_GEMMA_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}}
+
+
+def _arch_metadata(w, arch: str, cfg: dict) -> None:
+    """What convert_hf_to_gguf writes for these architectures beyond a llama's."""
+    if arch in ("qwen3", "gemma2", "gemma3"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "phi3":
+        w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(cfg["sliding_window"])
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(field) is not None:
+                w.add_float32(f"{arch}.{field}", cfg[field])
+    if arch == "gemma3":
+        w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+
+
+def write_gguf(model_dir: Path, out: Path, arch: str, quantize: bool = True) -> Path:
+    """The HF model at model_dir as a GGUF file: 2-D weights in Q8_0 (F32 without `quantize`), norms and
+    biases in F32; Gemma's norm gains as 1 + w, as llama.cpp writes them."""
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -46,6 +72,7 @@ def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(10000.0)
+    _arch_metadata(w, arch, cfg)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tok["added_tokens"]}
     w.add_tokenizer_model("gpt2")
@@ -60,7 +87,8 @@ def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
              "lm_head.weight": "output.weight"}
     layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             **ARCH_LAYER.get(arch, {})}
     for name, t in sorted(load_file(str(model_dir / "model.safetensors")).items()):
         if name in names:
             gname = names[name]
@@ -73,7 +101,9 @@ def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
             a = _permute(a, heads)
         elif arch == "llama" and ".attn_k." in gname:
             a = _permute(a, kv_heads)
-        if a.ndim == 2:
+        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            a = a + np.float32(1.0)
+        if a.ndim == 2 and quantize:
             w.add_tensor(gname, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

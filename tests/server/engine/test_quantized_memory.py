@@ -91,8 +91,8 @@ def test_a_quantized_engine_holds_no_float_copy_of_a_projection(odd_model_dir, q
     assert view["bytes_by_dtype"][packed] == sum(lin.weight.qweight.nbytes for layer in model.layers
                                                  for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
     # float32: the embedding, lm_head and norms, and the projections' scales (and int4's offsets)
-    floats = model.embed.nbytes + model.lm_head.nbytes + model.norm.nbytes + sum(
-        layer.input_norm.nbytes + layer.post_norm.nbytes for layer in model.layers) + sum(
+    floats = model.embed.nbytes + model.lm_head.nbytes + model.norm.weight.nbytes + sum(
+        layer.input_norm.weight.nbytes + layer.post_norm.weight.nbytes for layer in model.layers) + sum(
         lin.weight.nbytes - lin.weight.qweight.nbytes
         for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert view["bytes_by_dtype"]["float32"] == floats
