@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
+from benchmarks.loopback_http import LoopbackHTTP
 from server.embedded_redis.server import free_port
 
 
-class FileServer:
+class FileServer(LoopbackHTTP):
     def __init__(self, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
         self.files: dict[str, bytes] = {}
         self.redirects: dict[str, str] = {}
@@ -22,14 +22,7 @@ class FileServer:
         self.drip_interval = 0.2
         self.requests: list[str] = []
         self.body_bytes_sent = 0
-        handler = self._handler()
-        self._httpd = ThreadingHTTPServer((host, 0), handler)
-        self._httpd.daemon_threads = True
-        if tls is not None:  # HTTPS: every accepted connection does the server side of a TLS handshake
-            self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
-        self.port = self._httpd.server_address[1]
-        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        super().__init__(self._handler(), host, tls)
 
     def _handler(self):
         owner = self
@@ -77,15 +70,6 @@ class FileServer:
                 self.wfile.write(data)
 
         return Handler
-
-    def __enter__(self) -> "FileServer":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(10)
 
 
 @contextlib.contextmanager

@@ -22,10 +22,11 @@ import argparse
 import importlib.metadata
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.profile.cpu_model import cpu_model
 
 MIB = 2**20
 VARIANTS = ("float32", "int8", "int4")
@@ -74,15 +75,6 @@ def models(work_dir: Path) -> dict[str, Path]:
 
     out["default (SmolLM2-135M-Instruct)"] = resolve_model(None, work_dir / "data", print).model_dir
     return out
-
-
-def cpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return platform.processor()
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")),
-                platform.processor())
 
 
 def with_shares(rows: list[dict]) -> list[dict]:

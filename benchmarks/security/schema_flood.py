@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
 
-from benchmarks.security.victim_harness import Target, new_tenant, run_phases
+from benchmarks.security.victim_harness import LoopResult, Target, new_tenant, run_phases
 
 ITL_TARGET_RATIO = 1.10
 PHASES = ("slow_schemas", "many_schemas")
 
 
-def _slow_regex(tag: str, groups: int) -> str:
+def slow_regex(tag: str, groups: int = 1000) -> str:
     # 1000 groups: 6 kB, far under --max-schema-bytes, and over 15 s of CPU time to compile on the
     # 2-core machine (an enum slow to compile is larger than the default byte cap: 6000 values
     # took 9 s, while 2200 values, 45 kB, compile within a second of CPU time)
@@ -43,12 +42,14 @@ def _small_schema(suite: list[dict], i: int, tag: str) -> dict:
             **({"$defs": schema["$defs"]} if "$defs" in schema else {})}
 
 
-def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: float, regex_groups: int) -> Counter:
+def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: float,
+                regex_groups: int) -> LoopResult:
     """One attacker loop: distinct constraints, one request after another, for phase_s seconds."""
     from server.bench.schema_suite import load_suite
 
     suite = [s for _, s in load_suite()]
-    statuses: Counter = Counter()
+    result = LoopResult()
+    statuses = result.statuses
     deadline = time.monotonic() + phase_s
     tag = f"{(os.getpid() * 31 + loop) % 10**4:04d}"
     i = 0
@@ -57,18 +58,20 @@ def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: 
             i += 1
             if phase == "slow_schemas":
                 body = {"model": model, "prompt": "x", "max_tokens": 4,
-                        "guided_regex": _slow_regex(f"{tag}{i:04d}", regex_groups)}
+                        "guided_regex": slow_regex(f"{tag}{i:04d}", regex_groups)}
             else:
                 body = {"model": model, "prompt": "x", "max_tokens": 8, "temperature": 1.0,
                         "response_format": {"type": "json_schema", "json_schema": {
                             "name": "flood", "schema": _small_schema(suite, i, tag)}}}
+            start = time.monotonic()
             try:
                 r = c.post("/v1/completions", json=body)
                 # a refusal's reason with its status: the flood must reach the compiler, not a size cap
                 statuses[str(r.status_code) + ("" if r.status_code == 200 else f" {r.text[12:70]}")] += 1
             except httpx.HTTPError as e:
                 statuses[type(e).__name__] += 1
-    return statuses
+            result.longest_s = max(result.longest_s, time.monotonic() - start)
+    return result
 
 
 def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tuple[int, ...] | None = None,

@@ -33,6 +33,7 @@ VICTIM_TOKENS = 64
 HEALTH_INTERVAL_S = 0.05
 QUIET_CORES = 0.25  # the server counts as settled once its tree uses less CPU than this over a second
 SETTLE_TIMEOUT_S = 300.0
+PROBE_DELAY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,15 @@ class Target:
     model: str
     max_model_len: int
     max_logprob_entries: int  # the server's --max-logprob-entries
+    fetch_timeout_s: float = ServerConfig.adapter_fetch_timeout  # its --adapter-fetch-timeout
+    compile_deadline_s: float = ServerConfig.max_grammar_compile_ms / 1000  # its --max-grammar-compile-ms
+
+
+@dataclass
+class LoopResult:
+    """What one attacker request loop saw: the statuses of its requests and the longest one took."""
+    statuses: Counter = field(default_factory=Counter)
+    longest_s: float = 0.0
 
 
 def add_victim_server_args(p: argparse.ArgumentParser, work_dir: str, serve_arg_example: str) -> None:
@@ -131,6 +141,8 @@ class Phase:
     health_s: list[float] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
     victim_errors: int = 0
+    attacker_longest_s: float | None = None  # the attacker's longest request (None: no attacker)
+    probes: dict = field(default_factory=dict)  # the victim's one-off requests during the phase (run_phases' probe)
     profile: dict | None = None  # server_profile.summarize of the server's CPU in this phase
 
     def summary(self, baseline: "Phase | None") -> dict:
@@ -140,7 +152,10 @@ class Phase:
                "victim_gaps": len(self.gaps_s), "victim_errors": self.victim_errors,
                "health_p50_ms": _ms(percentile(self.health_s, 50)), "health_p99_ms": _ms(percentile(self.health_s, 99)),
                "health_max_ms": _ms(max(self.health_s, default=None)), "health_probes": len(self.health_s),
-               "attack_statuses": {str(k): v for k, v in sorted(self.statuses.items())}}
+               "attack_statuses": {str(k): v for k, v in sorted(self.statuses.items())},
+               "attacker_longest_s": None if self.attacker_longest_s is None else round(self.attacker_longest_s, 3)}
+        if self.probes:
+            out["victim_probes"] = self.probes
         if baseline is not None:
             r = ratio(p99, percentile(baseline.gaps_s, 99))
             out["itl_p99_vs_baseline"] = None if r is None else round(r, 3)
@@ -214,11 +229,14 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
                attack: Callable[[str, ProcessPoolExecutor], list[Future]],
                attacker_cpus: tuple[int, ...] | None = None,
                log: Callable[[str], None] = lambda s: None,
-               profile: tuple[int, Path] | None = None) -> list[Phase]:
+               profile: tuple[int, Path] | None = None,
+               probe: Callable[[str], dict] | None = None) -> list[Phase]:
     """The baseline, then each named attack for phase_s seconds while the victim streams. `attack(name,
-    pool)` starts the phase's request loops on the pool (each returns a Counter of statuses).
+    pool)` starts the phase's request loops on the pool (each returns a LoopResult).
     With `profile` = (server pid, directory), py-spy samples the server through each phase into
-    `<directory>/<phase>.txt` and the phase keeps the summary. Returns the phases, the baseline first."""
+    `<directory>/<phase>.txt` and the phase keeps the summary. With `probe`, `probe(phase name)` runs
+    once in each phase (the baseline too), PROBE_DELAY_S into it (a quarter of shorter phases), once the
+    attack is under way; the phase keeps what it returns. Returns the phases, the baseline first."""
     phases = [Phase("baseline")] + [Phase(n) for n in attacks]
     current = [phases[0]]
     stop = threading.Event()
@@ -226,6 +244,9 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
                   threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=pin_cpus, initargs=(attacker_cpus,))
+    # Every attacker process starts now, not inside the first attack phase (a phase's probe would
+    # otherwise run while its attack is still starting).
+    list(pool.map(time.sleep, [0.2] * workers))
     for t in background:
         t.start()
     try:
@@ -233,11 +254,17 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
             log(f"phase {phase.name} ({phase_s:.0f} s)")
             with _sampled(phase, profile):
                 current[0] = phase
+                started = time.monotonic()
+                loops = [] if phase.name == "baseline" else attack(phase.name, pool)
+                if probe is not None:
+                    time.sleep(min(PROBE_DELAY_S, phase_s / 4))
+                    phase.probes = probe(phase.name)
                 if phase.name == "baseline":
-                    time.sleep(phase_s)
-                    continue
-                for loop in attack(phase.name, pool):
-                    phase.statuses.update(loop.result())
+                    time.sleep(max(0.0, phase_s - (time.monotonic() - started)))
+                for loop in loops:
+                    result = loop.result()
+                    phase.statuses.update(result.statuses)
+                    phase.attacker_longest_s = max(phase.attacker_longest_s or 0.0, result.longest_s)
             time.sleep(0.5)  # the attack's last requests drain before the next phase is measured
     finally:
         stop.set()
