@@ -128,6 +128,7 @@ class ServerConfig:
     kernels: str = "auto"
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     async_scheduling: bool = False        # --async-scheduling: prepare decode step N+1 while N runs
+    speculative_config: str | None = None  # --speculative-config: JSON (server.engine.speculative_config)
     # --engine-process: the engine in this process's step-loop thread, or in an engine-core process of
     # its own (server.engine.core); ENGINE_PROCESSES.
     engine_process: str = "in-process"
@@ -254,6 +255,14 @@ class ServerConfig:
             check_kv_cache_dtype_name(self.kv_cache_dtype)
         except ValueError as e:
             raise ConfigError(f"--kv-cache-dtype: {e}") from None
+        from server.engine.speculative_config import parse_speculative_config
+
+        try:
+            parse_speculative_config(self.speculative_config)
+        except ValueError as e:
+            raise ConfigError(f"--speculative-config: {e}") from None
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ConfigError("--speculative-config does not combine with --async-scheduling yet")
 
         try:
             object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))
@@ -344,6 +353,7 @@ class ServerConfig:
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", False),
+            speculative_config=getattr(args, "speculative_config", None),
             engine_process=getattr(args, "engine_process", "in-process"),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             quantization=getattr(args, "quantization", None),

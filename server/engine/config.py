@@ -12,6 +12,7 @@ from kernels.int4_weights import check_group_size
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
 from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fields, split_layer_ropes
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
+from server.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -215,6 +216,9 @@ class EngineConfig:
     # vLLM's --async-scheduling: the host schedules and prepares decode step N+1 while step N runs
     # (server.engine.async_step says which steps overlap); off: every step synchronous.
     async_scheduling: bool = False
+    # vLLM's --speculative-config (a dict, its JSON text, or parsed; server.engine.speculative_config): drafts
+    # verified by the target each step, the output exactly the plain engine's; None: one token per step.
+    speculative_config: SpeculativeConfig | dict | str | None = None
     # Structured output's mask budget per constrained request (server.engine.mask_lane): the CPU time one
     # token's mask may take, and all its choices' masks together; past either, the request ends with an error
     # naming its constraint. Masks are filled off the step either way: these bound what one request costs.
@@ -263,6 +267,10 @@ class EngineConfig:
                 raise ValueError(f"int4_group_size needs quantization 'int4', not {self.quantization!r}")
             check_group_size(self.int4_group_size, 16)
         object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))  # "4" -> 4; raises
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
+        if self.speculative_config is not None and self.async_scheduling:
+            # A step prepared ahead assumes one token per sequence; drafts change how far each gets.
+            raise ValueError("speculative_config does not combine with async_scheduling yet")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -178,7 +178,8 @@ def _build_tiers(config: EngineConfig, adapter_source: Fetch | None, device: tor
                     max_parked=PREFETCH_WINDOW, dtype=dtype, init_thread=bind_thread,
                     prepare=slots.prepare if device.type == "cpu" else None)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                          config.max_prefill_tokens_while_decoding), blocks, slots, host)
+                                          config.max_prefill_tokens_while_decoding, config.speculative_config),
+                          blocks, slots, host)
     return host, scheduler
 
 

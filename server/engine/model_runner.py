@@ -5,6 +5,12 @@ adapter slot) is built here once and shared by every layer. Logits are
 computed only where they are needed: each sequence's last token when all its
 tokens are in, and, for a request that asks for prompt logprobs, the prompt
 positions whose logprobs it does not have yet.
+
+A sequence running drafts (speculative decoding) gets logits at its last token and every draft, one
+sampling row per position as the plain engine would build it once the drafts before it are its output
+(the same output index, so a seeded row draws the same number; penalties see those drafts). Its
+result is the longest run of drafts equal to the target's own choices, then the target's choice at
+the first mismatch (or after the last draft).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class SeqResult:
     tokens: list[int | SampleFailure] | tuple[()] = ()  # per choice: n when it forks now; () when scoring
     logprobs: list[TokenLogprobs | None] | tuple[()] = ()  # aligned with tokens
     prompt_logprobs: list[TokenLogprobs] | None = None  # next prompt entries, in order
+    drafted: int = 0  # drafts verified: then `tokens` is the run it emits (accepted drafts + the target's)
 
 
 @dataclass
@@ -50,7 +57,12 @@ class StepInputs:
     scored_seqs: list[int]  # batch positions whose prompt is in and that generate nothing (max_tokens 0)
     rows: list[SamplingRow]  # tokens to choose: one per choice
     row_starts: list[int]  # sampled sequence s chooses rows[row_starts[s]:row_starts[s + 1]]
+    # Logit row of each sampling row, where not the sequence's one (a fork's choices share it, drafts
+    # have their own); None: row r reads logits row r
+    row_logits: list[int] | None = None
+    drafts: dict[int, list[int]] | None = None  # sampled index -> its drafts, when some sequence runs drafts
     prompt: _PromptPositions | None = None
+    num_sampled_logits: int = 0  # the leading logit rows that sampling reads (prompt positions follow)
     padded: tuple[int, bool, bool] | None = None  # a padded decode step's (bucket, LoRA, DoRA) key (decode_graphs)
     # A step prepared ahead (async scheduling) whose input ids are not known yet: the padded rows to stage
     # once they are (positions, slot mapping, block tables, token slots); see ModelRunner.fill_ahead.
@@ -128,12 +140,18 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         row_starts = [0]
         prompt: _PromptPositions | None = None
-        for i, (seq, n, slot) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots)):
+        all_drafts = batch.drafts or [()] * len(batch.seqs)
+        spec: dict[int, list[int]] | None = None
+        row_logits: list[int] = []
+        for i, (seq, n, slot, drafts) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots, all_drafts)):
             start = seq.num_computed_tokens + (1 if ahead else 0)
             first = len(input_ids)
             if ahead:
                 assert n == 1, "only decode rows are prepared ahead"
                 input_ids.append(0)  # the previous step's token: fill_ahead() writes it
+            elif drafts:
+                input_ids += seq.token_ids[start : start + 1]
+                input_ids += drafts
             else:
                 input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
@@ -143,7 +161,16 @@ class ModelRunner:
             if prompt_lp is not None and len(prompt_lp) < seq.num_prompt_tokens:
                 prompt = prompt or _PromptPositions()
                 prompt.add(i, seq, first, start, n, len(prompt_lp))
-            if start + n == len(seq.token_ids) + (1 if ahead else 0):
+            if drafts:
+                spec = spec or {}
+                spec[len(sampled)] = drafts
+                for j in range(len(drafts) + 1):
+                    row_logits.append(len(logits_indices))
+                    logits_indices.append(first + j)
+                    rows.append(_draft_row(seq, drafts[:j]))
+                row_starts.append(len(rows))
+                sampled.append(i)
+            elif start + n == len(seq.token_ids) + (1 if ahead else 0):
                 p = seq.params
                 if p.max_tokens == 0:
                     scored.append(i)
@@ -152,14 +179,18 @@ class ModelRunner:
                     _add_rows(rows, seq)
                 else:  # the usual row, inline: nothing more to read
                     rows.append(SamplingRow(p, seq.index, start + n - seq.num_prompt_tokens))
+                row_logits += [len(logits_indices)] * (len(rows) - len(row_logits))
                 row_starts.append(len(rows))
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(i)
         dev = self.device
+        num_sampled_logits = len(logits_indices)
         if prompt is not None:
             logits_indices += prompt.rows
+        identity = len(row_logits) == num_sampled_logits  # one row per logit row, in order
         common = dict(num_logits=len(logits_indices), sampled_seqs=sampled, scored_seqs=scored, rows=rows,
-                      row_starts=row_starts, prompt=prompt)
+                      row_starts=row_starts, prompt=prompt, num_sampled_logits=num_sampled_logits,
+                      row_logits=None if identity else row_logits, drafts=spec)
         padded = self.padded
         if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows:  # one token each
             bs = self.block_size
@@ -204,22 +235,26 @@ class ModelRunner:
         results = {i: SeqResult(True) for i in inputs.scored_seqs}
         sampled, starts = inputs.sampled_seqs, inputs.row_starts
         if sampled:
-            row_logits = logits[: len(sampled)]  # [S, V]
-            if len(inputs.rows) != len(sampled):  # a request forks now: its n choices share one row
-                owner = [s for s in range(len(sampled)) for _ in range(starts[s + 1] - starts[s])]
-                row_logits = row_logits.index_select(0, torch.tensor(owner, device=logits.device))
+            row_logits = logits[: inputs.num_sampled_logits]  # [S', V]
+            if inputs.row_logits is not None:  # a request forks now: its n choices share one row
+                row_logits = row_logits.index_select(0, torch.tensor(inputs.row_logits, device=logits.device))
             mask = self.grammar_mask
             bitmask = mask.gather([r.grammar for r in inputs.rows]) if mask is not None else None  # [rows, W] int32
             out = sample_rows(row_logits, inputs.rows, self.generator, mask, bitmask)
             if bitmask is not None:
                 _fail_costly_constraints(inputs.rows, out.tokens)
+            drafts = inputs.drafts or {}
             for s, i in enumerate(sampled):
                 a, b = starts[s], starts[s + 1]
-                results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
+                if s in drafts:
+                    b = a + _accepted(drafts[s], out.tokens[a:b]) + 1
+                    results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b], drafted=len(drafts[s]))
+                else:
+                    results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
         prompt = inputs.prompt
         if prompt is not None:
             targets = torch.tensor(prompt.targets, dtype=torch.long)
-            entries = gather_logprobs(logits[len(sampled) :], targets, prompt.top)
+            entries = gather_logprobs(logits[inputs.num_sampled_logits :], targets, prompt.top)
             for i, entry in zip(prompt.seqs, entries):
                 result = results.setdefault(i, SeqResult(False))
                 if result.prompt_logprobs is None:
@@ -251,6 +286,24 @@ def _fail_costly_constraints(rows: list[SamplingRow], tokens: list[int | SampleF
     for i, row in enumerate(rows):
         if row.grammar is not None and row.grammar.failure is not None:
             tokens[i] = SampleFailure(row.grammar.failure)
+
+
+def _accepted(drafts: list[int], chosen: list[int | SampleFailure]) -> int:
+    """How many leading drafts equal the target's own choices at their positions."""
+    m = 0
+    while m < len(drafts) and chosen[m] == drafts[m]:
+        m += 1
+    return m
+
+
+def _draft_row(seq: Sequence, before: list[int]) -> SamplingRow:
+    """The row the plain engine would sample `seq` with once `before` (drafts) are its output too."""
+    p = seq.params
+    output_index = seq.num_output_tokens + len(before)
+    output_ids = seq.output_token_ids + before if p.has_penalties else ()
+    prompt_ids = seq.group.prompt_tensor() if p.repetition_penalty != 1.0 else None
+    stop_ids = seq.group.min_tokens_stop_ids if output_index < p.min_tokens else ()
+    return SamplingRow(p, seq.index, output_index, output_ids, prompt_ids, stop_ids)
 
 
 def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:

@@ -1,6 +1,11 @@
 """A step's results become RequestOutputs: tokens appended, text detokenised, stops found,
 requests forked into their n choices and finished. Every per-request failure ends here too, and so
-does every abort: the processor keeps the requests in flight."""
+does every abort: the processor keeps the requests in flight.
+
+A sequence that verified drafts (speculative decoding) appends its run token by token, as the plain
+engine would over as many steps, so a stop (EOS, a stop id or string, max_tokens) inside the run ends it
+there; its computed tokens then stop at its last accepted draft, and the blocks past them go back.
+One output per sequence and step, as without drafts."""
 from __future__ import annotations
 
 import logging
@@ -28,6 +33,9 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.seqs: dict[str, Sequence] = {}  # request id -> its choice 0, until every choice finished
         self.aborted: list[Sequence] = []  # choices aborted since the last step: its outputs report them
+        # Speculative decoding, since start (vLLM's spec_decode num_draft_tokens / num_accepted_tokens).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         """Track a new request by its choice 0 (the scheduler has it already)."""
@@ -52,11 +60,14 @@ class OutputProcessor:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if seq.finished:
                 continue  # async scheduling: aborted, or ended by the step before, while this one ran
+            result = results.get(i)
+            if result is not None and result.drafted:
+                self._advance_run(outputs, seq, n - result.drafted, result)
+                continue
             seq.num_computed_tokens += n
             # Blocks this step filled are computed now, so others may reuse them (before a fork copies
             # the sequence's progress to its siblings).
             self.scheduler.prefix_cache.register(seq)
-            result = results.get(i)
             if result is None:
                 continue  # a prompt chunk
             if result.prompt_logprobs:
@@ -72,6 +83,22 @@ class OutputProcessor:
             else:
                 self._advance(outputs, seq, result.tokens[0], result.logprobs[0])
         return outputs
+
+    def _advance_run(self, outputs: list[RequestOutput], seq: Sequence, n: int, result: SeqResult) -> None:
+        """`seq` ran n tokens and its drafts; `result.tokens` are its accepted drafts and the target's token."""
+        self.num_draft_tokens += result.drafted
+        self.num_accepted_tokens += len(result.tokens) - 1
+        mark = len(outputs)
+        for j, (token, logprob) in enumerate(zip(result.tokens, result.logprobs)):
+            # Before each token, what precedes it is in the KV: the pending tokens, then each accepted draft.
+            seq.num_computed_tokens += n if j == 0 else 1
+            self.scheduler.prefix_cache.register(seq)
+            self._advance(outputs, seq, token, logprob)
+            if seq.finished:
+                break
+        else:
+            self.scheduler.roll_back(seq)
+        outputs[mark:] = outputs[-1:]
 
     def _advance(self, outputs: list[RequestOutput], seq: Sequence, token: int | SampleFailure,
                  logprob: TokenLogprobs | None) -> None:

@@ -27,6 +27,12 @@ An admitted sequence starts with the longest run of its full blocks found in
 the prefix cache (server.engine.prefix_cache) and computes only the rest, in
 chunks as usual. Cached blocks nobody holds count as free: taking one costs a
 block like allocating one does, so the cache never crowds out running work.
+
+With speculative decoding (server.engine.speculative_config), a decoding sequence whose next tokens
+can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from its output index
+alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer); they count
+against the token budget and get KV slots like any token. The output processor rolls back what the
+model rejects.
 """
 from __future__ import annotations
 
@@ -39,8 +45,10 @@ from server.engine.fair_queue import FairQueue
 from server.engine.lora.alora import adapter_from
 from server.engine.lora.slot_share import SlotShare
 from server.engine.lora.slots import LoraSlots
+from server.engine.ngram_proposer import propose
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.speculative_config import SpeculativeConfig
 
 # After this many steps blocked on an adapter slot, the head of the queue stops letting requests
 # of its own tenant, or of tenants above their share of the slots, join adapters already in a slot,
@@ -58,6 +66,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_prefill_tokens_while_decoding: int | None = None  # None: prompts may take the whole token budget
+    speculative: SpeculativeConfig | None = None  # None: one token per decode step
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
@@ -72,6 +81,8 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # adapter load failed: (seq, error)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy), copy-on-write
+    # Per sequence: the draft tokens run after its last token (speculative decoding); () for most.
+    drafts: list[list[int] | tuple[()]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -136,14 +147,30 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             prefilling = seq.num_pending_tokens > 1
             n = min(seq.num_pending_tokens, budget, prefill_budget if prefilling else budget)
+            drafts = () if prefilling or n == 0 else self._drafts(seq, budget - 1)
+            n += len(drafts)
             if n == 0 or not _mask_ready(seq, seq.num_computed_tokens + n) or not self._make_room(seq, n, batch):
                 continue
-            self._add_to_batch(batch, seq, n)
+            self._add_to_batch(batch, seq, n, drafts)
             budget -= n
             if prefilling:
                 prefill_budget -= n
         self._admit(batch, min(budget, prefill_budget), admit=not batch.preempted)
         return batch
+
+    def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
+        """Drafts for decoding `seq`, at most `room` of them, none past what it may still generate (the
+        token after the drafts is the target's own); () where verifying would not be exact."""
+        spec = self.config.speculative
+        if spec is None or seq.grammar is not None or seq.group.needs_fork:
+            return ()
+        p = seq.params
+        if not p.greedy and p.seed is None:
+            return ()  # an unseeded draw takes the engine's generator in batch order: not per position
+        k = min(spec.num_speculative_tokens, room, p.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return ()
+        return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: capped while some running sequence decodes."""
@@ -290,16 +317,26 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.fork_seats += joining - 1
-            self._add_to_batch(batch, seq, n)
+            self._add_to_batch(batch, seq, n, ())
             budget -= n
         if not head_blocked:
             self.head_blocked_steps = 0
         self.lora_slots.sync()
 
-    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts: list[int] | tuple[()]) -> None:
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
         batch.lora_slots.append(self.lora_slot_of_seq.get(seq, -1))
+        batch.drafts.append(drafts)
+
+    def roll_back(self, seq: Sequence) -> None:
+        """Return the blocks of `seq`'s table wholly past its computed tokens: they held only drafts
+        the model rejected (nothing indexes them: only full computed blocks are cached)."""
+        keep = -(-seq.num_computed_tokens // self.blocks.block_size)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.blocks.free(tail)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, back into the queue."""
@@ -314,7 +351,7 @@ class Scheduler:
         self.num_preemptions += 1
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
-            for column in (batch.seqs, batch.num_tokens, batch.lora_slots):
+            for column in (batch.seqs, batch.num_tokens, batch.lora_slots, batch.drafts):
                 del column[i]
         batch.preempted.append(seq)
 
