@@ -218,7 +218,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # vLLM's --speculative-config (a dict, its JSON text, or parsed; server.engine.speculative_config): drafts
     # verified by the target each step, the output exactly the plain engine's; None: one token per step.
-    speculative_config: SpeculativeConfig | dict | str | None = None
+    # Annotated as what it holds after __post_init__ (the engine-core process decodes it by this type).
+    speculative_config: SpeculativeConfig | None = None
     # Structured output's mask budget per constrained request (server.engine.mask_lane): the CPU time one
     # token's mask may take, and all its choices' masks together; past either, the request ends with an error
     # naming its constraint. Masks are filled off the step either way: these bound what one request costs.
