@@ -130,7 +130,7 @@ def test_every_validation_error_is_400_with_param(api_server, tenant):
         ("/v1/completions", {"model": model, "prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"model": model, "prompt": "x", "n": "two"}, "n"),
         ("/v1/completions", {"model": model, "prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
-        ("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 100000}, "prompt"),
+        ("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 100000}, "max_tokens"),  # the field past the limit
     ]
     with api_server.http(tenant) as h:
         for path, body, param in cases:
