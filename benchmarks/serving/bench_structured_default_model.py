@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-sample", type=int, default=0,
                    help="the first sample's index (its seeds): another run's samples continue a finished one's")
     p.add_argument("--schemas", type=int, default=None, help="the suite's first N schemas (default all)")
+    p.add_argument("--only", default=None, metavar="NAME[,NAME...]",
+                   help="only these schemas of the suite (core/person, generated/gen-003, ...)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--cpu-threads", default="auto")
     p.add_argument("--work-dir", default="bench-out")
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     suite = load_suite()[:args.schemas]
+    if args.only:
+        suite = [(name, schema) for name, schema in suite if name in args.only.split(",")]
     model_dir = real_model_dir(Path(args.work_dir), log)
     reqs = _prompts(model_dir, suite)
     serve = ["--device", "cpu", "--cpu-threads", args.cpu_threads, "--max-num-seqs", str(args.concurrency)]
