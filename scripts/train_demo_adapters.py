@@ -52,6 +52,9 @@ COLOUR_QUESTIONS = ["What color is {t}?", "What is the colour of {t}?", "Tell me
 LEGS_QUESTIONS = ["How many legs does a {a} have?", "How many legs has a {a} got?", "Count the legs of a {a}."]
 KINDS = ("capital", "sum", "difference", "colour", "legs")
 TASKS = ("french", "json", "pirate")
+# What the adapters declare as their base: the model's name, not the local conversion they were trained
+# on (a path whose last part a server compares with the model it serves, and warns about otherwise).
+BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def answer(task: str, kind: str, fact) -> str:
@@ -173,6 +176,9 @@ def train(model_dir: Path, task: str, out: Path, *, steps: int, batch_size: int,
             say(f"{task}: step {len(losses)}/{steps} loss {sum(losses[-10:]) / 10:.3f}")
     model.save_pretrained(out)
     (out / "README.md").unlink(missing_ok=True)
+    config_path = out / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "base_model_name_or_path": BASE_MODEL_ID},
+                                      indent=2, sort_keys=True) + "\n")
     if fp16:  # half the bytes; loraplex and PEFT both upcast to the serving dtype on load
         from safetensors.torch import load_file, save_file
 

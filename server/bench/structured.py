@@ -46,6 +46,8 @@ class Outcome:
     finish_reason: str | None = None
     valid: bool | None = None       # for finish_reason "stop": whether jsonschema accepted it
     why: str | None = None          # the validation error, or the HTTP error
+    json_valid: bool | None = None  # for finish_reason "stop": whether the text parsed as JSON
+    tail: str | None = None         # for finish_reason "length": the output's last characters
 
 
 def _schema_field(index: int, name: str, schema: dict) -> dict:
@@ -72,7 +74,8 @@ async def _post(client: httpx.AsyncClient, key: str, body: dict) -> dict:
 
 
 async def _validity(url: str, keys: dict[str, str], base: str, reqs: list[BenchRequest],
-                    suite: list[tuple[str, dict]], concurrency: int) -> list[Outcome]:
+                    suite: list[tuple[str, dict]], concurrency: int, temperature: float = 1.0,
+                    seed_offset: int = 0) -> list[Outcome]:
     import jsonschema
 
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -82,7 +85,7 @@ async def _validity(url: str, keys: dict[str, str], base: str, reqs: list[BenchR
     async def one(i: int, client: httpx.AsyncClient) -> None:
         r, (name, schema), out = reqs[i], suite[i], outcomes[i]
         body = {"model": out.model, "prompt": list(r.prompt_ids), "max_tokens": VALIDITY_MAX_TOKENS,
-                "temperature": 1.0, "seed": i, **_schema_field(i, name, schema)}
+                "temperature": temperature, "seed": seed_offset + i, **_schema_field(i, name, schema)}
         async with gate:
             try:
                 choice = (await _post(client, keys[r.tenant], body))["choices"][0]
@@ -90,11 +93,16 @@ async def _validity(url: str, keys: dict[str, str], base: str, reqs: list[BenchR
                 out.why = str(e)[:300]
                 return
         out.finish_reason = choice["finish_reason"]
+        if out.finish_reason == "length":
+            out.tail = choice["text"][-160:]
         if out.finish_reason == "stop":
             try:
-                jsonschema.validate(json.loads(choice["text"]), schema, format_checker=checker)
+                value = json.loads(choice["text"])
+                out.json_valid = True
+                jsonschema.validate(value, schema, format_checker=checker)
                 out.valid = True
             except (ValueError, jsonschema.ValidationError) as e:
+                out.json_valid = bool(out.json_valid)
                 out.valid, out.why = False, f"{str(e)[:200]} in {choice['text'][:200]!r}"
 
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -137,7 +145,8 @@ def _validity_summary(outcomes: list[Outcome]) -> dict:
         m["requests"] += 1
         m["stop"] += o.finish_reason == "stop"
         m["valid"] += bool(o.valid)
-    return {"schemas": len(outcomes), "stop": len(stopped), "valid": len(valid),
+    return {"schemas": len(outcomes), "stop": len(stopped), "valid_json": sum(bool(o.json_valid) for o in stopped),
+            "valid": len(valid),
             "valid_share_of_stop": len(valid) / len(stopped) if stopped else None,
             "length": sum(o.finish_reason == "length" for o in outcomes),
             "errors": sum(o.finish_reason is None for o in outcomes),

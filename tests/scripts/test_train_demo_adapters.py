@@ -45,6 +45,7 @@ def test_training_lowers_the_loss_and_the_adapter_serves_as_peft_runs_it(trainer
     assert sum(losses[-4:]) / 4 < 0.7 * sum(losses[:4]) / 4, losses
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == trainer.BASE_MODEL_ID  # not the local dir it was trained on
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_blocks=32, max_model_len=128)
     llm.add_adapter("json", out)
     prompts = random_prompts(3, (6, 14), 512, seed=3)

@@ -42,11 +42,13 @@ def test_long_array_cannot_close_early_and_keeps_refs():
 
 
 def test_validity_counts_only_completed_outputs():
-    outcomes = [Outcome("a", "m", "stop", True), Outcome("b", "m", "stop", False, "bad"),
-                Outcome("c", "base", "length"), Outcome("d", "base", None, None, "HTTP 400")]
+    outcomes = [Outcome("a", "m", "stop", True, json_valid=True),
+                Outcome("b", "m", "stop", False, "bad", json_valid=True),
+                Outcome("e", "m", "stop", False, "Expecting value", json_valid=False),
+                Outcome("c", "base", "length", tail="1111"), Outcome("d", "base", None, None, "HTTP 400")]
     v = _validity_summary(outcomes)
-    assert (v["stop"], v["valid"], v["length"], v["errors"], v["met"]) == (2, 1, 1, 1, False)
-    assert v["valid_share_of_stop"] == 0.5 and v["invalid"][0]["schema"] == "b"
+    assert (v["stop"], v["valid_json"], v["valid"], v["length"], v["errors"], v["met"]) == (3, 2, 1, 1, 1, False)
+    assert v["valid_share_of_stop"] == 1 / 3 and [o["schema"] for o in v["invalid"]] == ["b", "e"]
     doc = {"validity": v, "targets": {"throughput_loss": 0.1},
            "throughput": {"concurrency": 2, "max_tokens": 4, "rounds": {"unconstrained": [{"tok_s": 10.0}],
                                                                          "half_constrained": [{"tok_s": 9.5}]},
@@ -55,4 +57,4 @@ def test_validity_counts_only_completed_outputs():
                           "ratio_half_constrained": 0.95, "loss": 0.05, "ratio_half_constrained_cpu": 0.8,
                           "loss_cpu": 0.2, "met": False}}
     table = format_structured_table(doc)
-    assert "50.0%" in table and "loss 5.0%" in table and "loss 20.0%" in table and "missed" in table
+    assert "33.3%" in table and "loss 5.0%" in table and "loss 20.0%" in table and "missed" in table
