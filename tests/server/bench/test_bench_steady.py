@@ -138,7 +138,7 @@ def _steady(tiny_model_dir, tmp_path, **kw):
     from server.bench.runner import BenchConfig
 
     base = dict(workload_type="steady", target="engine", model_dir=str(tiny_model_dir), adapter_counts=(2,),
-                ranks=(4,), num_requests=400, prompt_len=(4, 12), output_len=(4, 8), concurrency=(3,),
+                ranks=(4,), num_requests=4000, prompt_len=(4, 12), output_len=(4, 8), concurrency=(3,),
                 warmup_s=0.3, steady_s=1.0, cpu_threads=1, work_dir=str(tmp_path / "work"),
                 max_num_batched_tokens=512)
     return BenchConfig(**{**base, **kw})
@@ -171,7 +171,7 @@ def test_steady_engine_rounds_bounds_and_token_ids(tiny_model_dir, tmp_path):
     b = adapter["bounds"]
     assert 0 < b["bound"] < 1 and b["bandwidth_gbps"] is None and 1 <= b["distinct_per_step"] <= 2
     assert doc["token_ids_vs_peft"]["r4-2-uniform"] == {"compared": 4, "same": 4, "mismatches": []}
-    assert doc["trace"]["requests"] == 400
+    assert doc["trace"]["requests"] == 4000
     table = format_table(doc)
     assert "token ids = peft (r4-2-uniform): 4/4" in table and "bound:" in table
 
