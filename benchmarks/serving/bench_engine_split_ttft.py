@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from contextlib import ExitStack
@@ -21,17 +20,13 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.profile.cpu_model import cpu_model
 from server.bench.artifacts import write_json
 from server.bench.server_proc import ServerProcess, provision
 from server.demo import make_base_model
 from server.embedded_redis.server import EmbeddedRedis
 
 MODES = ("in-process", "separate")
-
-
-def _cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def _ttft(client: httpx.Client, key: str, model: str) -> float:
@@ -82,7 +77,7 @@ def main() -> int:
                 t = _ttft(*servers[mode]) * 1000
                 if i >= args.warmup:
                     times[mode].append(t)
-    doc = {"cpu": _cpu_model(), "load_average": os.getloadavg(), "rounds": args.rounds,
+    doc = {"cpu": cpu_model(), "load_average": os.getloadavg(), "rounds": args.rounds,
            "modes": {m: _summary(times[m]) for m in MODES}}
     doc["separate_minus_in_process_median_ms"] = (doc["modes"]["separate"]["median_ms"]
                                                   - doc["modes"]["in-process"]["median_ms"])

@@ -181,10 +181,6 @@ class Grammars:
         """A grammar compiled in another process (grammar_worker), bound to this tokenizer."""
         return xgr.CompiledGrammar.deserialize_json(serialized, self.info)
 
-    @staticmethod
-    def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(compiled)
-
     def choice_matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None) -> LaneMatcher:
         """A constrained choice's matcher, its first mask already being filled on the lane; `sibling`: an
         earlier choice of its request (None for the first), whose mask budget it shares."""

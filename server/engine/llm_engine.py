@@ -75,8 +75,7 @@ class LLMEngine:
     def remove_adapter(self, version_id: str) -> None:
         """A deleted or replaced version leaves every tier once no request uses it; its cached KV
         blocks leave the prefix cache at once."""
-        self.host.remove(version_id)
-        self.lora_slots.remove(version_id)
+        self.release_adapter_memory(version_id)
         self.scheduler.prefix_cache.retire(version_id)
 
     def release_adapter_memory(self, version_id: str) -> None:

@@ -9,6 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from server.api.errors import APIError
@@ -334,7 +335,7 @@ STRICT_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": A
 
 
 def _accepts(grammars, spec, text: str) -> bool:
-    matcher = grammars.matcher(grammars.compile(spec))
+    matcher = xgr.GrammarMatcher(grammars.compile(spec))
     return matcher.accept_string(text) and matcher.accept_token(grammars.info.stop_token_ids[0])
 
 

@@ -94,7 +94,7 @@ def test_random_walks_end_in_valid_json(suite, grammars):
     for name, schema in suite[::WALK_SAMPLE]:
         compiled = cache.compile(StructuredOutputsParams(json=schema))
         for seed in range(2):
-            ids = _walk(Grammars.matcher(compiled), random.Random(seed), tok.eos_token_id)
+            ids = _walk(xgr.GrammarMatcher(compiled), random.Random(seed), tok.eos_token_id)
             if ids is None:
                 continue
             completed += 1
