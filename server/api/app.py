@@ -13,7 +13,7 @@ from starlette.middleware import Middleware
 from server.api import (adapter_routes, admin_adapter_routes, admin_routes, admin_views, lora_routes,
                         openai_routes, openapi, ops_routes, pages, shared_adapter_routes, source_credential_routes,
                         tokenize_routes)
-from server.api.admin_auth_throttle import AdminAuthThrottle
+from server.api.auth import AdminAuthThrottle
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.engine_watch import exit_when_engine_dies
 from server.api.errors import EXCEPTION_HANDLERS
