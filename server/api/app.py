@@ -18,9 +18,8 @@ from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.engine_watch import exit_when_engine_dies
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
-from server.api.replica import ReplicaHeader
 from server.api.request_fields import IgnoredFieldsHeader
-from server.api.security_headers import SecurityHeaders
+from server.api.response_headers import ReplicaHeader, SecurityHeaders
 from server.api.state import ServerState
 from server.config import ServerConfig
 

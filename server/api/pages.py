@@ -3,7 +3,7 @@ asks for the admin token and calls the admin API with it) and the API reference 
 /openapi.json).
 
 Each page is markup only; its script and style are files under web/, served at /assets/<name> from a
-fixed list, so the pages run under a CSP without 'unsafe-inline' (server.api.security_headers). No
+fixed list, so the pages run under a CSP without 'unsafe-inline' (server.api.response_headers). No
 page loads anything from another origin: servers and their users may be air-gapped.
 """
 from __future__ import annotations

@@ -104,7 +104,7 @@ def header_value(names: list[str]) -> str:
 
 class IgnoredFieldsHeader:
     """Adds X-Loraplex-Ignored-Fields to a response whose request had fields dropped (lenient mode).
-    Pure ASGI (see server.api.replica): streamed responses pass through unbuffered."""
+    Pure ASGI (see server.api.response_headers): streamed responses pass through unbuffered."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -26,7 +26,7 @@ def test_engine_samples_are_named_by_the_phase_of_step_they_were_in():
 
 def test_loop_and_worker_samples_are_named_by_the_deepest_api_file():
     loop = [SERVER, "thread (10): MainThread", "run (uvicorn/server.py:60)",
-            "dispatch (/repo/server/api/security_headers.py:20)", "tokenize (/repo/server/api/tokenize_routes.py:44)",
+            "dispatch (/repo/server/api/response_headers.py:20)", "tokenize (/repo/server/api/tokenize_routes.py:44)",
             "encode (tokenizers/__init__.py:1)"]
     assert category(loop) == "event loop: api/tokenize_routes.py"
     assert category(loop[:3]) == "event loop: framework (uvicorn, starlette, asyncio)"

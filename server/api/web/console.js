@@ -3,7 +3,7 @@
 // The admin token lives in this tab's sessionStorage: gone when the tab closes, never sent by the browser
 // on its own (so no cross-site request can use it, unlike a cookie), and readable only by script of
 // this origin, which the page's CSP limits to this server's own files (no inline script or handler,
-// Trusted Types for DOM sinks; server.api.security_headers). So every node here is built with
+// Trusted Types for DOM sinks; server.api.response_headers). So every node here is built with
 // createElement and textContent, never from markup.
 const KEY = "loraplex-admin-token";
 const QUOTA_FIELDS = ["requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_adapters",

@@ -1,4 +1,12 @@
-"""SecurityHeaders: the browser-facing hardening headers on every response.
+"""The headers every response carries, added by pure-ASGI wrappers around the whole app.
+
+Pure ASGI on purpose: each edits only the `http.response.start` message and passes every body
+message through as it comes, so SSE streams are never buffered (Starlette's BaseHTTPMiddleware
+would put each response through a memory stream). Starlette keeps its ServerErrorMiddleware
+outside all user middleware, so the one response without these headers is the 500 sent for an
+exception that no specific handler maps (that is, a bug).
+
+SecurityHeaders: the browser-facing hardening headers on every response.
 
 Every response says `X-Content-Type-Options: nosniff` (a JSON body, or a tenant's
 text echoed in one, is never run as script or rendered as HTML), may not be framed
@@ -12,8 +20,10 @@ sends no referrer. The Content-Security-Policy depends on what the response is:
   cannot hand a string to `innerHTML` or another DOM sink that parses markup.
 - anything else (JSON, SSE, Prometheus text): nothing at all may load or run.
 
-A route that sets its own policy keeps it. Pure ASGI for the reason given in
-server.api.replica: SSE streams pass through unbuffered.
+A route that sets its own policy keeps it.
+
+ReplicaHeader: names the replica on every response (`x-loraplex-replica`), so an operator
+behind a load balancer, and the cluster tests, can see which process answered.
 """
 from __future__ import annotations
 
@@ -50,3 +60,24 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_hardened)
+
+
+REPLICA_HEADER = "x-loraplex-replica"
+
+
+class ReplicaHeader:
+    def __init__(self, app: ASGIApp, replica: str) -> None:
+        self.app = app
+        self._header = (REPLICA_HEADER.encode("latin-1"), replica.encode("latin-1"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
