@@ -18,10 +18,9 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters.registry import AdapterRecord
 from server.api.adapter_references import resolve_adapter
-from server.api.admission import cancel_admission, keep_admission
-from server.api.compile_charge import charged_compile
 from server.api.constraints import Constraint
 from server.api.errors import APIError
+from server.api.quota import cancel_admission, charged_compile, keep_admission
 from server.api.state import ServerState
 from server.engine import SamplingParams
 from server.engine.protocol import EngineRequest, OutputStream, RequestOutput, TokenLogprobs

@@ -21,8 +21,8 @@ from server.api.engine_history import EngineHistory
 from server.api.fetch_flights import FetchFlights
 from server.api.metrics import Metrics
 from server.api.prompts import PromptTokenizer
+from server.api.quota import Settlements
 from server.api.redis_probe import RedisProbe
-from server.api.settlement import Settlements
 from server.config import ServerConfig
 from server.credentials import SOURCE_CREDENTIALS_KEY_FILE, load_or_create_key
 from server.demo import DemoPaths

@@ -1,4 +1,33 @@
-"""Settling requests in Redis (concurrency lease, token charge, usage): while they run, and when
+"""A generation request against its tenant's quota, from admission to settlement: the gate before its
+body is read, the cost of what it asks checked as a whole, the compile seconds of its constraint,
+and the settlement in Redis of its lease, token charge and usage.
+
+A request's admission in two steps: a gate before its body is read, then the charge of what it asks.
+
+Before a byte of the body is read, the tenant is authenticated and takes one request of its rate
+and one concurrency slot, charged 0 tokens: an over-quota tenant gets its 429 without its body
+being read or parsed, and no tenant has more bodies in flight than its concurrency limit. A
+generation hands the gate over once its body is parsed and its prompts are tokenized: each
+prompt is then admitted with its real token estimate (all or none, see openai_routes). A request
+refused at any point (a 4xx or a 429) is cancelled from the window: it counts in no per-minute
+window and is never billed; except a constraint whose compile failed or hit its deadline, which
+spent the server's CPU and stays counted as one request (`charged_compile`).
+
+What one generation request may cost, checked as a whole before any of it is admitted.
+
+A request is its prompts x n choices x max_tokens: the tenant's max_tokens_per_request and
+tokens_per_minute bound that total (a batch of 64 prompts with n 16 is 1,024 completions, not
+one), and the response's size is bounded by --max-logprob-entries, counted as OpenAI's
+response would carry them: per prompt, n x (max_tokens + the prompt's tokens when it is echoed
+or scored) x (the top alternatives + 1). All are refusals that waiting cannot fix: 400s.
+
+A request's constraint compiled at the tenant's cost: a new constraint is refused (429) once the
+tenant spent its --compile-seconds-per-minute, and the seconds a compile process spends on it are
+charged whether it compiles, fails or is killed at its deadline. A cached constraint is free.
+A failed compile's request also stays counted against requests_per_minute (server.api.generation):
+its CPU was spent, so a flood of deadline-hitting schemas is neither free nor unbounded.
+
+Settling requests in Redis (concurrency lease, token charge, usage): while they run, and when
 they end, with retries.
 
 While a request runs, a heartbeat thread of this replica beats every lease it holds (every lease
@@ -21,20 +50,165 @@ without limit (a lease left behind then expires on its own after the limiter's l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections import deque
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import anyio
 import redis
 from starlette.concurrency import run_in_threadpool
 
-from tenants import Admission, Limiter, RunUsage, Tenant, UsageLog
+from server.api.constraints import Constraint, compile_constraint
+from server.api.errors import APIError
+from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from tenants import Admission, Limiter, RequestTooLarge, RunUsage, Tenant, UsageLog, check_request_tokens
+
+if TYPE_CHECKING:  # server.api.state builds this module's Settlements, so it imports this module
+    from server.api.state import ServerState
 
 log = logging.getLogger(__name__)
+
+
+async def cancel_admission(state: ServerState, admission: Admission) -> None:
+    """Undo an admission as if it had never been granted (shielded: a disconnect must not skip it): its
+    lease is no longer beaten and nothing of it is recorded."""
+    state.settlements.discard(admission)
+    with anyio.CancelScope(shield=True):
+        try:
+            await run_in_threadpool(state.limiter.cancel, admission)
+        except redis.RedisError as e:
+            # The charge leaves the window and the lease expires on their own; nothing is billed.
+            log.warning("cancelling the admission of %s failed (%r)", admission.request_id, e)
+
+
+async def keep_admission(state: ServerState, admission: Admission) -> None:
+    """End an admission that stays counted in the window (one request, 0 tokens): a request that
+    succeeded as itself, or one refused after it cost the server work (a failed compile)."""
+    state.settlements.discard(admission)
+    with anyio.CancelScope(shield=True):
+        try:
+            await run_in_threadpool(state.limiter.release, admission, 0)
+        except redis.RedisError as e:
+            log.warning("releasing the admission of %s failed (%r); its lease will expire",
+                        admission.request_id, e)
+
+
+class Gate:
+    """One request of the tenant's rate and one concurrency slot, held while the body is read."""
+
+    def __init__(self, state: ServerState, admission: Admission) -> None:
+        self._state = state
+        self._admission = admission
+        self._open = True
+
+    async def hand_over(self) -> None:
+        """Give the slot back before the request's own admissions take theirs (idempotent)."""
+        if self._open:
+            self._open = False
+            await cancel_admission(self._state, self._admission)
+
+    async def finish(self) -> None:
+        """The request succeeded as itself (tokenize, detokenize): it stays counted in the window."""
+        if self._open:
+            self._open = False
+            await keep_admission(self._state, self._admission)
+
+
+@contextlib.asynccontextmanager
+async def gated(state: ServerState, tenant: Tenant) -> AsyncIterator[Gate]:
+    """Admit the tenant's request before its body is read; cancelled if the block raises
+    (the request was refused), kept in the window if it ends normally."""
+    admission = await run_in_threadpool(state.limiter.admit, tenant, "gate-" + uuid.uuid4().hex, 0)
+    gate = Gate(state, admission)
+    try:
+        yield gate
+    except BaseException:
+        await gate.hand_over()
+        raise
+    await gate.finish()
+
+
+def _top(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Alternatives per returned position; None when the response carries no logprobs."""
+    if isinstance(req, CompletionRequest):
+        asked = [v for v in (req.logprobs, req.prompt_logprobs) if v is not None]
+    else:
+        asked = [v for v in ((req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs)
+                 if v is not None]
+    return max(asked) if asked else None
+
+
+def logprob_entries(req: CompletionRequest | ChatCompletionRequest, prompt_lens: Sequence[int],
+                    max_tokens: Sequence[int]) -> int:
+    """Positions x (alternatives + 1) the response may carry; echoed prompts count as positions.
+    0 for a response with neither logprobs nor an echo."""
+    top = _top(req)
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if top is None and not echo:
+        return 0
+    with_prompt = echo or req.prompt_logprobs is not None
+    return sum(req.n * (m + (p if with_prompt else 0)) * ((top or 0) + 1) for p, m in zip(prompt_lens, max_tokens))
+
+
+def _completion_tokens(prompts: int, n: int) -> str:
+    return f"the request's completion tokens (prompts {prompts} x n {n} x max_tokens)"
+
+
+def check_completion_cap(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant, prompts: int) -> None:
+    """The tenant's max_tokens_per_request before any prompt is tokenized, where the total does not
+    depend on the prompts (a completion with max_tokens): a batch past the cap costs the server no
+    tokenizing (64 prompts of text: 64 tokenizer calls, each a worker-thread hop). check_request_cost
+    checks every request again once its prompts are known."""
+    if isinstance(req, CompletionRequest) and req.max_tokens is not None:
+        check_request_tokens(tenant, prompts * req.n * req.max_tokens, _completion_tokens(prompts, req.n))
+
+
+def check_request_cost(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant, prompt_lens: Sequence[int],
+                       max_tokens: Sequence[int], max_logprob_entries: int) -> None:
+    """400 for a request that can never be served within the tenant's per-request and per-minute
+    token limits or the server's response budget."""
+    completion = sum(req.n * m for m in max_tokens)
+    check_request_tokens(tenant, completion, _completion_tokens(len(prompt_lens), req.n))
+    tpm = tenant.quota.tokens_per_minute
+    total = sum(prompt_lens) + completion
+    if tpm is not None and total > tpm:
+        raise RequestTooLarge(
+            f"this request may use up to {total} tokens (its prompts' {sum(prompt_lens)} plus prompts x n x "
+            f"max_tokens = {completion}), more than the tenant's tokens_per_minute of {tpm}; "
+            f"send fewer prompts, a smaller n or max_tokens", "tokens_per_minute")
+    entries = logprob_entries(req, prompt_lens, max_tokens)
+    if entries > max_logprob_entries:
+        raise APIError(400, f"this request may return up to {entries} logprob entries (prompts x n x (max_tokens "
+                            f"+ prompt tokens when echoed or with prompt_logprobs) x (logprobs + 1)); the server's "
+                            f"limit is {max_logprob_entries} (--max-logprob-entries): send fewer prompts, a smaller "
+                            f"n, max_tokens or logprobs", "max_logprob_entries", param="logprobs")
+
+
+async def charged_compile(state: ServerState, tenant: Tenant, constraint: Constraint):
+    compiler = state.grammar_compiler
+    cached = compiler.grammars.lookup(constraint.spec)
+    if cached is not None:
+        return cached
+    limit = state.config.compile_seconds_per_minute
+    if limit:
+        await run_in_threadpool(state.compile_budget.check, tenant, limit)
+    spent: list[float] = []
+    try:
+        return await compile_constraint(compiler, constraint, tenant.id, spent.append)
+    finally:
+        if spent:
+            with anyio.CancelScope(shield=True):  # a client that leaves was charged all the same
+                try:
+                    await run_in_threadpool(state.compile_budget.charge, tenant.id, sum(spent))
+                except redis.RedisError as e:
+                    log.warning("charging tenant %r %.2f s of compiles failed (%r)", tenant.name, sum(spent), e)
+
 
 MAX_PENDING = 100_000
 MAX_AGE_SECONDS = 3600.0
