@@ -17,11 +17,10 @@ from server.api.adapter_references import register_reference, unregister
 from server.api.adapter_requests import AdapterByReference
 from server.api.auth import require_tenant, state_of
 from server.api.base_identity import declared_base_problem, listed
-from server.api.body import read_json_object
+from server.api.body import parse_model, read_json_object
 from server.api.errors import APIError
 from server.api.state import ServerState
 from server.api.upload import FORM_OVERHEAD_BYTES, read_adapter_upload
-from server.api.validation import parse_model
 from tenants import Tenant
 
 

@@ -9,10 +9,9 @@ from starlette.routing import Route
 from server.api.admin_models import QuotaFields, TenantCreate, TenantPatch
 from server.api.admin_views import require_admin_tenant
 from server.api.auth import require_admin, state_of
-from server.api.body import read_json_object
+from server.api.body import parse_model, read_json_object
 from server.api.errors import APIError, not_found
 from server.api.housekeeping import purge_tenant
-from server.api.validation import parse_model
 from tenants import Quota, validate_tenant_name
 
 

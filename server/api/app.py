@@ -14,11 +14,11 @@ from server.api import (adapter_routes, admin_adapter_routes, admin_routes, admi
                         openai_routes, openapi, ops_routes, pages, shared_adapter_routes, source_credential_routes,
                         tokenize_routes)
 from server.api.auth import AdminAuthThrottle
+from server.api.body import IgnoredFieldsHeader
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.engine_watch import exit_when_engine_dies
 from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
-from server.api.request_fields import IgnoredFieldsHeader
 from server.api.response_headers import ReplicaHeader, SecurityHeaders
 from server.api.state import ServerState
 from server.config import ServerConfig

@@ -1,4 +1,6 @@
-"""Reading a JSON request body an attacker controls: bounded before it is parsed.
+"""Reading a request body an attacker controls, from bytes to a validated pydantic model: bounded
+before it is parsed, its top-level fields screened (every one honoured or refused, never ignored),
+and its validation errors turned into OpenAI-shaped 400s.
 
 The body's size is capped while it streams in (Content-Length first, then a
 running count), so an oversized body is refused before it is buffered. The
@@ -15,6 +17,23 @@ body's token ids are at most `--max-batch-prompts` x `max_model_len`), so 16 MB
 of token ids is a 400 in milliseconds, not 8 million ints built and then
 refused. A large body is scanned and parsed on a worker thread, never on the
 event loop.
+
+Which top-level fields of a request body are read: OpenAI refuses an unrecognised request
+argument with a 400; so does loraplex, naming it in `param`. vLLM instead ignores unknown fields
+(with a warning in its own log); an operator whose clients rely on that starts the server with
+`--lenient-request-fields`: the OpenAI-compatible endpoints then drop unknown
+fields and name them in the `X-Loraplex-Ignored-Fields` response header, so the
+caller still learns what was not read.
+
+Fields by which other servers select an adapter (vLLM's offline `lora_request`,
+TGI's and LoRAX's `parameters.adapter_id`, SGLang's `lora_path`, ...) are refused
+in either mode: ignoring one answers with the base model in the adapter's place,
+a wrong answer that looks right. LoRAX's top-level `adapter_id` is read
+(server.api.adapter_references).
+
+Pydantic validation errors as OpenAI-shaped API errors: every one is a 400 whose `param`
+names the field at fault (OpenAI's and vLLM's status), and whose message says what is wrong:
+a missing field, a value of the wrong type, out of range, or a known field we cannot honour.
 """
 from __future__ import annotations
 
@@ -23,10 +42,13 @@ from collections.abc import Callable
 from json.decoder import scanstring
 from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import APIError
+from server.api.openai_requests import Unsupported
 
 # Far deeper than any OpenAI request (chat content parts sit at depth 4) and far
 # below the C parser's recursion limit, so a hostile body never recurses far.
@@ -182,3 +204,184 @@ async def read_json_as(request: Request, build: Callable[[dict], T], max_values:
     if len(raw) <= INLINE_PARSE_BYTES:
         return build(parse_json_object(raw, max_values))
     return await run_in_threadpool(lambda: build(parse_json_object(raw, max_values)))
+
+
+IGNORED_FIELDS_HEADER = "X-Loraplex-Ignored-Fields"
+_SCOPE_KEY = "loraplex.ignored_fields"
+# Adapter selectors of other servers -> where they come from (the message says so).
+FOREIGN_ADAPTER_SELECTORS = {
+    "lora_request": "vLLM's offline API",
+    "lora_name": "vLLM's adapter endpoints",
+    "lora_int_id": "vLLM's adapter endpoints",
+    "lora_path": "SGLang",
+    "lora_id": "other servers",
+    "lora": "other servers",
+    "loras": "other servers",
+    "adapter": "other servers",
+    "adapters": "other servers",
+    "adapter_name": "other servers",
+    "adapter_ids": "LoRAX's merged adapters",
+    "merged_adapters": "LoRAX",
+    "parameters": "TGI's and LoRAX's /generate body",
+}
+MAX_NAMED = 8  # unknown fields named in one message or header; a hostile body may send thousands
+
+
+def known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(f.alias or name for name, f in model.model_fields.items())
+
+
+def _quoted(names: list[str]) -> str:
+    shown = ", ".join(repr(n[:64]) for n in names[:MAX_NAMED])
+    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
+
+
+def _refuse_foreign_selector(body: dict, known: frozenset[str]) -> None:
+    for name, origin in FOREIGN_ADAPTER_SELECTORS.items():
+        if name in body and name not in known:
+            param = name
+            if name == "parameters" and isinstance(body[name], dict) and "adapter_id" in body[name]:
+                param = "parameters.adapter_id"
+            raise APIError(400, f"'{param}' selects an adapter as {origin} does; loraplex does not read it, and "
+                                f"the base model answering in the adapter's place would be a wrong answer: "
+                                f"name the adapter in 'model' (or send LoRAX's top-level 'adapter_id' with the "
+                                f"base model)", "unsupported_adapter_selector", param=param)
+
+
+def screen_fields(model: type[BaseModel], body: dict, lenient: bool) -> tuple[dict, list[str]]:
+    """`body` with only the fields `model` reads, and the names of those dropped (lenient only).
+
+    Strict (the default): any unknown field is a 400 naming it. Either way, another server's adapter
+    selector is a 400."""
+    known = known_fields(model)
+    _refuse_foreign_selector(body, known)
+    unknown = [name for name in body if name not in known]
+    if not unknown:
+        return body, []
+    if not lenient:
+        raise APIError(400, f"unrecognized request argument(s) supplied: {_quoted(unknown)}; loraplex refuses "
+                            f"what it does not read (the README lists every parameter; an operator can start "
+                            f"the server with --lenient-request-fields to ignore them instead)",
+                       "unknown_field", param=unknown[0][:64])
+    return {k: v for k, v in body.items() if k in known}, unknown
+
+
+def lenient_scope(request: Request) -> Scope | None:
+    """The request's scope where this server ignores unknown fields (parse_model records them there)."""
+    return request.scope if request.app.state.lp.config.lenient_request_fields else None
+
+
+def note_ignored(scope: Scope, names: list[str]) -> None:
+    """Record fields a lenient server dropped, for IgnoredFieldsHeader to report."""
+    if names:
+        scope[_SCOPE_KEY] = names
+
+
+def _header_safe(name: str) -> str:
+    """A field name as printable ASCII without commas (it is client text, and headers carry no controls)."""
+    return "".join(c if " " <= c <= "~" and c != "," else f"\\u{ord(c):04x}" for c in name[:64])
+
+
+def header_value(names: list[str]) -> str:
+    shown = ", ".join(_header_safe(n) for n in names[:MAX_NAMED])
+    return shown + (f", (+{len(names) - MAX_NAMED} more)" if len(names) > MAX_NAMED else "")
+
+
+class IgnoredFieldsHeader:
+    """Adds X-Loraplex-Ignored-Fields to a response whose request had fields dropped (lenient mode).
+    Pure ASGI (see server.api.response_headers): streamed responses pass through unbuffered."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_noted(message: Message) -> None:
+            names = scope.get(_SCOPE_KEY)
+            if message["type"] == "http.response.start" and names:
+                value = header_value(names).encode("ascii")
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (IGNORED_FIELDS_HEADER.lower().encode("ascii"), value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_noted)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+# pydantic error types that mean "well-typed but out of range"; the rest say the value is misshapen.
+_RANGE_ERRORS = frozenset((
+    "greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of", "finite_number",
+    "too_long", "too_short", "string_too_short", "string_too_long", "value_error", "literal_error",
+    "enum", "int_from_float", "union_tag_invalid",
+))
+
+
+# How pydantic names a union's member in an error's location (not a field of the body).
+_MEMBER_NAMES = frozenset(("str", "int", "float", "bool", "bytes", "none"))
+
+
+def _location(loc: tuple) -> str:
+    out, after_tagged_union = "", False
+    for part in loc:
+        text = str(part)
+        member = after_tagged_union or text in _MEMBER_NAMES or "[" in text or text.startswith(
+            ("function-", "constrained-", "lax-or-strict", "json-or-python"))
+        # A tagged union's member is named by its tag (a discriminator value) right after it.
+        after_tagged_union = text.startswith("tagged-union[")
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not member:
+            out += ("." if out else "") + text
+    return out or "body"
+
+
+def _message(err: dict, where: str) -> str:
+    if err["type"] == "too_short" and err.get("ctx", {}).get("actual_length") == 0:
+        return f"'{where}' is empty; it needs at least {err['ctx']['min_length']} item(s)"
+    if err["type"] == "extra_forbidden":
+        return f"'{where}' is not a field loraplex reads (unknown fields are refused, never ignored)"
+    if err["type"] == "missing":
+        return f"'{where}' is required"
+    return f"'{where}': {err['msg']}"
+
+
+def _error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False, include_input=False)
+    # A union reports one error per member: a value of the right type for some member that broke
+    # that member's constraints is out of range, not misshapen.
+    ranged = [err for err in errors if err["type"] in _RANGE_ERRORS]
+    first = ranged[0] if ranged and not any(err["type"] == "missing" for err in errors) else errors[0]
+    where = _location(first["loc"])
+    code = "invalid_value" if first in ranged else "invalid_field"
+    return APIError(400, _message(first, where), code, param=None if where == "body" else where)
+
+
+def parse_model(cls: type[M], body: dict, lenient_scope: Scope | None = None) -> M:
+    """Validate `body` into `cls`, then refuse what it cannot honour (`refuse_unsupported`).
+
+    An unknown top-level field is a 400 naming it, unless `lenient_scope` is given (the server runs with
+    --lenient-request-fields): it is then dropped and named in that request's response header."""
+    body, ignored = screen_fields(cls, body, lenient_scope is not None)
+    if lenient_scope is not None:
+        note_ignored(lenient_scope, ignored)
+    try:
+        model = cls.model_validate(body)
+    except ValidationError as e:
+        raise _error(e) from None
+    refuse = getattr(model, "refuse_unsupported", None)
+    if refuse is not None:
+        try:
+            refuse()
+        except Unsupported as e:
+            raise APIError(400, str(e), "unsupported", param=e.field) from None
+    return model
+
+
+async def read_model(request: Request, cls: type[M], max_values: int = BASE_VALUES,
+                     lenient_scope: Scope | None = None) -> M:
+    """The body read, parsed and validated into `cls` (parse_model): a large one all on a worker thread."""
+    return await read_json_as(request, lambda body: parse_model(cls, body, lenient_scope), max_values)

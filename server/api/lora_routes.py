@@ -13,9 +13,8 @@ from starlette.routing import Route
 from server.api.adapter_references import register_reference, unregister
 from server.api.adapter_requests import LoadLoraAdapter, UnloadLoraAdapter
 from server.api.auth import require_tenant, state_of
-from server.api.body import read_json_object
+from server.api.body import parse_model, read_json_object
 from server.api.errors import APIError
-from server.api.validation import parse_model
 
 
 async def _refuse_shared(state, tenant, name: str) -> None:

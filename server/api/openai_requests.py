@@ -2,7 +2,7 @@
 
 Constraints live in the models (ranges, lengths, enums) and are published in
 /openapi.json. Every top-level field is declared: an unknown one is refused with a
-400 naming it (server.api.request_fields; the operator's --lenient-request-fields
+400 naming it (server.api.body; the operator's --lenient-request-fields
 drops it and says so in a response header). Fields OpenAI clients send that change
 nothing here (`user`, `metadata`, `service_tier` "auto" or "default") are accepted
 as they are; fields we know and cannot honour are refused with a 400 naming them

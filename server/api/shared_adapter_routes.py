@@ -10,10 +10,9 @@ from starlette.routing import Route
 from adapters.sharing import ALL, OPERATOR_OWNER
 from server.api.adapter_requests import SharedAdapterSharing
 from server.api.auth import require_admin, state_of
-from server.api.body import read_json_object
+from server.api.body import parse_model, read_json_object
 from server.api.errors import APIError, not_found
 from server.api.state import ServerState
-from server.api.validation import parse_model
 
 
 def _describe(state: ServerState, name: str, sharing, names_by_id: dict[str, str]) -> dict:

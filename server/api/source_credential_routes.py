@@ -20,9 +20,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.api.auth import require_tenant, state_of
-from server.api.body import read_json_object
+from server.api.body import parse_model, read_json_object
 from server.api.errors import APIError
-from server.api.validation import parse_model
 from tenants.errors import CredentialError
 from tenants.source_credentials import MAX_SECRET_CHARS, MAX_SESSION_TOKEN_CHARS, KINDS, S3Credentials
 
