@@ -18,8 +18,8 @@ from starlette.concurrency import run_in_threadpool
 
 from adapters.registry import AdapterRecord
 from server.api.adapter_references import resolve_adapter
-from server.api.constraints import Constraint
 from server.api.errors import APIError
+from server.api.openai_requests import Constraint
 from server.api.quota import cancel_admission, charged_compile, keep_admission
 from server.api.state import ServerState
 from server.engine import SamplingParams

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+"""Requests of the OpenAI-compatible endpoints: their bodies as pydantic models, and what the engine
+is asked from them (SamplingParams, the structured-output constraint).
 
 Constraints live in the models (ranges, lengths, enums) and are published in
 /openapi.json. Every top-level field is declared: an unknown one is refused with a
@@ -7,15 +8,31 @@ drops it and says so in a response header). Fields OpenAI clients send that chan
 nothing here (`user`, `metadata`, `service_tier` "auto" or "default") are accepted
 as they are; fields we know and cannot honour are refused with a 400 naming them
 (`Unsupported`), never accepted and silently ignored.
+
+From a validated OpenAI request to the engine's SamplingParams: defaults, caps and the
+translations between the two vocabularies (OpenAI's top_k -1, logprobs as a count or a flag).
+
+A request's structured-output constraint, from any of the ways clients ask for one:
+OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs`
+object, or its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
+At most one way per request; the constraint is bounded (--max-schema-bytes) here,
+before anything compiles it.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, field_validator, model_validator
+from starlette.concurrency import run_in_threadpool
 
+from server.api.errors import APIError
 from server.api.tool_requests import (AssistantToolCalls, NamedToolChoice, ToolCallId, ToolChoiceField, Tools,
                                       parse_tool_choice)
+from server.engine import SamplingParams, StructuredOutputsParams
+from server.engine.grammar import GrammarError
+from server.engine.grammar_worker import GrammarCompileService, GrammarCompilerBusy, GrammarTimeout
+from tenants import Tenant
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -97,7 +114,7 @@ class SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # Structured output (server.api.constraints reads and bounds them): vLLM's fields.
+    # Structured output (server.api.openai_requests reads and bounds them): vLLM's fields.
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -331,3 +348,149 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: ModelId
     tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def max_tokens_for(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant, prompt_len: int,
+                   max_model_len: int) -> int:
+    """The completion's token limit: as asked, else the endpoint's default (chat: the rest of the
+    context, within the tenant's own caps, shared by the n choices of the token budget)."""
+    if isinstance(req, CompletionRequest):
+        return req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    if req.completion_limit is not None:
+        return req.completion_limit
+    room = max_model_len - prompt_len
+    q = tenant.quota
+    if q.max_tokens_per_request is not None:
+        room = min(room, q.max_tokens_per_request // req.n)  # the cap bounds all n choices together
+    if q.tokens_per_minute is not None:
+        room = min(room, (q.tokens_per_minute - prompt_len) // req.n)
+    return max(1, room)
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, vocab_size: int,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    try:
+        bias = req.token_bias()
+    except Unsupported as e:
+        raise APIError(400, str(e), "invalid_value", param=e.field) from None
+    if bias and max(bias) >= vocab_size:
+        raise APIError(400, f"'logit_bias' names token {max(bias)}, outside the vocabulary of {vocab_size}",
+                       "invalid_value", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        logprobs = req.logprobs
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        if req.echo and max_tokens == 0 and prompt_logprobs is None:
+            # vLLM's echo with max_tokens 0: the prompt comes back as the text. The engine runs such a
+            # request only as scoring, so it scores the prompt (no alternatives); nothing of it is returned.
+            prompt_logprobs = 0
+    else:
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = req.prompt_logprobs
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=max(0, req.top_k), min_p=req.min_p, seed=req.seed, stop=req.stop_strings,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, n=req.n,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, logit_bias=bias,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
+    except ValueError as e:
+        # SamplingParams' messages begin with the field's name.
+        raise APIError(400, str(e), "invalid_value", param=str(e).split(" ", 1)[0]) from None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
+class Constraint(NamedTuple):
+    spec: StructuredOutputsParams
+    param: str  # the request field it came from, named in any error about it
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"'{param}': {message}", "invalid_value", param=param)
+
+
+def _from_response_format(fmt: dict) -> StructuredOutputsParams | None:
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise _bad("response_format.type", f"must be one of text, json_object, json_schema; got {kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format.json_schema", "must be an object with 'name' and 'schema'")
+    unknown = sorted(set(spec) - set(_JSON_SCHEMA_KEYS))
+    if unknown:
+        raise _bad(f"response_format.json_schema.{unknown[0]}", "is not a json_schema field")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _bad("response_format.json_schema.schema", "must be a JSON schema object")
+    # `strict` false is honoured as true: the output always follows the schema (as vLLM does).
+    return StructuredOutputsParams(json=schema)
+
+
+def _from_structured_outputs(obj) -> StructuredOutputsParams:
+    if not isinstance(obj, dict):
+        raise _bad("structured_outputs", "must be an object")
+    unknown = sorted(set(obj) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise _bad(f"structured_outputs.{unknown[0]}", f"is not supported (supported: {', '.join(_STRUCTURED_KEYS)})")
+    return StructuredOutputsParams(**{k: obj[k] for k in _STRUCTURED_KEYS if k in obj})
+
+
+def constraint_of(req: CompletionRequest | ChatCompletionRequest, max_schema_bytes: int) -> Constraint | None:
+    """The request's one constraint, or None; a 400 naming the field when it is malformed, when a
+    request asks in two ways at once, or when it is larger than --max-schema-bytes."""
+    found: list[Constraint] = []
+    try:
+        if req.response_format is not None:
+            spec = _from_response_format(req.response_format)
+            if spec is not None:
+                found.append(Constraint(spec, "response_format"))
+        if req.structured_outputs is not None:
+            found.append(Constraint(_from_structured_outputs(req.structured_outputs), "structured_outputs"))
+        for field, kind in _GUIDED.items():
+            value = getattr(req, field)
+            if value is not None:
+                found.append(Constraint(StructuredOutputsParams(**{kind: value}), field))
+    except (ValueError, TypeError) as e:
+        param = next((f for f in ("structured_outputs", *_GUIDED) if getattr(req, f) is not None),
+                     "response_format")
+        raise _bad(param, str(e)) from None
+    if not found:
+        return None
+    if len(found) > 1:
+        # vLLM's wording for the same mistake.
+        raise _bad(found[1].param, "You can only use one kind of structured outputs constraint but multiple "
+                                   f"are specified: {[c.param for c in found]}")
+    constraint = found[0]
+    size = constraint.spec.schema_bytes
+    if size > max_schema_bytes:
+        raise _bad(constraint.param, f"the constraint is {size} bytes, over the limit of {max_schema_bytes} "
+                                     "bytes (--max-schema-bytes)")
+    return constraint
+
+
+async def compile_constraint(compiler: GrammarCompileService, constraint: Constraint, owner: str = "",
+                             spent: Callable[[float], None] | None = None):
+    """The compiled grammar, compiled in a child process under --max-grammar-compile-ms (or from
+    the cache); the caller holds the tenant's admission, so compiles count against its concurrency.
+    `owner`, `spent`: GrammarCompileService.compile's."""
+    try:
+        return await run_in_threadpool(compiler.compile, constraint.spec, owner, spent)
+    except GrammarTimeout as e:
+        raise _bad(constraint.param, f"{e} (--max-grammar-compile-ms); simplify it") from None
+    except GrammarCompilerBusy as e:
+        raise APIError(503, f"{e}; retry shortly", "grammar_compiler_busy", {"Retry-After": "1"}) from None
+    except GrammarError as e:
+        raise _bad(constraint.param, str(e)) from None

@@ -15,13 +15,12 @@ from server.api.adapter_references import resolve_lorax_adapter
 from server.api.auth import require_tenant, state_of
 from server.api.base_identity import unavailable_reason
 from server.api.body import BASE_VALUES, lenient_scope, read_model
-from server.api.constraints import constraint_of
+from server.api.openai_requests import (ChatCompletionRequest, CompletionRequest, constraint_of,
+                                        max_tokens_for, sampling_params)
 from server.api.errors import APIError
 from server.api.generation import Generation, resolve_model
-from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from server.api.quota import check_completion_cap, check_request_cost, gated
 from server.api.renderers import ChatRenderer, CompletionRenderer
-from server.api.sampling import max_tokens_for, sampling_params
 from server.api.sse import SSEResponse, until_disconnect
 from server.api.state import ServerState
 from server.api.tool_calls import ToolPlan, chat_inputs, plan_tools, request_constraint

@@ -64,9 +64,8 @@ import anyio
 import redis
 from starlette.concurrency import run_in_threadpool
 
-from server.api.constraints import Constraint, compile_constraint
 from server.api.errors import APIError
-from server.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from server.api.openai_requests import ChatCompletionRequest, CompletionRequest, Constraint, compile_constraint
 from tenants import Admission, Limiter, RequestTooLarge, RunUsage, Tenant, UsageLog, check_request_tokens
 
 if TYPE_CHECKING:  # server.api.state builds this module's Settlements, so it imports this module

@@ -22,9 +22,8 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from server.api.constraints import Constraint, constraint_of
 from server.api.errors import APIError
-from server.api.openai_requests import ChatCompletionRequest
+from server.api.openai_requests import ChatCompletionRequest, Constraint, constraint_of
 from server.api.tool_call_tags import strict_call_tag
 from server.api.tool_parsers import (FAMILY_PARSERS, ForcedArgumentsParser, ForcedArrayParser, Parsed,
                                      ToolOutputParser)
