@@ -18,10 +18,9 @@ from server.api.body import BASE_VALUES, lenient_scope, read_model
 from server.api.openai_requests import (ChatCompletionRequest, CompletionRequest, constraint_of,
                                         max_tokens_for, sampling_params)
 from server.api.errors import APIError
-from server.api.generation import Generation, resolve_model
+from server.api.generation import (ChatRenderer, CompletionRenderer, Generation, SSEResponse, resolve_model,
+                                   until_disconnect)
 from server.api.quota import check_completion_cap, check_request_cost, gated
-from server.api.renderers import ChatRenderer, CompletionRenderer
-from server.api.sse import SSEResponse, until_disconnect
 from server.api.state import ServerState
 from server.api.tool_calls import ToolPlan, chat_inputs, plan_tools, request_constraint
 from tenants import Tenant
