@@ -6,9 +6,8 @@ from tenants.auth_throttle import AuthThrottle
 from tenants.errors import (QuotaError, QuotaExceeded, RequestTooLarge, TenantConcurrentChange,
                             TenantError, TenantExists, TenantIdError, TenantNameError,
                             TenantNotFound)
-from tenants.keyspace import Keyspace
 from tenants.limits import Admission, Limiter, check_request_tokens
-from tenants.models import Quota, Tenant, validate_tenant_id, validate_tenant_name
+from tenants.models import Keyspace, Quota, Tenant, validate_tenant_id, validate_tenant_name
 from tenants.refusals import REASONS as REFUSAL_REASONS
 from tenants.refusals import RefusalLog
 from tenants.store import TenantStore

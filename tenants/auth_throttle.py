@@ -23,7 +23,7 @@ import math
 
 import redis
 
-from tenants.keyspace import Keyspace
+from tenants.models import Keyspace
 
 # KEYS: a counter. ARGV: limit. The milliseconds its window still runs while the counter is at
 # the limit or above, else 0.

@@ -12,8 +12,7 @@ import math
 import redis
 
 from tenants.errors import QuotaExceeded
-from tenants.keyspace import Keyspace, as_str
-from tenants.models import Tenant
+from tenants.models import Keyspace, Tenant, as_str
 
 LIMIT_NAME = "compile_seconds_per_minute"
 

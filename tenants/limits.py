@@ -27,8 +27,7 @@ import redis
 
 from tenants import limits_lua
 from tenants.errors import QuotaExceeded, RequestTooLarge
-from tenants.keyspace import Keyspace, as_str
-from tenants.models import Tenant
+from tenants.models import Keyspace, Tenant, as_str
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable
 import redis
 
 from tenants.errors import TenantConcurrentChange
-from tenants.keyspace import Keyspace, as_str
-from tenants.models import TENANT_NAME_RE, Tenant
+from tenants.models import Keyspace, TENANT_NAME_RE, Tenant, as_str
 
 _DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 _ATTEMPTS = 3

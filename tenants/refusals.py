@@ -12,8 +12,7 @@ from typing import Any
 
 import redis
 
-from tenants.keyspace import Keyspace, as_str
-from tenants.models import Tenant
+from tenants.models import Keyspace, Tenant, as_str
 
 # The rate limits a 429 names (tenants.limits, tenants.compile_budget), then one reason per kind of refusal.
 REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "compile_seconds_per_minute",

@@ -26,7 +26,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tenants.errors import CredentialError
-from tenants.keyspace import Keyspace, as_str
+from tenants.models import Keyspace, as_str
 
 KEY_BYTES = 32
 _NONCE_BYTES = 12

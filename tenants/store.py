@@ -20,9 +20,8 @@ import redis
 from tenants import store_lua
 from tenants.errors import TenantConcurrentChange, TenantExists, TenantNotFound
 from tenants.keys import generate_key, parse_key, verify_secret
-from tenants.keyspace import Keyspace, as_str
 from tenants.migration import LegacyKeyMigration
-from tenants.models import Quota, Tenant, new_tenant_id, validate_tenant_id, validate_tenant_name
+from tenants.models import Keyspace, Quota, Tenant, as_str, new_tenant_id, validate_tenant_id, validate_tenant_name
 
 # How often an operation re-reads a tenant that was deleted and recreated
 # under the same name between its read and its atomic write.

@@ -10,8 +10,7 @@ from typing import Any
 
 import redis
 
-from tenants.keyspace import Keyspace, as_str
-from tenants.models import Tenant
+from tenants.models import Keyspace, Tenant, as_str
 
 _COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
 # Per-adapter counters live in the same day hash as "a:<adapter name>:<counter>"; the base model's
