@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api.errors import APIError
 from server.api.state import ServerState
 from tenants import Tenant
-from tenants.keys import parse_key
+from tenants.store import parse_key
 
 log = logging.getLogger(__name__)
 
