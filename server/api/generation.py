@@ -44,6 +44,7 @@ from server.engine import SamplingParams
 from server.engine.protocol import EngineRequest, OutputStream, RequestOutput, TokenLogprobs
 from tenants import Admission, Tenant
 
+
 @dataclass(frozen=True)
 class Delta:
     index: int                          # the choice, within this prompt's n
