@@ -2,11 +2,10 @@
 
 Imports nothing from server/. Every Redis key lives under a prefix ("lp:" by default).
 """
-from tenants.auth_throttle import AuthThrottle
 from tenants.errors import (QuotaError, QuotaExceeded, RequestTooLarge, TenantConcurrentChange,
                             TenantError, TenantExists, TenantIdError, TenantNameError,
                             TenantNotFound)
-from tenants.limits import Admission, Limiter, check_request_tokens
+from tenants.limits import Admission, AuthThrottle, Limiter, check_request_tokens
 from tenants.models import Keyspace, Quota, Tenant, validate_tenant_id, validate_tenant_name
 from tenants.refusals import REASONS as REFUSAL_REASONS
 from tenants.refusals import RefusalLog

@@ -1,4 +1,8 @@
-"""Limiter: requests/tokens per minute and concurrent requests per tenant,
+"""The rate limits kept in Redis, each shared by every replica that shares the Redis: a tenant's
+requests, tokens and concurrent requests (Limiter), its grammar compile seconds (CompileBudget),
+and failed authentications per client address and key id (AuthThrottle).
+
+Limiter: requests/tokens per minute and concurrent requests per tenant,
 enforced atomically in Redis (see limits_lua.py for the data layout).
 
 Time: `now=None` (the normal case) uses Redis's clock inside the script, so
@@ -13,9 +17,36 @@ after its last beat, when any process's admit purges them (atomically, in the ad
 Token charges: admit() charges an estimate (prompt + max completion tokens);
 release() corrects it to the actual count while the charge is still inside the
 window. A request that outlives the window keeps its estimate as charged.
+
+CompileBudget: the seconds of grammar compile processes each tenant spent in the rate window,
+in Redis (one budget across every process sharing it). A compile costs its process's time whether
+it succeeds, fails or is killed at its deadline, so each is charged; past the budget a tenant's
+new constraints are refused (429, Retry-After the window's end) while its cached ones still serve.
+
+The window is fixed, opened by the tenant's first charge and lasting `window_seconds` (the key's
+expiry), so an idle tenant holds no key.
+
+AuthThrottle: failed authentications counted in Redis, per client address and per key id, so
+every replica sharing the Redis throttles one attacker together.
+
+Two counters, fixed windows (INCR, and EXPIRE when the window opens): a key's traffic is small,
+and a window that resets at once is good enough to stop a guessing loop. Past `limit` failures in
+a window:
+
+- an **address** is refused before its key is even checked (429 until the window ends): that
+  address can no longer guess at all. A legitimate client elsewhere is unaffected; one behind
+  the same address (NAT) waits with it.
+- a **key id** answers its failing attempts 429 instead of 401, while the right secret still
+  authenticates (the secret is checked first, in constant time): an attacker who knows a key id
+  cannot lock its owner out. It does not stop a guesser spread over many addresses (nothing that
+  spares the owner could); the secret's 256 random bits do that. It turns the flood into 429s the
+  operator sees, and the per-address limit stops any one source.
+
+IPv6 addresses count per /64, the block a single host is usually given.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import secrets
@@ -160,3 +191,105 @@ class Limiter:
             args=["" if now is None else repr(float(now)), repr(self.window_seconds)])
         return {"window_seconds": self.window_seconds, "requests_in_window": int(nreq),
                 "tokens_in_window": int(used), "concurrent_requests": int(nconc)}
+
+
+LIMIT_NAME = "compile_seconds_per_minute"
+
+
+class CompileBudget:
+    def __init__(self, client: redis.Redis, prefix: str, window_seconds: float) -> None:
+        assert window_seconds > 0
+        self._r = client
+        self._ks = Keyspace(prefix)
+        self._window_ms = max(1, int(window_seconds * 1000))
+
+    def check(self, tenant: Tenant, limit_seconds: float) -> None:
+        """QuotaExceeded when the tenant spent `limit_seconds` or more in its current window."""
+        key = self._ks.compile_seconds(tenant.id)
+        with self._r.pipeline(transaction=False) as p:
+            spent, ttl_ms = p.get(key).pttl(key).execute()
+        if spent is None or float(as_str(spent)) < limit_seconds:
+            return
+        retry_after = max(1, math.ceil((ttl_ms if ttl_ms > 0 else self._window_ms) / 1000))
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} spent its {LIMIT_NAME} of {limit_seconds:g} s compiling constraints "
+            f"(--compile-seconds-per-minute); cached constraints still serve; retry after {retry_after} s",
+            retry_after, LIMIT_NAME)
+
+    def charge(self, tenant_id: str, seconds: float) -> None:
+        key = self._ks.compile_seconds(tenant_id)
+        with self._r.pipeline(transaction=True) as p:
+            _, ttl_ms = p.incrbyfloat(key, float(seconds)).pttl(key).execute()
+        if ttl_ms < 0:  # this charge opened the window (two that race both set the same expiry)
+            self._r.pexpire(key, self._window_ms)
+
+
+# KEYS: a counter. ARGV: limit. The milliseconds its window still runs while the counter is at
+# the limit or above, else 0.
+_BLOCKED = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n < tonumber(ARGV[1]) then return 0 end
+return math.max(redis.call('PTTL', KEYS[1]), 1)
+"""
+
+# KEYS: counters (the address's, then the key id's if any). ARGV: window in ms, limit. Counts one
+# failure on each; returns the longest remaining window among those now over the limit (ms), or 0.
+_FAILED = """
+local wait = 0
+for i = 1, #KEYS do
+  local n = redis.call('INCR', KEYS[i])
+  local ttl = redis.call('PTTL', KEYS[i])
+  if ttl < 0 then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    ttl = tonumber(ARGV[1])
+  end
+  if n > tonumber(ARGV[2]) and ttl > wait then wait = ttl end
+end
+return wait
+"""
+
+
+def address_bucket(address: str | None) -> str:
+    """What one client is counted as: the IPv4 address, the IPv6 /64, or the text as given."""
+    if not address:
+        return "unknown"
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address[:64]
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
+def _seconds(ms: int) -> int | None:
+    return None if ms <= 0 else max(1, math.ceil(ms / 1000))
+
+
+class AuthThrottle:
+    def __init__(self, client: redis.Redis, prefix: str = "lp:", *, limit: int = 30,
+                 window_seconds: float = 60.0) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        if not window_seconds > 0:
+            raise ValueError(f"window_seconds must be > 0, got {window_seconds!r}")
+        self._ks = Keyspace(prefix)
+        self.limit = limit
+        self.window_seconds = float(window_seconds)
+        self._blocked = client.register_script(_BLOCKED)
+        self._failed = client.register_script(_FAILED)
+
+    def blocked(self, address: str | None) -> int | None:
+        """Seconds until this address may try again, or None: it is under the limit."""
+        return _seconds(int(self._blocked(keys=[self._ks.auth_failures_by_address(address_bucket(address))],
+                                          args=[self.limit])))
+
+    def failed(self, address: str | None, key_id: str | None) -> int | None:
+        """Count a failed authentication from `address` (against `key_id`, a well-formed key's id,
+        when there was one). Seconds to wait when that puts either over the limit, else None."""
+        keys = [self._ks.auth_failures_by_address(address_bucket(address))]
+        if key_id is not None:
+            keys.append(self._ks.auth_failures_by_key(key_id))
+        return _seconds(int(self._failed(keys=keys, args=[int(self.window_seconds * 1000), self.limit])))

@@ -186,7 +186,7 @@ class Keyspace:
     def api_key_prefix(self) -> str:
         return f"{self.prefix}apikey:"
 
-    # Failed authentications in the current window (tenants.auth_throttle): per client address
+    # Failed authentications in the current window (tenants.limits): per client address
     # (or IPv6 /64) and per key id.
     def auth_failures_by_address(self, bucket: str) -> str:
         return f"{self.prefix}authfail:addr:{bucket}"

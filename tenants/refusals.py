@@ -14,7 +14,7 @@ import redis
 
 from tenants.models import Keyspace, Tenant, as_str
 
-# The rate limits a 429 names (tenants.limits, tenants.compile_budget), then one reason per kind of refusal.
+# The rate limits a 429 names (tenants.limits), then one reason per kind of refusal.
 REASONS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "compile_seconds_per_minute",
            "invalid_request",
            "too_large", "forbidden", "not_found", "conflict", "unavailable", "server_error")

@@ -1,13 +1,13 @@
 """Bearer authentication: tenant API keys for /v1, the admin token for /admin, the metrics token
 for /metrics; and the throttle on failed attempts at each.
 
-Failed tenant-key attempts are throttled per client address and per key id (tenants.auth_throttle
+Failed tenant-key attempts are throttled per client address and per key id (tenants.limits
 says why the two differ: an address over the limit is refused before its key is checked, a key
 id under attack still admits its right secret). The client address is the connection's peer, or
 what a trusted proxy put in X-Forwarded-For (uvicorn's --forwarded-allow-ips, FORWARDED_ALLOW_IPS).
 
 AdminAuthThrottle: failed admin-token and metrics-token attempts throttled per client address,
-with the same Redis counters and limit as tenant keys (tenants.auth_throttle), so one address that
+with the same Redis counters and limit as tenant keys (tenants.limits), so one address that
 guesses at either is stopped by one budget, on every replica sharing the Redis.
 
 Pure ASGI around the whole app, for every path that takes the admin or metrics token (`/admin/...`,

@@ -34,7 +34,7 @@ from server.engine_mode import build_engine_client
 from server.engine_settings import engine_config
 from server.model_source import resolve_model
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
-from tenants.compile_budget import CompileBudget
+from tenants.limits import CompileBudget
 from tenants.source_credentials import KEY_BYTES, SourceCredentials
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tenants import AuthThrottle
-from tenants.auth_throttle import address_bucket
+from tenants.limits import address_bucket
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
 LIMIT = 5
