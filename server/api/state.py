@@ -17,7 +17,7 @@ from adapters.sources import SourcePolicy
 from adapters.sources.clients import SourceClients
 from server.api.adapter_source import RetirementListener
 from server.api.base_identity import base_identity
-from server.api.engine_history import EngineHistory
+from server.api.engine_watch import EngineHistory
 from server.api.fetch_flights import FetchFlights
 from server.api.metrics import Metrics
 from server.api.prompts import PromptTokenizer
