@@ -61,8 +61,11 @@ class Steps:
         return seq
 
     def step(self) -> ScheduledBatch:
+        decoding = any(seq.num_pending_tokens == 1 for seq in self.scheduler.running)
         batch = self.scheduler.schedule()
         self._check(batch)
+        if decoding and self.config.max_prefill_tokens_while_decoding is not None:
+            self._check_prompt_work(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq not in self.admitted:
                 self.admitted.append(seq)
@@ -107,6 +110,17 @@ class Steps:
         assert all(self.blocks.ref_counts[b] == held[b] for b in range(self.blocks.num_blocks))
         for seq in batch.preempted:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq in sched.waiting
+
+    def _check_prompt_work(self, batch: ScheduledBatch) -> None:
+        """While some sequence decodes, the step's prompt chunks cost at most the cap, passed only by the
+        one token a tenant's first chunk may take past its share."""
+        cost = self.config.step_cost
+        work, first_tokens = 0.0, {}
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.num_pending_tokens > 1:
+                work += cost.chunk(seq, seq.num_computed_tokens, n)
+                first_tokens.setdefault(seq.tenant, cost.chunk(seq, seq.num_computed_tokens, 1))
+        assert work <= self.config.max_prefill_tokens_while_decoding + sum(first_tokens.values()) + 1e-6
 
     def expected_tokens(self, seq: Sequence) -> list[int]:
         """What `seq` generates had it never been preempted (tokens depend on their position alone)."""
@@ -258,20 +272,23 @@ def test_adapters_in_use_lists_running_and_waiting_versions():
     assert s.scheduler.adapters_in_use() == (frozenset({"v1"}), frozenset({"v2"}))
 
 
-# (prompt length, tenant, adapter version, n, max_tokens, the step before which it is aborted or None)
+# (prompt length, tenant, adapter version, n, max_tokens, the step before which it is aborted or None, with
+# prompt logprobs)
 _request = st.tuples(st.integers(1, 20), st.sampled_from(["a", "b", None]), st.sampled_from([None, "v1", "v2", "v3"]),
-                     st.integers(1, 2), st.integers(1, 6), st.one_of(st.none(), st.integers(0, 12)))
+                     st.integers(1, 2), st.integers(1, 6), st.one_of(st.none(), st.integers(0, 12)), st.booleans())
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(_request, min_size=3, max_size=10), st.sampled_from([7, 10, 16]), st.sampled_from([8, 16, 64]),
-       st.integers(2, 4), st.sampled_from([None, 4]))
+       st.integers(2, 4), st.sampled_from([None, 4]), st.sampled_from([PLAIN, StepCost(0.05, 0.5)]))
 def test_random_workloads_keep_every_limit_and_finish_every_request_intact(requests, num_blocks, budget, max_num_seqs,
-                                                                           cap):
+                                                                           cap, step_cost):
     # 7 blocks hold the longest request (26 tokens) alone: smaller pools could never finish it.
-    s = Steps(num_blocks, max_num_seqs=max_num_seqs, budget=budget, cap=cap, versions=("v1", "v2", "v3"))
-    seqs = [(s.add(prompt_len, tenant=tenant, version=version, n=n, max_tokens=max_tokens), abort_at)
-            for prompt_len, tenant, version, n, max_tokens, abort_at in requests]
+    s = Steps(num_blocks, max_num_seqs=max_num_seqs, budget=budget, cap=cap, versions=("v1", "v2", "v3"),
+              step_cost=step_cost)
+    seqs = [(s.add(prompt_len, tenant=tenant, version=version, n=n, max_tokens=max_tokens,
+                   prompt_logprobs=0 if scored else None), abort_at)
+            for prompt_len, tenant, version, n, max_tokens, abort_at, scored in requests]
     for step in itertools.count():
         for seq, abort_at in seqs:
             if abort_at == step:
