@@ -1,18 +1,23 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-Every step, running sequences go first (one token each when decoding, a
-chunk when their prompt is still being prefilled), then waiting ones are
-admitted in fair-share order while the token budget, `max_num_seqs`, KV
-blocks and adapter slots allow. A waiting request whose adapter is still
-loading never holds up the others. When blocks run out, the newest running
-sequence is preempted: its blocks are freed and it is recomputed from its
-tokens when readmitted.
+Every step, decoding sequences go first (one token each), then running
+prompts get their next chunk, then waiting ones are admitted in fair-share
+order while the token budget, `max_num_seqs`, KV blocks and adapter slots
+allow. A waiting request whose adapter is still loading never holds up the
+others. When blocks run out, the newest running sequence is preempted: its
+blocks are freed and it is recomputed from its tokens when readmitted.
 
-While any running sequence is decoding, the prompt tokens computed in one step
-are capped by `max_prefill_tokens_while_decoding` (when set): a long prompt is
-then prefilled in chunks between decode steps instead of in one step that
-stalls every decoding stream for its whole duration (one tenant's 2,000-token
-prompt would otherwise hold up everyone's next token for seconds on a CPU).
+Fair steps: the step's prompt work is split between the tenants that have
+some by weighted max-min fair share (FairQueue.shares), so many long prompts
+of one tenant share its part, not everyone's; what a share leaves unused goes
+to the chunks already in the step. While any running sequence is decoding,
+that work is capped by `max_prefill_tokens_while_decoding` (when set), counted
+in decode-token equivalents (server.engine.step_cost: a late token of a long
+prompt attends over more positions, a prompt-logprob position runs the
+lm_head): a long prompt is then prefilled in chunks of bounded cost between
+decode steps instead of in one step that stalls every decoding stream for its
+whole duration (one tenant's 2,000-token prompt would otherwise hold up
+everyone's next token for seconds on a CPU).
 
 A request for n choices is admitted as its choice 0 alone; once that prompt
 is prefilled the other choices fork from it, sharing its blocks. A sequence
