@@ -42,6 +42,7 @@ from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.step_cost import StepCost
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
 from server.engine.weights import load_weights
@@ -96,7 +97,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     max_model_len = context.max_model_len
     log.info("%s", context.reason)
     blocks = BlockManager(kv_pool.blocks, config.block_size)
-    host, scheduler = _build_tiers(config, adapter_source, device, dtype, bind_thread, slots, blocks)
+    host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks)
     kernels = _select_kernels(config, device, dtype)
     # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
     budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
@@ -168,8 +169,8 @@ def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
     return max_loras, lora_layers, model
 
 
-def _build_tiers(config: EngineConfig, adapter_source: Fetch | None, device: torch.device, dtype: torch.dtype,
-                 bind_thread: Callable[[], None], slots: LoraSlots,
+def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetch | None, device: torch.device,
+                 dtype: torch.dtype, bind_thread: Callable[[], None], slots: LoraSlots,
                  blocks: BlockManager) -> tuple[HostTier, Scheduler]:
     """The host tier of adapters, and the scheduler over it, the slots and the KV blocks."""
     # Parking places for finished loads match the scheduler's prefetch window: every adapter it
@@ -178,7 +179,8 @@ def _build_tiers(config: EngineConfig, adapter_source: Fetch | None, device: tor
                     max_parked=PREFETCH_WINDOW, dtype=dtype, init_thread=bind_thread,
                     prepare=slots.prepare if device.type == "cpu" else None)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                          config.max_prefill_tokens_while_decoding, config.speculative_config),
+                                          config.max_prefill_tokens_while_decoding, config.speculative_config,
+                                          step_cost),
                           blocks, slots, host)
     return host, scheduler
 

@@ -88,6 +88,21 @@ class FairQueue:
     def charge(self, tenant: str | None, cost: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
 
+    def shares(self, demands: dict[str | None, float], total: float) -> dict[str | None, float]:
+        """`total` (one step's prefill budget) split between the tenants with `demands` on it by weighted
+        max-min fair share: each gets its weight's part, and what a tenant needs less of goes to the
+        others in the same proportions."""
+        shares: dict[str | None, float] = {}
+        left = total
+        pending = sorted(demands, key=lambda t: demands[t] / self.weights.get(t, 1.0))
+        weight = sum(self.weights.get(t, 1.0) for t in pending)
+        for tenant in pending:  # smallest demand per weight first: it is the one that may leave some over
+            w = self.weights.get(tenant, 1.0)
+            shares[tenant] = min(demands[tenant], left * w / weight)
+            left -= shares[tenant]
+            weight -= w
+        return shares
+
     def _lift(self, tenant: str | None) -> None:
         others = [self.counters.get(t, 0.0) for t in set(self.active) | {t for t, q in self.queues.items() if q}]
         if others:

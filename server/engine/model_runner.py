@@ -32,6 +32,7 @@ from server.engine.sampling_row import SamplingRow
 # (benchmarks/engine/bench_engine.py) can wrap model_runner.sample.
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import Sequence, TokenLogprobs
+from server.engine.step_cost import prompt_logprob_span
 
 
 @dataclass(slots=True)
@@ -78,10 +79,10 @@ class _PromptPositions:
     targets: list[int] = field(default_factory=list)  # the next prompt token
     top: list[int] = field(default_factory=list)  # alternatives asked for
 
-    def add(self, i: int, seq: Sequence, first: int, start: int, n: int, done: int) -> None:
-        """Sequence i (batch position) runs tokens start.. start+n at `first` in the step; `done`
-        prompt entries exist already (before a preemption, or from an earlier chunk)."""
-        lo, hi = max(start, done - 1), min(start + n, seq.num_prompt_tokens - 1)
+    def add(self, i: int, seq: Sequence, first: int, start: int, n: int) -> None:
+        """Sequence i (batch position) runs tokens start.. start+n at `first` in the step; the prompt
+        entries it has already (before a preemption, or from an earlier chunk) are not made again."""
+        lo, hi = prompt_logprob_span(seq, start, n)
         if lo < hi:
             self.rows += range(first + lo - start, first + hi - start)
             self.seqs += [i] * (hi - lo)
@@ -160,7 +161,7 @@ class ModelRunner:
             prompt_lp = seq.group.prompt_logprobs
             if prompt_lp is not None and len(prompt_lp) < seq.num_prompt_tokens:
                 prompt = prompt or _PromptPositions()
-                prompt.add(i, seq, first, start, n, len(prompt_lp))
+                prompt.add(i, seq, first, start, n)
             if drafts:
                 spec = spec or {}
                 spec[len(sampled)] = drafts

@@ -1,18 +1,23 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-Every step, running sequences go first (one token each when decoding, a
-chunk when their prompt is still being prefilled), then waiting ones are
-admitted in fair-share order while the token budget, `max_num_seqs`, KV
-blocks and adapter slots allow. A waiting request whose adapter is still
-loading never holds up the others. When blocks run out, the newest running
-sequence is preempted: its blocks are freed and it is recomputed from its
-tokens when readmitted.
+Every step, decoding sequences go first (one token each), then running
+prompts get their next chunk, then waiting ones are admitted in fair-share
+order while the token budget, `max_num_seqs`, KV blocks and adapter slots
+allow. A waiting request whose adapter is still loading never holds up the
+others. When blocks run out, the newest running sequence is preempted: its
+blocks are freed and it is recomputed from its tokens when readmitted.
 
-While any running sequence is decoding, the prompt tokens computed in one step
-are capped by `max_prefill_tokens_while_decoding` (when set): a long prompt is
-then prefilled in chunks between decode steps instead of in one step that
-stalls every decoding stream for its whole duration (one tenant's 2,000-token
-prompt would otherwise hold up everyone's next token for seconds on a CPU).
+Fair steps: the step's prompt work is split between the tenants that have
+some by weighted max-min fair share (FairQueue.shares), so many long prompts
+of one tenant share its part, not everyone's; what a share leaves unused goes
+to the chunks already in the step. While any running sequence is decoding,
+that work is capped by `max_prefill_tokens_while_decoding` (when set), counted
+in decode-token equivalents (server.engine.step_cost: a late token of a long
+prompt attends over more positions, a prompt-logprob position runs the
+lm_head): a long prompt is then prefilled in chunks of bounded cost between
+decode steps instead of in one step that stalls every decoding stream for its
+whole duration (one tenant's 2,000-token prompt would otherwise hold up
+everyone's next token for seconds on a CPU).
 
 A request for n choices is admitted as its choice 0 alone; once that prompt
 is prefilled the other choices fork from it, sharing its blocks. A sequence
@@ -49,6 +54,7 @@ from server.engine.ngram_proposer import propose
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.speculative_config import SpeculativeConfig
+from server.engine.step_cost import PLAIN, StepCost
 
 # After this many steps blocked on an adapter slot, the head of the queue stops letting requests
 # of its own tenant, or of tenants above their share of the slots, join adapters already in a slot,
@@ -67,6 +73,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_prefill_tokens_while_decoding: int | None = None  # None: prompts may take the whole token budget
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
+    # What a prompt token costs against the cap while decoding (server.engine.step_cost); PLAIN: 1 each.
+    step_cost: StepCost = PLAIN
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
@@ -139,24 +147,85 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        prefill_budget = self._prefill_budget(budget)
-        for seq in list(self.running):
+        cap = self.config.max_prefill_tokens_while_decoding
+        capped = cap is not None and any(s.num_pending_tokens == 1 for s in self.running)
+        prompts: list[Sequence] = []
+        for seq in list(self.running):  # decoding sequences first: no prompt chunk can take their tokens
+            if seq.num_pending_tokens > 1:
+                prompts.append(seq)
+                continue
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            prefilling = seq.num_pending_tokens > 1
-            n = min(seq.num_pending_tokens, budget, prefill_budget if prefilling else budget)
-            drafts = () if prefilling or n == 0 else self._drafts(seq, budget - 1)
+            n = min(seq.num_pending_tokens, budget)
+            drafts = self._drafts(seq, budget - 1) if n else ()
             n += len(drafts)
             if n == 0 or not _mask_ready(seq, seq.num_computed_tokens + n) or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n, drafts)
             budget -= n
-            if prefilling:
-                prefill_budget -= n
-        self._admit(batch, min(budget, prefill_budget), admit=not batch.preempted)
+        # The step's prompt work: while others decode, the cap in decode-token equivalents (server.engine.
+        # step_cost), else the tokens left; split between tenants by fair share, whatever is left over
+        # going to prompts that could use it.
+        cost = self.config.step_cost if capped else PLAIN
+        total = cap if capped else budget
+        scan = list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON))
+        prefill = _PrefillShares(cost, self.waiting.shares(self._demands(prompts, scan, budget, cost, total), total),
+                                 total)
+        for seq in prompts:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            start = seq.num_computed_tokens
+            n = prefill.chunk(seq, start, min(seq.num_pending_tokens, budget))
+            if n == 0 or not _mask_ready(seq, start + n) or not self._make_room(seq, n, batch):
+                continue
+            self._add_to_batch(batch, seq, n, ())
+            prefill.spend(seq, start, n)
+            budget -= n
+        budget = self._admit(batch, budget, prefill, scan, admit=not batch.preempted)
+        self._share_leftover(batch, budget, prefill)
         return batch
+
+    def _demands(self, prompts: list[Sequence], scan: list[Sequence], budget: int, cost: StepCost,
+                 total: float) -> dict[str | None, float]:
+        """Each tenant's prompt work this step could use: its running prompts' next chunks and the
+        prompts of its waiting requests that could start (adapter resident), up to `total`."""
+        demands: dict[str | None, float] = {}
+        for seq in prompts:
+            if seq.status is SequenceStatus.RUNNING:
+                want = cost.chunk(seq, seq.num_computed_tokens, min(seq.num_pending_tokens, budget))
+                demands[seq.tenant] = demands.get(seq.tenant, 0.0) + want
+        if len(self.running) + self.fork_seats < self.config.max_num_seqs:
+            for seq in scan:
+                have = demands.get(seq.tenant, 0.0)
+                if have < total and (seq.version_id is None or self.host.ready(seq.version_id)):
+                    demands[seq.tenant] = have + cost.chunk(seq, 0, min(len(seq.token_ids), budget))
+        return {t: min(d, total) for t, d in demands.items()}
+
+    def _share_leftover(self, batch: ScheduledBatch, budget: int, prefill: _PrefillShares) -> None:
+        """Prompt work a tenant's share left unused (its prompts were short, or could not start) goes to
+        the prompt chunks in the batch, lightest tenant first, so the step's budget is not wasted."""
+        left = prefill.left
+        chunks = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                  if seq in prefill.chunked and n < seq.num_pending_tokens]
+        chunks.sort(key=lambda i: self.waiting.counters.get(batch.seqs[i].tenant, 0.0))
+        for i in chunks:
+            if left <= 0 or budget == 0:
+                break
+            seq, n = batch.seqs[i], batch.num_tokens[i]
+            start = seq.num_computed_tokens
+            used = prefill.cost.chunk(seq, start, n)
+            m = prefill.cost.fit(seq, start, min(seq.num_pending_tokens, n + budget), used + left)
+            # Only into free blocks (one kept spare for decoding): a leftover never preempts anyone.
+            if m <= n or not _mask_ready(seq, start + m) or not self.blocks.can_grow(seq.block_table, start + m, 1):
+                continue
+            self.blocks.grow(seq.block_table, start + m)
+            batch.num_tokens[i] = m
+            budget -= m - n
+            left -= prefill.cost.chunk(seq, start, m) - used
 
     def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
         """Drafts for decoding `seq`, at most `room` of them, none past what it may still generate (the
@@ -171,13 +240,6 @@ class Scheduler:
         if k <= 0:
             return ()
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
-
-    def _prefill_budget(self, budget: int) -> int:
-        """Prompt tokens this step may compute: capped while some running sequence decodes."""
-        cap = self.config.max_prefill_tokens_while_decoding
-        if cap is not None and any(s.num_pending_tokens == 1 for s in self.running):
-            return min(cap, budget)
-        return budget
 
     def finish(self, seq: Sequence) -> None:
         """Return a finished (or aborted) sequence's blocks, adapter slot and host pin."""
@@ -242,14 +304,16 @@ class Scheduler:
         last = min(len(table), (end + size - 1) // size)
         return [i for i in range(seq.num_computed_tokens // size, last) if self.blocks.is_shared(table[i])]
 
-    def _admit(self, batch: ScheduledBatch, budget: int, admit: bool) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: int, prefill: _PrefillShares, scan: list[Sequence],
+               admit: bool) -> int:
+        """Admits waiting requests in fair-share order into what is left of the step; the tokens left."""
         failed = self.host.collect(self.wanted)
         self.wanted = set()
         head_blocked = False
         head_tenant: str | None = None
         slot_share: SlotShare | None = None  # computed once per step, only when the head has waited long
         prefetching: set[str] = set()  # distinct versions, so many requests for one load use one place
-        for seq in list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON)):
+        for seq in scan:
             version = seq.version_id
             if version is not None:
                 self.wanted.add(version)
@@ -293,7 +357,9 @@ class Scheduler:
             hit = self.prefix_cache.lookup(seq)
             table = hit or []
             start = len(table) * self.blocks.block_size
-            n = min(len(seq.token_ids) - start, budget)
+            n = prefill.chunk(seq, start, min(len(seq.token_ids) - start, budget))
+            if n == 0:
+                continue  # its tenant's share of the step is spent: it starts in a later step
             if not _mask_ready(seq, start + n):
                 continue  # its first mask is still being filled: admitted next step, no one held up
             # Keep one block spare so running sequences can decode without preempting at once; cached
@@ -318,10 +384,12 @@ class Scheduler:
             self.running.append(seq)
             self.fork_seats += joining - 1
             self._add_to_batch(batch, seq, n, ())
+            prefill.spend(seq, start, n)
             budget -= n
         if not head_blocked:
             self.head_blocked_steps = 0
         self.lora_slots.sync()
+        return budget
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts: list[int] | tuple[()]) -> None:
         batch.seqs.append(seq)
@@ -374,3 +442,28 @@ def _mask_ready(seq: Sequence, end: int) -> bool:
         return True
     choices = seq.group.seqs if seq.group.needs_fork else (seq,)  # a fork samples every choice's first token
     return all(c.grammar.ready for c in choices)
+
+
+class _PrefillShares:
+    """One step's prompt work per tenant: its fair share (cost units) and what it has spent."""
+
+    def __init__(self, cost: StepCost, shares: dict[str | None, float], total: float) -> None:
+        self.cost = cost
+        self.allowance = dict(shares)
+        self.left = total  # the step's whole prompt budget, less what chunks spent
+        self.fresh = set(shares)  # tenants with no chunk in the step yet
+        self.chunked: set[Sequence] = set()
+
+    def chunk(self, seq: Sequence, start: int, most: int) -> int:
+        """Tokens of `seq` from `start` (<= `most`) its tenant's share still allows. A tenant's first chunk of
+        the step gets at least one token, even where one costs more than its share, so no prompt waits forever
+        while others decode (the cap is then passed by at most one token's cost per tenant)."""
+        n = self.cost.fit(seq, start, most, self.allowance.get(seq.tenant, 0.0))
+        return 1 if n == 0 and most > 0 and seq.tenant in self.fresh else n
+
+    def spend(self, seq: Sequence, start: int, n: int) -> None:
+        spent = self.cost.chunk(seq, start, n)
+        self.allowance[seq.tenant] = self.allowance.get(seq.tenant, 0.0) - spent
+        self.left -= spent
+        self.fresh.discard(seq.tenant)
+        self.chunked.add(seq)

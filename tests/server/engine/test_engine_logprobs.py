@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from server.engine import LLM, SamplingParams
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import drive, random_prompts
 
 pytestmark = pytest.mark.unit
 
@@ -141,3 +141,37 @@ def test_only_requests_that_ask_compute_prompt_logits(tiny_model_dir, tiny_adapt
     rows.clear()
     llm.generate(prompts, [plain, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1), plain])
     assert rows == [3 + 29, 3]
+
+
+def test_prompt_logprobs_through_fair_step_chunks_equal_unchunked(tiny_model_dir, tiny_adapters, hf_logprobs):
+    """A scored prompt arriving while another tenant decodes is prefilled in chunks the cap's cost allows
+    (each prompt-logprob position costs its logits row too, so the chunks are shorter than the cap);
+    its prompt logprobs equal PEFT's and those of the same prompt prefilled in one step."""
+    prompt = random_prompts(1, (150, 150), VOCAB, seed=64)[0]
+    short = random_prompts(1, (6, 6), VOCAB, seed=65)[0]
+    scored = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=5)
+    outs = {}
+    chunks: list[int] = []
+    for cap in (16, None):
+        llm = make_llm(tiny_model_dir, tiny_adapters, max_num_batched_tokens=256, max_prefill_tokens_while_decoding=cap)
+        engine = llm.engine
+        engine.add_request("victim", short, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
+                           tenant="victim")
+        engine.step()
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule():
+            batch = schedule()
+            chunks.extend(n for s, n in zip(batch.seqs, batch.num_tokens) if cap and s.tenant == "scorer")
+            return batch
+
+        engine.scheduler.schedule = recording_schedule
+        engine.add_request("scored", prompt, scored, llm._versions["r8_all"], tenant="scorer")
+        outs[cap] = drive(engine)["scored"]
+    assert sum(chunks) == 150 + 1 and chunks[-1] == 1  # the prompt, then one decode step
+    assert max(chunks) < 16 and len(chunks) > 150 // 16 + 1
+    assert_matches(outs[16], prompt, scored, hf_logprobs("r8_all", prompt + outs[16].token_ids))
+    assert outs[16].token_ids == outs[None].token_ids
+    for chunked, whole in zip(outs[16].prompt_logprobs[1:], outs[None].prompt_logprobs[1:]):
+        assert chunked.token_id == whole.token_id and abs(chunked.logprob - whole.logprob) <= TOL
+        assert all(abs(a - b) <= TOL for (_, a), (_, b) in zip(chunked.top, whole.top))

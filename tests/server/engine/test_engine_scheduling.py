@@ -206,3 +206,44 @@ def test_prefill_tokens_are_capped_while_others_decode(tiny_model_dir, tiny_adap
         assert all(d >= 2 for p, d in steps if p > 0)  # every chunk's step still decodes both others
     outs = [final["d0"], final["d1"], final["long"]]
     assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts, names, outs, 40, peft_oracle)
+
+
+def test_two_tenants_long_prompts_share_each_step_while_a_third_decodes(tiny_model_dir, tiny_adapters, peft_oracle):
+    """Two tenants' equal long prompts, arriving while a third tenant decodes, are prefilled side by side
+    in equal chunks (fair share of the step's cap, counted in decode-token equivalents), every such step
+    still carrying the decoding stream; tokens stay PEFT's."""
+    llm = LLM(tiny_model_dir, device="cpu", max_loras=4, kv_cache_blocks=128, max_model_len=256,
+              max_num_batched_tokens=256, max_prefill_tokens_while_decoding=32)
+    for name, path in tiny_adapters.items():
+        llm.add_adapter(name, path)
+    engine = llm.engine
+    names = [None, "r8_all", "r4_qv"]
+    prompts = random_prompts(1, (8, 8), VOCAB, seed=31) + random_prompts(2, (140, 140), VOCAB, seed=32)
+    engine.add_request("victim", prompts[0], greedy(60), None, tenant="victim")
+    engine.step()  # the victim's prompt is in: it decodes from here on
+    steps: list[tuple[dict, bool]] = []  # (prompt chunks per tenant, the victim ran if it was running)
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        running = any(s.tenant == "victim" for s in engine.scheduler.running)
+        batch = schedule()
+        chunks = {s.tenant: n for s, n in zip(batch.seqs, batch.num_tokens)  # prompt chunks short of the end
+                  if s.tenant != "victim" and n < s.num_pending_tokens}
+        steps.append((chunks, not running or any(s.tenant == "victim" for s in batch.seqs)))
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    for tenant, prompt, name in zip("ab", prompts[1:], names[1:]):
+        engine.add_request(tenant, prompt, greedy(20), llm._versions[name], tenant=tenant)
+    final = drive(engine)
+    assert all(victim_ran for _, victim_ran in steps)
+    both = [chunks for chunks, _ in steps if len(chunks) == 2]
+    # Equal shares of the cap's cost: a prompt a token ahead pays a little more attention per token, and
+    # what the two shares leave over (under one token's cost each) goes to one of them.
+    assert len(both) >= 140 // 16 and all(abs(c["a"] - c["b"]) <= 1 for c in both)
+    assert not engine.scheduler.config.step_cost.plain
+    assert all(c["a"] < 16 for c in both[1:])  # past the first chunk a token costs more than one
+    assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts[:1], names[:1], [final["victim"]], 60,
+                        peft_oracle)
+    assert_matches_peft(llm, tiny_model_dir, tiny_adapters, prompts[1:], names[1:], [final["a"], final["b"]], 20,
+                        peft_oracle)

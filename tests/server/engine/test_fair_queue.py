@@ -162,3 +162,12 @@ def test_ordered_is_the_order_admitting_one_at_a_time_gives(requests, weights):
         q.admitted(seq)
         admitted.append(seq)
     assert admitted == planned and len(planned) == len(requests)
+
+
+def test_shares_split_a_step_by_weight_and_pass_on_what_a_tenant_needs_less_of():
+    queue = FairQueue()
+    queue.set_weight("heavy", 2.0)
+    assert queue.shares({"a": 100.0, "heavy": 100.0, "b": 100.0}, 40) == {"a": 10.0, "b": 10.0, "heavy": 20.0}
+    shares = queue.shares({"a": 100.0, "heavy": 100.0, "small": 4.0}, 40)
+    assert shares["small"] == 4.0 and shares["heavy"] == 2 * shares["a"] == 24.0
+    assert queue.shares({"a": 3.0}, 40) == {"a": 3.0}

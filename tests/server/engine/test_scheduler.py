@@ -1,4 +1,4 @@
-"""Scheduler: token budget and chunked prefill, seats, adapter slots, preemption, fair share, forks, aborts.
+"""Scheduler: token budget and chunked prefill, fair steps, seats, adapter slots, preemption, fair share, forks, aborts.
 
 Real parts throughout: a BlockManager, LoraSlots over a one-layer slot buffer, a HostTier holding tiny
 adapters, and a `Steps` driver that plays the engine's part (advance what a batch computed, index full
@@ -19,6 +19,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
 from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.step_cost import PLAIN, StepCost
 from tests.server.engine.sequences import request
 
 pytestmark = pytest.mark.unit
@@ -40,8 +41,8 @@ class Steps:
     """A Scheduler and the engine's side of each step, checking the batch's limits as it goes."""
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, max_loras: int = 2,
-                 cap: int | None = None, versions: tuple[str, ...] = ()) -> None:
-        self.config = SchedulerConfig(max_num_seqs, budget, cap)
+                 cap: int | None = None, versions: tuple[str, ...] = (), step_cost: StepCost = PLAIN) -> None:
+        self.config = SchedulerConfig(max_num_seqs, budget, cap, step_cost=step_cost)
         self.blocks = BlockManager(num_blocks, BLOCK)
         layers = [{"o": LoraGroupBuffers.allocate(WIDTH, (WIDTH,), max_loras, RANK, torch.float32, "cpu")}]
         self.slots = LoraSlots(layers, max_loras)
@@ -60,8 +61,11 @@ class Steps:
         return seq
 
     def step(self) -> ScheduledBatch:
+        decoding = any(seq.num_pending_tokens == 1 for seq in self.scheduler.running)
         batch = self.scheduler.schedule()
         self._check(batch)
+        if decoding and self.config.max_prefill_tokens_while_decoding is not None:
+            self._check_prompt_work(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq not in self.admitted:
                 self.admitted.append(seq)
@@ -106,6 +110,17 @@ class Steps:
         assert all(self.blocks.ref_counts[b] == held[b] for b in range(self.blocks.num_blocks))
         for seq in batch.preempted:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq in sched.waiting
+
+    def _check_prompt_work(self, batch: ScheduledBatch) -> None:
+        """While some sequence decodes, the step's prompt chunks cost at most the cap, passed only by the
+        one token a tenant's first chunk may take past its share."""
+        cost = self.config.step_cost
+        work, first_tokens = 0.0, {}
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.num_pending_tokens > 1:
+                work += cost.chunk(seq, seq.num_computed_tokens, n)
+                first_tokens.setdefault(seq.tenant, cost.chunk(seq, seq.num_computed_tokens, 1))
+        assert work <= self.config.max_prefill_tokens_while_decoding + sum(first_tokens.values()) + 1e-6
 
     def expected_tokens(self, seq: Sequence) -> list[int]:
         """What `seq` generates had it never been preempted (tokens depend on their position alone)."""
@@ -257,20 +272,23 @@ def test_adapters_in_use_lists_running_and_waiting_versions():
     assert s.scheduler.adapters_in_use() == (frozenset({"v1"}), frozenset({"v2"}))
 
 
-# (prompt length, tenant, adapter version, n, max_tokens, the step before which it is aborted or None)
+# (prompt length, tenant, adapter version, n, max_tokens, the step before which it is aborted or None, with
+# prompt logprobs)
 _request = st.tuples(st.integers(1, 20), st.sampled_from(["a", "b", None]), st.sampled_from([None, "v1", "v2", "v3"]),
-                     st.integers(1, 2), st.integers(1, 6), st.one_of(st.none(), st.integers(0, 12)))
+                     st.integers(1, 2), st.integers(1, 6), st.one_of(st.none(), st.integers(0, 12)), st.booleans())
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(_request, min_size=3, max_size=10), st.sampled_from([7, 10, 16]), st.sampled_from([8, 16, 64]),
-       st.integers(2, 4), st.sampled_from([None, 4]))
+       st.integers(2, 4), st.sampled_from([None, 4]), st.sampled_from([PLAIN, StepCost(0.05, 0.5)]))
 def test_random_workloads_keep_every_limit_and_finish_every_request_intact(requests, num_blocks, budget, max_num_seqs,
-                                                                           cap):
+                                                                           cap, step_cost):
     # 7 blocks hold the longest request (26 tokens) alone: smaller pools could never finish it.
-    s = Steps(num_blocks, max_num_seqs=max_num_seqs, budget=budget, cap=cap, versions=("v1", "v2", "v3"))
-    seqs = [(s.add(prompt_len, tenant=tenant, version=version, n=n, max_tokens=max_tokens), abort_at)
-            for prompt_len, tenant, version, n, max_tokens, abort_at in requests]
+    s = Steps(num_blocks, max_num_seqs=max_num_seqs, budget=budget, cap=cap, versions=("v1", "v2", "v3"),
+              step_cost=step_cost)
+    seqs = [(s.add(prompt_len, tenant=tenant, version=version, n=n, max_tokens=max_tokens,
+                   prompt_logprobs=0 if scored else None), abort_at)
+            for prompt_len, tenant, version, n, max_tokens, abort_at, scored in requests]
     for step in itertools.count():
         for seq, abort_at in seqs:
             if abort_at == step:
@@ -303,3 +321,98 @@ def test_a_preempted_tenant_keeps_its_fair_share_credit():
         if s.step().preempted:
             break
     assert light in s.scheduler.waiting and counters["light"] == owed < counters["heavy"] / 5
+
+
+def _per_tenant(batch: ScheduledBatch) -> dict:
+    """Prompt tokens of the step per tenant (decode rows left out)."""
+    tokens: dict = {}
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        if n > 1:
+            tokens[seq.tenant] = tokens.get(seq.tenant, 0) + n
+    return tokens
+
+
+def _decoding(s: Steps, max_tokens: int = 40) -> Sequence:
+    victim = s.add(2, tenant="victim", max_tokens=max_tokens)
+    s.step()
+    assert victim.num_pending_tokens == 1
+    return victim
+
+
+@pytest.mark.parametrize("weights, split", [((1.0, 1.0), (4, 4)), ((3.0, 1.0), (6, 2))])
+def test_two_tenants_prompts_share_the_cap_by_fair_share(weights, split):
+    s = Steps(budget=64, cap=8)
+    for tenant, weight in zip("ab", weights):
+        s.scheduler.waiting.set_weight(tenant, weight)
+    victim = _decoding(s)
+    a, b = s.add(40, tenant="a", max_tokens=1), s.add(40, tenant="b", max_tokens=1)
+    for _ in range(4):
+        batch = s.step()
+        assert victim in batch.seqs and _per_tenant(batch) == dict(zip("ab", split))
+    assert a.num_computed_tokens == 4 * split[0] and b.num_computed_tokens == 4 * split[1]
+
+
+def test_a_tenant_needing_less_than_its_share_leaves_the_rest_to_the_other():
+    s = Steps(budget=64, cap=8)
+    victim = _decoding(s)
+    s.add(40, tenant="a", max_tokens=1)
+    s.add(3, tenant="b", max_tokens=1)  # 3 tokens: its 4-token share has one over, which goes to a
+    batch = s.step()
+    assert victim in batch.seqs and _per_tenant(batch) == {"a": 5, "b": 3}
+
+
+def test_one_tenants_prompts_share_its_part_not_the_others():
+    # Many long prompts from one tenant do not buy it more of the step than the other's one.
+    s = Steps(budget=64, cap=8)
+    _decoding(s)
+    for _ in range(4):
+        s.add(40, tenant="a", max_tokens=1)
+    s.add(40, tenant="b", max_tokens=1)
+    for _ in range(3):
+        assert _per_tenant(s.step()) == {"a": 4, "b": 4}
+
+
+def test_a_decoding_tenant_is_never_starved_by_a_prompt_ahead_of_it():
+    # No cap: a long prompt running ahead of a decoding sequence must not take the whole token budget.
+    s = Steps(budget=8)
+    long = s.add(60, tenant="a", max_tokens=1)
+    short = s.add(2, tenant="b", max_tokens=20)
+    first = s.step()
+    assert first.seqs == [long, short] and first.num_tokens == [6, 2]  # b needs 2 of its 4: a gets the rest
+    chunks = []
+    while not short.finished:
+        batch = s.step()
+        assert short in batch.seqs and sum(batch.num_tokens) <= 8
+        chunks += [n for seq, n in zip(batch.seqs, batch.num_tokens) if seq is long]
+    assert chunks[:7] == [7] * 7 and sum(chunks) == 54  # 7 a step beside the decoding token, to the end
+
+
+def test_prompt_logprob_positions_and_long_contexts_cost_more_of_the_cap():
+    # Each prompt-logprob position costs one token more: a chunk of such a prompt is half the cap.
+    s = Steps(budget=64, cap=8, step_cost=StepCost(logits_row=1.0))
+    victim = _decoding(s)
+    s.add(20, tenant="a", max_tokens=1, prompt_logprobs=2)
+    batch = s.step()
+    assert victim in batch.seqs and _per_tenant(batch) == {"a": 4}
+    # Attention over the context: later chunks of one prompt are shorter, each within the cap.
+    cost = StepCost(attention_per_position=0.01)
+    s = Steps(budget=64, cap=16, step_cost=cost, num_blocks=128)
+    _decoding(s, max_tokens=500)
+    long = s.add(200, tenant="a", max_tokens=1)
+    chunks = []
+    while long.num_pending_tokens > 1:
+        start = long.num_computed_tokens
+        batch = s.step()
+        n = batch.num_tokens[batch.seqs.index(long)]
+        assert cost.chunk(long, start, n) <= 16
+        chunks.append(n)
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] > chunks[-1]
+
+
+def test_a_prompt_whose_token_costs_more_than_its_share_still_moves_a_token_a_step():
+    s = Steps(budget=64, cap=8, step_cost=StepCost(logits_row=20.0))
+    victim = _decoding(s)
+    scored = s.add(10, tenant="a", max_tokens=1, prompt_logprobs=0)
+    for i in range(1, 4):
+        batch = s.step()
+        assert victim in batch.seqs and scored.num_computed_tokens == i
