@@ -18,12 +18,14 @@ MOE_MODELS = {
                                                                 num_experts=4, head_dim=16, norm_topk_prob=True)),
 }
 BOTH = ["experts.gate_up_proj", "experts.down_proj"]
-# adapter name -> (r, lora_alpha, target_modules, target_parameters, use_rslora): ranks 8, 4 and 2, every
-# expert weight alone and together, attention modules or none.
+# adapter name -> (r, lora_alpha, target_modules, target_parameters, use_rslora, use_dora): ranks 8, 4 and 2,
+# every expert weight alone and together, attention modules or none; DoRA on attention (not on experts:
+# PEFT refuses that).
 MOE_ADAPTERS = {
-    "r8_all": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], BOTH, False),
-    "r4_qv": (4, 8, ["q_proj", "v_proj"], ["mlp.experts.down_proj"], True),
-    "r2_experts": (2, 4, [], ["gate_up_proj"], False),
+    "r8_all": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], BOTH, False, False),
+    "r4_qv": (4, 8, ["q_proj", "v_proj"], ["mlp.experts.down_proj"], True, False),
+    "r2_experts": (2, 4, [], ["gate_up_proj"], False, False),
+    "dora_r16": (16, 16, ["q_proj", "v_proj", "o_proj"], [], False, True),
 }
 
 
@@ -59,14 +61,15 @@ def make_moe_model(out: Path, name: str, seed: int = 0) -> Path:
 
 
 def make_moe_adapter(model_dir: Path, out: Path, r: int, lora_alpha: int, target_modules: list[str],
-                     target_parameters: list[str], use_rslora: bool = False, seed: int = 1) -> Path:
+                     target_parameters: list[str], use_rslora: bool = False, use_dora: bool = False,
+                     seed: int = 1) -> Path:
     """B scaled so each delta is about half its base output: visible, not overwhelming."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules, target_parameters=target_parameters,
-                        use_rslora=use_rslora, init_lora_weights=False, lora_dropout=0.0)
+                        use_rslora=use_rslora, use_dora=use_dora, init_lora_weights=False, lora_dropout=0.0)
     model = get_peft_model(base, config)
     scaling = lora_alpha / (r ** 0.5 if use_rslora else r)
     gen = torch.Generator().manual_seed(seed)
@@ -90,8 +93,8 @@ def moe_model(tmp_path_factory):
             root = tmp_path_factory.mktemp(name)
             model_dir = make_moe_model(root / "base", name)
             cache[name] = model_dir, {
-                adapter: make_moe_adapter(model_dir, root / adapter, r, alpha, modules, params, rslora, seed=40 + i)
-                for i, (adapter, (r, alpha, modules, params, rslora)) in enumerate(MOE_ADAPTERS.items())}
+                adapter: make_moe_adapter(model_dir, root / adapter, *spec, seed=40 + i)
+                for i, (adapter, spec) in enumerate(MOE_ADAPTERS.items())}
         return cache[name]
 
     return get

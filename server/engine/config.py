@@ -10,14 +10,14 @@ import torch
 
 from kernels.int4_weights import check_group_size
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
+# SUPPORTED_ARCHS: importable from here as before the registry (server.engine.architectures).
+from server.engine.architectures import ARCHITECTURES, SUPPORTED_ARCHS, architecture_refusal  # noqa: F401
 from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fields, split_layer_ropes
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 from server.engine.moe_config import MOE_ARCHS, MoeConfigError, moe_fields
 from server.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Phi3ForCausalLM", *GEMMA_ARCHS, *MOE_ARCHS)
 # Per-head RMSNorm of the queries and keys before rope.
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Whose configs say use_sliding_window (false unless set); the others apply sliding_window when given.
@@ -119,8 +119,8 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelConfigError(f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        if arch not in ARCHITECTURES:
+            raise ModelConfigError(architecture_refusal(arch))
         heads = cfg["num_attention_heads"]
         # Transformers 5 writes rope_parameters (with rope_theta inside); 4.x writes rope_theta + rope_scaling.
         rope, local_rope = split_layer_ropes(dict(cfg.get("rope_parameters") or {}))

@@ -22,6 +22,7 @@ from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
 from server.engine.async_step import AsyncScheduling
 from server.engine.block_manager import BlockManager
+from server.engine.architectures import ARCHITECTURES
 from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
@@ -156,9 +157,9 @@ def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_len: int) -> tuple[int, list, CausalLM]:
     """The slot count, the slots' LoRA buffers and the model that reads them."""
-    if mcfg.is_moe and config.quantization is not None:
+    if config.quantization is not None and not ARCHITECTURES[mcfg.architecture].quantization:
         raise ModelConfigError(f"quantization {config.quantization!r} is not supported for {mcfg.architecture} "
-                               f"(mixture-of-experts weights are served as the checkpoint's floats)")
+                               f"(its weights are served as the checkpoint's floats)")
     weights = load_weights(config.model, mcfg, dtype, device, config.quantization, config.int4_group_size,
                            config.require_gptq_checkpoint)
     # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).

@@ -1,5 +1,5 @@
 """Mixtral and Qwen3-MoE with LoRA on attention and experts (tests.fixtures_moe): mixed batches of base rows
-and adapters of ranks 8, 4 and 2 (on both fused expert weights, on one each) give transformers + peft's
+and adapters of ranks 8, 4 and 2 (on both fused expert weights, on one each) and a DoRA one on attention give transformers + peft's
 greedy tokens and logprobs (float32, 1e-4), in one forward pass, through chunked prefill, and through
 preemption and prefix-cache hits; what is not served is refused by name."""
 from __future__ import annotations
@@ -21,11 +21,11 @@ from tests.fixtures_moe import MOE_MODELS, VOCAB
 from tests.server.engine.test_engine_architectures import reference
 from tests.server.engine.test_engine_logprobs import assert_matches
 
-NAMES = ["r8_all", None, "r4_qv", "r2_experts", "r8_all", None, "r2_experts"]
+NAMES = ["r8_all", None, "r4_qv", "r2_experts", "r8_all", "dora_r16", None, "r2_experts"]
 
 
 def make_llm(model_dir, adapters, **kw) -> LLM:
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=3, kv_cache_blocks=128, max_model_len=256, **kw)
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256, **kw)
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     return llm
@@ -136,3 +136,12 @@ def test_qwen3_moe_through_the_triton_kernels(moe_model, peft_oracle):
     prompts = random_prompts(3, (10, 20), VOCAB, seed=74)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), adapters=names)
     assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 4, peft_oracle)
+
+
+def test_registry_says_what_each_architecture_supports():
+    from server.engine.architectures import ARCHITECTURES, architecture_refusal
+
+    assert {a for a, s in ARCHITECTURES.items() if s.moe} == {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+    assert all(s.quantization and s.gguf and s.dora == "all" for s in ARCHITECTURES.values() if not s.moe)
+    assert architecture_refusal("DbrxForCausalLM").startswith("architecture DbrxForCausalLM is not supported")
+    assert "\n" not in architecture_refusal("DbrxForCausalLM")
