@@ -1,7 +1,7 @@
-"""Mixtral and Qwen3-MoE with LoRA on attention and experts (tests.fixtures_moe): mixed batches of base rows
-and adapters of ranks 8, 4 and 2 (on both fused expert weights, on one each) and a DoRA one on attention give transformers + peft's
-greedy tokens and logprobs (float32, 1e-4), in one forward pass, through chunked prefill, and through
-preemption and prefix-cache hits; what is not served is refused by name."""
+"""Mixtral and Qwen3-MoE with LoRA on attention and experts (tests.fixtures_moe): mixed batches of base rows,
+adapters of ranks 8, 4 and 2 (on both fused expert weights, on one each) and a DoRA one on attention give
+transformers + peft's greedy tokens and logprobs (float32, 1e-4), in one forward pass, through chunked
+prefill, and through preemption and prefix-cache hits; what is not served is refused by name."""
 from __future__ import annotations
 
 import json
