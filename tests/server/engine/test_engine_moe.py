@@ -13,11 +13,11 @@ import torch
 
 from adapters.format import AdapterFormatError, ModelShape, load_adapter_dir
 from kernels.expert_batch import ExpertBatch
+from server.demo_moe import MOE_MODELS, VOCAB, make_moe_adapter
 from server.engine import LLM, ModelConfig, SamplingParams
 from server.engine.config import ModelConfigError
 from tests.engine_helpers import (
     assert_matches_peft, generate_in_one_batch, generate_through_preemption_and_prefix_hits, random_prompts)
-from tests.fixtures_moe import MOE_MODELS, VOCAB
 from tests.server.engine.test_engine_architectures import reference
 from tests.server.engine.test_engine_logprobs import assert_matches
 
@@ -145,3 +145,22 @@ def test_registry_says_what_each_architecture_supports():
     assert all(s.quantization and s.gguf and s.dora == "all" for s in ARCHITECTURES.values() if not s.moe)
     assert architecture_refusal("DbrxForCausalLM").startswith("architecture DbrxForCausalLM is not supported")
     assert "\n" not in architecture_refusal("DbrxForCausalLM")
+
+
+def test_rank_and_alpha_patterns_apply_to_expert_parameters(moe_model, tmp_path, peft_oracle):
+    """PEFT matches rank_pattern / alpha_pattern keys against the parameter's name (model.layers.1.mlp.experts
+    .down_proj), as against a module's."""
+    model_dir, _ = moe_model("mixtral")
+    adapters = {"patterned": make_moe_adapter(
+        model_dir, tmp_path / "patterned", 8, 16, ["q_proj"], ["experts.gate_up_proj", "experts.down_proj"], seed=49,
+        rank_pattern={"layers.1.mlp.experts.down_proj": 3}, alpha_pattern={"gate_up_proj": 4})}
+    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    adapter = load_adapter_dir(adapters["patterned"], shape, 64)
+    assert adapter.weights[(1, "experts.0.down_proj")].rank == 3
+    assert adapter.weights[(0, "experts.0.down_proj")].rank == 8
+    assert adapter.weights[(0, "experts.1.gate_up_proj")].scaling == 0.5
+    llm = make_llm(model_dir, adapters)
+    names = ["patterned", None]
+    prompts = random_prompts(2, (8, 20), VOCAB, seed=75)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), adapters=names)
+    assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 5, peft_oracle)
