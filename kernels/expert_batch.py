@@ -35,22 +35,24 @@ class ExpertBatch:
         """top_experts [T, k] int64, top_weights [T, k] (the router's); token_slots [T] int32 (None: no
         adapter rows); num_slots: the slot count L (the sort key's radix)."""
         t, k = top_experts.shape
+        radix = num_slots + 1
         tokens = torch.arange(t, device=top_experts.device).repeat_interleave(k)  # [P]
         experts = top_experts.reshape(-1)
-        slots = (token_slots.long()[tokens] if token_slots is not None
-                 else torch.full_like(experts, -1))
-        order = torch.argsort(experts * (num_slots + 1) + slots + 1, stable=True)  # token order kept within a group
-        experts, slots, tokens = experts[order], slots[order], tokens[order]
-        counts = torch.bincount(experts, minlength=num_experts).tolist()
+        slots = token_slots.long()[tokens] if token_slots is not None else torch.full_like(experts, -1)
+        keys = experts * radix + slots + 1
+        order = torch.argsort(keys, stable=True)  # token order kept within an (expert, slot) group
+        found, lens = torch.unique_consecutive(keys[order], return_counts=True)
+        host = torch.cat([found, lens]).tolist()  # the step's one host read per layer
+        found, lens = host[: len(host) // 2], host[len(host) // 2:]
+        per_expert = [0] * num_experts
+        groups, start = [], 0
+        for key, n in zip(found, lens):
+            per_expert[key // radix] += n
+            if key % radix:
+                groups.append((start, n, key // radix, key % radix - 1))
+            start += n
         bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
-        groups = ()
-        if token_slots is not None:
-            keys, lens = torch.unique_consecutive(experts * (num_slots + 1) + slots + 1, return_counts=True)
-            starts = torch.cumsum(lens, 0) - lens
-            groups = tuple((s, n, key // (num_slots + 1), key % (num_slots + 1) - 1)
-                           for s, n, key in zip(starts.tolist(), lens.tolist(), keys.tolist())
-                           if key % (num_slots + 1) != 0)
-        return cls(tokens, experts.int(), slots.int(), top_weights.reshape(-1)[order], tuple(bounds), groups,
-                   rank_bound)
+        for n in per_expert:
+            bounds.append(bounds[-1] + n)
+        return cls(tokens[order], experts[order].int(), slots[order].int(), top_weights.reshape(-1)[order],
+                   tuple(bounds), tuple(groups), rank_bound)

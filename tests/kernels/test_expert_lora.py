@@ -13,8 +13,10 @@ from kernels.expert_batch import ExpertBatch
 
 pytestmark = pytest.mark.unit
 
-E, L, R, IN, OUT, TOKENS, TOP_K = 3, 3, 8, 40, 72, 9, 2
-RANKS = (8, 3, 5)  # slot s holds an adapter of rank RANKS[s]; rows past it stay zero, as in the engine
+E, L, R, IN, OUT, TOKENS, TOP_K = 3, 3, 40, 40, 72, 9, 2
+# Slot s holds an adapter of rank RANKS[s], rows past it zero as in the engine; several rank tiles
+# (kernels.expert_lora_triton.BLOCK_R).
+RANKS = (40, 3, 21)
 
 
 def operands(device: str = "cpu", dtype=torch.float32):

@@ -16,6 +16,7 @@ from kernels.expert_batch import ExpertBatch
 from server.demo_moe import MOE_MODELS, VOCAB, make_moe_adapter
 from server.engine import LLM, ModelConfig, SamplingParams
 from server.engine.config import ModelConfigError
+from server.engine.engine_startup import _adapter_shape
 from tests.engine_helpers import (
     assert_matches_peft, generate_in_one_batch, generate_through_preemption_and_prefix_hits, random_prompts)
 from tests.server.engine.test_engine_architectures import reference
@@ -88,6 +89,15 @@ def test_adapter_splits_per_expert_as_peft(moe_model):
     assert torch.equal(w.a, a.view(4, 8, -1)[2]) and torch.equal(w.b, b.view(b.shape[0], 8, 4)[:, :, 2])
     assert adapter.weights[(1, "experts.3.down_proj")].a.shape == (8, 48)
     assert w.scaling == 2.0
+
+
+@pytest.mark.parametrize("model", sorted(MOE_MODELS))
+def test_upload_and_engine_check_adapters_against_one_shape(model, moe_model):
+    """The server checks an upload against ModelShape.from_hf_config, the engine loads against its own."""
+    model_dir, _ = moe_model(model)
+    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    assert shape == _adapter_shape(ModelConfig.from_dir(model_dir)) and shape.num_experts == 4
+    assert shape.moe_intermediate_size == 48
 
 
 def test_routing_groups_pairs_by_expert_then_slot():
