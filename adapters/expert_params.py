@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from adapters.pattern_match import dotted_suffixes
 from adapters.peft_config import AdapterFormatError
 
 # The experts module's parameters in definition order (the order PEFT nests its wrappers in).
@@ -47,10 +48,11 @@ def targeted_expert_weights(cfg: Mapping[str, Any], num_layers: int, num_experts
     for field in ("layers_to_transform", "layers_pattern", "exclude_modules"):
         if cfg.get(field):
             raise AdapterFormatError(f"{source}: {field} with target_parameters is not supported", field)
+    wanted = set(targets)  # t matches a name equal to it or ending in "." + t: one of its dotted suffixes
     out = {}
     for layer in range(num_layers):
         names = {w: expert_param_name(layer, w) for w in EXPERT_WEIGHTS}
-        hit = tuple(w for w, n in names.items() if any(n == t or n.endswith("." + t) for t in targets))
+        hit = tuple(w for w, n in names.items() if not wanted.isdisjoint(dotted_suffixes(n)))
         if hit:
             out[layer] = hit
     if not out:
