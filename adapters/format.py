@@ -29,6 +29,8 @@ import torch
 
 # PROJECTIONS and AdapterFormatError stay importable from here: callers use adapters.format.
 from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
+from adapters.expert_params import (
+    EXPERT_WEIGHTS, expert_param_name, expert_projection, targeted_expert_weights, weight_at_depth)
 from adapters.pattern_resolver import resolve_modules
 from adapters.peft_config import (
     FUSED_MODULES, FUSED_PROJECTIONS, PROJECTIONS, AdapterFormatError, _parse_config, _positive_int)
@@ -40,7 +42,10 @@ _ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
 # Architectures whose checkpoints (and so PEFT's module names) fuse q/k/v and gate/up.
 FUSED_PROJECTION_ARCHS = ("Phi3ForCausalLM",)
 # Every module name an adapter tensor may carry, in the order modules are planned.
-_ORDER = {proj: i for i, proj in enumerate(dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS))}
+_EXPERT_PROJECTIONS = tuple(f"experts.{w}" for w in EXPERT_WEIGHTS)
+_ORDER = {proj: i for i, proj in enumerate(dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS + _EXPERT_PROJECTIONS))}
+# An MoE model's Linear modules: attention only (its experts are parameters, adapters/expert_params).
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -54,6 +59,9 @@ _KEY_RE = re.compile(
     r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.(self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)\."
     r"(?:lora_(A|B)(?:\.default)?\.weight|lora_(magnitude)_vector(?:\.default\.weight)?)")
+# PEFT's target_parameters LoRA on a layer's fused experts: nested wrappers add `base_layer.`s.
+_EXPERT_KEY_RE = re.compile(r"base_model\.model\.model\.layers\.(0|[1-9][0-9]*)\.mlp\.experts\."
+                            r"((?:base_layer\.)*)lora_(A|B)(?:\.default)?\.weight")
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,8 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int | None = None  # bounds an aLoRA's invocation token ids; None: not checked
     fused_projections: bool = False  # PEFT sees qkv_proj and gate_up_proj (FUSED_PROJECTION_ARCHS)
+    num_experts: int = 0  # an MoE model's experts per layer (0: dense), adapted by target_parameters
+    moe_intermediate_size: int = 0  # one expert's intermediate width
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
@@ -80,19 +90,28 @@ class ModelShape:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
-        fused = (cfg.get("architectures") or [None])[0] in FUSED_PROJECTION_ARCHS
+        arch = (cfg.get("architectures") or [None])[0]
+        experts = (cfg.get("num_local_experts", 8) if arch == "MixtralForCausalLM" else
+                   cfg.get("num_experts") or cfg.get("num_local_experts") or 0 if arch == "Qwen3MoeForCausalLM" else 0)
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
-                   kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"), fused)
+                   kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"), arch in FUSED_PROJECTION_ARCHS,
+                   experts, cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0)
 
     @property
     def projections(self) -> tuple[str, ...]:
         """The Linear modules of a layer as PEFT names them."""
+        if self.num_experts:
+            return _ATTENTION_PROJECTIONS
         return FUSED_PROJECTIONS if self.fused_projections else PROJECTIONS
+
+    def experts_of(self, proj: str) -> int:
+        """How many experts module `proj` stacks (its LoRA rank is that times r); 1 for a Linear."""
+        return self.num_experts if proj in _EXPERT_PROJECTIONS else 1
 
     def parts(self, proj: str) -> tuple[tuple[str, int, int], ...]:
         """(projection, first row, end row) of module `proj`'s output that each engine projection
         takes: a fused module's lora_B rows split into the projections it fuses."""
-        if proj not in FUSED_MODULES:
+        if proj not in FUSED_MODULES or self.num_experts:  # an expert weight is split per expert, not by rows
             return ((proj, 0, self.in_out(proj)[1]),)
         out, start = [], 0
         for part in FUSED_MODULES[proj]:
@@ -107,6 +126,9 @@ class ModelShape:
         table = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
                  "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
+        if self.num_experts:  # one expert's share of each fused expert weight
+            mi = self.moe_intermediate_size
+            table |= {"experts.gate_up_proj": (h, 2 * mi), "experts.down_proj": (mi, h)}
         if proj not in table:
             raise ValueError(f"unknown projection {proj!r}; expected one of {PROJECTIONS + FUSED_PROJECTIONS}")
         return table[proj]
@@ -165,6 +187,7 @@ class _Module:
     b_key: str
     m_key: str | None        # DoRA's magnitude vector; None for plain LoRA
     parts: tuple[tuple[str, int, int], ...]  # ModelShape.parts: the engine projections it feeds
+    experts: int = 1         # a fused expert weight's experts: A [E * r, in], B [out, E * r], split per expert
 
 
 @dataclass(frozen=True)
@@ -253,10 +276,13 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
         raise AdapterFormatError(f"{config_source}: {why}", param=INVOCATION_FIELD)
     names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers)
              for proj in _projections(cfg, shape)}
-    resolved = resolve_modules(cfg, list(names.values()), config_source)
+    experts = targeted_expert_weights(cfg, shape.num_layers, shape.num_experts, config_source)
+    params = {(layer, f"experts.{w}"): expert_param_name(layer, w) for layer, hit in experts.items() for w in hit}
+    resolved = resolve_modules(cfg, list(names.values()), config_source, parameters=list(params.values()))
+    names |= params
     expected = {slot for slot, name in names.items() if name in resolved.ranks}
 
-    keys = _tensor_keys(header, shape, max_lora_rank, source)
+    keys = _tensor_keys(header, shape, max_lora_rank, source, experts)
     use_rslora = cfg.get("use_rslora", False)
     use_dora = cfg.get("use_dora", False)
     modules: dict[tuple[int, str], _Module] = {}
@@ -279,7 +305,14 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
                                      "does not set use_dora=true")
         rank, module_alpha = resolved.ranks[name], resolved.alphas[name]
         in_f, out_f = shape.in_out(slot[1])
+        n_exp = shape.experts_of(slot[1])
         a_shape, b_shape = header.tensors[ab["A"]].shape, header.tensors[ab["B"]].shape
+        if n_exp > 1:  # checked as one expert's share: [r, in] and [out, r]
+            if a_shape[0] != n_exp * rank or b_shape[1] != n_exp * rank:
+                raise AdapterFormatError(
+                    f"{source}: {name}: tensors have {a_shape[0]}/{b_shape[1]} rows/columns (lora_A/lora_B) but "
+                    f"{n_exp} experts at r={rank} (r, rank_pattern) need {n_exp * rank}")
+            a_shape, b_shape = (rank, a_shape[1]), (b_shape[0], rank)
         if a_shape[0] != rank or b_shape[1] != rank:
             raise AdapterFormatError(
                 f"{source}: {name}: tensors have rank {a_shape[0]}/{b_shape[1]} (lora_A/lora_B) but "
@@ -295,9 +328,10 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
                 f"[{out_f}] (out_features)")
         scaling = module_alpha / math.sqrt(rank) if use_rslora else module_alpha / rank
         check_scaling(name, scaling, module_alpha, rank, use_rslora, config_source)
-        modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"], ab.get("M"), shape.parts(slot[1]))
+        modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"], ab.get("M"), shape.parts(slot[1]),
+                                n_exp)
 
-    size = sum(4 * (m.rank * (m.in_features + m.out_features) + (m.out_features if m.m_key else 0))
+    size = sum(4 * (m.experts * m.rank * (m.in_features + m.out_features) + (m.out_features if m.m_key else 0))
                for m in modules.values())
     if max_bytes is not None and size > max_bytes:
         raise AdapterFormatError(f"{source}: adapter size {size} bytes (as float32) is above the limit "
@@ -311,17 +345,19 @@ def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
     """The module names an adapter is matched against: the model's, except that on a fused model an
     adapter listing split names (q_proj, gate_proj, ...: what a converter to the Llama layout writes) is
     matched against those, each feeding its rows of the fused projection."""
-    target = cfg["target_modules"]
+    target = cfg.get("target_modules")
     split = set(PROJECTIONS) - set(FUSED_PROJECTIONS)
     if shape.fused_projections and isinstance(target, list) and any(t.rsplit(".", 1)[-1] in split for t in target):
         return PROJECTIONS
     return shape.projections
 
 
-def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int,
-                 source: str) -> dict[tuple[int, str], dict[str, str]]:
-    """(layer, proj) -> {"A": key, "B": key}; per-tensor checks that need no config."""
-    unexpected = [k for k in header.tensors if not _KEY_RE.fullmatch(k)]
+def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int, source: str,
+                 experts: Mapping[int, tuple[str, ...]]) -> dict[tuple[int, str], dict[str, str]]:
+    """(layer, proj) -> {"A": key, "B": key}; per-tensor checks that need no more of the config than
+    `experts` (adapters.expert_params.targeted_expert_weights: which saved key is which expert weight)."""
+    unexpected = [k for k in header.tensors if not _KEY_RE.fullmatch(k)
+                  and not (shape.num_experts and _EXPERT_KEY_RE.fullmatch(k))]
     if unexpected:
         shown = ", ".join(repr(k) for k in sorted(unexpected)[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
@@ -329,7 +365,17 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
                                  f"(and DoRA lora_magnitude_vector) of {', '.join(shape.projections)} are served")
     out: dict[tuple[int, str], dict[str, str]] = {}
     for key, info in header.tensors.items():
-        layer_s, parent, proj, ab, magnitude = _KEY_RE.fullmatch(key).groups()
+        per_expert = 1
+        if (expert_match := _EXPERT_KEY_RE.fullmatch(key)) is not None:
+            layer_s, wrappers, ab = expert_match.groups()
+            parent, magnitude, per_expert = "mlp", None, shape.num_experts
+            weight = weight_at_depth(experts.get(int(layer_s), ()), wrappers.count("base_layer."))
+            if weight is None:
+                raise AdapterFormatError(f"{source}: tensor {key!r} is for an expert weight that adapter_config.json's "
+                                         "target_parameters does not target", "target_parameters")
+            proj = f"experts.{weight}"
+        else:
+            layer_s, parent, proj, ab, magnitude = _KEY_RE.fullmatch(key).groups()
         part = ab or "M"
         layer = int(layer_s)
         if (parent == "self_attn") != (proj in _ATTENTION):
@@ -346,6 +392,10 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
                                      f"{shape.num_layers} layers")
         if not magnitude:  # a magnitude vector has no rank: its length is checked against the module
             rank = info.shape[0] if part == "A" else info.shape[1]
+            if rank % per_expert:
+                raise AdapterFormatError(f"{source}: tensor {key!r} has {rank} rank rows, not a multiple of the "
+                                         f"model's {per_expert} experts")
+            rank //= per_expert
             if rank > max_lora_rank:
                 raise AdapterFormatError(f"{source}: tensor {key!r} has rank {rank}, above max_lora_rank "
                                          f"{max_lora_rank}")
@@ -364,7 +414,7 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
         # copy=True: never alias a memory-mapped file or the caller's buffer.
         a = get(m.a_key).to(torch.float32, copy=True).contiguous()     # a: [r, in]
         b = get(m.b_key).to(torch.float32, copy=True).contiguous()     # b: [out, r]
-        if a.shape != (m.rank, m.in_features) or b.shape != (m.out_features, m.rank):
+        if a.shape != (m.experts * m.rank, m.in_features) or b.shape != (m.out_features, m.experts * m.rank):
             raise AdapterFormatError(f"{source}: file changed while loading ({m.a_key!r})")
         check_weights(m.name, a, b, m.scaling, source)
         magnitude = None
@@ -373,6 +423,13 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             if magnitude.shape != (m.out_features,):
                 raise AdapterFormatError(f"{source}: file changed while loading ({m.m_key!r})")
             check_magnitude(m.name, magnitude, source)
+        if m.experts > 1:  # expert e: A rows e*r.., B columns e::E (adapters.expert_params)
+            a_e, b_e = a.view(m.experts, m.rank, m.in_features), b.view(m.out_features, m.rank, m.experts)
+            weight = slot[1].removeprefix("experts.")
+            for e in range(m.experts):
+                weights[(slot[0], expert_projection(e, weight))] = LoraWeights(
+                    a_e[e].contiguous(), b_e[:, :, e].contiguous(), m.scaling)
+            continue
         # A fused module's delta, row block by row block, is its parts' deltas: x A^T B[lo:hi]^T.
         for proj, lo, hi in m.parts:
             part_b = b if (lo, hi) == (0, m.out_features) else b[lo:hi].contiguous()

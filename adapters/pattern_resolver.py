@@ -51,10 +51,13 @@ class ResolvedModules:
     canonical_json: bytes          # the canonical adapter_config.json
 
 
-def resolve_modules(cfg: Mapping[str, Any], names: Sequence[str], source: str, *,
+def resolve_modules(cfg: Mapping[str, Any], names: Sequence[str], source: str, *, parameters: Sequence[str] = (),
                     timeout_s: float = RESOLVE_TIMEOUT_S) -> ResolvedModules:
-    """Which of `names` (the model's projection modules, in order) cfg targets, with rank and alpha each."""
-    target = cfg["target_modules"]
+    """Which of `names` (the model's projection modules, in order) cfg targets, with rank and alpha each;
+    `parameters`: the parameters its target_parameters names (an MoE model's fused experts), which get
+    rank and alpha by the same patterns (PEFT matches rank_pattern against the parameter's name), and
+    are in `ranks` and `alphas` after the modules."""
+    target = cfg.get("target_modules") or []
     if isinstance(target, list):
         suffixes = {s for n in names for s in pattern_match.dotted_suffixes(n)}
         for t in target:
@@ -66,7 +69,7 @@ def resolve_modules(cfg: Mapping[str, Any], names: Sequence[str], source: str, *
     spec = {field: cfg.get(field) for field in
             ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")}
     spec.update(rank_keys=list(rank_pattern), alpha_keys=list(alpha_pattern))
-    probed = [*names, *_OUTSIDE]
+    probed = [*names, *_OUTSIDE, *parameters]
     regexes = pattern_match.regex_patterns(spec, probed)
     if len(regexes) <= MAX_INLINE_PATTERNS and all(_PLAIN.fullmatch(p) for p in regexes):
         try:
@@ -88,16 +91,19 @@ def resolve_modules(cfg: Mapping[str, Any], names: Sequence[str], source: str, *
     rank_keys, alpha_keys = list(rank_pattern), list(alpha_pattern)
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
-    for name, rank_i, alpha_i in zip(names, answer["rank"], answer["alpha"]):
-        if targeted[name]:
+    for name, rank_i, alpha_i in zip(probed, answer["rank"], answer["alpha"]):
+        if targeted[name] and name not in _OUTSIDE or name in parameters:
             ranks[name] = rank_pattern[rank_keys[rank_i]] if rank_i >= 0 else r
             alphas[name] = alpha_pattern[alpha_keys[alpha_i]] if alpha_i >= 0 else alpha
     if not ranks:
         raise AdapterFormatError(f"{source}: the config targets no projection of the model")
-    canonical = {**cfg, "target_modules": list(ranks), "exclude_modules": None, "layers_to_transform": None,
+    modules = [n for n in ranks if n not in parameters]
+    canonical = {**cfg, "target_modules": modules, "exclude_modules": None, "layers_to_transform": None,
                  "layers_pattern": None,
                  "rank_pattern": {re.escape(n): v for n, v in ranks.items() if v != r},
                  "alpha_pattern": {re.escape(n): v for n, v in alphas.items() if v != alpha}}
+    if parameters:
+        canonical["target_parameters"] = list(parameters)
     # ASCII: the bytes are stored and re-parsed; strings were checked encodable at parse.
     canonical_json = json.dumps(canonical, indent=2, ensure_ascii=True).encode("ascii")
     return ResolvedModules(MappingProxyType(ranks), MappingProxyType(alphas), canonical_json)

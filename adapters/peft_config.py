@@ -53,7 +53,6 @@ _UNSUPPORTED_TRUTHY = MappingProxyType({
     "fan_in_fan_out": "fan_in_fan_out=true (Conv1D-style weights) is not supported",
     "modules_to_save": "modules_to_save must be empty: fully trained modules are not served",
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
-    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
     "layer_replication": "layer_replication is not supported",
     "use_qalora": "QALoRA (use_qalora) is not supported",
     "velora_config": "the VeLoRA variant (velora_config) is not supported",
@@ -139,7 +138,15 @@ def _check_targets(cfg: Mapping[str, Any], source: str) -> None:
     if pattern and layers is None:
         raise AdapterFormatError(f"{source}: layers_pattern needs layers_to_transform")
 
+    params = cfg.get("target_parameters")
+    if params is not None and (not isinstance(params, list) or not all(isinstance(t, str) for t in params)):
+        raise AdapterFormatError(f"{source}: target_parameters must be a list of parameter names", "target_parameters")
+    if params and cfg.get("use_dora"):  # PEFT's ParamWrapper refuses it too
+        raise AdapterFormatError(f"{source}: use_dora with target_parameters (DoRA on MoE experts) is not supported",
+                                 "use_dora")
     target = cfg.get("target_modules")
+    if params and target in (None, []):  # only parameters targeted: PEFT takes target_modules=[] then
+        return
     if isinstance(target, str):
         if layers is not None or pattern is not None:
             raise AdapterFormatError(f"{source}: layers_to_transform/layers_pattern cannot be used with a "

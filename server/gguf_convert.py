@@ -49,6 +49,9 @@ def hf_config(g: GGUFFile) -> dict:
     if arch not in ARCHS:
         raise GGUFError(f"{g.path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCHS)})")
     hf_arch, model_type, _ = ARCHS[arch]
+    if md.get(f"{arch}.expert_count"):  # llama.cpp writes Mixtral as a llama with ffn_*_exps tensors
+        raise GGUFError(f"{g.path}: mixture-of-experts GGUF ({md[f'{arch}.expert_count']} experts) is not supported; "
+                        "serve the Hugging Face directory instead")
 
     def key(name: str, default=None):
         value = md.get(f"{arch}.{name}", default)

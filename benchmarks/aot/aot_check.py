@@ -33,19 +33,31 @@ from pathlib import Path
 import torch
 
 from benchmarks.aot import aot
-from benchmarks.aot.aot_shapes import DTYPES, MODELS, EngineShape, meta_engine, scenarios
+from benchmarks.aot.aot_shapes import DTYPES, MODELS, EngineShape, is_moe, meta_engine, meta_experts_step, scenarios
 from server.engine.kernel_choice import triton_ops
 from server.engine.kv_cache_dtype import KV_CACHE_DTYPES
 from server.engine.warmup import step_inputs, warmup_steps
 
 TARGETS = (90, 80)
 QUANTIZED_MATMULS = {"int8": "_int8_linear_kernel", "int4": "_int4_linear_kernel"}  # --quantization -> its kernel
+EXPERT_KERNELS = {"_expert_shrink_kernel", "_expert_expand_kernel"}  # launched by MoE models only
 
 
 def capture_shape(shape: EngineShape) -> tuple[dict[str, list[aot.Launch]], list[aot.Launch]]:
-    """(scenario name -> launches, warm-up launches) of one engine shape's forward passes on meta."""
-    model, kv, scratch = meta_engine(shape)
+    """(scenario name -> launches, warm-up launches) of one engine shape's forward passes on meta (an MoE
+    shape's: its experts' LoRA launches, aot_shapes.meta_experts_step)."""
     ops = triton_ops()
+    if is_moe(shape):
+        def run_experts(steps) -> list[aot.Launch]:
+            with aot.capture() as launches:
+                for step in steps:
+                    meta_experts_step(shape, ops, step)
+            return launches
+
+        return ({name: run_experts(steps) for name, steps in scenarios(shape).items()},
+                run_experts(warmup_steps(shape.max_lora_rank, shape.max_num_batched_tokens, shape.max_model_len,
+                                         DTYPES[shape.dtype])))
+    model, kv, scratch = meta_engine(shape)
 
     def run(steps) -> list[aot.Launch]:
         with aot.capture() as launches:
@@ -97,9 +109,10 @@ def check(shapes: list[EngineShape], jobs: int, only: set[str] | None = None) ->
                 launches_per_kernel[name] = launches_per_kernel.get(name, 0) + n
             errors += errs
         captured = time.perf_counter() - start
-        # Only an int8 (int4) shape launches the int8 (int4) matmul: a run without one does not miss it.
+        # Only an int8 (int4) shape launches the int8 (int4) matmul: a run without one does not miss it;
         not_asked = {kernel for quant, kernel in QUANTIZED_MATMULS.items()
                      if all(s.quantization != quant for s in shapes)}
+        not_asked |= EXPERT_KERNELS if not any(is_moe(s) for s in shapes) else set()  # nor one without an MoE model
         errors += [f"kernel {name} was never launched by any step"
                    for name in aot.unlaunched(launches_per_kernel) if name not in not_asked]
         todo = sorted(((k, v) for k, v in variants.items() if only is None or k[0] in only),
@@ -175,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = args.dtypes or (list(DTYPES) if args.full else ["bf16", "fp32"])
     shapes = [EngineShape(m, d, r, kv_cache_dtype=kv) for m in args.models for d in dtypes
               for r in args.max_lora_ranks for kv in args.kv_cache_dtypes] if "none" in args.quantizations else []
+    # MoE models are served unquantized (server.engine.architectures).
     shapes += [EngineShape(m, d, args.max_lora_ranks[0], quantization=quant) for quant in QUANTIZED_MATMULS
-               if quant in args.quantizations for m in args.models for d in dtypes]
+               if quant in args.quantizations for m in args.models for d in dtypes
+               if not is_moe(EngineShape(m, d, args.max_lora_ranks[0]))]
     # A meta torch.cat imports torch._dynamo (2 s): once here, not once per forked worker.
     torch.cat([torch.empty(1, device="meta")] * 2)
     out = check(shapes, args.jobs, set(args.compile_only) if args.compile_only else None)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.expert_batch import ExpertBatch
 from server.engine.config import ModelConfig
 from server.engine.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype_name
 from server.engine.kv_cache import allocate_lora_slots
@@ -32,6 +33,12 @@ MODELS = {
                     "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    # Its attention is Llama-3-8B's; what it adds is the experts' LoRA (meta_experts_step).
+    "mixtral-8x7b": {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+                     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": False},
 }
 
 
@@ -104,6 +111,31 @@ def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, 
            torch.empty(pool, dtype=shape.cache_dtype, device="meta"))]
     scratch = torch.empty(3, shape.max_num_batched_tokens, shape.max_lora_rank, dtype=dtype, device="meta")
     return model, kv, scratch
+
+
+def is_moe(shape: EngineShape) -> bool:
+    return ModelConfig.from_dict(MODELS[shape.model]).is_moe
+
+
+def meta_experts_step(shape: EngineShape, ops, step: SyntheticStep) -> None:
+    """An MoE layer's expert LoRA launches for a step of `step`'s tokens, on meta. The forward itself cannot
+    run on meta (its routing reads the router's choices on the host), and its attention and projections
+    are a dense model's launches (the AOT set has them); so the experts' calls are made directly, every
+    routed pair on an adapter, as many as the step's tokens times top-k."""
+    cfg = ModelConfig.from_dict({**MODELS[shape.model], "num_hidden_layers": 1})
+    dtype = DTYPES[shape.dtype]
+    groups = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta")[0]
+    pairs = sum(s.query_len for s in step.seqs) * cfg.num_experts_per_tok
+
+    def meta(*size: int, dt=dtype) -> torch.Tensor:
+        return torch.empty(size, dtype=dt, device="meta")
+
+    batch = ExpertBatch(meta(pairs, dt=torch.int64), meta(pairs, dt=torch.int32), meta(pairs, dt=torch.int32),
+                        meta(pairs), (0,) * cfg.num_experts + (pairs,), (), step.rank)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    for group, width_in, width_out in (("experts_gate_up", h, 2 * i), ("experts_down", i, h)):
+        lora = groups[group]
+        ops.lora.apply_experts(meta(pairs, width_in), lora.a, lora.b, lora.scaling, batch, meta(pairs, width_out))
 
 
 def _slot(i: int) -> int:

@@ -12,7 +12,6 @@ machine's other work does not dilute it) and of wall time.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine.bench_int8 import decode_tok_s
+from benchmarks.engine.decode_rounds import decode_rounds_parser
 from server.demo import PHI3_MODULES, SEVEN, make_adapter, make_base_model
 from server.engine import LLM
 
@@ -31,12 +31,7 @@ ARCHS = {"llama": {}, "qwen3": {}, "phi3": {},
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqs", type=int, default=8, help="decoding sequences per batch (default 8)")
-    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per round (default 16)")
-    ap.add_argument("--rounds", type=int, default=5, help="paired rounds (default 5)")
-    ap.add_argument("--json", default="bench-out/architectures-cpu.json")
-    args = ap.parse_args()
+    args = decode_rounds_parser(__doc__, "bench-out/architectures-cpu.json").parse_args()
     llms = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arch, overrides in ARCHS.items():

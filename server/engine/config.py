@@ -10,17 +10,18 @@ import torch
 
 from kernels.int4_weights import check_group_size
 from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threads
+# SUPPORTED_ARCHS: importable from here as before the registry (server.engine.architectures).
+from server.engine.architectures import ARCHITECTURES, SUPPORTED_ARCHS, architecture_refusal  # noqa: F401
 from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fields, split_layer_ropes
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
+from server.engine.moe_config import MOE_ARCHS, MoeConfigError, moe_fields
 from server.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Phi3ForCausalLM", *GEMMA_ARCHS)
 # Per-head RMSNorm of the queries and keys before rope.
-QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Whose configs say use_sliding_window (false unless set); the others apply sliding_window when given.
-OPT_IN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+OPT_IN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # One step's tokens at most. Kernel offsets are int64, so this is not about overflow: it bounds one
 # step's activations (Llama-3-8B's gate_up output alone is 3.8 GB at this many bf16 tokens) and the
 # LoRA scratch allocated up front ([3, tokens, max_lora_rank]), and keeps every launch grid's y and z
@@ -82,12 +83,22 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     layer_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None
+    # Mixture of experts (server.engine.moe_config): experts per layer (0: a dense MLP), experts each
+    # token uses, one expert's intermediate width, and whether the top-k router weights are renormalised.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -108,8 +119,8 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelConfigError(f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        if arch not in ARCHITECTURES:
+            raise ModelConfigError(architecture_refusal(arch))
         heads = cfg["num_attention_heads"]
         # Transformers 5 writes rope_parameters (with rope_theta inside); 4.x writes rope_theta + rope_scaling.
         rope, local_rope = split_layer_ropes(dict(cfg.get("rope_parameters") or {}))
@@ -133,7 +144,8 @@ class ModelConfig:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch not in OPT_IN_WINDOW_ARCHS) else None
         try:
             extra = gemma_fields(cfg, arch, local_rope) if arch in GEMMA_ARCHS else {"qk_norm": arch in QK_NORM_ARCHS}
-        except GemmaConfigError as e:
+            extra |= moe_fields(cfg, arch) if arch in MOE_ARCHS else {}
+        except (GemmaConfigError, MoeConfigError) as e:
             raise ModelConfigError(str(e)) from None
         if cfg.get("hidden_act", "silu") != "silu" and arch not in GEMMA_ARCHS:
             raise ModelConfigError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu)")

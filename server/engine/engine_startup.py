@@ -22,7 +22,8 @@ from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
 from server.engine.async_step import AsyncScheduling
 from server.engine.block_manager import BlockManager
-from server.engine.config import EngineConfig, ModelConfig
+from server.engine.architectures import ARCHITECTURES
+from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
 from server.engine.detokenizer import IncrementalDetokenizer
@@ -150,12 +151,16 @@ def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
     """The widths an adapter must match to be served on this model."""
     return ModelShape(num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, q_size=mcfg.q_size,
                       kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
-                      fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS)
+                      fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS, num_experts=mcfg.num_experts,
+                      moe_intermediate_size=mcfg.moe_intermediate_size)
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_len: int) -> tuple[int, list, CausalLM]:
     """The slot count, the slots' LoRA buffers and the model that reads them."""
+    if config.quantization is not None and not ARCHITECTURES[mcfg.architecture].quantization:
+        raise ModelConfigError(f"quantization {config.quantization!r} is not supported for {mcfg.architecture} "
+                               f"(its weights are served as the checkpoint's floats)")
     weights = load_weights(config.model, mcfg, dtype, device, config.quantization, config.int4_group_size,
                            config.require_gptq_checkpoint)
     # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
@@ -211,6 +216,7 @@ def _capture_decode_graphs(config: EngineConfig, device: torch.device, kernels: 
     """Decode steps of up to the largest batch the scheduler forms replay a captured graph (CUDA, Triton
     kernels, unless enforce_eager). Not with the torch kernels: their padded LoRA gathers every row's
     weights (kernels.lora_cpu), which a graph would keep for good (~1 GB at Llama-3-8B widths, 256 rows)."""
-    if device.type == "cuda" and kernels.name == "triton" and not config.enforce_eager:
+    # Not for an MoE model: its routing sizes each expert's matmul on the host, step by step.
+    if device.type == "cuda" and kernels.name == "triton" and not config.enforce_eager and not runner.model.cfg.is_moe:
         rows = min(config.max_num_seqs, config.max_num_batched_tokens)
         runner.use_padded_decode(max_loras, rows, max_model_len).capture()

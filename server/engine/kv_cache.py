@@ -8,6 +8,7 @@ import torch
 
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.kv_cache_dtype import kv_cache_dtype_label
+from server.engine.lora.expert_buffers import ExpertLoraBuffers
 from server.engine.lora.slots import LoraGroupBuffers
 
 
@@ -115,13 +116,20 @@ def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
 
 
 def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
-    """Per layer, the slot buffers of each fused projection group."""
+    """Per layer, the slot buffers of each fused projection group (an MoE layer's experts: one group per
+    fused expert weight, server.engine.lora.expert_buffers)."""
     h, q, kv, inter = mcfg.hidden_size, mcfg.q_size, mcfg.kv_size, mcfg.intermediate_size
-    shapes = {"qkv": (h, (q, kv, kv)), "o": (q, (h,)), "gate_up": (h, (inter, inter)), "down": (inter, (h,))}
-    return [
-        {
-            group: LoraGroupBuffers.allocate(in_f, outs, max_loras, max_rank, dtype, device)
-            for group, (in_f, outs) in shapes.items()
-        }
-        for _ in range(mcfg.num_layers)
-    ]
+    shapes = {"qkv": (h, (q, kv, kv)), "o": (q, (h,))}
+    if not mcfg.is_moe:
+        shapes |= {"gate_up": (h, (inter, inter)), "down": (inter, (h,))}
+
+    def layer() -> dict:
+        groups = {group: LoraGroupBuffers.allocate(in_f, outs, max_loras, max_rank, dtype, device)
+                  for group, (in_f, outs) in shapes.items()}
+        if mcfg.is_moe:
+            e, i = mcfg.num_experts, mcfg.moe_intermediate_size
+            groups["experts_gate_up"] = ExpertLoraBuffers.allocate(e, h, 2 * i, max_loras, max_rank, dtype, device)
+            groups["experts_down"] = ExpertLoraBuffers.allocate(e, i, h, max_loras, max_rank, dtype, device)
+        return groups
+
+    return [layer() for _ in range(mcfg.num_layers)]

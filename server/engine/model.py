@@ -22,6 +22,8 @@ from server.engine.config import ModelConfig
 from server.engine.host_memory import return_freed_memory
 from server.engine.kernel_ops import KernelOps
 from server.engine.lora.slots import LoraGroupBuffers
+from server.engine.moe_block import MoeBlock
+from server.engine.moe_weights import take_experts
 from server.engine.rope import RotaryEmbedding
 from server.engine.workspace import Workspace
 
@@ -129,9 +131,16 @@ class DecoderLayer:
 
         self.qkv = base("qkv")
         self.o = base("o_proj")
-        self.gate_up = base("gate_up")
-        self.down = base("down_proj")
+        # An MoE layer's experts in place of the dense MLP (server.engine.moe_block).
+        self.moe = (MoeBlock(cfg, w.pop("experts"), lora["experts_gate_up"], lora["experts_down"]) if cfg.is_moe
+                    else None)
+        self.gate_up = None if cfg.is_moe else base("gate_up")
+        self.down = None if cfg.is_moe else base("down_proj")
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+
+    def projections(self) -> list[LoraLinear]:
+        """The layer's LoRA-served linear layers (an MoE layer's experts are not among them)."""
+        return [lin for lin in (self.qkv, self.o, self.gate_up, self.down) if lin is not None]
 
     def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext,
                  rope: tuple[torch.Tensor, torch.Tensor], ws: Workspace) -> torch.Tensor:
@@ -162,6 +171,9 @@ class DecoderLayer:
         else:
             h += self.post_norm(o)
             x = self.pre_mlp_norm(h)
+        if self.moe is not None:
+            h += self.moe(x, ctx)
+            return h
         gate, up = self.gate_up(x, ctx, ws.gate_up[:t]).split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
         act = torch.mul(self.act(gate), up, out=ws.act[:t])
         down = self.down(act, ctx, ws.down[:t])
@@ -203,8 +215,8 @@ class CausalLM:
         self.lm_head = quantize_int8(lm_head) if quantize_lm_head else lm_head  # [V, H], float or int8
         self.rope = rope
         self.layers = [
-            DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant,
-                         int4_group_size, i)
+            DecoderLayer(cfg, layer_weights(weights, i, cfg), lora_layers[i], rope, quantization,
+                         self.workspace.dequant, int4_group_size, i)
             for i in range(cfg.num_layers)
         ]
         if some.device.type == "cpu":
@@ -214,7 +226,7 @@ class CausalLM:
         """What the decoder projections and the lm_head are stored as, the projections' bytes on the
         device (quantized or not), and every base weight's bytes by dtype (`bytes_by_dtype`, totalling
         `bytes`; a tied lm_head counted once): /admin/engine's `base_weights`."""
-        lins = [lin.weight for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        lins = [lin.weight for layer in self.layers for lin in layer.projections()]
         kinds = {type(w).__name__ for w in lins}
         assert len(kinds) == 1, "every projection is stored alike"
         first = lins[0]
@@ -236,8 +248,9 @@ class CausalLM:
             norms = (layer.input_norm, layer.post_norm, layer.pre_mlp_norm, layer.post_mlp_norm, layer.q_norm,
                      layer.k_norm)
             held += [norm.weight for norm in norms if norm is not None]
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for lin in layer.projections():
                 held += [lin.weight, lin.bias]
+            held += layer.moe.weight_tensors() if layer.moe is not None else []
         tensors = [t for w in held if w is not None for t in _stored_tensors(w)]
         return list({id(t): t for t in tensors}.values())  # a tied lm_head is the embedding itself
 
@@ -275,8 +288,9 @@ def _stored_tensors(weight) -> list[torch.Tensor]:
     return [v for f in fields(weight) if isinstance(v := getattr(weight, f.name), torch.Tensor)]
 
 
-def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
-    """One layer's tensors, with q/k/v and gate/up fused along the output dimension.
+def layer_weights(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> dict:
+    """One layer's tensors, with q/k/v and gate/up fused along the output dimension (an MoE layer's
+    experts stacked under "experts": server.engine.moe_weights.ExpertWeights).
 
     Takes the layer's tensors out of `weights`: the unfused projections are freed as each layer is
     fused, so loading peaks at one layer's extra copy (not 9 GB on Llama-3-8B) and the KV pool is
@@ -288,14 +302,25 @@ def layer_weights(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.T
         "input_layernorm.weight": take(p + "input_layernorm.weight"),
         "post_attention_layernorm.weight": take(p + "post_attention_layernorm.weight"),
         "o_proj.weight": take(p + "self_attn.o_proj.weight"),
-        "down_proj.weight": take(p + "mlp.down_proj.weight"),
     }
+    if cfg.is_moe:
+        w["qkv.weight"] = _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        w["experts"] = take_experts(weights, cfg, i)
+        return w | _norms_and_biases(weights, p)
+    w["down_proj.weight"] = take(p + "mlp.down_proj.weight")
     if p + "self_attn.qkv_proj.weight" in weights:  # fused in the checkpoint (checkpoint_layout)
         w["qkv.weight"] = take(p + "self_attn.qkv_proj.weight")
         w["gate_up.weight"] = take(p + "mlp.gate_up_proj.weight")
     else:
         w["qkv.weight"] = _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         w["gate_up.weight"] = _fuse([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    return w | _norms_and_biases(weights, p)
+
+
+def _norms_and_biases(weights, p: str) -> dict:
+    """Layer `p`'s optional tensors: q/k and sandwich norms, biases (q/k/v fused, gate/up fused)."""
+    take = weights.pop
+    w = {}
     for norm in ("self_attn.q_norm", "self_attn.k_norm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
         if p + f"{norm}.weight" in weights:
             w[f"{norm.removeprefix('self_attn.')}.weight"] = take(p + f"{norm}.weight")

@@ -50,7 +50,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     if not cfg.tie_word_embeddings:
         required.append("lm_head.weight")
     for i in range(cfg.num_layers):
-        required += layer_keys(cfg, i)
+        required += layer_keys(cfg, i, weights)
     missing = [k for k in required if k not in weights]
     if missing:
         raise ModelConfigError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -55,7 +55,7 @@ def test_default_set_compiles_every_kernel_for_hopper_and_ampere(tmp_path: Path)
     report = json.loads(out.read_text())
     assert report["ok"] and not report["errors"]
     assert set(report["kernels"]) == set(aot.all_kernels())  # every kernel in kernels/ was launched and compiled
-    assert {s.split("/")[0] for s in report["shapes"]} == {"llama3-8b", "qwen2-7b", "llama3.2-1b"}
+    assert {s.split("/")[0] for s in report["shapes"]} == {"llama3-8b", "qwen2-7b", "llama3.2-1b", "mixtral-8x7b"}
     for name, k in report["kernels"].items():
         for cap, limit in aot.SHARED_LIMITS.items():
             t = k[f"sm_{cap}"]
@@ -166,7 +166,7 @@ def test_capture_records_launches_without_running_them() -> None:
 def test_every_kernel_is_found_and_an_unlaunched_one_is_reported() -> None:
     kernels = {"_sgmv_shrink_kernel", "_bgmv_shrink_kernel", "_sgmv_expand_kernel", "_bgmv_expand_kernel",
                "_write_kv_kernel", "_paged_attention_kernel", "_decode_kernel", "_combine_splits_kernel",
-               "_int8_linear_kernel", "_int4_linear_kernel"}
+               "_int8_linear_kernel", "_int4_linear_kernel", "_expert_shrink_kernel", "_expert_expand_kernel"}
     assert set(aot.all_kernels()) == kernels
     assert aot.unlaunched(kernels) == []
     assert aot.unlaunched(kernels - {"_combine_splits_kernel"}) == ["_combine_splits_kernel"]

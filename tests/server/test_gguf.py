@@ -200,3 +200,20 @@ def test_bad_files_are_refused_with_reasons(tmp_path, gguf_model):
         ServerConfig(data_dir=tmp_path, admin_token="x" * 16, model=str(tmp_path / "cut.bin"))
     config = ServerConfig(data_dir=tmp_path, admin_token="x" * 16, model=str(path))
     assert config.model_id == path.name.removesuffix(".gguf")
+
+
+def test_mixture_of_experts_gguf_is_refused_in_one_line(tmp_path):
+    """llama.cpp writes Mixtral as a llama with an expert count (and ffn_*_exps tensors): refused by name."""
+    from server.gguf_convert import hf_config
+
+    path = tmp_path / "mixtral.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"mixture-of-experts GGUF \(8 experts\) is not supported"):
+        hf_config(GGUFFile(path))

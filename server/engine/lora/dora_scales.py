@@ -49,7 +49,9 @@ class DoraScales:
     @classmethod
     def of_model(cls, model) -> "DoraScales":
         """From a server.engine.model.CausalLM: the weights its LoraLinear layers serve."""
-        return cls([{g: getattr(layer, attr).weight for g, attr in _GROUP_ATTRS.items()} for layer in model.layers])
+        return cls([{g: getattr(layer, attr).weight for g, attr in _GROUP_ATTRS.items()
+                     if getattr(layer, attr) is not None}  # an MoE layer's experts: no DoRA there
+                    for layer in model.layers])
 
     @torch.inference_mode()
     def compute(self, layer: int, group: str, row: int, a: torch.Tensor, b: torch.Tensor, scaling: float,

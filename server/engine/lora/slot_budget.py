@@ -38,7 +38,7 @@ def slot_bytes(mcfg: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
         n = 0
         for layer in allocate_lora_slots(mcfg, slots, max_rank, dtype, "meta"):
             for g in layer.values():
-                n += sum(t.numel() * t.element_size() for t in (g.a, *g.b, g.scaling, g.dora_scale))
+                n += sum(t.numel() * t.element_size() for t in g.tensors())
         return n
 
     return total(2) - total(1)

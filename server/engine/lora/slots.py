@@ -37,6 +37,7 @@ import torch
 from adapters.packed import PackedLoraAdapter
 from server.engine.lora.dora_scale_cache import DoraScaleCache, ScaleStore
 from server.engine.lora.dora_scales import DoraScales
+from server.engine.lora.expert_buffers import expert_target
 
 # Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
 # rank_pattern adapters), so the cache stays bounded.
@@ -85,6 +86,18 @@ class LoraGroupBuffers:
             dora_scale=torch.ones(max_loras + 1, sum(out_sizes), dtype=torch.float32, device=device),
         )
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.a, *self.b, self.scaling, self.dora_scale
+
+    @property
+    def num_modules(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def slot_numel(self) -> int:
+        """Elements one slot holds (A and B^T of every slice)."""
+        return self.a[:, 0].numel() + sum(b[0].numel() for b in self.b)
+
 
 @dataclass(frozen=True)
 class SlotStats:
@@ -132,8 +145,8 @@ class LoraSlots:
         # Explicit device: the caller's thread may not have it current (server.engine.cuda_device).
         self.copy_stream = torch.cuda.Stream(device=some.device) if cuda else None
         groups = [g for layer in layers for g in layer.values()]
-        modules = sum(g.a.shape[0] for g in groups)
-        slot_elems = sum(g.a[:, 0].numel() + sum(b[0].numel() for b in g.b) for g in groups)
+        modules = sum(g.num_modules for g in groups)
+        slot_elems = sum(g.slot_numel for g in groups)
         staging = min(STAGING_BYTES // some.element_size(), slot_elems)
         self.staging = torch.empty(staging, dtype=some.dtype, device=some.device) if cuda else None
         self.scaling_staging = torch.empty(modules, dtype=torch.float32, device=some.device) if cuda else None
@@ -196,7 +209,8 @@ class LoraSlots:
         if self.slot_dora[slot]:
             for groups in self.layers:
                 for buffers in groups.values():
-                    buffers.dora_scale[slot].fill_(1.0)
+                    if buffers.dora_scale is not None:  # expert groups have none (no DoRA there)
+                        buffers.dora_scale[slot].fill_(1.0)
             self.slot_dora[slot] = False
         self.slot_ranks[slot] = 0
         self.rank_table[slot] = 0
@@ -218,9 +232,15 @@ class LoraSlots:
     def _build_targets(self, slot: int, adapter: PackedLoraAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dst, scales = [], []
         for (layer, proj), w in adapter.weights.items():
+            r = w.a.shape[0]
+            if (expert := expert_target(proj)) is not None:
+                group, e = expert
+                a, b_t, scale = self.layers[layer][group].views(slot, e, r)
+                dst += [a, b_t]
+                scales.append(scale)
+                continue
             group, i = PROJECTION_SLICES[proj]
             buffers = self.layers[layer][group]
-            r = w.a.shape[0]
             dst += [buffers.a[i, slot, :r], buffers.b[i][slot, :, :r].t()]
             scales.append(buffers.scaling[i, slot])
         return dst, scales

@@ -5,6 +5,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kernels.expert_batch import ExpertBatch
 from kernels.metadata import LoraBatch
 
 
@@ -33,3 +34,9 @@ class LoraBackend(ABC):
               slice_offsets: tuple[int, ...], batch: LoraBatch, h: torch.Tensor, y: torch.Tensor) -> None:
         """One fused projection's LoRA, both sides: shrink into h (scratch [S, T, R]) then expand onto y,
         every slice; rows of slot -1 are left bit-identical."""
+
+    @abstractmethod
+    def apply_experts(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
+                      batch: ExpertBatch, y: torch.Tensor) -> None:
+        """kernels.expert_lora_ref.expert_lora_apply: an MoE layer's routed pairs x [P, in] through their
+        (expert, slot) LoRA onto y [P, out]; lora_a [E, L, R, in], lora_b [E, L, R, out], scaling [E, L]."""

@@ -1,7 +1,7 @@
 """The Triton strategy: gathered (BGMV) and segmented (SGMV) launches by the step's plan (kernels.lora_triton)."""
 from __future__ import annotations
 
-from kernels import lora_triton
+from kernels import expert_lora_triton, lora_triton
 from server.engine.lora.backends.base import LoraBackend
 
 
@@ -14,3 +14,4 @@ class TritonLoraBackend(LoraBackend):
     shrink = staticmethod(lora_triton.lora_shrink)
     expand = staticmethod(lora_triton.lora_expand)
     apply = staticmethod(lora_triton.lora_apply)
+    apply_experts = staticmethod(expert_lora_triton.expert_lora_apply)
