@@ -8,6 +8,7 @@ import torch
 
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.kv_cache_dtype import kv_cache_dtype_label
+from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraGroupBuffers
 
 
@@ -114,13 +115,17 @@ def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
-    """Per layer, the slot buffers of each fused projection group."""
+def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device,
+                        paging: LoraPaging | None = None):
+    """Per layer, the slot buffers of each fused projection group: `max_loras` slots of max_rank rows, or
+    the layout `paging` gives (entries, and pages of its page rows: server.engine.lora.paging)."""
+    paging = paging or LoraPaging.slots(max_loras, max_rank)
     h, q, kv, inter = mcfg.hidden_size, mcfg.q_size, mcfg.kv_size, mcfg.intermediate_size
     shapes = {"qkv": (h, (q, kv, kv)), "o": (q, (h,)), "gate_up": (h, (inter, inter)), "down": (inter, (h,))}
     return [
         {
-            group: LoraGroupBuffers.allocate(in_f, outs, max_loras, max_rank, dtype, device)
+            group: LoraGroupBuffers.allocate(in_f, outs, paging.entries, paging.page_rows, dtype, device,
+                                             paging.pages)
             for group, (in_f, outs) in shapes.items()
         }
         for _ in range(mcfg.num_layers)

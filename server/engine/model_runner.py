@@ -103,7 +103,9 @@ class ModelRunner:
         seed: int,
         grammar_mask: GrammarMask | None = None,
         slot_dora: list[bool] | None = None,  # live view of LoraSlots.slot_dora
+        page_table: torch.Tensor | None = None,  # LoraSlots.page_table: [L, pages] int32 when paged
     ) -> None:
+        self.page_table = page_table
         self.slot_ranks = slot_ranks
         self.slot_dora = slot_dora
         self.rank_table = rank_table
@@ -122,7 +124,8 @@ class ModelRunner:
     def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
         """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
         self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
-                                   max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora)
+                                   max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora,
+                                   self.page_table)
         return self.padded
 
     def prepare(self, batch: ScheduledBatch, ahead: bool = False) -> StepInputs:
@@ -208,7 +211,7 @@ class ModelRunner:
             ops=self.ops,
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora),
+            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora, self.page_table),
             lora_scratch=self.lora_scratch,
         )
         ids = None if ahead else torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
