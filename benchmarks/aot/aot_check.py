@@ -44,14 +44,14 @@ QUANTIZED_MATMULS = {"int8": "_int8_linear_kernel", "int4": "_int4_linear_kernel
 
 def capture_shape(shape: EngineShape) -> tuple[dict[str, list[aot.Launch]], list[aot.Launch]]:
     """(scenario name -> launches, warm-up launches) of one engine shape's forward passes on meta."""
-    model, kv, scratch = meta_engine(shape)
+    model, kv, scratch, page_table = meta_engine(shape)
     ops = triton_ops()
 
     def run(steps) -> list[aot.Launch]:
         with aot.capture() as launches:
             for step in steps:
                 ids, ctx, rows = step_inputs(step, ops=ops, block_size=shape.block_size, lora_scratch=scratch,
-                                             device="meta")
+                                             device="meta", page_table=page_table)
                 model.forward(ids, kv, ctx, rows)
         return launches
 
@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="base weights (default none int8 int4): int8 and int4 each add each model and dtype at "
                         "the first --max-lora-ranks value, int8 lm_head included (kernels.int8_triton's and "
                         "kernels.int4_triton's launches depend on the projection shapes, not on the rank)")
+    p.add_argument("--lora-page-rows", nargs="+", type=int, default=[16],
+                   help="adapter memory paged by rank: each adds each model and dtype at the first "
+                        "--max-lora-ranks value, read through a page table (default 16; 0: none)")
     p.add_argument("--compile-only", nargs="+", metavar="KERNEL", help="compile only these kernels' variants")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path)
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
               for r in args.max_lora_ranks for kv in args.kv_cache_dtypes] if "none" in args.quantizations else []
     shapes += [EngineShape(m, d, args.max_lora_ranks[0], quantization=quant) for quant in QUANTIZED_MATMULS
                if quant in args.quantizations for m in args.models for d in dtypes]
+    shapes += [EngineShape(m, d, args.max_lora_ranks[0], lora_page_rows=rows) for rows in args.lora_page_rows
+               if rows for m in args.models for d in dtypes]
     # A meta torch.cat imports torch._dynamo (2 s): once here, not once per forked worker.
     torch.cat([torch.empty(1, device="meta")] * 2)
     out = check(shapes, args.jobs, set(args.compile_only) if args.compile_only else None)
