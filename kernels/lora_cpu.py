@@ -65,7 +65,8 @@ def lora_apply(
                       h.dtype, y)
         return
     r = batch.effective_rank(width)
-    w = SlotWeights(lora_a, lora_b, batch.page_table, r)  # A as [L, S, r, in]: contiguous per slot when slot-major
+    # A: contiguous per slot when slot-major
+    w = SlotWeights(lora_a, lora_b, batch.page_table, r, batch.scratch, batch.page_gathers)
     for blk in _long_blocks(batch):
         _apply_block(x, w, scaling, slice_offsets, blk, r, h.dtype, y)
     g = _groups(batch)
@@ -101,11 +102,10 @@ def _apply_block(x, w: SlotWeights, scaling, slice_offsets, blk: _Block, r: int,
     this machine allocating and first touching one ([4037, 3072], 50 MB) cost more than the
     matmul (28 ms against 3.7 ms in place).
     """
-    num_slices = w.lora_a.shape[0]
     rows = slice(blk.start, blk.start + blk.rows)
-    a = w.a(blk.slots).reshape(-1, num_slices * r, x.shape[1]).float()  # [G, S*r, in]
-    hs = _grouped_mm(x[rows].float(), a.transpose(1, 2), blk.offs)  # [n, S*r]
-    hs = _rounded(hs.view(blk.rows, num_slices, r) * scaling.t().index_select(0, blk.row_slots)[:, :, None], h_dtype)
+    a = w.a_rows(blk.slots).float()  # [G, K, in]: every slice's rank rows
+    hs = w.split_slices(_grouped_mm(x[rows].float(), a.transpose(1, 2), blk.offs))  # [n, S, r]
+    hs = _rounded(hs * scaling.t().index_select(0, blk.row_slots)[:, :, None], h_dtype)
     spans = [(off, off + b.shape[1]) for b, off in zip(w.lora_b, slice_offsets)]
     for start, n, s in blk.runs:
         y_run, hs_run = y[start : start + n], hs[start - blk.start : start - blk.start + n]  # [n, W], [n, S, r]
@@ -146,9 +146,8 @@ def _apply_chunks(x, w: SlotWeights, scaling, slice_offsets, g: _Groups, r: int,
     lora_b = w.lora_b
     xs = x[g.rows].float()  # [C, M, in]
     span = g.span if not w.paged else None  # pages are gathered: no span of slots to view in place
-    a = w.a_span(*span) if span is not None else w.a(g.slots)
-    a = a.reshape(chunks, num_slices * r, x.shape[1]).float()  # [C, S*r, in]
-    hs = torch.bmm(xs, a.transpose(1, 2)).view(chunks, width, num_slices, r)  # [C, M, S, r]
+    a = (w.a_rows_span(*span) if span is not None else w.a_rows(g.slots)).float()  # [C, K, in]
+    hs = w.split_slices(torch.bmm(xs, a.transpose(1, 2)))  # [C, M, S, r]
     # Padding rows repeat a real row; `keep` zeroes their share so they add nothing.
     hs = _rounded(hs * (g.keep[:, :, None, None] * _chunk_weights(scaling.t(), g)[:, None, :, None]), h_dtype)
     hs = hs.permute(2, 0, 1, 3)  # [S, C, M, r]

@@ -59,6 +59,29 @@ class SlotWeights:
     lora_b: tuple[torch.Tensor, ...]  # S x [L or P, n_i, rows]
     table: torch.Tensor | None  # [L, pages per slot] int32, or None: not paged
     rank: int  # rank rows used per slot (the step's effective rank)
+    # Gather buffers by shape, reused by every layer of a step (LoraBatch.scratch): a fresh megabyte per
+    # gather cost more in page faults than the copy itself.
+    scratch: dict | None = None
+    # Gathers kept from earlier steps while still exact (LoraBatch.page_gathers), by source and index.
+    kept: dict | None = None
+
+    def _gather(self, src: torch.Tensor, index: torch.Tensor, operand: str) -> torch.Tensor:
+        """src.index_select(0, index): a kept one when there is one, else into the step's buffer for `operand`
+        (one per operand in use at once) and shape when there is a scratch."""
+        if self.kept is not None:
+            key = (src.data_ptr(), src.shape, src.stride(), index.numpy().tobytes())
+            found = self.kept.get(key)
+            if found is None:
+                found = self.kept[key] = src.index_select(0, index)
+            return found
+        if self.scratch is None:
+            return src.index_select(0, index)
+        shape = (index.shape[0], *src.shape[1:])
+        key = ("lora-page-gather", operand, src.dtype, shape)
+        out = self.scratch.get(key)
+        if out is None:
+            out = self.scratch[key] = src.new_empty(shape)
+        return torch.index_select(src, 0, index, out=out)
 
     @property
     def paged(self) -> bool:
@@ -66,8 +89,32 @@ class SlotWeights:
 
     def _pages(self, slots: torch.Tensor) -> torch.Tensor:
         """[G * n] int64: the first n = ceil(rank / page rows) pages of each slot, slot by slot."""
-        n = -(-self.rank // self.lora_a.shape[2])
-        return self.table.index_select(0, slots)[:, :n].reshape(-1).long()
+        return self.table.index_select(0, slots)[:, : self._num_pages].reshape(-1).long()
+
+    @property
+    def _num_pages(self) -> int:
+        return -(-self.rank // self.lora_a.shape[2])
+
+    def a_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """[G, K, in]: every slice's rank rows of each slot [G] int64, in the order split_slices undoes (a
+        copy: one gather). Paged, page by page (K = pages x S x page rows), as the pool stores them: no
+        reordering of the weights, only of the small products."""
+        if not self.paged:
+            return self.a(slots).reshape(slots.shape[0], -1, self.lora_a.shape[3])
+        picked = self._gather(self.lora_a.transpose(0, 1), self._pages(slots), "a")  # [G * n, S, rows, in]
+        return picked.view(slots.shape[0], -1, picked.shape[3])
+
+    def a_rows_span(self, lo: int, hi: int) -> torch.Tensor:
+        """a_rows of slots lo..hi-1 (not paged only): a view when the rank is the buffers'."""
+        return self.a_span(lo, hi).reshape(hi - lo, -1, self.lora_a.shape[3])
+
+    def split_slices(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., K] products with a_rows -> [..., S, rank]."""
+        num_slices, lead = self.lora_a.shape[0], h.shape[:-1]
+        if not self.paged:
+            return h.view(*lead, num_slices, self.rank)
+        by_page = h.view(*lead, self._num_pages, num_slices, self.lora_a.shape[2]).transpose(-3, -2)
+        return by_page.reshape(*lead, num_slices, -1)[..., : self.rank]
 
     def a(self, slots: torch.Tensor) -> torch.Tensor:
         """[G, S, rank, in] for slots [G] int64 (a copy)."""
@@ -84,7 +131,7 @@ class SlotWeights:
         rank_major = self.lora_b[i].transpose(1, 2)  # [L or P, rows, n_i]
         if not self.paged:
             return rank_major[:, : self.rank].index_select(0, slots)
-        picked = rank_major.index_select(0, self._pages(slots))  # [G * n, rows, n_i]
+        picked = self._gather(rank_major, self._pages(slots), f"b{i}")  # [G * n, rows, n_i]
         return picked.view(slots.shape[0], -1, picked.shape[2])[:, : self.rank]
 
     def a_span(self, lo: int, hi: int) -> torch.Tensor:

@@ -40,6 +40,9 @@ class LoraBatch:
     # s's rank row r is row r % page_rows of page page_table[s, r // page_rows]. Entries past an adapter's
     # own pages name the zero page. None: one page per slot, slot s's rows at index s (the buffers are slots).
     page_table: torch.Tensor | None = None
+    # Paged, on a CPU: gathers of earlier steps that are still exact (server.engine.lora.page_gathers), or
+    # None. kernels.lora_pages.SlotWeights reads and fills it.
+    page_gathers: dict | None = field(default=None, compare=False, repr=False)
     # Per-step derived data an implementation computes once and every layer reuses.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -80,7 +83,7 @@ class LoraBatch:
     def build(
         cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None,
         slot_rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None,
-        page_table: torch.Tensor | None = None,
+        page_table: torch.Tensor | None = None, page_gathers: dict | None = None,
     ) -> "LoraBatch":
         """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional);
         slot_rank_table the same on the device (optional); slot_dora[s]: slot s holds a DoRA adapter;
@@ -102,6 +105,7 @@ class LoraBatch:
             slot_rank_table=slot_rank_table,
             dora=slot_dora is not None and any(slot_dora[s] for s in active),
             page_table=page_table,
+            page_gathers=page_gathers,
         )
 
     @classmethod

@@ -36,6 +36,7 @@ from server.engine.lora.dora_precompute import DoraPrecompute
 from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
+from server.engine.lora.page_gathers import PageGathers
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraSlots
 from server.engine.mask_lane import MaskBudget
@@ -106,7 +107,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)
     runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
                          device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora,
-                         slots.page_table)
+                         slots.page_table, _page_gathers(slots, device))
     warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device, slots.page_table)
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
     dora_precompute = DoraPrecompute(host, slots.dora_cache)
@@ -192,6 +193,13 @@ def _build_tiers(config: EngineConfig, adapter_source: Fetch | None, device: tor
     # Eviction weighs what an adapter costs to bring back: a device copy from the host tier, or a fetch.
     slots.reload_tier = lambda version: "host" if version in host.entries else "store"
     return host, scheduler
+
+
+def _page_gathers(slots: LoraSlots, device: torch.device) -> PageGathers | None:
+    """Paged on a CPU: the torch path's gathers, kept while exact (server.engine.lora.page_gathers)."""
+    if slots.page_table is None or device.type != "cpu":
+        return None
+    return PageGathers(lambda: slots.loads)
 
 
 def _select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KernelOps:

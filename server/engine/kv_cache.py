@@ -125,7 +125,7 @@ def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype,
     return [
         {
             group: LoraGroupBuffers.allocate(in_f, outs, paging.entries, paging.page_rows, dtype, device,
-                                             paging.pages)
+                                             paging.pages, paging.dora_entries)
             for group, (in_f, outs) in shapes.items()
         }
         for _ in range(mcfg.num_layers)

@@ -5,9 +5,11 @@ and B (kernels.lora_pages), not a slot of `max_lora_rank` rows: with `--max-lora
 adapter takes 1/16 of what a slot takes. The pool has the bytes the slots would have had
 (`max_loras` x max_lora_rank rows, whether max_loras was given or sized from memory,
 server.engine.lora.slot_budget), plus one zero page that every page-table entry past an adapter's own
-pages names. Adapter entries (a row of the scaling, DoRA scale, rank and page tables each) are counted
+pages names. Adapter entries (a row of the scaling, rank and page tables each) are counted
 apart: as many as half the pool's pages, at least max_loras, so mixed ranks are not capped by entries
-before pages while a pool of max-rank adapters spends little on entries it cannot fill.
+before pages. Only the first max_loras entries have a row of DoRA scales (a float32 per output column of
+every projection: 5.5 MB per entry for Llama-3-8B, where a rank-8 page is 42 MB), so as many DoRA
+adapters are resident as slots held, and a pool of max-rank adapters costs what the slots did.
 """
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ class LoraPaging:
     entries: int  # adapters that can be resident at once
     pages_per_entry: int  # width of the page table: max_lora_rank / page_rows
     paged: bool
+    dora_entries: int  # entries 0 .. dora_entries - 1 have a DoRA scale row (DoRA adapters go there)
 
     @classmethod
     def slots(cls, max_loras: int, max_rank: int) -> LoraPaging:
         """Today's layout: one max-rank slot per adapter."""
-        return cls(page_rows=max_rank, pages=max_loras, entries=max_loras, pages_per_entry=1, paged=False)
+        return cls(page_rows=max_rank, pages=max_loras, entries=max_loras, pages_per_entry=1, paged=False,
+                   dora_entries=max_loras)
 
     @classmethod
     def of(cls, max_loras: int, max_rank: int, page_rows: int | None) -> LoraPaging:
@@ -39,7 +43,8 @@ class LoraPaging:
         per_entry = max_rank // page_rows
         data_pages = max_loras * per_entry
         entries = min(MAX_ENTRIES, max(max_loras, data_pages // 2))
-        return cls(page_rows=page_rows, pages=data_pages + 1, entries=entries, pages_per_entry=per_entry, paged=True)
+        return cls(page_rows=page_rows, pages=data_pages + 1, entries=entries, pages_per_entry=per_entry, paged=True,
+                   dora_entries=max_loras)
 
     def pages_for(self, rank: int) -> int:
         """Pages an adapter whose widest module has `rank` rows holds."""

@@ -75,17 +75,19 @@ class LoraGroupBuffers:
     b: tuple[torch.Tensor, ...]  # S x [L, n_i, R], stored as [L, R, n_i] (strides (R*n_i, 1, n_i))
     scaling: torch.Tensor  # [S, L] float32, stored as [L, S]: a slot's scalings are contiguous
     offsets: tuple[int, ...]  # column offset of each slice in the fused output
-    # [L + 1, sum n_i] float32: each slot's DoRA scale per output column (kernels.dora_scale), 1.0 for a
-    # plain-LoRA adapter's slot and for slices a DoRA adapter does not target; row L (all 1.0) is the
-    # base rows'.
+    # [D + 1, sum n_i] float32: each slot's DoRA scale per output column (kernels.dora_scale), 1.0 for a
+    # plain-LoRA adapter's slot and for slices a DoRA adapter does not target; row D (all 1.0) is the
+    # base rows' and that of slots D and on (D = L unless paged: server.engine.lora.paging).
     dora_scale: torch.Tensor
 
     @classmethod
     def allocate(cls, in_features: int, out_sizes: tuple[int, ...], max_loras: int, max_rank: int, dtype, device,
-                 pages: int | None = None):
-        """max_loras adapter entries (scalings, DoRA scales); A and B as `pages` pages of max_rank rows each
-        (None: one per entry, the slots; paged: max_rank is the page's rows, kernels.lora_pages)."""
+                 pages: int | None = None, dora_entries: int | None = None):
+        """max_loras adapter entries (scalings), the first dora_entries of them with DoRA scales (None: all);
+        A and B as `pages` pages of max_rank rows each (None: one per entry, the slots; paged: max_rank is
+        the page's rows, kernels.lora_pages)."""
         pages = max_loras if pages is None else pages
+        dora_entries = max_loras if dora_entries is None else dora_entries
         offsets = tuple(sum(out_sizes[:i]) for i in range(len(out_sizes)))
         return cls(
             # Slot-major A lets the CPU shrink read a span of slots, every slice, in one batched matmul.
@@ -94,7 +96,7 @@ class LoraGroupBuffers:
                     for n in out_sizes),
             scaling=torch.zeros(max_loras, len(out_sizes), dtype=torch.float32, device=device).t(),
             offsets=offsets,
-            dora_scale=torch.ones(max_loras + 1, sum(out_sizes), dtype=torch.float32, device=device),
+            dora_scale=torch.ones(dora_entries + 1, sum(out_sizes), dtype=torch.float32, device=device),
         )
 
 
@@ -212,8 +214,10 @@ class LoraSlots:
         (adapter: its weights, for the pages it needs; None: one page)."""
         if version in self.slot_of:
             return True
+        dora = adapter is not None and adapter.use_dora
         victims = [slot for slot, v in self.idle.items() if v not in self.pinned]
-        if not self.free_slots and not victims:
+        rows = self.paging.dora_entries
+        if self._free_entry(dora) is None and not any(s < rows or not dora for s in victims):
             return False
         if not self.paging.paged:
             return True
@@ -226,12 +230,13 @@ class LoraSlots:
         slot = self.slot_of.get(version)
         if slot is None:
             need = self.pages_for(adapter)
-            while not self.free_slots or (self.paging.paged and len(self.free_pages) < need):
-                victim = self._victim()
+            while (entry := self._free_entry(adapter.use_dora)) is None or (
+                    self.paging.paged and len(self.free_pages) < need):
+                victim = self._victim(dora_row=adapter.use_dora and entry is None)
                 assert victim is not None, "acquire without room: can_acquire first"
                 self._evict(victim)
                 self.evictions += 1
-            slot = self.free_slots.pop()
+            slot = self.free_slots.pop(entry)
             pages = tuple(self.free_pages.pop() for _ in range(need)) if self.paging.paged else (slot,)
             self._load(slot, pages, adapter)
             self.slot_of[version] = slot
@@ -241,12 +246,21 @@ class LoraSlots:
         self.users[version] = self.users.get(version, 0) + 1
         return slot
 
-    def _victim(self) -> str | None:
+    def _free_entry(self, dora: bool) -> int | None:
+        """Index in free_slots of the entry an adapter takes: one with a DoRA scale row for a DoRA adapter,
+        preferably one without for the others (they are the DoRA adapters' only room); None if none fits."""
+        rows = self.paging.dora_entries
+        fits = [i for i, s in enumerate(self.free_slots) if (s < rows) == dora]
+        if not fits and not dora:
+            fits = list(range(len(self.free_slots)))
+        return fits[-1] if fits else None
+
+    def _victim(self, dora_row: bool = False) -> str | None:
         """The idle unpinned version with the most idle time per unit of reload cost (the least recent first
-        among equals); None if every resident adapter is in use or pinned."""
+        among equals), among those holding a DoRA scale row when `dora_row`; None if there is none."""
         best, best_score = None, -1.0
         for slot, version in self.idle.items():  # least recent first: a tie keeps the older
-            if version in self.pinned:
+            if version in self.pinned or (dora_row and slot >= self.paging.dora_entries):
                 continue
             cost = len(self.slot_pages[slot]) * RELOAD_COST[self.reload_tier(version)]
             score = (self.tick - self.released_at.get(version, 0) + 1) / cost

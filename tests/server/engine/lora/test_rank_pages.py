@@ -4,6 +4,7 @@ row names the zero page; adapters in use and pinned ones are never evicted; the 
 per unit of reload cost."""
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 import pytest
@@ -13,6 +14,7 @@ from adapters.format import LoraAdapter, LoraWeights
 from adapters.packed import pack_adapter
 from kernels.lora_pages import dense_a, dense_b
 from kernels.metadata import LoraBatch
+from server.engine.lora.page_gathers import PageGathers
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraGroupBuffers, LoraSlots, PinLimitError
 
@@ -25,7 +27,7 @@ def _slots(max_loras: int = 2, pins: int = 1) -> LoraSlots:
     """max_loras slots' worth of pages of ROWS rows over one layer's o projection."""
     paging = LoraPaging.of(max_loras, MAX_RANK, ROWS)
     layers = [{"o": LoraGroupBuffers.allocate(HIDDEN, (HIDDEN,), paging.entries, ROWS, torch.float32, "cpu",
-                                              paging.pages)}]
+                                              paging.pages, paging.dora_entries)}]
     return LoraSlots(layers, paging.entries, paging=paging, max_pins_per_tenant=pins)
 
 
@@ -169,3 +171,49 @@ def test_not_paged_is_one_max_rank_slot_per_adapter():
 def test_page_rows_must_be_a_power_of_two_dividing_the_max_rank(rows):
     with pytest.raises(ValueError, match="lora_page_rows"):
         LoraPaging.of(2, 24 if rows == 5 else MAX_RANK, rows or -1)
+
+
+def _dora_adapter(rank: int, seed: int):
+    """A DoRA adapter whose magnitudes are already its scales (as the host tier leaves them on a CPU)."""
+    plain = _adapter(rank, seed)
+    w = plain.weights[0, "o_proj"]
+    magnitude = torch.full((HIDDEN,), 2.0)
+    lora = LoraAdapter(rank, ("o_proj",), False, MappingProxyType({(0, "o_proj"): LoraWeights(w.a, w.b, 0.5, magnitude)}),
+                       0, {})
+    return dataclasses.replace(pack_adapter(lora, torch.float32, pin=False), magnitudes_are_scales=True)
+
+
+def test_only_the_first_max_loras_entries_hold_dora_scales():
+    """Entries past max_loras have no DoRA row (it would cost more than a small adapter's pages): DoRA
+    adapters take the first ones, plain adapters the others first, and a DoRA adapter evicts a DoRA one."""
+    slots = _slots(max_loras=2)  # 8 pages, 4 entries, 2 of them with DoRA rows
+    assert slots.paging.dora_entries == 2 and slots.layers[0]["o"].dora_scale.shape[0] == 3
+    slots.dora = object()  # DoRA adapters are served (their scales come precomputed: never called)
+    plain = [slots.acquire(f"p{i}", _adapter(4, i)) for i in range(2)]
+    assert all(s >= 2 for s in plain)
+    dora = [slots.acquire(f"d{i}", _dora_adapter(4, 10 + i)) for i in range(2)]
+    assert all(s < 2 for s in dora) and not slots.free_slots
+    table = slots.layers[0]["o"].dora_scale
+    assert bool((table[dora] == 2.0).all()) and bool((table[2] == 1.0).all())
+    for v in ("p0", "d0"):
+        slots.release(v)
+    assert slots.can_acquire("d2", _dora_adapter(4, 12))
+    slots.acquire("d2", _dora_adapter(4, 12))  # p0 idle longer, but only d0's entry has a DoRA row
+    assert "d0" not in slots.slot_of and "p0" in slots.slot_of
+    slots.release("d2")
+    slots.release("d1")
+    slots.acquire("d3", _dora_adapter(4, 13))
+    freed = [s for s in range(2) if s not in slots.slot_of.values()]
+    assert all(bool((table[s] == 1.0).all()) for s in freed)  # an evicted DoRA entry's row is 1.0 again
+
+
+def test_gathers_are_kept_only_while_no_load_and_the_same_token_slots():
+    slots = _slots()
+    gathers = PageGathers(lambda: slots.loads)
+    first = gathers.for_step([0, 1, -1])
+    first["x"] = 1
+    assert gathers.for_step([0, 1, -1]) is first
+    assert gathers.for_step([1, 0, -1]) is not first  # other rows, other gathers
+    kept = gathers.for_step([1, 0, -1])
+    slots.acquire("a", _adapter(4, 1))  # a load may have rewritten any page
+    assert gathers.for_step([1, 0, -1]) is not kept
