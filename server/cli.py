@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "it; the start banner says who can (repeatable; default none)")
     s.add_argument("--max-loras", type=_max_loras, default=8,
                    help="most distinct adapters in one batch (accelerator slots), or auto: on CUDA as many at "
-                        "--max-lora-rank as fit in 10%% of the memory the weights leave (8 on a CPU); default 8")
+                        "--max-lora-rank as fit in 10%% of the memory the weights leave (8 on a CPU); with "
+                        "--lora-page-rows, that many slots' worth of memory in pages; default 8")
     s.add_argument("--max-lora-rank", type=_positive_int, default=64,
                    help="largest adapter rank accepted, 1..%d; default 64" % MAX_LORA_RANK)
     s.add_argument("--lora-page-rows", type=_positive_int, default=None,
