@@ -16,9 +16,10 @@ from kernels.metadata import LoraBatch
 def dora_scale(y: torch.Tensor, table: torch.Tensor, batch: LoraBatch, bias: torch.Tensor | None) -> None:
     """Scale each row of y by its slot's DoRA scales, then add the bias, in place.
 
-    Semantics: for each row t, with s = batch.token_slots[t] (s = L, the table's last row, for -1):
+    Semantics: for each row t, with s = batch.token_slots[t] (s = D, the table's last row, for -1 and for
+    slots past D: adapter entries without DoRA scales, server.engine.lora.paging):
         y[t, :] = y[t, :] * table[s, :] (product in float32, rounded to y's dtype), then + bias.
-    Shape: y [T, W] (x W^T plus the LoRA delta, no bias yet); table [L + 1, W] float32, row L all 1.0;
+    Shape: y [T, W] (x W^T plus the LoRA delta, no bias yet); table [D + 1, W] float32, row D all 1.0;
         bias [W] or None.
     """
     y.mul_(table.index_select(0, _table_rows(batch, table.shape[0] - 1)))  # [T, W] gathered scales
@@ -27,7 +28,7 @@ def dora_scale(y: torch.Tensor, table: torch.Tensor, batch: LoraBatch, bias: tor
 
 
 def _table_rows(batch: LoraBatch, base_row: int) -> torch.Tensor:
-    """[T] int64: each token's slot, base rows (-1) sent to the table's all-ones row.
+    """[T] int64: each token's slot, base rows (-1) and slots without a DoRA row sent to the all-ones row.
 
     Built once per step and shared by every layer; a padded decode batch's token slots are refilled in
     place under the same LoraBatch (and may be replayed as a CUDA graph), so there it is rebuilt per call.
@@ -41,4 +42,4 @@ def _table_rows(batch: LoraBatch, base_row: int) -> torch.Tensor:
 
 def _rows(token_slots: torch.Tensor, base_row: int) -> torch.Tensor:
     slots = token_slots.long()
-    return torch.where(slots >= 0, slots, torch.full_like(slots, base_row))
+    return torch.where((slots >= 0) & (slots < base_row), slots, torch.full_like(slots, base_row))

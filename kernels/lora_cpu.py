@@ -19,6 +19,10 @@ one adapter's consecutive tokens (a step may use both):
 A is best stored slot-major ([L, S, R, in] in memory, viewed as [S, L, R, in]; see
 server.engine.lora.slots): then one slot's slices are one [S*R, in] matrix, and a span of slots is
 read in place by the shrink's single batched matmul. Other layouts give the same result with a copy.
+
+Paged buffers (batch.page_table set: adapter memory by rank, kernels.lora_pages) are read through the
+table: each step gathers the pages of the slots it uses (kernels.lora_pages.SlotWeights), one
+index_select per operand, in place of the unpaged layout's views.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.lora_pages import SlotWeights
 from kernels.metadata import LoraBatch
 
 SEGMENT_MIN_RUN = 32  # adapter tokens in a run from which its own matmul beats gathered chunks
@@ -50,62 +55,67 @@ def lora_apply(
         rounded once. Rows with slot -1 are left bit-identical; h is not written.
     Shape: x [T, in]; lora_a [S, L, R, in]; lora_b: S tensors [L, n_i, R]; scaling [S, L] float32;
         slice_offsets: S column offsets into y; h [S, T, R] (only its dtype is used); y [T, >= sum n_i].
+        Paged (batch.page_table): lora_a [S, P, p, in] and lora_b S x [P, n_i, p], read through the table.
     """
     if not batch.any_lora:
         return
+    width = batch.slot_width(lora_a.shape[2])
     if batch.padded:
-        _apply_padded(x, lora_a, lora_b, scaling, slice_offsets, batch, h.dtype, y)
+        _apply_padded(x, SlotWeights(lora_a, lora_b, batch.page_table, width), scaling, slice_offsets, batch,
+                      h.dtype, y)
         return
-    r = batch.effective_rank(lora_a.shape[2])
-    by_slot = lora_a.transpose(0, 1)[:, :, :r]  # [L, S, r, in]: a view, contiguous per slot when slot-major
+    r = batch.effective_rank(width)
+    # A: contiguous per slot when slot-major
+    w = SlotWeights(lora_a, lora_b, batch.page_table, r, batch.scratch, batch.page_gathers)
     for blk in _long_blocks(batch):
-        _apply_block(x, by_slot, lora_b, scaling, slice_offsets, blk, r, h.dtype, y)
+        _apply_block(x, w, scaling, slice_offsets, blk, r, h.dtype, y)
     g = _groups(batch)
     if g is not None:
-        _apply_chunks(x, by_slot, lora_b, scaling, slice_offsets, g, r, h.dtype, y)
+        _apply_chunks(x, w, scaling, slice_offsets, g, r, h.dtype, y)
 
 
-def _apply_padded(x, lora_a, lora_b, scaling, slice_offsets, batch: LoraBatch, h_dtype, y) -> None:
+def _apply_padded(x, w: SlotWeights, scaling, slice_offsets, batch: LoraBatch, h_dtype, y) -> None:
     """A padded decode batch: every row gathers its slot's weights, at the slots' full rank, with no
     host value read from the data (no sync: the same ops whatever the step, so a CUDA graph can replay
     them). Rows of slot -1 gather slot 0 and have their share masked off; y keeps them bit-identical.
 
-    x [T, in]; lora_a [S, L, R, in]; y [T, >= sum n_i].
+    x [T, in]; w: every slot at full rank R; y [T, >= sum n_i].
     """
     slots = batch.token_slots.long()  # [T]
     lora_rows = slots >= 0  # [T]
     idx = slots.clamp(min=0)  # [T]
-    a = lora_a.index_select(1, idx).float()  # [S, T, R, in]
+    a = w.a(idx).transpose(0, 1).float()  # [S, T, R, in]
     hs = torch.matmul(a, x.float()[None, :, :, None]).squeeze(-1)  # [S, T, R]
     hs = _rounded(hs * (scaling.index_select(1, idx) * lora_rows)[:, :, None], h_dtype)
-    for hi, b, off in zip(hs, lora_b, slice_offsets):
-        dst = y[:, off : off + b.shape[1]]  # [T, n_i]
-        delta = torch.matmul(b.index_select(0, idx).float(), hi[:, :, None]).squeeze(-1)  # [T, n_i]
+    for i, (hi, off) in enumerate(zip(hs, slice_offsets)):
+        b = w.b(i, idx).float()  # [T, R, n_i]
+        dst = y[:, off : off + b.shape[2]]  # [T, n_i]
+        delta = torch.matmul(hi[:, None, :], b).squeeze(1)  # [T, n_i]
         dst.copy_(torch.where(lora_rows[:, None], (dst.float() + delta).to(y.dtype), dst))
 
 
-def _apply_block(x, by_slot, lora_b, scaling, slice_offsets, blk: _Block, r: int, h_dtype, y) -> None:
+def _apply_block(x, w: SlotWeights, scaling, slice_offsets, blk: _Block, r: int, h_dtype, y) -> None:
     """Adjacent long runs: one grouped matmul shrinks them all, then each run's expand lands in place.
 
-    x [T, in]; by_slot [L, S, r, in]. The expand stays a matmul per run and slice, accumulated
+    x [T, in]; w: the slots' A and B^T at rank r. The expand stays a matmul per run and slice, accumulated
     into the base output (addmm_): a grouped expand returns a new prefill-sized tensor, and on
     this machine allocating and first touching one ([4037, 3072], 50 MB) cost more than the
     matmul (28 ms against 3.7 ms in place).
     """
-    num_slices = by_slot.shape[1]
     rows = slice(blk.start, blk.start + blk.rows)
-    a = by_slot.index_select(0, blk.slots).view(-1, num_slices * r, x.shape[1]).float()  # [G, S*r, in]
-    hs = _grouped_mm(x[rows].float(), a.transpose(1, 2), blk.offs)  # [n, S*r]
-    hs = _rounded(hs.view(blk.rows, num_slices, r) * scaling.t().index_select(0, blk.row_slots)[:, :, None], h_dtype)
-    weights = [(b.transpose(1, 2)[:, :r], off, off + b.shape[1]) for b, off in zip(lora_b, slice_offsets)]
+    a = w.a_rows(blk.slots).float()  # [G, K, in]: every slice's rank rows
+    hs = w.split_slices(_grouped_mm(x[rows].float(), a.transpose(1, 2), blk.offs))  # [n, S, r]
+    hs = _rounded(hs * scaling.t().index_select(0, blk.row_slots)[:, :, None], h_dtype)
+    spans = [(off, off + b.shape[1]) for b, off in zip(w.lora_b, slice_offsets)]
     for start, n, s in blk.runs:
         y_run, hs_run = y[start : start + n], hs[start - blk.start : start - blk.start + n]  # [n, W], [n, S, r]
-        for i, (w, lo, hi) in enumerate(weights):  # w [L, r, n_i]
+        for i, (lo, hi) in enumerate(spans):
             dst = y_run[:, lo:hi]
+            b = w.b_one(i, s)  # [r, n_i]
             if y.dtype == torch.float32:
-                dst.addmm_(hs_run[:, i], w[s])  # in place: no delta the size of the output
+                dst.addmm_(hs_run[:, i], b)  # in place: no delta the size of the output
             else:
-                dst.copy_(dst.float().addmm_(hs_run[:, i], w[s].float()))  # rounded once
+                dst.copy_(dst.float().addmm_(hs_run[:, i], b.float()))  # rounded once
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -129,17 +139,20 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride() if st != 1)
 
 
-def _apply_chunks(x, by_slot, lora_b, scaling, slice_offsets, g: _Groups, r: int, h_dtype, y) -> None:
-    """The short runs' tokens, chunk by chunk: x [T, in]; by_slot [L, S, r, in]."""
+def _apply_chunks(x, w: SlotWeights, scaling, slice_offsets, g: _Groups, r: int, h_dtype, y) -> None:
+    """The short runs' tokens, chunk by chunk: x [T, in]; w: the slots' A and B^T at rank r."""
     chunks, width = g.rows.shape
-    num_slices = by_slot.shape[1]
+    num_slices = w.lora_a.shape[0]
+    lora_b = w.lora_b
     xs = x[g.rows].float()  # [C, M, in]
-    a = _chunk_weights(by_slot, g).reshape(chunks, num_slices * r, x.shape[1]).float()  # [C, S*r, in]
-    hs = torch.bmm(xs, a.transpose(1, 2)).view(chunks, width, num_slices, r)  # [C, M, S, r]
+    span = g.span if not w.paged else None  # pages are gathered: no span of slots to view in place
+    a = (w.a_rows_span(*span) if span is not None else w.a_rows(g.slots)).float()  # [C, K, in]
+    hs = w.split_slices(torch.bmm(xs, a.transpose(1, 2)))  # [C, M, S, r]
     # Padding rows repeat a real row; `keep` zeroes their share so they add nothing.
     hs = _rounded(hs * (g.keep[:, :, None, None] * _chunk_weights(scaling.t(), g)[:, None, :, None]), h_dtype)
     hs = hs.permute(2, 0, 1, 3)  # [S, C, M, r]
-    weights = [_chunk_weights(b.transpose(1, 2)[:, :r], g).float() for b in lora_b]  # S x [C, r, n_i]
+    weights = [(w.b_span(i, *span) if span is not None else w.b(i, g.slots)).float()
+               for i in range(num_slices)]  # S x [C, r, n_i]
     width_out = sum(b.shape[1] for b in lora_b)
     if slice_offsets != _packed_offsets(lora_b) or y.shape[1] != width_out or not y.is_contiguous():
         for hi, wi, off in zip(hs, weights, slice_offsets):

@@ -3,12 +3,14 @@
 Written for clarity, one adapter slot at a time; the CPU engine runs kernels.lora_cpu, which fuses
 both sides and batches the adapters. Slot buffers hold every loaded adapter at the maximum rank;
 rows beyond an adapter's own rank are zero (the slot is zero-filled before reuse), so only the first
-`batch.rank_bound` rank columns carry anything.
+`batch.rank_bound` rank columns carry anything. Paged buffers (batch.page_table set) are read as
+kernels.lora_pages.dense_a / dense_b see them: each slot's pages, in table order, are its rank rows.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels.lora_pages import dense_a, dense_b
 from kernels.metadata import LoraBatch
 
 
@@ -26,7 +28,9 @@ def lora_shrink(
     Rows with slot -1, and rank columns past the effective rank, are not written.
     Shape: x [T, in]; lora_a [S, L, R, in] (S slices, L slots, R max rank);
         batch.token_slots [T]; scaling [S, L] float32; out [S, T, R], written in place.
+        Paged: lora_a [S, P, p, in] (P pages of p rows) and R = p x the page table's width.
     """
+    lora_a = dense_a(lora_a, batch)
     r = batch.effective_rank(lora_a.shape[2])
     for s, rows in _slot_rows(batch):
         hs = torch.matmul(x[rows].float(), lora_a[:, s, :r].float().transpose(1, 2))  # [S, n, r]
@@ -47,8 +51,9 @@ def lora_expand(
         y[t, off[i] : off[i] + n_i] += h[i, t, :R'] @ lora_b[i][s, :, :R'].T
     summed in float32 and rounded once to y's dtype. Rows with slot -1 are left bit-identical.
     Shape: h [S, T, R]; lora_b: S tensors [L, n_i, R]; y [T, sum n_i] (or wider),
-        modified in place; slice_offsets: S column offsets into y.
+        modified in place; slice_offsets: S column offsets into y. Paged: lora_b S x [P, n_i, p].
     """
+    lora_b = dense_b(lora_b, batch)
     assert len(lora_b) == h.shape[0] == len(slice_offsets)
     r = batch.effective_rank(h.shape[2])
     for s, rows in _slot_rows(batch):

@@ -19,6 +19,8 @@ Expand programs index (slice, column tile) along one grid axis, so the narrow
 k/v slices of a fused qkv launch no programs for the wide q slice's columns.
 Slot buffers are used in place at max rank (rows beyond an adapter's own rank
 are zero), so mixed ranks share a launch with no per-batch copy or padding.
+Paged buffers (batch.page_table, kernels.lora_pages) are read in place too, each
+rank row through the page table (the PAGED variants, one per page size).
 Base-model tokens (slot -1) are in no plan: shrink never writes their rows and
 expand never reads or writes them. Row offsets are int64: at ~75k tokens the
 gate_up expand's token x column products pass 2^31.
@@ -63,6 +65,20 @@ def use_gather(batch: LoraBatch) -> bool:
     return not any(batch.plan.num_tiles(h) for h in TILE_ROWS)
 
 
+def num_slots(batch: LoraBatch, weights: torch.Tensor, axis: int) -> int:
+    """Slots the batch can name: the page table's rows when paged, else the buffers' `axis` dimension."""
+    return weights.shape[axis] if batch.page_table is None else batch.page_table.shape[0]
+
+
+def page_args(batch: LoraBatch, rows: int) -> tuple[tuple[torch.Tensor, int], dict]:
+    """((table, its row stride), {PAGED, PAGE}) for a launch over buffers of `rows` rank rows per slot or
+    page; unpaged, a stand-in table the kernels never read."""
+    table = batch.page_table
+    if table is None:
+        return (batch.token_slots, 0), dict(PAGED=False, PAGE=1)
+    return (table, table.stride(0)), dict(PAGED=True, PAGE=rows)
+
+
 def slot_ranks(batch: LoraBatch, num_slots: int) -> torch.Tensor:
     """[L] int32: each slot's own rank for the gathered kernels; without the engine's table, every slot
     at the buffers' full rank (made once per step)."""
@@ -76,10 +92,10 @@ def slot_ranks(batch: LoraBatch, num_slots: int) -> torch.Tensor:
 
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoraBatch, scaling: torch.Tensor,
                   out: torch.Tensor) -> None:
-    num_slices, _, rank, hidden = lora_a.shape
+    num_slices, _, rows, hidden = lora_a.shape
     assert x.shape == (batch.num_tokens, hidden), (x.shape, lora_a.shape)
-    assert out.shape == (num_slices, batch.num_tokens, rank), out.shape
-    assert scaling.shape == lora_a.shape[:2], scaling.shape
+    assert out.shape == (num_slices, batch.num_tokens, batch.slot_width(rows)), out.shape
+    assert scaling.shape == (num_slices, num_slots(batch, lora_a, 1)), scaling.shape
 
 
 def lora_shrink(
@@ -92,7 +108,8 @@ def lora_shrink(
     """Same contract as kernels.lora_ref.lora_shrink; the step's plan picks the form per run.
 
     Semantics: out[i, t, r] = scaling[i, slot[t]] * (x[t] @ lora_a[i, slot[t], r]) for adapter tokens.
-    Shape: x [T, in]; lora_a [S, L, R, in]; scaling [S, L] float32; out [S, T, R].
+    Shape: x [T, in]; lora_a [S, L, R, in]; scaling [S, L] float32; out [S, T, R]. Paged: lora_a
+        [S, P, p, in] read through batch.page_table (kernels.lora_pages), R = p x the table's width.
     """
     _shrink(x, lora_a, batch, scaling, out, batch.plan_for("mixed"))
 
@@ -124,10 +141,11 @@ def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan, spl
     _check_shrink(x, lora_a, batch, scaling, out)
     if not batch.any_lora:
         return
-    num_slices, _, rank, hidden = lora_a.shape
-    rank = batch.effective_rank(rank)
+    num_slices, _, page_rows, hidden = lora_a.shape
+    rank = batch.effective_rank(batch.slot_width(page_rows))
     if rank == 0:
         return  # every active slot's rows are zero: no column to write
+    table, paging = page_args(batch, page_rows)
     tiles = lora_tiles(lora_a.dtype)
     block_r = tiles.rank_block(rank)
     r_blocks = triton.cdiv(rank, block_r)
@@ -135,16 +153,17 @@ def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan, spl
     if plan.num_gather:
         dst, splits, dst_strides = _dst(out, split)
         _bgmv_shrink_kernel[(plan.num_gather, num_slices, splits * r_blocks)](
-            x, lora_a, scaling, dst, plan.gather, slot_ranks(batch, lora_a.shape[1]), hidden, rank, *common,
-            *dst_strides, BLOCK_R=block_r, BLOCK_K=tiles.gather_block(block_r, hidden), SPLIT=split is not None,
+            x, lora_a, scaling, dst, plan.gather, slot_ranks(batch, num_slots(batch, lora_a, 1)), table[0], hidden,
+            rank, table[1], *common, *dst_strides, BLOCK_R=block_r, BLOCK_K=tiles.gather_block(block_r, hidden),
+            SPLIT=split is not None, **paging,
         )
     dst, splits, dst_strides = _dst(out, tile_split)
     for rows in TILE_ROWS:
         if plan.num_tiles(rows):
             _sgmv_shrink_kernel[(plan.num_tiles(rows), num_slices, splits * r_blocks)](
-                x, lora_a, scaling, dst, plan.tiles[rows], hidden, rank, *common, *dst_strides,
+                x, lora_a, scaling, dst, plan.tiles[rows], table[0], hidden, rank, table[1], *common, *dst_strides,
                 BLOCK_M=rows, BLOCK_R=block_r, BLOCK_K=tiles.shrink_k, UPCAST=_upcast(x.dtype, lora_a.dtype),
-                SPLIT=tile_split is not None,
+                SPLIT=tile_split is not None, **paging,
             )
 
 
@@ -166,7 +185,8 @@ def split_k(batch: LoraBatch, lora_a: torch.Tensor, splits: int | None = None,
     one buffer per shape made on first use: a padded decode context reuses its buffers on every
     step, so a captured graph writes and reads them where it did at capture.
     """
-    num_slices, _, rank, hidden = lora_a.shape
+    num_slices, _, page_rows, hidden = lora_a.shape
+    rank = batch.slot_width(page_rows)
     plan = batch.plan
     if form == "gathered":
         rows, programs = plan.num_gather, plan.num_gather
@@ -261,7 +281,7 @@ def _slice_groups(h: torch.Tensor, lora_b: tuple[torch.Tensor, ...], batch: Lora
     assert len(lora_b) == num_slices == len(slice_offsets), (len(lora_b), h.shape, slice_offsets)
     assert num_tokens == batch.num_tokens and y.shape[0] == num_tokens, (h.shape, y.shape)
     for b, off in zip(lora_b, slice_offsets):
-        assert b.shape[2] == rank and b.dtype == lora_b[0].dtype, (b.shape, b.dtype, h.shape)
+        assert batch.slot_width(b.shape[2]) == rank and b.dtype == lora_b[0].dtype, (b.shape, b.dtype, h.shape)
         assert 0 <= off and off + b.shape[1] <= y.shape[1], (off, b.shape, y.shape)
     if not batch.any_lora:
         return
@@ -302,6 +322,8 @@ def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan,
     groups = list(_slice_groups(h, lora_b, batch, y, slice_offsets))  # validates even when there is no work
     if rank == 0:
         return  # every active slot's rows are zero: nothing to add
+    table, paging = page_args(batch, lora_b[0].shape[2])
+    ranks = slot_ranks(batch, num_slots(batch, lora_b[0], 0))
     for widths, first, tensors, ints, strides in groups:
         h_part = h[first:]
         if plan.num_gather:
@@ -309,15 +331,16 @@ def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan,
             block_n = tiles.gather_block(block_r, max(widths))
             nb0, nb1, total = _column_tiles(widths, block_n)
             _bgmv_expand_kernel[(plan.num_gather, total)](
-                src, y, *tensors, plan.gather, slot_ranks(batch, lora_b[0].shape[0]), rank, splits, *ints, nb0, nb1,
+                src, y, *tensors, plan.gather, ranks, table[0], rank, splits, table[1], *ints, nb0, nb1,
                 *strides, *src_strides, *y.stride(), BLOCK_N=block_n, BLOCK_R=block_r, SPLIT=split is not None,
+                **paging,
             )
         src, splits, src_strides = _src(h_part, first, tile_split)
         nb0, nb1, total = _column_tiles(widths, tiles.expand_n)
         for rows in TILE_ROWS:
             if plan.num_tiles(rows):
                 _sgmv_expand_kernel[(plan.num_tiles(rows), total)](
-                    src, y, *tensors, plan.tiles[rows], rank, splits, *ints, nb0, nb1, *strides, *src_strides,
-                    *y.stride(), BLOCK_M=rows, BLOCK_N=tiles.expand_n, BLOCK_R=block_r, UPCAST=upcast,
-                    SPLIT=tile_split is not None,
+                    src, y, *tensors, plan.tiles[rows], table[0], rank, splits, table[1], *ints, nb0, nb1, *strides,
+                    *src_strides, *y.stride(), BLOCK_M=rows, BLOCK_N=tiles.expand_n, BLOCK_R=block_r, UPCAST=upcast,
+                    SPLIT=tile_split is not None, **paging,
                 )

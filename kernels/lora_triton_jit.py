@@ -16,6 +16,10 @@ Argument conventions shared by all four:
   sums the partials in split order before its product: no atomics, so the result is the same bit
   for bit on every run. The split count comes from the grid (shrink) or `num_splits` (expand), both
   fixed per shape and decode bucket (kernels.launch_plan.shrink_splits); never specialised on.
+- PAGED: the buffers are pages of PAGE rank rows (kernels.lora_pages), lora_a [S, P, PAGE, in] and b_i
+  [P, n_i, PAGE], and rank row r of a slot is row r % PAGE of page table[slot, r // PAGE] (table
+  [L, pages] int32, row stride stride_tl): one more load per rank tile, the weights' bytes unchanged.
+  Unpaged, the slot index is the buffer index and r the row (table unread).
 """
 from __future__ import annotations
 
@@ -37,6 +41,19 @@ def _slice_of(c, nb0, nb1):
 
 
 @triton.jit
+def _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, stride_l, stride_r, PAGED: tl.constexpr,
+               PAGE: tl.constexpr):
+    """[BR] int64 element offsets of a slot's rank rows `ranks` in a buffer of (slot or page, row) strides
+    (stride_l, stride_r): through the page table when PAGED (rows past rank_ok read page 0, the zero page)."""
+    if PAGED:
+        page = tl.load(table_ptr + slot * stride_tl + ranks // PAGE, mask=rank_ok, other=0).to(tl.int64)
+        offs = page * stride_l + (ranks % PAGE).to(tl.int64) * stride_r
+    else:
+        offs = slot * stride_l + ranks.to(tl.int64) * stride_r
+    return offs
+
+
+@triton.jit
 def _k_split(K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """(split, rank tile, first feature, end feature) of a split-K shrink program: grid axis 2 is
     (split, rank tile), so the split count is the grid's and no argument carries it; each split takes
@@ -50,14 +67,14 @@ def _k_split(K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "stride_sl"])
 def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr,
-    K, R,
+    x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr, table_ptr,
+    K, R, stride_tl,
     stride_xt, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_ss, stride_sl,
     stride_os, stride_ot, stride_or, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Semantics: program (tile, slice i, rank tile) writes out[i, rows, ranks] = scaling[i, slot] *
     x[rows] @ lora_a[i, slot, ranks].T for the tile's rows (< BLOCK_M) and ranks (< R). SPLIT: program
@@ -83,13 +100,14 @@ def _sgmv_shrink_kernel(
     row_ok = offs_m < length
     ranks = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_ok = ranks < R
-    a_base = a_ptr + sl * stride_as + slot * stride_al
+    a_rows = a_ptr + sl * stride_as + _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, stride_al, stride_ar,
+                                                 PAGED, PAGE)  # [BR]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xt + ks[None, :] * stride_xk,
                     mask=row_ok[:, None] & (ks[None, :] < k_hi), other=0.0)  # [BM, BK]
-        a = tl.load(a_base + ks[:, None] * stride_ak + ranks[None, :] * stride_ar,
+        a = tl.load(a_rows[None, :] + ks[:, None] * stride_ak,
                     mask=(ks[:, None] < k_hi) & rank_ok[None, :], other=0.0)  # [BK, BR]
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
@@ -103,13 +121,14 @@ def _sgmv_shrink_kernel(
 
 @triton.jit(do_not_specialize=["R", "stride_sl"])
 def _bgmv_shrink_kernel(
-    x_ptr, a_ptr, scaling_ptr, out_ptr, gather_ptr, ranks_ptr,
-    K, R,
+    x_ptr, a_ptr, scaling_ptr, out_ptr, gather_ptr, ranks_ptr, table_ptr,
+    K, R, stride_tl,
     stride_xt, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_ss, stride_sl,
     stride_os, stride_ot, stride_or, stride_op,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """Semantics: program (entry, slice i, rank tile) writes out[i, t, ranks] = scaling[i, slot] *
     x[t] @ lora_a[i, slot, ranks].T for its (token t, slot) and ranks < min(R, slot_ranks[slot]) (the
@@ -140,12 +159,13 @@ def _bgmv_shrink_kernel(
         return
     ranks = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_ok = ranks < rank_end
-    a_base = a_ptr + sl * stride_as + slot * stride_al
+    a_rows = a_ptr + sl * stride_as + _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, stride_al, stride_ar,
+                                                 PAGED, PAGE)  # [BR]
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + t * stride_xt + ks * stride_xk, mask=ks < k_hi, other=0.0).to(tl.float32)  # [BK]
-        a = tl.load(a_base + ranks[:, None] * stride_ar + ks[None, :] * stride_ak,
+        a = tl.load(a_rows[:, None] + ks[None, :] * stride_ak,
                     mask=rank_ok[:, None] & (ks[None, :] < k_hi), other=0.0).to(tl.float32)  # [BR, BK]
         acc += tl.sum(a * x[None, :], axis=1)
     scale = tl.load(scaling_ptr + sl * stride_ss + slot * stride_sl)
@@ -155,14 +175,14 @@ def _bgmv_shrink_kernel(
 
 @triton.jit(do_not_specialize=["R", "nb0", "nb1", "num_splits"])
 def _sgmv_expand_kernel(
-    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr,
-    R, num_splits,
+    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr, table_ptr,
+    R, num_splits, stride_tl,
     n0, n1, n2, off0, off1, off2, nb0, nb1,
     sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
     stride_hs, stride_ht, stride_hr, stride_hp,
     stride_yt, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Semantics: program (tile, column tile c) adds h[i, rows, :R] @ b_i[slot, cols, :R].T onto
     y[rows, off_i + cols], where (i, cols) is column tile c of the slices taken in order (nb0 tiles
@@ -188,7 +208,8 @@ def _sgmv_expand_kernel(
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < _pick_slice(sl, n0, n1, n2)
     h_base = h_ptr + sl.to(tl.int64) * stride_hs + rows[:, None] * stride_ht
-    b_base = b_ptr + slot * _pick_slice(sl, sbl0, sbl1, sbl2) + cols[None, :] * _pick_slice(sl, sbn0, sbn1, sbn2)
+    b_base = b_ptr + cols[None, :] * _pick_slice(sl, sbn0, sbn1, sbn2)
+    sbl = _pick_slice(sl, sbl0, sbl1, sbl2)
     sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
@@ -199,7 +220,8 @@ def _sgmv_expand_kernel(
             for j in range(1, num_splits):  # in split order: the same sum on every run
                 h += tl.load(h_base + j * stride_hp + ranks[None, :] * stride_hr,
                              mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
-        b = tl.load(b_base + ranks[:, None] * sbr, mask=rank_ok[:, None] & col_ok[None, :], other=0.0)
+        b_rows = _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, sbl, sbr, PAGED, PAGE)  # [BR]
+        b = tl.load(b_base + b_rows[:, None], mask=rank_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             acc += tl.dot(h.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
@@ -212,13 +234,14 @@ def _sgmv_expand_kernel(
 
 @triton.jit(do_not_specialize=["R", "nb0", "nb1", "num_splits"])
 def _bgmv_expand_kernel(
-    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, gather_ptr, ranks_ptr,
-    R, num_splits,
+    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, gather_ptr, ranks_ptr, table_ptr,
+    R, num_splits, stride_tl,
     n0, n1, n2, off0, off1, off2, nb0, nb1,
     sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
     stride_hs, stride_ht, stride_hr, stride_hp,
     stride_yt, stride_yn,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """Semantics: program (entry, column tile c) adds h[i, t, :r] @ b_i[slot, cols, :r].T onto
     y[t, off_i + cols] for its (token t, slot), r = min(R, slot_ranks[slot]); column tiles as in
@@ -246,7 +269,8 @@ def _bgmv_expand_kernel(
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < _pick_slice(sl, n0, n1, n2)
     h_base = h_ptr + sl.to(tl.int64) * stride_hs + row * stride_ht
-    b_base = b_ptr + slot * _pick_slice(sl, sbl0, sbl1, sbl2) + cols[:, None] * _pick_slice(sl, sbn0, sbn1, sbn2)
+    b_base = b_ptr + cols[:, None] * _pick_slice(sl, sbn0, sbn1, sbn2)
+    sbl = _pick_slice(sl, sbl0, sbl1, sbl2)
     sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, rank_end, BLOCK_R):
@@ -256,7 +280,8 @@ def _bgmv_expand_kernel(
         if SPLIT:
             for j in range(1, num_splits):  # in split order: the same sum on every run
                 h += tl.load(h_base + j * stride_hp + ranks * stride_hr, mask=rank_ok, other=0.0)
-        b = tl.load(b_base + ranks[None, :] * sbr, mask=col_ok[:, None] & rank_ok[None, :],
+        b_rows = _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, sbl, sbr, PAGED, PAGE)  # [BR]
+        b = tl.load(b_base + b_rows[None, :], mask=col_ok[:, None] & rank_ok[None, :],
                     other=0.0).to(tl.float32)  # [BN, BR]
         acc += tl.sum(b * h[None, :], axis=1)
     y_ptrs = y_ptr + t * stride_yt + (_pick_slice(sl, off0, off1, off2) + cols) * stride_yn

@@ -35,8 +35,21 @@ class LoraBatch:
     # Whether a slot that may occur holds a DoRA adapter: the model then scales each row's projections by
     # its slot's DoRA scales (kernels.dora_scale); a step without one skips that.
     dora: bool = False
+    # [L, pages per slot] int32 on the device: the adapter memory is paged by rank (server.engine.lora.slots):
+    # the buffers hold pages of rank rows ([S, P, page rows, in] for A, [P, n_i, page rows] for B) and slot
+    # s's rank row r is row r % page_rows of page page_table[s, r // page_rows]. Entries past an adapter's
+    # own pages name the zero page. None: one page per slot, slot s's rows at index s (the buffers are slots).
+    page_table: torch.Tensor | None = None
+    # Paged, on a CPU: gathers of earlier steps that are still exact (server.engine.lora.page_gathers), or
+    # None. kernels.lora_pages.SlotWeights reads and fills it.
+    page_gathers: dict | None = field(default=None, compare=False, repr=False)
     # Per-step derived data an implementation computes once and every layer reuses.
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def slot_width(self, buffer_rows: int) -> int:
+        """A slot's rank rows seen through the page table: buffer_rows (the buffers' rank dimension) times
+        its pages (one when not paged)."""
+        return buffer_rows if self.page_table is None else buffer_rows * self.page_table.shape[1]
 
     def effective_rank(self, buffer_rank: int) -> int:
         """Rank columns worth computing: rows past every active adapter's rank are zero."""
@@ -70,9 +83,11 @@ class LoraBatch:
     def build(
         cls, token_slots: list[int], device: torch.device | str = "cpu", slot_ranks: list[int] | None = None,
         slot_rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None,
+        page_table: torch.Tensor | None = None, page_gathers: dict | None = None,
     ) -> "LoraBatch":
         """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional);
-        slot_rank_table the same on the device (optional); slot_dora[s]: slot s holds a DoRA adapter."""
+        slot_rank_table the same on the device (optional); slot_dora[s]: slot s holds a DoRA adapter;
+        page_table: where each slot's rank rows live when the buffers are paged (None: not paged)."""
         starts, lens, slots = runs(token_slots)
         gather, tiles = lora_work(starts, lens, slots, GATHER_MAX_SEG_LEN)
         views = pack_int32([token_slots, starts, lens, slots, gather, *(tiles[h] for h in TILE_ROWS)], device)
@@ -89,11 +104,14 @@ class LoraBatch:
             rank_bound=max((slot_ranks[s] for s in active), default=0) if slot_ranks is not None else None,
             slot_rank_table=slot_rank_table,
             dora=slot_dora is not None and any(slot_dora[s] for s in active),
+            page_table=page_table,
+            page_gathers=page_gathers,
         )
 
     @classmethod
     def padded_decode(cls, token_slots: torch.Tensor, gather: torch.Tensor, num_slots: int,
-                      slot_rank_table: torch.Tensor | None = None, dora: bool = False) -> "LoraBatch":
+                      slot_rank_table: torch.Tensor | None = None, dora: bool = False,
+                      page_table: torch.Tensor | None = None) -> "LoraBatch":
         """A padded decode batch over persistent buffers that each step refills in place.
 
         token_slots: [B] int32 view, -1 for base-model and padding rows; gather: [B, 2] int32 view of
@@ -102,6 +120,7 @@ class LoraBatch:
         launch at all), else the slot count: any of them may occur. Nothing here depends on which.
         slot_rank_table: [L] int32, each slot's own rank, updated in place as adapters come and go.
         dora: apply the slots' DoRA scales (kernels.dora_scale), for a step in which a DoRA slot may occur.
+        page_table: [L, pages per slot] int32 when the buffers are paged, updated in place (None: not paged).
         """
         rows = token_slots.shape[0]
         assert gather.shape == (rows, 2), (gather.shape, rows)
@@ -118,6 +137,7 @@ class LoraBatch:
             padded=True,
             slot_rank_table=slot_rank_table,
             dora=dora,
+            page_table=page_table,
         )
 
 

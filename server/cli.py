@@ -80,9 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "it; the start banner says who can (repeatable; default none)")
     s.add_argument("--max-loras", type=_max_loras, default=8,
                    help="most distinct adapters in one batch (accelerator slots), or auto: on CUDA as many at "
-                        "--max-lora-rank as fit in 10%% of the memory the weights leave (8 on a CPU); default 8")
+                        "--max-lora-rank as fit in 10%% of the memory the weights leave (8 on a CPU); with "
+                        "--lora-page-rows, that many slots' worth of memory in pages; default 8")
     s.add_argument("--max-lora-rank", type=_positive_int, default=64,
                    help="largest adapter rank accepted, 1..%d; default 64" % MAX_LORA_RANK)
+    s.add_argument("--lora-page-rows", type=_positive_int, default=None,
+                   help="adapter memory by rank: pages of this many rank rows (a power of two dividing "
+                        "--max-lora-rank), an adapter holding as many as its rank needs, in --max-loras slots' "
+                        "worth of memory; default off: one --max-lora-rank slot per adapter")
+    s.add_argument("--pin-adapter", action="append", metavar="[TENANT/]NAME",
+                   help="keep this adapter on the device once loaded, never evicted (repeatable; TENANT as "
+                        "for --adapter); at most --max-pinned-adapters-per-tenant per tenant (default none)")
+    s.add_argument("--max-pinned-adapters-per-tenant", type=int, default=4,
+                   help="adapters one tenant may pin on the device (--pin-adapter, PUT "
+                        "/admin/tenants/NAME/adapters/ADAPTER/pin), 0 or more; default 4")
     s.add_argument("--enable-lora", action="store_true",
                    help="vLLM's flag, accepted for its scripts: loraplex always serves adapters (default on)")
     s.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",

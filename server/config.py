@@ -6,6 +6,7 @@ import os
 import re
 import secrets
 import socket
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -90,15 +91,24 @@ def _lora_module_base(value: str) -> str | None:
 def parse_adapter_flag(value: str) -> tuple[str | None, str, str]:
     """`[TENANT/]NAME=DIR` -> (tenant or None for the default owner, name, dir)."""
     owned, sep, path = value.partition("=")
-    tenant, slash, name = owned.rpartition("/")
     if not sep or not path:
         raise ConfigError(f"--adapter expects [TENANT/]NAME=DIR, got {value!r}")
+    return (*_owned_name(owned, "--adapter"), path)
+
+
+def parse_pin_flag(value: str) -> tuple[str | None, str]:
+    """--pin-adapter's `[TENANT/]NAME` -> (tenant or None for the default owner, name)."""
+    return _owned_name(value, "--pin-adapter")
+
+
+def _owned_name(owned: str, flag: str) -> tuple[str | None, str]:
+    tenant, slash, name = owned.rpartition("/")
     if slash and not _TENANT_NAME_RE.fullmatch(tenant):
-        raise ConfigError(f"--adapter tenant {tenant!r}: use 1-63 characters from a-z 0-9 _ -, starting with a "
+        raise ConfigError(f"{flag} tenant {tenant!r}: use 1-63 characters from a-z 0-9 _ -, starting with a "
                           f"letter or digit")
     if not valid_adapter_name(name):
-        raise ConfigError(f"--adapter name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ -")
-    return (tenant if slash else None), name, path
+        raise ConfigError(f"{flag} name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ -")
+    return (tenant if slash else None), name
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,9 @@ class ServerConfig:
     adapters: tuple[tuple[str | None, str, str], ...] = ()  # --adapter: (tenant or None: the default owner, name, dir)
     max_loras: int | None = 8  # None: --max-loras auto (server.engine.lora.slot_budget)
     max_lora_rank: int = 64
+    lora_page_rows: int | None = None  # --lora-page-rows: adapter memory in pages of rank rows; None: slots
+    pin_adapters: tuple[tuple[str | None, str], ...] = ()  # --pin-adapter: (tenant or None: the default owner, name)
+    max_pinned_adapters_per_tenant: int = 4
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -199,6 +212,17 @@ class ServerConfig:
         if self.max_lora_rank > MAX_LORA_RANK:
             raise ConfigError(f"--max-lora-rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}: "
                               f"pass --max-lora-rank {MAX_LORA_RANK} or less")
+        rows = self.lora_page_rows
+        # server.engine.lora.paging.check_page_rows' rule; not imported: server.engine loads torch.
+        if rows is not None and (rows < 1 or rows & (rows - 1) or self.max_lora_rank % rows):
+            raise ConfigError(f"--lora-page-rows must be a power of two dividing --max-lora-rank "
+                              f"({self.max_lora_rank}), got {rows}")
+        if self.max_pinned_adapters_per_tenant < 0:
+            raise ConfigError("--max-pinned-adapters-per-tenant must be >= 0")
+        owners = Counter(tenant for tenant, _ in set(self.pin_adapters))
+        if owners and max(owners.values()) > self.max_pinned_adapters_per_tenant:
+            raise ConfigError(f"--pin-adapter names more adapters of one tenant than "
+                              f"--max-pinned-adapters-per-tenant ({self.max_pinned_adapters_per_tenant})")
         if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
             raise ConfigError(f"--max-num-batched-tokens must be at most {MAX_NUM_BATCHED_TOKENS}, got "
                               f"{self.max_num_batched_tokens}")
@@ -345,6 +369,9 @@ class ServerConfig:
             host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             adapters=tuple(parse_adapter_flag(a) for a in args.adapter or ()),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            lora_page_rows=getattr(args, "lora_page_rows", None),
+            pin_adapters=tuple(parse_pin_flag(a) for a in getattr(args, "pin_adapter", None) or ()),
+            max_pinned_adapters_per_tenant=getattr(args, "max_pinned_adapters_per_tenant", 4),
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", AUTO_PREFILL_CAP),

@@ -25,7 +25,8 @@ def engine_config(config: ServerConfig, model_dir: str, shape: ModelShape) -> En
     """`model_dir`: the resolved checkpoint; `shape`: its adapter shape."""
     engine = EngineConfig(
         model=model_dir, device=config.device, dtype=config.dtype,
-        max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+        max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, lora_page_rows=config.lora_page_rows,
+        max_pinned_adapters_per_tenant=config.max_pinned_adapters_per_tenant,
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_blocks=config.kv_cache_blocks,

@@ -57,13 +57,13 @@ def capture_shape(shape: EngineShape) -> tuple[dict[str, list[aot.Launch]], list
         return ({name: run_experts(steps) for name, steps in scenarios(shape).items()},
                 run_experts(warmup_steps(shape.max_lora_rank, shape.max_num_batched_tokens, shape.max_model_len,
                                          DTYPES[shape.dtype])))
-    model, kv, scratch = meta_engine(shape)
+    model, kv, scratch, page_table = meta_engine(shape)
 
     def run(steps) -> list[aot.Launch]:
         with aot.capture() as launches:
             for step in steps:
                 ids, ctx, rows = step_inputs(step, ops=ops, block_size=shape.block_size, lora_scratch=scratch,
-                                             device="meta")
+                                             device="meta", page_table=page_table)
                 model.forward(ids, kv, ctx, rows)
         return launches
 
@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="base weights (default none int8 int4): int8 and int4 each add each model and dtype at "
                         "the first --max-lora-ranks value, int8 lm_head included (kernels.int8_triton's and "
                         "kernels.int4_triton's launches depend on the projection shapes, not on the rank)")
+    p.add_argument("--lora-page-rows", nargs="+", type=int, default=[16],
+                   help="adapter memory paged by rank: each adds each model and dtype at the first "
+                        "--max-lora-ranks value, read through a page table (default 16; 0: none)")
     p.add_argument("--compile-only", nargs="+", metavar="KERNEL", help="compile only these kernels' variants")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path)
@@ -191,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     # MoE models are served unquantized (server.engine.architectures).
     shapes += [EngineShape(m, d, args.max_lora_ranks[0], quantization=quant) for quant in QUANTIZED_MATMULS
                if quant in args.quantizations for m in args.models for d in dtypes
+               if not is_moe(EngineShape(m, d, args.max_lora_ranks[0]))]
+    # MoE models keep slots (server.engine.architectures): pages only for dense shapes.
+    shapes += [EngineShape(m, d, args.max_lora_ranks[0], lora_page_rows=rows) for rows in args.lora_page_rows
+               if rows for m in args.models for d in dtypes
                if not is_moe(EngineShape(m, d, args.max_lora_ranks[0]))]
     # A meta torch.cat imports torch._dynamo (2 s): once here, not once per forked worker.
     torch.cat([torch.empty(1, device="meta")] * 2)

@@ -15,6 +15,7 @@ from kernels.expert_batch import ExpertBatch
 from server.engine.config import ModelConfig
 from server.engine.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype_name
 from server.engine.kv_cache import allocate_lora_slots
+from server.engine.lora.paging import LoraPaging
 from server.engine.model import CausalLM
 from server.engine.warmup import SyntheticSeq, SyntheticStep
 
@@ -56,6 +57,9 @@ class EngineShape:
     # --quantization int8 (with --quantize-lm-head: the vocabulary-wide launch too), int4 (the decoder
     # layers' projections), or None for float weights; fp8 runs torch._scaled_mm, no Triton kernel of ours.
     quantization: str | None = None
+    # --lora-page-rows: adapter memory in pages of this many rank rows, read through a page table (the
+    # kernels' PAGED variants); None: slots.
+    lora_page_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS or self.dtype not in DTYPES:
@@ -70,7 +74,8 @@ class EngineShape:
     def label(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f"/kv-{self.kv_cache_dtype}"
         quant = "" if self.quantization is None else f"/{self.quantization}"
-        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}{quant}"
+        pages = "" if self.lora_page_rows is None else f"/pages{self.lora_page_rows}"
+        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}{quant}{pages}"
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -99,18 +104,23 @@ def meta_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor
     return {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in shapes.items()}
 
 
-def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """(model with one layer, its KV caches, the LoRA scratch), all on meta, as LLMEngine allocates them."""
+def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
+                                              torch.Tensor | None]:
+    """(model with one layer, its KV caches, the LoRA scratch, the adapter page table or None), all on meta,
+    as LLMEngine allocates them."""
     cfg = ModelConfig.from_dict({**MODELS[shape.model], "num_hidden_layers": 1})
     dtype = DTYPES[shape.dtype]
-    lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta")
+    paging = LoraPaging.of(shape.max_loras, shape.max_lora_rank, shape.lora_page_rows)
+    lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta", paging)
+    table = torch.zeros(paging.entries, paging.pages_per_entry, dtype=torch.int32,
+                        device="meta") if paging.paged else None
     model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len, shape.max_num_batched_tokens,
                      shape.quantization, quantize_lm_head=shape.quantization == "int8")
     pool = (shape.num_kv_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
     kv = [(torch.empty(pool, dtype=shape.cache_dtype, device="meta"),
            torch.empty(pool, dtype=shape.cache_dtype, device="meta"))]
     scratch = torch.empty(3, shape.max_num_batched_tokens, shape.max_lora_rank, dtype=dtype, device="meta")
-    return model, kv, scratch
+    return model, kv, scratch, table
 
 
 def is_moe(shape: EngineShape) -> bool:

@@ -122,6 +122,15 @@ class AdapterList(BaseModel):
     data: list[AdapterOut]
 
 
+class AdapterPin(BaseModel):
+    """An adapter version pinned on the device (or unpinned; was_pinned: whether it had been)."""
+
+    adapter: str
+    version: str
+    pinned: bool
+    was_pinned: bool | None = None
+
+
 class AdapterDeleted(BaseModel):
     id: str
     name: str

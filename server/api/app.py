@@ -10,9 +10,10 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 
-from server.api import (adapter_routes, admin_adapter_routes, admin_routes, admin_views, lora_routes,
+from server.api import (adapter_pins, adapter_routes, admin_adapter_routes, admin_routes, admin_views, lora_routes,
                         openai_routes, openapi, ops_routes, pages, shared_adapter_routes, source_credential_routes,
                         tokenize_routes)
+from server.api.adapter_pins import pin_startup_adapters
 from server.api.auth import AdminAuthThrottle
 from server.api.body import IgnoredFieldsHeader
 from server.api.bootstrap import StartupInfo, bootstrap
@@ -44,6 +45,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | N
             state.retirements.start()
             state.settlements.start()
             info = await run_in_threadpool(bootstrap, state, _base_url(config))
+            await pin_startup_adapters(state)
             background = [asyncio.create_task(run_upkeep(state)), asyncio.create_task(state.settlements.run()),
                           asyncio.create_task(state.history.run(state.engine.stats))]
             if on_engine_death is not None and config.engine_process == "separate":
@@ -63,7 +65,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | N
             await run_in_threadpool(state.close)
 
     routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *lora_routes.ROUTES,
-              *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_adapter_routes.ROUTES,
+              *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_adapter_routes.ROUTES, *adapter_pins.ROUTES,
               *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
               *source_credential_routes.ROUTES, *openapi.ROUTES, *pages.ROUTES]
     middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders),

@@ -89,6 +89,11 @@ OPERATIONS = (
        "admin", am.AdapterOut, am.AdapterUpload, multipart=True, status=201),
     Op("delete", "/admin/tenants/{name}/adapters/{adapter}", "Delete a tenant's adapter", "admin",
        am.AdapterDeleted),
+    Op("put", "/admin/tenants/{name}/adapters/{adapter}/pin",
+       "Pin a tenant's adapter on the device (never evicted once loaded); 409 past "
+       "--max-pinned-adapters-per-tenant", "admin", am.AdapterPin),
+    Op("delete", "/admin/tenants/{name}/adapters/{adapter}/pin", "Unpin a tenant's adapter", "admin",
+       am.AdapterPin),
     Op("get", "/admin/tenants/{name}/keys", "A tenant's API keys (ids, created, last used; never the secret)",
        "admin", am.KeyList),
     Op("get", "/admin/adapters", "Every tenant's adapters and where each is resident", "admin",

@@ -14,6 +14,7 @@ from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threa
 from server.engine.architectures import ARCHITECTURES, SUPPORTED_ARCHS, architecture_refusal  # noqa: F401
 from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fields, split_layer_ropes
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
+from server.engine.lora.paging import check_page_rows
 from server.engine.moe_config import MOE_ARCHS, MoeConfigError, moe_fields
 from server.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -181,6 +182,11 @@ class EngineConfig:
     # Adapter slots; None: sized from memory on CUDA (server.engine.lora.slot_budget), 8 elsewhere.
     max_loras: int | None = None
     max_lora_rank: int = 64
+    # Adapter memory by rank (server.engine.lora.paging): pages of this many rank rows, an adapter holding
+    # ceil(rank / rows) of them in max_loras slots' worth of memory; None: slots of max_lora_rank rows.
+    lora_page_rows: int | None = None
+    # Adapters one tenant may pin on the device (never evicted: LLMEngine.pin_adapter).
+    max_pinned_adapters_per_tenant: int = 4
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -257,6 +263,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be <= {MAX_NUM_BATCHED_TOKENS}")
         if self.max_lora_rank > 512:
             raise ValueError("max_lora_rank must be <= 512")
+        if self.lora_page_rows is not None:
+            check_page_rows(self.lora_page_rows, self.max_lora_rank)
+        if self.max_pinned_adapters_per_tenant < 0:
+            raise ValueError("max_pinned_adapters_per_tenant must be >= 0")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
             raise ValueError("max_cpu_lora_bytes must be >= 0")
         if not (self.max_mask_fill_seconds > 0 and self.max_mask_seconds_per_request > 0):

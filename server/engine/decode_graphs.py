@@ -55,9 +55,11 @@ class PaddedDecode:
 
     def __init__(self, model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torch.Tensor,
                  num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
-                 rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None) -> None:
+                 rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None,
+                 page_table: torch.Tensor | None = None) -> None:
         """rank_table: LoraSlots.rank_table, each slot's own rank [L] int32 (None: full rank);
-        slot_dora: LoraSlots.slot_dora, whether each slot holds a DoRA adapter (a live view)."""
+        slot_dora: LoraSlots.slot_dora, whether each slot holds a DoRA adapter (a live view);
+        page_table: LoraSlots.page_table when the adapter memory is paged (updated in place)."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -74,7 +76,7 @@ class PaddedDecode:
                 self.contexts[rows, lora, dora] = StepContext(
                     ops=ops, positions=buf.rows("positions", rows), attn=attn,
                     lora=LoraBatch.padded_decode(buf.rows("token_slots", rows), buf.rows("gather", rows),
-                                                 num_slots if lora else 0, rank_table, dora),
+                                                 num_slots if lora else 0, rank_table, dora, page_table),
                     lora_scratch=lora_scratch)
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0

@@ -37,6 +37,8 @@ from server.engine.lora.dora_precompute import DoraPrecompute
 from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
+from server.engine.lora.page_gathers import PageGathers
+from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraSlots
 from server.engine.mask_lane import MaskBudget
 from server.engine.model import CausalLM
@@ -89,9 +91,11 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     limit = model_limit(mcfg, config.max_model_len)
     max_len = config.max_model_len or limit
     tokenizer, eos_token_ids = _load_tokenizer(config, mcfg)
-    max_loras, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
+    paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
+    max_loras = paging.entries
     # Everything else on the device is allocated before the KV pool is sized from what is left.
-    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store)
+    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store, paging,
+                      config.max_pinned_adapters_per_tenant)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype)
     context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size)
@@ -104,8 +108,9 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
     grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)
     runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
-                         device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora)
-    warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device)
+                         device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora,
+                         slots.page_table, _page_gathers(slots, device))
+    warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device, slots.page_table)
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
     dora_precompute = DoraPrecompute(host, slots.dora_cache)
     _capture_decode_graphs(config, device, kernels, runner, max_loras, max_model_len)
@@ -156,22 +161,31 @@ def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_len: int) -> tuple[int, list, CausalLM]:
-    """The slot count, the slots' LoRA buffers and the model that reads them."""
+                max_len: int) -> tuple[LoraPaging, list, CausalLM]:
+    """The adapter memory's layout (slots, or pages: server.engine.lora.paging), its LoRA buffers and the
+    model that reads them."""
     if config.quantization is not None and not ARCHITECTURES[mcfg.architecture].quantization:
         raise ModelConfigError(f"quantization {config.quantization!r} is not supported for {mcfg.architecture} "
                                f"(its weights are served as the checkpoint's floats)")
+    if config.lora_page_rows is not None and mcfg.is_moe:
+        # Experts' LoRA buffers are slots of max rank (server.engine.lora.expert_buffers), not pages.
+        raise ModelConfigError(f"--lora-page-rows is not supported for {mcfg.architecture} (a mixture of "
+                               f"experts keeps adapter slots of --max-lora-rank)")
     weights = load_weights(config.model, mcfg, dtype, device, config.quantization, config.int4_group_size,
                            config.require_gptq_checkpoint)
     # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
     max_loras, why = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, dtype,
                                        free_device_bytes(device))
     log.info("%s", why)
-    lora_layers = allocate_lora_slots(mcfg, max_loras, config.max_lora_rank, dtype, device)
+    paging = LoraPaging.of(max_loras, config.max_lora_rank, config.lora_page_rows)
+    if paging.paged:
+        log.info("adapter memory paged by rank: %d pages of %d rank rows (%d slots' worth), up to %d adapters",
+                 paging.pages - 1, paging.page_rows, max_loras, paging.entries)
+    lora_layers = allocate_lora_slots(mcfg, max_loras, config.max_lora_rank, dtype, device, paging)
     model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
                      config.max_num_batched_tokens, config.quantization, config.quantize_lm_head,
                      config.int4_group_size or DEFAULT_GROUP_SIZE)
-    return max_loras, lora_layers, model
+    return paging, lora_layers, model
 
 
 def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetch | None, device: torch.device,
@@ -187,7 +201,16 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
                                           config.max_prefill_tokens_while_decoding, config.speculative_config,
                                           step_cost),
                           blocks, slots, host)
+    # Eviction weighs what an adapter costs to bring back: a device copy from the host tier, or a fetch.
+    slots.reload_tier = lambda version: "host" if version in host.entries else "store"
     return host, scheduler
+
+
+def _page_gathers(slots: LoraSlots, device: torch.device) -> PageGathers | None:
+    """Paged on a CPU: the torch path's gathers, kept while exact (server.engine.lora.page_gathers)."""
+    if slots.page_table is None or device.type != "cpu":
+        return None
+    return PageGathers(lambda: slots.loads)
 
 
 def _select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KernelOps:
@@ -201,11 +224,11 @@ def _select_kernels(config: EngineConfig, device: torch.device, dtype: torch.dty
 
 
 def _warm_up(config: EngineConfig, model: CausalLM, kv_caches: list, kernels: KernelOps, scratch: torch.Tensor,
-             max_model_len: int, device: torch.device) -> float:
+             max_model_len: int, device: torch.device, page_table: torch.Tensor | None) -> float:
     """Every Triton variant compiled now, not in the middle of serving (server.engine.warmup); its seconds."""
     seconds = warm_up(model, kv_caches, kernels, scratch, block_size=config.block_size,
                       max_lora_rank=config.max_lora_rank, max_num_batched_tokens=config.max_num_batched_tokens,
-                      max_model_len=max_model_len, device=device)
+                      max_model_len=max_model_len, device=device, page_table=page_table)
     if seconds:
         log.info("compiled every kernel variant in %.1f s", seconds)
     return seconds

@@ -9,6 +9,7 @@ import torch
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.kv_cache_dtype import kv_cache_dtype_label
 from server.engine.lora.expert_buffers import ExpertLoraBuffers
+from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraGroupBuffers
 
 
@@ -115,16 +116,20 @@ def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
-    """Per layer, the slot buffers of each fused projection group (an MoE layer's experts: one group per
-    fused expert weight, server.engine.lora.expert_buffers)."""
+def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device,
+                        paging: LoraPaging | None = None):
+    """Per layer, the slot buffers of each fused projection group: `max_loras` slots of max_rank rows, or
+    the layout `paging` gives (entries, and pages of its page rows: server.engine.lora.paging). An MoE
+    layer's experts: one group per fused expert weight, in slots (server.engine.lora.expert_buffers)."""
+    paging = paging or LoraPaging.slots(max_loras, max_rank)
     h, q, kv, inter = mcfg.hidden_size, mcfg.q_size, mcfg.kv_size, mcfg.intermediate_size
     shapes = {"qkv": (h, (q, kv, kv)), "o": (q, (h,))}
     if not mcfg.is_moe:
         shapes |= {"gate_up": (h, (inter, inter)), "down": (inter, (h,))}
 
     def layer() -> dict:
-        groups = {group: LoraGroupBuffers.allocate(in_f, outs, max_loras, max_rank, dtype, device)
+        groups = {group: LoraGroupBuffers.allocate(in_f, outs, paging.entries, paging.page_rows, dtype, device,
+                                                   paging.pages, paging.dora_entries)
                   for group, (in_f, outs) in shapes.items()}
         if mcfg.is_moe:
             e, i = mcfg.num_experts, mcfg.moe_intermediate_size

@@ -10,6 +10,7 @@ from server.engine.engine_startup import build_engine_parts
 from server.engine.engine_stats import EngineStats
 from server.engine.grammar import GrammarError
 from server.engine.lora.dora_scale_cache import ScaleStore
+from server.engine.lora.slots import PinLimitError
 from server.engine.model_runner import SeqResult
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledBatch
@@ -84,6 +85,19 @@ class LLMEngine:
         (the same version id is the same weights)."""
         self.host.remove(version_id)
         self.lora_slots.remove(version_id)
+
+    def pin_adapter(self, version_id: str, tenant: str | None) -> bool:
+        """Keep the version on the device once loaded (never evicted) until unpinned or removed; False,
+        pinning nothing, when `tenant` already pins max_pinned_adapters_per_tenant versions."""
+        try:
+            self.lora_slots.pin(version_id, tenant)
+        except PinLimitError:
+            return False
+        return True
+
+    def unpin_adapter(self, version_id: str) -> bool:
+        """The version may be evicted again; whether it was pinned."""
+        return self.lora_slots.unpin(version_id)
 
     # ---- prefix cache ----
     def set_prefix_cache_policy(self, enabled: bool = True, share_base_across_tenants: bool = False) -> None:

@@ -25,6 +25,7 @@ from server.engine.grammar_mask import GrammarMask
 from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
 from server.engine.lora.alora import token_slots as alora_token_slots
+from server.engine.lora.page_gathers import PageGathers
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, sample_rows
 from server.engine.sampling_row import SamplingRow
@@ -104,7 +105,11 @@ class ModelRunner:
         seed: int,
         grammar_mask: GrammarMask | None = None,
         slot_dora: list[bool] | None = None,  # live view of LoraSlots.slot_dora
+        page_table: torch.Tensor | None = None,  # LoraSlots.page_table: [L, pages] int32 when paged
+        page_gathers: PageGathers | None = None,  # paged on a CPU: gathers kept from step to step
     ) -> None:
+        self.page_table = page_table
+        self.page_gathers = page_gathers
         self.slot_ranks = slot_ranks
         self.slot_dora = slot_dora
         self.rank_table = rank_table
@@ -123,7 +128,8 @@ class ModelRunner:
     def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
         """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
         self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
-                                   max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora)
+                                   max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora,
+                                   self.page_table)
         return self.padded
 
     def prepare(self, batch: ScheduledBatch, ahead: bool = False) -> StepInputs:
@@ -209,7 +215,8 @@ class ModelRunner:
             ops=self.ops,
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora),
+            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora, self.page_table,
+                                 self.page_gathers and self.page_gathers.for_step(token_slots)),
             lora_scratch=self.lora_scratch,
         )
         ids = None if ahead else torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)

@@ -330,7 +330,7 @@ class Scheduler:
             joining = seq.group.n if seq.group.needs_fork else 1
             if not admit or budget == 0 or len(self.running) + self.fork_seats + joining > self.config.max_num_seqs:
                 continue  # keep scanning only to start loads for requests near the head
-            if version is not None and not self.lora_slots.can_acquire(version):
+            if version is not None and not self.lora_slots.can_acquire(version, self.host.entries.get(version)):
                 if not head_blocked:
                     head_blocked = True
                     self.head_blocked_steps += 1

@@ -86,8 +86,10 @@ def _run(tokens: int, max_model_len: int) -> list[SyntheticSeq]:
 
 
 def step_inputs(step: SyntheticStep, *, ops: KernelOps, block_size: int, lora_scratch: torch.Tensor,
-                device: torch.device | str) -> tuple[torch.Tensor, StepContext, torch.Tensor]:
-    """(input_ids, context, logits_indices) of a synthetic step, built the way the model runner builds them."""
+                device: torch.device | str, page_table: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, StepContext, torch.Tensor]:
+    """(input_ids, context, logits_indices) of a synthetic step, built the way the model runner builds them
+    (page_table: the engine's, when its adapter memory is paged: the paged kernel variants)."""
     token_slots: list[int] = []
     positions: list[int] = []
     for s in step.seqs:
@@ -102,7 +104,7 @@ def step_inputs(step: SyntheticStep, *, ops: KernelOps, block_size: int, lora_sc
         ops=ops,
         positions=torch.tensor(positions, dtype=torch.long).to(device),
         attn=attn,
-        lora=LoraBatch.build(token_slots, device, [step.rank] * slots),
+        lora=LoraBatch.build(token_slots, device, [step.rank] * slots, page_table=page_table),
         lora_scratch=lora_scratch,
     )
     ids = torch.zeros(len(token_slots), dtype=torch.long, device=device)
@@ -110,13 +112,15 @@ def step_inputs(step: SyntheticStep, *, ops: KernelOps, block_size: int, lora_sc
 
 
 def warm_up(model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torch.Tensor, *, block_size: int,
-            max_lora_rank: int, max_num_batched_tokens: int, max_model_len: int, device: torch.device) -> float:
+            max_lora_rank: int, max_num_batched_tokens: int, max_model_len: int, device: torch.device,
+            page_table: torch.Tensor | None = None) -> float:
     """Run the warm-up steps; returns the seconds taken (0 when the kernels compile nothing: torch ops)."""
     if ops.name != "triton" or device.type != "cuda":
         return 0.0  # the reference ops compile nothing; the interpreter compiles nothing either
     start = time.perf_counter()
     for step in warmup_steps(max_lora_rank, max_num_batched_tokens, max_model_len, lora_scratch.dtype):
-        ids, ctx, rows = step_inputs(step, ops=ops, block_size=block_size, lora_scratch=lora_scratch, device=device)
+        ids, ctx, rows = step_inputs(step, ops=ops, block_size=block_size, lora_scratch=lora_scratch, device=device,
+                                     page_table=page_table)
         model.forward(ids, kv_caches, ctx, rows)
     torch.cuda.synchronize(device)
     return time.perf_counter() - start

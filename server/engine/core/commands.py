@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from server.engine.adapter_residency import held_versions, residency
-from server.engine.core.messages import Reply
+from server.engine.core.messages import Command, Reply
 
 if TYPE_CHECKING:
     from adapters.format import LoraAdapter
@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOOP_OPS: dict[str, Callable[[LLMEngine, str | None], Any]] = {
-    "remove_adapter": lambda e, v: e.remove_adapter(v),
-    "release_adapter_memory": lambda e, v: e.release_adapter_memory(v),
-    "has_adapter": lambda e, v: e.has_adapter(v),
-    "adapter_residency": lambda e, v: residency(e),
-    "held_versions": lambda e, v: sorted(held_versions(e)),
+LOOP_OPS: dict[str, Callable[[LLMEngine, Command], Any]] = {
+    "remove_adapter": lambda e, m: e.remove_adapter(m.version_id),
+    "release_adapter_memory": lambda e, m: e.release_adapter_memory(m.version_id),
+    "pin_adapter": lambda e, m: e.pin_adapter(m.version_id, m.tenant),
+    "unpin_adapter": lambda e, m: e.unpin_adapter(m.version_id),
+    "has_adapter": lambda e, m: e.has_adapter(m.version_id),
+    "adapter_residency": lambda e, m: residency(e),
+    "held_versions": lambda e, m: sorted(held_versions(e)),
 }
 FETCH_OPS = ("add_adapter", "precompute_dora")
 SHUTDOWN = "shutdown"

@@ -97,8 +97,8 @@ class InputSocket(threading.Thread):
 
     def _command(self, owner: bytes, m: Command) -> None:
         if m.op in LOOP_OPS:
-            op, version = LOOP_OPS[m.op], m.version_id
-            self._inbox.put(("call", owner, m.call_id, lambda engine: op(engine, version)))
+            op = LOOP_OPS[m.op]
+            self._inbox.put(("call", owner, m.call_id, lambda engine: op(engine, m)))
         elif m.op in FETCH_OPS and m.version_id is not None:
             self._fetching.run(owner, m.call_id, m.op, m.version_id)
         elif m.op == SHUTDOWN:

@@ -45,6 +45,7 @@ class Command(msgspec.Struct, tag="command"):
     call_id: int  # 0: no reply wanted
     op: str  # server.engine.core.commands.OPS
     version_id: str | None = None
+    tenant: str | None = None  # whose command it is, where the op is bounded per tenant (pin_adapter)
 
 
 FrontMessage = Union[Hello, Submit, Abort, Command]

@@ -8,6 +8,9 @@ slots for Llama-3-8B in bf16 are 89 MB each (83.9 MB of A and B), so 64 of
 them take 5.7 GB: 9% of what an 80 GB card has left beside the 16 GB of
 weights, the rest going to the KV cache.
 
+With `--lora-page-rows` the same bytes hold pages of rank rows instead of slots (server.engine.lora.paging):
+the slot count sized here is then the pool's budget, in max-rank slots' worth.
+
 The engine sizes its slots so when `max_loras` is unset (EngineConfig, the `LLM` API, `--max-loras
 auto`) on CUDA; the CPU keeps its fixed default. The CLI's default is still 8.
 """

@@ -3,6 +3,11 @@
 Every slot is sized for `max_lora_rank`; an adapter of smaller rank fills the
 leading rows and the rest stay zero. A slot is zero-filled before reuse so a
 smaller adapter never reads its predecessor's rows (a bug SGLang shipped).
+With `--lora-page-rows` (server.engine.lora.paging) A and B are pages of rank
+rows instead, an adapter holding as many as its rank needs, anywhere in the
+pool, named by its slot's row of the page table (kernels.lora_pages); a slot is
+then an adapter entry: its scalings, DoRA scales and rank. Pages are zeroed on
+eviction alike, and table entries past an adapter's pages name the zero page.
 
 B is stored rank-major: a slot's first r ranks of A and of B are each one
 contiguous block, as in the host tier's packed buffer (adapters.packed), so a
@@ -30,7 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -38,6 +45,7 @@ from adapters.packed import PackedLoraAdapter
 from server.engine.lora.dora_scale_cache import DoraScaleCache, ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.expert_buffers import expert_target
+from server.engine.lora.paging import LoraPaging
 
 # Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
 # rank_pattern adapters), so the cache stays bounded.
@@ -68,22 +76,28 @@ class LoraGroupBuffers:
     b: tuple[torch.Tensor, ...]  # S x [L, n_i, R], stored as [L, R, n_i] (strides (R*n_i, 1, n_i))
     scaling: torch.Tensor  # [S, L] float32, stored as [L, S]: a slot's scalings are contiguous
     offsets: tuple[int, ...]  # column offset of each slice in the fused output
-    # [L + 1, sum n_i] float32: each slot's DoRA scale per output column (kernels.dora_scale), 1.0 for a
-    # plain-LoRA adapter's slot and for slices a DoRA adapter does not target; row L (all 1.0) is the
-    # base rows'.
+    # [D + 1, sum n_i] float32: each slot's DoRA scale per output column (kernels.dora_scale), 1.0 for a
+    # plain-LoRA adapter's slot and for slices a DoRA adapter does not target; row D (all 1.0) is the
+    # base rows' and that of slots D and on (D = L unless paged: server.engine.lora.paging).
     dora_scale: torch.Tensor
 
     @classmethod
-    def allocate(cls, in_features: int, out_sizes: tuple[int, ...], max_loras: int, max_rank: int, dtype, device):
+    def allocate(cls, in_features: int, out_sizes: tuple[int, ...], max_loras: int, max_rank: int, dtype, device,
+                 pages: int | None = None, dora_entries: int | None = None):
+        """max_loras adapter entries (scalings), the first dora_entries of them with DoRA scales (None: all);
+        A and B as `pages` pages of max_rank rows each (None: one per entry, the slots; paged: max_rank is
+        the page's rows, kernels.lora_pages)."""
+        pages = max_loras if pages is None else pages
+        dora_entries = max_loras if dora_entries is None else dora_entries
         offsets = tuple(sum(out_sizes[:i]) for i in range(len(out_sizes)))
         return cls(
             # Slot-major A lets the CPU shrink read a span of slots, every slice, in one batched matmul.
-            a=torch.zeros(max_loras, len(out_sizes), max_rank, in_features, dtype=dtype, device=device).transpose(0, 1),
-            b=tuple(torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device).transpose(1, 2)
+            a=torch.zeros(pages, len(out_sizes), max_rank, in_features, dtype=dtype, device=device).transpose(0, 1),
+            b=tuple(torch.zeros(pages, max_rank, n, dtype=dtype, device=device).transpose(1, 2)
                     for n in out_sizes),
             scaling=torch.zeros(max_loras, len(out_sizes), dtype=torch.float32, device=device).t(),
             offsets=offsets,
-            dora_scale=torch.ones(max_loras + 1, sum(out_sizes), dtype=torch.float32, device=device),
+            dora_scale=torch.ones(dora_entries + 1, sum(out_sizes), dtype=torch.float32, device=device),
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -105,38 +119,80 @@ class SlotStats:
     loads: int  # copies into a slot
     hits: int
     evictions: int
+    pages_used: int = 0  # pages resident adapters hold (slots when not paged)
+    pages_total: int = 0  # pages of the pool, the zero page excluded
+    pinned: int = 0  # versions pinned on the device
+
+
+class PinLimitError(ValueError):
+    """A tenant already pins as many adapters as `max_pinned_adapters_per_tenant` allows."""
+
+    def __init__(self, tenant: str | None, limit: int) -> None:
+        super().__init__(f"tenant {tenant!r} already pins {limit} adapters: the limit "
+                         f"max_pinned_adapters_per_tenant is {limit}")
+        self.limit = limit
+
+
+# What bringing an idle adapter back costs, per page, by where it would come from: the host tier (a
+# device copy) or the store only (a fetch, a parse and a pack first). Eviction weighs idle time by it.
+RELOAD_COST = {"host": 1.0, "store": 4.0}
 
 
 class LoraSlots:
-    """The device tier: which adapter version sits in which slot; evicts the least recently used idle slot.
+    """The device tier: which adapter version sits in which slot (an adapter entry) and, when paged, which
+    pages hold its rank rows; evicts idle adapters by idle time weighted by the cost of bringing them back.
 
-    A slot in use by a running request is never evicted. LRU among idle slots,
-    because recency predicts the next request under the power-law popularity
-    real workloads show. Slots are fixed-size (max rank), so the slot count is
-    the byte budget: `max_loras` times one slot's bytes.
+    A slot in use by a running request is never evicted, nor is a pinned one. Among the others the victim
+    has the largest idle time (requests admitted since its last use) per unit of reload cost: pages (its
+    rank) times RELOAD_COST of the tier it would come back from. Equal costs make it LRU, because
+    recency predicts the next request under the power-law popularity real workloads show.
+
+    Not paged (server.engine.lora.paging), slots are fixed-size (max rank) and the slot count is the byte
+    budget: `max_loras` times one slot's bytes. Paged, an adapter of rank r holds ceil(r / page rows)
+    pages of any free ones (not contiguous: loading after churn never needs compaction), and its entry's
+    row of `page_table` names them; the rest of the row names the zero page.
     """
 
     def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int,
-                 dora: DoraScales | None = None, scale_store: ScaleStore | None = None) -> None:
+                 dora: DoraScales | None = None, scale_store: ScaleStore | None = None,
+                 paging: LoraPaging | None = None, max_pins_per_tenant: int = 0) -> None:
         """dora: computes DoRA adapters' scales against the base weights (None: DoRA adapters are refused);
-        scale_store: where computed scales are kept per adapter version (None: computed at every load)."""
+        scale_store: where computed scales are kept per adapter version (None: computed at every load);
+        paging: the layout the buffers were allocated for (None: max_loras slots); max_pins_per_tenant:
+        adapters one tenant may pin on the device."""
         self.layers = layers  # per layer: group name -> buffers
+        some = layers[0]["o"].a if layers else torch.empty(0, 0, 1, 0)
+        self.paging = paging or LoraPaging.slots(max_loras, some.shape[2])
+        assert self.paging.entries == max_loras, (self.paging, max_loras)
         self.max_loras = max_loras
+        self.max_pins_per_tenant = max_pins_per_tenant
         self.dora = dora
         self.dora_cache = DoraScaleCache(scale_store, dora.weights) if dora is not None else None
         self.slot_of: dict[str, int] = {}
         self.users: dict[str, int] = {}  # running requests per adapter version
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
         self.free_slots = list(range(max_loras - 1, -1, -1))
+        # Paged: the pool's free pages (page 0, the zero page, is never handed out); slot -> its pages.
+        self.free_pages = list(range(self.paging.pages - 1, 0, -1)) if self.paging.paged else []
+        self.slot_pages: dict[int, tuple[int, ...]] = {}
+        self.pinned: dict[str, str | None] = {}  # version -> the tenant that pinned it
+        self.released_at: dict[str, int] = {}  # version -> `tick` when it went idle
+        self.tick = 0  # admissions so far: the clock idle time is counted in
+        # Where a version would come back from if evicted (the host tier sets it: server.engine.engine_startup).
+        self.reload_tier: Callable[[str], str] = lambda version: "host"
         self.slot_ranks = [0] * max_loras  # rank of the adapter in each slot (0 = free); bounds kernel work
         self.slot_dora = [False] * max_loras  # whether each slot holds a DoRA adapter (its scales are not 1)
-        # (slot, layout) -> the slot's A and B^T views and scaling entries for adapters of that layout.
-        self.target_views: OrderedDict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        # (pages, layout) -> the views of A and B^T per module tensor, and the slot's scaling entries.
+        self.target_views: OrderedDict[tuple, tuple[list[list[torch.Tensor]], list[torch.Tensor]]] = OrderedDict()
         self.written: dict[int, list[torch.Tensor]] = {}  # slot -> the views its load wrote: what eviction zeroes
-        some = layers[0]["o"].a if layers else torch.empty(0)
+        # adapter -> its tensors cut into pages (while the host tier holds the adapter)
+        self.split_sources: WeakKeyDictionary[PackedLoraAdapter, list[torch.Tensor]] = WeakKeyDictionary()
         # The same on the device, [L] int32, for kernels that stop at each slot's own rank; updated in
         # place, so a captured graph reads the current ranks.
         self.rank_table = torch.zeros(max_loras, dtype=torch.int32, device=some.device)
+        # Paged: [L, pages per slot] int32, each slot's pages (kernels.lora_pages), updated in place alike.
+        self.page_table = torch.zeros(max_loras, self.paging.pages_per_entry, dtype=torch.int32,
+                                      device=some.device) if self.paging.paged else None
         self.retiring: set[str] = set()  # removed while in use: evicted when idle
         self.hits = 0
         self.loads = 0
@@ -146,7 +202,7 @@ class LoraSlots:
         self.copy_stream = torch.cuda.Stream(device=some.device) if cuda else None
         groups = [g for layer in layers for g in layer.values()]
         modules = sum(g.num_modules for g in groups)
-        slot_elems = sum(g.slot_numel for g in groups)
+        slot_elems = sum(g.slot_numel for g in groups) * self.paging.pages_per_entry
         staging = min(STAGING_BYTES // some.element_size(), slot_elems)
         self.staging = torch.empty(staging, dtype=some.dtype, device=some.device) if cuda else None
         self.scaling_staging = torch.empty(modules, dtype=torch.float32, device=some.device) if cuda else None
@@ -156,27 +212,73 @@ class LoraSlots:
         return len(self.slot_of)
 
     def stats(self) -> SlotStats:
-        return SlotStats(self.num_resident, self.loads, self.hits, self.evictions)
+        paged = self.paging.paged
+        total = self.paging.pages - 1 if paged else self.max_loras
+        used = total - len(self.free_pages) if paged else self.num_resident
+        return SlotStats(self.num_resident, self.loads, self.hits, self.evictions, used, total, len(self.pinned))
 
-    def can_acquire(self, version: str) -> bool:
-        return version in self.slot_of or bool(self.free_slots) or bool(self.idle)
+    def pages_for(self, adapter: PackedLoraAdapter) -> int:
+        """Pages `adapter` holds on the device (1 when not paged: a slot)."""
+        return self.paging.pages_for(max((r for _, r in adapter.layout), default=1))
+
+    def can_acquire(self, version: str, adapter: PackedLoraAdapter | None = None) -> bool:
+        """Whether `version` is resident or can be made so now, evicting only idle unpinned adapters
+        (adapter: its weights, for the pages it needs; None: one page)."""
+        if version in self.slot_of:
+            return True
+        dora = adapter is not None and adapter.use_dora
+        victims = [slot for slot, v in self.idle.items() if v not in self.pinned]
+        rows = self.paging.dora_entries
+        if self._free_entry(dora) is None and not any(s < rows or not dora for s in victims):
+            return False
+        if not self.paging.paged:
+            return True
+        need = 1 if adapter is None else self.pages_for(adapter)
+        return len(self.free_pages) + sum(len(self.slot_pages[s]) for s in victims) >= need
 
     def acquire(self, version: str, adapter: PackedLoraAdapter) -> int:
         """Pin `version` in a slot for one more request, copying it in from the host tier if needed."""
+        self.tick += 1
         slot = self.slot_of.get(version)
         if slot is None:
-            if not self.free_slots:
-                _, victim = self.idle.popitem(last=False)
+            need = self.pages_for(adapter)
+            while (entry := self._free_entry(adapter.use_dora)) is None or (
+                    self.paging.paged and len(self.free_pages) < need):
+                victim = self._victim(dora_row=adapter.use_dora and entry is None)
+                assert victim is not None, "acquire without room: can_acquire first"
                 self._evict(victim)
                 self.evictions += 1
-            slot = self.free_slots.pop()
-            self._load(slot, adapter)
+            slot = self.free_slots.pop(entry)
+            pages = tuple(self.free_pages.pop() for _ in range(need)) if self.paging.paged else (slot,)
+            self._load(slot, pages, adapter)
             self.slot_of[version] = slot
         else:
             self.hits += 1
         self.idle.pop(slot, None)
         self.users[version] = self.users.get(version, 0) + 1
         return slot
+
+    def _free_entry(self, dora: bool) -> int | None:
+        """Index in free_slots of the entry an adapter takes: one with a DoRA scale row for a DoRA adapter,
+        preferably one without for the others (they are the DoRA adapters' only room); None if none fits."""
+        rows = self.paging.dora_entries
+        fits = [i for i, s in enumerate(self.free_slots) if (s < rows) == dora]
+        if not fits and not dora:
+            fits = list(range(len(self.free_slots)))
+        return fits[-1] if fits else None
+
+    def _victim(self, dora_row: bool = False) -> str | None:
+        """The idle unpinned version with the most idle time per unit of reload cost (the least recent first
+        among equals), among those holding a DoRA scale row when `dora_row`; None if there is none."""
+        best, best_score = None, -1.0
+        for slot, version in self.idle.items():  # least recent first: a tie keeps the older
+            if version in self.pinned or (dora_row and slot >= self.paging.dora_entries):
+                continue
+            cost = len(self.slot_pages[slot]) * RELOAD_COST[self.reload_tier(version)]
+            score = (self.tick - self.released_at.get(version, 0) + 1) / cost
+            if score > best_score:
+                best, best_score = version, score
+        return best
 
     def release(self, version: str) -> None:
         self.users[version] -= 1
@@ -187,13 +289,29 @@ class LoraSlots:
                 self._evict(version)
             else:
                 self.idle[self.slot_of[version]] = version
+                self.released_at[version] = self.tick
 
     def remove(self, version: str) -> None:
-        """A deleted or replaced version leaves its slot now, or when its last request finishes."""
+        """A deleted or replaced version leaves its slot now, or when its last request finishes; its pin
+        goes with it."""
+        self.pinned.pop(version, None)
         if self.users.get(version):
             self.retiring.add(version)
         else:
             self._evict(version)
+
+    def pin(self, version: str, tenant: str | None) -> None:
+        """Keep `version` on the device once loaded, never evicted, until unpinned or removed;
+        PinLimitError past max_pins_per_tenant pins for `tenant` (pinning twice is one pin)."""
+        if version in self.pinned:
+            return
+        if sum(1 for t in self.pinned.values() if t == tenant) >= self.max_pins_per_tenant:
+            raise PinLimitError(tenant, self.max_pins_per_tenant)
+        self.pinned[version] = tenant
+
+    def unpin(self, version: str) -> bool:
+        """Let `version` be evicted again; whether it was pinned."""
+        return self.pinned.pop(version, None) is not None
 
     def sync(self) -> None:
         """Make the compute stream wait for slot copies issued on the copy stream."""
@@ -205,7 +323,8 @@ class LoraSlots:
         if slot is None:
             return
         self.idle.pop(slot, None)
-        torch._foreach_zero_(self.written.pop(slot))  # the rest of the slot was never written: zero already
+        self.released_at.pop(version, None)
+        torch._foreach_zero_(self.written.pop(slot))  # the rest of the pages was never written: zero already
         if self.slot_dora[slot]:
             for groups in self.layers:
                 for buffers in groups.values():
@@ -214,71 +333,98 @@ class LoraSlots:
             self.slot_dora[slot] = False
         self.slot_ranks[slot] = 0
         self.rank_table[slot] = 0
+        pages = self.slot_pages.pop(slot)
+        if self.page_table is not None:
+            self.page_table[slot] = 0  # the zero page: a stale entry reads zeros, never the next holder's rows
+            self.free_pages.extend(reversed(pages))
         self.free_slots.append(slot)
 
-    def _targets(self, slot: int, adapter: PackedLoraAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per module of `adapter`, in its order: the slot's A and B^T views, and its scaling entry (kept per
-        slot and layout)."""
-        key = (slot, adapter.layout)
+    def _targets(self, slot: int, pages: tuple[int, ...], adapter: PackedLoraAdapter
+                 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """Per module tensor of `adapter` (A, then B^T, module by module): the views of its pages' rows, one
+        per page; and per module the slot's scaling entry. Kept per (slot, pages, layout)."""
+        key = (slot, pages, adapter.layout)
         found = self.target_views.get(key)
         if found is not None:
             self.target_views.move_to_end(key)
             return found
-        found = self.target_views[key] = self._build_targets(slot, adapter)
+        found = self.target_views[key] = self._build_targets(slot, pages, adapter)
         if len(self.target_views) > MAX_CACHED_LAYOUTS:
             self.target_views.popitem(last=False)
         return found
 
-    def _build_targets(self, slot: int, adapter: PackedLoraAdapter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _build_targets(self, slot: int, pages: tuple[int, ...], adapter: PackedLoraAdapter
+                       ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
         dst, scales = [], []
         for (layer, proj), w in adapter.weights.items():
             r = w.a.shape[0]
             if (expert := expert_target(proj)) is not None:
                 group, e = expert
                 a, b_t, scale = self.layers[layer][group].views(slot, e, r)
-                dst += [a, b_t]
+                dst += [[a], [b_t]]  # experts keep slots, never pages (engine_startup refuses both)
                 scales.append(scale)
                 continue
             group, i = PROJECTION_SLICES[proj]
             buffers = self.layers[layer][group]
-            dst += [buffers.a[i, slot, :r], buffers.b[i][slot, :, :r].t()]
+            a, b = _page_views(buffers, i, pages, r, self.paging.page_rows)
+            dst += [a, [v.t() for v in b]]
             scales.append(buffers.scaling[i, slot])
         return dst, scales
 
-    def _load(self, slot: int, adapter: PackedLoraAdapter) -> None:
-        # Free slots are already zero (initial state, or cleared by _evict). On CUDA the copies run on a
+    def _load(self, slot: int, pages: tuple[int, ...], adapter: PackedLoraAdapter) -> None:
+        # Free pages are already zero (initial state, or cleared by _evict). On CUDA the copies run on a
         # side stream from pinned host memory, overlapping the running batch's compute.
         assert isinstance(adapter, PackedLoraAdapter), "adapters reach slots through the host tier"
         self.loads += 1
         self.slot_ranks[slot] = adapter.rank
         self.rank_table[slot] = adapter.rank
-        dst, scales = self._targets(slot, adapter)
-        self.written[slot] = dst + scales
+        self.slot_pages[slot] = pages
+        if self.page_table is not None:
+            self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        dst, scales = self._targets(slot, pages, adapter)
+        flat_dst = [v for views in dst for v in views]
+        self.written[slot] = flat_dst + scales
         src = adapter.tensors()
         if self.copy_stream is None:
-            torch._foreach_copy_(dst, src)
+            torch._foreach_copy_(flat_dst, self._sources(adapter))
             torch._foreach_copy_(scales, adapter.scaling_entries)
-            self._load_dora(slot, adapter)
+            self._load_dora(slot, pages, adapter)
             return
-        # The slot was zeroed, and last read, on the compute stream: copy only after that.
+        # The pages were zeroed, and last read, on the compute stream: copy only after that.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
         with torch.cuda.stream(self.copy_stream):
             for first, last in adapter.spans(self.staging.numel()):
                 lo, hi = adapter.extent(first, last)
                 part = slice(2 * first, 2 * last)
+                targets = [v for views in dst[part] for v in views]
                 if hi - lo > self.staging.numel():  # one module larger than the staging buffer
-                    for d, s_ in zip(dst[part], src[part]):
+                    for d, s_ in zip(targets, self._by_page(src[part])):
                         d.copy_(s_, non_blocking=True)
                     continue
                 stage = self.staging[: hi - lo]
                 stage.copy_(adapter.flat[lo:hi], non_blocking=True)  # one copy for the whole range
                 staged = [stage[o - lo: o - lo + s_.numel()].view(s_.shape)
                           for o, s_ in zip(adapter.offsets[part], src[part])]
-                torch._foreach_copy_(dst[part], staged)
+                torch._foreach_copy_(targets, self._by_page(staged))
             n = len(scales)
             self.scaling_staging[:n].copy_(adapter.scalings, non_blocking=True)
             torch._foreach_copy_(scales, list(self.scaling_staging[:n].unbind()))
-            self._load_dora(slot, adapter)  # on the copy stream, after the slot's A and B
+            self._load_dora(slot, pages, adapter)  # on the copy stream, after the slot's A and B
+
+    def _sources(self, adapter: PackedLoraAdapter) -> list[torch.Tensor]:
+        """adapter.tensors() cut into pages, as the load's targets are (kept per adapter: a swap stays a few
+        batched ops, tests/server/engine/lora/test_slot_swap_cost.py)."""
+        found = self.split_sources.get(adapter)
+        if found is None:
+            found = self.split_sources[adapter] = self._by_page(adapter.tensors())
+        return found
+
+    def _by_page(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each rank-major tensor [r, ...] cut into pages of page rows, in order (views); as they are when
+        not paged (one page: the slot)."""
+        if not self.paging.paged:
+            return tensors
+        return [part for t in tensors for part in t.split(self.paging.page_rows)]
 
     def prepare(self, adapter: PackedLoraAdapter, version: str | None = None) -> PackedLoraAdapter:
         """The host tier's hook on a CPU engine (its loader threads): a DoRA adapter's scales, in place of its
@@ -300,7 +446,7 @@ class LoraSlots:
             self.dora_cache.write(version, adapter.magnitudes)
         return dataclasses.replace(adapter, magnitudes_are_scales=True)
 
-    def _load_dora(self, slot: int, adapter: PackedLoraAdapter) -> None:
+    def _load_dora(self, slot: int, pages: tuple[int, ...], adapter: PackedLoraAdapter) -> None:
         """A DoRA adapter's scales into the slot's table: copied when the host tier computed them, else
         computed from the slot's A and B just copied in (the values the forward uses)."""
         if not adapter.use_dora:
@@ -320,6 +466,19 @@ class LoraSlots:
             if adapter.magnitudes_are_scales:
                 dst.copy_(magnitudes[at: at + n])
             else:
-                self.dora.compute(layer, group, lo, buffers.a[i, slot, :r], buffers.b[i][slot, :, :r], w.scaling,
+                a, b = _page_views(buffers, i, pages, r, self.paging.page_rows)
+                self.dora.compute(layer, group, lo, torch.cat(a), torch.cat(b, dim=1), w.scaling,
                                   magnitudes[at: at + n], dst)
             at += n
+
+
+def _page_views(buffers: LoraGroupBuffers, i: int, pages: tuple[int, ...], rank: int, page_rows: int
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Slice i's rows of an adapter of `rank` in its pages: A views [rows, in] and B views [n_i, rows], page
+    by page (one view of rank rows when not paged: the slot)."""
+    a, b = [], []
+    for j, page in enumerate(pages[: -(-rank // page_rows)]):
+        rows = min(page_rows, rank - j * page_rows)
+        a.append(buffers.a[i, page, :rows])
+        b.append(buffers.b[i][page, :, :rows])
+    return a, b

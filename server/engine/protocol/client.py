@@ -74,6 +74,15 @@ class EngineClient(ABC):
         and stays valid (its next request loads it again; its cached KV still holds)."""
 
     @abstractmethod
+    async def pin_adapter(self, version_id: str, tenant: str | None) -> bool:
+        """Keep the version on the device once loaded, never evicted; False (nothing pinned) when `tenant`
+        already pins max_pinned_adapters_per_tenant versions."""
+
+    @abstractmethod
+    async def unpin_adapter(self, version_id: str) -> bool:
+        """The version may be evicted again; whether it was pinned."""
+
+    @abstractmethod
     async def has_adapter(self, version_id: str) -> bool:
         """The version is loaded in the host tier."""
 

@@ -75,6 +75,12 @@ class InProcessEngineClient(EngineClient):
     async def release_adapter_memory(self, version_id: str) -> None:
         await self._loop.call(lambda engine: engine.release_adapter_memory(version_id))
 
+    async def pin_adapter(self, version_id: str, tenant: str | None) -> bool:
+        return await self._loop.call(lambda engine: engine.pin_adapter(version_id, tenant))
+
+    async def unpin_adapter(self, version_id: str) -> bool:
+        return await self._loop.call(lambda engine: engine.unpin_adapter(version_id))
+
     async def has_adapter(self, version_id: str) -> bool:
         return await self._loop.has_adapter(version_id)
 

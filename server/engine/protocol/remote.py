@@ -190,6 +190,12 @@ class RemoteEngineClient(EngineClient):
     async def release_adapter_memory(self, version_id: str) -> None:
         await self._ask("release_adapter_memory", version_id)
 
+    async def pin_adapter(self, version_id: str, tenant: str | None) -> bool:
+        return await self._ask("pin_adapter", version_id, tenant)
+
+    async def unpin_adapter(self, version_id: str) -> bool:
+        return await self._ask("unpin_adapter", version_id)
+
     async def has_adapter(self, version_id: str) -> bool:
         return await self._ask("has_adapter", version_id)
 
@@ -242,22 +248,22 @@ class RemoteEngineClient(EngineClient):
             except zmq.ZMQError as e:
                 raise EngineDeadError(f"the engine core's socket failed: {e}") from None
 
-    def _call(self, op: str, version_id: str | None = None) -> concurrent.futures.Future:
+    def _call(self, op: str, version_id: str | None = None, tenant: str | None = None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         with self._lock:
             self._check_alive()
             self._calls[call_id] = done
         try:
-            self._send(Command(call_id, op, version_id))
+            self._send(Command(call_id, op, version_id, tenant))
         except BaseException:
             with self._lock:
                 self._calls.pop(call_id, None)
             raise
         return done
 
-    async def _ask(self, op: str, version_id: str | None = None):
-        return await asyncio.wrap_future(self._call(op, version_id))
+    async def _ask(self, op: str, version_id: str | None = None, tenant: str | None = None):
+        return await asyncio.wrap_future(self._call(op, version_id, tenant))
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

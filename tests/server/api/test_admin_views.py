@@ -19,7 +19,7 @@ ADMIN_VIEWS = ["/admin/tenants/{t}/usage", "/admin/tenants/{t}/refusals", "/admi
 # /admin/engine's sections read from EngineStats, key by key.
 STATS_SECTIONS = {
     "kv_blocks": ["total", "used"],
-    "slots": ["max_lora_rank", "total", "used"],
+    "slots": ["max_lora_rank", "pages_total", "pages_used", "pinned", "total", "used"],
     "host": ["adapters", "budget_bytes", "bytes", "loads_in_flight", "parked"],
     "prefix_cache": ["cached_blocks", "cached_free_blocks", "enabled", "hit_rate", "hit_tokens", "queried_tokens"],
     "cuda_graphs": ["capture_bytes", "capture_seconds", "enabled", "graphs", "replays"],

@@ -166,6 +166,16 @@ def test_mixed_batch_matches_peft_torch(tiny_model_dir, adapter_dirs, expected, 
     assert expected["absent"] == llm.generate([CASES["absent"][1]], greedy(6))[0].token_ids
 
 
+def test_adapter_memory_paged_by_rank_matches_peft(tiny_model_dir, adapter_dirs, expected, peft_logprobs):
+    """--lora-page-rows: the activation point is per adapter entry, A and B come through the page table."""
+    llm = make_llm(tiny_model_dir, adapter_dirs, lora_page_rows=8)
+    assert llm.engine.lora_slots.paging.paged
+    outs = run_cases(llm, "paged", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))
+    for case, (name, prompt) in CASES.items():
+        assert outs[case].token_ids == expected[case], case
+        assert_logprobs(outs[case], name, prompt, peft_logprobs)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton needs a GPU or the interpreter")
 def test_mixed_batch_matches_peft_triton(tiny_model_dir, adapter_dirs, expected):

@@ -194,7 +194,16 @@ def test_padded_decode_with_dora_rows(tiny_model_dir, adapter_dirs, reference):
     adapter is a DoRA one, the LoRA one otherwise."""
     llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), max_num_seqs=8, max_lora_rank=16)
     cfg = llm.engine.config
-    padded = llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len)
+    keys = staged_keys(llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len))
+    p = params(4)
+    for names in (["dora_r8_all", None, "r4_qv", "dora_r16_rslora", "dora_r4_qv"], ["r8_all", None]):
+        prompts = random_prompts(len(names), (5, 20), VOCAB, seed=86)
+        check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
+    assert (8, True, True) in keys and (2, True, False) in keys
+
+
+def staged_keys(padded) -> list[tuple[int, bool, bool]]:
+    """The (bucket, lora, dora) context of every padded decode step `padded` stages from now on."""
     keys = []
     stage = padded.stage
 
@@ -203,11 +212,7 @@ def test_padded_decode_with_dora_rows(tiny_model_dir, adapter_dirs, reference):
         return keys[-1]
 
     padded.stage = spy
-    p = params(4)
-    for names in (["dora_r8_all", None, "r4_qv", "dora_r16_rslora", "dora_r4_qv"], ["r8_all", None]):
-        prompts = random_prompts(len(names), (5, 20), VOCAB, seed=86)
-        check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
-    assert (8, True, True) in keys and (2, True, False) in keys
+    return keys
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

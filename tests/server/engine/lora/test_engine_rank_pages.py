@@ -1,0 +1,108 @@
+"""An engine whose adapter memory is paged by rank (--lora-page-rows) serves what transformers + peft
+serve: mixed ranks through page churn (loads, evictions, reloads into other pages, holes between
+resident adapters), DoRA and LoRA adapters side by side, padded decode and the Triton kernels; pages no
+adapter holds stay zero throughout."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from server.engine import EngineConfig, LLMEngine
+from adapters.format import load_adapter_dir
+from tests.engine_helpers import drive, greedy, random_prompts
+from tests.server.engine.lora.test_engine_dora import (  # noqa: F401 (fixtures)
+    DORA, LORA, adapter_dirs, check, make_llm, params, reference, staged_keys)
+from tests.server.engine.test_adapter_paging import PeftMultiOracle, write_adapter
+
+VOCAB = 512
+
+
+def check_pool(engine: LLMEngine) -> None:
+    """Every running request's adapter is resident, resident adapters hold disjoint pages, and the zero
+    page and every free page are zero in every buffer."""
+    slots = engine.lora_slots
+    for seq in engine.scheduler.running:
+        if seq.version_id:
+            assert seq.version_id in slots.slot_of
+    held = [p for pages in slots.slot_pages.values() for p in pages]
+    assert len(held) == len(set(held)) and 0 not in held
+    empty = [0, *slots.free_pages]
+    for groups in slots.layers:
+        for g in groups.values():
+            assert g.a[:, empty].abs().sum() == 0 and all(b[empty].abs().sum() == 0 for b in g.b)
+
+
+def test_mixed_ranks_through_page_churn_match_peft(tiny_model_dir, tiny_adapters, tmp_path):
+    """12 adapters of ranks 2..16 in two rank-16 slots' worth of pages (8 pages of 4 rows): they load,
+    are evicted and come back into other pages, every step checked."""
+    ranks = [2, 4, 8, 16]
+    dirs = {f"a{i:02d}": write_adapter(tiny_adapters["r8_all"], tmp_path / f"a{i:02d}", ranks[i % 4], seed=50 + i)
+            for i in range(12)}
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=2, max_lora_rank=16,
+                                    lora_page_rows=4, kv_cache_blocks=128, max_model_len=256, max_num_seqs=6))
+    assert engine.lora_slots.paging.pages == 9 and engine.lora_slots.max_loras == 4
+    for name, d in dirs.items():
+        engine.add_adapter(name, load_adapter_dir(d, engine.adapter_shape, 16))
+    rng = random.Random(3)
+    names = [f"a{int(12 * rng.random() ** 1.5):02d}" for _ in range(40)] + [None] * 4
+    rng.shuffle(names)
+    prompts = random_prompts(len(names), (4, 12), VOCAB, seed=9)
+    moved: dict[str, set[tuple[int, ...]]] = {}
+
+    def check(engine: LLMEngine) -> None:
+        check_pool(engine)
+        slots = engine.lora_slots
+        for version, slot in slots.slot_of.items():
+            moved.setdefault(version, set()).add(slots.slot_pages[slot])
+
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        engine.add_request(f"q{i}", prompt, greedy(4), name)
+    final = drive(engine, check)
+    slots = engine.lora_slots
+    assert slots.evictions > 5 and any(len(p) > 1 for p in moved.values())  # reloaded into other pages
+    assert slots.stats().pages_used <= 8 and not slots.users
+    oracle = PeftMultiOracle(tiny_model_dir)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert final[f"q{i}"].token_ids == oracle(dirs[name] if name else None, name, prompt, 4), name
+    engine.shutdown()
+
+
+def test_dora_and_lora_of_mixed_ranks_in_pages_match_peft_logprobs(tiny_model_dir, adapter_dirs, reference):
+    """DoRA magnitudes stay per adapter entry while A and B move between pages: 1e-4 logprobs."""
+    llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), max_loras=2, max_lora_rank=16, lora_page_rows=4)
+    names = ["dora_r8_all", "r8_all", "dora_r4_qv", None, "dora_r16_rslora", "r4_qv", "dora_r16_pattern",
+             "dora_r8_all", "r8_all"]
+    prompts = random_prompts(len(names), (5, 30), VOCAB, seed=85)
+    p = params(5)
+    check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
+    one_by_one = [llm.generate([q], p, adapters=[n])[0] for q, n in zip(prompts, names)]
+    check(one_by_one, prompts, names, p, reference)
+    slots = llm.engine.lora_slots
+    assert slots.paging.paged and slots.evictions > 0
+    check_pool(llm.engine)
+
+
+def test_padded_decode_through_the_page_table(tiny_model_dir, adapter_dirs, reference):
+    llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), max_num_seqs=8, max_lora_rank=16,
+                   lora_page_rows=8)
+    cfg, slots = llm.engine.config, llm.engine.lora_slots
+    keys = staged_keys(llm.engine.runner.use_padded_decode(slots.max_loras, cfg.max_num_seqs, cfg.max_model_len))
+    p = params(4)
+    names = ["dora_r8_all", None, "r4_qv", "dora_r16_rslora", "dora_r4_qv", "r8_all"]
+    prompts = random_prompts(len(names), (5, 20), VOCAB, seed=86)
+    check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
+    assert (8, True, True) in keys  # decode steps ran padded, DoRA rows among them
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton needs a GPU or the interpreter")
+def test_triton_kernels_read_through_the_page_table(tiny_model_dir, adapter_dirs, reference):
+    llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, "dora_r8_all"), kernels="triton", max_loras=1,
+                   max_lora_rank=16, lora_page_rows=4)
+    names = ["dora_r8_all", "r4_qv", None, "r8_all"]
+    prompts = random_prompts(len(names), (5, 20), VOCAB, seed=87)
+    p = params(3)
+    check(llm.generate(prompts, p, adapters=names), prompts, names, p, reference)
