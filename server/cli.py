@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -183,8 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp8_e5m2 take a quarter of float32's bytes, so the same memory holds 4x the tokens "
                         "(e4m3 on a GPU needs compute capability >= 8.9)")
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
-                   help="torch threads on a CPU device: auto (default) = the cores in this process's "
-                        "affinity mask, less one for the HTTP side when there is more than one")
+                   help="torch threads on a CPU device: auto (default) = one per --engine-cpus core when the "
+                        "engine is pinned, else the cores in this process's affinity mask, less one for the "
+                        "HTTP side when there is more than one")
+    s.add_argument("--engine-cpus", metavar="LIST",
+                   help="cores the engine's step loop and its torch threads run on (the engine-core process "
+                        "with --engine-process separate), as a list like 0, 1-3 or 0,2-3; the rest go to "
+                        "--api-cpus (default: on 2+ cores, all but the last quarter of them, at least one left "
+                        "over; on one core nothing is pinned)")
+    s.add_argument("--api-cpus", metavar="LIST",
+                   help="cores the HTTP front end, grammar-compile and adapter-loader processes run on, as "
+                        "--engine-cpus writes them; must not overlap it (default: the cores --engine-cpus "
+                        "leaves)")
     s.add_argument("--admin-token", help="admin bearer token, 16+ characters (or $LORAPLEX_ADMIN_TOKEN; default: one generated "
                                          "once, kept in the data dir and printed at start)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
@@ -328,6 +339,7 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
     from server.api.app import create_app
     from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
+    _place_cpus(config)
     died = []
 
     def engine_died() -> None:
@@ -341,6 +353,26 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
     server = QuietStopServer(uv_config)
     server.run(sockets=[sock])
     return 1 if died else 0
+
+
+def _place_cpus(config: ServerConfig) -> None:
+    """This process, and so every process it starts (compiles, loaders, an engine core that then moves
+    itself), onto the front end's cores; the engine moves itself onto its own (server.cpu_placement)."""
+    from server.cpu_list import allowed_cpus
+    from server.cpu_placement import unpinned_line
+    from server.engine.cpu_affinity import pin_process
+
+    placement = config.cpu_placement
+    if placement is None:
+        logging.getLogger("server").info(unpinned_line(allowed_cpus()))
+        return
+    import psutil
+
+    pin_process(os.getpid(), placement.api)
+    for child in psutil.Process().children(recursive=True):  # an embedded Redis started before this
+        with contextlib.suppress(OSError, psutil.Error):
+            pin_process(child.pid, placement.api)
+    logging.getLogger("server").info(placement.line(separate=config.engine_process == "separate"))
 
 
 def prepare_model(config: ServerConfig) -> None:

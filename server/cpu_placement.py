@@ -1,0 +1,76 @@
+"""CPU placement (`--engine-cpus`, `--api-cpus`): the engine's step loop on cores of its own, and the
+HTTP front end, grammar-compile processes and adapter-loader processes on the rest.
+
+Why: on a small machine a compile flood or a cold-load storm ran its processes on the core the step
+loop was using, and every tenant's next token waited for them (issue 43's compile_flood phase, issue
+35's build item 6). Pinned apart, that work competes only with the front end.
+
+The automatic split, on a process allowed N >= 2 cores: the last max(1, N // 4) of them go to the
+front end side, the others to the engine (2 cores: engine 0, front end 1; 8: engine 0-5, front end
+6-7). On one core nothing is pinned. Either flag alone takes its cores and leaves the rest to the
+other side; both must be disjoint, non-empty and within the cores this process may use.
+
+`loraplex serve` applies it (server.cli): the server process on the front end's cores before it
+starts anything (compile and loader processes inherit them), the engine on its own: the step-loop
+thread in-process (server.engine.async_engine), or the whole engine-core process with
+`--engine-process separate` (its own loader process goes back to the front end's cores).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.cpu_list import Cpus, CpuListError, format_cpu_list, parse_cpu_list
+
+API_SHARE = 4  # the front end side's share of an automatic split: one core in four, at least one
+
+
+class CpuPlacementError(ValueError):
+    """Flags that name no cores, overlapping cores or cores this process may not use; one line."""
+
+
+@dataclass(frozen=True)
+class CpuPlacement:
+    engine: Cpus  # the step loop and its torch threads (the engine-core process, when separate)
+    api: Cpus  # HTTP front end, grammar-compile and adapter-loader processes
+
+    def line(self, separate: bool) -> str:
+        engine = "engine-core process" if separate else "engine step loop"
+        return (f"cpu placement: {engine} on cores {format_cpu_list(self.engine)}; HTTP front end, grammar "
+                f"compiles and adapter loaders on cores {format_cpu_list(self.api)}")
+
+
+def unpinned_line(allowed: Cpus) -> str:
+    return f"cpu placement: one core ({format_cpu_list(allowed)}), nothing pinned"
+
+
+def _cores(flag: str, text: str, allowed: Cpus) -> Cpus:
+    try:
+        cores = parse_cpu_list(text)
+    except CpuListError as e:
+        raise CpuPlacementError(f"{flag}: {e}") from None
+    if outside := sorted(set(cores) - set(allowed)):
+        raise CpuPlacementError(f"{flag} {text}: core(s) {format_cpu_list(tuple(outside))} are not among the "
+                                f"cores this process may use ({format_cpu_list(allowed)})")
+    return cores
+
+
+def plan_placement(engine_cpus: str | None, api_cpus: str | None, allowed: Cpus) -> CpuPlacement | None:
+    """The placement the flags (None: not given) ask for on `allowed` cores; None: nothing pinned."""
+    if engine_cpus is None and api_cpus is None:
+        if len(allowed) < 2:
+            return None
+        split = len(allowed) - max(1, len(allowed) // API_SHARE)
+        return CpuPlacement(engine=allowed[:split], api=allowed[split:])
+    engine = _cores("--engine-cpus", engine_cpus, allowed) if engine_cpus is not None else None
+    api = _cores("--api-cpus", api_cpus, allowed) if api_cpus is not None else None
+    if engine is not None and api is not None:
+        if shared := sorted(set(engine) & set(api)):
+            raise CpuPlacementError(f"--engine-cpus {engine_cpus} and --api-cpus {api_cpus} overlap on core(s) "
+                                    f"{format_cpu_list(tuple(shared))}: give each side cores of its own")
+        return CpuPlacement(engine=engine, api=api)
+    given, flag, text = (engine, "--engine-cpus", engine_cpus) if engine is not None else (api, "--api-cpus", api_cpus)
+    rest = tuple(c for c in allowed if c not in given)
+    if not rest:
+        raise CpuPlacementError(f"{flag} {text} leaves no core for the other side (this process may use "
+                                f"{format_cpu_list(allowed)})")
+    return CpuPlacement(engine=given, api=rest) if engine is not None else CpuPlacement(engine=rest, api=given)
