@@ -188,14 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine is pinned, else the cores in this process's affinity mask, less one for the "
                         "HTTP side when there is more than one")
     s.add_argument("--engine-cpus", metavar="LIST",
-                   help="cores the engine's step loop and its torch threads run on (the engine-core process "
-                        "with --engine-process separate), as a list like 0, 1-3 or 0,2-3; the rest go to "
+                   help="cores the engine runs on: the engine-core process with --engine-process separate, else "
+                        "the whole server process (its HTTP threads share the step loop's GIL), as a list like "
+                        "0, 1-3 or 0,2-3; the rest go to "
                         "--api-cpus (default: on 2+ cores, all but the last quarter of them, at least one left "
                         "over; on one core nothing is pinned)")
     s.add_argument("--api-cpus", metavar="LIST",
-                   help="cores the HTTP front end, grammar-compile and adapter-loader processes run on, as "
-                        "--engine-cpus writes them; must not overlap it (default: the cores --engine-cpus "
-                        "leaves)")
+                   help="cores the grammar-compile and adapter-loader processes, the embedded Redis and (with "
+                        "--engine-process separate) the HTTP front end run on, as --engine-cpus writes them; "
+                        "must not overlap it (default: the cores --engine-cpus leaves)")
     s.add_argument("--admin-token", help="admin bearer token, 16+ characters (or $LORAPLEX_ADMIN_TOKEN; default: one generated "
                                          "once, kept in the data dir and printed at start)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
@@ -356,8 +357,9 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
 
 
 def _place_cpus(config: ServerConfig) -> None:
-    """This process, and so every process it starts (compiles, loaders, an engine core that then moves
-    itself), onto the front end's cores; the engine moves itself onto its own (server.cpu_placement)."""
+    """This process onto its side's cores (server.cpu_placement): the front end's with an engine-core
+    process (which moves itself onto the engine's), the engine's in-process; Redis, compile and loader
+    processes onto the front end side's."""
     from server.cpu_list import allowed_cpus
     from server.cpu_placement import unpinned_line
     from server.engine.cpu_affinity import pin_process
@@ -368,11 +370,15 @@ def _place_cpus(config: ServerConfig) -> None:
         return
     import psutil
 
-    pin_process(os.getpid(), placement.api)
+    # Separate: this process is the front end. In-process it also runs the step loop, whose HTTP
+    # threads share its GIL: with them on the other core the victim's p99 ITL was 3-8x its baseline
+    # under a compile flood in three runs, against 1.8x together (docs/benchmarks/abuse.md).
+    separate = config.engine_process == "separate"
+    pin_process(os.getpid(), placement.api if separate else placement.engine)
     for child in psutil.Process().children(recursive=True):  # an embedded Redis started before this
         with contextlib.suppress(OSError, psutil.Error):
             pin_process(child.pid, placement.api)
-    logging.getLogger("server").info(placement.line(separate=config.engine_process == "separate"))
+    logging.getLogger("server").info(placement.line(separate=separate))
 
 
 def prepare_model(config: ServerConfig) -> None:

@@ -1,5 +1,6 @@
-"""CPU placement (`--engine-cpus`, `--api-cpus`): the engine's step loop on cores of its own, and the
-HTTP front end, grammar-compile processes and adapter-loader processes on the rest.
+"""CPU placement (`--engine-cpus`, `--api-cpus`): the engine on cores of its own, and the grammar-compile
+processes, adapter-loader processes, the embedded Redis and (with an engine-core process) the HTTP
+front end on the rest.
 
 Why: on a small machine a compile flood or a cold-load storm ran its processes on the core the step
 loop was using, and every tenant's next token waited for them (issue 43's compile_flood phase, issue
@@ -10,10 +11,12 @@ front end side, the others to the engine (2 cores: engine 0, front end 1; 8: eng
 6-7). On one core nothing is pinned. Either flag alone takes its cores and leaves the rest to the
 other side; both must be disjoint, non-empty and within the cores this process may use.
 
-`loraplex serve` applies it (server.cli): the server process on the front end's cores before it
-starts anything (compile and loader processes inherit them), the engine on its own: the step-loop
-thread in-process (server.engine.async_engine), or the whole engine-core process with
-`--engine-process separate` (its own loader process goes back to the front end's cores).
+`loraplex serve` applies it (server.cli). With `--engine-process separate` the server process is the
+front end, on the front end's cores, and the engine-core process moves itself onto the engine's (its
+own loader process goes back to the front end's). In-process, the whole server process goes on the
+engine's cores: its HTTP threads share the step loop's GIL, and split from it across cores they made
+the victim's tail latency several times worse (docs/benchmarks/abuse.md); its compile and loader
+processes are pinned to the front end side's cores as they start.
 """
 from __future__ import annotations
 
@@ -34,9 +37,12 @@ class CpuPlacement:
     api: Cpus  # HTTP front end, grammar-compile and adapter-loader processes
 
     def line(self, separate: bool) -> str:
-        engine = "engine-core process" if separate else "engine step loop"
-        return (f"cpu placement: {engine} on cores {format_cpu_list(self.engine)}; HTTP front end, grammar "
-                f"compiles and adapter loaders on cores {format_cpu_list(self.api)}")
+        if separate:
+            return (f"cpu placement: engine-core process on cores {format_cpu_list(self.engine)}; HTTP front end, "
+                    f"grammar compiles, adapter loaders and Redis on cores {format_cpu_list(self.api)}")
+        return (f"cpu placement: server process (HTTP and the engine's step loop, one interpreter) on cores "
+                f"{format_cpu_list(self.engine)}; grammar compiles, adapter loaders and Redis on cores "
+                f"{format_cpu_list(self.api)}")
 
 
 def unpinned_line(allowed: Cpus) -> str:

@@ -57,3 +57,14 @@ def test_the_config_refuses_them_as_a_config_error(tmp_path):
 
 def test_a_config_built_in_code_pins_nothing(tmp_path):
     assert ServerConfig(data_dir=tmp_path, admin_token="lpadm-" + "x" * 20).cpu_placement is None
+
+
+def test_the_start_up_lines():
+    from server.cpu_placement import unpinned_line
+
+    assert unpinned_line((0,)) == "cpu placement: one core (0), nothing pinned"
+    placement = CpuPlacement(engine=(0, 1, 2), api=(3,))
+    assert placement.line(separate=True).startswith("cpu placement: engine-core process on cores 0-2; ")
+    assert placement.line(separate=False) == ("cpu placement: server process (HTTP and the engine's step loop, one "
+                                              "interpreter) on cores 0-2; grammar compiles, adapter loaders and "
+                                              "Redis on cores 3")
