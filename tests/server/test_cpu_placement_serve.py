@@ -7,6 +7,8 @@ on core 1."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 
 from server.bench.server_proc import ServerProcess
 from tests.fixtures_server import api_redis_url
+from tests.repo import ROOT_DIR as ROOT
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not {0, 1} <= os.sched_getaffinity(0),
                                 reason="needs Linux and cores 0 and 1")
@@ -76,3 +79,16 @@ def test_each_process_ends_on_its_sides_cores(mode, redis_server, tiny_model_dir
     else:
         assert ("cpu placement: server process (HTTP and the engine's step loop, one interpreter) on cores 0; "
                 "grammar compiles, adapter loaders and Redis on cores 1") in log
+
+
+def test_overlapping_lists_are_refused_at_start_in_one_line(tmp_path):
+    from server.embedded_redis.server import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LORAPLEX_ADMIN_TOKEN", "LORAPLEX_REDIS_URL")}
+    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", "demo", "--port", str(free_port()),
+                           "--data-dir", str(tmp_path / "data"), "--engine-cpus", "0", "--api-cpus", "0-1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 1, lines
+    assert lines[0] == ("loraplex: error: --engine-cpus 0 and --api-cpus 0-1 overlap on core(s) 0: give each side "
+                        "cores of its own")
