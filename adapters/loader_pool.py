@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -57,12 +58,15 @@ class LoaderPool:
     """`max_bytes`: the most one file of a load may hold (the server's upload cap); what crosses the
     pipe either way is bounded by it (twice it, as float32 of a 16-bit file, plus a config's room)."""
 
-    def __init__(self, workers: int, max_bytes: int, validation_seconds: float = 60.0) -> None:
+    def __init__(self, workers: int, max_bytes: int, validation_seconds: float = 60.0,
+                 cpus: tuple[int, ...] | None = None) -> None:
+        """`cpus`: the cores each loader process runs on (server.cpu_placement); None: its starter's."""
         assert workers >= 1
         assert validation_seconds > 0
         self._max_bytes = 2 * max_bytes + 4 * MAX_CONFIG_BYTES
         self._ctx = multiprocessing.get_context("spawn")
         self._validation_seconds = validation_seconds
+        self._cpus = cpus
         self._lock = threading.Lock()
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._workers: dict[int, _Worker] = {}  # pid -> every live loader process
@@ -76,6 +80,8 @@ class LoaderPool:
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=serve, args=(child, self._max_bytes), name="loraplex-adapter-loader", daemon=True)
         process.start()
+        if self._cpus:  # a fresh interpreter, one thread so far; a respawn starts from any thread's mask
+            os.sched_setaffinity(process.pid, self._cpus)
         child.close()
         worker = _Worker(process, parent)
         with self._lock:

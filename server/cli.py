@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -194,8 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp8_e5m2 take a quarter of float32's bytes, so the same memory holds 4x the tokens "
                         "(e4m3 on a GPU needs compute capability >= 8.9)")
     s.add_argument("--cpu-threads", default="auto", metavar="auto|N",
-                   help="torch threads on a CPU device: auto (default) = the cores in this process's "
-                        "affinity mask, less one for the HTTP side when there is more than one")
+                   help="torch threads on a CPU device: auto (default) = one per --engine-cpus core when the "
+                        "engine is pinned, else the cores in this process's affinity mask, less one for the "
+                        "HTTP side when there is more than one")
+    s.add_argument("--engine-cpus", metavar="LIST",
+                   help="cores the engine runs on: the engine-core process with --engine-process separate, else "
+                        "the whole server process (its HTTP threads share the step loop's GIL), as a list like "
+                        "0, 1-3 or 0,2-3; the rest go to "
+                        "--api-cpus (default: on 2+ cores, all but the last quarter of them, at least one left "
+                        "over; on one core nothing is pinned)")
+    s.add_argument("--api-cpus", metavar="LIST",
+                   help="cores the grammar-compile and adapter-loader processes, the embedded Redis and (with "
+                        "--engine-process separate) the HTTP front end run on, as --engine-cpus writes them; "
+                        "must not overlap it (default: the cores --engine-cpus leaves)")
     s.add_argument("--admin-token", help="admin bearer token, 16+ characters (or $LORAPLEX_ADMIN_TOKEN; default: one generated "
                                          "once, kept in the data dir and printed at start)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
@@ -339,6 +351,7 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
     from server.api.app import create_app
     from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
+    _place_cpus(config)
     died = []
 
     def engine_died() -> None:
@@ -352,6 +365,31 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
     server = QuietStopServer(uv_config)
     server.run(sockets=[sock])
     return 1 if died else 0
+
+
+def _place_cpus(config: ServerConfig) -> None:
+    """This process onto its side's cores (server.cpu_placement): the front end's with an engine-core
+    process (which moves itself onto the engine's), the engine's in-process; Redis, compile and loader
+    processes onto the front end side's."""
+    from server.cpu_list import allowed_cpus
+    from server.cpu_placement import unpinned_line
+    from server.engine.cpu_affinity import pin_process
+
+    placement = config.cpu_placement
+    if placement is None:
+        logging.getLogger("server").info(unpinned_line(allowed_cpus()))
+        return
+    import psutil
+
+    # Separate: this process is the front end. In-process it also runs the step loop, whose HTTP
+    # threads share its GIL: with them on the other core the victim's p99 ITL was 3-8x its baseline
+    # under a compile flood in three runs, against 1.8x together (docs/benchmarks/abuse.md).
+    separate = config.engine_process == "separate"
+    pin_process(os.getpid(), placement.api if separate else placement.engine)
+    for child in psutil.Process().children(recursive=True):  # an embedded Redis started before this
+        with contextlib.suppress(OSError, psutil.Error):
+            pin_process(child.pid, placement.api)
+    logging.getLogger("server").info(placement.line(separate=separate))
 
 
 def prepare_model(config: ServerConfig) -> None:

@@ -9,10 +9,13 @@ import socket
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from server.chat_templates import resolve_chat_template
 from server.credentials import ADMIN_TOKEN_FILE, load_or_create_secret
+
+if TYPE_CHECKING:
+    from server.cpu_placement import CpuPlacement
 
 _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # A replica name goes into a response header and a Prometheus label: plain ASCII, no spaces.
@@ -146,6 +149,9 @@ class ServerConfig:
     # its own (server.engine.core); ENGINE_PROCESSES.
     engine_process: str = "in-process"
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
+    # --engine-cpus / --api-cpus resolved (server.cpu_placement): the cores of each side, applied by
+    # `loraplex serve`; None: nothing pinned (one core, or a ServerConfig built in code, e.g. by tests).
+    cpu_placement: "CpuPlacement | None" = None
     quantization: str | None = None       # --quantization: the base projections' weights (None: float)
     quantize_lm_head: bool = False        # --quantize-lm-head: the lm_head in int8 too (needs --quantization int8)
     int4_group_size: int | None = None    # --int4-group-size (needs --quantization int4; None: 32)
@@ -383,6 +389,7 @@ class ServerConfig:
             speculative_config=getattr(args, "speculative_config", None),
             engine_process=getattr(args, "engine_process", "in-process"),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
+            cpu_placement=_cpu_placement(args),
             quantization=getattr(args, "quantization", None),
             quantize_lm_head=getattr(args, "quantize_lm_head", False),
             int4_group_size=getattr(args, "int4_group_size", None),
@@ -419,6 +426,18 @@ class ServerConfig:
                                          if getattr(args, "source_credentials_key_file", None) else None),
             lenient_request_fields=getattr(args, "lenient_request_fields", False),
             strict_adapter_base=getattr(args, "strict_adapter_base", False))
+
+
+def _cpu_placement(args) -> "CpuPlacement | None":
+    """--engine-cpus and --api-cpus (or the automatic split) on the cores this process may use."""
+    from server.cpu_placement import CpuPlacementError, plan_placement
+    from server.cpu_list import allowed_cpus
+
+    try:
+        return plan_placement(getattr(args, "engine_cpus", None), getattr(args, "api_cpus", None), allowed_cpus(),
+                              automatic=getattr(args, "engine_process", "in-process") == "separate")
+    except CpuPlacementError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _model_id(served_model_name: str | None, model: str | None) -> str:

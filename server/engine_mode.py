@@ -28,6 +28,7 @@ def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: s
         return RemoteEngineClient.build(CoreLaunch(
             engine, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix=config.redis_prefix,
             adapter_grace_seconds=config.adapter_grace_seconds, adapter_shape=shape,
-            max_lora_rank=config.max_lora_rank, pager=pager is not None, max_upload_bytes=config.max_upload_bytes))
+            max_lora_rank=config.max_lora_rank, pager=pager is not None, max_upload_bytes=config.max_upload_bytes,
+            loader_cpus=config.cpu_placement.api if config.cpu_placement is not None else None))
     return InProcessEngineClient.build(engine, registry_fetch(registry, shape, config.max_lora_rank, pager),
                                        DoraScaleStore(client, prefix=config.redis_prefix))

@@ -36,6 +36,7 @@ def engine_config(config: ServerConfig, model_dir: str, shape: ModelShape) -> En
         async_scheduling=config.async_scheduling, speculative_config=config.speculative_config,
         enable_prefix_caching=config.enable_prefix_caching,
         share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
+        cpu_affinity=config.cpu_placement.engine if config.cpu_placement is not None else None,
         quantization=config.quantization,
         quantize_lm_head=config.quantize_lm_head, int4_group_size=config.int4_group_size,
         kv_cache_dtype=config.kv_cache_dtype,

@@ -46,11 +46,39 @@ def checked_address(host: str, port: int, policy: SourcePolicy) -> str:
     addresses = [_parsed(info[4][0]) for info in infos]
     if not addresses:
         raise SourceError(502, f"adapter source host {name!r} has no address", "source_unreachable")
+    why = _addresses_refusal(name, addresses, policy)
+    if why is not None:
+        raise refused(why)
+    return str(addresses[0])
+
+
+def _addresses_refusal(name: str, addresses: list[IPAddress], policy: SourcePolicy) -> str | None:
     for ip in addresses:
         why = refusal(ip, policy)
         if why is not None:
-            raise refused(f"host {name!r} resolves to {ip}, an address adapter sources may not use ({why})")
-    return str(addresses[0])
+            return f"host {name!r} resolves to {ip}, an address adapter sources may not use ({why})"
+    return None
+
+
+def resolved_refusal(host: str, policy: SourcePolicy) -> str | None:
+    """Why a host name, as DNS answers now, may not be contacted (None: allowed, a literal address, or
+    no answer now: the fetch resolves it again and refuses then). Blocking (DNS): off the event loop."""
+    name = host.lower().rstrip(".")
+    if not name or _is_literal(name):
+        return None
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    return _addresses_refusal(name, [_parsed(info[4][0]) for info in infos], policy)
+
+
+def _is_literal(host: str) -> bool:
+    try:
+        _parsed(host)
+    except ValueError:
+        return False
+    return True
 
 
 def literal_refusal(host: str, policy: SourcePolicy) -> str | None:

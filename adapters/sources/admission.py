@@ -1,11 +1,13 @@
-"""A reference checked against the operator's policy when it is registered, without touching the
-network: a lazy reference the policy would refuse at its first use is refused at once instead
-(the fetch checks everything again, DNS answers included, every time it runs)."""
+"""A reference checked against the operator's policy when it is registered: a lazy reference the
+policy would refuse at its first use is refused at once instead. An http(s) host name is resolved
+now and refused if any address it resolves to is (loopback, private, special-purpose, IPv4 embedded
+in IPv6); the fetch resolves it again and checks every answer each time it runs (a name that
+answers differently later, DNS rebinding, is refused then), and connects to the address it checked."""
 from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from adapters.sources.address_guard import literal_refusal
+from adapters.sources.address_guard import literal_refusal, resolved_refusal
 from adapters.sources.errors import SourceError, refused
 from adapters.sources.local_fetch import resolve_local
 from adapters.sources.policy import SourcePolicy
@@ -21,6 +23,9 @@ def _check_http(ref: SourceRef, policy: SourcePolicy) -> None:
     why = literal_refusal(host, policy)
     if why is not None:
         raise refused(f"host {host!r} is an address adapter sources may not use ({why})")
+    why = resolved_refusal(host, policy)
+    if why is not None:
+        raise refused(why)
 
 
 def admit_reference(ref: SourceRef, policy: SourcePolicy) -> None:

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     root = work / "local-adapters"
     cold = _cold_adapters(model, root)
     serve_args = [*_source_serve_args(root, args.fetch_timeout, args.compile_deadline_ms), *args.serve_arg]
-    with victim_server(work, str(model), serve_args, args.pin) as (srv, target, attacker_cpus):
+    with victim_server(work, str(model), serve_args, args.pin, args.pin_engine) as (srv, target, attacker_cpus):
         target = dataclasses.replace(target, fetch_timeout_s=args.fetch_timeout,
                                      compile_deadline_s=args.compile_deadline_ms / 1000)
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": target.model,
                          "max_model_len": target.max_model_len, "max_logprob_entries": target.max_logprob_entries,
-                         "serve_args": serve_args, "pinned": args.pin,
+                         "serve_args": serve_args, "pinned": args.pin, "pinned_engine": args.pin_engine,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))
     print(profile_text(report))

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_victim_server_args(parser, args)
-    with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin) as (srv, target, attacker_cpus):
+    with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin, args.pin_engine) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         quota = {} if args.attacker_concurrency is None else {"max_concurrent_requests": args.attacker_concurrency}
         load_before = os.getloadavg()
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     report["server_structured_output"] = engine
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": target.model,
-                         "serve_args": args.serve_arg, "pinned": args.pin,
+                         "serve_args": args.serve_arg, "pinned": args.pin, "pinned_engine": args.pin_engine,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))
     print(profile_text(report))

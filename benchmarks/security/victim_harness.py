@@ -59,8 +59,13 @@ def add_victim_server_args(p: argparse.ArgumentParser, work_dir: str, serve_arg_
     the run's files go, the report, the profile and extra `loraplex serve` arguments."""
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default 20)")
-    p.add_argument("--pin", action="store_true",
-                   help="server on CPU 0, attacker and victim clients on the rest (default: no pinning)")
+    pin = p.add_mutually_exclusive_group()
+    pin.add_argument("--pin", action="store_true",
+                     help="server on CPU 0, attacker and victim clients on the rest (default: no pinning)")
+    pin.add_argument("--pin-engine", action="store_true",
+                     help="the server's own CPU placement: its engine on CPU 0 (--engine-cpus), its front end, "
+                          "compile and loader processes on the rest (--api-cpus), with the attacker and victim "
+                          "clients (default: no pinning)")
     p.add_argument("--work-dir", default=work_dir, help=f"demo model, Redis data, server log (default {work_dir})")
     p.add_argument("--json", default=None, help="write the report here (default: print only)")
     p.add_argument("--profile", default=None, metavar="DIR",
@@ -73,31 +78,35 @@ def add_victim_server_args(p: argparse.ArgumentParser, work_dir: str, serve_arg_
 
 def check_victim_server_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exits through p.error when --pin or --profile cannot be had on this machine."""
-    if args.pin and len(os.sched_getaffinity(0)) < 2:
-        p.error("--pin needs 2 or more CPUs")
+    if (args.pin or args.pin_engine) and len(os.sched_getaffinity(0)) < 2:
+        p.error("--pin and --pin-engine need 2 or more CPUs")
     if args.profile and can_profile() is not None:
         p.error(f"--profile: {can_profile()}")
 
 
 @contextlib.contextmanager
 def victim_server(work: Path, model: str | None, serve_args: list[str],
-                  pin: bool) -> Iterator[tuple[ServerProcess, Target, tuple[int, ...] | None]]:
+                  pin: bool, pin_engine: bool = False) -> Iterator[tuple[ServerProcess, Target, tuple[int, ...] | None]]:
     """`loraplex serve` on `model` (default: the demo model, built under `work`) with a fresh Redis under
     `work`: (the server, its Target, the attacker's CPUs). With `pin` (2+ CPUs) every thread of the server
     and what it starts later run on the first CPU, and this process (the victim and /health poller, and
-    the attacker processes it starts) on the others."""
+    the attacker processes it starts) on the others. With `pin_engine` the server places itself
+    (server.cpu_placement): its engine on the first CPU, the rest of it with this process on the others."""
     cpus = sorted(os.sched_getaffinity(0))
-    assert not pin or len(cpus) >= 2, "pinning needs 2 or more CPUs"
+    assert not (pin or pin_engine) or len(cpus) >= 2, "pinning needs 2 or more CPUs"
     if model is None:
         from server.demo import ensure_demo
         model = str(ensure_demo(work / "demo").model_dir)
-    attacker_cpus = tuple(cpus[1:]) if pin else None
+    attacker_cpus = tuple(cpus[1:]) if pin or pin_engine else None
+    if pin_engine:
+        serve_args = [*serve_args, "--engine-cpus", str(cpus[0]), "--api-cpus", ",".join(map(str, cpus[1:]))]
     shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
     with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
                        serve_args=["--device", "cpu", *serve_args]) as srv:
         if pin:
             subprocess.run(["taskset", "-a", "-cp", str(cpus[0]), str(srv.proc.pid)], check=True,
                            capture_output=True)
+        if attacker_cpus:
             os.sched_setaffinity(0, attacker_cpus)
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         httpx.post(srv.url + "/admin/tenants", json={"name": "probe"}, headers=admin).raise_for_status()

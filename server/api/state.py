@@ -105,12 +105,14 @@ class ServerState:
             client.ping()
             resolved = resolve_model(config.model, Path(config.data_dir), log.info)  # done once by the CLI
             demo, model_dir = resolved.demo, str(resolved.model_dir)
+            # Compile and loader processes on the front end side's cores (server.cpu_placement).
+            child_cpus = config.cpu_placement.api if config.cpu_placement is not None else None
             if config.adapter_load_workers and (config.adapter_sources or config.lora_modules):
                 # Started first: their imports overlap the model's loading. The pager parses stored
                 # versions for the host tier and loads local directories, so neither ever queues
                 # behind slow remote fetches.
-                loaders = LoaderPool(config.adapter_load_workers, config.max_upload_bytes)
-                pager = LoaderPool(1, config.max_upload_bytes)
+                loaders = LoaderPool(config.adapter_load_workers, config.max_upload_bytes, cpus=child_cpus)
+                pager = LoaderPool(1, config.max_upload_bytes, cpus=child_cpus)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
             shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
@@ -143,7 +145,7 @@ class ServerState:
                 source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
                 prompts=PromptTokenizer(model_dir, engine.info.max_model_len, config.chat_template_text()),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
-                grammar_compiler=engine.grammar_compiler(config.max_grammar_compile_ms),
+                grammar_compiler=engine.grammar_compiler(config.max_grammar_compile_ms, cpus=child_cpus),
                 compile_budget=CompileBudget(client, config.redis_prefix, config.rate_window_seconds), demo=demo,
                 embedded_redis=embedded)
         except BaseException:

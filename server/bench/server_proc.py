@@ -27,9 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _runnable(script: Path) -> bool:
+    """The script's #! interpreter exists (an editable install made from another checkout's venv names
+    that venv's python, which may be gone)."""
+    with open(script, "rb") as f:
+        first = f.readline()
+    return not first.startswith(b"#!") or Path(first[2:].split()[0].decode()).exists()
+
+
 def _serve_argv() -> list[str]:
     script = Path(sys.executable).parent / "loraplex"
-    if script.is_file():
+    if script.is_file() and _runnable(script):
         return [str(script), "serve"]
     return [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())", "serve"]
 

@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from server.engine.cpu_affinity import pin_thread
 from server.engine.engine_stats import EngineStats
 from server.engine.llm_engine import LLMEngine
 from server.engine.protocol.errors import EngineDeadError
@@ -132,6 +133,7 @@ class AsyncEngine:
         engine = self.engine
         try:
             engine.bind_thread()  # this thread's kernels and streams go to the engine's CUDA device
+            pin_thread(engine.config.cpu_affinity)  # the step loop (and threads it starts) on the engine's cores
             while not self._stopping.is_set():
                 # Cleared before draining: a command sent after the drain sets it again,
                 # so the wait below cannot sleep through it.

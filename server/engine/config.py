@@ -208,6 +208,10 @@ class EngineConfig:
     # Intra-op threads for the CPU device: "auto" (the affinity mask, less a core for the HTTP side
     # on larger machines; server.engine.cpu_threads says why), an int, or None to leave torch's alone.
     cpu_threads: int | str | None = AUTO
+    # The cores the step loop runs on (its thread, and the torch threads it starts), or the whole engine-core
+    # process; None: not pinned. `loraplex serve` sets it from --engine-cpus (server.cpu_placement); with it,
+    # cpu_threads auto is one thread per such core (the front end has cores of its own).
+    cpu_affinity: tuple[int, ...] | None = None
     # vLLM's flag: no CUDA graphs, every step eager and unpadded. Off: on CUDA with the Triton kernels,
     # decode-only steps are padded to a bucket and replay a graph captured at start-up
     # (server.engine.decode_graphs); CPU devices have no graphs and always run eager.
@@ -290,6 +294,10 @@ class EngineConfig:
                 raise ValueError(f"int4_group_size needs quantization 'int4', not {self.quantization!r}")
             check_group_size(self.int4_group_size, 16)
         object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))  # "4" -> 4; raises
+        if self.cpu_affinity is not None:
+            object.__setattr__(self, "cpu_affinity", tuple(sorted(set(self.cpu_affinity))))
+            if not self.cpu_affinity or min(self.cpu_affinity) < 0:
+                raise ValueError(f"cpu_affinity must name one or more cores, got {self.cpu_affinity!r}")
         object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         if self.speculative_config is not None and self.async_scheduling:
             # A step prepared ahead assumes one token per sequence; drafts change how far each gets.
@@ -299,6 +307,8 @@ class EngineConfig:
 
     def resolve_cpu_threads(self) -> int | None:
         """torch's intra-op thread count for a CPU device; None leaves it as it is."""
+        if self.cpu_affinity is not None and self.cpu_threads == AUTO:
+            return len(self.cpu_affinity)
         return resolve_cpu_threads(self.cpu_threads)
 
     def resolve_device(self) -> torch.device:

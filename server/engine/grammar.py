@@ -181,10 +181,12 @@ class Grammars:
         """A grammar compiled in another process (grammar_worker), bound to this tokenizer."""
         return xgr.CompiledGrammar.deserialize_json(serialized, self.info)
 
-    def choice_matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None) -> LaneMatcher:
+    def choice_matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None,
+                       tenant: str | None = None) -> LaneMatcher:
         """A constrained choice's matcher, its first mask already being filled on the lane; `sibling`: an
-        earlier choice of its request (None for the first), whose mask budget it shares."""
-        return self.lane.matcher(compiled, kind, sibling)
+        earlier choice of its request (None for the first), whose mask budget it shares; `tenant`: whose
+        turn its fills take on the lane."""
+        return self.lane.matcher(compiled, kind, sibling, tenant)
 
     def stats(self) -> GrammarStats:
         with self._lock:

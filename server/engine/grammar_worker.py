@@ -19,6 +19,7 @@ compiles never hold every process, so a flood of slow schemas leaves a process f
 from __future__ import annotations
 
 import multiprocessing
+import contextlib
 import os
 import sys
 import threading
@@ -92,7 +93,7 @@ def _lower_this_thread() -> None:
 
 
 class _Process:
-    def __init__(self, ctx, tokenizer_info_json: str) -> None:
+    def __init__(self, ctx, tokenizer_info_json: str, cpus: tuple[int, ...] | None) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, tokenizer_info_json), daemon=True,
                                 name="loraplex-grammar-compiler")
@@ -101,6 +102,9 @@ class _Process:
             os.setpriority(os.PRIO_PROCESS, self.proc.pid, COMPILE_NICENESS)
         except OSError:  # the child is gone already: its first message says so
             pass
+        if cpus:  # forked from the fork server, which has whatever mask its starter had
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(self.proc.pid, cpus)
         child.close()
         self._ps = psutil.Process(self.proc.pid)
 
@@ -130,9 +134,11 @@ class GrammarCompileService:
 
     def __init__(self, grammars: Grammars, timeout_ms: int, processes: int = 2,
                  wait_s: float | None = None, wall_cap_ms: int | None = None,
-                 spares: int = SPARE_PROCESSES) -> None:
+                 spares: int = SPARE_PROCESSES, cpus: tuple[int, ...] | None = None) -> None:
+        """`cpus`: the cores each compile process runs on (server.cpu_placement); None: not pinned."""
         assert timeout_ms > 0 and processes > 0 and spares >= 0
         self.grammars = grammars
+        self._cpus = cpus
         self.timeout_ms = timeout_ms
         self.wall_cap_ms = wall_cap_ms if wall_cap_ms is not None else WALL_CAP_FACTOR * timeout_ms
         assert self.wall_cap_ms > 0
@@ -219,7 +225,7 @@ class GrammarCompileService:
         _lower_this_thread()
         proc = None
         try:
-            proc = _Process(self._ctx, self._info_json)
+            proc = _Process(self._ctx, self._info_json, self._cpus)
             proc.wait_ready()
         except (GrammarCompilerBusy, EOFError, OSError):
             if proc is not None:

@@ -162,7 +162,7 @@ class LLMEngine:
             if grammar is not None:
                 # One per choice: each goes its own way; its first mask is filled from now, off the step.
                 seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind,
-                                                           group.seqs[0].grammar)
+                                                           group.seqs[0].grammar, tenant)
         self.constrained_requests += grammar is not None
         self.arrivals += 1
         self.output_processor.add(group.seqs[0])

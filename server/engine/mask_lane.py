@@ -1,5 +1,5 @@
 """Grammar masks filled ahead, off the engine step: a constrained choice's next token mask is filled
-on a small pool of background threads as soon as its matcher has accepted a token (or at once, for
+on a small pool of background threads, taken in turns across tenants (server.engine.fair_lane) as soon as its matcher has accepted a token (or at once, for
 a new matcher), so the step never waits on one request's grammar.
 
 xgrammar's `fill_next_token_bitmask` releases the GIL, so a fill runs beside the engine thread. The
@@ -22,11 +22,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
+
+from server.engine.fair_lane import FairLane
 
 # Background nice value of the fill threads: below the engine's own threads on a shared CPU.
 FILL_NICENESS = 10
@@ -75,21 +77,26 @@ class MaskLane:
         self.vocab_size = vocab_size
         self.budget = budget
         workers = threads or max(1, min(4, os.cpu_count() or 1))
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="loraplex-mask", initializer=_lower_priority)
+        # Fills are taken in turns across tenants (server.engine.fair_lane), not first come first served.
+        self.pool = FairLane(workers, "loraplex-mask", initializer=_lower_priority)
 
-    def matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None = None) -> LaneMatcher:
-        """A new choice's matcher; `sibling`: another choice of its request, whose account it shares."""
-        return LaneMatcher(self, xgr.GrammarMatcher(compiled), kind, sibling.spend if sibling else MaskSpend())
+    def matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None = None,
+                tenant: str | None = None) -> LaneMatcher:
+        """A new choice's matcher; `sibling`: another choice of its request, whose account it shares;
+        `tenant`: whose turn its fills take on the lane."""
+        return LaneMatcher(self, xgr.GrammarMatcher(compiled), kind, sibling.spend if sibling else MaskSpend(), tenant)
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 class LaneMatcher:
     """One constrained choice's matcher, with its next mask row filled ahead on the lane."""
 
-    def __init__(self, lane: MaskLane, matcher: xgr.GrammarMatcher, kind: str, spend: MaskSpend) -> None:
+    def __init__(self, lane: MaskLane, matcher: xgr.GrammarMatcher, kind: str, spend: MaskSpend,
+                 tenant: str | None = None) -> None:
         self.lane = lane
+        self.tenant = tenant
         self.matcher = matcher
         self.kind = kind
         self.spend = spend  # its request's mask CPU time
@@ -132,7 +139,7 @@ class LaneMatcher:
     # ---- the fill thread ----
     def _submit(self) -> Future:
         self._started = time.perf_counter()
-        return self.lane.pool.submit(self._fill)
+        return self.lane.pool.submit(self.tenant, self._fill)
 
     def _fill(self) -> None:
         start = time.thread_time()

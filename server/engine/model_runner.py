@@ -308,10 +308,14 @@ def _draft_row(seq: Sequence, before: list[int]) -> SamplingRow:
     """The row the plain engine would sample `seq` with once `before` (drafts) are its output too."""
     p = seq.params
     output_index = seq.num_output_tokens + len(before)
-    output_ids = seq.output_token_ids + before if p.has_penalties else ()
-    prompt_ids = seq.group.prompt_tensor() if p.repetition_penalty != 1.0 else None
+    output_counts = {}
+    if p.has_penalties:
+        output_counts = dict(seq.output_counts())
+        for token in before:
+            output_counts[token] = output_counts.get(token, 0) + 1
+    prompt_ids = seq.group.distinct_prompt_ids() if p.repetition_penalty != 1.0 else None
     stop_ids = seq.group.min_tokens_stop_ids if output_index < p.min_tokens else ()
-    return SamplingRow(p, seq.index, output_index, output_ids, prompt_ids, stop_ids)
+    return SamplingRow(p, seq.index, output_index, output_counts, prompt_ids, stop_ids)
 
 
 def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:
@@ -321,9 +325,9 @@ def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:
     group = seq.group
     output_index = seq.num_output_tokens
     fork = group.needs_fork
-    # Penalty inputs are read only by the rows that use them.
-    output_ids = seq.output_token_ids if p.has_penalties else ()
-    prompt_ids = group.prompt_tensor() if p.repetition_penalty != 1.0 else None
+    # Penalty inputs are read only by the rows that use them, and kept up to date a token at a time.
+    output_counts = seq.output_counts() if p.has_penalties else {}
+    prompt_ids = group.distinct_prompt_ids() if p.repetition_penalty != 1.0 else None
     stop_ids = group.min_tokens_stop_ids if output_index < p.min_tokens else ()
-    rows += [SamplingRow(p, c, output_index, output_ids, prompt_ids, stop_ids, group.seqs[c].grammar)
+    rows += [SamplingRow(p, c, output_index, output_counts, prompt_ids, stop_ids, group.seqs[c].grammar)
              for c in (range(group.n) if fork else (seq.index,))]

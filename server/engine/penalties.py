@@ -34,7 +34,8 @@ def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) 
 
 def apply_penalties(logits: torch.Tensor, output: tuple[torch.Tensor, torch.Tensor],
                     prompt: tuple[torch.Tensor, torch.Tensor] | None, presence: torch.Tensor,
-                    frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+                    frequency: torch.Tensor, repetition: torch.Tensor,
+                    output_counts: torch.Tensor | None = None) -> None:
     """In place on logits [N, V] (contiguous), touching only the tokens each row has seen:
 
     - repetition (vLLM's, from CTRL): a token in the prompt or the output has its logit divided
@@ -42,11 +43,16 @@ def apply_penalties(logits: torch.Tensor, output: tuple[torch.Tensor, torch.Tens
     - then presence and frequency (OpenAI's): logit -= presence * (count > 0) + frequency * count,
       counts over the output so far.
 
-    output, prompt: (row, token) pairs [L] each, one per token (repeats count); the prompt may be
-    left out when every row's repetition penalty is 1. presence, frequency, repetition: [N].
+    output, prompt: (row, token) pairs [L] each, one per token (repeats count), or with
+    `output_counts` [L] each output pair once with its count; the prompt may be left out when every
+    row's repetition penalty is 1. presence, frequency, repetition: [N].
     """
     vocab = logits.shape[1]
-    keys, counts = torch.unique(output[0] * vocab + output[1], return_counts=True)  # [K] sorted, [K]
+    if output_counts is None:
+        keys, counts = torch.unique(output[0] * vocab + output[1], return_counts=True)  # [K] sorted, [K]
+    else:
+        keys, order = torch.sort(output[0] * vocab + output[1])
+        counts = output_counts[order]
     if prompt is not None:
         seen = torch.unique(torch.cat([keys, prompt[0] * vocab + prompt[1]]))  # [S] sorted, a superset
         if len(keys):
@@ -72,7 +78,8 @@ class _Penalties:
     presence: torch.Tensor  # [N] per batch row, 0 where unused
     frequency: torch.Tensor  # [N]
     repetition: torch.Tensor  # [N], 1 where unused
-    output: tuple[torch.Tensor, torch.Tensor]  # (row, token), one pair per output token of a penalised row
+    output: tuple[torch.Tensor, torch.Tensor]  # (row, token), one pair per distinct output token of a penalised row
+    output_counts: torch.Tensor  # [len(output[0])]: how often each pair's token occurs in its row's output
     prompt: tuple[torch.Tensor, torch.Tensor] | None  # the same for prompts, of rows whose repetition is not 1
 
 
@@ -129,7 +136,8 @@ class LogitsProcessors:
             mask_tokens(logits, *self.masked)
         pen = self.penalties
         if pen is not None:
-            apply_penalties(logits, pen.output, pen.prompt, pen.presence, pen.frequency, pen.repetition)
+            apply_penalties(logits, pen.output, pen.prompt, pen.presence, pen.frequency, pen.repetition,
+                            pen.output_counts)
         return logits
 
 
@@ -144,13 +152,17 @@ def _build_penalties(rows: Sequence[SamplingRow], penalised: list[int], device: 
         return (torch.repeat_interleave(torch.tensor(owners), torch.tensor(lengths)).to(device, non_blocking=True),
                 tokens.to(device, non_blocking=True))
 
-    outputs = [rows[i].output_ids for i in penalised]
-    output = pairs(penalised, [len(o) for o in outputs],
-                   torch.tensor(list(itertools.chain.from_iterable(outputs)), dtype=torch.long))
+    # Each row's output as distinct tokens and counts (kept incrementally: server.engine.token_counts),
+    # so a row's work here is its distinct tokens, never its whole history.
+    counts = [rows[i].output_counts for i in penalised]
+    output = pairs(penalised, [len(c) for c in counts],
+                   torch.tensor(list(itertools.chain.from_iterable(c.keys() for c in counts)), dtype=torch.long))
+    output_counts = torch.tensor(list(itertools.chain.from_iterable(c.values() for c in counts)),
+                                 dtype=torch.long).to(device, non_blocking=True)
     # Only rows whose repetition penalty is not 1 read their prompt: for the others it changes nothing.
     prompts = [i for i in penalised if rows[i].params.repetition_penalty != 1.0 and rows[i].prompt_ids is not None]
     prompt = None
     if prompts:
         prompt = pairs(prompts, [len(rows[i].prompt_ids) for i in prompts], torch.cat([rows[i].prompt_ids for i in prompts]))
     return _Penalties(per_row("presence_penalty", 0.0), per_row("frequency_penalty", 0.0),
-                      per_row("repetition_penalty", 1.0), output, prompt)
+                      per_row("repetition_penalty", 1.0), output, output_counts, prompt)

@@ -2,7 +2,7 @@
 both read, in a module of its own so neither imports the other."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -16,7 +16,8 @@ class SamplingRow(NamedTuple):
     params: SamplingParams
     choice: int  # the choice's index in its request (seeds a stream of its own)
     output_index: int  # index in the choice's output of the token being chosen
-    output_ids: Sequence[int] = ()  # the choice's output so far; read only with a penalty
-    prompt_ids: torch.Tensor | None = None  # [P] CPU; read only with a repetition penalty
+    # The choice's output so far as token -> count (server.engine.token_counts); read only with a penalty.
+    output_counts: Mapping[int, int] = {}
+    prompt_ids: torch.Tensor | None = None  # [P] CPU, distinct ones suffice; read only with a repetition penalty
     stop_ids: tuple[int, ...] = ()  # masked while output_index < min_tokens
     grammar: object | None = None  # the choice's LaneMatcher (server.engine.mask_lane), when constrained

@@ -12,7 +12,9 @@ from typing import NamedTuple
 
 import torch
 
+
 from server.engine.sampling_params import SamplingParams
+from server.engine.token_counts import TokenCounts
 
 
 class SequenceStatus(enum.Enum):
@@ -75,7 +77,7 @@ class SequenceGroup:
     """The n choices of one request, and what they share: the prompt and its logprobs."""
 
     __slots__ = ("request_id", "seqs", "needs_fork", "prompt_logprobs", "min_tokens_stop_ids", "num_cached_tokens",
-                 "adapter_from", "_prompt_tensor")
+                 "adapter_from", "_distinct_prompt")
 
     def __init__(self, request_id: str, prompt_logprobs: bool, min_tokens_stop_ids: tuple[int, ...]) -> None:
         self.request_id = request_id
@@ -90,7 +92,7 @@ class SequenceGroup:
         # The first position the adapter applies to (server.engine.lora.alora): 0 but for an activated LoRA,
         # whose point the scheduler finds at admission.
         self.adapter_from = 0
-        self._prompt_tensor: torch.Tensor | None = None
+        self._distinct_prompt: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -100,11 +102,12 @@ class SequenceGroup:
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    def prompt_tensor(self) -> torch.Tensor:
-        """The prompt's ids as a CPU tensor [P], made once (the repetition penalty reads it every step)."""
-        if self._prompt_tensor is None:
-            self._prompt_tensor = torch.tensor(self.seqs[0].prompt_token_ids, dtype=torch.long)
-        return self._prompt_tensor
+    def distinct_prompt_ids(self) -> torch.Tensor:
+        """The prompt's distinct ids as a CPU tensor [D <= P], made once: the repetition penalty reads
+        them every step, and only whether a token occurs matters to it."""
+        if self._distinct_prompt is None:
+            self._distinct_prompt = torch.unique(torch.tensor(self.seqs[0].prompt_token_ids, dtype=torch.long))
+        return self._distinct_prompt
 
 
 class Sequence:
@@ -114,7 +117,7 @@ class Sequence:
         "request_id", "prompt_token_ids", "token_ids", "params", "version_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
         "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
-        "num_registered_blocks", "grammar",
+        "num_registered_blocks", "grammar", "_output_counts",
     )
 
     def __init__(
@@ -165,6 +168,14 @@ class Sequence:
         # xgrammar GrammarMatcher of a constrained choice (set by the engine), advanced with every
         # accepted token. It follows the output tokens, which preemption keeps, so it stays valid.
         self.grammar = None
+        self._output_counts: TokenCounts | None = None  # made on the first penalised step
+
+    def output_counts(self) -> dict[int, int]:
+        """How often each token occurs in the output so far (for the penalties), kept up to date
+        incrementally (server.engine.token_counts): read, do not modify."""
+        if self._output_counts is None:
+            self._output_counts = TokenCounts(self._num_prompt)
+        return self._output_counts.caught_up(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

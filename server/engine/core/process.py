@@ -21,6 +21,7 @@ from adapters.loader_pool import LoaderPool
 from adapters.registry import AdapterRegistry
 from adapters.registry_fetch import registry_fetch
 from server.engine.core.busy_loop import EngineCore
+from server.engine.cpu_affinity import pin_process
 from server.engine.core.commands import FetchingCommands
 from server.engine.core.input_socket import InputSocket
 from server.engine.core.launch import CoreLaunch
@@ -35,6 +36,7 @@ FLUSH_SECONDS = 2.0
 
 
 def run_core(launch: CoreLaunch, pid: int) -> int:
+    pin_process(pid, launch.engine.cpu_affinity)  # before any thread starts: they all inherit the engine's cores
     ctx = zmq.Context()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -69,7 +71,7 @@ def _build_engine(launch: CoreLaunch, owned: contextlib.ExitStack) -> LLMEngine:
     owned.callback(client.close)
     pager = None
     if launch.pager:
-        pager = LoaderPool(1, launch.max_upload_bytes)
+        pager = LoaderPool(1, launch.max_upload_bytes, cpus=launch.loader_cpus)
         owned.callback(pager.close)
     registry = AdapterRegistry(client, prefix=launch.redis_prefix, grace_seconds=launch.adapter_grace_seconds)
     fetch = registry_fetch(registry, launch.adapter_shape, launch.max_lora_rank, pager)

@@ -103,8 +103,9 @@ class EngineClient(ABC):
 
     # ---- structured output ----
     @abstractmethod
-    def grammar_compiler(self, timeout_ms: int) -> GrammarCompileService:
-        """The front end's compiler of constraints for this engine's vocabulary (EngineRequest.grammar)."""
+    def grammar_compiler(self, timeout_ms: int, cpus: tuple[int, ...] | None = None) -> GrammarCompileService:
+        """The front end's compiler of constraints for this engine's vocabulary (EngineRequest.grammar);
+        `cpus`: the cores its compile processes run on (server.cpu_placement; None: not pinned)."""
 
     # ---- stats ----
     @abstractmethod

@@ -96,8 +96,8 @@ class InProcessEngineClient(EngineClient):
         return self.engine.dora_precompute.submit(version_id, adapter)  # its own thread, not the loop's
 
     # ---- structured output ----
-    def grammar_compiler(self, timeout_ms: int) -> GrammarCompileService:
-        return GrammarCompileService(self.engine.grammars, timeout_ms)
+    def grammar_compiler(self, timeout_ms: int, cpus: tuple[int, ...] | None = None) -> GrammarCompileService:
+        return GrammarCompileService(self.engine.grammars, timeout_ms, cpus=cpus)
 
     # ---- stats ----
     def stats(self) -> EngineStats:

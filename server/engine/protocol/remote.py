@@ -209,12 +209,12 @@ class RemoteEngineClient(EngineClient):
         return self._call("precompute_dora", version_id)
 
     # ---- structured output ----
-    def grammar_compiler(self, timeout_ms: int) -> GrammarCompileService:
+    def grammar_compiler(self, timeout_ms: int, cpus: tuple[int, ...] | None = None) -> GrammarCompileService:
         """Compiled here, as in the in-process mode (deadline, tenant charges, the compile processes),
         for this front end's own copy of the vocabulary; the compiled grammar crosses serialised."""
         self._grammars = Grammars(load_tokenizer(self._launch.engine.model), self.info.vocab_size,
                                   self.info.eos_token_ids)
-        return GrammarCompileService(self._grammars, timeout_ms)
+        return GrammarCompileService(self._grammars, timeout_ms, cpus=cpus)
 
     # ---- stats ----
     def stats(self) -> EngineStats:

@@ -22,7 +22,7 @@ CONSTRAINTS = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(reg
 class _Inline:
     """The old synchronous fill: each fill runs at once on the engine thread."""
 
-    def submit(self, fn) -> Future:
+    def submit(self, tenant, fn) -> Future:
         future: Future = Future()
         future.set_result(fn())
         return future
@@ -34,9 +34,9 @@ class _Delayed:
     def __init__(self, pool, pauses) -> None:
         self.pool, self.pauses = pool, pauses
 
-    def submit(self, fn) -> Future:
+    def submit(self, tenant, fn) -> Future:
         pause = self.pauses()
-        return self.pool.submit(lambda: (time.sleep(pause), fn())[1])
+        return self.pool.submit(tenant, lambda: (time.sleep(pause), fn())[1])
 
 
 def _llm(tiny_model_dir, **kwargs) -> LLM:

@@ -125,7 +125,7 @@ def test_processors_apply_bias_then_min_tokens_then_penalties():
         SamplingParams(repetition_penalty=3.0),
     ]
     stop_ids = (0, 2, 7)
-    rows = [SamplingRow(p[r], 0, len(outputs[r]), outputs[r], torch.tensor(prompts[r]),
+    rows = [SamplingRow(p[r], 0, len(outputs[r]), Counter(outputs[r]), torch.tensor(prompts[r]),
                         stop_ids if len(outputs[r]) < p[r].min_tokens else ()) for r in range(len(p))]
     expected = logits.clone()
     for r, params in enumerate(p):
@@ -152,7 +152,7 @@ def test_extreme_logits_stay_safe_under_every_modification():
     logits[1, 5] = float("nan")  # a broken row: fails alone
     every = dict(logit_bias={7: 100.0, 3: -100.0}, repetition_penalty=1e-30, presence_penalty=-2.0,
                  frequency_penalty=-2.0, min_tokens=1, max_tokens=4, min_p=0.5)
-    rows = [SamplingRow(SamplingParams(temperature=t, seed=1, logprobs=2, **every), 0, 0, [7, 3], torch.tensor([7, 3, 9]),
+    rows = [SamplingRow(SamplingParams(temperature=t, seed=1, logprobs=2, **every), 0, 0, Counter([7, 3]), torch.tensor([7, 3, 9]),
                         (3,)) for t in (0.0, 0.0, 1.0, 1e-5)]
     out = sample_rows(logits, rows, torch.Generator())
     assert out.tokens[0] == out.tokens[2] == out.tokens[3] == 7

@@ -3,6 +3,8 @@ to the host. On a GPU that copy (and a host-side sort) per sampled row is what t
 here every host transfer (.cpu(), .tolist(), .item(), .numpy()) is recorded and must be batch-sized."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ def test_no_vocabulary_sized_host_transfer(monkeypatch):
             SamplingRow(SamplingParams(temperature=1.0, top_k=40, seed=7), 1, 2),
             SamplingRow(SamplingParams(temperature=1.2, min_p=0.05, logprobs=5), 0, 1),
             SamplingRow(SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=0.5,
-                                       repetition_penalty=1.3, logit_bias={5: 10.0}), 0, 4, (5, 9, 9),
+                                       repetition_penalty=1.3, logit_bias={5: 10.0}), 0, 4, Counter((5, 9, 9)),
                         torch.tensor([1, 2, 3])),
             SamplingRow(SamplingParams(temperature=1.0, top_p=0.5, seed=3), 2, 0)]
     out = sample_rows(logits, rows, torch.Generator().manual_seed(1))
