@@ -157,3 +157,14 @@ def api_server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[Serve
                            rate_window_seconds=2.0)
     with running_server(config) as handle:
         yield handle
+
+
+def read_sse(url: str, headers: dict, body: dict, events: list, first: threading.Event) -> None:
+    """POST a streaming request to `url` (run it on a thread): each `data:` payload goes to `events`,
+    `first` is set at the first one, and "closed" is appended once the stream ended."""
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+    events.append("closed")

@@ -69,7 +69,7 @@ class AsyncEngine:
         Its `grammar` is compiled already (LLMEngine.add_request), so the loop never compiles."""
         loop = asyncio.get_running_loop()
         n = request.params.n
-        sink = Sink(loop, asyncio.Queue(), n)
+        sink = Sink(loop, n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request, sink, accepted))
         try:

@@ -45,6 +45,11 @@ class EngineClient(ABC):
     def error(self) -> str | None:
         """Why the step loop died, for /health; None while it runs or after a clean shutdown."""
 
+    @property
+    def is_restarting(self) -> bool:
+        """The engine died and a new one is starting (--engine-restart): not healthy, not gone for good."""
+        return False
+
     # ---- requests ----
     @abstractmethod
     async def submit(self, request: EngineRequest) -> OutputStream:
