@@ -45,6 +45,7 @@ class Command(msgspec.Struct, tag="command"):
     call_id: int  # 0: no reply wanted
     op: str  # server.engine.core.commands.OPS
     version_id: str | None = None
+    seconds: float | None = None  # nap's
 
 
 FrontMessage = Union[Hello, Submit, Abort, Command]

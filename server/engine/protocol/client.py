@@ -97,6 +97,12 @@ class EngineClient(ABC):
         a plain LoRA adapter is done at once. The future's result names the outcome
         (server.engine.lora.dora_precompute)."""
 
+    @abstractmethod
+    def nap(self, seconds: float) -> concurrent.futures.Future[None]:
+        """Hold the step loop between two steps for `seconds` (at most 60; commands wait too), so that a
+        running request is still running when a test or bench acts on it; done when the nap is over.
+        Naps sent back to back run back to back: the loop steps once a nap ends with none queued."""
+
     # ---- structured output ----
     @abstractmethod
     def grammar_compiler(self, timeout_ms: int) -> GrammarCompileService:

@@ -36,6 +36,7 @@ import msgspec
 import zmq
 
 from server.engine.core.arrays import int_bytes
+from server.engine.core.commands import NAP
 from server.engine.core.deltas import OutputAssembler
 from server.engine.core.launch import CoreLaunch
 from server.engine.core.launcher import spawn_core
@@ -251,6 +252,9 @@ class RemoteEngineClient(EngineClient):
     def precompute_dora(self, version_id: str, adapter: LoraAdapter) -> concurrent.futures.Future[str]:
         return self._call("precompute_dora", version_id)
 
+    def nap(self, seconds: float) -> concurrent.futures.Future[None]:
+        return self._call(NAP, seconds=seconds)
+
     # ---- structured output ----
     def grammar_compiler(self, timeout_ms: int) -> GrammarCompileService:
         """Compiled here, as in the in-process mode (deadline, tenant charges, the compile processes),
@@ -293,14 +297,14 @@ class RemoteEngineClient(EngineClient):
             except zmq.ZMQError as e:
                 raise EngineDeadError(f"the engine core's socket failed: {e}") from None
 
-    def _call(self, op: str, version_id: str | None = None) -> concurrent.futures.Future:
+    def _call(self, op: str, version_id: str | None = None, seconds: float | None = None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         with self._lock:
             self._check_alive()
             self._calls[call_id] = done
         try:
-            self._send(Command(call_id, op, version_id))
+            self._send(Command(call_id, op, version_id, seconds))
         except BaseException:
             with self._lock:
                 self._calls.pop(call_id, None)
