@@ -17,7 +17,7 @@ from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.info import engine_info
 from server.engine.protocol.request import EngineRequest
-from server.engine.protocol.snapshot import EngineSnapshot
+from server.engine.protocol.snapshot import EngineSnapshot, engine_snapshot
 
 if TYPE_CHECKING:
     from adapters.format import LoraAdapter
@@ -100,7 +100,7 @@ class InProcessEngineClient(EngineClient):
         return self._loop.stats()
 
     def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(self._loop.stats(), dict(vars(self.engine.lora_slots.dora_cache.stats)))
+        return engine_snapshot(self.engine, self._loop.stats())
 
     def take_load_seconds(self) -> list[float]:
         seconds = self.engine.host.load_seconds  # a deque the loader threads append to

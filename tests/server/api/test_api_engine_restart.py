@@ -68,6 +68,8 @@ def test_kill_9_of_the_core_restarts_it_and_settles_the_stream(long_model, redis
         os.kill(old_pid, signal.SIGKILL)
         seen = _wait(lambda: httpx.get(f"{handle.url}/health", timeout=5).status_code == 503, 10, "/health 200")
         assert seen < 1.5, f"/health turned 503 {seen:.2f} s after the kill"
+        health = httpx.get(f"{handle.url}/health", timeout=5).json()
+        assert health["engine_restarting"] is True and "exited" in health["engine_error"], health
         r = httpx.post(f"{handle.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
                        json={"model": base, "prompt": "x", "max_tokens": 1})
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
@@ -94,4 +96,5 @@ def test_kill_9_of_the_core_restarts_it_and_settles_the_stream(long_model, redis
         os.kill(handle.state.engine.core_pid, signal.SIGKILL)
         _wait(lambda: handle.state.engine.gave_up, 5, "restarted past the limit")
         assert not handle.state.engine.is_restarting and not handle.state.engine.is_healthy
-        assert httpx.get(f"{handle.url}/health", timeout=5).status_code == 503
+        health = httpx.get(f"{handle.url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["engine_restarting"] is False

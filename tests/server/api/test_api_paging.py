@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from dataclasses import replace
 
@@ -93,16 +95,18 @@ def test_idle_server_frees_retired_versions_after_grace(tiny_model_dir, tiny_ada
 
 
 def test_engine_crash_fails_requests_with_503_and_health_says_so(tiny_model_dir, redis_server, tmp_path):
-    config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server))
+    config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), engine_restart=False)
     with running_server(config) as s:
         _, key = s.new_tenant()
         with s.http(key) as h:
             assert h.get("/health").status_code == 200
+            if config.engine_process == "separate":
+                os.kill(s.state.engine.core_pid, signal.SIGKILL)  # the core is gone (not restarted)
+            else:
+                def broken_step():
+                    raise RuntimeError("simulated engine fault")
 
-            def broken_step():
-                raise RuntimeError("simulated engine fault")
-
-            s.state.engine.engine.step = broken_step  # the next step crashes the engine loop
+                s.state.engine.engine.step = broken_step  # the next step crashes the engine loop
             r = h.post("/v1/completions", json={"model": s.state.model_id, "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 503 and "error" in r.json()
             wait_for(lambda: h.get("/health").status_code == 503)
