@@ -72,6 +72,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     finished: bool
     finish_reason: str | None
     error: str | None
+    error_is_client: bool  # the error is the request's own doing (RequestOutput.error_is_client): a 400
     num_cached_tokens: int
     logprobs: Logprobs | None  # the new tokens' entries; None unless asked for
     prompt_logprobs: Logprobs | None  # once per request (entries after the first, which is None)
