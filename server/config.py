@@ -27,6 +27,7 @@ AUTO_PREFILL_CAP = "auto"
 # --engine-process: the engine's step loop on a thread here (the default for now), or an engine-core
 # process of its own (server.engine.core).
 ENGINE_PROCESSES = ("in-process", "separate")
+ENGINE_RESTART_WINDOW_S = 60.0  # --engine-restart-limit counts the restarts within this window
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser: server.api.tool_parsers
 # On a 2-core CPU a 256-token chunk of the demo model's prompt keeps a decoding stream's worst gap under a
 # second where one 2,048-token step stalled it for ~6 s (docs/benchmarks/abuse.md).
@@ -148,6 +149,10 @@ class ServerConfig:
     # --engine-process: the engine in this process's step-loop thread, or in an engine-core process of
     # its own (server.engine.core); ENGINE_PROCESSES.
     engine_process: str = "in-process"
+    # --engine-restart / --engine-restart-limit (separate only): a dead engine core is started again
+    # unless engine_restart_limit restarts happened within ENGINE_RESTART_WINDOW_S; then the server exits 1.
+    engine_restart: bool = True
+    engine_restart_limit: int = 3
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     # --engine-cpus / --api-cpus resolved (server.cpu_placement): the cores of each side, applied by
     # `loraplex serve`; None: nothing pinned (one core, or a ServerConfig built in code, e.g. by tests).
@@ -239,6 +244,8 @@ class ServerConfig:
         if self.engine_process not in ENGINE_PROCESSES:
             raise ConfigError(f"--engine-process must be one of {', '.join(ENGINE_PROCESSES)}, "
                               f"got {self.engine_process!r}")
+        if not isinstance(self.engine_restart_limit, int) or self.engine_restart_limit < 1:
+            raise ConfigError(f"--engine-restart-limit must be >= 1, got {self.engine_restart_limit!r}")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")
         cap = self.max_prefill_tokens_while_decoding
@@ -388,6 +395,8 @@ class ServerConfig:
             async_scheduling=getattr(args, "async_scheduling", False),
             speculative_config=getattr(args, "speculative_config", None),
             engine_process=getattr(args, "engine_process", "in-process"),
+            engine_restart=getattr(args, "engine_restart", True),
+            engine_restart_limit=getattr(args, "engine_restart_limit", 3),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             cpu_placement=_cpu_placement(args),
             quantization=getattr(args, "quantization", None),

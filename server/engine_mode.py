@@ -12,12 +12,12 @@ from adapters.format import ModelShape
 from adapters.loader_pool import LoaderPool
 from adapters.registry import AdapterRegistry
 from adapters.registry_fetch import registry_fetch
-from server.config import ServerConfig
+from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
 from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.in_process import InProcessEngineClient
-from server.engine.protocol.remote import RemoteEngineClient
+from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
 
 
 def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: str, shape: ModelShape,
@@ -29,6 +29,8 @@ def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: s
             engine, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix=config.redis_prefix,
             adapter_grace_seconds=config.adapter_grace_seconds, adapter_shape=shape,
             max_lora_rank=config.max_lora_rank, pager=pager is not None, max_upload_bytes=config.max_upload_bytes,
-            loader_cpus=config.cpu_placement.api if config.cpu_placement is not None else None))
+            loader_cpus=config.cpu_placement.api if config.cpu_placement is not None else None),
+            restarts=RestartPolicy(config.engine_restart_limit, ENGINE_RESTART_WINDOW_S) if config.engine_restart
+            else None)
     return InProcessEngineClient.build(engine, registry_fetch(registry, shape, config.max_lora_rank, pager),
                                        DoraScaleStore(client, prefix=config.redis_prefix))

@@ -4,10 +4,12 @@ engine is the slow part, so each test module shares one server."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,9 +24,11 @@ from server.api.app import create_app
 from server.api.state import ServerState
 from server.config import ServerConfig
 from server.embedded_redis.server import EmbeddedRedis, free_port
+from server.engine.tokenizer_loader import load_tokenizer
 
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
 API_DB = 1  # the redis fixtures flush db 0 per test; servers live in db 1
+PAUSE_NAP_S = 0.1  # engine_paused's naps: two always queued, so a loaded machine cannot slip a step in
 
 
 @dataclass
@@ -54,21 +58,32 @@ class ServerHandle:
         assert r.status_code == 201, r.text
         return name, r.json()["key"]
 
+    @functools.cached_property
+    def tokenizer(self):
+        """The served model's tokenizer, the test's own copy (the engine's is the engine's, in its process)."""
+        return load_tokenizer(self.config.model)
+
     @contextlib.contextmanager
     def engine_paused(self) -> Iterator[None]:
-        """Hold the engine thread (between steps) so running requests stay running:
-        the tiny model finishes hundreds of tokens in well under a second."""
-        entered, release = threading.Event(), threading.Event()
+        """Hold the engine's step loop (between steps) so running requests stay running: the tiny model
+        finishes hundreds of tokens in well under a second. Through EngineClient.nap, so in either engine
+        mode: naps of PAUSE_NAP_S with two always queued behind the running one, so no step slips between."""
+        engine = self.state.engine
+        naps = deque(engine.nap(PAUSE_NAP_S) for _ in range(3))
+        naps.popleft().result(30)  # the loop is in the second nap now: paused
+        release = threading.Event()
 
-        def hold(_engine) -> None:
-            entered.set()
-            release.wait(60)
-        self.state.engine.post(hold)
-        assert entered.wait(30), "the engine thread never picked up the pause"
+        def keep() -> None:
+            while not release.is_set():
+                naps.append(engine.nap(PAUSE_NAP_S))
+                naps.popleft().result(30)
+        thread = threading.Thread(target=keep, daemon=True)
+        thread.start()
         try:
             yield
         finally:
             release.set()
+            thread.join(5)
 
     @contextlib.contextmanager
     def engine_throttled(self, pause_s: float = 0.02) -> Iterator[None]:
@@ -78,14 +93,10 @@ class ServerHandle:
 
         def feed() -> None:
             while not stop.is_set():
-                ran = threading.Event()
-
-                def nap(_engine) -> None:
-                    time.sleep(pause_s)
-                    ran.set()
-                # One nap at a time: the loop thread steps once between naps.
-                self.state.engine.post(nap)
-                ran.wait(30)
+                try:  # one nap at a time: the loop steps once between naps
+                    self.state.engine.nap(pause_s).result(30)
+                except Exception:  # noqa: BLE001 - the engine is gone: nothing left to slow
+                    return
         thread = threading.Thread(target=feed, daemon=True)
         thread.start()
         try:
@@ -129,8 +140,8 @@ def running_server(config: ServerConfig, timeout: float = 120.0) -> Iterator[Ser
 
 
 def server_config(model_dir: Path, data_dir: Path, redis_url: str | None, **overrides) -> ServerConfig:
-    """$LORAPLEX_TEST_ENGINE_PROCESS=separate runs the HTTP tests against an engine-core process (the
-    tests that reach into the in-process engine, `.engine.engine` and engine_paused, fail there still)."""
+    """$LORAPLEX_TEST_ENGINE_PROCESS=separate runs the HTTP tests against an engine-core process (the few
+    tests that still reach into the in-process engine, `.engine.engine`, fail there)."""
     base = ServerConfig(engine_process=os.environ.get("LORAPLEX_TEST_ENGINE_PROCESS", "in-process"),
                         data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url,
                         port=free_port(), device="cpu", kv_cache_blocks=64,
@@ -157,3 +168,14 @@ def api_server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[Serve
                            rate_window_seconds=2.0)
     with running_server(config) as handle:
         yield handle
+
+
+def read_sse(url: str, headers: dict, body: dict, events: list, first: threading.Event) -> None:
+    """POST a streaming request to `url` (run it on a thread): each `data:` payload goes to `events`,
+    `first` is set at the first one, and "closed" is appended once the stream ended."""
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+    events.append("closed")

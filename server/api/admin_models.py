@@ -208,6 +208,7 @@ class Health(BaseModel):
     redis: bool
     model: str
     engine_error: str | None = None
+    engine_restarting: bool | None = None
 
 
 class AdminAdapter(AdapterOut):

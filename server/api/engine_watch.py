@@ -1,5 +1,5 @@
 """The server's watch over its engine core: the last minutes of the engine's activity for the admin
-console's charts (EngineHistory), and the server's exit once a separate core is gone
+console's charts (EngineHistory), and the server's exit once a separate core is gone for good
 (exit_when_engine_dies).
 
 EngineHistory: tokens and time-to-first-token are fed as they happen (`note_tokens`,
@@ -7,13 +7,14 @@ EngineHistory: tokens and time-to-first-token are fed as they happen (`note_toke
 point: generated tokens per second, median TTFT, and the queue, batch and KV
 state at that moment. Bounded: a fixed number of points, a fixed TTFT window.
 
-exit_when_engine_dies: with --engine-process separate, a dead engine core ends the server.
+exit_when_engine_dies: with --engine-process separate, an engine core that is gone for good ends the
+server.
 
-The client notices the death within a poll interval (server.engine.protocol.remote) and fails every
-open stream at once; for ENGINE_DEATH_EXIT_DELAY_S more the server still answers (/health 503,
-requests 503 with Retry-After, the ended streams' SSE error events flushed), then it stops with exit
-status 1 for its orchestrator to restart it (restarting the core in place, --engine-restart, is not
-built yet).
+The client notices a death within a poll interval (server.engine.protocol.remote) and fails every
+open stream at once. With --engine-restart it starts a new core (/health 503 and requests 503 with
+Retry-After meanwhile) and this watch keeps waiting; once the core is not restarted (the flag off, or
+its crash-loop limit reached) the server still answers for ENGINE_DEATH_EXIT_DELAY_S more (the ended
+streams' SSE error events flushed), then stops with exit status 1 for its orchestrator to restart it.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ _POLL_S = 0.1
 
 
 async def exit_when_engine_dies(engine: EngineClient, exit_server: Callable[[], None]) -> None:
-    while engine.is_healthy:
+    while engine.is_healthy or engine.is_restarting:
         await asyncio.sleep(_POLL_S)
     log.error("the engine core is gone (%s): the server exits with status 1 in %g s", engine.error,
               ENGINE_DEATH_EXIT_DELAY_S)

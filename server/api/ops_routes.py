@@ -26,6 +26,7 @@ async def health(request: Request) -> Response:
         body["redis_error"] = redis_problem
     if not engine_ok:
         body["engine_error"] = state.engine.error or "the engine is not running"
+        body["engine_restarting"] = state.engine.is_restarting  # back soon (--engine-restart), or gone for good
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -70,7 +70,7 @@ class AsyncEngine:
         Its `grammar` is compiled already (LLMEngine.add_request), so the loop never compiles."""
         loop = asyncio.get_running_loop()
         n = request.params.n
-        sink = Sink(loop, asyncio.Queue(), n)
+        sink = Sink(loop, n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request, sink, accepted))
         try:
@@ -94,9 +94,13 @@ class AsyncEngine:
 
     # ---- adapters and stats (run on the loop thread) ----
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await asyncio.wrap_future(self.call_soon(fn))
+
+    def call_soon(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run fn on the loop thread; its result (or exception) in the future. From any thread."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("call", fn, done))
-        return await asyncio.wrap_future(done)
+        return done
 
     def post(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run fn on the loop thread without waiting; ordered with every other command."""

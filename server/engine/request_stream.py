@@ -1,12 +1,20 @@
 """RequestStream: one accepted request's outputs as the front end iterates them, fed through a Sink
-(a queue on the caller's event loop) by whichever side runs the engine: the step loop's thread in
-this process (server.engine.async_engine) or the engine-core client's output thread
-(server.engine.protocol.remote)."""
+(one slot per choice on the caller's event loop) by whichever side runs the engine: the step loop's
+thread in this process (server.engine.async_engine) or the engine-core client's output thread
+(server.engine.protocol.remote).
+
+Backpressure: outputs are cumulative, so a Sink keeps only each choice's newest undelivered output,
+never a backlog. A consumer that stops reading (an SSE client that stopped reading its socket blocks
+its route's writes, and with them its reads here) holds at most one output per choice and the
+engine's error: it can neither grow the front end's memory nor slow the engine or other streams; the
+request runs on to its end (or its max_tokens) and whatever the client reads later carries every
+token up to then in one chunk.
+"""
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from server.engine.sequence import RequestOutput
@@ -18,17 +26,39 @@ class Aborts(Protocol):
 
 @dataclass
 class Sink:
-    """Where one request's outputs go: a queue on the caller's event loop."""
+    """Where one request's outputs go, on the caller's event loop: its choices' newest undelivered
+    outputs (in the order their choices first arrived) and the error that ended it, if any."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
     unfinished: int = 1  # choices still running: the sink goes when the last one finishes
+    pending: dict[int, RequestOutput] = field(default_factory=dict)
+    error: BaseException | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def offer(self, item: RequestOutput | BaseException) -> None:
+        """On the loop's thread. A choice's newer output replaces its older one, keeping its place."""
+        if isinstance(item, BaseException):
+            self.error = item
+        elif self.error is None:
+            self.pending[item.index] = item
+        self.ready.set()
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        """From any thread."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.offer, item)
         except RuntimeError:
             pass  # the caller's loop is closed: nobody is listening any more
+
+    async def take(self) -> list[RequestOutput]:
+        """Every pending output, oldest choice first; the error once none is pending."""
+        while not self.pending and self.error is None:
+            self.ready.clear()
+            await self.ready.wait()
+        if not self.pending:
+            raise self.error
+        taken, self.pending = list(self.pending.values()), {}
+        return taken
 
 
 class RequestStream:
@@ -39,7 +69,7 @@ class RequestStream:
     the end aborts the request in the engine, which frees its KV blocks.
     Outputs are cumulative, so a consumer that fell behind gets only the
     newest one of each choice: one chunk carrying several tokens instead of a
-    backlog of one-token chunks.
+    backlog of one-token chunks (the Sink never holds more).
     """
 
     def __init__(self, engine: "Aborts", request_id: str, sink: Sink, n: int = 1) -> None:
@@ -47,7 +77,7 @@ class RequestStream:
         self._engine = engine
         self._sink = sink
         self._unfinished = n
-        self._pending: dict[int, RequestOutput] = {}  # choice index -> its newest undelivered output
+        self._pending: list[RequestOutput] = []
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -57,24 +87,17 @@ class RequestStream:
         if not self._pending:
             if self._done:
                 raise StopAsyncIteration
-            queue = self._sink.queue
             try:
-                item = await queue.get()
-            except BaseException:
+                self._pending = await self._sink.take()
+            except asyncio.CancelledError:
                 self.abort()  # cancelled while waiting: the consumer is gone
                 raise
-            while True:
-                if isinstance(item, BaseException):
-                    self._done = True
-                    raise item
-                # A choice's newer output replaces its older one, keeping its place in line.
-                self._pending[item.index] = item
-                self._unfinished -= item.finished
-                if queue.empty():
-                    break
-                item = queue.get_nowait()
+            except BaseException:
+                self._done = True
+                raise
+            self._unfinished -= sum(out.finished for out in self._pending)
             self._done = self._unfinished == 0
-        return self._pending.pop(next(iter(self._pending)))
+        return self._pending.pop(0)
 
     def abort(self) -> None:
         if not self._done:
@@ -91,7 +114,7 @@ def dispatch(sinks: dict[str, Sink], outputs: Iterable[RequestOutput],
     id) with its last choice's finished output. One wake-up per event loop per call, not one per
     request: each call_soon_threadsafe writes the loop's self-pipe, and with hundreds of streams that
     cost showed up."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput]]] = {}
     for out in outputs:
         sink = sinks.get(out.request_id)
         if sink is None:
@@ -102,7 +125,7 @@ def dispatch(sinks: dict[str, Sink], outputs: Iterable[RequestOutput],
                 del sinks[out.request_id]
                 if finished is not None:
                     finished(out.request_id)
-        by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        by_loop.setdefault(sink.loop, []).append((sink, out))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_deliver, items)
@@ -110,6 +133,6 @@ def dispatch(sinks: dict[str, Sink], outputs: Iterable[RequestOutput],
             pass  # the caller's loop is closed: nobody is listening any more
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+def _deliver(items: list[tuple[Sink, RequestOutput]]) -> None:
+    for sink, out in items:
+        sink.offer(out)

@@ -114,7 +114,7 @@ def _greedy(server, key, model) -> str:
 
 
 def _expected(server, tiny_model_dir, adapter_dir, peft_oracle) -> str:
-    tok = server.state.engine.engine.tokenizer
+    tok = server.tokenizer
     return tok.decode(peft_oracle(tiny_model_dir, adapter_dir, tok(PROMPT).input_ids, 8))
 
 

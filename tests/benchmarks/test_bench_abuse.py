@@ -36,7 +36,7 @@ def server(tmp_path_factory, tiny_model_dir, redis_server, tiny_adapters):
 
 def _target(server) -> Target:
     return Target(server.url, server.config.admin_token, server.state.model_id,
-                  server.state.engine.engine.max_model_len, server.config.max_logprob_entries,
+                  server.state.engine.info.max_model_len, server.config.max_logprob_entries,
                   FETCH_TIMEOUT_S, COMPILE_DEADLINE_MS / 1000)
 
 

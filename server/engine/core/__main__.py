@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import msgspec
@@ -12,6 +13,11 @@ from server.engine.core.process import run_core
 
 
 def main() -> int:
+    # The front end owns the core's lifecycle: on SIGINT/SIGTERM it drains its requests, then sends
+    # shutdown. A supervisor that signals every process of the group (systemd's control-group kill)
+    # must not end the core under requests still draining; it exits anyway once its front end is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreLaunch)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("loraplex engine core: %(message)s"))
@@ -22,4 +28,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # run_core has sent every message and closed the engine, Redis and the loaders: skip the
+    # interpreter's finalisation, which took ~3 s (torch's and the engine threads' teardown) of every
+    # server's stop and restart.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -8,7 +8,7 @@ import queue
 from server.engine.core.commands import reply_of
 from server.engine.core.messages import Accepted
 from server.engine.llm_engine import LLMEngine, RequestError
-from server.engine.protocol.snapshot import EngineSnapshot
+from server.engine.protocol.snapshot import EngineSnapshot, engine_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         """As of the last step or command; read by the output thread (one reference, swapped whole)."""
-        return EngineSnapshot(self._stats, dict(vars(self.engine.lora_slots.dora_cache.stats)))
+        return engine_snapshot(self.engine, self._stats)
 
     def run(self) -> None:
         engine = self.engine

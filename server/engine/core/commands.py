@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_NAP_S = 60.0
+
 LOOP_OPS: dict[str, Callable[[LLMEngine, Command], Any]] = {
     "remove_adapter": lambda e, m: e.remove_adapter(m.version_id),
     "release_adapter_memory": lambda e, m: e.release_adapter_memory(m.version_id),
@@ -32,6 +35,14 @@ LOOP_OPS: dict[str, Callable[[LLMEngine, Command], Any]] = {
 }
 FETCH_OPS = ("add_adapter", "precompute_dora")
 SHUTDOWN = "shutdown"
+NAP = "nap"  # EngineClient.nap: its seconds in Command.seconds
+
+
+def nap(seconds: float | None) -> None:
+    """Hold the loop between two steps (tests and benches that need a request still running)."""
+    if seconds is None or not 0 <= seconds <= MAX_NAP_S:
+        raise ValueError(f"a nap lasts 0..{MAX_NAP_S:g} s, not {seconds!r}")
+    time.sleep(seconds)
 
 
 def reply_of(call_id: int, run: Callable[[], Any]) -> Reply:

@@ -79,8 +79,8 @@ class DeltaEncoder:
             prompt_logprobs = pack_logprobs(out.prompt_logprobs[1:])
             req.prompt_logprobs_sent = True
         delta = OutputDelta(out.request_id, out.index, int_bytes(out.token_ids[sent.tokens:]), text_from, text,
-                            out.finished, out.finish_reason, out.error, out.num_cached_tokens, logprobs,
-                            prompt_logprobs)
+                            out.finished, out.finish_reason, out.error, out.error_is_client, out.num_cached_tokens,
+                            logprobs, prompt_logprobs)
         sent.tokens, sent.text = len(out.token_ids), out.text
         if out.finished:
             req.unfinished -= 1
@@ -131,5 +131,6 @@ class OutputAssembler:
         return RequestOutput(
             request_id=delta.request_id, prompt_token_ids=req.prompt_ids, token_ids=choice.tokens[:],
             text=choice.text, finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
+            error_is_client=delta.error_is_client,
             index=delta.index, logprobs=None if choice.logprobs is None else choice.logprobs[:],
             prompt_logprobs=req.prompt_logprobs, num_cached_tokens=delta.num_cached_tokens)

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from server.engine.core.arrays import ints
-from server.engine.core.commands import FETCH_OPS, LOOP_OPS, SHUTDOWN
+from server.engine.core.commands import FETCH_OPS, LOOP_OPS, NAP, SHUTDOWN, nap
 from server.engine.core.messages import Abort, Accepted, Command, FrontMessage, Hello, Submit
 
 if TYPE_CHECKING:
@@ -101,6 +101,9 @@ class InputSocket(threading.Thread):
             self._inbox.put(("call", owner, m.call_id, lambda engine: op(engine, m)))
         elif m.op in FETCH_OPS and m.version_id is not None:
             self._fetching.run(owner, m.call_id, m.op, m.version_id)
+        elif m.op == NAP:
+            seconds = m.seconds
+            self._inbox.put(("call", owner, m.call_id, lambda engine: nap(seconds)))
         elif m.op == SHUTDOWN:
             self._inbox.put(("stop",))
         else:

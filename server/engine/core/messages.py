@@ -46,6 +46,7 @@ class Command(msgspec.Struct, tag="command"):
     op: str  # server.engine.core.commands.OPS
     version_id: str | None = None
     tenant: str | None = None  # whose command it is, where the op is bounded per tenant (pin_adapter)
+    seconds: float | None = None  # nap's
 
 
 FrontMessage = Union[Hello, Submit, Abort, Command]
@@ -72,6 +73,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     finished: bool
     finish_reason: str | None
     error: str | None
+    error_is_client: bool  # the error is the request's own doing (RequestOutput.error_is_client): a 400
     num_cached_tokens: int
     logprobs: Logprobs | None  # the new tokens' entries; None unless asked for
     prompt_logprobs: Logprobs | None  # once per request (entries after the first, which is None)

@@ -72,6 +72,11 @@ class DoraScaleCache:
         self._base: str | None = None
 
     @property
+    def known_base(self) -> str | None:
+        """The identity if computed already (never computes it)."""
+        return self._base
+
+    @property
     def base(self) -> str:
         """The served weights' identity (hex sha256), computed at first use."""
         with self._base_lock:

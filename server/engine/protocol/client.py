@@ -45,6 +45,11 @@ class EngineClient(ABC):
     def error(self) -> str | None:
         """Why the step loop died, for /health; None while it runs or after a clean shutdown."""
 
+    @property
+    def is_restarting(self) -> bool:
+        """The engine died and a new one is starting (--engine-restart): not healthy, not gone for good."""
+        return False
+
     # ---- requests ----
     @abstractmethod
     async def submit(self, request: EngineRequest) -> OutputStream:
@@ -100,6 +105,12 @@ class EngineClient(ABC):
         """Compute and store a DoRA version's scales against the served base unless the store has them;
         a plain LoRA adapter is done at once. The future's result names the outcome
         (server.engine.lora.dora_precompute)."""
+
+    @abstractmethod
+    def nap(self, seconds: float) -> concurrent.futures.Future[None]:
+        """Hold the step loop between two steps for `seconds` (at most 60; commands wait too), so that a
+        running request is still running when a test or bench acts on it; done when the nap is over.
+        Naps sent back to back run back to back: the loop steps once a nap ends with none queued."""
 
     # ---- structured output ----
     @abstractmethod

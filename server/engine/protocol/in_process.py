@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.engine.adapter_residency import held_versions, residency
 from server.engine.async_engine import AsyncEngine
+from server.engine.core.commands import nap
 from server.engine.request_stream import RequestStream
 from server.engine.config import EngineConfig
 from server.engine.grammar_worker import GrammarCompileService
@@ -16,7 +17,7 @@ from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.info import engine_info
 from server.engine.protocol.request import EngineRequest
-from server.engine.protocol.snapshot import EngineSnapshot
+from server.engine.protocol.snapshot import EngineSnapshot, engine_snapshot
 
 if TYPE_CHECKING:
     from adapters.format import LoraAdapter
@@ -88,12 +89,13 @@ class InProcessEngineClient(EngineClient):
         return await self._loop.call(residency)
 
     def held_adapter_versions(self, timeout: float) -> set[str]:
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._loop.post(lambda e: done.set_result(held_versions(e)))
-        return done.result(timeout=timeout)
+        return self._loop.call_soon(held_versions).result(timeout=timeout)
 
     def precompute_dora(self, version_id: str, adapter: LoraAdapter) -> concurrent.futures.Future[str]:
         return self.engine.dora_precompute.submit(version_id, adapter)  # its own thread, not the loop's
+
+    def nap(self, seconds: float) -> concurrent.futures.Future[None]:
+        return self._loop.call_soon(lambda e: nap(seconds))
 
     # ---- structured output ----
     def grammar_compiler(self, timeout_ms: int, cpus: tuple[int, ...] | None = None) -> GrammarCompileService:
@@ -104,7 +106,7 @@ class InProcessEngineClient(EngineClient):
         return self._loop.stats()
 
     def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(self._loop.stats(), dict(vars(self.engine.lora_slots.dora_cache.stats)))
+        return engine_snapshot(self.engine, self._loop.stats())
 
     def take_load_seconds(self) -> list[float]:
         seconds = self.engine.host.load_seconds  # a deque the loader threads append to

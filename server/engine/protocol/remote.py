@@ -9,7 +9,11 @@ Death is noticed within a poll interval: a thread waits on the core process (kil
 at once), and the receiver treats HEARTBEAT_TIMEOUT_S without a message (the core pushes stats every
 0.25 s from its output thread, whatever its step loop does) as a hung core, which it kills. Then every
 open stream ends with EngineDeadError (the HTTP side's SSE error event), every waiting call raises it,
-and submit() raises it (a 503 with Retry-After) from then on.
+and submit() raises it (a 503 with Retry-After) until a new core is ready: with a RestartPolicy
+(--engine-restart) a fresh core is started on a fresh input socket (the receiver's PULL socket stays;
+the new core hears of it in its Hello) unless the policy's crash-loop limit is reached, after which
+`gave_up` is true and the server exits for its orchestrator. Adapters come back by themselves: the new
+core pages a version in from the registry on its first request, as after any eviction.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import msgspec
 import zmq
 
 from server.engine.core.arrays import int_bytes
+from server.engine.core.commands import NAP
 from server.engine.core.deltas import OutputAssembler
 from server.engine.core.launch import CoreLaunch
 from server.engine.core.launcher import spawn_core
@@ -57,9 +62,20 @@ POLL_MS = 100
 SHUTDOWN_WAIT_S = 10.0
 
 
+@dataclasses.dataclass
+class _Core:
+    """One engine-core process and the socket this front end sends it on."""
+
+    number: int  # 0 the first, then one more per restart
+    proc: subprocess.Popen
+    push: zmq.Socket
+    dead: bool = False
+
+
 class RemoteEngineClient(EngineClient):
-    def __init__(self, launch: CoreLaunch, workdir: str) -> None:
+    def __init__(self, launch: CoreLaunch, workdir: str, restarts: RestartPolicy | None = None) -> None:
         self._launch = launch
+        self._restarts = restarts
         self._workdir = workdir
         self._ctx = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
@@ -69,10 +85,7 @@ class RemoteEngineClient(EngineClient):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(output_address)
-        self._push = self._ctx.socket(zmq.DEALER)
-        self._push.setsockopt(zmq.ROUTING_ID, self._client_id)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(launch.input_address)
+        self._output_address = output_address
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the tables below: the event loop adds, the receiver thread removes
         self._sinks: dict[str, Sink] = {}
@@ -85,20 +98,23 @@ class RemoteEngineClient(EngineClient):
         self._grammars: Grammars | None = None  # grammar_compiler()'s
         self._load_seconds: deque[float] = deque()
         self.refused_messages = 0  # as the core last reported
-        self.core_pid: int | None = None
+        self._core_pid: int | None = None
         self._error: str | None = None
         self._stopping = False
+        self._restarting = False
+        self.gave_up = False  # the core died and is not being restarted (no policy, or its limit reached)
+        self.restarts = 0
+        self._served = False  # a core was ready once
         self._last_heard = time.monotonic()
-        self._proc: subprocess.Popen | None = None
-        self._send(Hello(output_address))
+        self._core: _Core | None = None
 
     @classmethod
-    def build(cls, launch_without_address: CoreLaunch, ready_timeout: float | None = None) -> "RemoteEngineClient":
+    def build(cls, launch_without_address: CoreLaunch, ready_timeout: float | None = None,
+              restarts: RestartPolicy | None = None) -> "RemoteEngineClient":
         """Blocking: starts the core and waits until its engine is built (weights loaded, pools sized)."""
         workdir = tempfile.mkdtemp(prefix="loraplex-core-")
-        launch = msgspec.structs.replace(launch_without_address, input_address=f"ipc://{workdir}/in",
-                                         parent_pid=os.getpid())
-        client = cls(launch, workdir)
+        launch = msgspec.structs.replace(launch_without_address, parent_pid=os.getpid())
+        client = cls(launch, workdir, restarts)
         try:
             client._start_core(ready_timeout)
         except BaseException:
@@ -106,10 +122,27 @@ class RemoteEngineClient(EngineClient):
             raise
         return client
 
+    def _spawn(self, number: int) -> None:
+        """Core `number` on input socket in-`number` (a fresh socket: nothing queued for a dead core
+        reaches the new one), with a thread that waits on its process."""
+        address = f"ipc://{self._workdir}/in-{number}"
+        push = self._ctx.socket(zmq.DEALER)
+        push.setsockopt(zmq.ROUTING_ID, self._client_id)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(address)
+        proc = spawn_core(msgspec.structs.replace(self._launch, input_address=address))
+        self._input_address = address
+        with self._send_lock:
+            old, self._core = self._core, _Core(number, proc, push)
+            if old is not None:
+                old.push.close(linger=0)
+        self._last_heard = time.monotonic()
+        self._send(Hello(self._output_address))
+        threading.Thread(target=self._watch, args=(self._core,), name=f"core-watch-{number}", daemon=True).start()
+
     def _start_core(self, ready_timeout: float | None) -> None:
-        self._proc = spawn_core(self._launch)
+        self._spawn(0)
         threading.Thread(target=self._receive, name="core-receiver", daemon=True).start()
-        threading.Thread(target=self._watch, name="core-watch", daemon=True).start()
         deadline = None if ready_timeout is None else time.monotonic() + ready_timeout
         while not self._ready.wait(0.1):
             if self._error is not None:
@@ -125,7 +158,7 @@ class RemoteEngineClient(EngineClient):
         if self._stopping:
             return
         self._stopping = True
-        proc = self._proc
+        proc = None if self._core is None else self._core.proc
         if proc is not None and proc.poll() is None:
             try:
                 self._send(Command(0, "shutdown"))
@@ -145,11 +178,25 @@ class RemoteEngineClient(EngineClient):
     def error(self) -> str | None:
         return self._error
 
+    @property
+    def is_restarting(self) -> bool:
+        return self._restarting
+
+    @property
+    def input_address(self) -> str:
+        """The running core's input socket (each core gets a fresh one)."""
+        return self._input_address
+
+    @property
+    def core_pid(self) -> int | None:
+        """The running core's process id (None before its first Ready)."""
+        return self._core_pid
+
     # ---- requests ----
     async def submit(self, request: EngineRequest) -> RequestStream:
         loop = asyncio.get_running_loop()
         rid, n = request.request_id, request.params.n
-        sink = Sink(loop, asyncio.Queue(), n)
+        sink = Sink(loop, n)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_alive()
@@ -185,7 +232,10 @@ class RemoteEngineClient(EngineClient):
         await self._ask("remove_adapter", version_id)
 
     def remove_adapter_nowait(self, version_id: str) -> None:
-        self._send(Command(0, "remove_adapter", version_id))
+        try:
+            self._send(Command(0, "remove_adapter", version_id))
+        except EngineDeadError:
+            pass  # a dead core holds nothing; a restarted one pages in only what the registry still has
 
     async def release_adapter_memory(self, version_id: str) -> None:
         await self._ask("release_adapter_memory", version_id)
@@ -207,6 +257,9 @@ class RemoteEngineClient(EngineClient):
 
     def precompute_dora(self, version_id: str, adapter: LoraAdapter) -> concurrent.futures.Future[str]:
         return self._call("precompute_dora", version_id)
+
+    def nap(self, seconds: float) -> concurrent.futures.Future[None]:
+        return self._call(NAP, seconds=seconds)
 
     # ---- structured output ----
     def grammar_compiler(self, timeout_ms: int, cpus: tuple[int, ...] | None = None) -> GrammarCompileService:
@@ -241,21 +294,24 @@ class RemoteEngineClient(EngineClient):
     def _send(self, message) -> None:
         data = self._encoder.encode(message)
         with self._send_lock:
+            if self._core is None:
+                raise EngineDeadError("the engine core has not started")
             try:
-                self._push.send(data, flags=zmq.NOBLOCK, copy=False)
+                self._core.push.send(data, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 raise EngineDeadError("the engine core is not reading its input") from None
             except zmq.ZMQError as e:
                 raise EngineDeadError(f"the engine core's socket failed: {e}") from None
 
-    def _call(self, op: str, version_id: str | None = None, tenant: str | None = None) -> concurrent.futures.Future:
+    def _call(self, op: str, version_id: str | None = None, tenant: str | None = None,
+              seconds: float | None = None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         with self._lock:
             self._check_alive()
             self._calls[call_id] = done
         try:
-            self._send(Command(call_id, op, version_id, tenant))
+            self._send(Command(call_id, op, version_id, tenant, seconds))
         except BaseException:
             with self._lock:
                 self._calls.pop(call_id, None)
@@ -274,14 +330,14 @@ class RemoteEngineClient(EngineClient):
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
-        while not self._stopping and self._error is None:
+        while not self._stopping and not self.gave_up:
             try:
                 ready = poller.poll(POLL_MS)
                 if not ready:
-                    if self._ready.is_set() and time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
-                        self._die(f"the engine core sent nothing for {HEARTBEAT_TIMEOUT_S:g} s")
-                        if self._proc is not None:
-                            self._proc.kill()
+                    core = self._core
+                    if self.is_healthy and time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
+                        core.proc.kill()  # first: a restart must not find it still running
+                        self._die(core, f"the engine core sent nothing for {HEARTBEAT_TIMEOUT_S:g} s")
                     continue
                 message = self._decoder.decode(self._pull.recv(copy=False).buffer)
             except zmq.ZMQError:
@@ -311,10 +367,12 @@ class RemoteEngineClient(EngineClient):
             self._load_seconds.extend(message.load_seconds)
             self.refused_messages = message.refused_messages
         elif isinstance(message, Ready):
-            self.info, self._snapshot, self.core_pid = message.info, message.snapshot, message.pid
-            self._ready.set()
+            self.info, self._snapshot, self._core_pid = message.info, message.snapshot, message.pid
+            with self._lock:
+                self._error, self._restarting, self._served = None, False, True  # a restarted core serves again
+                self._ready.set()
         elif isinstance(message, Fatal):
-            self._die(f"the engine core failed: {message.error}")
+            self._die(self._core, f"the engine core failed: {message.error}")
 
     def _deliver(self, message: Outputs) -> None:
         self._snapshot = message.snapshot  # first: a stream woken below finds stats at least this new
@@ -322,18 +380,42 @@ class RemoteEngineClient(EngineClient):
             outputs = [self._assembler.apply(delta) for delta in message.outputs]
             dispatch(self._sinks, [out for out in outputs if out is not None], self._assembler.drop)
 
-    def _watch(self) -> None:
-        code = self._proc.wait()
+    def _watch(self, core: _Core) -> None:
+        code = core.proc.wait()
         if not self._stopping:
-            self._die(f"the engine core exited with status {code}")
+            self._die(core, f"the engine core exited with status {code}")
 
-    def _die(self, reason: str) -> None:
+    def _die(self, core: _Core, reason: str) -> None:
+        """Once per core: fail everything in flight, then restart it or give up."""
         with self._lock:
-            if self._error is not None:
+            if core.dead or self._stopping:
                 return
+            core.dead = True
             self._error = reason
-        log.error("%s", reason)
+            self._ready.clear()
+            # Only a core that served restarts: one that cannot start would fail the same way again.
+            restart = self._restarts is not None and self._served and self._restarts.allow(time.monotonic())
+            self._restarting, self.gave_up = restart, not restart
+            self._assembler = OutputAssembler()
+        log.error("%s%s", reason, "; starting a new one" if restart else
+                  "" if self._restarts is None else f" ({self._restarts.describe()} reached: not restarting)")
         self._fail_all(EngineDeadError(f"the engine is not running ({reason})"))
+        if restart:
+            threading.Thread(target=self._restart, args=(core,), name="core-restart", daemon=True).start()
+
+    def _restart(self, dead: _Core) -> None:
+        if dead.proc.poll() is None:
+            dead.proc.kill()
+        dead.proc.wait()
+        self.restarts += 1
+        if self._stopping:
+            return
+        try:
+            self._spawn(dead.number + 1)
+        except Exception as e:  # noqa: BLE001 - cannot even start a process: give up, the server exits
+            log.exception("could not start a new engine core")
+            with self._lock:
+                self._error, self._restarting, self.gave_up = f"{self._error}; restart failed: {e}", False, True
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._lock:
@@ -344,6 +426,27 @@ class RemoteEngineClient(EngineClient):
             sink.put(error)
         for done in waiting:
             _settle(done, None, error)
+
+
+@dataclasses.dataclass
+class RestartPolicy:
+    """--engine-restart: restart a dead core unless max_restarts restarts happened in the last window_s
+    seconds already (a crash loop: then the server exits non-zero for its orchestrator)."""
+
+    max_restarts: int
+    window_s: float
+    _times: deque = dataclasses.field(default_factory=deque)
+
+    def allow(self, now: float) -> bool:
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    def describe(self) -> str:
+        return f"{self.max_restarts} restarts within {self.window_s:g} s"
 
 
 def _settle(done: concurrent.futures.Future, value, error: BaseException | None) -> None:

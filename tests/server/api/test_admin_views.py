@@ -146,12 +146,12 @@ def test_engine_view_and_history(api_server):
     assert {"healthy", "error", "running", "waiting", "preemptions", "kv_cache", "base_weights", "dora_scales",
             "history"} | set(STATS_SECTIONS) == set(view)
     assert view["kv_cache"] == {"dtype": "float32", "requested_dtype": "auto", "blocks": 64, "block_size": 16,
-                                "tokens": 1024, "bytes": api_server.state.engine.engine.kv_pool.bytes}
-    model = api_server.state.engine.engine.model
+                                "tokens": 1024, "bytes": api_server.state.engine.info.kv_pool.bytes}
+    # (That these bytes are the tensors' own: tests/server/engine/test_quantized_memory.py.)
+    weights = api_server.state.engine.info.base_weights
     assert view["base_weights"] == {"projections": "float32", "int4_group_size": None, "lm_head": "float32",
-                                    "projection_bytes": model.base_weights()["projection_bytes"],
-                                    "bytes_by_dtype": {"float32": model.base_weights()["bytes"]},
-                                    "bytes": sum(t.nbytes for t in model.base_tensors())}
+                                    "projection_bytes": weights["projection_bytes"],
+                                    "bytes_by_dtype": {"float32": weights["bytes"]}, "bytes": weights["bytes"]}
     assert view["base_weights"]["projection_bytes"] > 0
     # A CPU device captures no CUDA graph (issue 21): every step eager, none replayed.
     assert view["cuda_graphs"] == {"enabled": False, "graphs": 0, "replays": 0, "capture_seconds": 0.0,
@@ -237,7 +237,7 @@ def test_the_mismatches_schemathesis_found_stay_fixed(api_server):
     top = offset["schema"]["maximum"]
     assert httpx.get(f"{base}/admin/adapters", params={"offset": top}, headers=admin).status_code == 200
     assert httpx.get(f"{base}/admin/adapters", params={"offset": top + 1}, headers=admin).status_code == 400
-    vocab = api_server.state.engine.engine.model_config.vocab_size
+    vocab = api_server.state.engine.info.vocab_size
     assert doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == vocab - 1
     for bad in ("5", True):
         r = httpx.post(f"{base}/admin/tenants", json={"name": "typed-quota", "quota": {"max_adapters": bad}},

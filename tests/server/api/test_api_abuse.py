@@ -71,7 +71,7 @@ def test_huge_token_array_is_refused_before_it_is_built(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_values", r.text
     assert "values" in r.json()["error"]["message"]
     # a body at the limit of what a request can use still parses: a full batch of max-length prompts
-    limit = server.state.engine.engine.max_model_len
+    limit = server.state.engine.info.max_model_len
     full = {"model": server.state.model_id, "prompt": [[7] * (limit - 1)] * 4, "max_tokens": 1}
     r = _post(server, key, "/v1/completions", full)
     assert r.status_code == 200, r.text
@@ -110,7 +110,7 @@ def test_an_over_quota_tenant_gets_429_before_its_body_is_read(server):
 def test_tokenize_and_detokenize_count_against_the_rate_and_are_capped(server):
     name, key = server.new_tenant({"requests_per_minute": 3})
     model = server.state.model_id
-    limit = server.state.engine.engine.max_model_len
+    limit = server.state.engine.info.max_model_len
     # refused requests do not count ...
     r = _post(server, key, "/detokenize", {"model": model, "tokens": [1] * (limit + 1)})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text

@@ -89,7 +89,7 @@ def _greedy(server, key, model, n=8, **extra) -> str:
 
 
 def _expected(server, tiny_model_dir, adapter_dir, peft_oracle, n=8) -> str:
-    tok = server.state.engine.engine.tokenizer
+    tok = server.tokenizer
     return tok.decode(peft_oracle(tiny_model_dir, adapter_dir, tok(PROMPT).input_ids, n))
 
 
@@ -102,7 +102,7 @@ def _version(server, key, name) -> str:
 
 def test_max_cpu_loras_is_room_for_that_many_adapters_of_max_rank(server):
     # tiny model: 2 layers; per layer, sum over the 7 projections of (in + out) = 1024; rank 32; float32
-    assert server.state.engine.engine.config.max_cpu_lora_bytes == 8 * 2 * 1024 * 32 * 4
+    assert server.state.engine.info.max_cpu_lora_bytes == 8 * 2 * 1024 * 32 * 4
 
 
 def test_load_lora_adapter_as_vllm_documents_it(server, local_root, tiny_model_dir, tiny_adapters, peft_oracle):

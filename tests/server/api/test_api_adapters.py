@@ -2,6 +2,7 @@
 replace/delete, and refusal of bad uploads with nothing left in Redis."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 
@@ -20,7 +21,7 @@ def _greedy(server, key, model, n=8) -> str:
 
 
 def _expected(server, tiny_model_dir, adapter_dir, peft_oracle, n=8) -> str:
-    tok = server.state.engine.engine.tokenizer
+    tok = server.tokenizer
     return tok.decode(peft_oracle(tiny_model_dir, adapter_dir, tok(PROMPT).input_ids, n))
 
 
@@ -74,13 +75,13 @@ def test_replace_and_delete(api_server, tiny_model_dir, tiny_adapters, peft_orac
     out_second = _greedy(api_server, key, "ad")
     assert out_second == _expected(api_server, tiny_model_dir, tiny_adapters["r8_all"], peft_oracle)
     assert out_second != out_first
-    assert not api_server.state.engine.engine.has_adapter(first["version"])  # left the host tier
+    assert not asyncio.run(api_server.state.engine.has_adapter(first["version"]))  # left the host tier
     with api_server.http(key) as h:
         assert h.get("/v1/adapters/ad").json()["version"] == second.json()["version"]
         assert h.delete("/v1/adapters/ad").status_code == 200
         assert h.get("/v1/adapters/ad").status_code == 404
         assert h.post("/v1/completions", json={"model": "ad", "prompt": "x"}).status_code == 404
-    assert not api_server.state.engine.engine.has_adapter(second.json()["version"])
+    assert not asyncio.run(api_server.state.engine.has_adapter(second.json()["version"]))
 
 
 def _index_keys(server, tenant: str) -> int:

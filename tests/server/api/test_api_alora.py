@@ -24,8 +24,8 @@ def test_uploaded_aloras_match_peft_and_share_the_prompt(api_server, tiny_model_
     for name, d in dirs.items():
         r = api_server.upload(key, name, d)
         assert r.status_code == 201, r.text
-    tok = api_server.state.engine.engine.tokenizer
-    block = api_server.state.engine.engine.config.block_size
+    tok = api_server.tokenizer
+    block = api_server.state.engine.info.block_size
     prompt = words(64, 50) + INV_A  # the invocation at the end, as a caller appends it
     cached = []
     for name, d in dirs.items():

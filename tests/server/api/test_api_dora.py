@@ -5,6 +5,7 @@ that says why, and nothing is stored."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -35,6 +36,16 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in ("computed", "precomputed", "read", "stored", "refused")}
 
 
+def _served_base(server) -> bytes:
+    """The served weights' identity, as the engine computed it for its first DoRA adapter (an engine
+    core publishes it with its next snapshot, within 0.25 s)."""
+    deadline = time.monotonic() + 5
+    while server.state.engine.snapshot().dora_base is None:
+        assert time.monotonic() < deadline, "no DoRA base identity published"
+        time.sleep(0.05)
+    return server.state.engine.snapshot().dora_base.encode()
+
+
 def _stored_bases(server, version: str) -> list[bytes]:
     return server.state.redis.hkeys(f"{server.state.config.redis_prefix}ad:dora:{version}")
 
@@ -52,10 +63,10 @@ def test_a_dora_upload_is_served_as_peft_serves_it(api_server, tiny_model_dir, t
     uploaded = _scale_counts(api_server)
     assert _delta(uploaded, before) == {"computed": 1, "precomputed": 1, "read": 0, "stored": 1, "refused": 0}
     assert _stored_bases(api_server, r.json()["version"]) == [
-        api_server.state.engine.engine.lora_slots.dora_cache.base.encode()]
+        _served_base(api_server)]
     completion = api_server.client(key).completions.create(model="dora", prompt=PROMPT, max_tokens=6, temperature=0,
                                                            extra_body={"ignore_eos": True})
-    tok = api_server.state.engine.engine.tokenizer
+    tok = api_server.tokenizer
     assert completion.choices[0].text == tok.decode(peft_oracle(tiny_model_dir, path, tok(PROMPT).input_ids, 6))
     assert _delta(_scale_counts(api_server), uploaded) == {
         "computed": 0, "precomputed": 0, "read": 1, "stored": 0, "refused": 0}
@@ -73,13 +84,13 @@ def test_a_preloaded_dora_adapter_is_reloaded_at_its_first_request(tiny_model_di
             started = _scale_counts(server)
             assert (started["computed"], started["precomputed"], started["stored"]) == (1, 1, 1)
             version = server.state.registry.get(server.state.tenants.get("acme").id, "pre").version
-            assert _stored_bases(server, version) == [server.state.engine.engine.lora_slots.dora_cache.base.encode()]
+            assert _stored_bases(server, version) == [_served_base(server)]
         with running_server(replace(config, port=free_port())) as server:
             assert _scale_counts(server)["computed"] == 0  # found in Redis at start-up
             _, key = server.state.tenants.create_key("acme")
             completion = server.client(key).completions.create(model="pre", prompt=PROMPT, max_tokens=6,
                                                                temperature=0, extra_body={"ignore_eos": True})
-            tok = server.state.engine.engine.tokenizer
+            tok = server.tokenizer
             assert completion.choices[0].text == tok.decode(peft_oracle(tiny_model_dir, path, tok(PROMPT).input_ids, 6))
             counts = _scale_counts(server)
             assert (counts["computed"], counts["read"]) == (0, 1)

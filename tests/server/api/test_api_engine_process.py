@@ -18,7 +18,7 @@ import pytest
 
 from server.bench.server_proc import ServerProcess
 from server.demo import make_base_model
-from tests.fixtures_server import api_redis_url, running_server, server_config
+from tests.fixtures_server import api_redis_url, read_sse, running_server, server_config
 
 ADAPTERS = ("r4_qv", "r8_all", "r16_rslora")
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -128,11 +128,14 @@ def test_split_server_reports_its_engine(both_servers):
         time.sleep(0.05)
 
 
-def test_kill_9_of_the_core_mid_stream(redis_server, tmp_path):
+@contextlib.contextmanager
+def _cli_split_server(redis_server, tmp_path, *flags: str):
+    """`loraplex serve --engine-process separate` on a model with room for long streams: (server, a tenant's
+    auth header, the model id, the engine-core process)."""
     model_dir = make_base_model(tmp_path / "model", "llama", hidden_size=64, num_layers=2, num_heads=4,
                                 num_kv_heads=2, intermediate_size=128, max_position_embeddings=8192)
     serve_args = ["--redis-url", api_redis_url(redis_server), "--device", "cpu", "--kv-cache-blocks", "520",
-                  "--max-model-len", "8192", "--engine-process", "separate", "--model", str(model_dir)]
+                  "--max-model-len", "8192", "--engine-process", "separate", "--model", str(model_dir), *flags]
     with ServerProcess(tmp_path / "data", tmp_path / "serve.log", model_dir=None, serve_args=serve_args) as srv:
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         assert httpx.post(f"{srv.url}/admin/tenants", headers=admin, json={"name": "k", "quota": {}}).status_code == 201
@@ -141,21 +144,23 @@ def test_kill_9_of_the_core_mid_stream(redis_server, tmp_path):
         model = httpx.get(f"{srv.url}/v1/models", headers=auth).json()["data"][0]["id"]
         core = [p for p in psutil.Process(srv.proc.pid).children() if "server.engine.core" in " ".join(p.cmdline())]
         assert len(core) == 1
-        events, first = [], threading.Event()
+        yield srv, auth, model, core[0]
 
-        def read() -> None:
-            body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 8000, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=auth, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        first.set()
-            events.append("closed")
 
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert first.wait(60)
-        core[0].kill()
+def _stream_on_thread(srv, auth: dict, body: dict) -> tuple[threading.Thread, list, threading.Event]:
+    events, first = [], threading.Event()
+    reader = threading.Thread(target=read_sse, args=(f"{srv.url}/v1/completions", auth, body, events, first),
+                              daemon=True)
+    reader.start()
+    assert first.wait(60)
+    return reader, events, first
+
+
+def test_kill_9_of_the_core_mid_stream(redis_server, tmp_path):
+    with _cli_split_server(redis_server, tmp_path, "--no-engine-restart") as (srv, auth, model, core):
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+        reader, events, _ = _stream_on_thread(srv, auth, body)
+        core.kill()
         killed = time.monotonic()
         while httpx.get(f"{srv.url}/health", timeout=5).status_code != 503:
             assert time.monotonic() - killed < 1.5, "/health still 200"
@@ -167,3 +172,17 @@ def test_kill_9_of_the_core_mid_stream(redis_server, tmp_path):
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert srv.proc.wait(30) == 1
 
+
+def test_sigterm_to_server_and_core_drains_both(redis_server, tmp_path):
+    """As systemd stops a service (SIGTERM to every process of its group): the running stream finishes
+    with all its tokens, the server exits 0 and the core after it."""
+    with _cli_split_server(redis_server, tmp_path) as (srv, auth, model, core):
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        reader, events, _ = _stream_on_thread(srv, auth, body)
+        core.terminate()
+        srv.proc.terminate()
+        reader.join(60)
+        assert events[-2] == "[DONE]" and json.loads(events[-3])["choices"][0]["finish_reason"] == "length", \
+            events[-3:]
+        assert srv.proc.wait(60) == 0
+        core.wait(30)

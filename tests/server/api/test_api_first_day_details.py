@@ -12,7 +12,7 @@ from tests.repo import ROOT_DIR
 
 def test_an_oversized_max_tokens_names_max_tokens(api_server):
     _, key = api_server.new_tenant()
-    limit = api_server.state.engine.engine.max_model_len
+    limit = api_server.state.engine.info.max_model_len
     model = api_server.state.model_id
     with api_server.http(key) as h:
         chat = h.post("/v1/chat/completions", json={"model": model, "max_tokens": limit,

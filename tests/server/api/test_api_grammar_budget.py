@@ -120,10 +120,10 @@ def test_a_pathological_constraint_is_refused_naming_the_limit(server, kind):
 
 def test_deep_nesting_is_refused_by_the_body_depth_limit_before_any_compile(server):
     _, key = server.new_tenant()
-    compiles = server.state.engine.engine.grammars.stats().compiles
+    compiles = server.state.grammar_compiler.grammars.stats().compiles
     r = _complete(server, key, guided_json=_nested(500))
     assert r.status_code == 400 and "nested deeper than 32 levels" in r.json()["error"]["message"], r.text
-    assert server.state.engine.engine.grammars.stats().compiles == compiles  # refused unread
+    assert server.state.grammar_compiler.grammars.stats().compiles == compiles  # refused unread
     r = _complete(server, key, guided_json=_nested(28), max_tokens=80)  # the deepest the body allows
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

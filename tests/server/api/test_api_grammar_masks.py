@@ -112,6 +112,8 @@ def test_a_victims_stream_keeps_its_pace_while_another_tenant_attacks(server):
 
 
 def test_a_slow_mask_holds_up_only_its_own_request(server, monkeypatch):
+    if server.config.engine_process == "separate":
+        pytest.skip("slows the mask lane of an engine in this process (an engine core's is out of reach)")
     lane = server.state.engine.engine.grammars.lane
     monkeypatch.setattr(lane, "pool", _Delayed(lane.pool, lambda: SLOW_FILL_S))
     _, victim = server.new_tenant()

@@ -35,7 +35,7 @@ def peft_logprobs(tiny_model_dir):
 
 
 def _ids(server, text: str) -> list[int]:
-    return server.state.engine.engine.tokenizer(text).input_ids
+    return server.tokenizer(text).input_ids
 
 
 def test_echo_scoring_matches_peft_for_mixed_adapters(api_server, tiny_adapters, peft_logprobs):
@@ -116,7 +116,7 @@ def test_chat_logprobs_and_top_logprobs(api_server, tiny_model_dir, peft_logprob
     assert len(content) == 6 == r.usage.completion_tokens
     prompt = _tokenize(api_server, key, {"model": model, "messages": messages})
     generated = peft_oracle(tiny_model_dir, None, prompt, 6)
-    tok = api_server.state.engine.engine.tokenizer
+    tok = api_server.tokenizer
     assert [bytes(t.bytes) for t in content] == _byte_pieces(tok, generated)
     expected = peft_logprobs(None, prompt + generated)
     for i, t in enumerate(content):

@@ -12,7 +12,7 @@ PROMPT = "The quick brown fox"
 
 
 def _ids(server, text: str) -> list[int]:
-    return server.state.engine.engine.tokenizer(text).input_ids
+    return server.tokenizer(text).input_ids
 
 
 def test_models_lists_the_base_model(api_server):
@@ -27,7 +27,7 @@ def test_completion_matches_transformers_greedy(api_server, tiny_model_dir, peft
         model=api_server.state.model_id, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     ids = _ids(api_server, PROMPT)
     expected = peft_oracle(tiny_model_dir, None, ids, 12)
-    tok = api_server.state.engine.engine.tokenizer
+    tok = api_server.tokenizer
     assert r.choices[0].text == tok.decode(expected)
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
@@ -90,7 +90,7 @@ def test_chat_uses_the_tokenizers_template(api_server):
     msgs = [{"role": "user", "content": "hello there"}]
     r = api_server.client(key).chat.completions.create(model=api_server.state.model_id, messages=msgs,
                                                        max_tokens=2, temperature=0)
-    tok = api_server.state.engine.engine.tokenizer
+    tok = api_server.tokenizer
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False).input_ids)
 

@@ -24,7 +24,7 @@ def test_a_batch_equals_single_requests(api_server):
             assert batch.choices[i * 2 + j].text == single.choices[0].text
     assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
     assert batch.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
-    ids = [api_server.state.engine.engine.tokenizer(p).input_ids for p in PROMPTS]
+    ids = [api_server.tokenizer(p).input_ids for p in PROMPTS]
     by_ids = c.completions.create(prompt=ids, **common)
     assert [ch.text for ch in by_ids.choices] == [s.choices[0].text for s in singles]
     # every prompt of a batch is a request for the quotas and the usage log: 3 singles + 3 + 3
@@ -100,7 +100,7 @@ def test_retrieve_models(api_server, tiny_adapters):
 def test_tokenize_and_detokenize(api_server):
     _, key = api_server.new_tenant()
     model = api_server.state.model_id
-    tok = api_server.state.engine.engine.tokenizer
+    tok = api_server.tokenizer
     with api_server.http(key) as h:
         r = h.post("/tokenize", json={"model": model, "prompt": "hello world"}).json()
         assert r["tokens"] == tok("hello world").input_ids and r["count"] == len(r["tokens"])

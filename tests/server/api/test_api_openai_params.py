@@ -204,7 +204,7 @@ def test_every_readme_parameter(api_server, tiny_model_dir, peft_oracle, endpoin
     else:
         prompt = PROMPT
     first = peft_oracle(tiny_model_dir, None, prompt, 1)[0]
-    checks = effects(calls, api_server.state.engine.engine.tokenizer, chat, first)
+    checks = effects(calls, api_server.tokenizer, chat, first)
     rows = readme_rows()
     assert len(rows) >= 35
     for param, statuses in rows.items():

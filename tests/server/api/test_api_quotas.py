@@ -74,7 +74,7 @@ def test_requests_per_minute_trips_and_recovers(api_server):
 
 def test_tokens_per_minute_and_per_request(api_server):
     name, key = api_server.new_tenant({"tokens_per_minute": 30, "max_tokens_per_request": 20})
-    prompt_len = len(api_server.state.engine.engine.tokenizer("hello").input_ids)
+    prompt_len = len(api_server.tokenizer("hello").input_ids)
     assert prompt_len + 16 <= 30 < 2 * (prompt_len + 16)
     assert _complete(api_server, key, max_tokens=21).status_code == 400  # can never pass
     assert _complete(api_server, key, max_tokens=16, ignore_eos=True).status_code == 200

@@ -187,7 +187,7 @@ def test_a_large_body_is_validated_as_a_small_one_is(api_server, lenient_server)
     # answers there, strict and lenient, as for a small body.
     for server in (api_server, lenient_server):
         model = server.state.model_id
-        length = min(server.state.engine.engine.max_model_len - 2, 1000)
+        length = min(server.state.engine.info.max_model_len - 2, 1000)
         batch = [[5] * length] * (24_000 // length + 1)  # ~72 kB of JSON
         _, key = server.new_tenant()
         with server.http(key) as h:

@@ -349,7 +349,7 @@ def test_auto_with_a_strict_function_holds_the_calls_to_its_schema(server, parse
                                                 "tool_choice": "auto"})
     constraint = request_constraint(req, plan_tools(req, parser, 4096), 4096)
     assert constraint.param == "tools" and constraint.spec.kind == "structural_tag"
-    grammars = server.state.engine.engine.grammars
+    grammars = server.state.grammar_compiler.grammars
     ok = call.format(name="add", args='{"a": 1, "b": 2}')
     assert _accepts(grammars, constraint.spec, "No call needed.")
     assert _accepts(grammars, constraint.spec, "Sure. " + ok)

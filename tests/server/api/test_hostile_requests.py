@@ -152,7 +152,7 @@ def test_huge_prompt_is_refused_before_tokenizing_and_others_do_not_wait(api_ser
 
 def test_token_prompt_longer_than_the_context_is_400(api_server):
     _, key = api_server.new_tenant()
-    limit = api_server.state.engine.engine.max_model_len
+    limit = api_server.state.engine.info.max_model_len
     with api_server.http(key) as h:
         r = h.post("/v1/completions", json={"model": api_server.state.model_id, "prompt": [5] * (limit + 1)})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -57,7 +57,7 @@ def test_malformed_and_oversized_messages_are_refused_and_the_core_serves_on(cor
     ctx = zmq.Context()
     intruder = ctx.socket(zmq.DEALER)
     intruder.setsockopt(zmq.LINGER, 0)
-    intruder.connect(core._launch.input_address)
+    intruder.connect(core.input_address)
     try:
         malformed = [
             [b"\xc1 not msgpack"],

@@ -35,3 +35,14 @@ def test_deltas_rebuild_the_cumulative_outputs():
         rebuilt = assembler.apply(wire.decode(msgspec.msgpack.encode(delta)))
         assert rebuilt == out
     assert encoder.encode(made[-1]) is None  # every choice finished: no longer tracked
+
+
+def test_a_requests_own_error_stays_the_clients_fault():
+    """A constraint too costly to enforce ends its request as the client's error (a 400), over the wire too."""
+    out = RequestOutput("r", [1], [5], "x", finished=True, finish_reason="error", error="too costly",
+                        error_is_client=True)
+    encoder, assembler = DeltaEncoder(), OutputAssembler()
+    encoder.track("r", b"front", 1)
+    assembler.track("r", [1])
+    _, delta = encoder.encode(out)
+    assert assembler.apply(msgspec.msgpack.Decoder(OutputDelta).decode(msgspec.msgpack.encode(delta))) == out

@@ -1,0 +1,30 @@
+"""--engine-restart / --engine-restart-limit: parsed into the config the engine client's restart policy
+is built from, the limit refused below 1 (the restarts themselves: tests/server/api/test_api_engine_restart.py)."""
+from __future__ import annotations
+
+import pytest
+
+from server.cli import build_parser
+from server.config import ConfigError, ServerConfig
+
+pytestmark = pytest.mark.unit
+
+
+def _config(tmp_path, *flags: str) -> ServerConfig:
+    args = build_parser().parse_args(["serve", "--model", "demo", "--data-dir", str(tmp_path),
+                                      "--admin-token", "x" * 16, *flags])
+    return ServerConfig.from_args(args, env={})
+
+
+def test_restart_is_on_with_a_limit_of_3_by_default_and_flags_are_kept(tmp_path):
+    default = _config(tmp_path)
+    assert (default.engine_restart, default.engine_restart_limit) == (True, 3)
+    chosen = _config(tmp_path, "--no-engine-restart", "--engine-restart-limit", "5")
+    assert (chosen.engine_restart, chosen.engine_restart_limit) == (False, 5)
+
+
+def test_a_limit_below_1_is_refused_naming_the_flag(tmp_path):
+    with pytest.raises(SystemExit):
+        _config(tmp_path, "--engine-restart-limit", "0")
+    with pytest.raises(ConfigError, match="--engine-restart-limit"):
+        ServerConfig(data_dir=tmp_path, admin_token="x" * 16, engine_restart_limit=0)
