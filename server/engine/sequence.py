@@ -114,7 +114,7 @@ class Sequence:
         "request_id", "prompt_token_ids", "token_ids", "params", "version_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
         "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
-        "num_registered_blocks", "grammar",
+        "num_registered_blocks", "grammar", "proposed",
     )
 
     def __init__(
@@ -165,6 +165,9 @@ class Sequence:
         # xgrammar GrammarMatcher of a constrained choice (set by the engine), advanced with every
         # accepted token. It follows the output tokens, which preemption keeps, so it stays valid.
         self.grammar = None
+        # Medusa drafts for the tokens after its last one, from the step that chose it (or ()):
+        # server.engine.medusa_heads.
+        self.proposed: list[int] | tuple[()] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
