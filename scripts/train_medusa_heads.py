@@ -43,13 +43,16 @@ def default_prompts() -> list[str]:
 
 def chat_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
-                                               add_generation_prompt=True)) for p in prompts]
+                                               add_generation_prompt=True, return_dict=True)["input_ids"])
+            for p in prompts]
 
 
 def generate(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The model's own greedy answers (loraplex, batched), each as prompt + answer token ids."""
     llm = LLM(model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=1024)
-    name = llm.add_adapter("tuned", adapter) if adapter is not None else None
+    name = "tuned" if adapter is not None else None
+    if adapter is not None:
+        llm.add_adapter(name, adapter)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0),
                         adapters=[name] * len(prompts) if name else None)
     llm.engine.shutdown()
@@ -62,7 +65,7 @@ def hidden_states(model_dir: Path, adapter: Path | None, sequences: list[list[in
     positions: row p's base token is sequence[p + 1], head i's target sequence[p + 2 + i]."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel
 

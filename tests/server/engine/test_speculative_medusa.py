@@ -7,7 +7,6 @@ preemption and prefix-cache hits; heads that do not fit the base model are refus
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -19,7 +18,7 @@ from server.engine import LLM, SamplingParams
 from server.engine.medusa_heads import (CONFIG_FILE, WEIGHTS_FILE, HeadWeights, MedusaHeadsError, read_heads_dir,
                                         save_heads)
 from server.engine.speculative_config import parse_speculative_config
-from tests.repo import ROOT_DIR
+from tests.scripts.script_module import script_module
 from tests.server.engine.test_speculative_ngram import assert_same, generate_checked, mixed_params
 
 pytestmark = pytest.mark.unit
@@ -38,9 +37,7 @@ def random_heads(directory: Path, num_heads: int = 4, scale: float = 0.5, seed: 
 @pytest.fixture(scope="module")
 def trained_heads(tiny_model_dir, tmp_path_factory) -> Path:
     """Heads trained by the project's script on the tiny model's own greedy answers."""
-    script = importlib.util.spec_from_file_location("train_medusa_heads", ROOT_DIR / "scripts" / "train_medusa_heads.py")
-    trainer = importlib.util.module_from_spec(script)
-    script.loader.exec_module(trainer)
+    trainer = script_module("train_medusa_heads")
     out = tmp_path_factory.mktemp("trained-heads")
     trainer.train(tiny_model_dir, out, prompts_of(48, seed=0), num_heads=4, max_tokens=48, steps=200,
                   log=lambda line: None)
