@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 from contextlib import ExitStack
+from pathlib import Path
 
 from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, ENGINE_PROCESSES, MAX_LORA_RANK,
                            MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError, ServerConfig)
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'; the output is the plain engine\'s '
-                        '(docs/speculative-decoding.md). Only ngram is served (default off)')
+                        '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory) (default off)')
     s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="in-process",
                    help="where the engine runs: in-process (its step loop on a thread of the server process) or "
                         "separate (an engine-core process of its own, reached over ZMQ: HTTP, tokenizing and "
@@ -417,6 +418,24 @@ def prepare_model(config: ServerConfig) -> None:
         check_checkpoint(resolved.model_dir, require_gptq=config.quantization in GPTQ_QUANTIZATIONS)
     except ModelConfigError as e:
         raise ConfigError(f"--model: {e}") from None
+    _check_medusa_heads(config, resolved.model_dir)
+
+
+def _check_medusa_heads(config: ServerConfig, model_dir: Path) -> None:
+    """--speculative-config's Medusa heads against the model, so a misfit is one line here, not a
+    lifespan traceback."""
+    from server.engine.config import ModelConfig
+    from server.engine.medusa_heads import MedusaHeadsError, read_heads_dir
+    from server.engine.speculative_config import parse_speculative_config
+
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None or spec.method != "medusa":
+        return
+    mcfg = ModelConfig.from_dir(model_dir)
+    try:
+        read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
+    except MedusaHeadsError as e:
+        raise ConfigError(f"--speculative-config: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

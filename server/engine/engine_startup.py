@@ -41,6 +41,8 @@ from server.engine.lora.page_gathers import PageGathers
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraSlots
 from server.engine.mask_lane import MaskBudget
+from server.engine.medusa_heads import HeadWeights, MedusaHeads, read_heads_dir
+from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
@@ -86,6 +88,7 @@ class EngineParts:
 def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
                        dora_scale_store: ScaleStore | None) -> EngineParts:
     mcfg = ModelConfig.from_dir(config.model)
+    medusa_heads = _read_medusa_heads(config, mcfg)  # before the model loads: a misfit is refused at once
     device, bind_thread, dtype, kv_dtype = _set_up_device(config, mcfg)
     # Until the KV pool is sized, the longest context the model allows (or the one asked for).
     limit = model_limit(mcfg, config.max_model_len)
@@ -110,6 +113,9 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
                          device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora,
                          slots.page_table, _page_gathers(slots, device))
+    if medusa_heads is not None:
+        k = config.speculative_config.num_speculative_tokens
+        runner.use_medusa(MedusaProposer(MedusaHeads(medusa_heads, dtype, device), k))
     warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device, slots.page_table)
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
     dora_precompute = DoraPrecompute(host, slots.dora_cache)
@@ -126,6 +132,14 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
         kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
         dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,
         output_processor=OutputProcessor(scheduler, detokenizer, eos_token_ids, max_model_len))
+
+
+def _read_medusa_heads(config: EngineConfig, mcfg: ModelConfig) -> HeadWeights | None:
+    """--speculative-config's Medusa heads, checked against the model (MedusaHeadsError: one line)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "medusa":
+        return None
+    return read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
 
 
 def _set_up_device(config: EngineConfig,
@@ -239,7 +253,9 @@ def _capture_decode_graphs(config: EngineConfig, device: torch.device, kernels: 
     """Decode steps of up to the largest batch the scheduler forms replay a captured graph (CUDA, Triton
     kernels, unless enforce_eager). Not with the torch kernels: their padded LoRA gathers every row's
     weights (kernels.lora_cpu), which a graph would keep for good (~1 GB at Llama-3-8B widths, 256 rows)."""
-    # Not for an MoE model: its routing sizes each expert's matmul on the host, step by step.
-    if device.type == "cuda" and kernels.name == "triton" and not config.enforce_eager and not runner.model.cfg.is_moe:
+    # Not for an MoE model: its routing sizes each expert's matmul on the host, step by step. Not with
+    # Medusa heads: their drafts are made eagerly after each step (server.engine.medusa_proposer).
+    if (device.type == "cuda" and kernels.name == "triton" and not config.enforce_eager
+            and not runner.model.cfg.is_moe and runner.medusa is None):
         rows = min(config.max_num_seqs, config.max_num_batched_tokens)
         runner.use_padded_decode(max_loras, rows, max_model_len).capture()

@@ -262,6 +262,18 @@ class CausalLM:
         ctx: StepContext,
         logits_indices: torch.Tensor,  # [N] rows whose next token is sampled
     ) -> torch.Tensor:
+        return self.logits(self.hidden_rows(input_ids, kv_caches, ctx, logits_indices), ctx.ops)
+
+    @torch.inference_mode()
+    def hidden_rows(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx: StepContext,
+        logits_indices: torch.Tensor,  # [N]
+    ) -> torch.Tensor:
+        """The last layer's output (before the final norm) at the rows asked for, [N, H]: forward() less
+        the logits, for Medusa heads (server.engine.medusa_heads) to read as well."""
         assert input_ids.shape[0] <= self.workspace.max_tokens, "the scheduler bounds a step's tokens"
         h = self.embed.index_select(0, input_ids)  # [T, H], a new tensor: the layers add onto it in place
         if self.embed_scale is not None:
@@ -270,11 +282,16 @@ class CausalLM:
         local = self.local_rope.tables(ctx.positions) if self.local_rope is not None else None
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(h, kv, ctx, local if layer.local else rope, self.workspace)
-        h = self.norm(h.index_select(0, logits_indices))  # [N, H]
+        return h.index_select(0, logits_indices)
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """[N, H] last-layer rows -> [N, V] float32 logits: the final norm and the lm_head."""
+        h = self.norm(h)
         if isinstance(self.lm_head, Int8Weight):  # a fresh [N, V]: no scratch, the kernels read int8 in place
-            logits = ctx.ops.int8_linear(h, self.lm_head)  # [N, V]
+            logits = ops.int8_linear(h, self.lm_head)  # [N, V]
         else:
-            logits = ctx.ops.linear(h, self.lm_head)  # [N, V]
+            logits = ops.linear(h, self.lm_head)  # [N, V]
         if self.cfg.final_softcap is not None:  # Gemma: softcap * tanh(logits / softcap)
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()

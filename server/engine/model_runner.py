@@ -11,6 +11,11 @@ sampling row per position as the plain engine would build it once the drafts bef
 (the same output index, so a seeded row draws the same number; penalties see those drafts). Its
 result is the longest run of drafts equal to the target's own choices, then the target's choice at
 the first mismatch (or after the last draft).
+
+With Medusa heads (server.engine.medusa_proposer), the step also keeps the last layer's output at the
+logit rows, and each sequence that may speculate gets its next drafts from its row at the position whose
+token it chose last (SeqResult.proposed): after the sampled tokens come back, from one row per sequence,
+in one more small copy to the host. Such a runner runs every step eager (no padded decode buckets).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar_mask import GrammarMask
 from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
+from server.engine.medusa_proposer import MedusaProposer
 from server.engine.lora.alora import token_slots as alora_token_slots
 from server.engine.lora.page_gathers import PageGathers
 from server.engine.model import CausalLM, StepContext
@@ -31,7 +37,7 @@ from server.engine.sampler import SampleFailure, sample_rows
 from server.engine.sampling_row import SamplingRow
 # Bound as `sample`: the runner looks it up as a module global each step, so a profiler
 # (benchmarks/engine/bench_engine.py) can wrap model_runner.sample.
-from server.engine.scheduler import ScheduledBatch
+from server.engine.scheduler import ScheduledBatch, verifiable
 from server.engine.sequence import Sequence, TokenLogprobs
 from server.engine.step_cost import prompt_logprob_span
 
@@ -45,6 +51,7 @@ class SeqResult:
     logprobs: list[TokenLogprobs | None] | tuple[()] = ()  # aligned with tokens
     prompt_logprobs: list[TokenLogprobs] | None = None  # next prompt entries, in order
     drafted: int = 0  # drafts verified: then `tokens` is the run it emits (accepted drafts + the target's)
+    proposed: list[int] | tuple[()] = ()  # Medusa drafts for the tokens after its last one
 
 
 @dataclass
@@ -63,6 +70,8 @@ class StepInputs:
     # have their own); None: row r reads logits row r
     row_logits: list[int] | None = None
     drafts: dict[int, list[int]] | None = None  # sampled index -> its drafts, when some sequence runs drafts
+    # Medusa: sampled index -> (its first logit row, its adapter slot), for the sequences that may speculate
+    medusa_rows: dict[int, tuple[int, int]] | None = None
     prompt: _PromptPositions | None = None
     num_sampled_logits: int = 0  # the leading logit rows that sampling reads (prompt positions follow)
     padded: tuple[int, bool, bool] | None = None  # a padded decode step's (bucket, LoRA, DoRA) key (decode_graphs)
@@ -124,6 +133,12 @@ class ModelRunner:
         # Decode-only steps padded to a bucket and run from persistent buffers (replayed as CUDA graphs
         # once captured); None: every step eager, unpadded.
         self.padded: PaddedDecode | None = None
+        self.medusa: MedusaProposer | None = None  # set by use_medusa()
+
+    def use_medusa(self, proposer: MedusaProposer) -> None:
+        """Propose Medusa drafts every step from now on (every step eager: see the module's docstring)."""
+        self.medusa = proposer
+        self.padded = None
 
     def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
         """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
@@ -150,6 +165,7 @@ class ModelRunner:
         all_drafts = batch.drafts or [()] * len(batch.seqs)
         spec: dict[int, list[int]] | None = None
         row_logits: list[int] = []
+        medusa_rows: dict[int, tuple[int, int]] | None = {} if self.medusa is not None else None
         for i, (seq, n, slot, drafts) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots, all_drafts)):
             start = seq.num_computed_tokens + (1 if ahead else 0)
             first = len(input_ids)
@@ -168,6 +184,9 @@ class ModelRunner:
             if prompt_lp is not None and len(prompt_lp) < seq.num_prompt_tokens:
                 prompt = prompt or _PromptPositions()
                 prompt.add(i, seq, first, start, n)
+            if (medusa_rows is not None and start + n == len(seq.token_ids) + len(drafts) and seq.params.max_tokens
+                    and verifiable(seq)):
+                medusa_rows[len(sampled)] = (len(logits_indices), slot)
             if drafts:
                 spec = spec or {}
                 spec[len(sampled)] = drafts
@@ -197,7 +216,7 @@ class ModelRunner:
         identity = len(row_logits) == num_sampled_logits  # one row per logit row, in order
         common = dict(num_logits=len(logits_indices), sampled_seqs=sampled, scored_seqs=scored, rows=rows,
                       row_starts=row_starts, prompt=prompt, num_sampled_logits=num_sampled_logits,
-                      row_logits=None if identity else row_logits, drafts=spec)
+                      row_logits=None if identity else row_logits, drafts=spec, medusa_rows=medusa_rows or None)
         padded = self.padded
         if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows:  # one token each
             bs = self.block_size
@@ -239,7 +258,12 @@ class ModelRunner:
 
     def execute(self, inputs: StepInputs) -> dict[int, SeqResult]:
         """The forward and sampling of a prepared step (run(), less the preparing): what run() returns."""
-        logits = self.forward(inputs)  # [S+Q, V]
+        hidden = None
+        if inputs.medusa_rows is not None:  # eager (use_medusa): the last layer's rows are kept for the heads
+            hidden = self.model.hidden_rows(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
+            logits = self.model.logits(hidden, self.ops)
+        else:
+            logits = self.forward(inputs)  # [S+Q, V]
         results = {i: SeqResult(True) for i in inputs.scored_seqs}
         sampled, starts = inputs.sampled_seqs, inputs.row_starts
         if sampled:
@@ -259,6 +283,8 @@ class ModelRunner:
                     results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b], drafted=len(drafts[s]))
                 else:
                     results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
+            if hidden is not None:
+                self._propose(inputs, hidden, results)
         prompt = inputs.prompt
         if prompt is not None:
             targets = torch.tensor(prompt.targets, dtype=torch.long)
@@ -269,6 +295,21 @@ class ModelRunner:
                     result.prompt_logprobs = []
                 result.prompt_logprobs.append(entry)
         return results
+
+    def _propose(self, inputs: StepInputs, hidden: torch.Tensor, results: dict[int, SeqResult]) -> None:
+        """Each speculating sequence's next Medusa drafts, from its row at the position it chose its last
+        token at (its first row plus the drafts it accepted)."""
+        sampled, drafts = inputs.sampled_seqs, inputs.drafts or {}
+        rows, slots, seqs = [], [], []
+        for s, (row, slot) in inputs.medusa_rows.items():
+            result = results[sampled[s]]
+            rows.append(row + (len(result.tokens) - 1 if s in drafts else 0))
+            slots.append(slot)
+            seqs.append(sampled[s])
+        index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
+        proposed = self.medusa.propose(hidden.index_select(0, index), slots, self.model.logits, self.ops)
+        for i, p in zip(seqs, proposed):
+            results[i].proposed = p
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [S+Q, V] of the step's sampled and prompt-logprob rows."""

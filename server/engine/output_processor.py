@@ -61,6 +61,8 @@ class OutputProcessor:
             if seq.finished:
                 continue  # async scheduling: aborted, or ended by the step before, while this one ran
             result = results.get(i)
+            if result is not None and result.done:
+                seq.proposed = result.proposed
             if result is not None and result.drafted:
                 self._advance_run(outputs, seq, n - result.drafted, result)
                 continue

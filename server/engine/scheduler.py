@@ -231,14 +231,13 @@ class Scheduler:
         """Drafts for decoding `seq`, at most `room` of them, none past what it may still generate (the
         token after the drafts is the target's own); () where verifying would not be exact."""
         spec = self.config.speculative
-        if spec is None or seq.grammar is not None or seq.group.needs_fork:
+        if spec is None or not verifiable(seq):
             return ()
-        p = seq.params
-        if not p.greedy and p.seed is None:
-            return ()  # an unseeded draw takes the engine's generator in batch order: not per position
-        k = min(spec.num_speculative_tokens, room, p.max_tokens - seq.num_output_tokens - 1)
+        k = min(spec.num_speculative_tokens, room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return ()
+        if spec.method == "medusa":
+            return list(seq.proposed[:k]) or ()
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
 
     def finish(self, seq: Sequence) -> None:
@@ -431,6 +430,15 @@ class Scheduler:
         if self.lora_slot_of_seq.pop(seq, None) is not None:
             self.lora_slots.release(seq.version_id)
             self.host.unpin(seq.version_id)
+
+
+def verifiable(seq: Sequence) -> bool:
+    """Whether drafts for `seq`'s next tokens can be verified exactly: greedy or seeded (sampler.py draws
+    a seeded row from its output index alone), no grammar, not forking now."""
+    if seq.grammar is not None or seq.group.needs_fork:
+        return False
+    # An unseeded draw takes the engine's generator in batch order: not per position.
+    return seq.params.greedy or seq.params.seed is not None
 
 
 def _mask_ready(seq: Sequence, end: int) -> bool:

@@ -117,7 +117,7 @@ class Sequence:
         "request_id", "prompt_token_ids", "token_ids", "params", "version_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
         "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
-        "num_registered_blocks", "grammar", "_output_counts",
+        "num_registered_blocks", "grammar", "_output_counts", "proposed",
     )
 
     def __init__(
@@ -169,6 +169,9 @@ class Sequence:
         # accepted token. It follows the output tokens, which preemption keeps, so it stays valid.
         self.grammar = None
         self._output_counts: TokenCounts | None = None  # made on the first penalised step
+        # Medusa drafts for the tokens after its last one, from the step that chose it (or ()):
+        # server.engine.medusa_heads.
+        self.proposed: list[int] | tuple[()] = ()
 
     def output_counts(self) -> dict[int, int]:
         """How often each token occurs in the output so far (for the penalties), kept up to date

@@ -2,7 +2,6 @@
 PEFT and in loraplex with the same greedy tokens."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,19 +9,14 @@ import pytest
 
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import random_prompts
-from tests.repo import ROOT_DIR
+from tests.scripts.script_module import script_module
 
 pytestmark = pytest.mark.unit
-
-SCRIPT = ROOT_DIR / "scripts" / "train_demo_adapters.py"
 
 
 @pytest.fixture(scope="module")
 def trainer():
-    spec = importlib.util.spec_from_file_location("train_demo_adapters", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("train_demo_adapters")
 
 
 def test_generated_answers_carry_each_tasks_effect(trainer):

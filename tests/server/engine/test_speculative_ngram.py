@@ -57,6 +57,17 @@ def assert_same(plain, spec) -> None:
                 assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-5
 
 
+def mixed_params(i: int, sampled: bool, bias: dict[int, float]) -> SamplingParams:
+    """Row i of a mixed batch: logprobs, penalties or min_tokens by turns, `bias` on two rows in three;
+    greedy, or seeded sampling."""
+    extra = [{}, {"logprobs": 2}, {"presence_penalty": 0.5, "repetition_penalty": 1.2}, {"min_tokens": 6}][i % 4]
+    if i % 3:
+        extra = {**extra, "logit_bias": bias}
+    if sampled:
+        extra = {**extra, "temperature": 0.8, "top_p": 0.95, "seed": 100 + i}
+    return SamplingParams(max_tokens=40, ignore_eos=True, **{"temperature": 0.0, **extra})
+
+
 def generate_checked(llm: LLM, prompts, params, names) -> list:
     """llm.generate, with the block pool's invariants checked after every step."""
     engine = llm.engine
@@ -79,15 +90,7 @@ def test_mixed_batch_matches_plain_engine_through_preemption_and_prefix_hits(tin
     prompts += [p[:] for p in prompts[:2]]  # the same prompts again: prefix-cache hits
     names = [None, "r8_all", "r4_qv", None, "r8_all", "r4_qv", None, "r8_all", None, "r8_all"]
 
-    def params(i: int) -> SamplingParams:
-        extra = [{}, {"logprobs": 2}, {"presence_penalty": 0.5, "repetition_penalty": 1.2}, {"min_tokens": 6}][i % 4]
-        if i % 3:
-            extra = {**extra, "logit_bias": looping(prompts[i])}
-        if sampled:
-            extra = {**extra, "temperature": 0.8, "top_p": 0.95, "seed": 100 + i}
-        return SamplingParams(max_tokens=40, ignore_eos=True, **{"temperature": 0.0, **extra})
-
-    ps = [params(i) for i in range(len(prompts))]
+    ps = [mixed_params(i, sampled, looping(prompts[i])) for i in range(len(prompts))]
     outs = [generate_checked(llm, prompts, ps, names) for llm in (plain, spec)]
     assert_same(*outs)
     stats = spec.engine.stats()
@@ -142,5 +145,5 @@ def test_the_serve_flag_is_parsed_and_refuses_other_methods_in_one_line(tmp_path
 
     assert config('{"method": "ngram", "num_speculative_tokens": 2}').speculative_config is not None
     with pytest.raises(ConfigError) as e:
-        config('{"method": "medusa", "num_speculative_tokens": 2}')
-    assert str(e.value) == "--speculative-config: speculative method 'medusa' is not supported; supported: ngram"
+        config('{"method": "eagle", "num_speculative_tokens": 2}')
+    assert str(e.value) == "--speculative-config: speculative method 'eagle' is not supported; supported: ngram, medusa"

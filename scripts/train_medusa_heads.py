@@ -1,0 +1,171 @@
+"""Train Medusa heads (speculative method `medusa`, server.engine.medusa_heads) by self-distillation on the
+served model: the model answers prompts (greedy, in loraplex), and head i learns to guess, from the last
+layer's output at each answer position, the token i + 2 places on: what the model itself goes on to say.
+
+train_medusa_heads.py --model DIR --out DIR [--adapter PEFT_DIR] [--num-heads 4] [--steps N]
+
+With --adapter, the answers and the hidden states are the adapted model's (PEFT on transformers for the
+hidden states), so the heads learn that adapter's continuations: upload them with it (its `medusa/` part).
+Prompts: the chat instructions this script writes (topics x phrasings, none of them an evaluation item),
+or --prompts FILE (one per line), rendered with the tokenizer's chat template. Only the heads train (a
+residual block each, zero at the start, so each head starts as the model's own next-token guess); the
+final norm and lm_head stay the model's. Writes OUT/medusa_config.json, OUT/medusa_heads.safetensors
+(float16) and OUT/train_log.json (loss per step, each head's top-1 accuracy on held-out answers).
+Deterministic for a given --seed; minutes on a CPU for SmolLM2-135M.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from server.engine import LLM, SamplingParams
+from server.engine.medusa_heads import HeadWeights, save_heads
+
+TOPICS = ["the moon", "volcanoes", "bread", "bicycles", "the ocean", "honey bees", "rainbows", "libraries",
+          "trains", "chess", "coffee", "winter", "the internet", "forests", "music", "electricity", "dinosaurs",
+          "gardening", "friendship", "clouds", "the desert", "penguins", "recycling", "the human heart",
+          "mountains", "rivers", "computers", "cooking pasta", "sleep", "birthdays", "the stars", "a lighthouse"]
+PHRASINGS = ["Explain {t} in a few sentences.", "Write a short story about {t}.", "Give me three facts about {t}.",
+             "Describe {t} to a child.", "Why is {t} interesting?", "Write a short poem about {t}.",
+             "What should I know about {t}?", "Tell me something surprising about {t}."]
+
+
+def default_prompts() -> list[str]:
+    return [p.format(t=t) for t in TOPICS for p in PHRASINGS]
+
+
+def chat_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=True)["input_ids"])
+            for p in prompts]
+
+
+def generate(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The model's own greedy answers (loraplex, batched), each as prompt + answer token ids."""
+    llm = LLM(model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=1024)
+    name = "tuned" if adapter is not None else None
+    if adapter is not None:
+        llm.add_adapter(name, adapter)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                        adapters=[name] * len(prompts) if name else None)
+    llm.engine.shutdown()
+    return [p + list(o.token_ids) for p, o in zip(prompts, outs)]
+
+
+def hidden_states(model_dir: Path, adapter: Path | None, sequences: list[list[int]], num_prompt: list[int],
+                  num_heads: int):
+    """(rows [N, H], targets [N, K] with -100 past the end, the final norm, the lm_head weight) over the answer
+    positions: row p's base token is sequence[p + 1], head i's target sequence[p + 2 + i]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    base = model.get_base_model() if adapter is not None else model
+    norm = base.model.norm
+    captured = []
+    hook = norm.register_forward_hook(lambda module, args, out: captured.append(args[0][0].detach()))
+    rows, targets = [], []
+    with torch.no_grad():
+        for seq, n in zip(sequences, num_prompt):
+            model(torch.tensor([seq]))
+            h = captured.pop()  # [L, H]: the last layer's output, before the norm
+            for p in range(n - 1, len(seq) - 2):
+                rows.append(h[p])
+                targets.append([seq[p + 2 + i] if p + 2 + i < len(seq) else -100 for i in range(num_heads)])
+    hook.remove()
+    return torch.stack(rows), torch.tensor(targets), norm, base.lm_head.weight.detach()
+
+
+def head_logits(weight, bias, h, norm, lm_head) -> torch.Tensor:
+    """h [B, H] -> [B, K, V]: each head's residual block, then the model's final norm and lm_head."""
+    x = h.unsqueeze(1) + F.silu(torch.einsum("bh,koh->bko", h, weight) + bias)
+    return norm(x) @ lm_head.T
+
+
+def train(model_dir: Path, out: Path, prompts: list[list[int]], *, adapter: Path | None = None, num_heads: int = 4,
+          max_tokens: int = 128, steps: int = 300, batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
+          log=print) -> dict:
+    torch.manual_seed(seed)
+    t0 = time.monotonic()
+    sequences = generate(model_dir, adapter, prompts, max_tokens)
+    log(f"generated {sum(len(s) - len(p) for s, p in zip(sequences, prompts))} tokens in {time.monotonic() - t0:.0f} s")
+    rows, targets, norm, lm_head = hidden_states(model_dir, adapter, sequences, [len(p) for p in prompts], num_heads)
+    for p in norm.parameters():
+        p.requires_grad_(False)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    held = order[: max(1, len(rows) // 10)]
+    train_rows = order[len(held):]
+    hidden = rows.shape[1]
+    weight = torch.zeros(num_heads, hidden, hidden, requires_grad=True)
+    bias = torch.zeros(num_heads, hidden, requires_grad=True)
+    opt = torch.optim.AdamW([weight, bias], lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        pick = train_rows[torch.randint(len(train_rows), (batch_size,))]
+        logits = head_logits(weight, bias, rows[pick], norm, lm_head)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[pick].reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(round(loss.item(), 4))
+        if step % 25 == 0 or step == steps - 1:
+            log(f"step {step}: loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)")
+    with torch.no_grad():
+        accuracy = []
+        for i in range(num_heads):
+            chosen, want = [], []
+            for start in range(0, len(held), 256):
+                idx = held[start : start + 256]
+                chosen.append(head_logits(weight[i : i + 1], bias[i : i + 1], rows[idx], norm, lm_head)[:, 0].argmax(-1))
+                want.append(targets[idx, i])
+            chosen, want = torch.cat(chosen), torch.cat(want)
+            valid = want != -100
+            accuracy.append(round((chosen[valid] == want[valid]).float().mean().item(), 4))
+    save_heads(out, HeadWeights(weight.detach(), bias.detach()), lm_head.shape[0])
+    doc = {"model": str(model_dir), "adapter": str(adapter) if adapter else None, "num_heads": num_heads,
+           "prompts": len(prompts), "positions": len(rows), "held_out": len(held), "steps": steps,
+           "batch_size": batch_size, "lr": lr, "seed": seed, "seconds": round(time.monotonic() - t0, 1),
+           "held_out_top1_accuracy": accuracy, "loss": losses}
+    (out / "train_log.json").write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"held-out top-1 accuracy per head: {accuracy}; wrote {out}")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="the base model's directory (HF layout)")
+    ap.add_argument("--out", type=Path, required=True, help="where the heads go")
+    ap.add_argument("--adapter", type=Path, default=None, help="a PEFT adapter: train that adapter's heads")
+    ap.add_argument("--prompts", type=Path, default=None, help="one prompt per line (default: this script's)")
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128, help="answer length generated per prompt")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    texts = args.prompts.read_text().splitlines() if args.prompts else default_prompts()
+    rng = random.Random(args.seed)
+    rng.shuffle(texts)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model), [t for t in texts if t.strip()])
+    train(args.model, args.out, prompts, adapter=args.adapter, num_heads=args.num_heads, max_tokens=args.max_tokens,
+          steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+          log=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

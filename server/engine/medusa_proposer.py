@@ -1,0 +1,38 @@
+"""Which Medusa heads draft for which sequence, and the drafts of one step.
+
+The base model's heads come from --speculative-config; an adapter that was uploaded with heads of its own
+has them in its slot (set while it is resident), and that adapter's sequences read those. Each sequence's
+row is the target's last-layer output at the position whose token it chose last (its last verified one),
+computed with its adapter applied, so the heads see the adapter's effect.
+"""
+from __future__ import annotations
+
+import torch
+
+from server.engine.kernel_ops import KernelOps
+from server.engine.medusa_heads import MedusaHeads
+
+
+class MedusaProposer:
+    def __init__(self, base: MedusaHeads, num_speculative_tokens: int) -> None:
+        self.base = base
+        self.k = num_speculative_tokens
+        self.slot_heads: dict[int, MedusaHeads] = {}  # adapter slot -> its own heads, while resident
+
+    def heads_for(self, slot: int) -> MedusaHeads:
+        return self.slot_heads.get(slot, self.base)
+
+    def propose(self, hidden: torch.Tensor, slots: list[int], logits, ops: KernelOps) -> list[list[int]]:
+        """hidden [S, H] (one row per sequence), slots [S] (-1: base) -> each row's k drafts. One matmul per
+        distinct set of heads in the step, and one copy to the host for all."""
+        groups: dict[int, list[int]] = {}
+        for r, slot in enumerate(slots):
+            groups.setdefault(id(self.heads_for(slot)), []).append(r)
+        if len(groups) == 1:  # the usual step: one set of heads, every row
+            return self.heads_for(slots[0]).propose(hidden, logits, ops, self.k).tolist()
+        out = torch.empty(len(slots), self.k, dtype=torch.long, device=hidden.device)
+        for rows in groups.values():
+            heads = self.heads_for(slots[rows[0]])
+            index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
+            out.index_copy_(0, index, heads.propose(hidden.index_select(0, index), logits, ops, self.k))
+        return out.tolist()

@@ -1,0 +1,164 @@
+"""Speculative decoding with Medusa heads: the same tokens as the plain engine.
+
+Random heads are enough for exactness (the target verifies every draft); heads trained by
+scripts/train_medusa_heads.py on the tiny model (a second) get drafts accepted, so accepted runs, and
+stops inside them, are exercised. Mixed batches of base and adapter rows, greedy and seeded, through
+preemption and prefix-cache hits; heads that do not fit the base model are refused in one line.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine import LLM, SamplingParams
+from server.engine.medusa_heads import (CONFIG_FILE, WEIGHTS_FILE, HeadWeights, MedusaHeadsError, read_heads_dir,
+                                        save_heads)
+from server.engine.speculative_config import parse_speculative_config
+from tests.scripts.script_module import script_module
+from tests.server.engine.test_speculative_ngram import assert_same, generate_checked, mixed_params
+
+pytestmark = pytest.mark.unit
+
+VOCAB, HIDDEN = 512, 64
+
+
+def random_heads(directory: Path, num_heads: int = 4, scale: float = 0.5, seed: int = 0,
+                 hidden: int = HIDDEN, vocab: int = VOCAB) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    save_heads(directory, HeadWeights(torch.randn(num_heads, hidden, hidden, generator=g) * scale / hidden ** 0.5,
+                                      torch.randn(num_heads, hidden, generator=g) * scale), vocab)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def trained_heads(tiny_model_dir, tmp_path_factory) -> Path:
+    """Heads trained by the project's script on the tiny model's own greedy answers."""
+    trainer = script_module("train_medusa_heads")
+    out = tmp_path_factory.mktemp("trained-heads")
+    trainer.train(tiny_model_dir, out, prompts_of(48, seed=0), num_heads=4, max_tokens=48, steps=200,
+                  log=lambda line: None)
+    return out
+
+
+def spec(heads: Path, k: int = 3) -> dict:
+    return {"method": "medusa", "model": str(heads), "num_speculative_tokens": k}
+
+
+def pair(model_dir, adapters, heads: Path, **kw) -> tuple[LLM, LLM]:
+    opts = dict(device="cpu", dtype="float32", max_loras=4, max_model_len=256, max_num_batched_tokens=64,
+                block_size=16, kernels="torch", **kw)
+    llms = LLM(model_dir, **opts), LLM(model_dir, speculative_config=spec(heads), **opts)
+    for llm in llms:
+        llm.add_adapter("r8_all", adapters["r8_all"])
+        llm.add_adapter("r4_qv", adapters["r4_qv"])
+    return llms
+
+
+def prompts_of(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("heads", ["random", "trained"])
+def test_mixed_batch_matches_plain_engine_through_preemption_and_prefix_hits(tiny_model_dir, tiny_adapters,
+                                                                             trained_heads, tmp_path, sampled, heads):
+    chosen = trained_heads if heads == "trained" else random_heads(tmp_path / "heads")
+    plain, medusa = pair(tiny_model_dir, tiny_adapters, chosen, kv_cache_blocks=20)
+    prompts = prompts_of(8, seed=3)
+    prompts += [p[:] for p in prompts[:2]]  # the same prompts again: prefix-cache hits
+    names = [None, "r8_all", "r4_qv", None, "r8_all", "r4_qv", None, "r8_all", None, "r8_all"]
+    rng = random.Random(9)
+
+    ps = [mixed_params(i, sampled, {rng.randrange(3, VOCAB): 2.0}) for i in range(len(prompts))]
+    outs = [generate_checked(llm, prompts, ps, names) for llm in (plain, medusa)]
+    assert_same(*outs)
+    stats = medusa.engine.stats()
+    assert stats.scheduler.preemptions > 0 and stats.prefix_cache.hit_tokens > 0
+    processor = medusa.engine.output_processor
+    assert processor.num_draft_tokens > 0
+    if heads == "trained":
+        assert processor.num_accepted_tokens > 0, "no draft was accepted: the test shows nothing"
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(tiny_model_dir, tiny_adapters, trained_heads):
+    plain, medusa = pair(tiny_model_dir, tiny_adapters, trained_heads, kv_cache_blocks=128)
+    prompts = prompts_of(8, seed=5)
+    adapters = [None, "r8_all"] * 4
+    free = plain.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), adapters=adapters)
+    ps = []
+    for out in free:
+        ps.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[out.token_ids[9]]))
+        ps.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                 stop=[out.text[len(out.text) // 2:][:3]]))
+        ps.append(SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+    repeated = [p for p in prompts for _ in range(3)]
+    names = [n for n in adapters for _ in range(3)]
+    outs = [llm.generate(repeated, ps, adapters=names) for llm in (plain, medusa)]
+    assert_same(*outs)
+    assert medusa.engine.output_processor.num_accepted_tokens > 0
+
+
+def test_the_config_takes_the_heads_directory():
+    config = parse_speculative_config('{"method": "medusa", "model": "/h", "num_speculative_tokens": 2}')
+    assert (config.method, config.model, config.num_speculative_tokens) == ("medusa", "/h", 2)
+    for value, message in [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "speculative method medusa needs \"model\""),
+        ({"method": "medusa", "model": "/h", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+         "speculative config key 'prompt_lookup_max' is not supported by method medusa"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            parse_speculative_config(value)
+        assert str(e.value).startswith(message)
+
+
+def _rewrite(directory: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    if config is not None:
+        (directory / CONFIG_FILE).write_text(json.dumps({**json.loads((directory / CONFIG_FILE).read_text()), **config}))
+    if tensors is not None:
+        save_file({**load_file(str(directory / WEIGHTS_FILE)), **tensors}, str(directory / WEIGHTS_FILE))
+    return directory
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(config={"hidden_size": 32}), "medusa heads hidden_size 32 does not match the base model's hidden_size 64"),
+    (dict(config={"vocab_size": 1000}), "medusa heads vocab_size 1000 does not match the base model's vocab_size 512"),
+    (dict(config={"num_heads": 2}), "medusa heads num_heads 2 is fewer than num_speculative_tokens 3"),
+    (dict(config={"num_heads": 5}), "medusa_heads.safetensors has no tensor 'heads.4.weight' (num_heads is 5)"),
+    (dict(tensors={"heads.1.weight": torch.zeros(64, 32)}),
+     "medusa_heads.safetensors tensor 'heads.1.weight' has shape [64, 32], the base model needs [64, 64]"),
+    (dict(tensors={"heads.0.lm_head.weight": torch.zeros(512, 64)}),
+     "medusa_heads.safetensors tensor 'heads.0.lm_head.weight' is not a medusa head tensor (a head's own lm_head"),
+    (dict(config={"base": "x"}), "medusa_config.json key 'base' is not supported"),
+])
+def test_heads_that_do_not_fit_the_base_are_refused_in_one_line(tmp_path, edit, message):
+    heads = _rewrite(random_heads(tmp_path / "heads"), **edit)
+    with pytest.raises(MedusaHeadsError) as e:
+        read_heads_dir(heads, HIDDEN, VOCAB, min_heads=3)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_the_engine_refuses_heads_of_another_model_at_start(tiny_model_dir, tmp_path):
+    heads = random_heads(tmp_path / "heads", hidden=32)
+    with pytest.raises(MedusaHeadsError, match="hidden_size 32 does not match the base model's hidden_size 64"):
+        LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=128,
+            speculative_config=spec(heads))
+
+
+def test_serve_refuses_heads_of_another_model_in_one_line_before_the_model_loads(tiny_model_dir, tmp_path):
+    from server.cli import build_parser, prepare_model
+    from server.config import ConfigError, ServerConfig
+
+    heads = random_heads(tmp_path / "heads", vocab=1000)
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"),
+                                      "--admin-token", "x" * 16, "--speculative-config", json.dumps(spec(heads))])
+    with pytest.raises(ConfigError) as e:
+        prepare_model(ServerConfig.from_args(args, env={}))
+    assert str(e.value) == ("--speculative-config: medusa heads vocab_size 1000 does not match the base model's "
+                            "vocab_size 512")
