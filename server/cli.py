@@ -174,11 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "separate (an engine-core process of its own, reached over ZMQ: HTTP, tokenizing and "
                         "SSE no longer share its interpreter; a dead one is restarted, see --engine-restart) "
                         "(default in-process)")
-    s.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
+    s.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=None,
                    help="with --engine-process separate: start a new engine core when it dies (open streams end "
                         "with an SSE error, new requests get 503 + Retry-After and /health 503 until it is "
                         "ready); --no-engine-restart exits the server with status 1 instead (default on)")
-    s.add_argument("--engine-restart-limit", type=_positive_int, default=3, metavar="N",
+    s.add_argument("--engine-restart-limit", type=_positive_int, default=None, metavar="N",
                    help="the crash-loop limit of --engine-restart: after N restarts within 60 s the next death "
                         "exits the server with status 1 (default 3)")
     s.add_argument("--quantization", metavar="int8|int4|fp8|gptq",

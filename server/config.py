@@ -375,6 +375,7 @@ class ServerConfig:
             # Made once and kept in the data dir, so a restart keeps the same token.
             token = load_or_create_secret(data_dir / ADMIN_TOKEN_FILE,
                                           lambda: "lpadm-" + secrets.token_urlsafe(32))
+        _refuse_restart_flags_in_process(args)
         return cls(
             data_dir=data_dir, admin_token=token, admin_token_generated=generated,
             model=args.model, served_model_name=args.served_model_name,
@@ -395,8 +396,8 @@ class ServerConfig:
             async_scheduling=getattr(args, "async_scheduling", False),
             speculative_config=getattr(args, "speculative_config", None),
             engine_process=getattr(args, "engine_process", "in-process"),
-            engine_restart=getattr(args, "engine_restart", True),
-            engine_restart_limit=getattr(args, "engine_restart_limit", 3),
+            engine_restart=_given(args, "engine_restart", True),
+            engine_restart_limit=_given(args, "engine_restart_limit", 3),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             cpu_placement=_cpu_placement(args),
             quantization=getattr(args, "quantization", None),
@@ -435,6 +436,24 @@ class ServerConfig:
                                          if getattr(args, "source_credentials_key_file", None) else None),
             lenient_request_fields=getattr(args, "lenient_request_fields", False),
             strict_adapter_base=getattr(args, "strict_adapter_base", False))
+
+
+def _given(args, name: str, default):
+    """A flag whose argparse default is None (so that giving it can be told apart): its value or default."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def _refuse_restart_flags_in_process(args) -> None:
+    """--engine-restart and its limit act on an engine-core process: given without one, they would be
+    accepted and ignored."""
+    if getattr(args, "engine_process", "in-process") == "separate":
+        return
+    for flag, name in (("--engine-restart/--no-engine-restart", "engine_restart"),
+                       ("--engine-restart-limit", "engine_restart_limit")):
+        if getattr(args, name, None) is not None:
+            raise ConfigError(f"{flag} applies to --engine-process separate only (the engine runs in the "
+                              f"server's process here)")
 
 
 def _cpu_placement(args) -> "CpuPlacement | None":

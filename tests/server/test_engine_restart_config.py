@@ -1,5 +1,5 @@
 """--engine-restart / --engine-restart-limit: parsed into the config the engine client's restart policy
-is built from, the limit refused below 1 (the restarts themselves: tests/server/api/test_api_engine_restart.py)."""
+is built from, the limit refused below 1, both refused without an engine-core process (the restarts themselves: tests/server/api/test_api_engine_restart.py)."""
 from __future__ import annotations
 
 import pytest
@@ -19,8 +19,14 @@ def _config(tmp_path, *flags: str) -> ServerConfig:
 def test_restart_is_on_with_a_limit_of_3_by_default_and_flags_are_kept(tmp_path):
     default = _config(tmp_path)
     assert (default.engine_restart, default.engine_restart_limit) == (True, 3)
-    chosen = _config(tmp_path, "--no-engine-restart", "--engine-restart-limit", "5")
+    chosen = _config(tmp_path, "--engine-process", "separate", "--no-engine-restart", "--engine-restart-limit", "5")
     assert (chosen.engine_restart, chosen.engine_restart_limit) == (False, 5)
+
+
+@pytest.mark.parametrize("flags", [["--no-engine-restart"], ["--engine-restart"], ["--engine-restart-limit", "5"]])
+def test_restart_flags_without_an_engine_core_process_are_refused_not_ignored(tmp_path, flags):
+    with pytest.raises(ConfigError, match="applies to --engine-process separate only"):
+        _config(tmp_path, "--engine-process", "in-process", *flags)
 
 
 def test_a_limit_below_1_is_refused_naming_the_flag(tmp_path):
