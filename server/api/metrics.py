@@ -10,6 +10,11 @@ from server.engine.protocol import EngineStats
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def hit_rate(hits: int, misses: int) -> float | None:
+    """None before the first lookup."""
+    return hits / (hits + misses) if hits + misses else None
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -43,6 +48,8 @@ class Metrics:
                                     ["tier"], registry=r)
         self.tier_resident = Gauge("loraplex_adapter_tier_resident", "Adapters resident in the tier",
                                    ["tier"], registry=r)
+        self.tier_hit_rate = Gauge("loraplex_adapter_tier_hit_rate", "Hits / (hits + misses) since start; 0 before "
+                                   "the first", ["tier"], registry=r)
         self.host_bytes = Gauge("loraplex_adapter_host_bytes", "Bytes of adapters in the host tier", registry=r)
         self.parked = Gauge("loraplex_adapter_host_parked", "Loaded adapters waiting for unpinned host room",
                             registry=r)
@@ -110,6 +117,8 @@ class Metrics:
         self.tier_misses.labels("device").set(s.slots.loads)
         self.tier_evictions.labels("device").set(s.slots.evictions)
         self.tier_resident.labels("device").set(s.slots.resident)
+        self.tier_hit_rate.labels("host").set(hit_rate(s.host.hits, s.host.misses) or 0.0)
+        self.tier_hit_rate.labels("device").set(hit_rate(s.slots.hits, s.slots.loads) or 0.0)
         self.host_bytes.set(s.host.bytes_used)
         self.loading.set(s.host.loading)
         self.parked.set(s.host.parked)
@@ -134,6 +143,7 @@ class Metrics:
         """The engine's load durations since the last call (EngineClient.take_load_seconds) into the histogram."""
         for s in seconds:
             self.load_time.observe(s)
+        self.vllm.observe_load_times(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

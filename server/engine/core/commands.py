@@ -12,7 +12,7 @@ import queue
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.engine.adapter_residency import held_versions, residency
+from server.engine.adapter_residency import adapter_tiers, held_versions, residency
 from server.engine.core.messages import Reply
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ LOOP_OPS: dict[str, Callable[[LLMEngine, str | None], Any]] = {
     "release_adapter_memory": lambda e, v: e.release_adapter_memory(v),
     "has_adapter": lambda e, v: e.has_adapter(v),
     "adapter_residency": lambda e, v: residency(e),
+    "adapter_tiers": lambda e, v: adapter_tiers(e),
     "held_versions": lambda e, v: sorted(held_versions(e)),
 }
 FETCH_OPS = ("add_adapter", "precompute_dora")

@@ -16,6 +16,7 @@ from server.engine.llm_engine import EngineStats
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.outputs import OutputStream
 from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.residency import AdapterTiers
 from server.engine.protocol.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -80,6 +81,10 @@ class EngineClient(ABC):
     @abstractmethod
     async def adapter_residency(self) -> dict[str, str]:
         """version -> the fastest tier holding it ("device" or "host"); versions in neither are absent."""
+
+    @abstractmethod
+    async def adapter_tiers(self) -> AdapterTiers:
+        """Which versions each tier holds (device slots, host memory), between two steps."""
 
     @abstractmethod
     def held_adapter_versions(self, timeout: float) -> set[str]:

@@ -7,7 +7,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.engine.adapter_residency import held_versions, residency
+from server.engine.adapter_residency import adapter_tiers, held_versions, residency
 from server.engine.async_engine import AsyncEngine
 from server.engine.request_stream import RequestStream
 from server.engine.config import EngineConfig
@@ -16,6 +16,7 @@ from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.info import engine_info
 from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.residency import AdapterTiers
 from server.engine.protocol.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ class InProcessEngineClient(EngineClient):
 
     async def adapter_residency(self) -> dict[str, str]:
         return await self._loop.call(residency)
+
+    async def adapter_tiers(self) -> AdapterTiers:
+        return await self._loop.call(adapter_tiers)
 
     def held_adapter_versions(self, timeout: float) -> set[str]:
         done: concurrent.futures.Future = concurrent.futures.Future()

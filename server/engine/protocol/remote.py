@@ -43,6 +43,7 @@ from server.engine.grammar_worker import GrammarCompileService
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.residency import AdapterTiers
 from server.engine.protocol.snapshot import EngineSnapshot
 from server.engine.request_stream import RequestStream, Sink, dispatch
 from server.engine.tokenizer_loader import load_tokenizer
@@ -195,6 +196,9 @@ class RemoteEngineClient(EngineClient):
 
     async def adapter_residency(self) -> dict[str, str]:
         return await self._ask("adapter_residency")
+
+    async def adapter_tiers(self) -> AdapterTiers:
+        return AdapterTiers.of(await self._ask("adapter_tiers"))
 
     def held_adapter_versions(self, timeout: float) -> set[str]:
         return set(self._call("held_versions").result(timeout=timeout))

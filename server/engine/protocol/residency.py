@@ -1,0 +1,18 @@
+"""AdapterTiers: which adapter versions each of the engine's tiers holds, read in one step of its loop.
+
+For routers and operators (vllm:lora_adapter_loaded, /admin/engine): the per-version view that
+EngineStats leaves out, because EngineStats is published every step and this grows with the fleet."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdapterTiers:
+    device: list[str]  # versions in device slots, sorted
+    host: list[str]  # versions in host memory (parsed, in the serving dtype), sorted
+
+    @classmethod
+    def of(cls, value: AdapterTiers | dict) -> AdapterTiers:
+        """From an engine core's reply (a transport sends a dataclass as a map)."""
+        return value if isinstance(value, cls) else cls(**value)
