@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from server.api.vllm_metrics import VllmMetrics
-from server.engine.protocol import EngineStats
+from server.engine.protocol import EngineStats, LoadTimes
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -139,11 +139,11 @@ class Metrics:
     def observe_identity(self, replica: str, model: str, version: str) -> None:
         self.replica.info({"replica": replica, "model": model, "version": version})
 
-    def observe_load_times(self, seconds) -> None:
-        """The engine's load durations since the last call (EngineClient.take_load_seconds) into the histogram."""
-        for s in seconds:
+    def observe_load_times(self, times: LoadTimes) -> None:
+        """The engine's load durations since the last call (EngineClient.take_load_times) into the histograms."""
+        for s in times.host:
             self.load_time.observe(s)
-        self.vllm.observe_load_times(seconds)
+        self.vllm.observe_load_times(times)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,13 +23,14 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from adapters.sharing import OPERATOR_OWNER
-from server.engine.protocol import AdapterTiers, EngineInfo, EngineStats
+from server.engine.protocol import AdapterTiers, EngineInfo, EngineStats, LoadTimes
 
 # Versions are immutable, so their labels can be remembered; the bound keeps a long-lived server's
 # memory flat (a miss costs one Redis read).
 _LABEL_CACHE = 4096
-# Loads from Redis into host memory take milliseconds to seconds (fetch, parse, pin).
-_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Loads from Redis into host memory take milliseconds to seconds (fetch, parse, pin); copies into a
+# device slot, tens of microseconds up.
+_LOAD_BUCKETS = (0.00001, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # The tiers' names in vLLM's level label.
 GPU, CPU = "gpu", "cpu"
 
@@ -58,8 +59,8 @@ class VllmMetrics:
         self.gpu_max = Gauge("vllm:max_gpu_lora_adapters", "Device slots for adapters (--max-loras)",
                              ["model_name"], registry=r)
         self.load_seconds = Histogram("vllm:lora_adapter_load_seconds", "Adapter load latency into a tier: cpu = "
-                                      "Redis -> host memory (fetch, parse, pin)", ["level"], buckets=_LOAD_BUCKETS,
-                                      registry=r)
+                                      "Redis -> host memory (fetch, parse, pin), gpu = host memory -> a device slot",
+                                      ["level"], buckets=_LOAD_BUCKETS, registry=r)
         self._labels: dict[str, str | None] = {}
 
     def observe(self, s: EngineStats, tiers: AdapterTiers | None, info: EngineInfo, model: str,
@@ -89,9 +90,10 @@ class VllmMetrics:
                 self.loaded.labels(name, level).set(1)
         self.gpu_loaded.labels(model).set(len(tiers.device))
 
-    def observe_load_times(self, host_seconds) -> None:
-        for seconds in host_seconds:
-            self.load_seconds.labels(CPU).observe(seconds)
+    def observe_load_times(self, times: LoadTimes) -> None:
+        for level, durations in ((CPU, times.host), (GPU, times.device)):
+            for seconds in durations:
+                self.load_seconds.labels(level).observe(seconds)
 
     def _names(self, versions, label_of: Callable[[str], str | None]) -> list[str]:
         """The labels of `versions` still registered, sorted."""

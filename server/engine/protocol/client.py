@@ -16,7 +16,7 @@ from server.engine.llm_engine import EngineStats
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.outputs import OutputStream
 from server.engine.protocol.request import EngineRequest
-from server.engine.protocol.residency import AdapterTiers
+from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -112,5 +112,6 @@ class EngineClient(ABC):
         """stats() and the engine's other published counters."""
 
     @abstractmethod
-    def take_load_seconds(self) -> list[float]:
-        """Adapter load durations (Redis -> host) since the last call: for one reader, /metrics."""
+    def take_load_times(self) -> LoadTimes:
+        """Adapter load durations per tier (Redis -> host, host -> device slot) since the last call: for one
+        reader, /metrics."""

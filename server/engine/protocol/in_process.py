@@ -7,7 +7,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.engine.adapter_residency import adapter_tiers, held_versions, residency
+from server.engine.adapter_residency import adapter_tiers, held_versions, residency, take_load_times
 from server.engine.async_engine import AsyncEngine
 from server.engine.request_stream import RequestStream
 from server.engine.config import EngineConfig
@@ -16,7 +16,7 @@ from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.info import engine_info
 from server.engine.protocol.request import EngineRequest
-from server.engine.protocol.residency import AdapterTiers
+from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -104,12 +104,8 @@ class InProcessEngineClient(EngineClient):
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self._loop.stats(), dict(vars(self.engine.lora_slots.dora_cache.stats)))
 
-    def take_load_seconds(self) -> list[float]:
-        seconds = self.engine.host.load_seconds  # a deque the loader threads append to
-        taken = []
-        while seconds:
-            taken.append(seconds.popleft())
-        return taken
+    def take_load_times(self) -> LoadTimes:
+        return take_load_times(self.engine)
 
     # ---- in-process only ----
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:

@@ -143,10 +143,11 @@ def test_residency_series_equal_the_engines_tiers_through_evictions(gateway_serv
     assert tier[("loraplex_adapter_tier_hit_rate", "host")] == pytest.approx(host_rate)
     device_rate = stats.slots.hits / (stats.slots.hits + stats.slots.loads)
     assert tier[("loraplex_adapter_tier_hit_rate", "device")] == pytest.approx(device_rate)
-    # Every Redis -> host load went into the cpu level's histogram (each scrape took the new ones).
-    [count] = [s.value for s in families["vllm:lora_adapter_load_seconds"].samples
-               if s.name.endswith("_count") and s.labels["level"] == "cpu"]
-    assert count == stats.host.loads
+    # Every Redis -> host load went into the cpu level's histogram, every copy into a slot into the gpu
+    # level's (each scrape took the new ones).
+    count = {s.labels["level"]: s.value for s in families["vllm:lora_adapter_load_seconds"].samples
+             if s.name.endswith("_count")}
+    assert count == {"cpu": stats.host.loads, "gpu": stats.slots.loads}
     view = server.admin("GET", "/admin/engine").json()
     assert view["slots"]["evictions"] == stats.slots.evictions and view["slots"]["misses"] == stats.slots.loads
     assert view["slots"]["hit_rate"] == pytest.approx(device_rate)
