@@ -72,6 +72,7 @@ async def adapters(request: Request) -> Response:
 async def engine(request: Request) -> Response:
     require_admin(request)
     state = state_of(request)
+    store = await run_in_threadpool(state.store_tallies.get)
     snapshot = state.engine.snapshot()
     s = snapshot.stats
     info = state.engine.info  # fixed at start
@@ -92,6 +93,9 @@ async def engine(request: Request) -> Response:
                  "loads_in_flight": s.host.loading, "parked": s.host.parked, "parked_bytes": s.host.parked_bytes,
                  "hits": s.host.hits, "misses": s.host.misses, "evictions": s.host.evictions,
                  "load_failures": s.host.load_failures, "hit_rate": hit_rate(s.host.hits, s.host.misses)},
+        # Redis: every replica's, counted at most once a minute.
+        "store": None if store is None else {"adapters": store.adapters, "bytes": store.bytes,
+                                             "counted_at": store.counted_at},
         "prefix_cache": {"enabled": prefix.enabled, "queried_tokens": prefix.queried_tokens,
                          "hit_tokens": prefix.hit_tokens,
                          "hit_rate": prefix.hit_tokens / prefix.queried_tokens if prefix.queried_tokens else None,

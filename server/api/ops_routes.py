@@ -60,6 +60,7 @@ async def metrics(request: Request) -> Response:
     await run_in_threadpool(state.metrics.vllm.observe, stats, tiers, state.engine.info, state.model_id,
                             lambda v: adapter_label(state.registry.get_version(v)))
     state.metrics.observe_load_times(state.engine.take_load_times())
+    state.metrics.observe_store(await run_in_threadpool(state.store_tallies.get))
     state.metrics.running_leases.set(state.settlements.running)
     state.metrics.leases_lost.set(state.settlements.leases_lost)
     state.metrics.longest_beat_gap.set(state.settlements.longest_beat_gap)

@@ -30,7 +30,8 @@ from server.engine.protocol import AdapterTiers, EngineInfo, EngineStats, LoadTi
 _LABEL_CACHE = 4096
 # Loads from Redis into host memory take milliseconds to seconds (fetch, parse, pin); copies into a
 # device slot, tens of microseconds up.
-_LOAD_BUCKETS = (0.00001, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LOAD_BUCKETS = (0.00001, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0, 30.0)
 # The tiers' names in vLLM's level label.
 GPU, CPU = "gpu", "cpu"
 

@@ -22,6 +22,7 @@ STATS_SECTIONS = {
     "slots": ["evictions", "hit_rate", "hits", "max_lora_rank", "misses", "total", "used"],
     "host": ["adapters", "budget_bytes", "bytes", "evictions", "hit_rate", "hits", "load_failures", "loads_in_flight",
              "misses", "parked", "parked_bytes"],
+    "store": ["adapters", "bytes", "counted_at"],
     "prefix_cache": ["cached_blocks", "cached_free_blocks", "enabled", "hit_rate", "hit_tokens", "queried_tokens"],
     "cuda_graphs": ["capture_bytes", "capture_seconds", "enabled", "graphs", "replays"],
     "async_scheduling": ["enabled", "rows_discarded", "steps", "steps_ahead"],

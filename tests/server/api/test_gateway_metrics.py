@@ -37,7 +37,7 @@ def gateway_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path_factory
         tenant_id = probe.admin("GET", f"/admin/tenants/{name}").json()["id"]
     budget = sum(sorted(sizes)[-2:])
     with running_server(replace(config, port=free_port(), max_cpu_lora_bytes=budget)) as server:
-        yield server, key, tenant_id
+        yield server, key, tenant_id, sum(sizes)
 
 
 def _families(server) -> dict:
@@ -56,7 +56,7 @@ def _wait_idle(server) -> None:
 
 
 def test_metrics_carry_the_protocols_names_and_labels(gateway_server):
-    server, key, _ = gateway_server
+    server, key, _, _ = gateway_server
     families = _families(server)
     model = server.state.model_id
     for name, (kind, labels) in PROTOCOL.items():
@@ -84,7 +84,7 @@ def test_metrics_carry_the_protocols_names_and_labels(gateway_server):
 
 
 def test_waiting_list_is_the_waiting_requests_adapters(gateway_server):
-    server, key, tenant_id = gateway_server
+    server, key, tenant_id, _ = gateway_server
     client = server.client(key)
 
     def generate(model: str) -> None:
@@ -111,7 +111,7 @@ def test_waiting_list_is_the_waiting_requests_adapters(gateway_server):
 
 
 def test_residency_series_equal_the_engines_tiers_through_evictions(gateway_server):
-    server, key, tenant_id = gateway_server
+    server, key, tenant_id, stored_bytes = gateway_server
     client = server.client(key)
     engine = server.state.engine.engine
     label = {r.version: f"{tenant_id}/{r.name}" for r in server.state.registry.list(tenant_id)}
@@ -133,10 +133,12 @@ def test_residency_series_equal_the_engines_tiers_through_evictions(gateway_serv
     assert stats.slots.evictions >= 2 and stats.host.evictions >= 2  # both tiers evicted along the way
     assert len(engine.lora_slots.slot_of) == 2
     families = _families(server)
-    tier = {(name, s.labels["tier"]): s.value for name in ("loraplex_adapter_tier_hits", "loraplex_adapter_tier_misses",
-                                                           "loraplex_adapter_tier_evictions",
-                                                           "loraplex_adapter_tier_hit_rate")
-            for s in families[name].samples}
+    names = [f"loraplex_adapter_tier_{n}" for n in ("hits", "misses", "evictions", "resident", "bytes", "hit_rate")]
+    tier = {(name, s.labels["tier"]): s.value for name in names for s in families[name].samples}
+    # The store tier: the four versions in Redis and their stored bytes.
+    assert (tier[("loraplex_adapter_tier_resident", "store")], tier[("loraplex_adapter_tier_bytes", "store")]) == (
+        len(NAMES), stored_bytes)
+    assert tier[("loraplex_adapter_tier_bytes", "host")] == stats.host.bytes_used
     assert tier[("loraplex_adapter_tier_misses", "device")] == stats.slots.loads
     assert tier[("loraplex_adapter_tier_evictions", "host")] == stats.host.evictions
     host_rate = stats.host.hits / (stats.host.hits + stats.host.misses)
@@ -153,3 +155,4 @@ def test_residency_series_equal_the_engines_tiers_through_evictions(gateway_serv
     assert view["slots"]["hit_rate"] == pytest.approx(device_rate)
     assert view["host"]["evictions"] == stats.host.evictions and view["host"]["hits"] == stats.host.hits
     assert view["host"]["hit_rate"] == pytest.approx(host_rate)
+    assert (view["store"]["adapters"], view["store"]["bytes"]) == (len(NAMES), stored_bytes)
