@@ -9,6 +9,7 @@ from starlette.routing import Route
 
 from server.api.auth import require_admin, state_of
 from server.api.errors import APIError, not_found
+from server.api.metrics import hit_rate
 from server.api.state import ServerState
 from server.api.usage_report import int_param, usage_report
 from tenants import Tenant
@@ -71,6 +72,7 @@ async def adapters(request: Request) -> Response:
 async def engine(request: Request) -> Response:
     require_admin(request)
     state = state_of(request)
+    store = await run_in_threadpool(state.store_tallies.get)
     snapshot = state.engine.snapshot()
     s = snapshot.stats
     info = state.engine.info  # fixed at start
@@ -83,11 +85,19 @@ async def engine(request: Request) -> Response:
         "kv_cache": {"dtype": pool.dtype, "requested_dtype": info.requested_kv_cache_dtype, "blocks": pool.blocks,
                      "block_size": pool.block_size, "tokens": pool.tokens, "bytes": pool.bytes},
         "base_weights": info.base_weights,
+        # The adapter tiers, fastest first; a miss is a load into the tier (host: from Redis).
         "slots": {"used": s.slots.resident, "total": info.max_loras,
                   "max_lora_rank": info.max_lora_rank, "pages_used": s.slots.pages_used,
-                  "pages_total": s.slots.pages_total, "pinned": s.slots.pinned},
+                  "pages_total": s.slots.pages_total, "pinned": s.slots.pinned, "hits": s.slots.hits,
+                  "misses": s.slots.loads, "evictions": s.slots.evictions,
+                  "hit_rate": hit_rate(s.slots.hits, s.slots.loads)},
         "host": {"adapters": s.host.adapters, "bytes": s.host.bytes_used, "budget_bytes": s.host.budget_bytes,
-                 "loads_in_flight": s.host.loading, "parked": s.host.parked},
+                 "loads_in_flight": s.host.loading, "parked": s.host.parked, "parked_bytes": s.host.parked_bytes,
+                 "hits": s.host.hits, "misses": s.host.misses, "evictions": s.host.evictions,
+                 "load_failures": s.host.load_failures, "hit_rate": hit_rate(s.host.hits, s.host.misses)},
+        # Redis: every replica's, counted at most once a minute.
+        "store": None if store is None else {"adapters": store.adapters, "bytes": store.bytes,
+                                             "counted_at": store.counted_at},
         "prefix_cache": {"enabled": prefix.enabled, "queried_tokens": prefix.queried_tokens,
                          "hit_tokens": prefix.hit_tokens,
                          "hit_rate": prefix.hit_tokens / prefix.queried_tokens if prefix.queried_tokens else None,

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from server.api.store_tally import StoreTally
 from server.api.vllm_metrics import VllmMetrics
-from server.engine.protocol import EngineStats
+from server.engine.protocol import EngineStats, LoadTimes
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def hit_rate(hits: int, misses: int) -> float | None:
+    """None before the first lookup."""
+    return hits / (hits + misses) if hits + misses else None
 
 
 class Metrics:
@@ -43,6 +49,11 @@ class Metrics:
                                     ["tier"], registry=r)
         self.tier_resident = Gauge("loraplex_adapter_tier_resident", "Adapters resident in the tier",
                                    ["tier"], registry=r)
+        self.tier_hit_rate = Gauge("loraplex_adapter_tier_hit_rate", "Hits / (hits + misses) since start; 0 before "
+                                   "the first", ["tier"], registry=r)
+        self.tier_bytes = Gauge("loraplex_adapter_tier_bytes", "Bytes of adapters in the tier: host (parsed, in the "
+                                "serving dtype), store (Redis, as stored; the fleet's, counted at most once a minute)",
+                                ["tier"], registry=r)
         self.host_bytes = Gauge("loraplex_adapter_host_bytes", "Bytes of adapters in the host tier", registry=r)
         self.parked = Gauge("loraplex_adapter_host_parked", "Loaded adapters waiting for unpinned host room",
                             registry=r)
@@ -110,6 +121,9 @@ class Metrics:
         self.tier_misses.labels("device").set(s.slots.loads)
         self.tier_evictions.labels("device").set(s.slots.evictions)
         self.tier_resident.labels("device").set(s.slots.resident)
+        self.tier_bytes.labels("host").set(s.host.bytes_used)
+        self.tier_hit_rate.labels("host").set(hit_rate(s.host.hits, s.host.misses) or 0.0)
+        self.tier_hit_rate.labels("device").set(hit_rate(s.slots.hits, s.slots.loads) or 0.0)
         self.host_bytes.set(s.host.bytes_used)
         self.loading.set(s.host.loading)
         self.parked.set(s.host.parked)
@@ -127,13 +141,20 @@ class Metrics:
         self.grammar_compile_seconds.set(s.grammar.compile_seconds)
         self.grammar_failures.set(s.grammar.failures)
 
+    def observe_store(self, tally: StoreTally | None) -> None:
+        if tally is None:
+            return  # never counted: Redis has failed since start
+        self.tier_resident.labels("store").set(tally.adapters)
+        self.tier_bytes.labels("store").set(tally.bytes)
+
     def observe_identity(self, replica: str, model: str, version: str) -> None:
         self.replica.info({"replica": replica, "model": model, "version": version})
 
-    def observe_load_times(self, seconds) -> None:
-        """The engine's load durations since the last call (EngineClient.take_load_seconds) into the histogram."""
-        for s in seconds:
+    def observe_load_times(self, times: LoadTimes) -> None:
+        """The engine's load durations since the last call (EngineClient.take_load_times) into the histograms."""
+        for s in times.host:
             self.load_time.observe(s)
+        self.vllm.observe_load_times(times)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

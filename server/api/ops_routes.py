@@ -1,6 +1,8 @@
 """/health, /version, /metrics and /v1/usage."""
 from __future__ import annotations
 
+import asyncio
+
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
@@ -10,8 +12,14 @@ from starlette.routing import Route
 
 from server.api.auth import require_metrics_reader, require_tenant, state_of
 from server.api.usage_report import usage_report
+from server.api.state import ServerState
 from server.api.vllm_metrics import adapter_label
+from server.engine.protocol import AdapterTiers, EngineDeadError
 from server.version import loraplex_version, package_version
+
+# A scrape waits this long for the engine to say where adapters are (it answers between steps);
+# past it (a long step, a paused or dead engine) the residency series stay as last read.
+TIERS_WAIT_S = 1.0
 
 
 async def health(request: Request) -> Response:
@@ -49,13 +57,23 @@ async def metrics(request: Request) -> Response:
                                    loraplex_version())
     stats = state.engine.stats()
     state.metrics.observe_engine(stats)
-    await run_in_threadpool(state.metrics.vllm.observe, stats, state.model_id, state.engine.info.max_loras,
+    tiers = await _adapter_tiers(state)
+    await run_in_threadpool(state.metrics.vllm.observe, stats, tiers, state.engine.info, state.model_id,
                             lambda v: adapter_label(state.registry.get_version(v)))
-    state.metrics.observe_load_times(state.engine.take_load_seconds())
+    state.metrics.observe_load_times(state.engine.take_load_times())
+    state.metrics.observe_store(await run_in_threadpool(state.store_tallies.get))
     state.metrics.running_leases.set(state.settlements.running)
     state.metrics.leases_lost.set(state.settlements.leases_lost)
     state.metrics.longest_beat_gap.set(state.settlements.longest_beat_gap)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _adapter_tiers(state: ServerState) -> AdapterTiers | None:
+    # Shielded: a step loop's call is not to be cancelled once sent, only no longer waited for.
+    try:
+        return await asyncio.wait_for(asyncio.shield(state.engine.adapter_tiers()), TIERS_WAIT_S)
+    except (asyncio.TimeoutError, EngineDeadError):
+        return None
 
 
 async def usage(request: Request) -> Response:

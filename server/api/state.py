@@ -23,6 +23,7 @@ from server.api.metrics import Metrics
 from server.api.prompts import PromptTokenizer
 from server.api.quota import Settlements
 from server.api.redis_probe import RedisProbe
+from server.api.store_tally import StoreTallies
 from server.config import ServerConfig
 from server.credentials import SOURCE_CREDENTIALS_KEY_FILE, load_or_create_key
 from server.demo import DemoPaths
@@ -77,6 +78,7 @@ class ServerState:
     pager: LoaderPool | None                 # the loader process for stored versions (host tier) and local directories
     retirements: RetirementListener
     metrics: Metrics
+    store_tallies: StoreTallies              # the store tier's size, counted at most once a minute
     prompts: PromptTokenizer
     settlements: Settlements
     history: EngineHistory
@@ -127,11 +129,12 @@ class ServerState:
             for pool in (loaders, pager):
                 if pool is not None:
                     pool.wait_ready()
+            tenants = TenantStore(client, config.redis_prefix)
             return cls(
                 config=config, model_id=config.model_id,
                 base=base_identity(config.model_id, engine.info.model_config), engine=engine, redis=client,
                 redis_probe=RedisProbe(url),
-                tenants=TenantStore(client, config.redis_prefix), limiter=limiter, usage=usage,
+                tenants=tenants, limiter=limiter, usage=usage,
                 refusals=RefusalLog(client, config.redis_prefix),
                 auth_throttle=AuthThrottle(client, config.redis_prefix, limit=config.auth_failure_limit,
                                            window_seconds=config.auth_failure_window_seconds),
@@ -143,6 +146,7 @@ class ServerState:
                 fetches=FetchFlights(config.adapter_load_workers or _IN_PROCESS_FETCHES, config.adapter_loads_per_tenant,
                                      near_concurrent=1 if pager is not None else _IN_PROCESS_FETCHES),
                 source_clients=SourceClients(), loaders=loaders, pager=pager, retirements=retirements, metrics=Metrics(),
+                store_tallies=StoreTallies(registry, tenants),
                 prompts=PromptTokenizer(model_dir, engine.info.max_model_len, config.chat_template_text()),
                 settlements=Settlements(limiter, usage, config.usage_settle_interval), history=EngineHistory(),
                 grammar_compiler=engine.grammar_compiler(config.max_grammar_compile_ms, cpus=child_cpus),

@@ -42,6 +42,8 @@ model rejects.
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
@@ -124,6 +126,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Seats in the running batch held for choices that fork once their choice 0's prompt is in.
         self.fork_seats = 0
+        self.slot_load_seconds: deque[float] = deque(maxlen=4096)  # recent copies into a slot, drained by metrics
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -265,12 +268,21 @@ class Scheduler:
             child.num_registered_blocks = parent.num_registered_blocks
             if parent in self.lora_slot_of_seq:
                 version = child.version_id
-                self.lora_slot_of_seq[child] = self.lora_slots.acquire(version, self.host.get(version))
+                self.lora_slot_of_seq[child] = self._acquire_slot(version)
                 self.host.pin(version)
             self.waiting.started_running(child)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         return children
+
+    def _acquire_slot(self, version: str) -> int:
+        """Pin `version`'s slot for one more request; a copy into the slot is timed (its tier's load latency)."""
+        copying = version not in self.lora_slots.slot_of
+        start = time.perf_counter()
+        slot = self.lora_slots.acquire(version, self.host.get(version))
+        if copying:
+            self.slot_load_seconds.append(time.perf_counter() - start)
+        return slot
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Private blocks for `seq`'s next `n` tokens, preempting the newest running sequences while
@@ -377,7 +389,7 @@ class Scheduler:
                 if seq not in self.waited_for_load:
                     self.host.note_hit()
                 self.waited_for_load.discard(seq)
-                self.lora_slot_of_seq[seq] = self.lora_slots.acquire(version, self.host.get(version))
+                self.lora_slot_of_seq[seq] = self._acquire_slot(version)
                 self.host.pin(version)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -217,12 +217,16 @@ function barChart(svg, labels, series, unit) {
 }
 
 // ---- engine
+const rate = (r) => r === null ? "-" : `${(100 * r).toFixed(1)}%`;
+
 async function refreshEngine() {
   const e = await api("GET", "/admin/engine");
   const stats = [["running", e.running], ["waiting", e.waiting], ["KV blocks", `${e.kv_blocks.used} / ${e.kv_blocks.total} (${e.kv_cache.dtype})`],
                  ["adapter slots", `${e.slots.used} / ${e.slots.total}`], ["host adapters", e.host.adapters],
                  ["host bytes", `${bytes(e.host.bytes)} / ${bytes(e.host.budget_bytes)}`],
-                 ["loads in flight", e.host.loads_in_flight], ["preemptions", e.preemptions],
+                 ["loads in flight", e.host.loads_in_flight],
+                 ["adapter hit rate (slots / host)", `${rate(e.slots.hit_rate)} / ${rate(e.host.hit_rate)}`],
+                 ["preemptions", e.preemptions],
                  ["prefix cache hit rate", e.prefix_cache.enabled ? (e.prefix_cache.hit_rate === null ? "no lookups yet"
                    : `${(100 * e.prefix_cache.hit_rate).toFixed(1)}%`) : "off"],
                  ["engine", e.healthy ? "healthy" : `down: ${e.error}`]];

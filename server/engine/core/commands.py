@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.engine.adapter_residency import held_versions, residency
+from server.engine.adapter_residency import adapter_tiers, held_versions, residency
 from server.engine.core.messages import Command, Reply
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ LOOP_OPS: dict[str, Callable[[LLMEngine, Command], Any]] = {
     "unpin_adapter": lambda e, m: e.unpin_adapter(m.version_id),
     "has_adapter": lambda e, m: e.has_adapter(m.version_id),
     "adapter_residency": lambda e, m: residency(e),
+    "adapter_tiers": lambda e, m: adapter_tiers(e),
     "held_versions": lambda e, m: sorted(held_versions(e)),
 }
 FETCH_OPS = ("add_adapter", "precompute_dora")

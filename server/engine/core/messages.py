@@ -113,6 +113,7 @@ class Stats(msgspec.Struct, tag="stats"):
     snapshot: EngineSnapshot
     load_seconds: list[float]  # adapter loads (Redis -> host) since the last Stats
     refused_messages: int  # front-end messages refused (malformed) since the core started
+    device_load_seconds: list[float] = []  # adapter copies (host -> a device slot) since the last Stats
 
 
 CoreMessage = Union[Ready, Fatal, Accepted, Outputs, Reply, Stats]

@@ -11,7 +11,6 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -20,13 +19,14 @@ import zmq
 from server.engine.core.deltas import DeltaEncoder
 from server.engine.core.messages import STATS_INTERVAL_S, Fatal, OutputDelta, Outputs, Ready, Reply, Stats
 from server.engine.protocol.info import EngineInfo
+from server.engine.protocol.residency import LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot
 
 log = logging.getLogger(__name__)
 
 
 class OutputSocket(threading.Thread):
-    """outbox items: ("hello", owner, address), ("ready", info, snapshot, load_seconds, pid),
+    """outbox items: ("hello", owner, address), ("ready", info, snapshot, take_load_times, pid),
     ("fatal", error), ("track", request_id, owner, n), ("outputs", [RequestOutput]),
     ("send", owner, message), ("flush", threading.Event)."""
 
@@ -40,7 +40,7 @@ class OutputSocket(threading.Thread):
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas = DeltaEncoder()
         self._peers: dict[bytes, zmq.Socket] = {}
-        self._ready: tuple[EngineInfo, Callable[[], EngineSnapshot], deque, int] | None = None
+        self._ready: tuple[EngineInfo, Callable[[], EngineSnapshot], Callable[[], LoadTimes], int] | None = None
 
     def run(self) -> None:
         next_beat = time.monotonic()
@@ -119,10 +119,8 @@ class OutputSocket(threading.Thread):
             os._exit(1)
         if self._ready is None or not self._peers:
             return
-        _, snapshot, load_seconds, _ = self._ready
-        taken = []
-        while load_seconds:
-            taken.append(load_seconds.popleft())
-        stats = Stats(snapshot(), taken, self._refused())
+        _, snapshot, take_load_times, _ = self._ready
+        times = take_load_times()
+        stats = Stats(snapshot(), times.host, self._refused(), times.device)
         for owner in self._peers:
             self._send(owner, stats)

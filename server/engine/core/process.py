@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+from functools import partial
 
 import redis
 import zmq
@@ -20,6 +21,7 @@ from adapters.dora_scale_store import DoraScaleStore
 from adapters.loader_pool import LoaderPool
 from adapters.registry import AdapterRegistry
 from adapters.registry_fetch import registry_fetch
+from server.engine.adapter_residency import take_load_times
 from server.engine.core.busy_loop import EngineCore
 from server.engine.cpu_affinity import pin_process
 from server.engine.core.commands import FetchingCommands
@@ -55,7 +57,7 @@ def run_core(launch: CoreLaunch, pid: int) -> int:
         owned.callback(fetching.shutdown)
         core = EngineCore(engine, inbox, outbox)
         inputs.attach(engine.grammars, fetching)
-        outbox.put(("ready", engine_info(engine), core.snapshot, engine.host.load_seconds, pid))
+        outbox.put(("ready", engine_info(engine), core.snapshot, partial(take_load_times, engine), pid))
         try:
             core.run()
         except Exception as e:  # noqa: BLE001 - a bug in the engine: every front end must hear of it

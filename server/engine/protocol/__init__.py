@@ -9,7 +9,8 @@ from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.outputs import OutputStream, RequestOutput, TokenLogprobs
 from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot, EngineStats
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineInfo", "EngineRequest", "EngineSnapshot", "EngineStats",
-           "OutputStream", "RequestError", "RequestOutput", "TokenLogprobs"]
+__all__ = ["AdapterTiers", "EngineClient", "EngineDeadError", "EngineInfo", "EngineRequest", "EngineSnapshot",
+           "EngineStats", "LoadTimes", "OutputStream", "RequestError", "RequestOutput", "TokenLogprobs"]

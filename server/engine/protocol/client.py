@@ -16,6 +16,7 @@ from server.engine.llm_engine import EngineStats
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.outputs import OutputStream
 from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -96,6 +97,10 @@ class EngineClient(ABC):
         """version -> the fastest tier holding it ("device" or "host"); versions in neither are absent."""
 
     @abstractmethod
+    async def adapter_tiers(self) -> AdapterTiers:
+        """Which versions each tier holds (device slots, host memory), between two steps."""
+
+    @abstractmethod
     def held_adapter_versions(self, timeout: float) -> set[str]:
         """Every version the engine holds in any tier, loading and parked ones included. Blocking: for
         threads off the event loop (the registry's retirement listener)."""
@@ -128,5 +133,6 @@ class EngineClient(ABC):
         """stats() and the engine's other published counters."""
 
     @abstractmethod
-    def take_load_seconds(self) -> list[float]:
-        """Adapter load durations (Redis -> host) since the last call: for one reader, /metrics."""
+    def take_load_times(self) -> LoadTimes:
+        """Adapter load durations per tier (Redis -> host, host -> device slot) since the last call: for one
+        reader, /metrics."""

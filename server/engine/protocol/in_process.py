@@ -7,7 +7,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.engine.adapter_residency import held_versions, residency
+from server.engine.adapter_residency import adapter_tiers, held_versions, residency, take_load_times
 from server.engine.async_engine import AsyncEngine
 from server.engine.core.commands import nap
 from server.engine.request_stream import RequestStream
@@ -17,6 +17,7 @@ from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.info import engine_info
 from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot, engine_snapshot
 
 if TYPE_CHECKING:
@@ -88,6 +89,9 @@ class InProcessEngineClient(EngineClient):
     async def adapter_residency(self) -> dict[str, str]:
         return await self._loop.call(residency)
 
+    async def adapter_tiers(self) -> AdapterTiers:
+        return await self._loop.call(adapter_tiers)
+
     def held_adapter_versions(self, timeout: float) -> set[str]:
         return self._loop.call_soon(held_versions).result(timeout=timeout)
 
@@ -108,12 +112,8 @@ class InProcessEngineClient(EngineClient):
     def snapshot(self) -> EngineSnapshot:
         return engine_snapshot(self.engine, self._loop.stats())
 
-    def take_load_seconds(self) -> list[float]:
-        seconds = self.engine.host.load_seconds  # a deque the loader threads append to
-        taken = []
-        while seconds:
-            taken.append(seconds.popleft())
-        return taken
+    def take_load_times(self) -> LoadTimes:
+        return take_load_times(self.engine)
 
     # ---- in-process only ----
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:

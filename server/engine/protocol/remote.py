@@ -48,6 +48,7 @@ from server.engine.grammar_worker import GrammarCompileService
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.request import EngineRequest
+from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot
 from server.engine.request_stream import RequestStream, Sink, dispatch
 from server.engine.tokenizer_loader import load_tokenizer
@@ -96,7 +97,8 @@ class RemoteEngineClient(EngineClient):
         self._ready = threading.Event()
         self._snapshot: EngineSnapshot | None = None
         self._grammars: Grammars | None = None  # grammar_compiler()'s
-        self._load_seconds: deque[float] = deque()
+        self._load_seconds: deque[float] = deque()  # Redis -> host, from the core's Stats
+        self._device_load_seconds: deque[float] = deque()  # host -> a device slot
         self.refused_messages = 0  # as the core last reported
         self._core_pid: int | None = None
         self._error: str | None = None
@@ -252,6 +254,9 @@ class RemoteEngineClient(EngineClient):
     async def adapter_residency(self) -> dict[str, str]:
         return await self._ask("adapter_residency")
 
+    async def adapter_tiers(self) -> AdapterTiers:
+        return AdapterTiers.of(await self._ask("adapter_tiers"))
+
     def held_adapter_versions(self, timeout: float) -> set[str]:
         return set(self._call("held_versions").result(timeout=timeout))
 
@@ -280,11 +285,8 @@ class RemoteEngineClient(EngineClient):
             return snap
         return dataclasses.replace(snap, stats=dataclasses.replace(snap.stats, grammar=self._grammars.stats()))
 
-    def take_load_seconds(self) -> list[float]:
-        taken = []
-        while self._load_seconds:
-            taken.append(self._load_seconds.popleft())
-        return taken
+    def take_load_times(self) -> LoadTimes:
+        return LoadTimes.drained(self._load_seconds, self._device_load_seconds)
 
     # ---- the wire ----
     def _check_alive(self) -> None:
@@ -365,6 +367,7 @@ class RemoteEngineClient(EngineClient):
         elif isinstance(message, Stats):
             self._snapshot = message.snapshot
             self._load_seconds.extend(message.load_seconds)
+            self._device_load_seconds.extend(message.device_load_seconds)
             self.refused_messages = message.refused_messages
         elif isinstance(message, Ready):
             self.info, self._snapshot, self._core_pid = message.info, message.snapshot, message.pid

@@ -19,8 +19,11 @@ ADMIN_VIEWS = ["/admin/tenants/{t}/usage", "/admin/tenants/{t}/refusals", "/admi
 # /admin/engine's sections read from EngineStats, key by key.
 STATS_SECTIONS = {
     "kv_blocks": ["total", "used"],
-    "slots": ["max_lora_rank", "pages_total", "pages_used", "pinned", "total", "used"],
-    "host": ["adapters", "budget_bytes", "bytes", "loads_in_flight", "parked"],
+    "slots": ["evictions", "hit_rate", "hits", "max_lora_rank", "misses", "pages_total", "pages_used", "pinned",
+              "total", "used"],
+    "host": ["adapters", "budget_bytes", "bytes", "evictions", "hit_rate", "hits", "load_failures", "loads_in_flight",
+             "misses", "parked", "parked_bytes"],
+    "store": ["adapters", "bytes", "counted_at"],
     "prefix_cache": ["cached_blocks", "cached_free_blocks", "enabled", "hit_rate", "hit_tokens", "queried_tokens"],
     "cuda_graphs": ["capture_bytes", "capture_seconds", "enabled", "graphs", "replays"],
     "async_scheduling": ["enabled", "rows_discarded", "steps", "steps_ahead"],

@@ -15,6 +15,7 @@ from dataclasses import replace
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.bench.server_proc import ServerProcess
 from server.demo import make_base_model
@@ -126,6 +127,28 @@ def test_split_server_reports_its_engine(both_servers):
     while handle.state.engine.snapshot().stats.scheduler.running or handle.state.engine.stats().scheduler.waiting:
         assert time.monotonic() < deadline, handle.state.engine.snapshot()
         time.sleep(0.05)
+
+
+def test_split_server_exports_adapter_residency(both_servers):
+    """The residency series and load histograms of /metrics come from the core: where adapters are, by a
+    command between its steps; the load durations with its Stats pushes."""
+    handle, key = both_servers[1]
+    for name in ADAPTERS:
+        handle.client(key).completions.create(model=name, prompt="hi", max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 5
+    while True:
+        stats = handle.state.engine.stats()
+        text = handle.admin("GET", "/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        levels = [s.labels["level"] for s in families["vllm:lora_adapter_loaded"].samples]
+        counts = {s.labels["level"]: s.value for s in families["vllm:lora_adapter_load_seconds"].samples
+                  if s.name.endswith("_count")}
+        if (levels.count("gpu"), levels.count("cpu"), counts.get("cpu"), counts.get("gpu")) == (
+                stats.slots.resident, stats.host.adapters, stats.host.loads, stats.slots.loads):
+            break
+        assert time.monotonic() < deadline, (levels, counts, stats)
+        time.sleep(0.1)
+    assert stats.slots.resident == len(ADAPTERS) and stats.host.loads >= len(ADAPTERS)
 
 
 @contextlib.contextmanager
