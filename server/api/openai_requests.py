@@ -84,6 +84,9 @@ class SamplingFields(BaseModel):
     cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)] | None = Field(
         None, description="vLLM's: only requests with the same salt (and tenant and adapter) share cached "
                           "prompt blocks")
+    # Ours: false keeps this request out of speculative decoding (docs/speculative-decoding.md); the output is
+    # the same either way.
+    speculative: bool = True
     # LoRAX's per-request adapter (server.api.adapter_references.resolve_lorax_adapter)
     adapter_id: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
     adapter_source: Annotated[str, StringConstraints(min_length=1, max_length=16)] | None = None

@@ -55,7 +55,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, n=req.n,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, logit_bias=bias,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
+            speculative=req.speculative)
     except ValueError as e:
         # SamplingParams' messages begin with the field's name.
         raise APIError(400, str(e), "invalid_value", param=str(e).split(" ", 1)[0]) from None

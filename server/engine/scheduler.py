@@ -32,7 +32,8 @@ With speculative decoding (server.engine.speculative_config), a decoding sequenc
 can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from its output index
 alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer); they count
 against the token budget and get KV slots like any token. The output processor rolls back what the
-model rejects.
+model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
+speculates while disable_by_batch_size sequences run; a request may opt out (SamplingParams.speculative).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
+from server.engine.draft_length import DraftLength
 from server.engine.fair_queue import FairQueue
 from server.engine.lora.alora import adapter_from
 from server.engine.lora.slot_share import SlotShare
@@ -48,6 +50,7 @@ from server.engine.lora.slots import LoraSlots
 from server.engine.ngram_proposer import propose
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.spec_decode_stats import SpecDecodeCounters
 from server.engine.speculative_config import SpeculativeConfig
 
 # After this many steps blocked on an adapter slot, the head of the queue stops letting requests
@@ -116,6 +119,9 @@ class Scheduler:
         self.num_preemptions = 0
         # Seats in the running batch held for choices that fork once their choice 0's prompt is in.
         self.fork_seats = 0
+        spec = config.speculative
+        self.spec_counters = SpecDecodeCounters(spec.method if spec is not None else None)
+        self.draft_lengths: dict[Sequence, DraftLength] = {}  # per running sequence: its adaptive k
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -140,6 +146,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
+        speculate = self._speculate()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -147,7 +154,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             prefilling = seq.num_pending_tokens > 1
             n = min(seq.num_pending_tokens, budget, prefill_budget if prefilling else budget)
-            drafts = () if prefilling or n == 0 else self._drafts(seq, budget - 1)
+            drafts = () if prefilling or n == 0 or not speculate else self._drafts(seq, budget - 1)
             n += len(drafts)
             if n == 0 or not _mask_ready(seq, seq.num_computed_tokens + n) or not self._make_room(seq, n, batch):
                 continue
@@ -158,19 +165,40 @@ class Scheduler:
         self._admit(batch, min(budget, prefill_budget), admit=not batch.preempted)
         return batch
 
+    def _speculate(self) -> bool:
+        """Whether this step proposes drafts: speculative decoding is on and the running batch is smaller
+        than its disable_by_batch_size (past it, verifying costs the batch more than drafts save)."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        if len(self.running) < spec.disable_by_batch_size:
+            return True
+        self.spec_counters.skipped_steps += 1
+        return False
+
     def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
         """Drafts for decoding `seq`, at most `room` of them, none past what it may still generate (the
-        token after the drafts is the target's own); () where verifying would not be exact."""
+        token after the drafts is the target's own); () where verifying would not be exact, or the
+        request opted out."""
         spec = self.config.speculative
-        if spec is None or seq.grammar is not None or seq.group.needs_fork:
-            return ()
         p = seq.params
+        if not p.speculative or seq.grammar is not None or seq.group.needs_fork:
+            return ()
         if not p.greedy and p.seed is None:
             return ()  # an unseeded draw takes the engine's generator in batch order: not per position
-        k = min(spec.num_speculative_tokens, room, p.max_tokens - seq.num_output_tokens - 1)
+        length = self.draft_lengths.get(seq)
+        if length is None:
+            length = self.draft_lengths[seq] = DraftLength(spec.num_speculative_tokens)
+        k = min(length.next_k(), room, p.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return ()
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """`seq` verified `drafted` drafts and the target accepted `accepted` of them: counted, and its k
+        adapted."""
+        self.spec_counters.verified(drafted, accepted)
+        self.draft_lengths[seq].verified(drafted, accepted)
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: capped while some running sequence decodes."""
@@ -187,6 +215,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.waited_for_load.discard(seq)
+        self.draft_lengths.pop(seq, None)
         seq.status = SequenceStatus.FINISHED
 
     def fork(self, parent: Sequence) -> list[Sequence]:

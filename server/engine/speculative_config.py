@@ -7,15 +7,21 @@ vLLM never silently runs something else.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 # One verify step scores k + 1 positions per sequence: past a few dozen drafts a miss costs more than
 # any hit could save.
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_LOOKUP = 5
+# disable_by_batch_size when not given, by device type: the running batch size from which a step
+# speculates no more. On a CPU the forward costs about its tokens' compute once a step has a few
+# dozen, so k + 1 positions per sequence cost a batch of 8 more than a rarely-accepted workload's drafts
+# save (docs/speculative-decoding.md, "Benchmark"); a GPU's decode step is bound by reading the weights
+# until far more tokens.
+AUTO_DISABLE_BY_BATCH_SIZE = {"cpu": 8, "cuda": 32}
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: drafts proposed per sequence and step
     prompt_lookup_max: int  # the longest suffix matched
     prompt_lookup_min: int  # the shortest
+    # vLLM's: no step speculates while this many sequences run; None until the engine picks it for its
+    # device (resolve_disable_by_batch_size).
+    disable_by_batch_size: int | None = None
 
 
 def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -52,7 +61,17 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     lookup_min = _positive(value, "prompt_lookup_min", lookup_max)
     if lookup_min > lookup_max:
         raise ValueError("speculative config prompt_lookup_min must be <= prompt_lookup_max")
-    return SpeculativeConfig(method, k, lookup_max, lookup_min)
+    cutoff = value.get("disable_by_batch_size")
+    if cutoff is not None and _positive(value, "disable_by_batch_size", None) < 2:
+        raise ValueError("speculative config disable_by_batch_size must be >= 2")
+    return SpeculativeConfig(method, k, lookup_max, lookup_min, cutoff)
+
+
+def resolve_disable_by_batch_size(config: SpeculativeConfig | None, device_type: str) -> SpeculativeConfig | None:
+    """The config with disable_by_batch_size set: as given, else AUTO_DISABLE_BY_BATCH_SIZE's for the device."""
+    if config is None or config.disable_by_batch_size is not None:
+        return config
+    return replace(config, disable_by_batch_size=AUTO_DISABLE_BY_BATCH_SIZE.get(device_type, 32))
 
 
 def _positive(value: dict[str, Any], key: str, default: int | None) -> int:
