@@ -251,4 +251,7 @@ class EngineView(BaseModel):
     cuda_graphs: dict[str, bool | int | float]  # decode graphs captured, replays, capture seconds and bytes
     structured_output: dict[str, int | float]
     dora_scales: dict[str, int]  # DoRA adapters' scales computed, read from Redis, refused, stored, store errors
+    # method (None: off), verify steps, drafts verified and accepted (also per draft position), acceptance
+    # rate, mean accepted length and steps skipped by disable_by_batch_size (server.api.admin_views)
+    speculative_decoding: dict[str, str | int | float | list[int] | None]
     history: list[EnginePoint]

@@ -12,6 +12,7 @@ from server.api.errors import APIError, not_found
 from server.api.metrics import hit_rate
 from server.api.state import ServerState
 from server.api.usage_report import int_param, usage_report
+from server.engine.spec_decode_stats import SpecDecodeStats
 from tenants import Tenant
 
 MAX_PAGE = 500
@@ -114,7 +115,18 @@ async def engine(request: Request) -> Response:
                               "compile_cold_starts": state.grammar_compiler.cold_starts},
         # DoRA scales: computed against the base, or read from Redis (server.engine.lora.dora_scale_cache).
         "dora_scales": snapshot.dora_scales,
+        "speculative_decoding": speculative_view(s.speculative),
         "history": list(state.history.points)})
+
+
+def speculative_view(spec: SpecDecodeStats) -> dict:
+    """Speculative decoding's counters since start (vLLM's spec_decode_*), with their two ratios."""
+    return {"method": spec.method, "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_position": list(spec.accepted_per_position),
+            "acceptance_rate": spec.acceptance_rate if spec.num_draft_tokens else None,
+            "mean_accepted_length": spec.mean_accepted_length if spec.num_drafts else None,
+            "skipped_steps": spec.skipped_steps}
 
 
 ROUTES = [

@@ -101,6 +101,9 @@ class SamplingFields(BaseModel):
     cache_salt: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)] | None = Field(
         None, description="vLLM's: only requests with the same salt (and tenant and adapter) share cached "
                           "prompt blocks")
+    # Ours: false keeps this request out of speculative decoding (docs/speculative-decoding.md); the output is
+    # the same either way.
+    speculative: bool = True
     # LoRAX's per-request adapter (server.api.adapter_references.resolve_lorax_adapter)
     adapter_id: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
     adapter_source: Annotated[str, StringConstraints(min_length=1, max_length=16)] | None = None
@@ -398,7 +401,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, n=req.n,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, logit_bias=bias,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
+            speculative=req.speculative)
     except ValueError as e:
         # SamplingParams' messages begin with the field's name.
         raise APIError(400, str(e), "invalid_value", param=str(e).split(" ", 1)[0]) from None

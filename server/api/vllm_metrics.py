@@ -20,10 +20,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adapters.sharing import OPERATOR_OWNER
 from server.engine.protocol import AdapterTiers, EngineInfo, EngineStats, LoadTimes
+from server.engine.spec_decode_stats import SpecDecodeStats
 
 # Versions are immutable, so their labels can be remembered; the bound keeps a long-lived server's
 # memory flat (a miss costs one Redis read).
@@ -63,6 +64,17 @@ class VllmMetrics:
                                       "Redis -> host memory (fetch, parse, pin), gpu = host memory -> a device slot",
                                       ["level"], buckets=_LOAD_BUCKETS, registry=r)
         self._labels: dict[str, str | None] = {}
+        # Speculative decoding, vLLM's counters (exported with the _total suffix, as vLLM's are).
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verify steps: sequences that ran drafts, per "
+                                   "step", ["model_name"], registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                         ["model_name"], registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                     ["model_name"], registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                             "accepted at each draft position (0 is the first)",
+                                             ["model_name", "position"], registry=r)
+        self._spec_seen: dict[tuple, int] = {}  # (counter, *labels) -> the engine's total last seen
 
     def observe(self, s: EngineStats, tiers: AdapterTiers | None, info: EngineInfo, model: str,
                 label_of: Callable[[str], str | None]) -> None:
@@ -76,6 +88,7 @@ class VllmMetrics:
         self.waiting.labels(model).set(s.scheduler.waiting)
         self.running.labels(model).set(s.scheduler.running)
         self.kv_usage.labels(model).set(s.kv_blocks.used / s.kv_blocks.total if s.kv_blocks.total else 0.0)
+        self._observe_speculative(s.speculative, model)
         if len(self._labels) > _LABEL_CACHE:
             self._labels.clear()
         running = ",".join(self._names(s.scheduler.running_adapters, label_of))
@@ -105,6 +118,21 @@ class VllmMetrics:
             if self._labels[v] is not None:
                 names.append(self._labels[v])
         return sorted(names)
+
+    def _observe_speculative(self, spec: SpecDecodeStats, model: str) -> None:
+        """The engine keeps totals since start; a counter only goes up, so it takes what is new."""
+        if spec.method is None:
+            return
+        totals = [(self.spec_drafts, (model,), spec.num_drafts),
+                  (self.spec_draft_tokens, (model,), spec.num_draft_tokens),
+                  (self.spec_accepted, (model,), spec.num_accepted_tokens)]
+        totals += [(self.spec_accepted_per_pos, (model, str(j)), n) for j, n in enumerate(spec.accepted_per_position)]
+        for counter, labels, total in totals:
+            key = (counter, *labels)
+            seen = self._spec_seen.get(key, 0)
+            # Below what was seen: the engine restarted, and its totals began again.
+            counter.labels(*labels).inc(total - seen if total >= seen else total)
+            self._spec_seen[key] = total
 
 
 def adapter_label(record) -> str | None:

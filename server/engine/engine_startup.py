@@ -47,6 +47,7 @@ from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.speculative_config import resolve_disable_by_batch_size
 from server.engine.step_cost import StepCost
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
@@ -212,7 +213,8 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
                     max_parked=PREFETCH_WINDOW, dtype=dtype, init_thread=bind_thread,
                     prepare=slots.prepare if device.type == "cpu" else None)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                          config.max_prefill_tokens_while_decoding, config.speculative_config,
+                                          config.max_prefill_tokens_while_decoding,
+                                          resolve_disable_by_batch_size(config.speculative_config, device.type),
                                           step_cost),
                           blocks, slots, host)
     # Eviction weighs what an adapter costs to bring back: a device copy from the host tier, or a fetch.

@@ -16,6 +16,7 @@ from server.engine.grammar import GrammarStats
 from server.engine.lora.slots import SlotStats
 from server.engine.prefix_cache import PrefixCacheStats
 from server.engine.scheduler import SchedulerStats
+from server.engine.spec_decode_stats import SpecDecodeStats
 
 # Deprecated flat name -> (section, field).
 FLAT_NAMES = {
@@ -72,6 +73,7 @@ class EngineStats:
     async_scheduling: AsyncStats  # server.engine.async_step
     grammar: GrammarStats  # the compiled-grammar cache (server.engine.grammar)
     constrained_requests: int  # requests admitted with a structured-output constraint
+    speculative: SpecDecodeStats = SpecDecodeStats()  # server.engine.spec_decode_stats
 
     def __getattr__(self, name: str):
         """The deprecated flat names (FLAT_NAMES); called only for names the class does not have."""

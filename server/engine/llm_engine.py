@@ -243,6 +243,7 @@ class LLMEngine:
             async_scheduling=self.overlap.stats() if self.overlap is not None else AsyncStats(),
             grammar=self.grammars.stats(),
             constrained_requests=self.constrained_requests,
+            speculative=self.scheduler.spec_counters.snapshot(),
         )
 
     def shutdown(self) -> None:

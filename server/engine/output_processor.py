@@ -33,9 +33,15 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.seqs: dict[str, Sequence] = {}  # request id -> its choice 0, until every choice finished
         self.aborted: list[Sequence] = []  # choices aborted since the last step: its outputs report them
-        # Speculative decoding, since start (vLLM's spec_decode num_draft_tokens / num_accepted_tokens).
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts verified since start (the scheduler's speculative-decoding counters have the rest)."""
+        return self.scheduler.spec_counters.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.scheduler.spec_counters.num_accepted_tokens
 
     def add(self, seq: Sequence) -> None:
         """Track a new request by its choice 0 (the scheduler has it already)."""
@@ -88,8 +94,7 @@ class OutputProcessor:
 
     def _advance_run(self, outputs: list[RequestOutput], seq: Sequence, n: int, result: SeqResult) -> None:
         """`seq` ran n tokens and its drafts; `result.tokens` are its accepted drafts and the target's token."""
-        self.num_draft_tokens += result.drafted
-        self.num_accepted_tokens += len(result.tokens) - 1
+        self.scheduler.verified(seq, result.drafted, len(result.tokens) - 1)
         mark = len(outputs)
         for j, (token, logprob) in enumerate(zip(result.tokens, result.logprobs)):
             # Before each token, what precedes it is in the KV: the pending tokens, then each accepted draft.

@@ -57,6 +57,9 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per generated token (0: the token's own only)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     structured_outputs: StructuredOutputsParams | None = None
+    # False: this request never runs drafts (speculative decoding, when the engine has it); its output
+    # is the same either way, only its speed differs.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +94,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if not isinstance(self.speculative, bool):
+            raise ValueError("speculative must be true or false")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
 

@@ -37,7 +37,8 @@ With speculative decoding (server.engine.speculative_config), a decoding sequenc
 can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from its output index
 alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer); they count
 against the token budget and get KV slots like any token. The output processor rolls back what the
-model rejects.
+model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
+speculates while disable_by_batch_size sequences run; a request may opt out (SamplingParams.speculative).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
+from server.engine.draft_length import DraftLength
 from server.engine.fair_queue import FairQueue
 from server.engine.lora.alora import adapter_from
 from server.engine.lora.slot_share import SlotShare
@@ -55,6 +57,7 @@ from server.engine.lora.slots import LoraSlots
 from server.engine.ngram_proposer import propose
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.spec_decode_stats import SpecDecodeCounters
 from server.engine.speculative_config import SpeculativeConfig
 from server.engine.step_cost import PLAIN, StepCost
 
@@ -127,6 +130,9 @@ class Scheduler:
         # Seats in the running batch held for choices that fork once their choice 0's prompt is in.
         self.fork_seats = 0
         self.slot_load_seconds: deque[float] = deque(maxlen=4096)  # recent copies into a slot, drained by metrics
+        spec = config.speculative
+        self.spec_counters = SpecDecodeCounters(spec.method if spec is not None else None)
+        self.draft_lengths: dict[Sequence, DraftLength] = {}  # per running sequence: its adaptive k
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -152,6 +158,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         capped = cap is not None and any(s.num_pending_tokens == 1 for s in self.running)
+        speculate = self._speculate()
         prompts: list[Sequence] = []
         for seq in list(self.running):  # decoding sequences first: no prompt chunk can take their tokens
             if seq.num_pending_tokens > 1:
@@ -162,7 +169,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_pending_tokens, budget)
-            drafts = self._drafts(seq, budget - 1) if n else ()
+            drafts = self._drafts(seq, budget - 1) if n and speculate else ()
             n += len(drafts)
             if n == 0 or not _mask_ready(seq, seq.num_computed_tokens + n) or not self._make_room(seq, n, batch):
                 continue
@@ -230,18 +237,39 @@ class Scheduler:
             budget -= m - n
             left -= prefill.cost.chunk(seq, start, m) - used
 
+    def _speculate(self) -> bool:
+        """Whether this step proposes drafts: speculative decoding is on and the running batch is smaller
+        than its disable_by_batch_size (past it, verifying costs the batch more than drafts save)."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        if len(self.running) < spec.disable_by_batch_size:
+            return True
+        self.spec_counters.skipped_steps += 1
+        return False
+
     def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
         """Drafts for decoding `seq`, at most `room` of them, none past what it may still generate (the
-        token after the drafts is the target's own); () where verifying would not be exact."""
+        token after the drafts is the target's own); () where verifying would not be exact, or the
+        request opted out."""
         spec = self.config.speculative
         if spec is None or not verifiable(seq):
             return ()
-        k = min(spec.num_speculative_tokens, room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        length = self.draft_lengths.get(seq)
+        if length is None:
+            length = self.draft_lengths[seq] = DraftLength(spec.num_speculative_tokens)
+        k = min(length.next_k(), room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return ()
         if spec.method == "medusa":
             return list(seq.proposed[:k]) or ()
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """`seq` verified `drafted` drafts and the target accepted `accepted` of them: counted, and its k
+        adapted."""
+        self.spec_counters.verified(drafted, accepted)
+        self.draft_lengths[seq].verified(drafted, accepted)
 
     def finish(self, seq: Sequence) -> None:
         """Return a finished (or aborted) sequence's blocks, adapter slot and host pin."""
@@ -251,6 +279,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.waited_for_load.discard(seq)
+        self.draft_lengths.pop(seq, None)
         seq.status = SequenceStatus.FINISHED
 
     def fork(self, parent: Sequence) -> list[Sequence]:
@@ -445,9 +474,10 @@ class Scheduler:
 
 
 def verifiable(seq: Sequence) -> bool:
-    """Whether drafts for `seq`'s next tokens can be verified exactly: greedy or seeded (sampler.py draws
-    a seeded row from its output index alone), no grammar, not forking now."""
-    if seq.grammar is not None or seq.group.needs_fork:
+    """Whether `seq` takes drafts for its next tokens: it did not opt out, and verifying them is exact:
+    greedy or seeded (sampler.py draws a seeded row from its output index alone), no grammar, not forking
+    now."""
+    if not seq.params.speculative or seq.grammar is not None or seq.group.needs_fork:
         return False
     # An unseeded draw takes the engine's generator in batch order: not per position.
     return seq.params.greedy or seq.params.seed is not None

@@ -8,17 +8,23 @@ something else.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 METHODS = ("ngram", "medusa")
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 # The keys each method reads.
-_METHOD_KEYS = {"ngram": _KEYS, "medusa": ("method", "num_speculative_tokens", "model")}
+_METHOD_KEYS = {"ngram": _KEYS, "medusa": ("method", "num_speculative_tokens", "model", "disable_by_batch_size")}
 # One verify step scores k + 1 positions per sequence: past a few dozen drafts a miss costs more than
 # any hit could save.
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_LOOKUP = 5
+# disable_by_batch_size when not given, by device type: the running batch size from which a step
+# speculates no more. On a CPU the forward costs about its tokens' compute once a step has a few
+# dozen, so k + 1 positions per sequence cost a batch of 8 more than a rarely-accepted workload's drafts
+# save (docs/speculative-decoding.md, "Benchmark"); a GPU's decode step is bound by reading the weights
+# until far more tokens.
+AUTO_DISABLE_BY_BATCH_SIZE = {"cpu": 8, "cuda": 32}
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int  # the longest suffix matched
     prompt_lookup_min: int  # the shortest
     model: str | None = None  # medusa: the heads' directory (server.engine.medusa_heads)
+    # vLLM's: no step speculates while this many sequences run; None until the engine picks it for its
+    # device (resolve_disable_by_batch_size).
+    disable_by_batch_size: int | None = None
 
 
 def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -52,18 +61,28 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     k = _positive(value, "num_speculative_tokens", None)
     if k > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"speculative config num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}")
+    cutoff = value.get("disable_by_batch_size")
+    if cutoff is not None and _positive(value, "disable_by_batch_size", None) < 2:
+        raise ValueError("speculative config disable_by_batch_size must be >= 2")
     if method == "medusa":
         model = value.get("model")
         if not isinstance(model, str) or not model:
             raise ValueError("speculative method medusa needs \"model\": the directory of its heads")
-        return SpeculativeConfig(method, k, DEFAULT_LOOKUP, DEFAULT_LOOKUP, model)
+        return SpeculativeConfig(method, k, DEFAULT_LOOKUP, DEFAULT_LOOKUP, model, cutoff)
     # vLLM's defaults: one bound given is both; neither, 5.
     given = value.get("prompt_lookup_max", value.get("prompt_lookup_min", DEFAULT_LOOKUP))
     lookup_max = _positive(value, "prompt_lookup_max", given)
     lookup_min = _positive(value, "prompt_lookup_min", lookup_max)
     if lookup_min > lookup_max:
         raise ValueError("speculative config prompt_lookup_min must be <= prompt_lookup_max")
-    return SpeculativeConfig(method, k, lookup_max, lookup_min)
+    return SpeculativeConfig(method, k, lookup_max, lookup_min, disable_by_batch_size=cutoff)
+
+
+def resolve_disable_by_batch_size(config: SpeculativeConfig | None, device_type: str) -> SpeculativeConfig | None:
+    """The config with disable_by_batch_size set: as given, else AUTO_DISABLE_BY_BATCH_SIZE's for the device."""
+    if config is None or config.disable_by_batch_size is not None:
+        return config
+    return replace(config, disable_by_batch_size=AUTO_DISABLE_BY_BATCH_SIZE.get(device_type, 32))
 
 
 def _positive(value: dict[str, Any], key: str, default: int | None) -> int:

@@ -29,6 +29,8 @@ STATS_SECTIONS = {
     "async_scheduling": ["enabled", "rows_discarded", "steps", "steps_ahead"],
     "structured_output": ["cache_hits", "cached_grammars", "compile_cold_starts", "compile_seconds",
                           "compile_timeouts", "compiles", "compiles_running", "constrained_requests", "failures"],
+    "speculative_decoding": ["acceptance_rate", "accepted_per_position", "mean_accepted_length", "method",
+                             "num_accepted_tokens", "num_draft_tokens", "num_drafts", "skipped_steps"],
 }
 
 

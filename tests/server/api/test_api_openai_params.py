@@ -145,6 +145,10 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
     def priority():
         assert calls.text(chat, extra_body={"priority": -5}) == greedy  # ordering only: same answer
 
+    def speculative():
+        # Speed only: the same answer (its effect on drafts: tests/server/api/test_api_speculative.py).
+        assert calls.text(chat, extra_body={"speculative": False}) == greedy
+
     return {
         "model": lambda: None,
         "prompt": lambda: len(calls.complete(prompt=[PROMPT, PROMPT[:3]]).choices) == 2 or pytest.fail(),
@@ -181,6 +185,7 @@ def effects(calls: Calls, tokenizer, chat: bool, first: int):
         "guided_json": guided,
         "tools": tools,
         "cache_salt": cache_salt,
+        "speculative": speculative,
     }
 
 
