@@ -12,7 +12,7 @@ from server.api.errors import APIError, not_found
 from server.api.metrics import hit_rate
 from server.api.state import ServerState
 from server.api.usage_report import int_param, usage_report
-from server.engine.spec_decode_stats import SpecDecodeStats
+from server.engine.protocol import SpecDecodeStats
 from tenants import Tenant
 
 MAX_PAGE = 500

@@ -23,8 +23,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from adapters.sharing import OPERATOR_OWNER
-from server.engine.protocol import AdapterTiers, EngineInfo, EngineStats, LoadTimes
-from server.engine.spec_decode_stats import SpecDecodeStats
+from server.engine.protocol import AdapterTiers, EngineInfo, EngineStats, LoadTimes, SpecDecodeStats
 
 # Versions are immutable, so their labels can be remembered; the bound keeps a long-lived server's
 # memory flat (a miss costs one Redis read).
