@@ -1,6 +1,8 @@
 """Sampling, stopping and incremental detokenisation."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from server.engine import LLM, SamplingParams
@@ -191,9 +193,12 @@ def test_stream_yields_every_choice_and_abort_ends_them_all(llm):
         # A consumer that fell behind gets only the newest output of each choice.
         params = SamplingParams(n=2, max_tokens=5, temperature=0.0, ignore_eos=True)
         late = await engine.submit(EngineRequest("s2", prompt, params))
-        while engine.stats().scheduler.running or engine.stats().scheduler.waiting:
+        # Until both choices' last outputs reached the stream's sink: the step loop's thread posts them to
+        # this loop after the scheduler lets the sequences go, so an idle scheduler alone is not enough.
+        deadline = time.monotonic() + 30
+        while not (len(late._sink.pending) == 2 and all(o.finished for o in late._sink.pending.values())):
+            assert time.monotonic() < deadline, late._sink.pending
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
         got = [out async for out in late]
         assert sorted(o.index for o in got) == [0, 1] and all(o.finished and len(o.token_ids) == 5 for o in got)
 
