@@ -37,6 +37,7 @@ from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.lora.slots import LoraSlots
+from server.engine.lora.vocab_parts import VocabParts
 from server.engine.mask_lane import MaskBudget
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
@@ -90,7 +91,8 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     tokenizer, eos_token_ids = _load_tokenizer(config, mcfg)
     max_loras, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
     # Everything else on the device is allocated before the KV pool is sized from what is left.
-    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store)
+    model.vocab_parts = VocabParts.of_model(model, max_loras)
+    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store, model.vocab_parts)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype)
     context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size)
@@ -103,7 +105,8 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
     grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)
     runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
-                         device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora)
+                         device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora,
+                         model.vocab_parts.slot_has)
     warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device)
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
     dora_precompute = DoraPrecompute(host, slots.dora_cache)
@@ -115,7 +118,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     detokenizer = IncrementalDetokenizer(tokenizer)
     return EngineParts(
         config=config, model_config=mcfg, device=device, bind_thread=bind_thread, dtype=dtype, tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg), max_loras=max_loras, model=model,
+        eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg, config), max_loras=max_loras, model=model,
         lora_slots=slots, kv_pool=kv_pool, max_model_len=max_model_len, blocks=blocks, host=host, scheduler=scheduler,
         kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
         dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,
@@ -146,11 +149,12 @@ def _load_tokenizer(config: EngineConfig, mcfg: ModelConfig) -> tuple[PreTrained
     return tokenizer, frozenset(eos)
 
 
-def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
-    """The widths an adapter must match to be served on this model."""
+def _adapter_shape(mcfg: ModelConfig, config: EngineConfig) -> ModelShape:
+    """The widths an adapter must match to be served on this model, and the engine's bounds on it."""
     return ModelShape(num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, q_size=mcfg.q_size,
                       kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
-                      fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS)
+                      fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS,
+                      max_vocab_bytes=config.max_lora_vocab_bytes)
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,

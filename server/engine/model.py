@@ -22,6 +22,7 @@ from server.engine.config import ModelConfig
 from server.engine.host_memory import return_freed_memory
 from server.engine.kernel_ops import KernelOps
 from server.engine.lora.slots import LoraGroupBuffers
+from server.engine.lora.vocab_parts import VocabParts
 from server.engine.rope import RotaryEmbedding
 from server.engine.workspace import Workspace
 
@@ -202,6 +203,8 @@ class CausalLM:
         assert not quantize_lm_head or quantization == "int8", "EngineConfig checks it"
         self.lm_head = quantize_int8(lm_head) if quantize_lm_head else lm_head  # [V, H], float or int8
         self.rope = rope
+        # Adapters' parts of embed_tokens and lm_head, per slot (engine_startup sets it); None: none served.
+        self.vocab_parts: VocabParts | None = None
         self.layers = [
             DecoderLayer(cfg, layer_weights(weights, i), lora_layers[i], rope, quantization, self.workspace.dequant,
                          int4_group_size, i)
@@ -253,6 +256,9 @@ class CausalLM:
         h = self.embed.index_select(0, input_ids)  # [T, H], a new tensor: the layers add onto it in place
         if self.embed_scale is not None:
             h *= self.embed_scale
+        vocab = self.vocab_parts.active(ctx.lora) if self.vocab_parts is not None else []
+        if vocab:
+            self.vocab_parts.embed(h, input_ids, ctx.lora, vocab, self.embed_scale)
         rope = self.rope.tables(ctx.positions)
         local = self.local_rope.tables(ctx.positions) if self.local_rope is not None else None
         for layer, kv in zip(self.layers, kv_caches):
@@ -262,6 +268,8 @@ class CausalLM:
             logits = ctx.ops.int8_linear(h, self.lm_head)  # [N, V]
         else:
             logits = ctx.ops.linear(h, self.lm_head)  # [N, V]
+        if vocab:
+            self.vocab_parts.logits(logits, h, ctx.lora, logits_indices, vocab)
         if self.cfg.final_softcap is not None:  # Gemma: softcap * tanh(logits / softcap)
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()

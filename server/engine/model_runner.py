@@ -104,7 +104,9 @@ class ModelRunner:
         seed: int,
         grammar_mask: GrammarMask | None = None,
         slot_dora: list[bool] | None = None,  # live view of LoraSlots.slot_dora
+        slot_vocab: list[bool] | None = None,  # live view of VocabParts.slot_has: slots with embed/lm_head parts
     ) -> None:
+        self.slot_vocab = slot_vocab
         self.slot_ranks = slot_ranks
         self.slot_dora = slot_dora
         self.rank_table = rank_table
@@ -193,7 +195,8 @@ class ModelRunner:
                       row_starts=row_starts, prompt=prompt, num_sampled_logits=num_sampled_logits,
                       row_logits=None if identity else row_logits, drafts=spec)
         padded = self.padded
-        if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows:  # one token each
+        vocab = self.slot_vocab is not None and any(s >= 0 and self.slot_vocab[s] for s in batch.lora_slots)
+        if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows and not vocab:  # one token each
             bs = self.block_size
             tables = [s.block_table for s in batch.seqs]
             staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)

@@ -37,6 +37,7 @@ import torch
 from adapters.packed import PackedLoraAdapter
 from server.engine.lora.dora_scale_cache import DoraScaleCache, ScaleStore
 from server.engine.lora.dora_scales import DoraScales
+from server.engine.lora.vocab_parts import VocabParts
 
 # Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
 # rank_pattern adapters), so the cache stays bounded.
@@ -104,9 +105,12 @@ class LoraSlots:
     """
 
     def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int,
-                 dora: DoraScales | None = None, scale_store: ScaleStore | None = None) -> None:
+                 dora: DoraScales | None = None, scale_store: ScaleStore | None = None,
+                 vocab: VocabParts | None = None) -> None:
         """dora: computes DoRA adapters' scales against the base weights (None: DoRA adapters are refused);
-        scale_store: where computed scales are kept per adapter version (None: computed at every load)."""
+        scale_store: where computed scales are kept per adapter version (None: computed at every load);
+        vocab: where adapters' parts of embed_tokens and lm_head go with their slot (None: not served)."""
+        self.vocab = vocab
         self.layers = layers  # per layer: group name -> buffers
         self.max_loras = max_loras
         self.dora = dora
@@ -192,7 +196,10 @@ class LoraSlots:
         if slot is None:
             return
         self.idle.pop(slot, None)
-        torch._foreach_zero_(self.written.pop(slot))  # the rest of the slot was never written: zero already
+        if written := self.written.pop(slot):  # the rest of the slot was never written: zero already
+            torch._foreach_zero_(written)
+        if self.vocab is not None:
+            self.vocab.evict(slot)
         if self.slot_dora[slot]:
             for groups in self.layers:
                 for buffers in groups.values():
@@ -230,11 +237,16 @@ class LoraSlots:
         # side stream from pinned host memory, overlapping the running batch's compute.
         assert isinstance(adapter, PackedLoraAdapter), "adapters reach slots through the host tier"
         self.loads += 1
+        if adapter.vocab is not None:
+            assert self.vocab is not None, "an engine that serves vocabulary parts builds its slots with VocabParts"
+            self.vocab.load(slot, adapter)
         self.slot_ranks[slot] = adapter.rank
         self.rank_table[slot] = adapter.rank
         dst, scales = self._targets(slot, adapter)
         self.written[slot] = dst + scales
         src = adapter.tensors()
+        if not src:  # parts of embed_tokens and lm_head only (self.vocab's): nothing for the projections
+            return
         if self.copy_stream is None:
             torch._foreach_copy_(dst, src)
             torch._foreach_copy_(scales, adapter.scaling_entries)

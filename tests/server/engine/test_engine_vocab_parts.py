@@ -1,0 +1,120 @@
+"""LoRA on embed_tokens and lm_head, and modules_to_save copies of them, per request in mixed batches: greedy
+tokens equal transformers + peft's and logprobs are within 1e-4, on an untied and a tied base, while base
+rows and plain adapters in the same batch are unaffected."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine import LLM, SamplingParams
+from tests.engine_helpers import assert_matches_peft, generate_in_one_batch, greedy, random_prompts
+from tests.server.engine.test_engine_logprobs import assert_matches
+from tests.vocab_adapters import make_vocab_adapter
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 512
+# name -> make_vocab_adapter kwargs
+UNTIED = {
+    "embed_head_lora": dict(target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head"], seed=1),
+    "saved": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"], seed=2),
+    "head_only": dict(target_modules=["lm_head"], r=8, lora_alpha=8, seed=3),
+    "attn": dict(target_modules=["q_proj", "v_proj"], seed=4),
+}
+TIED = {
+    "embed_lora": dict(target_modules=["embed_tokens", "q_proj"], seed=5),
+    "saved_embed": dict(target_modules=["v_proj"], modules_to_save=["embed_tokens"], seed=6),
+    "head_lora": dict(target_modules=["lm_head"], seed=7),
+    "saved_head": dict(target_modules=["q_proj"], modules_to_save=["lm_head"], seed=8),
+}
+
+
+def _adapters(model_dir, root, specs) -> dict:
+    return {name: make_vocab_adapter(model_dir, root / name, **kw) for name, kw in specs.items()}
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def served(request, tmp_path_factory, tiny_model_dir, model_variant_dir):
+    tied = request.param == "tied"
+    model_dir = model_variant_dir(tie=True) if tied else tiny_model_dir
+    adapters = _adapters(model_dir, tmp_path_factory.mktemp(f"vocab-{request.param}"), TIED if tied else UNTIED)
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=256, max_model_len=512,
+              max_num_batched_tokens=256)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    return model_dir, adapters, llm
+
+
+def _peft_logprobs(model_dir, adapter_dir, ids: list[int]) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    with torch.inference_mode():
+        logits = model.eval()(input_ids=torch.tensor([ids])).logits[0].float()  # [L, V]
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_mixed_batch_greedy_matches_peft(served, peft_oracle):
+    model_dir, adapters, llm = served
+    names = [None, *adapters] * 3
+    prompts = random_prompts(len(names), (3, 16), VOCAB, seed=11)
+    outs = generate_in_one_batch(llm, prompts, names, greedy(8))
+    assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 8, peft_oracle)
+    for name in adapters:  # each adapter changes what it generates
+        runs = [(p, o) for p, n, o in zip(prompts, names, outs) if n == name]
+        assert any(o.token_ids != peft_oracle(model_dir, None, p, 8) for p, o in runs), name
+    assert llm.engine.stats().kv_blocks.used == 0
+
+
+def test_logprobs_and_prompt_logprobs_match_peft_through_chunks(served):
+    model_dir, adapters, llm = served
+    names = [*adapters, None]
+    prompts = random_prompts(len(names), (5, 30), VOCAB, seed=12)
+    prompts[0] = random_prompts(1, (300, 300), VOCAB, seed=13)[0]  # 300 tokens > the 256-token budget: 2 chunks
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    outs = llm.generate(prompts, params, adapters=names)
+    for prompt, name, out in zip(prompts, names, outs):
+        ref = _peft_logprobs(model_dir, adapters.get(name), prompt + out.token_ids)
+        assert_matches(out, prompt, params, ref)
+
+
+def test_parts_leave_with_their_slot(served):
+    """Four adapters through two slots: each is evicted and reloaded, its parts with it."""
+    model_dir, adapters, _ = served
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=2, kv_cache_blocks=64, max_model_len=128)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    parts, slots = llm.engine.model.vocab_parts, llm.engine.lora_slots
+    prompts = random_prompts(1, (10, 10), VOCAB, seed=14)
+    first = {name: llm.generate(prompts, greedy(4), adapters=[name])[0].token_ids for name in adapters}
+    again = {name: llm.generate(prompts, greedy(4), adapters=[name])[0].token_ids for name in reversed(adapters)}
+    assert first == again and slots.evictions >= 4
+    with_parts = {slots.slot_of[llm._versions[n]] for n in adapters if llm._versions[n] in slots.slot_of
+                  and n != "attn"}
+    assert set(parts.parts) == with_parts
+    assert parts.slot_has == [s in parts.parts for s in range(2)]
+
+
+def test_padded_decode_leaves_steps_with_parts_unpadded(served, peft_oracle):
+    """Decode steps padded to a bucket (CUDA graphs on a GPU) serve the slots as a bound, not the data:
+    a step with rows of an adapter with parts runs unpadded, one without them still padded."""
+    model_dir, adapters, _ = served
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=128,
+              max_num_seqs=8, kernels="torch")
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    cfg = llm.engine.config
+    padded = llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len)
+    runs = []
+    run = padded.run
+    padded.run = lambda key: runs.append(key) or run(key)
+    llm.generate(random_prompts(2, (5, 12), VOCAB, seed=15), greedy(4), adapters=[None, None])
+    assert len(runs) == 3  # the decode steps after the prefill
+    names = [None, *adapters]
+    prompts = random_prompts(len(names), (5, 12), VOCAB, seed=16)
+    outs = llm.generate(prompts, greedy(6), adapters=names)
+    assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 6, peft_oracle)
+    assert len(runs) == 3
