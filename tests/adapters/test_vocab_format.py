@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir
+from adapters.loader_pool import LoaderPool
 from adapters.vocab_format import from_wire, to_wire
 from tests.vocab_adapters import make_vocab_adapter
 
@@ -92,3 +93,18 @@ def test_parts_cross_the_loader_process_wire(lora_dir, shape):
     back = from_wire(json.loads(json.dumps(entries)), take)
     assert at == flat.numel() and back.embed_lora.scaling == vocab.embed_lora.scaling
     assert all(torch.equal(a, b) for a, b in zip(back.tensors(), vocab.tensors()))
+
+
+def test_a_loader_process_parse_brings_the_parts_back(lora_dir, saved_dir, shape):
+    """The host tier's page-in of a stored version in a loader process (adapters.loader_pool)."""
+    pool = LoaderPool(1, 1 << 22)
+    try:
+        for path in (lora_dir, saved_dir):
+            config_json, weights = files(path)
+            ours = pool.parse(config_json, weights, shape, MAX_RANK, path.name)
+            theirs = load_adapter_bytes(config_json, weights, shape, MAX_RANK)
+            assert ours.size_bytes == theirs.size_bytes and ours.target_modules == theirs.target_modules
+            assert len(ours.vocab.tensors()) == len(theirs.vocab.tensors())
+            assert all(torch.equal(a, b) for a, b in zip(ours.vocab.tensors(), theirs.vocab.tensors()))
+    finally:
+        pool.close()

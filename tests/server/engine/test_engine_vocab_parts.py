@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.demo import make_base_model
 from server.engine import LLM, SamplingParams
+from tests.fixtures_architectures import ARCH_MODELS
 from tests.engine_helpers import assert_matches_peft, generate_in_one_batch, greedy, random_prompts
 from tests.server.engine.test_engine_logprobs import assert_matches
 from tests.vocab_adapters import make_vocab_adapter
@@ -118,3 +120,24 @@ def test_padded_decode_leaves_steps_with_parts_unpadded(served, peft_oracle):
     outs = llm.generate(prompts, greedy(6), adapters=names)
     assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 6, peft_oracle)
     assert len(runs) == 3
+
+
+def test_gemma_scales_the_embedding_lora_and_caps_after_the_lm_head(tmp_path, peft_oracle):
+    """Gemma: PEFT scales an embedding LoRA's delta by sqrt(hidden) as the embedding itself, and the
+    final soft-capping comes after the lm_head's LoRA."""
+    arch, overrides, _ = ARCH_MODELS["gemma2"]
+    model_dir = make_base_model(tmp_path / "gemma", arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=128, config_overrides=overrides)
+    adapters = _adapters(model_dir, tmp_path, {
+        "lora": dict(target_modules=["embed_tokens", "lm_head", "q_proj"], seed=9),
+        "saved": dict(target_modules=["v_proj"], modules_to_save=["embed_tokens"], seed=10)})
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=2, kv_cache_blocks=64, max_model_len=128)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    names = [None, "lora", "saved"] * 2
+    prompts = random_prompts(len(names), (3, 16), VOCAB, seed=17)
+    outs = generate_in_one_batch(llm, prompts, names, greedy(6))
+    assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 6, peft_oracle)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    out = llm.generate([prompts[1]], params, adapters=["lora"])[0]
+    assert_matches(out, prompts[1], params, _peft_logprobs(model_dir, adapters["lora"], prompts[1] + out.token_ids))
