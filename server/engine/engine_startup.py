@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from adapters.format import FUSED_PROJECTION_ARCHS, ModelShape
 from adapters.host_tier import Fetch, HostTier
+from adapters.packed import PackedLoraAdapter
 from kernels.cpu_linear import upcast_linear
 from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
@@ -179,9 +180,13 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
     """The host tier of adapters, and the scheduler over it, the slots and the KV blocks."""
     # Parking places for finished loads match the scheduler's prefetch window: every adapter it
     # prefetches can wait, loaded, for room, instead of being fetched again.
+    def prepare(adapter: PackedLoraAdapter, version: str | None) -> PackedLoraAdapter:
+        # Copies of the base's embedding or lm_head dropped first (on CUDA they are at slot entry instead).
+        return slots.prepare(slots.vocab.prepare(adapter), version)
+
     host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=device.type == "cuda",
                     max_parked=PREFETCH_WINDOW, dtype=dtype, init_thread=bind_thread,
-                    prepare=slots.prepare if device.type == "cpu" else None)
+                    prepare=prepare if device.type == "cpu" else None)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                           config.max_prefill_tokens_while_decoding, config.speculative_config,
                                           step_cost),

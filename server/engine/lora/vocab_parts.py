@@ -3,14 +3,18 @@
 What the parts are, and PEFT's semantics for each, is adapters.vocab_format's. They live beside the
 slots' LoRA buffers (server.engine.lora.slots), not in them: a slot's buffers are sized for the
 decoder's projections, and a full embedding is a thousand times a rank-8 slot. A part enters with its
-adapter's slot and leaves with it (LoraSlots calls load and evict); a full copy equal to the base's
-(PEFT writes the base's embedding beside any LoRA on it) is not kept.
+adapter's slot and leaves with it (LoraSlots calls load and evict). A full copy equal to the base's (PEFT
+writes the base's embedding and lm_head beside any LoRA on them) is dropped: on a CPU as the host tier
+takes the adapter (`prepare`, on its loader threads), so host memory does not hold it either; on CUDA,
+whose host tier has no such hook, as it enters its slot.
 
 Per step, only the rows of requests whose slot has parts change: the embedding rows of their tokens and
 the logits rows they sample from, so a request on another adapter or the base is unaffected. Steps with
 such rows run eager, unpadded (ModelRunner): a padded decode step's slots are a bound, not the data.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -39,23 +43,38 @@ class VocabParts:
     def bytes_used(self) -> int:
         return sum(p.nbytes for p in self.parts.values())
 
+    def prepare(self, adapter: PackedLoraAdapter) -> PackedLoraAdapter:
+        """The host tier's hook (its loader threads): `adapter` without the full copies that equal the base's
+        modules, its size_bytes less theirs."""
+        v = adapter.vocab
+        if v is None:
+            return adapter
+
+        def same(copy: torch.Tensor | None, base: torch.Tensor | None) -> bool:
+            return (copy is not None and base is not None and copy.dtype == base.dtype
+                    and torch.equal(copy.to(base.device), base))
+
+        drop = {name: same(getattr(v, name), base) for name, base in (("embed", self.embed_weight),
+                                                                       ("lm_head", self.lm_head_weight))}
+        if not any(drop.values()):
+            return adapter
+        freed = sum(getattr(v, name).nbytes for name, dropped in drop.items() if dropped)
+        kept = dataclasses.replace(v, **{name: None for name, dropped in drop.items() if dropped})
+        return dataclasses.replace(adapter, vocab=kept, size_bytes=adapter.size_bytes - freed)
+
     def load(self, slot: int, adapter: PackedLoraAdapter) -> None:
         if adapter.vocab is None:
             return
         device = self.embed_weight.device
 
-        def to(t: torch.Tensor | None, base: torch.Tensor | None = None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            t = t.to(device, non_blocking=True)
-            return None if base is not None and torch.equal(t, base) else t
+        def to(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
 
         def lora(p: VocabLora | None) -> VocabLora | None:
             return None if p is None else VocabLora(to(p.a), to(p.b), p.scaling)
 
-        v = adapter.vocab
-        self.parts[slot] = VocabWeights(lora(v.embed_lora), lora(v.lm_head_lora), to(v.embed, self.embed_weight),
-                                        to(v.lm_head, self.lm_head_weight))
+        v = self.prepare(adapter).vocab  # a no-op where the host tier ran it
+        self.parts[slot] = VocabWeights(lora(v.embed_lora), lora(v.lm_head_lora), to(v.embed), to(v.lm_head))
         self.slot_has[slot] = True
 
     def evict(self, slot: int) -> None:

@@ -100,6 +100,19 @@ def test_parts_leave_with_their_slot(served):
     assert parts.slot_has == [s in parts.parts for s in range(2)]
 
 
+def test_copies_of_the_base_are_not_kept(served):
+    """PEFT saves the base's embedding and lm_head beside a LoRA on them: the host tier drops them (and their
+    bytes), while modules_to_save copies, which differ, stay."""
+    model_dir, adapters, llm = served
+    specs = {**UNTIED, **TIED}
+    for name in adapters:
+        held = llm.engine.host.get(llm._versions[name])
+        saved = specs[name].get("modules_to_save") or []
+        vocab = held.vocab.tensors() if held.vocab is not None else []
+        assert [t.shape for t in vocab if t.shape == (512, 64)] == [(512, 64)] * len(saved), name
+        assert held.size_bytes == sum(t.nbytes for t in [*held.tensors(), *vocab]), name
+
+
 def test_padded_decode_leaves_steps_with_parts_unpadded(served, peft_oracle):
     """Decode steps padded to a bucket (CUDA graphs on a GPU) serve the slots as a bound, not the data:
     a step with rows of an adapter with parts runs unpadded, one without them still padded."""
