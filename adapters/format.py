@@ -148,7 +148,9 @@ class LoraWeights:
 
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
-    rank: int                                        # max rank over modules
+    # max rank over the projections' modules, what a slot holds (0: LoRA on embed_tokens/lm_head only; the
+    # public rank, AdapterSummary's, counts those too)
+    rank: int
     target_modules: tuple[str, ...]                  # sorted: the modules targeted, as PEFT names them
     use_rslora: bool
     weights: Mapping[tuple[int, str], LoraWeights]   # (layer, one of PROJECTIONS) -> weights; fused ones split
@@ -411,5 +413,6 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             weights[(slot[0], proj)] = LoraWeights(a, part_b, m.scaling, part_m)
     s = plan.summary
     vocab = None if plan.vocab is None else materialise_vocab(plan.vocab, get, source)
-    return LoraAdapter(s.rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
+    rank = max((m.rank for m in plan.modules.values()), default=0)
+    return LoraAdapter(rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
                        plan.config, vocab=vocab)

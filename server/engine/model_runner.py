@@ -195,8 +195,9 @@ class ModelRunner:
                       row_starts=row_starts, prompt=prompt, num_sampled_logits=num_sampled_logits,
                       row_logits=None if identity else row_logits, drafts=spec)
         padded = self.padded
-        vocab = self.slot_vocab is not None and any(s >= 0 and self.slot_vocab[s] for s in batch.lora_slots)
-        if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows and not vocab:  # one token each
+        # One token each, and no slot with embed_tokens/lm_head parts: a padded step's slots are a bound.
+        if (padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows
+                and not (self.slot_vocab and any(s >= 0 and self.slot_vocab[s] for s in batch.lora_slots))):
             bs = self.block_size
             tables = [s.block_table for s in batch.seqs]
             staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)

@@ -154,3 +154,12 @@ def test_gemma_scales_the_embedding_lora_and_caps_after_the_lm_head(tmp_path, pe
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     out = llm.generate([prompts[1]], params, adapters=["lora"])[0]
     assert_matches(out, prompts[1], params, _peft_logprobs(model_dir, adapters["lora"], prompts[1] + out.token_ids))
+
+
+def test_an_lm_head_only_adapter_takes_a_slot_of_rank_zero(served):
+    """No projection to compute for it: its slot's rank is 0, so the LoRA kernels skip its rows."""
+    _, adapters, llm = served
+    name = "head_only" if "head_only" in adapters else "head_lora"
+    llm.generate(random_prompts(1, (5, 5), VOCAB, seed=18), greedy(2), adapters=[name])
+    slots = llm.engine.lora_slots
+    assert slots.slot_ranks[slots.slot_of[llm._versions[name]]] == 0
