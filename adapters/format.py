@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -37,6 +37,8 @@ from adapters.peft_config import (
 from adapters.safetensors_header import (
     SafetensorsHeader, SafetensorsHeaderError, header_from_bytes, header_from_file)
 from adapters.value_checks import check_config_alphas, check_magnitude, check_scaling, check_weights
+from adapters.vocab_format import (
+    VOCAB_MODULES, VocabPlan, VocabWeights, is_vocab_key, materialise_vocab, modules_to_save_problem, plan_vocab)
 
 _ATTENTION = frozenset(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"))
 # Architectures whose checkpoints (and so PEFT's module names) fuse q/k/v and gate/up.
@@ -76,6 +78,9 @@ class ModelShape:
     fused_projections: bool = False  # PEFT sees qkv_proj and gate_up_proj (FUSED_PROJECTION_ARCHS)
     num_experts: int = 0  # an MoE model's experts per layer (0: dense), adapted by target_parameters
     moe_intermediate_size: int = 0  # one expert's intermediate width
+    # The server's bound on an adapter's parts of embed_tokens and lm_head, in float32 bytes
+    # (--max-lora-vocab-bytes; adapters.vocab_format); None: two full copies of the base's are the most.
+    max_vocab_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
@@ -83,6 +88,8 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {getattr(self, name)!r}")
         if not (self.vocab_size is None or _positive_int(self.vocab_size)):
             raise ValueError(f"ModelShape.vocab_size must be a positive int or None, got {self.vocab_size!r}")
+        if not (self.max_vocab_bytes is None or isinstance(self.max_vocab_bytes, int) and self.max_vocab_bytes >= 0):
+            raise ValueError(f"ModelShape.max_vocab_bytes must be an int >= 0 or None, got {self.max_vocab_bytes!r}")
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
@@ -120,6 +127,16 @@ class ModelShape:
             start += width
         return tuple(out)
 
+    def module_names(self) -> list[str]:
+        """The model's module names as PEFT's modules_to_save matching sees them (a Llama-family decoder)."""
+        names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+        for layer in range(self.num_layers):
+            p = f"model.layers.{layer}"
+            names += [p, f"{p}.self_attn", f"{p}.mlp", f"{p}.mlp.act_fn", f"{p}.input_layernorm",
+                      f"{p}.post_attention_layernorm"]
+            names += [module_name(layer, proj) for proj in self.projections]
+        return names
+
     def in_out(self, proj: str) -> tuple[int, int]:
         """(in_features, out_features) of the base model's Linear `proj`."""
         h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
@@ -153,12 +170,16 @@ class LoraWeights:
 
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
-    rank: int                                        # max rank over modules
+    # max rank over the projections' modules, what a slot holds (0: LoRA on embed_tokens/lm_head only; the
+    # public rank, AdapterSummary's, counts those too)
+    rank: int
     target_modules: tuple[str, ...]                  # sorted: the modules targeted, as PEFT names them
     use_rslora: bool
     weights: Mapping[tuple[int, str], LoraWeights]   # (layer, one of PROJECTIONS) -> weights; fused ones split
     size_bytes: int                                  # A, B (and DoRA magnitudes) as float32
     config: Mapping[str, Any]                        # the parsed adapter_config.json
+    # Its parts of embed_tokens and lm_head (counted in size_bytes); keyword-only, so subclasses add fields.
+    vocab: VocabWeights | None = field(default=None, kw_only=True)
 
     @property
     def use_dora(self) -> bool:
@@ -197,6 +218,7 @@ class _Plan:
     use_rslora: bool
     config: Mapping[str, Any]
     summary: AdapterSummary
+    vocab: VocabPlan | None
 
 
 # ---- public entry points -------------------------------------------------
@@ -282,6 +304,14 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     names |= params
     expected = {slot for slot, name in names.items() if name in resolved.ranks}
 
+    if (why := modules_to_save_problem(cfg, shape.module_names())) is not None:
+        raise AdapterFormatError(f"{config_source}: {why}", param="modules_to_save")
+    vocab_keys = [k for k in header.tensors if is_vocab_key(k)]
+    info = header.tensors
+    vocab = plan_vocab(cfg, vocab_keys, lambda k: (info[k].shape, info[k].dtype),
+                       {m: (resolved.ranks[m], resolved.alphas[m]) for m in VOCAB_MODULES if m in resolved.ranks},
+                       shape.vocab_size, shape.hidden_size, max_lora_rank, shape.max_vocab_bytes, source,
+                       config_source)
     keys = _tensor_keys(header, shape, max_lora_rank, source, experts)
     use_rslora = cfg.get("use_rslora", False)
     use_dora = cfg.get("use_dora", False)
@@ -332,13 +362,14 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
                                 n_exp)
 
     size = sum(4 * (m.experts * m.rank * (m.in_features + m.out_features) + (m.out_features if m.m_key else 0))
-               for m in modules.values())
+               for m in modules.values()) + (vocab.size_bytes if vocab else 0)
     if max_bytes is not None and size > max_bytes:
         raise AdapterFormatError(f"{source}: adapter size {size} bytes (as float32) is above the limit "
                                  f"of {max_bytes} bytes")
-    summary = AdapterSummary(max(m.rank for m in modules.values()),
-                             tuple(sorted({proj for _, proj in modules})), size, resolved.canonical_json)
-    return _Plan(MappingProxyType(modules), use_rslora, cfg, summary)
+    ranks = [m.rank for m in modules.values()] + list(vocab.ranks if vocab else ())
+    targeted = {proj for _, proj in modules} | {m.rsplit(".", 1)[-1] for m in (vocab.loras if vocab else ())}
+    summary = AdapterSummary(max(ranks, default=0), tuple(sorted(targeted)), size, resolved.canonical_json)
+    return _Plan(MappingProxyType(modules), use_rslora, cfg, summary, vocab)
 
 
 def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
@@ -355,8 +386,9 @@ def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
 def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int, source: str,
                  experts: Mapping[int, tuple[str, ...]]) -> dict[tuple[int, str], dict[str, str]]:
     """(layer, proj) -> {"A": key, "B": key}; per-tensor checks that need no more of the config than
-    `experts` (adapters.expert_params.targeted_expert_weights: which saved key is which expert weight)."""
-    unexpected = [k for k in header.tensors if not _KEY_RE.fullmatch(k)
+    `experts` (adapters.expert_params.targeted_expert_weights: which saved key is which expert weight).
+    Keys of embed_tokens and lm_head parts are adapters.vocab_format's."""
+    unexpected = [k for k in header.tensors if not _KEY_RE.fullmatch(k) and not is_vocab_key(k)
                   and not (shape.num_experts and _EXPERT_KEY_RE.fullmatch(k))]
     if unexpected:
         shown = ", ".join(repr(k) for k in sorted(unexpected)[:3])
@@ -365,6 +397,8 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
                                  f"(and DoRA lora_magnitude_vector) of {', '.join(shape.projections)} are served")
     out: dict[tuple[int, str], dict[str, str]] = {}
     for key, info in header.tensors.items():
+        if is_vocab_key(key):  # adapters.vocab_format's
+            continue
         per_expert = 1
         if (expert_match := _EXPERT_KEY_RE.fullmatch(key)) is not None:
             layer_s, wrappers, ab = expert_match.groups()
@@ -436,5 +470,7 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             part_m = magnitude if magnitude is None or (lo, hi) == (0, m.out_features) else magnitude[lo:hi].contiguous()
             weights[(slot[0], proj)] = LoraWeights(a, part_b, m.scaling, part_m)
     s = plan.summary
-    return LoraAdapter(s.rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
-                       plan.config)
+    vocab = None if plan.vocab is None else materialise_vocab(plan.vocab, get, source)
+    rank = max((m.rank for m in plan.modules.values()), default=0)
+    return LoraAdapter(rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
+                       plan.config, vocab=vocab)

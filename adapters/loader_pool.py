@@ -30,6 +30,7 @@ from adapters.format import (
 from adapters.loader_worker import receive, send, policy_to_json, serve
 from adapters.sources import SourceError, SourcePolicy
 from adapters.sources.s3_fetch import S3Keys
+from adapters.vocab_format import from_wire
 
 # A worker imports torch, safetensors and boto3 before it is ready; a loaded 2-core machine takes seconds.
 _START_SECONDS = 120.0
@@ -250,10 +251,11 @@ def _parsed(header: dict, blobs: list[bytes]) -> LoraAdapter | None:
         a, b = take(rank, in_f), take(out_f, rank)        # a: [r, in], b: [out, r]
         magnitude = take(out_f) if dora else None         # magnitude: [out]
         weights[(int(layer), str(proj))] = LoraWeights(a, b, float(scaling), magnitude)
+    vocab = from_wire(header.get("vocab") or [], take)
     if at != flat.numel():
         raise ValueError("buffer longer than its tensors")
     return LoraAdapter(int(header["rank"]), tuple(header["target_modules"]), bool(header["use_rslora"]),
-                       MappingProxyType(weights), int(header["size_bytes"]), json.loads(config_json))
+                       MappingProxyType(weights), int(header["size_bytes"]), json.loads(config_json), vocab=vocab)
 
 
 def _refusal(header: dict) -> Exception:

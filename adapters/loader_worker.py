@@ -23,6 +23,7 @@ from adapters.file_bound import bounded_by_model
 from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
 from adapters.sources.clients import SourceClients
+from adapters.vocab_format import to_wire
 
 MAX_HEADER_BYTES = 64 << 10   # a header is a few hundred bytes; a bigger one is a broken peer
 
@@ -91,9 +92,12 @@ def _parse_job(job: dict, blobs: list[bytes]) -> tuple[dict, tuple[bytes, ...]]:
     for (layer, proj), w in adapter.weights.items():
         modules.append([layer, proj, w.rank, w.a.shape[1], w.b.shape[0], w.scaling, w.magnitude is not None])
         parts += [w.a, w.b] + ([w.magnitude] if w.magnitude is not None else [])
+    vocab, vocab_tensors = to_wire(adapter.vocab)  # embed_tokens and lm_head parts, after the modules
+    parts += vocab_tensors
     flat = torch.cat([t.reshape(-1) for t in parts]) if parts else torch.zeros(0)  # flat: [sum numel] float32
     header = {"ok": True, "rank": adapter.rank, "target_modules": list(adapter.target_modules),
-              "use_rslora": bool(adapter.use_rslora), "size_bytes": adapter.size_bytes, "modules": modules}
+              "use_rslora": bool(adapter.use_rslora), "size_bytes": adapter.size_bytes, "modules": modules,
+              "vocab": vocab}
     return header, (json.dumps(dict(adapter.config)).encode(), flat.numpy().tobytes())
 
 

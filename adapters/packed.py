@@ -81,6 +81,8 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
     flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
     scalings = torch.tensor([w.scaling for _, w in weights], dtype=torch.float32)
     magnitudes = torch.cat([torch.zeros(0)] + [w.magnitude for _, w in weights if w.magnitude is not None])
+    vocab = adapter.vocab.cast(dtype, pin) if adapter.vocab is not None else None  # beside `flat`: a slot's
+    # LoRA buffers do not hold them (server.engine.lora.vocab_parts does)
     if pin:
         scalings = scalings.pin_memory()
         magnitudes = magnitudes.pin_memory()
@@ -105,8 +107,10 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
         target_modules=adapter.target_modules,
         use_rslora=adapter.use_rslora,
         weights=MappingProxyType(views),
-        size_bytes=flat.numel() * flat.element_size() + magnitudes.numel() * magnitudes.element_size(),
+        size_bytes=(flat.numel() * flat.element_size() + magnitudes.numel() * magnitudes.element_size()
+                    + (vocab.nbytes if vocab is not None else 0)),
         config=adapter.config,
+        vocab=vocab,
         flat=flat,
         scalings=scalings,
         magnitudes=magnitudes,

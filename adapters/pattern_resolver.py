@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from adapters import pattern_match
 from adapters.peft_config import PROJECTIONS, AdapterFormatError
+from adapters.vocab_format import VOCAB_MODULES
 
 # Wall-clock bound for matching every pattern against every module name,
 # interpreter start-up (~20 ms) included; sane patterns need milliseconds.
@@ -38,33 +39,34 @@ RESOLVE_TIMEOUT_S = 2.0
 # dozen at a time. Everything else goes to the subprocess.
 _PLAIN = re.compile(r"(?:[A-Za-z0-9_]|\\?\.)+")
 MAX_INLINE_PATTERNS = 32
-# Modules PEFT could target that loraplex cannot serve: a target regex
-# matching one of them is refused rather than silently narrowed.
-_OUTSIDE = ("model.embed_tokens", "lm_head")
+# Modules outside the decoder layers that PEFT can target: LoRA on them is served by
+# adapters.vocab_format and the engine's server.engine.lora.vocab_parts.
+_OUTSIDE = VOCAB_MODULES
 _MATCHER = Path(pattern_match.__file__)
 
 
 @dataclass(frozen=True)
 class ResolvedModules:
-    ranks: Mapping[str, int]       # targeted module name -> r (rank_pattern applied), in the model's order
+    # targeted module name -> r (rank_pattern applied), in the model's order; embed_tokens and lm_head last
+    ranks: Mapping[str, int]
     alphas: Mapping[str, float]    # targeted module name -> lora_alpha (alpha_pattern applied)
     canonical_json: bytes          # the canonical adapter_config.json
 
 
 def resolve_modules(cfg: Mapping[str, Any], names: Sequence[str], source: str, *, parameters: Sequence[str] = (),
                     timeout_s: float = RESOLVE_TIMEOUT_S) -> ResolvedModules:
-    """Which of `names` (the model's projection modules, in order) cfg targets, with rank and alpha each;
-    `parameters`: the parameters its target_parameters names (an MoE model's fused experts), which get
-    rank and alpha by the same patterns (PEFT matches rank_pattern against the parameter's name), and
-    are in `ranks` and `alphas` after the modules."""
+    """Which of `names` (the model's projection modules, in order) and of embed_tokens and lm_head cfg
+    targets, with rank and alpha each; `parameters`: the parameters its target_parameters names (an MoE
+    model's fused experts), which get rank and alpha by the same patterns (PEFT matches rank_pattern
+    against the parameter's name), and are in `ranks` and `alphas` after the modules."""
     target = cfg.get("target_modules") or []
     if isinstance(target, list):
-        suffixes = {s for n in names for s in pattern_match.dotted_suffixes(n)}
+        suffixes = {s for n in [*names, *_OUTSIDE] for s in pattern_match.dotted_suffixes(n)}
         for t in target:
             if t not in suffixes:      # PEFT: t is a name, or a dotted suffix of one
                 raise AdapterFormatError(f"{source}: target module {t!r} is not among the model's adaptable "
                                          f"modules ({', '.join(PROJECTIONS)} of {len(names) // len(PROJECTIONS)} "
-                                         "layers)")
+                                         "layers, embed_tokens, lm_head)")
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     spec = {field: cfg.get(field) for field in
             ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")}
@@ -79,24 +81,20 @@ def resolve_modules(cfg: Mapping[str, Any], names: Sequence[str], source: str, *
     else:
         answer = _resolve_isolated(spec, probed, source, timeout_s)
 
-    targeted = dict(zip(probed, answer["targeted"]))
-    # "all-linear" is PEFT's shorthand for the Linear layers except the output
-    # layer, which leaves out both modules in _OUTSIDE.
-    regex_target = isinstance(target, str) and target.lower() != "all-linear"
-    for outside in _OUTSIDE if regex_target else ():
-        if targeted[outside]:
-            raise AdapterFormatError(f"{source}: target_modules {target!r} matches {outside}; only "
-                                     f"{', '.join(PROJECTIONS)} can be adapted")
+    # "all-linear" is PEFT's shorthand for the Linear layers except the output layer: neither module in
+    # _OUTSIDE (the embedding is no Linear).
+    all_linear = isinstance(target, str) and target.lower() == "all-linear"
+    targeted = [t and not (all_linear and name in _OUTSIDE) for name, t in zip(probed, answer["targeted"])]
     r, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rank_keys, alpha_keys = list(rank_pattern), list(alpha_pattern)
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
-    for name, rank_i, alpha_i in zip(probed, answer["rank"], answer["alpha"]):
-        if targeted[name] and name not in _OUTSIDE or name in parameters:
+    for name, hit, rank_i, alpha_i in zip(probed, targeted, answer["rank"], answer["alpha"]):
+        if hit or name in parameters:
             ranks[name] = rank_pattern[rank_keys[rank_i]] if rank_i >= 0 else r
             alphas[name] = alpha_pattern[alpha_keys[alpha_i]] if alpha_i >= 0 else alpha
     if not ranks:
-        raise AdapterFormatError(f"{source}: the config targets no projection of the model")
+        raise AdapterFormatError(f"{source}: the config targets no module of the model")
     modules = [n for n in ranks if n not in parameters]
     canonical = {**cfg, "target_modules": modules, "exclude_modules": None, "layers_to_transform": None,
                  "layers_pattern": None,

@@ -51,7 +51,6 @@ _PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 _UNSUPPORTED_TRUTHY = MappingProxyType({
     "lora_bias": "lora_bias=true (a bias on lora_B) is not supported",
     "fan_in_fan_out": "fan_in_fan_out=true (Conv1D-style weights) is not supported",
-    "modules_to_save": "modules_to_save must be empty: fully trained modules are not served",
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
     "layer_replication": "layer_replication is not supported",
     "use_qalora": "QALoRA (use_qalora) is not supported",

@@ -23,14 +23,23 @@ def _max_loras(text: str) -> int | None:
     return None if text == "auto" else _positive_int(text)
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def _byte_count(text: str) -> int:
+    """A number of bytes, 0 included."""
+    return _int_at_least(text, 0)
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
 
 
 def _prefill_cap(text: str) -> int | str | None:
@@ -154,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     cpu.add_argument("--max-cpu-loras", type=_positive_int,
                      help="vLLM's: host room for N adapters; loraplex budgets bytes, so this is N adapters "
                           "of --max-lora-rank on all seven projections (default: --max-cpu-lora-bytes)")
+    s.add_argument("--max-lora-vocab-bytes", type=_byte_count,
+                   help="most bytes (as float32) of an adapter's parts of embed_tokens and lm_head (LoRA on them, "
+                        "modules_to_save copies); an adapter above it is refused with a 400, 0 refuses every "
+                        "such adapter (default: no bound below two full copies of the base's vocabulary)")
     s.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="multi-LoRA and attention kernels: triton, or torch (the reference); auto: triton on a "
                         "GPU, torch on a CPU (default auto)")

@@ -142,6 +142,7 @@ class ServerConfig:
     kv_cache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
+    max_lora_vocab_bytes: int | None = None  # --max-lora-vocab-bytes: an adapter's embed_tokens/lm_head parts
     kernels: str = "auto"
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     async_scheduling: bool = False        # --async-scheduling: prepare decode step N+1 while N runs
@@ -267,6 +268,8 @@ class ServerConfig:
             raise ConfigError("rate_window_seconds must be > 0")
         if self.max_cpu_lora_bytes < 0:
             raise ConfigError("--max-cpu-lora-bytes must be >= 0")
+        if self.max_lora_vocab_bytes is not None and self.max_lora_vocab_bytes < 0:
+            raise ConfigError("--max-lora-vocab-bytes must be >= 0")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ConfigError("--kv-cache-blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -392,6 +395,7 @@ class ServerConfig:
             kv_cache_blocks=args.kv_cache_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
             max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
+            max_lora_vocab_bytes=getattr(args, "max_lora_vocab_bytes", None),
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", False),
             speculative_config=getattr(args, "speculative_config", None),

@@ -31,7 +31,7 @@ def engine_config(config: ServerConfig, model_dir: str, shape: ModelShape) -> En
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_blocks=config.kv_cache_blocks,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        max_cpu_lora_bytes=config.max_cpu_lora_bytes,
+        max_cpu_lora_bytes=config.max_cpu_lora_bytes, max_lora_vocab_bytes=config.max_lora_vocab_bytes,
         kernels=config.kernels, seed=config.seed, enforce_eager=config.enforce_eager,
         async_scheduling=config.async_scheduling, speculative_config=config.speculative_config,
         enable_prefix_caching=config.enable_prefix_caching,

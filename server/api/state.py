@@ -1,6 +1,7 @@
 """ServerState: the long-lived objects one app owns, built in its lifespan."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -117,7 +118,9 @@ class ServerState:
                 pager = LoaderPool(1, config.max_upload_bytes, cpus=child_cpus)
             registry = AdapterRegistry(client, prefix=config.redis_prefix,
                                        grace_seconds=config.adapter_grace_seconds)
-            shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+            hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+            shape = dataclasses.replace(ModelShape.from_hf_config(hf_config),
+                                        max_vocab_bytes=config.max_lora_vocab_bytes)
             engine = build_engine_client(config, engine_config(config, model_dir, shape), url, shape, registry,
                                          pager, client)
             retirements = RetirementListener(client, registry.events_channel, engine.remove_adapter_nowait,

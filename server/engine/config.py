@@ -197,6 +197,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int | None = None  # the CPU KV pool; None: a share of memory (server.engine.kv_cache)
     max_cpu_lora_bytes: int | None = None  # host-tier budget for adapters loaded on demand; None = unbounded
+    # The most bytes (float32) of an adapter's parts of embed_tokens and lm_head (adapters.vocab_format);
+    # None: no bound below two full copies of the base's.
+    max_lora_vocab_bytes: int | None = None
     block_size: int = 16
     kernels: str = "auto"
     seed: int = 0
@@ -273,6 +276,8 @@ class EngineConfig:
             raise ValueError("max_pinned_adapters_per_tenant must be >= 0")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:
             raise ValueError("max_cpu_lora_bytes must be >= 0")
+        if self.max_lora_vocab_bytes is not None and self.max_lora_vocab_bytes < 0:
+            raise ValueError("max_lora_vocab_bytes must be >= 0")
         if not (self.max_mask_fill_seconds > 0 and self.max_mask_seconds_per_request > 0):
             raise ValueError("max_mask_fill_seconds and max_mask_seconds_per_request must be > 0")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:

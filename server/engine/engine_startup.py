@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from adapters.format import FUSED_PROJECTION_ARCHS, ModelShape
 from adapters.host_tier import Fetch, HostTier
+from adapters.packed import PackedLoraAdapter
 from kernels.cpu_linear import upcast_linear
 from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
@@ -40,6 +41,7 @@ from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.lora.page_gathers import PageGathers
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraSlots
+from server.engine.lora.vocab_parts import VocabParts
 from server.engine.mask_lane import MaskBudget
 from server.engine.medusa_heads import HeadWeights, MedusaHeads, read_heads_dir
 from server.engine.medusa_proposer import MedusaProposer
@@ -98,8 +100,9 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
     max_loras = paging.entries
     # Everything else on the device is allocated before the KV pool is sized from what is left.
+    model.vocab_parts = VocabParts.of_model(model, max_loras)
     slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store, paging,
-                      config.max_pinned_adapters_per_tenant)
+                      config.max_pinned_adapters_per_tenant, vocab=model.vocab_parts)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype)
     context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size)
@@ -113,7 +116,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)
     runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
                          device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora,
-                         slots.page_table, _page_gathers(slots, device))
+                         slots.page_table, _page_gathers(slots, device), model.vocab_parts.slot_has)
     if medusa_heads is not None:
         k = config.speculative_config.num_speculative_tokens
         runner.use_medusa(MedusaProposer(MedusaHeads(medusa_heads, dtype, device), k))
@@ -128,7 +131,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     detokenizer = IncrementalDetokenizer(tokenizer)
     return EngineParts(
         config=config, model_config=mcfg, device=device, bind_thread=bind_thread, dtype=dtype, tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg), max_loras=max_loras, model=model,
+        eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg, config), max_loras=max_loras, model=model,
         lora_slots=slots, kv_pool=kv_pool, max_model_len=max_model_len, blocks=blocks, host=host, scheduler=scheduler,
         kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
         dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,
@@ -167,12 +170,12 @@ def _load_tokenizer(config: EngineConfig, mcfg: ModelConfig) -> tuple[PreTrained
     return tokenizer, frozenset(eos)
 
 
-def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
-    """The widths an adapter must match to be served on this model."""
+def _adapter_shape(mcfg: ModelConfig, config: EngineConfig) -> ModelShape:
+    """The widths an adapter must match to be served on this model, and the engine's bounds on it."""
     return ModelShape(num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, q_size=mcfg.q_size,
                       kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
                       fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS, num_experts=mcfg.num_experts,
-                      moe_intermediate_size=mcfg.moe_intermediate_size)
+                      moe_intermediate_size=mcfg.moe_intermediate_size, max_vocab_bytes=config.max_lora_vocab_bytes)
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -209,9 +212,13 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
     """The host tier of adapters, and the scheduler over it, the slots and the KV blocks."""
     # Parking places for finished loads match the scheduler's prefetch window: every adapter it
     # prefetches can wait, loaded, for room, instead of being fetched again.
+    def prepare(adapter: PackedLoraAdapter, version: str | None) -> PackedLoraAdapter:
+        # Copies of the base's embedding or lm_head dropped first (on CUDA they are at slot entry instead).
+        return slots.prepare(slots.vocab.prepare(adapter), version)
+
     host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=device.type == "cuda",
                     max_parked=PREFETCH_WINDOW, dtype=dtype, init_thread=bind_thread,
-                    prepare=slots.prepare if device.type == "cpu" else None)
+                    prepare=prepare if device.type == "cpu" else None)
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                           config.max_prefill_tokens_while_decoding,
                                           resolve_disable_by_batch_size(config.speculative_config, device.type),

@@ -22,6 +22,7 @@ from server.engine.config import ModelConfig
 from server.engine.host_memory import return_freed_memory
 from server.engine.kernel_ops import KernelOps
 from server.engine.lora.slots import LoraGroupBuffers
+from server.engine.lora.vocab_parts import VocabParts
 from server.engine.moe_block import MoeBlock
 from server.engine.moe_weights import take_experts
 from server.engine.rope import RotaryEmbedding
@@ -214,6 +215,8 @@ class CausalLM:
         assert not quantize_lm_head or quantization == "int8", "EngineConfig checks it"
         self.lm_head = quantize_int8(lm_head) if quantize_lm_head else lm_head  # [V, H], float or int8
         self.rope = rope
+        # Adapters' parts of embed_tokens and lm_head, per slot (engine_startup sets it); None: none served.
+        self.vocab_parts: VocabParts | None = None
         self.layers = [
             DecoderLayer(cfg, layer_weights(weights, i, cfg), lora_layers[i], rope, quantization,
                          self.workspace.dequant, int4_group_size, i)
@@ -262,7 +265,8 @@ class CausalLM:
         ctx: StepContext,
         logits_indices: torch.Tensor,  # [N] rows whose next token is sampled
     ) -> torch.Tensor:
-        return self.logits(self.hidden_rows(input_ids, kv_caches, ctx, logits_indices), ctx.ops)
+        h = self.hidden_rows(input_ids, kv_caches, ctx, logits_indices)
+        return self.logits(h, ctx.ops, ctx.lora, logits_indices)
 
     @torch.inference_mode()
     def hidden_rows(
@@ -278,6 +282,9 @@ class CausalLM:
         h = self.embed.index_select(0, input_ids)  # [T, H], a new tensor: the layers add onto it in place
         if self.embed_scale is not None:
             h *= self.embed_scale
+        vocab = self.vocab_parts.active(ctx.lora) if self.vocab_parts is not None else []
+        if vocab:
+            self.vocab_parts.embed(h, input_ids, ctx.lora, vocab, self.embed_scale)
         rope = self.rope.tables(ctx.positions)
         local = self.local_rope.tables(ctx.positions) if self.local_rope is not None else None
         for layer, kv in zip(self.layers, kv_caches):
@@ -285,13 +292,18 @@ class CausalLM:
         return h.index_select(0, logits_indices)
 
     @torch.inference_mode()
-    def logits(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        """[N, H] last-layer rows -> [N, V] float32 logits: the final norm and the lm_head."""
+    def logits(self, h: torch.Tensor, ops: KernelOps, lora=None, logits_indices: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """[N, H] last-layer rows -> [N, V] float32 logits: the final norm and the lm_head; with the step's
+        LoRA batch and the rows' indices, adapters' own lm_head parts too (VocabParts)."""
         h = self.norm(h)
         if isinstance(self.lm_head, Int8Weight):  # a fresh [N, V]: no scratch, the kernels read int8 in place
             logits = ops.int8_linear(h, self.lm_head)  # [N, V]
         else:
             logits = ops.linear(h, self.lm_head)  # [N, V]
+        vocab = self.vocab_parts.active(lora) if self.vocab_parts is not None and lora is not None else []
+        if vocab:
+            self.vocab_parts.logits(logits, h, lora, logits_indices, vocab)
         if self.cfg.final_softcap is not None:  # Gemma: softcap * tanh(logits / softcap)
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()

@@ -116,9 +116,11 @@ class ModelRunner:
         slot_dora: list[bool] | None = None,  # live view of LoraSlots.slot_dora
         page_table: torch.Tensor | None = None,  # LoraSlots.page_table: [L, pages] int32 when paged
         page_gathers: PageGathers | None = None,  # paged on a CPU: gathers kept from step to step
+        slot_vocab: list[bool] | None = None,  # live view of VocabParts.slot_has: slots with embed/lm_head parts
     ) -> None:
         self.page_table = page_table
         self.page_gathers = page_gathers
+        self.slot_vocab = slot_vocab
         self.slot_ranks = slot_ranks
         self.slot_dora = slot_dora
         self.rank_table = rank_table
@@ -218,7 +220,9 @@ class ModelRunner:
                       row_starts=row_starts, prompt=prompt, num_sampled_logits=num_sampled_logits,
                       row_logits=None if identity else row_logits, drafts=spec, medusa_rows=medusa_rows or None)
         padded = self.padded
-        if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows:  # one token each
+        # One token each, and no slot with embed_tokens/lm_head parts: a padded step's slots are a bound.
+        if (padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows
+                and not (self.slot_vocab and any(s >= 0 and self.slot_vocab[s] for s in batch.lora_slots))):
             bs = self.block_size
             tables = [s.block_table for s in batch.seqs]
             staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)
@@ -261,7 +265,7 @@ class ModelRunner:
         hidden = None
         if inputs.medusa_rows is not None:  # eager (use_medusa): the last layer's rows are kept for the heads
             hidden = self.model.hidden_rows(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
-            logits = self.model.logits(hidden, self.ops)
+            logits = self.model.logits(hidden, self.ops, inputs.ctx.lora, inputs.logits_indices)
         else:
             logits = self.forward(inputs)  # [S+Q, V]
         results = {i: SeqResult(True) for i in inputs.scored_seqs}

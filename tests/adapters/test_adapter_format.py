@@ -179,16 +179,19 @@ CONFIG_REFUSALS = {
     "peft_type": dict(peft_type="IA3"),
     "has no lora_magnitude_vector, which use_dora=true needs": dict(use_dora=True),
     "use_dora must be true or false": dict(use_dora="yes"),
-    "modules_to_save": dict(modules_to_save=["lm_head"]),
+    "modules_to_save entry 'norm' selects model.norm: only embed_tokens and lm_head": dict(modules_to_save=["norm"]),
+    "modules_to_save entry 'mlp' selects model.layers.0.mlp": dict(modules_to_save=["lm_head", "mlp"]),
+    "modules_to_save entry 'vision_tower' matches no module": dict(modules_to_save=["vision_tower"]),
+    "missing tensor: lm_head is in modules_to_save but has no weight": dict(modules_to_save=["lm_head"]),
     "bias=": dict(bias="all"),
     "lora_bias": dict(lora_bias=True),
     "fan_in_fan_out": dict(fan_in_fan_out=True),
     "modifies the base model": dict(init_lora_weights="pissa"),
-    "'embed_tokens' is not among": dict(target_modules=list(PROJECTIONS) + ["embed_tokens"]),
-    "'lm_head' is not among": dict(target_modules=list(PROJECTIONS) + ["lm_head"]),
+    "missing tensors: model.embed_tokens is targeted": dict(target_modules=list(PROJECTIONS) + ["embed_tokens"]),
+    "missing tensors: lm_head is targeted": dict(target_modules=list(PROJECTIONS) + ["lm_head"]),
     "'foo_proj' is not among": dict(target_modules=["q_proj", "foo_proj"]),
-    "matches lm_head": dict(target_modules=r".*(q_proj|lm_head)"),
-    "matches model.embed_tokens": dict(target_modules=".*"),
+    "missing tensors: lm_head is targeted but has no lora_A": dict(target_modules=r".*(_proj|lm_head)"),
+    "use_dora with LoRA on lm_head is not served": dict(target_modules=list(PROJECTIONS) + ["lm_head"], use_dora=True),
     "r must be a positive integer": dict(r=0),
     "lora_alpha must be a finite number": dict(lora_alpha="8"),
 }
@@ -238,8 +241,12 @@ TENSOR_REFUSALS = {
     "model.layers.0.self_attn.q_proj has lora_A but no lora_B": lambda t: without(t, Q0_B),
     "model.layers.0.self_attn.q_proj has lora_B but no lora_A": lambda t: without(t, Q0_A),
     "missing tensors: model.layers.0.self_attn.q_proj is targeted": lambda t: without(t, Q0_A, Q0_B),
-    "unexpected tensor keys 'base_model.model.lm_head.lora_A.weight'":
+    "tensors for lm_head, which adapter_config.json does not target":
         lambda t: t | {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 32)},
+    "a full lm_head weight, which modules_to_save does not name":
+        lambda t: t | {"base_model.model.lm_head.weight": torch.zeros(100, 32)},
+    "has a vocabulary of 120 rows but the base model's is 100: a resized vocabulary is not served":
+        lambda t: t | {"base_model.model.model.embed_tokens.weight": torch.zeros(120, 32)},
     "q_proj has a lora_magnitude_vector (DoRA) but adapter_config.json does not set use_dora=true":
         lambda t: t | {"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.ones(32)},
     "q_proj is not under mlp": lambda t: t | {

@@ -46,6 +46,7 @@ from server.engine.lora.dora_scale_cache import DoraScaleCache, ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.expert_buffers import expert_target
 from server.engine.lora.paging import LoraPaging
+from server.engine.lora.vocab_parts import VocabParts
 
 # Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
 # rank_pattern adapters), so the cache stays bounded.
@@ -155,11 +156,14 @@ class LoraSlots:
 
     def __init__(self, layers: list[dict[str, LoraGroupBuffers]], max_loras: int,
                  dora: DoraScales | None = None, scale_store: ScaleStore | None = None,
-                 paging: LoraPaging | None = None, max_pins_per_tenant: int = 0) -> None:
+                 paging: LoraPaging | None = None, max_pins_per_tenant: int = 0,
+                 vocab: VocabParts | None = None) -> None:
         """dora: computes DoRA adapters' scales against the base weights (None: DoRA adapters are refused);
         scale_store: where computed scales are kept per adapter version (None: computed at every load);
         paging: the layout the buffers were allocated for (None: max_loras slots); max_pins_per_tenant:
-        adapters one tenant may pin on the device."""
+        adapters one tenant may pin on the device; vocab: where adapters' parts of embed_tokens and lm_head
+        go with their slot (None: not served)."""
+        self.vocab = vocab
         self.layers = layers  # per layer: group name -> buffers
         some = layers[0]["o"].a if layers else torch.empty(0, 0, 1, 0)
         self.paging = paging or LoraPaging.slots(max_loras, some.shape[2])
@@ -324,7 +328,10 @@ class LoraSlots:
             return
         self.idle.pop(slot, None)
         self.released_at.pop(version, None)
-        torch._foreach_zero_(self.written.pop(slot))  # the rest of the pages was never written: zero already
+        if written := self.written.pop(slot):  # the rest of the pages was never written: zero already
+            torch._foreach_zero_(written)
+        if self.vocab is not None:
+            self.vocab.evict(slot)
         if self.slot_dora[slot]:
             for groups in self.layers:
                 for buffers in groups.values():
@@ -376,6 +383,9 @@ class LoraSlots:
         # side stream from pinned host memory, overlapping the running batch's compute.
         assert isinstance(adapter, PackedLoraAdapter), "adapters reach slots through the host tier"
         self.loads += 1
+        if adapter.vocab is not None:
+            assert self.vocab is not None, "an engine that serves vocabulary parts builds its slots with VocabParts"
+            self.vocab.load(slot, adapter)
         self.slot_ranks[slot] = adapter.rank
         self.rank_table[slot] = adapter.rank
         self.slot_pages[slot] = pages
@@ -385,6 +395,8 @@ class LoraSlots:
         flat_dst = [v for views in dst for v in views]
         self.written[slot] = flat_dst + scales
         src = adapter.tensors()
+        if not src:  # parts of embed_tokens and lm_head only (self.vocab's): nothing for the projections
+            return
         if self.copy_stream is None:
             torch._foreach_copy_(flat_dst, self._sources(adapter))
             torch._foreach_copy_(scales, adapter.scaling_entries)

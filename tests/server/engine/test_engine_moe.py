@@ -15,7 +15,7 @@ from adapters.format import AdapterFormatError, ModelShape, load_adapter_dir
 from kernels.expert_batch import ExpertBatch
 from server.demo_moe import MOE_MODELS, VOCAB, make_moe_adapter
 from server.engine import LLM, ModelConfig, SamplingParams
-from server.engine.config import ModelConfigError
+from server.engine.config import EngineConfig, ModelConfigError
 from server.engine.engine_startup import _adapter_shape
 from tests.engine_helpers import (
     assert_matches_peft, generate_in_one_batch, generate_through_preemption_and_prefix_hits, random_prompts)
@@ -96,7 +96,8 @@ def test_upload_and_engine_check_adapters_against_one_shape(model, moe_model):
     """The server checks an upload against ModelShape.from_hf_config, the engine loads against its own."""
     model_dir, _ = moe_model(model)
     shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    assert shape == _adapter_shape(ModelConfig.from_dir(model_dir)) and shape.num_experts == 4
+    engine_shape = _adapter_shape(ModelConfig.from_dir(model_dir), EngineConfig(model=str(model_dir)))
+    assert shape == engine_shape and shape.num_experts == 4
     assert shape.moe_intermediate_size == 48
 
 
