@@ -25,7 +25,10 @@ sequence (kept in `Sequence.block_hashes`, surviving preemption) and never per
 step. A block is indexed after the step that computed its last token, so a
 block still being written is never shared. Lookups stop one token short of
 the end: the last token must run to give the logits of the next.
-The index itself lives in the BlockManager, with the blocks.
+The index itself lives in the BlockManager, with the blocks. A block a
+sliding-window sequence released behind its window stays indexed while its KV
+is intact (a hit for a later request with that prefix) and leaves the index
+when it is handed out again, so no hit ever reads KV overwritten since.
 
 What a request is told (`num_cached_tokens`, OpenAI's `cached_tokens`) is not
 the hit but the part of it the request's tenant had itself sent before: under
@@ -42,7 +45,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import FREED, BlockManager
 from server.engine.lora.alora import base_blocks
 from server.engine.sequence import Sequence
 
@@ -138,6 +141,8 @@ class PrefixCache:
         table = seq.block_table
         base = base_blocks(seq.group.adapter_from, self.block_size)
         for i in range(done, full):
+            if table[i] == FREED:
+                continue  # released behind the window before it was offered (the cache was off then)
             # An aLoRA's blocks before its activation point are base-model KV: no version to retire.
             self.blocks.index(table[i], hashes[i], None if i < base else version, seq.tenant)
 
