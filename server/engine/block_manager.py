@@ -157,11 +157,14 @@ class BlockManager:
 
     def num_unreferenced(self, blocks: list[int]) -> int:
         """How many of `blocks` (cached ones) taking would draw from the free pool."""
-        return sum(self.ref_counts[b] == 0 for b in blocks)
+        return sum(b != FREED and self.ref_counts[b] == 0 for b in blocks)
 
     def take(self, blocks: list[int]) -> None:
-        """One more reference to each cached block of `blocks`: a new sequence reuses them."""
+        """One more reference to each cached block of `blocks` (FREED entries aside): a new sequence
+        reuses them."""
         for block in blocks:
+            if block == FREED:
+                continue
             assert block in self.entries, f"take of uncached block {block}"
             if self.ref_counts[block] == 0:
                 del self.evictable[block]

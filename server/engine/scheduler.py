@@ -117,7 +117,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier) -> None:
         self.config = config
         self.blocks = blocks
-        self.prefix_cache = PrefixCache(blocks)
+        self.prefix_cache = PrefixCache(blocks, config.kv_window)
         self.lora_slots = lora_slots
         self.host = host
         self.waiting = FairQueue()

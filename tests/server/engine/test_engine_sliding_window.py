@@ -14,10 +14,12 @@ import torch
 from server.demo import SEVEN, make_adapter, make_base_model
 from server.engine import LLM, SamplingParams
 from server.engine.block_manager import FREED
+from server.engine.prefix_cache import PrefixCache
 from tests.engine_helpers import (
     GREEDY, assert_matches_peft, drive, generate_through_preemption_and_prefix_hits, random_prompts)
 from tests.server.engine.test_engine_architectures import reference
 from tests.server.engine.test_engine_logprobs import assert_matches
+from tests.server.engine.sequences import request
 from tests.server.engine.test_engine_prefix_cache import check_blocks
 
 VOCAB = 512
@@ -148,14 +150,16 @@ def test_long_decode_holds_its_window(windowed_model, peft_oracle):
 
 def test_released_blocks_serve_prefix_hits_only_while_intact(windowed_model, peft_oracle):
     """A's 120-token prompt leaves its blocks indexed and released (evictable). C1, sharing 100 tokens
-    of it, hits them; B's 200 distinct tokens then take every free block, A's included (unindexed as
-    they are handed out); C2, sharing A's prompt again, may hit only what is still indexed, and every
-    output is transformers' own."""
+    of it, hits them. F's 100 distinct tokens take the never-indexed blocks and then A's oldest: C2
+    (A's prompt again) still hits on the blocks its window reads, the evicted ones FREED in its table,
+    where the full-chain lookup finds nothing. B's 200 tokens take the rest: C3 hits less. Every
+    output is transformers' own, so no hit read KV overwritten since."""
     model_dir, _ = windowed_model("mistral")
     llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=1, kv_cache_blocks=12, max_model_len=256,
               max_num_batched_tokens=32, kernels="torch")
     engine = llm.engine
     a = random_prompts(1, (120, 120), VOCAB, seed=57)[0]
+    f = random_prompts(1, (100, 100), VOCAB, seed=62)[0]
     b = random_prompts(1, (200, 200), VOCAB, seed=58)[0]
     c1 = a[:100] + random_prompts(1, (9, 9), VOCAB, seed=59)[0]
     c2 = a + random_prompts(1, (7, 7), VOCAB, seed=60)[0]
@@ -168,11 +172,18 @@ def test_released_blocks_serve_prefix_hits_only_while_intact(windowed_model, pef
         assert out.token_ids == peft_oracle(model_dir, None, prompt, 4), rid
         return engine.stats().prefix_cache.hit_tokens - before
 
+    def chain_hit(prompt: list[int]) -> int:
+        """Blocks a lookup that needs every block from the first would reuse."""
+        return len(PrefixCache(engine.blocks).lookup(request(prompt, 10**6)))
+
     assert run("a", a) == 0
     assert engine.blocks.num_cached_blocks == 7 and engine.blocks.num_used_blocks == 0
-    assert run("c1", c1) == 96  # six intact released blocks of A
+    assert run("c1", c1) == 96  # six released, intact blocks of A
+    run("f", f)
+    assert chain_hit(c2) == 0  # A's first block went to F
+    assert run("c2", c2) == 112  # its window reads A's blocks 5 and 6, still intact
     run("b", b)
-    assert run("c2", c2) < 112  # A's blocks reused by B are no longer in the index
+    assert run("c3", c2) < 112  # A's blocks reused by B are no longer in the index
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
