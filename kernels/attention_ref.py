@@ -125,10 +125,11 @@ def _attention(q, k, v, keep: torch.Tensor, scale: float, softcap: float | None)
 
 
 def _valid(pos: torch.Tensor, lens: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[B, L]: which of positions `pos` [L] a decode query (at lens - 1) sees: before it, and within
-    `window` keys of it when given."""
-    valid = pos[None, :] < lens[:, None]
-    return valid if window is None else valid & (pos[None, :] >= (lens - window)[:, None])
+    """[B, L]: which of positions `pos` ([L], or [B, L] per row) a decode query (at lens - 1) sees:
+    before it, and within `window` keys of it when given."""
+    pos = pos if pos.dim() == 2 else pos[None, :]
+    valid = pos < lens[:, None]
+    return valid if window is None else valid & (pos >= (lens - window)[:, None])
 
 
 def _decode_plan(batch: AttentionBatch, block_size: int, device, window: int | None = None) -> tuple | None:
@@ -147,15 +148,18 @@ def _decode_plan(batch: AttentionBatch, block_size: int, device, window: int | N
         rows = batch.query_start_loc[:-1].long().cpu().index_select(0, which)  # [Bd] their token rows
         lens = torch.tensor(batch.seq_lens_host).index_select(0, which)  # [Bd]
         width = int(lens.max())
-        pos = torch.arange(width)  # [L]
+        # With a window, each row reads its last `window` positions only: the work stays the window's.
+        span = width if window is None else min(width, window)
+        first = (lens - span).clamp(min=0)  # [Bd]
+        pos = first[:, None] + torch.arange(span)[None, :]  # [Bd, L]
         tables = batch.block_tables.cpu().long().index_select(0, which)  # [Bd, W]
-        blocks = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(len(which), -1))
+        blocks = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1))
         slots = blocks * block_size + pos % block_size  # [Bd, L]
         valid = _valid(pos, lens, window)  # [Bd, L]
         # Padding and keys before the window read the sequence's own newest slot, written this step:
         # never another sequence's leftovers (which may be NaN, and a masked NaN still poisons:
         # 0 * NaN = NaN), nor a released block's (a negative table entry).
-        own = slots.gather(1, (lens - 1)[:, None])  # [Bd, 1]
+        own = slots.gather(1, (lens - 1 - first)[:, None])  # [Bd, 1]
         plan = rows.to(device), torch.where(valid, slots, own).to(device), valid.to(device)
     batch.scratch[key] = plan
     return plan

@@ -204,3 +204,21 @@ def test_released_blocks_through_the_triton_kernels(windowed_model, peft_oracle)
                            llm._versions[adapter] if adapter else None)
     final = drive(engine, window_bound(engine, 20))
     assert_matches_peft(llm, model_dir, adapters, prompts, names, [final["t0"], final["t1"]], 8, peft_oracle)
+
+
+def test_forked_choices_release_their_own_references(windowed_model, peft_oracle):
+    """n = 3 choices fork from a 70-token prompt whose first blocks are already released: each keeps
+    the FREED entries, takes a private copy of the shared partial block and releases its own references
+    as it decodes; the pool's counts hold throughout."""
+    model_dir, _ = windowed_model("mistral")
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=1, kv_cache_blocks=24, max_model_len=256,
+              max_num_batched_tokens=32, kernels="torch")
+    engine = llm.engine
+    prompt = random_prompts(1, (70, 70), VOCAB, seed=63)[0]
+    engine.add_request("n3", prompt, SamplingParams(n=3, max_tokens=40, **GREEDY))
+    check, choices = window_bound(engine, 20), {}
+    while engine.has_unfinished_requests():
+        choices |= {o.index: o.token_ids for o in engine.step() if o.finished}
+        check(engine)
+    assert choices == dict.fromkeys(range(3), peft_oracle(model_dir, None, prompt, 40))
+    assert engine.blocks.num_used_blocks == 0
