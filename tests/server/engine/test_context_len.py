@@ -116,5 +116,7 @@ def test_qwen_windows_the_layers_its_layer_types_say():
                                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})
     assert moe.layer_windows == (64,) * 4
     assert ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]}).layer_windows is None
+    # Phi-3-mini-4k's 2047: transformers windows every layer with it.
+    assert ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"]}).kv_window == 64
     with pytest.raises(ValueError, match="sliding_window 0"):
         ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0})

@@ -121,12 +121,13 @@ def test_preemption_and_prefix_hits_match_peft(name, windowed_model, peft_oracle
     assert_matches_peft(llm, model_dir, adapters, prompts, names, outs, 24, peft_oracle)
 
 
-def test_long_decode_holds_its_window(windowed_model, peft_oracle):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_long_decode_holds_its_window(async_scheduling, windowed_model, peft_oracle):
     """One sequence decoding to 12x its window holds at most the window's blocks plus a partial one at
-    each end, with the released ones marked FREED in its table."""
+    each end, with the released ones marked FREED in its table (steps scheduled ahead release too)."""
     model_dir, _ = windowed_model("mistral")
     llm = LLM(model_dir, device="cpu", dtype="float32", max_loras=1, kv_cache_blocks=8, max_model_len=512,
-              max_num_batched_tokens=32, kernels="torch")
+              max_num_batched_tokens=32, kernels="torch", async_scheduling=async_scheduling)
     prompt = random_prompts(1, (30, 30), VOCAB, seed=56)[0]
     engine = llm.engine
     engine.add_request("long", prompt, SamplingParams(max_tokens=210, **GREEDY))
@@ -145,6 +146,7 @@ def test_long_decode_holds_its_window(windowed_model, peft_oracle):
     out = drive(engine, check)["long"]
     assert most <= -(-20 // BLOCK) + 1  # 2 blocks of 16 cover any 20 positions but 1 + 16 + 3: 3
     assert engine.stats().scheduler.preemptions == 0  # 240 tokens in a pool of 128 token slots
+    assert (engine.stats().async_scheduling.ahead > 100) == async_scheduling
     assert out.token_ids == peft_oracle(model_dir, None, prompt, 210)
 
 
