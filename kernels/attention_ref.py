@@ -71,12 +71,13 @@ def paged_attention(
     h // (Hq / Hkv) (GQA); cap(x) = softcap * tanh(x / softcap) with a softcap, x
     without (Gemma's attention soft-capping); w = max(0, p + 1 - window) with a
     window (the window keys up to and including p), 0 without. Call write_kv for the
-    step first.
+    step first. Keys before a query's window are never read: a block table may hold a negative
+    entry there (a block released to the pool, server.engine.block_manager.FREED).
     Shape: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
         out [T, Hq, D], written in place.
     """
     if batch.padded:
-        plan = _windowed(_padded_decode_plan(batch, k_cache.shape[1]), batch.seq_lens.long(), window)
+        plan = _padded_decode_plan(batch, k_cache.shape[1], window)
         _decode_attention(q, k_cache, v_cache, plan, scale, out, softcap)
         return
     decode = _decode_plan(batch, k_cache.shape[1], q.device, window)
@@ -91,15 +92,18 @@ def paged_attention(
             continue  # done above, batched
         tables = tables if tables is not None else batch.block_tables.tolist()
         nblocks = (slen + block_size - 1) // block_size
-        blocks = torch.tensor(tables[b][:nblocks], dtype=torch.long, device=q.device)
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)  # [Hkv, slen, D]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:slen].float().transpose(0, 1)
+        # From the block of the first query's first key: those before it may be released.
+        first = 0 if window is None else max(0, slen - qlen + 1 - window) // block_size
+        blocks = torch.tensor(tables[b][first:nblocks], dtype=torch.long, device=q.device)
+        lo = first * block_size  # position of the first key read
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[: slen - lo].float().transpose(0, 1)  # [Hkv, slen-lo, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[: slen - lo].float().transpose(0, 1)
         qs = q[start : start + qlen].float().transpose(0, 1)  # [Hq, qlen, D]
         if qlen == slen and softcap is None and window is None:  # a whole prompt: plain causal, no mask tensor
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [Hq, qlen, D]
         else:
             pos = torch.arange(slen - qlen, slen, device=q.device).unsqueeze(1)  # [qlen, 1]
-            kpos = torch.arange(slen, device=q.device).unsqueeze(0)  # [1, slen]
+            kpos = torch.arange(lo, slen, device=q.device).unsqueeze(0)  # [1, slen - lo]
             keep = kpos <= pos  # [qlen, slen], causal from the prefix on
             if window is not None:
                 keep &= kpos > pos - window
@@ -120,13 +124,12 @@ def _attention(q, k, v, keep: torch.Tensor, scale: float, softcap: float | None)
     return torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
-def _windowed(plan: tuple, lens: torch.Tensor, window: int | None) -> tuple:
-    """A decode plan whose validity also drops the keys before each sequence's window."""
-    if window is None:
-        return plan
-    rows, slots, valid = plan
-    pos = torch.arange(valid.shape[1], device=valid.device)
-    return rows, slots, valid & (pos[None, :] >= (lens.to(valid.device) - window)[:, None])
+def _valid(pos: torch.Tensor, lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, L]: which of positions `pos` ([L], or [B, L] per row) a decode query (at lens - 1) sees:
+    before it, and within `window` keys of it when given."""
+    pos = pos if pos.dim() == 2 else pos[None, :]
+    valid = pos < lens[:, None]
+    return valid if window is None else valid & (pos >= (lens - window)[:, None])
 
 
 def _decode_plan(batch: AttentionBatch, block_size: int, device, window: int | None = None) -> tuple | None:
@@ -145,20 +148,24 @@ def _decode_plan(batch: AttentionBatch, block_size: int, device, window: int | N
         rows = batch.query_start_loc[:-1].long().cpu().index_select(0, which)  # [Bd] their token rows
         lens = torch.tensor(batch.seq_lens_host).index_select(0, which)  # [Bd]
         width = int(lens.max())
-        pos = torch.arange(width)  # [L]
+        # With a window, each row reads its last `window` positions only: the work stays the window's.
+        span = width if window is None else min(width, window)
+        first = (lens - span).clamp(min=0)  # [Bd]
+        pos = first[:, None] + torch.arange(span)[None, :]  # [Bd, L]
         tables = batch.block_tables.cpu().long().index_select(0, which)  # [Bd, W]
-        blocks = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(len(which), -1))
+        blocks = tables.gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1))
         slots = blocks * block_size + pos % block_size  # [Bd, L]
-        valid = pos[None, :] < lens[:, None]  # [Bd, L]
-        # Padding reads the sequence's own newest slot, written this step: never another
-        # sequence's leftovers (which may be NaN, and a masked NaN still poisons: 0 * NaN = NaN).
-        own = slots.gather(1, (lens - 1)[:, None])  # [Bd, 1]
-        plan = _windowed((rows.to(device), torch.where(valid, slots, own).to(device), valid.to(device)), lens, window)
+        valid = _valid(pos, lens, window)  # [Bd, L]
+        # Padding and keys before the window read the sequence's own newest slot, written this step:
+        # never another sequence's leftovers (which may be NaN, and a masked NaN still poisons:
+        # 0 * NaN = NaN), nor a released block's (a negative table entry).
+        own = slots.gather(1, (lens - 1 - first)[:, None])  # [Bd, 1]
+        plan = rows.to(device), torch.where(valid, slots, own).to(device), valid.to(device)
     batch.scratch[key] = plan
     return plan
 
 
-def _padded_decode_plan(batch: AttentionBatch, block_size: int) -> tuple:
+def _padded_decode_plan(batch: AttentionBatch, block_size: int, window: int | None) -> tuple:
     """_decode_plan's tuple for a padded decode batch, from its device tensors alone (no host value
     read from the data). Every row reads the pool's full width, masked past its own length; rebuilt
     by each layer, since the persistent batch's buffers change from step to step."""
@@ -167,7 +174,7 @@ def _padded_decode_plan(batch: AttentionBatch, block_size: int) -> tuple:
     tables = batch.block_tables.long()  # [B, W]
     pos = torch.arange(tables.shape[1] * block_size, device=tables.device)  # [L]
     slots = tables.gather(1, (pos // block_size).expand(tables.shape[0], -1)) * block_size + pos % block_size
-    valid = pos[None, :] < lens[:, None]  # [B, L]
+    valid = _valid(pos, lens, window)  # [B, L]
     own = slots.gather(1, (lens - 1).clamp(min=0)[:, None])  # [B, 1], as in _decode_plan
     return rows, torch.where(valid, slots, own), valid
 

@@ -152,7 +152,9 @@ class AttentionBatch:
     """
 
     slot_mapping: torch.Tensor  # [T] int64, flat pool slot (block * block_size + offset) of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    # [B, max_blocks] int32, padded with 0; a negative entry is a block released behind every layer's
+    # window (server.engine.block_manager.FREED), which no kernel reads.
+    block_tables: torch.Tensor
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32, cached + new tokens
     context_lens: torch.Tensor  # [B] int32, tokens cached before this step

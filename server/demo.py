@@ -154,7 +154,7 @@ def _config(arch: str, **kw):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config,
            "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[arch]
     if arch in ("mistral", "phi3"):
-        kw["sliding_window"] = None  # a window wider than max length is just confusing
+        kw.setdefault("sliding_window", None)  # unless asked for: a window wider than max length confuses
     if arch in ("qwen3", "gemma2", "gemma3"):  # their defaults are the 8B-class 128/256
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
     rope_scaling = kw.pop("rope_scaling")

@@ -24,8 +24,9 @@ from adapters.bounded_json import JsonLimitError, loads_bounded
 from adapters.registry import AdapterRecord
 from server.api.errors import APIError
 
-# Fields of server.engine.config.ModelConfig that do not change what an adapter's delta means.
-_NOT_IDENTITY = ("checkpoint_dtype", "eos_token_ids", "max_position_embeddings", "sliding_window")
+# Fields of server.engine.config.ModelConfig that do not change what an adapter's delta means (the
+# windows neither: a Mistral base read before layer_windows existed keeps its fingerprint).
+_NOT_IDENTITY = ("checkpoint_dtype", "eos_token_ids", "max_position_embeddings", "sliding_window", "layer_windows")
 
 
 def base_identity(model_id: str, model_config) -> str:

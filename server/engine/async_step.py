@@ -191,6 +191,7 @@ class AsyncScheduling:
             if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len:
                 continue  # the running step ends it by length
             position = seq.num_computed_tokens + 1  # of the running step's token, this step's input
+            scheduler.release_behind_window(seq)  # behind the running step's query, so this one's too
             table = seq.block_table
             if position // size < len(table) and self.blocks.is_shared(table[position // size]):
                 return None  # a copy-on-write first: the synchronous scheduler makes it

@@ -12,6 +12,14 @@ recently released first, only once no never-indexed block is left, dropping
 its index entry then. So the cache only ever holds blocks nobody needs, and
 never shrinks the pool that running sequences can draw from.
 
+A sliding-window model whose every layer is windowed never reads a sequence's
+KV wholly behind its window again: release_before returns those blocks to the
+pool and leaves FREED in their place in the block table, so the table's
+positions still map to blocks (the kernels skip keys before the window, and the
+step's tensors hold block 0 there). A released indexed block is evictable like
+any other: its KV stays valid, a prefix hit for a later request, until the
+block is handed out again and unindexed.
+
 Each indexed block also records the tenants that sent its content (the one
 whose request computed it and every one that reused it): a hit is reported
 to a tenant as cached only on blocks it had itself sent before, so the
@@ -21,6 +29,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+
+# A block-table entry whose block went back to the pool (wholly outside every layer's window).
+FREED = -1
 
 
 @dataclass(frozen=True)
@@ -82,8 +94,9 @@ class BlockManager:
     def fork(self, block_table: list[int]) -> list[int]:
         """A new table holding the same blocks (one more reference to each)."""
         for block in block_table:
-            assert self.ref_counts[block] > 0, f"fork of free block {block}"
-            self.ref_counts[block] += 1
+            if block != FREED:
+                assert self.ref_counts[block] > 0, f"fork of free block {block}"
+                self.ref_counts[block] += 1
         return list(block_table)
 
     def is_shared(self, block: int) -> bool:
@@ -109,14 +122,34 @@ class BlockManager:
         longest is the part other prompts share most (its head).
         """
         for block in reversed(block_table):
-            assert self.ref_counts[block] > 0, f"double free of block {block}"
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self.entries:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
+            if block != FREED:
+                self._drop(block)
         block_table.clear()
+
+    def release_before(self, block_table: list[int], position: int) -> int:
+        """Drop `block_table`'s blocks wholly before `position` (in place: FREED marks them); how many.
+
+        Released blocks form a prefix of the table, so the scan stops at the first FREED one.
+        """
+        released = 0
+        for i in range(min(position // self.block_size, len(block_table)) - 1, -1, -1):
+            block = block_table[i]
+            if block == FREED:
+                break
+            self._drop(block)
+            block_table[i] = FREED
+            released += 1
+        return released
+
+    def _drop(self, block: int) -> None:
+        """One reference less to `block`; at none it is free (evictable if indexed)."""
+        assert self.ref_counts[block] > 0, f"double free of block {block}"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self.entries:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
 
     # ---- the index of cached blocks ----
     def lookup(self, block_hash: bytes) -> int | None:
@@ -124,11 +157,14 @@ class BlockManager:
 
     def num_unreferenced(self, blocks: list[int]) -> int:
         """How many of `blocks` (cached ones) taking would draw from the free pool."""
-        return sum(self.ref_counts[b] == 0 for b in blocks)
+        return sum(b != FREED and self.ref_counts[b] == 0 for b in blocks)
 
     def take(self, blocks: list[int]) -> None:
-        """One more reference to each cached block of `blocks`: a new sequence reuses them."""
+        """One more reference to each cached block of `blocks` (FREED entries aside): a new sequence
+        reuses them."""
         for block in blocks:
+            if block == FREED:
+                continue
             assert block in self.entries, f"take of uncached block {block}"
             if self.ref_counts[block] == 0:
                 del self.evictable[block]

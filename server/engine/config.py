@@ -16,13 +16,12 @@ from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fiel
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 from server.engine.lora.paging import check_page_rows
 from server.engine.moe_config import MOE_ARCHS, MoeConfigError, moe_fields
+from server.engine.sliding_window import SlidingWindowError, kv_window, layer_windows, window_of
 from server.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Per-head RMSNorm of the queries and keys before rope.
 QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-# Whose configs say use_sliding_window (false unless set); the others apply sliding_window when given.
-OPT_IN_WINDOW_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # One step's tokens at most. Kernel offsets are int64, so this is not about overflow: it bounds one
 # step's activations (Llama-3-8B's gate_up output alone is 3.8 GB at this many bf16 tokens) and the
 # LoRA scratch allocated up front ([3, tokens, max_lora_rank]), and keeps every launch grid's y and z
@@ -70,7 +69,7 @@ class ModelConfig:
     mlp_bias: bool
     checkpoint_dtype: str
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None
+    sliding_window: int | None  # the config's window (Gemma's: None); each layer's is in layer_windows
     qk_norm: bool = False  # q_norm/k_norm per head before rope (Qwen3, Gemma 3)
     # Gemma's (server.engine.gemma_config): RMSNorm gains stored as w - 1, norms after attention and the
     # MLP too, the MLP's activation, embeddings times sqrt(hidden), soft-capped attention scores and
@@ -96,6 +95,12 @@ class ModelConfig:
             raise ModelConfigError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
+
+    @property
+    def kv_window(self) -> int | None:
+        """Where every layer is windowed, the widest window: KV further back than that from a sequence's
+        next query is never read again (server.engine.sliding_window). None with a global layer."""
+        return kv_window(self.layer_windows)
 
     @property
     def is_moe(self) -> bool:
@@ -142,11 +147,12 @@ class ModelConfig:
             raise ModelConfigError(f"partial_rotary_factor {partial} is not supported (rope over the whole head only)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch not in OPT_IN_WINDOW_ARCHS) else None
         try:
-            extra = gemma_fields(cfg, arch, local_rope) if arch in GEMMA_ARCHS else {"qk_norm": arch in QK_NORM_ARCHS}
+            window = window_of(cfg, arch)
+            extra = (gemma_fields(cfg, arch, local_rope) if arch in GEMMA_ARCHS
+                     else {"qk_norm": arch in QK_NORM_ARCHS, "layer_windows": layer_windows(cfg, arch)})
             extra |= moe_fields(cfg, arch) if arch in MOE_ARCHS else {}
-        except (GemmaConfigError, MoeConfigError) as e:
+        except (GemmaConfigError, MoeConfigError, SlidingWindowError) as e:
             raise ModelConfigError(str(e)) from None
         if cfg.get("hidden_act", "silu") != "silu" and arch not in GEMMA_ARCHS:
             raise ModelConfigError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu)")

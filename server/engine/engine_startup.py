@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -49,6 +50,7 @@ from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.sliding_window import sequence_blocks
 from server.engine.speculative_config import resolve_disable_by_batch_size
 from server.engine.step_cost import StepCost
 from server.engine.tokenizer_loader import load_tokenizer
@@ -105,11 +107,14 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
                       config.max_pinned_adapters_per_tenant, vocab=model.vocab_parts)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype)
-    context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size)
+    context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size,
+                                   partial(sequence_blocks, block_size=config.block_size, window=mcfg.kv_window,
+                                           chunk=config.max_num_batched_tokens))
     max_model_len = context.max_model_len
     log.info("%s", context.reason)
     blocks = BlockManager(kv_pool.blocks, config.block_size)
-    host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks)
+    host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks,
+                                   mcfg.kv_window)
     kernels = _select_kernels(config, device, dtype)
     # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
     budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
@@ -208,8 +213,9 @@ def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
 
 def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetch | None, device: torch.device,
                  dtype: torch.dtype, bind_thread: Callable[[], None], slots: LoraSlots,
-                 blocks: BlockManager) -> tuple[HostTier, Scheduler]:
-    """The host tier of adapters, and the scheduler over it, the slots and the KV blocks."""
+                 blocks: BlockManager, kv_window: int | None) -> tuple[HostTier, Scheduler]:
+    """The host tier of adapters, and the scheduler over it, the slots and the KV blocks (kv_window:
+    ModelConfig.kv_window, behind which blocks are released)."""
     # Parking places for finished loads match the scheduler's prefetch window: every adapter it
     # prefetches can wait, loaded, for room, instead of being fetched again.
     def prepare(adapter: PackedLoraAdapter, version: str | None) -> PackedLoraAdapter:
@@ -222,7 +228,7 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                           config.max_prefill_tokens_while_decoding,
                                           resolve_disable_by_batch_size(config.speculative_config, device.type),
-                                          step_cost),
+                                          step_cost, kv_window),
                           blocks, slots, host)
     # Eviction weighs what an adapter costs to bring back: a device copy from the host tier, or a fetch.
     slots.reload_tier = lambda version: "host" if version in host.entries else "store"

@@ -11,6 +11,7 @@ from server.engine.kv_cache_dtype import kv_cache_dtype_label
 from server.engine.lora.expert_buffers import ExpertLoraBuffers
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraGroupBuffers
+from server.engine.sliding_window import sequence_blocks
 
 
 def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -72,7 +73,7 @@ def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
     elif cfg.cpu_kv_cache_bytes is not None:
         budget = cfg.cpu_kv_cache_bytes
     else:
-        blocks_per_seq = -(-max_len // cfg.block_size)
+        blocks_per_seq = sequence_blocks(max_len, cfg.block_size, mcfg.kv_window, cfg.max_num_batched_tokens)
         budget = cpu_kv_budget_bytes(physical_memory_bytes(), per_block, cfg.max_num_seqs, blocks_per_seq)
     return max(1, int(budget // per_block))
 

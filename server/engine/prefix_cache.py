@@ -25,7 +25,10 @@ sequence (kept in `Sequence.block_hashes`, surviving preemption) and never per
 step. A block is indexed after the step that computed its last token, so a
 block still being written is never shared. Lookups stop one token short of
 the end: the last token must run to give the logits of the next.
-The index itself lives in the BlockManager, with the blocks.
+The index itself lives in the BlockManager, with the blocks. A block a
+sliding-window sequence released behind its window stays indexed while its KV
+is intact (a hit for a later request with that prefix) and leaves the index
+when it is handed out again, so no hit ever reads KV overwritten since.
 
 What a request is told (`num_cached_tokens`, OpenAI's `cached_tokens`) is not
 the hit but the part of it the request's tenant had itself sent before: under
@@ -42,7 +45,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import FREED, BlockManager
 from server.engine.lora.alora import base_blocks
 from server.engine.sequence import Sequence
 
@@ -62,8 +65,11 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockManager) -> None:
+    def __init__(self, blocks: BlockManager, kv_window: int | None = None) -> None:
+        """kv_window: ModelConfig.kv_window; with one, a hit needs only the blocks its first uncached
+        token's window reads (the ones before it may be gone)."""
         self.blocks = blocks
+        self.kv_window = kv_window
         self.block_size = blocks.block_size
         self.pack = struct.Struct(f"<{blocks.block_size}q").pack
         self.enabled = True
@@ -103,6 +109,8 @@ class PrefixCache:
             return None
         n = limit // self.block_size
         hashes = self._hashes(seq, n)
+        if self.kv_window is not None:
+            return self._windowed_hit(hashes)
         hit: list[int] = []
         for i in range(n):
             block = self.blocks.lookup(hashes[i])
@@ -110,6 +118,23 @@ class PrefixCache:
                 break
             hit.append(block)
         return hit
+
+    def _windowed_hit(self, hashes: list[bytes]) -> list[int]:
+        """The longest k blocks whose last ones, those the window of position k * block_size reads,
+        are all cached: FREED for the blocks before them (a block's hash chains every token before
+        it, so its KV is that of the same prefix whatever became of the earlier blocks)."""
+        size, best, run_start = self.block_size, (0, 0), 0
+        found: list[int | None] = []
+        for i, h in enumerate(hashes):
+            found.append(self.blocks.lookup(h))
+            if found[-1] is None:
+                run_start = i + 1
+                continue
+            first = max(0, (i + 1) * size + 1 - self.kv_window) // size  # first block the next token reads
+            if first >= run_start:
+                best = (first, i + 1)
+        first, end = best
+        return [FREED] * first + found[first:end]
 
     def admitted(self, seq: Sequence, hit: list[int] | None) -> None:
         """`seq` starts with the `hit` blocks (now in its block table): count the query and the hit, and
@@ -119,8 +144,11 @@ class PrefixCache:
             self.hit_tokens += len(hit) * self.block_size
         hit = hit or []
         seq.num_registered_blocks = len(hit)
-        known = self.blocks.sent_before(hit, seq.tenant)
-        self.blocks.add_sender(hit, seq.tenant)
+        held = [b for b in hit if b != FREED]
+        known = self.blocks.sent_before(held, seq.tenant)
+        self.blocks.add_sender(held, seq.tenant)
+        if known:  # its first held block chains the FREED ones before it: the tenant sent those too
+            known += len(hit) - len(held)
         if seq.group.num_cached_tokens is None:
             seq.group.num_cached_tokens = known * self.block_size
 
@@ -138,6 +166,8 @@ class PrefixCache:
         table = seq.block_table
         base = base_blocks(seq.group.adapter_from, self.block_size)
         for i in range(done, full):
+            if table[i] == FREED:
+                continue  # released behind the window before it was offered (the cache was off then)
             # An aLoRA's blocks before its activation point are base-model KV: no version to retire.
             self.blocks.index(table[i], hashes[i], None if i < base else version, seq.tenant)
 

@@ -28,6 +28,10 @@ A constrained sequence whose next token's grammar mask is still being filled (of
 server.engine.mask_lane's threads) sits out the steps until it is ready; prompt chunks that sample
 nothing need no mask.
 
+With every layer of the model windowed (SchedulerConfig.kv_window), a running sequence's blocks
+wholly behind its window are returned to the pool before each step (BlockManager.release_before), so
+a long conversation holds about its window's blocks, not its length's.
+
 An admitted sequence starts with the longest run of its full blocks found in
 the prefix cache (server.engine.prefix_cache) and computes only the rest, in
 chunks as usual. Cached blocks nobody holds count as free: taking one costs a
@@ -80,6 +84,9 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
     # What a prompt token costs against the cap while decoding (server.engine.step_cost); PLAIN: 1 each.
     step_cost: StepCost = PLAIN
+    # Every layer windowed (ModelConfig.kv_window): blocks wholly behind a sequence's window go back to
+    # the pool before each step. None: a sequence keeps all its blocks.
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
@@ -115,7 +122,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier) -> None:
         self.config = config
         self.blocks = blocks
-        self.prefix_cache = PrefixCache(blocks)
+        self.prefix_cache = PrefixCache(blocks, config.kv_window)
         self.lora_slots = lora_slots
         self.host = host
         self.waiting = FairQueue()
@@ -158,6 +165,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         capped = cap is not None and any(s.num_pending_tokens == 1 for s in self.running)
+        for seq in self.running:
+            self.release_behind_window(seq)
         speculate = self._speculate()
         prompts: list[Sequence] = []
         for seq in list(self.running):  # decoding sequences first: no prompt chunk can take their tokens
@@ -412,6 +421,7 @@ class Scheduler:
             seq.block_table = table
             seq.num_computed_tokens = start
             self.prefix_cache.admitted(seq, hit)
+            self.release_behind_window(seq)  # cached blocks it will never read
             self.blocks.grow(seq.block_table, start + n)
             self.waiting.admitted(seq)  # charges the uncached tokens only
             if version is not None:
@@ -430,6 +440,14 @@ class Scheduler:
             self.head_blocked_steps = 0
         self.lora_slots.sync()
         return budget
+
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Return `seq`'s blocks wholly behind the window of its next query (position num_computed_tokens:
+        it sees keys from num_computed_tokens + 1 - window on). Nothing rolls num_computed_tokens back
+        past that query (rejected drafts come after it), so no step reads them again."""
+        window = self.config.kv_window
+        if window is not None:
+            self.blocks.release_before(seq.block_table, seq.num_computed_tokens + 1 - window)
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts: list[int] | tuple[()]) -> None:
         batch.seqs.append(seq)

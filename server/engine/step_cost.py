@@ -19,6 +19,8 @@ from server.engine.sequence import Sequence
 class StepCost:
     attention_per_position: float = 0.0  # one query token attending one earlier position
     logits_row: float = 0.0  # one prompt position's logits (lm_head), for its prompt logprobs
+    # Every layer windowed (ModelConfig.kv_window): a token attends at most this many positions.
+    window: int | None = None
 
     def __post_init__(self) -> None:
         assert self.attention_per_position >= 0 and self.logits_row >= 0
@@ -28,7 +30,8 @@ class StepCost:
         q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
         per_layer = mcfg.hidden_size * (2 * q + 2 * kv + 3 * mcfg.intermediate_size)  # q, k, v, o, gate/up/down
         return cls(attention_per_position=2 * q / per_layer,  # QK^T and PV, per layer like the projections
-                   logits_row=mcfg.hidden_size * mcfg.vocab_size / (mcfg.num_layers * per_layer))
+                   logits_row=mcfg.hidden_size * mcfg.vocab_size / (mcfg.num_layers * per_layer),
+                   window=mcfg.kv_window)
 
     @property
     def plain(self) -> bool:
@@ -38,7 +41,7 @@ class StepCost:
         """Cost of computing `seq`'s tokens start..start+n."""
         if self.plain:
             return float(n)
-        attended = n * start + n * (n + 1) / 2  # token i of the chunk attends start + i + 1 positions
+        attended = _attended(start + 1, start + n, self.window)  # token i attends start + i + 1 positions
         lo, hi = prompt_logprob_span(seq, start, n)
         return n + self.attention_per_position * attended + self.logits_row * max(0, hi - lo)
 
@@ -59,6 +62,13 @@ class StepCost:
 
 PLAIN = StepCost()
 SLACK = 1e-6
+
+
+def _attended(lo: int, hi: int, window: int | None) -> float:
+    """sum of min(p, window) over p = lo..hi: the positions queries lo-1..hi-1 attend."""
+    top = hi if window is None else min(hi, window)
+    below = (lo + top) * (top - lo + 1) / 2 if top >= lo else 0.0
+    return below + (0 if window is None else window * max(0, hi - max(lo - 1, window)))
 
 
 def prompt_logprob_span(seq: Sequence, start: int, n: int) -> tuple[int, int]:

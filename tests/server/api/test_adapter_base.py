@@ -5,6 +5,7 @@ another base model is warned about, or refused under --strict-adapter-base. Real
 the same Redis and data dir with another tiny model."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -128,3 +129,6 @@ def test_the_fingerprint_tells_apart_models_of_the_same_shapes(tiny_model_dir, m
     assert (llama.hidden_size, llama.num_layers) == (mistral.hidden_size, mistral.num_layers)
     assert base_identity("m", llama) != base_identity("m", mistral)
     assert base_identity("m", llama) == base_identity("m", ModelConfig.from_dir(str(tiny_model_dir)))
+    # A window is attention's reach, not what a delta means: windowed layers keep a base's fingerprint.
+    windowed = dataclasses.replace(mistral, sliding_window=64, layer_windows=(64,) * mistral.num_layers)
+    assert base_identity("m", windowed) == base_identity("m", mistral)

@@ -237,3 +237,30 @@ def test_random_use_keeps_counts_pool_and_index_consistent(ops):
         bm.free(t)
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == 10
     assert bm.num_evictable_blocks == bm.num_cached_blocks
+
+
+def test_release_before_frees_whole_blocks_behind_a_position_and_leaves_placeholders():
+    """Blocks wholly before the position go back (indexed ones evictable, still hits), FREED in their
+    place; the table keeps its length, so growing, forking and freeing it go on as before."""
+    from server.engine.block_manager import FREED
+
+    bm = BlockManager(8, 4)
+    table: list[int] = []
+    bm.grow(table, 20)  # 5 blocks
+    first, second = table[0], table[1]
+    bm.index(first, _hash(0), None)
+    assert bm.release_before(table, 3) == 0  # block 0 still holds position 3
+    assert bm.release_before(table, 8) == 2
+    assert table[:2] == [FREED, FREED] and bm.num_used_blocks == 3
+    assert bm.lookup(_hash(0)) == first and first in bm.evictable and second in bm.free_blocks
+    assert bm.release_before(table, 9) == 0  # a prefix is released once
+    assert bm.release_before(table, -5) == 0
+    bm.grow(table, 24)
+    assert len(table) == 6 and bm.num_used_blocks == 4
+    child = bm.fork(table)
+    assert child[:2] == [FREED, FREED] and all(bm.ref_counts[b] == 2 for b in table[2:])
+    bm.release_before(child, 12)
+    assert child[:3] == [FREED] * 3 and bm.ref_counts[table[2]] == 1
+    bm.free(child)
+    bm.free(table)
+    assert bm.num_used_blocks == 0 and sorted(bm.ref_counts) == [0] * 8

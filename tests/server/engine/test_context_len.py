@@ -3,6 +3,7 @@ cannot fit is refused, and the choice is logged."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from server.engine import LLM
 from server.engine.config import ModelConfig
 from server.engine.context_len import MIN_FULL_SEQUENCES, ContextLengthError, choose_max_model_len, model_limit
 from server.engine.kv_cache import CPU_KV_MAX_BYTES, cpu_kv_budget_bytes, kv_bytes_per_block
+from server.engine.sliding_window import sequence_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -61,9 +63,9 @@ def test_model_limits_refuse_explicit_lengths_past_them():
     windowed = ModelConfig.from_dict({"architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8,
                                       "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                                       "max_position_embeddings": 4096, "sliding_window": 1024})
-    assert model_limit(windowed, None) == 1024
-    with pytest.raises(ContextLengthError, match="sliding window 1024"):
-        model_limit(windowed, 2048)
+    # The window is applied in attention, not as a cap on the context.
+    assert model_limit(windowed, None) == 4096 and model_limit(windowed, 4096) == 4096
+    assert windowed.layer_windows == (1024,) and windowed.kv_window == 1024
 
 
 def test_engine_fits_an_unset_length_to_the_pool_and_logs_it(tiny_model_dir, caplog):
@@ -87,3 +89,34 @@ def test_engine_refuses_an_explicit_length_the_pool_cannot_hold(tiny_model_dir):
         LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=1024)
     with pytest.raises(ContextLengthError, match="exceeds the model's max_position_embeddings"):
         LLM(tiny_model_dir, device="cpu", max_model_len=4096)
+
+
+def test_a_window_in_every_layer_bounds_what_one_sequence_holds():
+    """A model windowed in every layer holds its window and a step's chunk, whatever the length: a pool
+    of 40 blocks of 16 serves 32768-token sequences of a 256-token window with 256-token steps."""
+    held = partial(sequence_blocks, block_size=16, window=256, chunk=256)
+    assert held(100) == 7 and held(32768) == 33
+    assert choose_max_model_len(32768, 32768, num_blocks=40, block_size=16, held=held).max_model_len == 32768
+    assert choose_max_model_len(None, 32768, num_blocks=132, block_size=16, held=held).max_model_len == 32768
+    with pytest.raises(ContextLengthError, match="needs 33"):
+        choose_max_model_len(32768, 32768, num_blocks=32, block_size=16, held=held)
+    assert sequence_blocks(32768, 16, None, 256) == 2048
+
+
+def test_qwen_windows_the_layers_its_layer_types_say():
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "sliding_window": 64}
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"]}
+    assert ModelConfig.from_dict(qwen).layer_windows is None  # use_sliding_window is false unless set
+    on = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 2})
+    assert on.layer_windows == (None, None, 64, 64) and on.kv_window is None
+    typed = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 4})
+    assert typed.kv_window == 64
+    moe = ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "use_sliding_window": True,
+                                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})
+    assert moe.layer_windows == (64,) * 4
+    assert ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"]}).layer_windows is None
+    # Phi-3-mini-4k's 2047: transformers windows every layer with it.
+    assert ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"]}).kv_window == 64
+    with pytest.raises(ValueError, match="sliding_window 0"):
+        ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0})

@@ -205,3 +205,31 @@ def test_a_policy_change_drops_every_cached_block_and_turning_it_off_stops_hits(
     assert c.blocks.num_cached_blocks == 0 and c.hit_blocks(tenant="t") is None
     c.run(tenant="t")
     assert c.blocks.num_cached_blocks == 0
+
+
+def test_a_windowed_model_hits_on_the_blocks_its_window_reads_alone():
+    """Every layer windowed (6 tokens here): a hit of k blocks needs only the blocks the window of
+    position 4k reads, the earlier ones may be handed out again meanwhile; they are FREED in the hit, and the
+    request is told it reused them (the held blocks chain every token before them)."""
+    from server.engine.block_manager import FREED
+
+    c = Cache(num_blocks=8)
+    c.cache = PrefixCache(c.blocks, kv_window=6)
+    prompt = list(range(100, 125))  # 25 tokens: 6 full blocks may hit
+    first = c.run(prompt, tenant="t")
+    table = list(first.block_table)
+    c.done(first)
+    assert c.hit_blocks(prompt, tenant="t") == 6
+    # free() released the tail first, so the head is the most recent: put blocks 0 and 1 first in line.
+    for block in reversed(table[:2]):
+        c.blocks.evictable.move_to_end(block, last=False)
+    filler: list[int] = []
+    c.blocks.grow(filler, 4 * 4)  # 4 blocks: the 2 never indexed, then blocks 0 and 1 of the prompt
+    assert c.blocks.lookup(first.block_hashes[0]) is None and c.blocks.lookup(first.block_hashes[2]) is not None
+    again = c.run(prompt, tenant="t")
+    # Position 24 reads keys 19..24: blocks 4 and 5 are taken, 6 computed now; 0..3 FREED (0, 1 gone).
+    assert again.block_table[:4] == [FREED] * 4 and again.block_table[4:6] == table[4:6]
+    assert again.group.num_cached_tokens == 24
+    assert c.hit_blocks(prompt, tenant="u") == 0  # another tenant's seed: nothing
+    plain = PrefixCache(c.blocks)  # without the window the chain breaks at block 0
+    assert plain.lookup(request(prompt, 99, tenant="t")) == []

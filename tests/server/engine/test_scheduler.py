@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from adapters.format import LoraAdapter, LoraWeights
 from adapters.host_tier import HostTier
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import FREED, BlockManager
 from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
 from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from server.engine.sequence import Sequence, SequenceStatus
@@ -41,8 +41,9 @@ class Steps:
     """A Scheduler and the engine's side of each step, checking the batch's limits as it goes."""
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, max_loras: int = 2,
-                 cap: int | None = None, versions: tuple[str, ...] = (), step_cost: StepCost = PLAIN) -> None:
-        self.config = SchedulerConfig(max_num_seqs, budget, cap, step_cost=step_cost)
+                 cap: int | None = None, versions: tuple[str, ...] = (), step_cost: StepCost = PLAIN,
+                 kv_window: int | None = None) -> None:
+        self.config = SchedulerConfig(max_num_seqs, budget, cap, step_cost=step_cost, kv_window=kv_window)
         self.blocks = BlockManager(num_blocks, BLOCK)
         layers = [{"o": LoraGroupBuffers.allocate(WIDTH, (WIDTH,), max_loras, RANK, torch.float32, "cpu")}]
         self.slots = LoraSlots(layers, max_loras)
@@ -104,6 +105,10 @@ class Steps:
         for seq, n, slot in zip(batch.seqs, batch.num_tokens, batch.lora_slots):
             assert seq.status is SequenceStatus.RUNNING and 0 < n <= seq.num_pending_tokens
             assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n
+            # Every block the step's queries read is held: released ones lie wholly behind the window.
+            window = self.config.kv_window
+            first = 0 if window is None else max(0, seq.num_computed_tokens + 1 - window) // BLOCK
+            assert FREED not in seq.block_table[first:]
             assert (slot == -1) == (seq.version_id is None)
             assert slot == -1 or self.slots.slot_of[seq.version_id] == slot
         held = Counter(b for s in sched.running for b in s.block_table)
@@ -280,12 +285,14 @@ _request = st.tuples(st.integers(1, 20), st.sampled_from(["a", "b", None]), st.s
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(_request, min_size=3, max_size=10), st.sampled_from([7, 10, 16]), st.sampled_from([8, 16, 64]),
-       st.integers(2, 4), st.sampled_from([None, 4]), st.sampled_from([PLAIN, StepCost(0.05, 0.5)]))
+       st.integers(2, 4), st.sampled_from([None, 4]), st.sampled_from([PLAIN, StepCost(0.05, 0.5)]),
+       st.sampled_from([None, None, 3, 6]))
 def test_random_workloads_keep_every_limit_and_finish_every_request_intact(requests, num_blocks, budget, max_num_seqs,
-                                                                           cap, step_cost):
-    # 7 blocks hold the longest request (26 tokens) alone: smaller pools could never finish it.
+                                                                           cap, step_cost, kv_window):
+    # 7 blocks hold the longest request (26 tokens) alone: smaller pools could never finish it. With a
+    # kv_window (every layer windowed) blocks behind it are released as sequences run.
     s = Steps(num_blocks, max_num_seqs=max_num_seqs, budget=budget, cap=cap, versions=("v1", "v2", "v3"),
-              step_cost=step_cost)
+              step_cost=step_cost, kv_window=kv_window)
     seqs = [(s.add(prompt_len, tenant=tenant, version=version, n=n, max_tokens=max_tokens,
                    prompt_logprobs=0 if scored else None), abort_at)
             for prompt_len, tenant, version, n, max_tokens, abort_at, scored in requests]
