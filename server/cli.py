@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'; the output is the plain engine\'s '
-                        '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory) (default off)')
+                        '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory), '
+                        'draft_model ("model": a smaller model with the same vocabulary) (default off)')
     s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="in-process",
                    help="where the engine runs: in-process (its step loop on a thread of the server process) or "
                         "separate (an engine-core process of its own, reached over ZMQ: HTTP, tokenizing and "
