@@ -99,6 +99,22 @@ def test_draft_of_another_vocabulary_is_refused_naming_both_sizes(tiny_model_dir
     assert "\n" not in message and f"({want} tokens)" in message and f"({VOCAB} tokens)" in message
 
 
+def test_serve_refuses_a_draft_of_another_vocabulary_in_one_line_before_the_model_loads(tiny_model_dir, tmp_path):
+    from server.cli import build_parser, prepare_model
+    from server.config import ConfigError, ServerConfig
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({**json.loads((tiny_model_dir / "config.json").read_text()),
+                                                   "vocab_size": 1000}))
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"),
+                                      "--admin-token", "x" * 16, "--speculative-config", json.dumps(spec(draft))])
+    with pytest.raises(ConfigError) as e:
+        prepare_model(ServerConfig.from_args(args, env={}))
+    assert str(e.value) == ("--speculative-config: speculative draft model's vocabulary (1000 tokens) does not "
+                            f"match the target's ({VOCAB} tokens)")
+
+
 def test_draft_of_an_architecture_not_served_is_refused(tiny_model_dir, tmp_path):
     draft = tmp_path / "gpt2"
     draft.mkdir()
