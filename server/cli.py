@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'; the output is the plain engine\'s '
-                        '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory) (default off)')
+                        '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory), '
+                        'draft_model ("model": a smaller model with the same vocabulary) (default off)')
     s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="in-process",
                    help="where the engine runs: in-process (its step loop on a thread of the server process) or "
                         "separate (an engine-core process of its own, reached over ZMQ: HTTP, tokenizing and "
@@ -431,23 +432,27 @@ def prepare_model(config: ServerConfig) -> None:
         check_checkpoint(resolved.model_dir, require_gptq=config.quantization in GPTQ_QUANTIZATIONS)
     except ModelConfigError as e:
         raise ConfigError(f"--model: {e}") from None
-    _check_medusa_heads(config, resolved.model_dir)
+    _check_speculative_model(config, resolved.model_dir)
 
 
-def _check_medusa_heads(config: ServerConfig, model_dir: Path) -> None:
-    """--speculative-config's Medusa heads against the model, so a misfit is one line here, not a
-    lifespan traceback."""
-    from server.engine.config import ModelConfig
+def _check_speculative_model(config: ServerConfig, model_dir: Path) -> None:
+    """--speculative-config's Medusa heads or draft model against the model, so a misfit is one line
+    here, not a lifespan traceback."""
+    from server.engine.config import ModelConfig, ModelConfigError
+    from server.engine.draft_model_loader import read_draft_config
     from server.engine.medusa_heads import MedusaHeadsError, read_heads_dir
     from server.engine.speculative_config import parse_speculative_config
 
     spec = parse_speculative_config(config.speculative_config)
-    if spec is None or spec.method != "medusa":
+    if spec is None or spec.model is None:
         return
     mcfg = ModelConfig.from_dir(model_dir)
     try:
-        read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
-    except MedusaHeadsError as e:
+        if spec.method == "medusa":
+            read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
+        else:
+            read_draft_config(spec.model, mcfg)
+    except (MedusaHeadsError, ModelConfigError) as e:
         raise ConfigError(f"--speculative-config: {e}") from None
 
 

@@ -15,6 +15,10 @@ time from its first token to its last; decode tok/s is the tokens after the firs
 token). The ratio is taken per round (the same load for both halves) and its median reported.
 
     .venv/bin/python -m benchmarks.engine.speculative --json docs/benchmarks/speculative-ngram-cpu.json
+
+--draft-self runs the draft_model method with the served model as its own draft: no smaller model with
+the default model's vocabulary is installed, so this row shows the mechanism's overhead (every greedy
+draft accepted, each costing a draft forward as large as the target's), not a speed-up to expect.
 """
 from __future__ import annotations
 
@@ -86,6 +90,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model directory (default: the default model, converted)")
     ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="the --speculative-config JSON")
+    ap.add_argument("--draft-self", type=int, default=None, metavar="K",
+                    help="instead of --spec: the draft_model method with the model as its own draft, K drafts")
     ap.add_argument("--cases", default="grounded:1,chat:1,grounded:8,chat:8,grounded:32,chat:32",
                     help="workload:batch, comma separated")
     ap.add_argument("--items", type=int, default=12, help="requests per batch-1 case")
@@ -96,6 +102,8 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else default_model()
     spec = json.loads(args.spec)
+    if args.draft_self is not None:
+        spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": args.draft_self}
     opts = dict(device="cpu", dtype="float32", max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024,
                 cpu_threads=args.cpu_threads)
     plain, specd = LLM(model_dir, **opts), LLM(model_dir, speculative_config=spec, **opts)

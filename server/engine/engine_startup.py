@@ -29,11 +29,13 @@ from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.draft_model_loader import load_draft_model, read_draft_config
+from server.engine.draft_model_proposer import DraftModelProposer
 from server.engine.grammar import Grammars
 from server.engine.grammar_mask import GrammarMask
 from server.engine.kernel_choice import select_kernels
 from server.engine.kernel_ops import KernelOps
-from server.engine.kv_cache import KvPoolInfo, allocate_kv_cache, allocate_lora_slots
+from server.engine.kv_cache import KvPoolInfo, allocate_kv_cache, allocate_lora_slots, kv_pool_like
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
 from server.engine.lora.dora_precompute import DoraPrecompute
 from server.engine.lora.dora_scale_cache import ScaleStore
@@ -94,6 +96,8 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
                        dora_scale_store: ScaleStore | None) -> EngineParts:
     mcfg = ModelConfig.from_dir(config.model)
     medusa_heads = _read_medusa_heads(config, mcfg)  # before the model loads: a misfit is refused at once
+    spec = config.speculative_config
+    draft_cfg = read_draft_config(spec.model, mcfg) if spec is not None and spec.method == "draft_model" else None
     device, bind_thread, dtype, kv_dtype = _set_up_device(config, mcfg)
     # Until the KV pool is sized, the longest context the model allows (or the one asked for).
     limit = model_limit(mcfg, config.max_model_len)
@@ -106,7 +110,9 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store, paging,
                       config.max_pinned_adapters_per_tenant, vocab=model.vocab_parts)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
-    kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype)
+    draft_model = None if draft_cfg is None else load_draft_model(
+        spec.model, draft_cfg, dtype, device, max_len, max(config.max_num_batched_tokens, config.max_num_seqs))
+    kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype, draft_cfg)
     context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size,
                                    partial(sequence_blocks, block_size=config.block_size, window=mcfg.kv_window,
                                            chunk=config.max_num_batched_tokens))
@@ -116,6 +122,10 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks,
                                    mcfg.kv_window)
     kernels = _select_kernels(config, device, dtype)
+    if draft_model is not None:  # its own pool, at the target's block ids (server.engine.draft_model_proposer)
+        draft_kv = kv_pool_like(draft_cfg, kv_pool.blocks, config.block_size, kv_dtype, device)
+        scheduler.draft_model = DraftModelProposer(draft_model, draft_kv, kernels, config.block_size,
+                                                   torch.empty(3, 1, 1, dtype=dtype, device=device), device)
     # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
     budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
     grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)

@@ -57,13 +57,16 @@ def cpu_kv_budget_bytes(total_memory: int, per_block: int, max_num_seqs: int, bl
 
 
 def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
-                  max_len: int, cache_dtype: torch.dtype | None = None) -> int:
+                  max_len: int, cache_dtype: torch.dtype | None = None, draft: ModelConfig | None = None) -> int:
     """max_len: the longest sequence the pool may have to hold (the model's limit when unset);
     dtype: the activations'; cache_dtype: what the pool stores (dtype when None): a byte budget holds
-    4x the float32 blocks in fp8."""
+    4x the float32 blocks in fp8. draft: a draft model (speculative decoding) whose pool has as many
+    blocks: the budget pays for both."""
     if cfg.kv_cache_blocks is not None:
         return cfg.kv_cache_blocks
     per_block = kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype or dtype)
+    if draft is not None:
+        per_block += kv_bytes_per_block(draft, cfg.block_size, cache_dtype or dtype)
     if device.type == "cuda":
         # Freed tensors (the unfused projections) stay in PyTorch's cache, invisible to mem_get_info.
         torch.cuda.empty_cache()
@@ -92,19 +95,27 @@ class KvPoolInfo:
         return self.blocks * self.block_size
 
 
-def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device, cache_dtype=None):
+def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device, cache_dtype=None,
+                      draft: ModelConfig | None = None):
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D] of cache_dtype (dtype, the
     activations', when None), and the pool's KvPoolInfo; whether a sequence of the chosen length fits
-    is server.engine.context_len's to say."""
+    is server.engine.context_len's to say. draft: sized so that a draft model's pool of as many blocks
+    (kv_pool_like) fits too."""
     cache_dtype = cache_dtype or dtype
-    blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype)
-    shape = (blocks, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim)
-    zeros = _lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
-    caches = [(zeros(shape, dtype=cache_dtype, device=device), zeros(shape, dtype=cache_dtype, device=device))
-              for _ in range(mcfg.num_layers)]
+    blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype, draft)
+    caches = kv_pool_like(mcfg, blocks, cfg.block_size, cache_dtype, device)
     info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.block_size,
                       blocks * kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype))
     return caches, info
+
+
+def kv_pool_like(mcfg: ModelConfig, blocks: int, block_size: int, cache_dtype: torch.dtype,
+                 device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer of `mcfg`, (k_cache, v_cache) of `blocks` blocks, zeroed."""
+    shape = (blocks, block_size, mcfg.num_kv_heads, mcfg.head_dim)
+    zeros = _lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
+    return [(zeros(shape, dtype=cache_dtype, device=device), zeros(shape, dtype=cache_dtype, device=device))
+            for _ in range(mcfg.num_layers)]
 
 
 def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

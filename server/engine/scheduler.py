@@ -39,8 +39,10 @@ block like allocating one does, so the cache never crowds out running work.
 
 With speculative decoding (server.engine.speculative_config), a decoding sequence whose next tokens
 can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from its output index
-alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer); they count
-against the token budget and get KV slots like any token. The output processor rolls back what the
+alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
+or a draft model's: server.engine.draft_model_proposer); they count against the token budget and get KV
+slots like any token. A draft model always makes the k asked for, so room for them is made first and the
+drafts are made at the end of schedule(), in one batch over the sequences still in the step. The output processor rolls back what the
 model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
 speculates while disable_by_batch_size sequences run; a request may opt out (SamplingParams.speculative).
 """
@@ -53,6 +55,7 @@ from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
+from server.engine.draft_model_proposer import DraftModelProposer, DraftRequest
 from server.engine.draft_length import DraftLength
 from server.engine.fair_queue import FairQueue
 from server.engine.lora.alora import adapter_from
@@ -140,6 +143,7 @@ class Scheduler:
         spec = config.speculative
         self.spec_counters = SpecDecodeCounters(spec.method if spec is not None else None)
         self.draft_lengths: dict[Sequence, DraftLength] = {}  # per running sequence: its adaptive k
+        self.draft_model: DraftModelProposer | None = None  # the draft_model method's (engine_startup sets it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -206,7 +210,17 @@ class Scheduler:
             budget -= n
         budget = self._admit(batch, budget, prefill, scan, admit=not batch.preempted)
         self._share_leftover(batch, budget, prefill)
+        if self.draft_model is not None and speculate:
+            self._draft_with_model(batch)
         return batch
+
+    def _draft_with_model(self, batch: ScheduledBatch) -> None:
+        """The draft model's drafts for the sequences given room for them (placeholders until now), made
+        once every preemption of the step is done, in one batch."""
+        rows = [i for i, d in enumerate(batch.drafts) if d]
+        requests = [DraftRequest(batch.seqs[i], len(batch.drafts[i])) for i in rows]
+        for i, drafts in zip(rows, self.draft_model.propose(requests)):
+            batch.drafts[i] = drafts
 
     def _demands(self, prompts: list[Sequence], scan: list[Sequence], budget: int, cost: StepCost,
                  total: float) -> dict[str | None, float]:
@@ -272,6 +286,8 @@ class Scheduler:
             return ()
         if spec.method == "medusa":
             return list(seq.proposed[:k]) or ()
+        if spec.method == "draft_model":
+            return [0] * k  # placeholders: the draft model fills them in (_draft_with_model)
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -289,6 +305,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.waited_for_load.discard(seq)
         self.draft_lengths.pop(seq, None)
+        if self.draft_model is not None:
+            self.draft_model.forget(seq)
         seq.status = SequenceStatus.FINISHED
 
     def fork(self, parent: Sequence) -> list[Sequence]:
@@ -474,6 +492,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        if self.draft_model is not None:
+            self.draft_model.forget(seq)  # its draft KV went with its blocks
         self.num_preemptions += 1
         if seq in batch.seqs:
             i = batch.seqs.index(seq)

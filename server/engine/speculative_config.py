@@ -1,7 +1,8 @@
 """vLLM's --speculative-config, parsed and checked at start: which draft method, and its knobs.
 
-`ngram` (prompt lookup, server.engine.ngram_proposer) and `medusa` (heads over the target's hidden state
-from `"model": DIR`, server.engine.medusa_heads) are served; every other method, and every key the method
+`ngram` (prompt lookup, server.engine.ngram_proposer), `medusa` (heads over the target's hidden state
+from `"model": DIR`, server.engine.medusa_heads) and `draft_model` (a smaller model with the target's
+vocabulary from `"model": DIR`, server.engine.draft_model_proposer) are served; every other method, and every key the method
 does not read, is refused in one line naming it, so a config written for vLLM never silently runs
 something else.
 """
@@ -11,10 +12,13 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-METHODS = ("ngram", "medusa")
+METHODS = ("ngram", "medusa", "draft_model")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 # The keys each method reads.
-_METHOD_KEYS = {"ngram": _KEYS, "medusa": ("method", "num_speculative_tokens", "model", "disable_by_batch_size")}
+_MODEL_KEYS = ("method", "num_speculative_tokens", "model", "disable_by_batch_size")
+_METHOD_KEYS = {"ngram": _KEYS, "medusa": _MODEL_KEYS, "draft_model": _MODEL_KEYS}
+# What "model" names, per method that reads it.
+_MODEL_IS = {"medusa": "the directory of its heads", "draft_model": "the draft model's directory"}
 # One verify step scores k + 1 positions per sequence: past a few dozen drafts a miss costs more than
 # any hit could save.
 MAX_SPECULATIVE_TOKENS = 32
@@ -33,7 +37,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: drafts proposed per sequence and step
     prompt_lookup_max: int  # the longest suffix matched
     prompt_lookup_min: int  # the shortest
-    model: str | None = None  # medusa: the heads' directory (server.engine.medusa_heads)
+    # medusa: the heads' directory (server.engine.medusa_heads); draft_model: the draft model's
+    model: str | None = None
     # vLLM's: no step speculates while this many sequences run; None until the engine picks it for its
     # device (resolve_disable_by_batch_size).
     disable_by_batch_size: int | None = None
@@ -64,10 +69,10 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
     cutoff = value.get("disable_by_batch_size")
     if cutoff is not None and _positive(value, "disable_by_batch_size", None) < 2:
         raise ValueError("speculative config disable_by_batch_size must be >= 2")
-    if method == "medusa":
+    if method in _MODEL_IS:
         model = value.get("model")
         if not isinstance(model, str) or not model:
-            raise ValueError("speculative method medusa needs \"model\": the directory of its heads")
+            raise ValueError(f"speculative method {method} needs \"model\": {_MODEL_IS[method]}")
         return SpeculativeConfig(method, k, DEFAULT_LOOKUP, DEFAULT_LOOKUP, model, cutoff)
     # vLLM's defaults: one bound given is both; neither, 5.
     given = value.get("prompt_lookup_max", value.get("prompt_lookup_min", DEFAULT_LOOKUP))

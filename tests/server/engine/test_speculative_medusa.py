@@ -63,24 +63,29 @@ def prompts_of(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))] for _ in range(n)]
 
 
+def check_mixed_batch(plain: LLM, spec: LLM, sampled: bool):
+    """A mixed batch of base and adapter rows, through preemption and prefix-cache hits: `spec` (with
+    drafts) gives `plain`'s outputs; its output processor, for the caller to check acceptance on."""
+    prompts = prompts_of(8, seed=3)
+    prompts += [p[:] for p in prompts[:2]]  # the same prompts again: prefix-cache hits
+    names = [None, "r8_all", "r4_qv", None, "r8_all", "r4_qv", None, "r8_all", None, "r8_all"]
+    rng = random.Random(9)
+    ps = [mixed_params(i, sampled, {rng.randrange(3, VOCAB): 2.0}) for i in range(len(prompts))]
+    outs = [generate_checked(llm, prompts, ps, names) for llm in (plain, spec)]
+    assert_same(*outs)
+    stats = spec.engine.stats()
+    assert stats.scheduler.preemptions > 0 and stats.prefix_cache.hit_tokens > 0
+    processor = spec.engine.output_processor
+    assert processor.num_draft_tokens > 0
+    return processor
+
+
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("heads", ["random", "trained"])
 def test_mixed_batch_matches_plain_engine_through_preemption_and_prefix_hits(tiny_model_dir, tiny_adapters,
                                                                              trained_heads, tmp_path, sampled, heads):
     chosen = trained_heads if heads == "trained" else random_heads(tmp_path / "heads")
-    plain, medusa = pair(tiny_model_dir, tiny_adapters, chosen, kv_cache_blocks=20)
-    prompts = prompts_of(8, seed=3)
-    prompts += [p[:] for p in prompts[:2]]  # the same prompts again: prefix-cache hits
-    names = [None, "r8_all", "r4_qv", None, "r8_all", "r4_qv", None, "r8_all", None, "r8_all"]
-    rng = random.Random(9)
-
-    ps = [mixed_params(i, sampled, {rng.randrange(3, VOCAB): 2.0}) for i in range(len(prompts))]
-    outs = [generate_checked(llm, prompts, ps, names) for llm in (plain, medusa)]
-    assert_same(*outs)
-    stats = medusa.engine.stats()
-    assert stats.scheduler.preemptions > 0 and stats.prefix_cache.hit_tokens > 0
-    processor = medusa.engine.output_processor
-    assert processor.num_draft_tokens > 0
+    processor = check_mixed_batch(*pair(tiny_model_dir, tiny_adapters, chosen, kv_cache_blocks=20), sampled)
     if heads == "trained":
         assert processor.num_accepted_tokens > 0, "no draft was accepted: the test shows nothing"
 

@@ -1,0 +1,39 @@
+"""The draft_model method's model, loaded and checked against the target at start.
+
+Any architecture the engine serves (ModelConfig.from_dir refuses the rest), with the target's vocabulary:
+a draft token is an id the target scores, so different sizes are refused in one line naming both. Its
+weights are served as the checkpoint's floats in the target's dtype; its LoRA buffers are one slot of
+rank 1 that no step reads (the draft runs the base draft model for every adapter).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from server.engine.config import ModelConfig, ModelConfigError
+from server.engine.kv_cache import allocate_lora_slots
+from server.engine.model import CausalLM
+from server.engine.weights import load_weights
+
+
+def read_draft_config(model_dir: str, target: ModelConfig) -> ModelConfig:
+    """The draft's config, refused (ModelConfigError, one line) where it cannot draft for `target`."""
+    if not Path(model_dir, "config.json").is_file():
+        raise ModelConfigError(f"speculative draft model {model_dir!r} has no config.json")
+    if target.kv_window is not None:
+        # The draft's KV rides the target's block ids, which a windowed target releases behind its window.
+        raise ModelConfigError(f"speculative method draft_model is not supported for a target with a sliding "
+                               f"window in every layer ({target.architecture}, window {target.kv_window})")
+    draft = ModelConfig.from_dir(model_dir)
+    if draft.vocab_size != target.vocab_size:
+        raise ModelConfigError(f"speculative draft model's vocabulary ({draft.vocab_size} tokens) does not match "
+                               f"the target's ({target.vocab_size} tokens)")
+    return draft
+
+
+def load_draft_model(model_dir: str, draft: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+                     max_tokens: int) -> CausalLM:
+    """max_tokens: the most tokens one draft forward takes (its catch-up is cut to it)."""
+    weights = load_weights(model_dir, draft, dtype, device)
+    return CausalLM(draft, weights, allocate_lora_slots(draft, 1, 1, dtype, device), max_len, max_tokens)

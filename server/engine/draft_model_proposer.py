@@ -1,0 +1,138 @@
+"""A smaller model's greedy drafts (vLLM's `draft_model` method), batched across the step's sequences.
+
+The draft keeps a paged KV pool of its own with as many blocks, of the same size, as the target's, and
+writes each sequence's positions at the same block ids the target's block table gives them: the
+scheduler has already made room for the step's tokens (the last one and the k drafts) when it asks for
+drafts, so every position the draft writes has a block, owned by that sequence. A sequence's draft KV
+is its own to rebuild: it starts from position 0 (a prefix-cache hit or a fork gives the target's KV,
+not the draft's), after a preemption it starts again, and a block it shares holds the same tokens at
+the same positions, so the draft writes the same values there.
+
+Per step: a catch-up over the tokens the draft has not seen (the whole prompt once, then the drafts
+the target accepted past the ones the draft wrote itself), in forwards of at most `max_tokens`, then k
+one-token passes over every speculating sequence: the last token gives the first draft, each draft
+the next. The last draft is never written; rejected positions are overwritten by later passes.
+
+The draft runs the base draft model for every sequence (an adapter's own draft LoRA is not served).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import AttentionBatch, LoraBatch
+from server.engine.kernel_ops import KernelOps
+from server.engine.model import CausalLM, StepContext
+from server.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's drafts to make this step: k of them after its last token."""
+
+    seq: Sequence
+    k: int
+
+
+@dataclass
+class _DraftState:
+    computed: int  # the sequence's leading positions whose draft KV is right
+    written_from: int = 0  # where the drafts written last step start (their tokens are `written`)
+    written: tuple[int, ...] = ()
+
+
+class DraftModelProposer:
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps,
+                 block_size: int, lora_scratch: torch.Tensor, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.ops = ops
+        self.block_size = block_size
+        self.lora_scratch = lora_scratch  # the draft's LoRA buffers are never read: no adapter is applied
+        self.device = device
+        self.max_tokens = model.workspace.max_tokens
+        self.states: dict[Sequence, _DraftState] = {}
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished or lost its blocks (preempted): its draft KV is gone with them."""
+        self.states.pop(seq, None)
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's k greedy drafts after its sequence's last token."""
+        if not requests:
+            return []
+        states = [self._state(r.seq) for r in requests]
+        self._catch_up(requests, states)
+        drafts: list[list[int]] = [[] for _ in requests]
+        live = list(range(len(requests)))  # requests still drafting
+        last = [r.seq.token_ids[-1] for r in requests]
+        for j in range(max(r.k for r in requests)):
+            live = [i for i in live if len(drafts[i]) < requests[i].k]
+            # Position of the token fed: the sequence's last one, then each draft in turn.
+            positions = [len(requests[i].seq.token_ids) - 1 + j for i in live]
+            tokens = [last[i] if j == 0 else drafts[i][-1] for i in live]
+            logits = self._forward([requests[i].seq for i in live], positions, [[t] for t in tokens], True)
+            for i, t in zip(live, logits.argmax(dim=-1).tolist()):
+                drafts[i].append(t)
+        for r, state, d in zip(requests, states, drafts):
+            # Written: the last token and every draft but the last, at these positions.
+            state.computed = len(r.seq.token_ids)
+            state.written_from = state.computed
+            state.written = tuple(d[:-1])
+        return drafts
+
+    def _state(self, seq: Sequence) -> _DraftState:
+        """`seq`'s draft state, its drafts the target accepted since counted as computed."""
+        state = self.states.get(seq)
+        if state is None:
+            state = self.states[seq] = _DraftState(0)
+            return state
+        tokens = seq.token_ids
+        m = 0
+        while (m < len(state.written) and state.written_from + m < len(tokens) - 1
+               and tokens[state.written_from + m] == state.written[m]):
+            m += 1
+        state.computed = state.written_from + m
+        state.written = ()
+        return state
+
+    def _catch_up(self, requests: list[DraftRequest], states: list[_DraftState]) -> None:
+        """Draft KV for every token before each sequence's last, in forwards of at most max_tokens."""
+        todo = [(r.seq, s.computed, len(r.seq.token_ids) - 1) for r, s in zip(requests, states)]
+        todo = [t for t in todo if t[1] < t[2]]
+        while todo:
+            room = self.max_tokens
+            seqs, starts, chunks, rest = [], [], [], []
+            for seq, start, end in todo:
+                n = min(end - start, room)
+                if n > 0:
+                    seqs.append(seq)
+                    starts.append(start)
+                    chunks.append(seq.token_ids[start : start + n])
+                    room -= n
+                if start + n < end:
+                    rest.append((seq, start + n, end))
+            self._forward(seqs, starts, chunks, False)
+            todo = rest
+
+    def _forward(self, seqs: list[Sequence], starts: list[int], chunks: list[list[int]],
+                 logits: bool) -> torch.Tensor:
+        """One forward of the draft: chunk i at positions starts[i].. of seqs[i]; the logits at each chunk's
+        last token when `logits`, else nothing (the KV is what it was for)."""
+        dev = self.device
+        lens = [len(c) for c in chunks]
+        attn = AttentionBatch.build([s.block_table for s in seqs], starts, lens, self.block_size, dev)
+        positions = [p for start, n in zip(starts, lens) for p in range(start, start + n)]
+        ctx = StepContext(ops=self.ops, positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+                          attn=attn, lora=LoraBatch.build([-1] * len(positions), dev), lora_scratch=self.lora_scratch)
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long).to(dev, non_blocking=True)
+        ends = []
+        if logits:
+            total = 0
+            for n in lens:
+                total += n
+                ends.append(total - 1)
+        rows = torch.tensor(ends, dtype=torch.long).to(dev, non_blocking=True)
+        hidden = self.model.hidden_rows(ids, self.kv_caches, ctx, rows)
+        return self.model.logits(hidden, self.ops) if logits else hidden
