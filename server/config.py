@@ -145,6 +145,7 @@ class ServerConfig:
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     async_scheduling: bool = False        # --async-scheduling: prepare decode step N+1 while N runs
     speculative_config: str | None = None  # --speculative-config: JSON (server.engine.speculative_config)
+    tensor_parallel_size: int = 1         # --tensor-parallel-size: ranks over gloo (server.engine.parallel)
     # --engine-process: the engine in this process's step-loop thread, or in an engine-core process of
     # its own (server.engine.core); ENGINE_PROCESSES.
     engine_process: str = "in-process"
@@ -291,6 +292,8 @@ class ServerConfig:
             parse_speculative_config(self.speculative_config)
         except ValueError as e:
             raise ConfigError(f"--speculative-config: {e}") from None
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.speculative_config is not None and self.async_scheduling:
             raise ConfigError("--speculative-config does not combine with --async-scheduling yet")
 
@@ -387,6 +390,7 @@ class ServerConfig:
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", False),
             speculative_config=getattr(args, "speculative_config", None),
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
             engine_process=getattr(args, "engine_process", "in-process"),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             cpu_placement=_cpu_placement(args),

@@ -247,6 +247,10 @@ class EngineConfig:
     # naming its constraint. Masks are filled off the step either way: these bound what one request costs.
     max_mask_fill_seconds: float = 1.0
     max_mask_seconds_per_request: float = 60.0
+    # vLLM's --tensor-parallel-size: the base split across this many processes joined by torch.distributed
+    # (gloo, CPU devices; server.engine.parallel), each with its heads, intermediate columns and vocabulary
+    # rows; 1: one process, as without it.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_quantization_name(self.quantization)
@@ -302,6 +306,8 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             # A step prepared ahead assumes one token per sequence; drafts change how far each gets.
             raise ValueError("speculative_config does not combine with async_scheduling yet")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

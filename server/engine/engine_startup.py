@@ -44,6 +44,8 @@ from server.engine.mask_lane import MaskBudget
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
+from server.engine.parallel.tp_leader import start_tensor_parallel
+from server.engine.parallel.tp_model import tp_refusal
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
 from server.engine.step_cost import StepCost
 from server.engine.tokenizer_loader import load_tokenizer
@@ -91,11 +93,15 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     limit = model_limit(mcfg, config.max_model_len)
     max_len = config.max_model_len or limit
     tokenizer, eos_token_ids = _load_tokenizer(config, mcfg)
+    tensor_parallel = config.tensor_parallel_size > 1
+    if tensor_parallel:
+        _check_tensor_parallel(config, mcfg, device)
     paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
     max_loras = paging.entries
     # Everything else on the device is allocated before the KV pool is sized from what is left.
-    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store, paging,
-                      config.max_pinned_adapters_per_tenant)
+    # DoRA is not sharded yet: without DoraScales the slots refuse DoRA adapters.
+    slots = LoraSlots(lora_layers, max_loras, None if tensor_parallel else DoraScales.of_model(model),
+                      dora_scale_store, paging, config.max_pinned_adapters_per_tenant)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype)
     context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size)
@@ -114,6 +120,9 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
     dora_precompute = DoraPrecompute(host, slots.dora_cache)
     _capture_decode_graphs(config, device, kernels, runner, max_loras, max_model_len)
+    if tensor_parallel:  # the workers start now: the model, slots and pool are sized
+        runner = start_tensor_parallel(config, runner, lora_layers, max_len, kv_pool.blocks)
+        model = runner.model
     # --async-scheduling: forwards on a worker thread while this one prepares the next step
     # (server.engine.async_step).
     overlap = AsyncScheduling(runner, scheduler, blocks, max_model_len,
@@ -126,6 +135,18 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
         kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
         dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,
         output_processor=OutputProcessor(scheduler, detokenizer, eos_token_ids, max_model_len))
+
+
+def _check_tensor_parallel(config: EngineConfig, mcfg: ModelConfig, device: torch.device) -> None:
+    """Refuses, in one line, what --tensor-parallel-size does not shard yet (later slices)."""
+    n = config.tensor_parallel_size
+    if device.type != "cpu":
+        raise ModelConfigError(f"--tensor-parallel-size {n} runs on CPU devices (gloo) for now, not {device}")
+    if config.lora_page_rows is not None:
+        raise ModelConfigError(f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet")
+    refusal = tp_refusal(mcfg, config.quantization, n)
+    if refusal is not None:
+        raise ModelConfigError(refusal)
 
 
 def _set_up_device(config: EngineConfig,
