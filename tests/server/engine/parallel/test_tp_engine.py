@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from adapters.format import load_adapter_dir
 from server.demo import make_adapter, make_base_model
 from server.engine import LLM, RequestError, SamplingParams
 from server.engine.config import ModelConfigError
@@ -70,6 +71,13 @@ def test_tp2_engine_matches_tp1(arch, arch_adapters):
 def test_dora_adapter_refused_under_tp(tp_llm, tiny_dora_adapters):
     with pytest.raises(RequestError, match="DoRA adapters are not served with --tensor-parallel-size 2"):
         tp_llm.add_adapter("d", tiny_dora_adapters["dora_r8_all"])
+
+
+def test_dora_adapter_fetched_on_demand_fails_its_load(tp_llm, tiny_dora_adapters):
+    """The host tier's on-demand path (LoraSlots.prepare on its loader threads) refuses it too."""
+    adapter = load_adapter_dir(tiny_dora_adapters["dora_r8_all"], tp_llm.engine.adapter_shape, 64)
+    with pytest.raises(ValueError, match="does not shard DoRA yet"):
+        tp_llm.engine.host.packed(adapter, "v-dora")
 
 
 def test_dead_worker_fails_the_step(tp_llm, tiny_adapters):
