@@ -6,7 +6,8 @@ float32, served by the engine at --tensor-parallel-size 2 (gloo, one thread per 
 --batch prompts of --prompt tokens with two adapters (ranks 8 and 16) and base rows; the prefill step(s)
 and the decode steps are metered apart on rank 0 (server.engine.parallel.collectives): bytes and seconds
 of the row-parallel all_reduces (2 per layer per step: o and down; the LoRA deltas ride them) and of the
-lm_head's logits all_gather (1 per step). Tokens/s beside TP = 1 at one and two threads, for scale: on a
+lm_head's logits all_gather (1 per step); with --fully-sharded-loras, also the shrink outputs' all_gathers
+(qkv, gate_up) and all_reduces (o, down) per layer. Tokens/s beside TP = 1 at one and two threads, for scale: on a
 2-core machine shared by others, TP = 2 buys memory (each rank holds half the projections), not speed.
 
     .venv/bin/python -m benchmarks.engine.bench_tp_comm --json docs/benchmarks/tp-comm-cpu.json
@@ -41,18 +42,19 @@ def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def comm_row(comm, layers: int, seconds: float) -> dict:
-    steps = max(comm.calls["all_gather"], 1)  # one gather per forward
-    return {"steps": comm.calls["all_gather"], "seconds": seconds,
+def comm_row(comm, layers: int, seconds: float, steps: int) -> dict:
+    """Per layer per step: the all_reduces; per step: the all_gathers (the logits', plus the shrinks' when
+    fully sharded)."""
+    return {"steps": steps, "seconds": seconds,
             "all_reduce_bytes_per_layer_step": comm.bytes["all_reduce"] / (steps * layers),
             "all_reduce_ms_per_layer_step": 1e3 * comm.seconds["all_reduce"] / (steps * layers),
             "all_gather_bytes_per_step": comm.bytes["all_gather"] / steps,
             "all_gather_ms_per_step": 1e3 * comm.seconds["all_gather"] / steps}
 
 
-def serve_batch(llm: LLM, prompts, names, tokens: int, tag: str) -> tuple[float, float, int]:
+def serve_batch(llm: LLM, prompts, names, tokens: int, tag: str) -> tuple[float, float, dict | None, int]:
     """Every request added, then one step (the prefill: the batch fits one step's tokens), then the decode
-    steps until done: (prefill seconds, decode seconds, decode tokens)."""
+    steps until done: (prefill seconds, decode seconds, the prefill's communication, decode steps)."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens + 1)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
@@ -63,12 +65,14 @@ def serve_batch(llm: LLM, prompts, names, tokens: int, tag: str) -> tuple[float,
     comm = getattr(engine.runner, "comm", None)
     snapshot = None
     if comm is not None:
-        snapshot = comm_row(comm, llm.engine.model_config.num_layers, prefill)
+        snapshot = comm_row(comm, llm.engine.model_config.num_layers, prefill, 1)
         comm.reset()
     start = time.perf_counter()
+    steps = 0
     while engine.has_unfinished_requests():
         engine.step()
-    return prefill, time.perf_counter() - start, snapshot
+        steps += 1
+    return prefill, time.perf_counter() - start, snapshot, steps
 
 
 def run(args) -> dict:
@@ -80,19 +84,21 @@ def run(args) -> dict:
         kw = dict(device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=64 * args.batch,
                   max_model_len=args.prompt + args.tokens + 16, enable_prefix_caching=False)
         result = {}
-        for label, tp, threads in (("tp2", 2, 1), ("tp1_1thread", 1, 1), ("tp1_2threads", 1, 2)):
-            llm = LLM(model, tensor_parallel_size=tp, cpu_threads=threads, **kw)
+        arms = (("tp2", 2, 1, False), ("tp2_fully_sharded", 2, 1, True), ("tp1_1thread", 1, 1, False),
+                ("tp1_2threads", 1, 2, False))
+        for label, tp, threads, fully in arms:
+            llm = LLM(model, tensor_parallel_size=tp, cpu_threads=threads, fully_sharded_loras=fully, **kw)
             for name, path in adapters.items():
                 llm.add_adapter(name, path)
             serve_batch(llm, prompts[:2], names[:2], 2, "warm")
             comm = getattr(llm.engine.runner, "comm", None)
             if comm is not None:
                 comm.reset()
-            prefill_s, decode_s, prefill_comm = serve_batch(llm, prompts, names, args.tokens, label)
+            prefill_s, decode_s, prefill_comm, decode_steps = serve_batch(llm, prompts, names, args.tokens, label)
             row = {"prefill_s": prefill_s, "decode_tok_s": len(prompts) * args.tokens / decode_s}
             if comm is not None:
                 row["prefill"] = prefill_comm
-                row["decode"] = comm_row(comm, args.layers, decode_s)
+                row["decode"] = comm_row(comm, args.layers, decode_s, decode_steps)
             llm.engine.shutdown()
             result[label] = row
     return result
@@ -111,9 +117,9 @@ def main() -> None:
     result = run(args)
     out = {"cpu": cpu_model(), "machine": platform.machine(), "nproc": os.cpu_count(),
            "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "args": vars(args), "results": result}
-    print(f"{'arm':14} {'prefill s':>9} {'decode tok/s':>12}   per layer per step (all_reduce) | per step (gather)")
+    print(f"{'arm':18} {'prefill s':>9} {'decode tok/s':>12}   per layer per step (all_reduce) | per step (gather)")
     for label, row in result.items():
-        line = f"{label:14} {row['prefill_s']:9.3f} {row['decode_tok_s']:12.1f}"
+        line = f"{label:18} {row['prefill_s']:9.3f} {row['decode_tok_s']:12.1f}"
         for ph in ("prefill", "decode"):
             if ph in row:
                 r = row[ph]

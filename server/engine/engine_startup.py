@@ -144,7 +144,7 @@ def _check_tensor_parallel(config: EngineConfig, mcfg: ModelConfig, device: torc
         raise ModelConfigError(f"--tensor-parallel-size {n} runs on CPU devices (gloo) for now, not {device}")
     if config.lora_page_rows is not None:
         raise ModelConfigError(f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet")
-    refusal = tp_refusal(mcfg, config.quantization, n)
+    refusal = tp_refusal(mcfg, config.quantization, n, config.fully_sharded_loras, config.max_lora_rank)
     if refusal is not None:
         raise ModelConfigError(refusal)
 

@@ -1,4 +1,5 @@
-"""--tensor-parallel-size: parsed from the CLI, passed to the engine, refused below 1 naming the flag."""
+"""--tensor-parallel-size and --fully-sharded-loras: parsed from the CLI, passed to the engine, refused when
+invalid naming the flag."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +17,15 @@ def test_flag_reaches_the_engine(tmp_path):
     assert engine_config(serve_config(tmp_path), "demo", SMALL_SHAPE).tensor_parallel_size == 1
 
 
-def test_below_one_refused_naming_the_flag(tmp_path):
-    with pytest.raises(ConfigError, match="--tensor-parallel-size must be >= 1"):
-        serve_config(tmp_path, "--tensor-parallel-size", "0")
+@pytest.mark.parametrize("flags, line", [
+    (("--tensor-parallel-size", "0"), "--tensor-parallel-size must be >= 1"),
+    (("--fully-sharded-loras",), "--fully-sharded-loras needs --tensor-parallel-size > 1"),
+])
+def test_invalid_values_refused_naming_the_flag(tmp_path, flags, line):
+    with pytest.raises(ConfigError, match=line):
+        serve_config(tmp_path, *flags)
+
+
+def test_fully_sharded_loras_reaches_the_engine(tmp_path):
+    config = serve_config(tmp_path, "--tensor-parallel-size", "2", "--fully-sharded-loras")
+    assert engine_config(config, "demo", SMALL_SHAPE).fully_sharded_loras

@@ -30,11 +30,11 @@ class TpLeaderRunner(ModelRunner):
     """The engine's runner (whose state it takes over) as rank 0: each forward is sent to the workers
     first, with the copy-on-write block copies made since the last one."""
 
-    def __init__(self, runner: ModelRunner, tp: TpGroup, workers: list[BaseProcess],
-                 pipes: list[Connection]) -> None:  # adopts `runner`: no ModelRunner.__init__
+    def __init__(self, runner: ModelRunner, tp: TpGroup, workers: list[BaseProcess], pipes: list[Connection],
+                 fully_sharded_loras: bool) -> None:  # adopts `runner`: no ModelRunner.__init__
         self.__dict__.update(runner.__dict__)
         self.tp = tp
-        self.comm = shard_runner(self, tp)
+        self.comm = shard_runner(self, tp, fully_sharded_loras)
         self.workers = workers
         self.pipes = pipes
         self.pending_copies: list[tuple[int, int]] = []
@@ -97,4 +97,4 @@ def start_tensor_parallel(config: EngineConfig, runner: ModelRunner, lora_layers
         pipes.append(send)
     tp = join_gloo(0, world, spec.init_method, spec.timeout_s)
     log.info("tensor parallel: %d ranks over gloo (workers %s)", world, [w.pid for w in workers])
-    return TpLeaderRunner(runner, tp, workers, pipes)
+    return TpLeaderRunner(runner, tp, workers, pipes, config.fully_sharded_loras)

@@ -16,6 +16,7 @@ import torch
 from server.engine.config import ModelConfig
 from server.engine.model import CausalLM, DecoderLayer, StepContext
 from server.engine.parallel.collectives import Collectives
+from server.engine.parallel.sharded_lora import ShardedColumnLora, ShardedRowLora
 from server.engine.parallel.tp_group import TpGroup
 from server.engine.parallel.tp_layers import RowParallelLinear, column_parallel
 from server.engine.workspace import Workspace
@@ -24,7 +25,8 @@ from server.engine.workspace import Workspace
 TP_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int) -> str | None:
+def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int, fully_sharded_loras: bool = False,
+               max_lora_rank: int = 0) -> str | None:
     """The one line --tensor-parallel-size N > 1 is refused with for this model, or None."""
     if mcfg.architecture not in TP_ARCHS:
         return (f"--tensor-parallel-size {world_size}: architecture {mcfg.architecture} is not sharded yet "
@@ -32,7 +34,9 @@ def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int) -> 
     if quantization is not None:
         return f"--tensor-parallel-size {world_size}: a quantized base ({quantization}) is not sharded yet"
     for n, what in ((mcfg.num_heads, "num_attention_heads"), (mcfg.num_kv_heads, "num_key_value_heads"),
-                    (mcfg.intermediate_size, "intermediate_size")):
+                    (mcfg.intermediate_size, "intermediate_size"),
+                    *(((mcfg.hidden_size, "hidden_size"), (max_lora_rank, "--max-lora-rank"))
+                      if fully_sharded_loras else ())):
         if n % world_size:
             return f"--tensor-parallel-size {world_size} does not divide {what} ({n})"
     return None
@@ -42,7 +46,7 @@ class TpCausalLM(CausalLM):
     """The rank's shard of a built CausalLM (whose state it takes over): the same forward, each decoder
     layer on its heads and intermediate columns, the logits gathered so every rank samples alike."""
 
-    def __init__(self, full: CausalLM, tp: TpGroup, comm: Collectives) -> None:  # adopts `full`: no CausalLM.__init__
+    def __init__(self, full: CausalLM, tp: TpGroup, comm: Collectives, fully_sharded_loras: bool = False) -> None:  # adopts `full`: no CausalLM.__init__
         self.__dict__.update(full.__dict__)
         cfg = full.cfg
         self.tp = tp
@@ -53,8 +57,11 @@ class TpCausalLM(CausalLM):
                                  intermediate_size=i_span[1] - i_span[0])
         d = cfg.head_dim
         heads = tuple((lo * d, hi * d) for lo, hi in (q_span, kv_span, kv_span))
+        max_rank = full.layers[0].qkv.lora.a.shape[2]
+        lora_shards = ((tp.span(max_rank, "max_lora_rank"), tp.span(cfg.hidden_size, "hidden_size"))
+                       if fully_sharded_loras else None)
         for layer in self.layers:
-            _shard_layer(layer, self.local_cfg, heads, i_span, tp.rank, comm)
+            _shard_layer(layer, self.local_cfg, heads, i_span, tp, comm, lora_shards)
         ws = full.workspace
         self.workspace = Workspace.allocate(self.local_cfg, ws.max_tokens, ws.qkv.dtype, ws.qkv.device)
         # Rows of the lm_head: padded to a multiple of the world size with zero rows, trimmed after the gather.
@@ -74,13 +81,21 @@ class TpCausalLM(CausalLM):
 
 
 def _shard_layer(layer: DecoderLayer, local_cfg: ModelConfig, heads: tuple[tuple[int, int], ...],
-                 i_span: tuple[int, int], rank: int, comm: Collectives) -> None:
-    """One decoder layer cut in place: q/k/v heads and gate/up columns kept, o and down over them."""
+                 i_span: tuple[int, int], tp: TpGroup, comm: Collectives,
+                 lora_shards: tuple[tuple[int, int], tuple[int, int]] | None) -> None:
+    """One decoder layer cut in place: q/k/v heads and gate/up columns kept, o and down over them.
+    lora_shards: --fully-sharded-loras' (rank rows of A, output rows of a row layer's B), else None."""
     layer.cfg = local_cfg
-    layer.qkv = column_parallel(layer.qkv, heads)
-    layer.o = RowParallelLinear(layer.o, heads[0], rank, comm)
-    layer.gate_up = column_parallel(layer.gate_up, (i_span, i_span))
-    layer.down = RowParallelLinear(layer.down, i_span, rank, comm)
+    qkv, gate_up = column_parallel(layer.qkv, heads), column_parallel(layer.gate_up, (i_span, i_span))
+    if lora_shards is None:
+        layer.qkv, layer.gate_up = qkv, gate_up
+        layer.o = RowParallelLinear(layer.o, heads[0], tp.rank, comm)
+        layer.down = RowParallelLinear(layer.down, i_span, tp.rank, comm)
+        return
+    ranks, h_span = lora_shards
+    layer.qkv, layer.gate_up = ShardedColumnLora(qkv, ranks, comm), ShardedColumnLora(gate_up, ranks, comm)
+    layer.o = ShardedRowLora(layer.o, heads[0], h_span, tp.rank, comm)
+    layer.down = ShardedRowLora(layer.down, i_span, h_span, tp.rank, comm)
 
 
 def shard_kv_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], local_cfg: ModelConfig,

@@ -47,7 +47,8 @@ def worker_main(rank: int, spec: TpWorkerSpec, lora_layers: list, steps: Connect
     dtype = config.resolve_dtype(mcfg, device)
     weights = load_weights(config.model, mcfg, dtype, device)
     comm = Collectives(tp)
-    model = TpCausalLM(CausalLM(mcfg, weights, lora_layers, spec.max_len, config.max_num_batched_tokens), tp, comm)
+    model = TpCausalLM(CausalLM(mcfg, weights, lora_layers, spec.max_len, config.max_num_batched_tokens), tp, comm,
+                       config.fully_sharded_loras)
     local = model.local_cfg
     shape = (spec.kv_blocks, config.block_size, local.num_kv_heads, local.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(mcfg.num_layers)]

@@ -53,10 +53,11 @@ def tp_llm(tiny_model_dir):
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v biases, cut with their heads
-def test_tp2_engine_matches_tp1(arch, arch_adapters):
+@pytest.mark.parametrize("arch, fully_sharded", [("llama", False), ("llama", True), ("mistral", False),
+                                                 ("qwen2", True)])  # qwen2: q/k/v biases, cut with their heads
+def test_tp2_engine_matches_tp1(arch, fully_sharded, arch_adapters):
     model_dir, adapters = arch_adapters(arch)
-    llm = LLM(model_dir, tensor_parallel_size=2, **KW)
+    llm = LLM(model_dir, tensor_parallel_size=2, fully_sharded_loras=fully_sharded, **KW)
     try:
         tokens, logprobs = served(llm, adapters)
         assert llm.engine.runner.comm.calls["all_reduce"] > 0
@@ -92,10 +93,16 @@ def test_dead_worker_fails_the_step(tp_llm, tiny_adapters):
     (dict(quantization="int8"), "a quantized base (int8) is not sharded yet"),
     (dict(tensor_parallel_size=3), "does not divide num_attention_heads"),
     (dict(lora_page_rows=8), "does not combine with --lora-page-rows"),
+    (dict(fully_sharded_loras=True, max_lora_rank=9), "does not divide --max-lora-rank (9)"),
 ])
 def test_unsharded_setups_refused(tiny_model_dir, kw, line):
     with pytest.raises(ModelConfigError, match=re.escape(line)):
         LLM(tiny_model_dir, **({**KW, "tensor_parallel_size": 2} | kw))
+
+
+def test_fully_sharded_loras_needs_tensor_parallel(tiny_model_dir):
+    with pytest.raises(ValueError, match="fully_sharded_loras needs tensor_parallel_size > 1"):
+        LLM(tiny_model_dir, fully_sharded_loras=True, **KW)
 
 
 def test_unsharded_architecture_refused(tmp_path):

@@ -1,7 +1,9 @@
 """TP = 2 on gloo (two spawned processes) generates the same greedy tokens as TP = 1 and as transformers
 + peft in float32, logprobs within 1e-4, for a mixed batch of base rows and two adapters of different
-ranks; LoRA sharded as vLLM does by default (tp_layers)."""
+ranks; LoRA sharded as vLLM does by default (tp_layers) and fully (sharded_lora)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,12 +53,16 @@ def job(tiny_model_dir, tiny_adapters, tmp_path_factory) -> TpJob:
     return TpJob(init, str(tiny_model_dir), adapters, random_prompts(len(names), (3, 30), 512, seed=3), names, TOKENS)
 
 
-def test_tp2_matches_tp1_and_peft(job, tiny_model_dir, tiny_adapters, peft_oracle):
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["vllm-default", "fully-sharded"])
+def test_tp2_matches_tp1_and_peft(job, fully_sharded, tiny_model_dir, tiny_adapters, peft_oracle, tmp_path):
+    job = replace(job, init_method=f"file://{tmp_path / 'store'}", fully_sharded_loras=fully_sharded)
     ranks = run_tp(job, WORLD)
     tp1_tokens, tp1_logprobs = generate(build_llm(job), job)
     for r in ranks:  # every rank samples the same gathered logits
         assert r.tokens == tp1_tokens
         assert r.comm_bytes["all_reduce"] > 0 and r.comm_bytes["all_gather"] > 0
+        # Fully sharded: a gather of the shrink per column layer (2 a layer) beside the logits' one per step.
+        assert (2 * r.comm_calls["all_gather"] > r.comm_calls["all_reduce"]) == fully_sharded
         for got, want in zip(r.logprobs, tp1_logprobs):
             assert got == pytest.approx(want, abs=1e-4)
     for prompt, name, tokens, logprobs in zip(job.prompts, job.names, ranks[0].tokens, ranks[0].logprobs):

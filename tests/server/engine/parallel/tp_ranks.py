@@ -21,6 +21,7 @@ class TpJob:
     prompts: list[list[int]]
     names: list[str | None]
     max_tokens: int
+    fully_sharded_loras: bool = False  # A by rank rows too (sharded_lora)
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,14 @@ class TpResult:
     tokens: list[list[int]] | None
     logprobs: list[list[float]] | None  # each generated token's own logprob
     comm_bytes: dict[str, int]
+    comm_calls: dict[str, int] | None = None
     error: str | None = None
 
 
 def build_llm(job: TpJob) -> LLM:
-    llm = LLM(job.model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256)
+    # Max rank 16: the rank-16 adapter's rows split 8 / 8 under --fully-sharded-loras.
+    llm = LLM(job.model_dir, device="cpu", dtype="float32", max_loras=4, max_lora_rank=16, kv_cache_blocks=128,
+              max_model_len=256)
     for name, path in job.adapters.items():
         llm.add_adapter(name, path)
     return llm
@@ -52,8 +56,8 @@ def run_rank(rank: int, world_size: int, job: TpJob, results) -> None:
     try:
         tp = join_gloo(rank, world_size, job.init_method, timeout_s=120)
         llm = build_llm(job)
-        comm = shard_runner(llm.engine.runner, tp)
+        comm = shard_runner(llm.engine.runner, tp, job.fully_sharded_loras)
         tokens, logprobs = generate(llm, job)
-        results.put(TpResult(rank, tokens, logprobs, dict(comm.bytes)))
+        results.put(TpResult(rank, tokens, logprobs, dict(comm.bytes), dict(comm.calls)))
     except Exception:  # the parent asserts on it
         results.put(TpResult(rank, None, None, {}, traceback.format_exc()))
