@@ -167,7 +167,9 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_pins_per_tenant = max_pins_per_tenant
         self.dora = dora
-        self.dora_cache = DoraScaleCache(scale_store, dora.weights) if dora is not None else None
+        # Without DoraScales, an empty cache (no store, no weights): its stats are what snapshots read.
+        self.dora_cache = (DoraScaleCache(scale_store, dora.weights) if dora is not None
+                           else DoraScaleCache(None, []))
         self.slot_of: dict[str, int] = {}
         self.users: dict[str, int] = {}  # running requests per adapter version
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
