@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "a worker thread), post-processing a step while the next runs; steps that cannot "
                         "overlap (prefill, penalties, grammars, n > 1 forks, admissions, preemption) run as "
                         "without it. Greedy output is the same (default off)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="vLLM's: split the base across N processes joined by torch.distributed (gloo; CPU "
+                        "devices, Llama/Mistral/Qwen2, float weights, LoRA but not DoRA adapters), each with its "
+                        "share of heads, MLP columns and vocabulary (docs/scaling.md; default 1)")
+    s.add_argument("--fully-sharded-loras", action="store_true",
+                   help="vLLM's: with --tensor-parallel-size, LoRA's A split by rank rows too (S-LoRA), each rank "
+                        "reading 1/N of every adapter, for a small all_gather per layer (default off)")
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'; the output is the plain engine\'s '

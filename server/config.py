@@ -147,6 +147,8 @@ class ServerConfig:
     enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
     async_scheduling: bool = False        # --async-scheduling: prepare decode step N+1 while N runs
     speculative_config: str | None = None  # --speculative-config: JSON (server.engine.speculative_config)
+    tensor_parallel_size: int = 1         # --tensor-parallel-size: ranks over gloo (server.engine.parallel)
+    fully_sharded_loras: bool = False     # --fully-sharded-loras: A split by rank rows under TP
     # --engine-process: the engine in this process's step-loop thread, or in an engine-core process of
     # its own (server.engine.core); ENGINE_PROCESSES.
     engine_process: str = "in-process"
@@ -301,6 +303,10 @@ class ServerConfig:
             parse_speculative_config(self.speculative_config)
         except ValueError as e:
             raise ConfigError(f"--speculative-config: {e}") from None
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.fully_sharded_loras and self.tensor_parallel_size == 1:
+            raise ConfigError("--fully-sharded-loras needs --tensor-parallel-size > 1")
         if self.speculative_config is not None and self.async_scheduling:
             raise ConfigError("--speculative-config does not combine with --async-scheduling yet")
 
@@ -399,6 +405,8 @@ class ServerConfig:
             kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
             async_scheduling=getattr(args, "async_scheduling", False),
             speculative_config=getattr(args, "speculative_config", None),
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            fully_sharded_loras=getattr(args, "fully_sharded_loras", False),
             engine_process=getattr(args, "engine_process", "in-process"),
             engine_restart=_given(args, "engine_restart", True),
             engine_restart_limit=_given(args, "engine_restart_limit", 3),

@@ -34,6 +34,7 @@ def engine_config(config: ServerConfig, model_dir: str, shape: ModelShape) -> En
         max_cpu_lora_bytes=config.max_cpu_lora_bytes, max_lora_vocab_bytes=config.max_lora_vocab_bytes,
         kernels=config.kernels, seed=config.seed, enforce_eager=config.enforce_eager,
         async_scheduling=config.async_scheduling, speculative_config=config.speculative_config,
+        tensor_parallel_size=config.tensor_parallel_size, fully_sharded_loras=config.fully_sharded_loras,
         enable_prefix_caching=config.enable_prefix_caching,
         share_base_prefix_cache=config.share_base_prefix_cache, cpu_threads=config.cpu_threads,
         cpu_affinity=config.cpu_placement.engine if config.cpu_placement is not None else None,

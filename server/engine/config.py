@@ -256,6 +256,13 @@ class EngineConfig:
     # naming its constraint. Masks are filled off the step either way: these bound what one request costs.
     max_mask_fill_seconds: float = 1.0
     max_mask_seconds_per_request: float = 60.0
+    # vLLM's --tensor-parallel-size: the base split across this many processes joined by torch.distributed
+    # (gloo, CPU devices; server.engine.parallel), each with its heads, intermediate columns and vocabulary
+    # rows; 1: one process, as without it.
+    tensor_parallel_size: int = 1
+    # vLLM's --fully-sharded-loras: under tensor parallel, LoRA's A split by rank rows too (S-LoRA), a small
+    # all_gather/all_reduce of the shrink output per layer (server.engine.parallel.sharded_lora).
+    fully_sharded_loras: bool = False
 
     def __post_init__(self) -> None:
         check_quantization_name(self.quantization)
@@ -295,7 +302,7 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         for name in ("enable_prefix_caching", "share_base_prefix_cache", "enforce_eager", "quantize_lm_head",
-                     "async_scheduling"):
+                     "async_scheduling", "fully_sharded_loras"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
         if self.quantize_lm_head and self.quantization != "int8":
@@ -313,6 +320,10 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             # A step prepared ahead assumes one token per sequence; drafts change how far each gets.
             raise ValueError("speculative_config does not combine with async_scheduling yet")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
+        if self.fully_sharded_loras and self.tensor_parallel_size == 1:
+            raise ValueError("fully_sharded_loras needs tensor_parallel_size > 1 (one process has nothing to shard)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

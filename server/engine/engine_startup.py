@@ -51,6 +51,8 @@ from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
+from server.engine.parallel.tp_leader import start_tensor_parallel
+from server.engine.parallel.tp_model import tp_refusal
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
 from server.engine.sliding_window import sequence_blocks
 from server.engine.speculative_config import resolve_disable_by_batch_size
@@ -103,12 +105,17 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     limit = model_limit(mcfg, config.max_model_len)
     max_len = config.max_model_len or limit
     tokenizer, eos_token_ids = _load_tokenizer(config, mcfg)
+    tensor_parallel = config.tensor_parallel_size > 1
+    if tensor_parallel:
+        _check_tensor_parallel(config, mcfg, device)
     paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
     max_loras = paging.entries
     # Everything else on the device is allocated before the KV pool is sized from what is left.
-    model.vocab_parts = VocabParts.of_model(model, max_loras)
-    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model), dora_scale_store, paging,
-                      config.max_pinned_adapters_per_tenant, vocab=model.vocab_parts)
+    # Not sharded yet: DoRA (without DoraScales the slots refuse DoRA adapters) and adapters' parts of
+    # embed_tokens/lm_head (without VocabParts LLMEngine.add_adapter and the slots refuse them).
+    model.vocab_parts = None if tensor_parallel else VocabParts.of_model(model, max_loras)
+    slots = LoraSlots(lora_layers, max_loras, None if tensor_parallel else DoraScales.of_model(model),
+                      dora_scale_store, paging, config.max_pinned_adapters_per_tenant, vocab=model.vocab_parts)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     draft_model = None if draft_cfg is None else load_draft_model(
         spec.model, draft_cfg, dtype, device, max_len, max(config.max_num_batched_tokens, config.max_num_seqs))
@@ -139,6 +146,9 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
     dora_precompute = DoraPrecompute(host, slots.dora_cache)
     _capture_decode_graphs(config, device, kernels, runner, max_loras, max_model_len)
+    if tensor_parallel:  # the workers start now: the model, slots and pool are sized
+        runner = start_tensor_parallel(config, runner, lora_layers, max_len, kv_pool.blocks)
+        model = runner.model
     # --async-scheduling: forwards on a worker thread while this one prepares the next step
     # (server.engine.async_step).
     overlap = AsyncScheduling(runner, scheduler, blocks, max_model_len,
@@ -159,6 +169,23 @@ def _read_medusa_heads(config: EngineConfig, mcfg: ModelConfig) -> HeadWeights |
     if spec is None or spec.method != "medusa":
         return None
     return read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
+
+
+def _check_tensor_parallel(config: EngineConfig, mcfg: ModelConfig, device: torch.device) -> None:
+    """Refuses, in one line, what --tensor-parallel-size does not shard yet (later slices)."""
+    n = config.tensor_parallel_size
+    if device.type != "cpu":
+        raise ModelConfigError(f"--tensor-parallel-size {n} runs on CPU devices (gloo) for now, not {device}")
+    if config.lora_page_rows is not None:
+        raise ModelConfigError(f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet")
+    if config.speculative_config is not None:
+        raise ModelConfigError(f"--tensor-parallel-size {n} does not combine with --speculative-config yet")
+    if mcfg.layer_windows is not None and any(w is not None for w in mcfg.layer_windows):
+        raise ModelConfigError(f"--tensor-parallel-size {n}: sliding-window attention ({mcfg.architecture}) is "
+                               f"not sharded yet")
+    refusal = tp_refusal(mcfg, config.quantization, n, config.fully_sharded_loras, config.max_lora_rank)
+    if refusal is not None:
+        raise ModelConfigError(refusal)
 
 
 def _set_up_device(config: EngineConfig,
@@ -230,7 +257,7 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
     # prefetches can wait, loaded, for room, instead of being fetched again.
     def prepare(adapter: PackedLoraAdapter, version: str | None) -> PackedLoraAdapter:
         # Copies of the base's embedding or lm_head dropped first (on CUDA they are at slot entry instead).
-        return slots.prepare(slots.vocab.prepare(adapter), version)
+        return slots.prepare(slots.vocab.prepare(adapter) if slots.vocab is not None else adapter, version)
 
     host = HostTier(adapter_source, config.max_cpu_lora_bytes, pin_memory=device.type == "cuda",
                     max_parked=PREFETCH_WINDOW, dtype=dtype, init_thread=bind_thread,

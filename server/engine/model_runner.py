@@ -325,12 +325,19 @@ class ModelRunner:
         return logits.index_select(0, inputs.logits_indices)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: each (source, copy) block's K/V, every layer, before the forward writes."""
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long).to(self.device, non_blocking=True)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long).to(self.device, non_blocking=True)
-        for kv in self.kv_caches:  # each [num_blocks, block_size, Hkv, D]
-            for cache in map(storage, kv):  # bytes: CPU index_copy_ has no fp8 kernel
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+        copy_blocks(self.kv_caches, copies, self.device)
+
+    def shutdown(self) -> None:
+        """Nothing to release here (a tensor-parallel leader stops its workers: server.engine.parallel)."""
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies, device: torch.device) -> None:
+    """Copy-on-write: each (source, copy) block's K/V, every layer, before the forward writes."""
+    src = torch.tensor([s for s, _ in copies], dtype=torch.long).to(device, non_blocking=True)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.long).to(device, non_blocking=True)
+    for kv in kv_caches:  # each [num_blocks, block_size, Hkv, D]
+        for cache in map(storage, kv):  # bytes: CPU index_copy_ has no fp8 kernel
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def _fail_costly_constraints(rows: list[SamplingRow], tokens: list[int | SampleFailure]) -> None:

@@ -171,7 +171,9 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_pins_per_tenant = max_pins_per_tenant
         self.dora = dora
-        self.dora_cache = DoraScaleCache(scale_store, dora.weights) if dora is not None else None
+        # Without DoraScales, an empty cache (no store, no weights): its stats are what snapshots read.
+        self.dora_cache = (DoraScaleCache(scale_store, dora.weights) if dora is not None
+                           else DoraScaleCache(None, []))
         self.slot_of: dict[str, int] = {}
         self.users: dict[str, int] = {}  # running requests per adapter version
         self.idle: OrderedDict[int, str] = OrderedDict()  # idle resident slots, least recent first
@@ -442,9 +444,14 @@ class LoraSlots:
         """The host tier's hook on a CPU engine (its loader threads): a DoRA adapter's scales, in place of its
         magnitudes, read from the store for `version` (None: not a stored version), else computed now from
         its packed A and B (the values its slot will hold) and stored."""
+        if adapter.vocab is not None and self.vocab is None:  # a failed load, as a DoRA one below
+            raise ValueError("adapters with parts of embed_tokens or lm_head are not served by this engine "
+                             "(--tensor-parallel-size > 1 does not shard them yet)")
         if not adapter.use_dora or adapter.magnitudes_are_scales:
             return adapter
-        assert self.dora is not None, "an engine that serves DoRA adapters builds its slots with DoraScales"
+        if self.dora is None:  # a failed load: its requests get this line, the engine keeps serving
+            raise ValueError("DoRA adapters are not served by this engine: its slots have no DoRA scales "
+                             "(--tensor-parallel-size > 1 does not shard DoRA yet)")
         stored = None if version is None else self.dora_cache.read(version, adapter.magnitudes.numel())
         if stored is not None:
             adapter.magnitudes.copy_(stored)  # [sum out] float32, module order, as computed below

@@ -1,0 +1,106 @@
+"""A CausalLM cut for one tensor-parallel rank, and the refusals of what this slice does not shard.
+
+Each rank holds its q and kv heads (qkv column-parallel, o row-parallel), its intermediate columns
+(gate_up column-parallel, down row-parallel), and its rows of the lm_head (vocabulary-parallel, the
+logits gathered); the embedding is replicated (a lookup needs no communication, and a vocabulary-
+parallel one would add an all_reduce of [T, H] per step for memory the first slice does not need).
+Its KV cache holds its kv heads only. Per layer per step: two all_reduces of [T, H]; per step: one
+all_gather of [N, V / tp] logits.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from server.engine.config import ModelConfig
+from server.engine.model import CausalLM, DecoderLayer, StepContext
+from server.engine.parallel.collectives import Collectives
+from server.engine.parallel.sharded_lora import ShardedColumnLora, ShardedRowLora
+from server.engine.parallel.tp_group import TpGroup
+from server.engine.parallel.tp_layers import RowParallelLinear, column_parallel
+from server.engine.workspace import Workspace
+
+# The architectures this slice shards: Llama's layer (Mistral's and Qwen2's are the same projections).
+TP_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int, fully_sharded_loras: bool = False,
+               max_lora_rank: int = 0) -> str | None:
+    """The one line --tensor-parallel-size N > 1 is refused with for this model, or None."""
+    if mcfg.architecture not in TP_ARCHS:
+        return (f"--tensor-parallel-size {world_size}: architecture {mcfg.architecture} is not sharded yet "
+                f"(supported: {', '.join(TP_ARCHS)}; quantized bases and DoRA adapters neither)")
+    if quantization is not None:
+        return f"--tensor-parallel-size {world_size}: a quantized base ({quantization}) is not sharded yet"
+    for n, what in ((mcfg.num_heads, "num_attention_heads"), (mcfg.num_kv_heads, "num_key_value_heads"),
+                    (mcfg.intermediate_size, "intermediate_size"),
+                    *(((mcfg.hidden_size, "hidden_size"), (max_lora_rank, "--max-lora-rank"))
+                      if fully_sharded_loras else ())):
+        if n % world_size:
+            return f"--tensor-parallel-size {world_size} does not divide {what} ({n})"
+    return None
+
+
+class TpCausalLM(CausalLM):
+    """The rank's shard of a built CausalLM (whose state it takes over): the same forward, each decoder
+    layer on its heads and intermediate columns, the logits gathered so every rank samples alike."""
+
+    def __init__(self, full: CausalLM, tp: TpGroup, comm: Collectives, fully_sharded_loras: bool = False) -> None:  # adopts `full`: no CausalLM.__init__
+        self.__dict__.update(full.__dict__)
+        cfg = full.cfg
+        self.tp = tp
+        self.comm = comm
+        q_span, kv_span = tp.span(cfg.num_heads, "num_attention_heads"), tp.span(cfg.num_kv_heads, "num_key_value_heads")
+        i_span = tp.span(cfg.intermediate_size, "intermediate_size")
+        self.local_cfg = replace(cfg, num_heads=q_span[1] - q_span[0], num_kv_heads=kv_span[1] - kv_span[0],
+                                 intermediate_size=i_span[1] - i_span[0])
+        d = cfg.head_dim
+        heads = tuple((lo * d, hi * d) for lo, hi in (q_span, kv_span, kv_span))
+        max_rank = full.layers[0].qkv.lora.a.shape[2]
+        lora_shards = ((tp.span(max_rank, "max_lora_rank"), tp.span(cfg.hidden_size, "hidden_size"))
+                       if fully_sharded_loras else None)
+        for layer in self.layers:
+            _shard_layer(layer, self.local_cfg, heads, i_span, tp, comm, lora_shards)
+        ws = full.workspace
+        self.workspace = Workspace.allocate(self.local_cfg, ws.max_tokens, ws.qkv.dtype, ws.qkv.device)
+        # Rows of the lm_head: padded to a multiple of the world size with zero rows, trimmed after the gather.
+        vocab = full.lm_head.shape[0]
+        per_rank = -(-vocab // tp.world_size)
+        padded = torch.zeros(per_rank * tp.world_size, full.lm_head.shape[1], dtype=full.lm_head.dtype,
+                             device=full.lm_head.device)
+        padded[:vocab] = full.lm_head
+        self.lm_head = padded[tp.rank * per_rank:(tp.rank + 1) * per_rank].clone()
+        self.vocab_size = vocab
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                ctx: StepContext, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V], the same on every rank (the shards' [N, V / tp] side by side)."""
+        return self.comm.gather_last(super().forward(input_ids, kv_caches, ctx, logits_indices))[:, : self.vocab_size]
+
+
+def _shard_layer(layer: DecoderLayer, local_cfg: ModelConfig, heads: tuple[tuple[int, int], ...],
+                 i_span: tuple[int, int], tp: TpGroup, comm: Collectives,
+                 lora_shards: tuple[tuple[int, int], tuple[int, int]] | None) -> None:
+    """One decoder layer cut in place: q/k/v heads and gate/up columns kept, o and down over them.
+    lora_shards: --fully-sharded-loras' (rank rows of A, output rows of a row layer's B), else None."""
+    layer.cfg = local_cfg
+    qkv, gate_up = column_parallel(layer.qkv, heads), column_parallel(layer.gate_up, (i_span, i_span))
+    if lora_shards is None:
+        layer.qkv, layer.gate_up = qkv, gate_up
+        layer.o = RowParallelLinear(layer.o, heads[0], tp.rank, comm)
+        layer.down = RowParallelLinear(layer.down, i_span, tp.rank, comm)
+        return
+    ranks, h_span = lora_shards
+    layer.qkv, layer.gate_up = ShardedColumnLora(qkv, ranks, comm), ShardedColumnLora(gate_up, ranks, comm)
+    layer.o = ShardedRowLora(layer.o, heads[0], h_span, tp.rank, comm)
+    layer.down = ShardedRowLora(layer.down, i_span, h_span, tp.rank, comm)
+
+
+def shard_kv_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], local_cfg: ModelConfig,
+                    tp: TpGroup) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The rank's pool: the same blocks, its kv heads only ([blocks, block_size, Hkv / tp, D] per layer)."""
+    lo = tp.rank * local_cfg.num_kv_heads
+    hi = lo + local_cfg.num_kv_heads
+    return [(k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone()) for k, v in kv_caches]
