@@ -28,6 +28,7 @@ import safetensors.torch
 import torch
 
 # PROJECTIONS and AdapterFormatError stay importable from here: callers use adapters.format.
+from adapters import expert_linears
 from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
 from adapters.expert_params import (
     EXPERT_WEIGHTS, expert_param_name, expert_projection, targeted_expert_weights, weight_at_depth)
@@ -76,6 +77,8 @@ class ModelShape:
     fused_projections: bool = False  # PEFT sees qkv_proj and gate_up_proj (FUSED_PROJECTION_ARCHS)
     num_experts: int = 0  # an MoE model's experts per layer (0: dense), adapted by target_parameters
     moe_intermediate_size: int = 0  # one expert's intermediate width
+    # An MoE architecture's per-expert Linear names in transformers 4 (adapters.expert_linears.EXPERT_LINEARS)
+    expert_linears: tuple[str, tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
@@ -95,7 +98,8 @@ class ModelShape:
                    cfg.get("num_experts") or cfg.get("num_local_experts") or 0 if arch == "Qwen3MoeForCausalLM" else 0)
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
                    kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"), arch in FUSED_PROJECTION_ARCHS,
-                   experts, cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0)
+                   experts, cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
+                   expert_linears.EXPERT_LINEARS.get(arch))
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -129,6 +133,8 @@ class ModelShape:
         if self.num_experts:  # one expert's share of each fused expert weight
             mi = self.moe_intermediate_size
             table |= {"experts.gate_up_proj": (h, 2 * mi), "experts.down_proj": (mi, h)}
+            if (linear := expert_linears.parse_linear(proj, self.expert_linears)) is not None:
+                return (mi, h) if linear.role == "down" else (h, mi)
         if proj not in table:
             raise ValueError(f"unknown projection {proj!r}; expected one of {PROJECTIONS + FUSED_PROJECTIONS}")
         return table[proj]
@@ -197,6 +203,7 @@ class _Plan:
     use_rslora: bool
     config: Mapping[str, Any]
     summary: AdapterSummary
+    linear_layout: tuple[str, tuple[str, ...]] | None = None  # ModelShape.expert_linears
 
 
 # ---- public entry points -------------------------------------------------
@@ -278,6 +285,14 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
              for proj in _projections(cfg, shape)}
     experts = targeted_expert_weights(cfg, shape.num_layers, shape.num_experts, config_source)
     params = {(layer, f"experts.{w}"): expert_param_name(layer, w) for layer, hit in experts.items() for w in hit}
+    linears = _expert_linear_names(header, shape)
+    if linears and experts:
+        raise AdapterFormatError(f"{config_source}: target_parameters together with per-expert Linear LoRA "
+                                 "(transformers 4's experts.{e} modules) is not supported", "target_parameters")
+    if linears and cfg.get("use_dora", False):
+        raise AdapterFormatError(f"{config_source}: use_dora on per-expert Linear modules (DoRA on MoE experts) "
+                                 "is not supported", "use_dora")
+    names |= linears
     resolved = resolve_modules(cfg, list(names.values()), config_source, parameters=list(params.values()))
     names |= params
     expected = {slot for slot, name in names.items() if name in resolved.ranks}
@@ -286,7 +301,8 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     use_rslora = cfg.get("use_rslora", False)
     use_dora = cfg.get("use_dora", False)
     modules: dict[tuple[int, str], _Module] = {}
-    for slot in sorted(set(keys) | expected, key=lambda s: (s[0], _ORDER[s[1]])):
+    position = {slot: i for i, slot in enumerate(names)}
+    for slot in sorted(set(keys) | expected, key=lambda s: (s[0], _ORDER.get(s[1], len(_ORDER)), position.get(s, 0))):
         name = names.get(slot, module_name(*slot))
         if slot not in expected:
             raise AdapterFormatError(f"{source}: tensors for {name}, which adapter_config.json does not target")
@@ -331,14 +347,52 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
         modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"], ab.get("M"), shape.parts(slot[1]),
                                 n_exp)
 
+    rank = _check_stacked_ranks(modules, shape.expert_linears, max_lora_rank, source)
     size = sum(4 * (m.experts * m.rank * (m.in_features + m.out_features) + (m.out_features if m.m_key else 0))
                for m in modules.values())
+    # A per-expert gate or up LoRA's B fills its half of the expert's gate_up rows, the other half zero.
+    size += sum(4 * m.rank * m.out_features for slot, m in modules.items()
+                if getattr(expert_linears.parse_linear(slot[1], shape.expert_linears), "role", "down") != "down")
     if max_bytes is not None and size > max_bytes:
         raise AdapterFormatError(f"{source}: adapter size {size} bytes (as float32) is above the limit "
                                  f"of {max_bytes} bytes")
-    summary = AdapterSummary(max(m.rank for m in modules.values()),
-                             tuple(sorted({proj for _, proj in modules})), size, resolved.canonical_json)
-    return _Plan(MappingProxyType(modules), use_rslora, cfg, summary)
+    summary = AdapterSummary(rank, tuple(sorted({proj for _, proj in modules})), size, resolved.canonical_json)
+    return _Plan(MappingProxyType(modules), use_rslora, cfg, summary, shape.expert_linears)
+
+
+def _expert_linear_names(header: SafetensorsHeader, shape: ModelShape) -> dict[tuple[int, str], str]:
+    """(layer, projection) -> module name of every per-expert Linear of the model (adapters.expert_linears),
+    where the file holds tensors for such modules: an adapter written with transformers 4. Otherwise none,
+    so that target_modules="all-linear" means what it means on transformers 5 (attention only)."""
+    layout = shape.expert_linears
+    if layout is None or not any(_linear_match(k, shape) for k in header.tensors):
+        return {}
+    return {(layer, proj): expert_linears.module_name(layout, layer, proj) for layer in range(shape.num_layers)
+            for e in range(shape.num_experts) for proj in (expert_linears.linear_projection(e, n) for n in layout[1])}
+
+
+def _linear_match(key: str, shape: ModelShape) -> re.Match | None:
+    """key's match as a per-expert Linear's tensor of this model's layout (its block and names)."""
+    layout = shape.expert_linears
+    found = expert_linears.KEY_RE.fullmatch(key) if layout is not None else None
+    return found if found is not None and found[2] == layout[0] and found[4] in layout[1] else None
+
+
+def _check_stacked_ranks(modules: Mapping[tuple[int, str], _Module], layout, max_lora_rank: int,
+                         source: str) -> int:
+    """The adapter's rank as the engine's slots hold it: an expert's gate and up Linear LoRAs stack into
+    one gate_up LoRA of rank r_gate + r_up (adapters.expert_linears), which must fit max_lora_rank."""
+    stacked: dict[tuple[int, int], list[_Module]] = {}
+    for (layer, proj), m in modules.items():
+        linear = expert_linears.parse_linear(proj, layout)
+        if linear is not None and linear.role != "down":
+            stacked.setdefault((layer, linear.expert), []).append(m)
+    for pair in stacked.values():
+        if sum(m.rank for m in pair) > max_lora_rank:
+            raise AdapterFormatError(
+                f"{source}: {' and '.join(m.name for m in pair)}: ranks {' + '.join(str(m.rank) for m in pair)} "
+                f"stack into one gate_up LoRA of the expert, above max_lora_rank {max_lora_rank}")
+    return max([m.rank for m in modules.values()] + [sum(m.rank for m in pair) for pair in stacked.values()])
 
 
 def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
@@ -357,7 +411,7 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
     """(layer, proj) -> {"A": key, "B": key}; per-tensor checks that need no more of the config than
     `experts` (adapters.expert_params.targeted_expert_weights: which saved key is which expert weight)."""
     unexpected = [k for k in header.tensors if not _KEY_RE.fullmatch(k)
-                  and not (shape.num_experts and _EXPERT_KEY_RE.fullmatch(k))]
+                  and not (shape.num_experts and (_EXPERT_KEY_RE.fullmatch(k) or _linear_match(k, shape)))]
     if unexpected:
         shown = ", ".join(repr(k) for k in sorted(unexpected)[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
@@ -374,6 +428,13 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
                 raise AdapterFormatError(f"{source}: tensor {key!r} is for an expert weight that adapter_config.json's "
                                          "target_parameters does not target", "target_parameters")
             proj = f"experts.{weight}"
+        elif (linear_match := _linear_match(key, shape)) is not None:
+            layer_s, parent, expert_s, name, ab = linear_match.groups()
+            magnitude, parent = None, "mlp"
+            if int(expert_s) >= shape.num_experts:
+                raise AdapterFormatError(f"{source}: tensor {key!r} is for expert {expert_s} but the base model has "
+                                         f"{shape.num_experts} experts per layer")
+            proj = expert_linears.linear_projection(int(expert_s), name)
         else:
             layer_s, parent, proj, ab, magnitude = _KEY_RE.fullmatch(key).groups()
         part = ab or "M"
@@ -410,6 +471,7 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
 
 def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -> LoraAdapter:
     weights: dict[tuple[int, str], LoraWeights] = {}
+    linears: dict[tuple[int, int], dict[str, expert_linears.LinearLora]] = {}  # (layer, expert) -> role -> LoRA
     for slot, m in plan.modules.items():
         # copy=True: never alias a memory-mapped file or the caller's buffer.
         a = get(m.a_key).to(torch.float32, copy=True).contiguous()     # a: [r, in]
@@ -423,6 +485,9 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             if magnitude.shape != (m.out_features,):
                 raise AdapterFormatError(f"{source}: file changed while loading ({m.m_key!r})")
             check_magnitude(m.name, magnitude, source)
+        if (linear := expert_linears.parse_linear(slot[1], plan.linear_layout)) is not None:
+            linears.setdefault((slot[0], linear.expert), {})[linear.role] = expert_linears.LinearLora(a, b, m.scaling)
+            continue
         if m.experts > 1:  # expert e: A rows e*r.., B columns e::E (adapters.expert_params)
             a_e, b_e = a.view(m.experts, m.rank, m.in_features), b.view(m.out_features, m.rank, m.experts)
             weight = slot[1].removeprefix("experts.")
@@ -435,6 +500,8 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             part_b = b if (lo, hi) == (0, m.out_features) else b[lo:hi].contiguous()
             part_m = magnitude if magnitude is None or (lo, hi) == (0, m.out_features) else magnitude[lo:hi].contiguous()
             weights[(slot[0], proj)] = LoraWeights(a, part_b, m.scaling, part_m)
+    for (layer, expert), parts in linears.items():
+        weights |= expert_linears.to_expert_weights(layer, expert, parts, LoraWeights)
     s = plan.summary
     return LoraAdapter(s.rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
                        plan.config)
