@@ -31,7 +31,7 @@ import torch
 from adapters import expert_linears
 from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
 from adapters.expert_params import (
-    EXPERT_WEIGHTS, expert_param_name, expert_projection, targeted_expert_weights, weight_at_depth)
+    EXPERT_WEIGHTS, dense_layers, expert_param_name, expert_projection, targeted_expert_weights, weight_at_depth)
 from adapters.pattern_resolver import resolve_modules
 from adapters.peft_config import (
     FUSED_MODULES, FUSED_PROJECTIONS, PROJECTIONS, AdapterFormatError, _parse_config, _positive_int)
@@ -79,6 +79,7 @@ class ModelShape:
     moe_intermediate_size: int = 0  # one expert's intermediate width
     # An MoE architecture's per-expert Linear names in transformers 4 (adapters.expert_linears.EXPERT_LINEARS)
     expert_linears: tuple[str, tuple[str, ...]] | None = None
+    dense_layers: tuple[int, ...] = ()  # an MoE model's layers with a dense MLP (Qwen3-MoE's), no experts
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
@@ -99,7 +100,8 @@ class ModelShape:
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
                    kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"), arch in FUSED_PROJECTION_ARCHS,
                    experts, cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
-                   expert_linears.EXPERT_LINEARS.get(arch))
+                   expert_linears.EXPERT_LINEARS.get(arch),
+                   dense_layers(cfg, cfg["num_hidden_layers"]) if arch == "Qwen3MoeForCausalLM" else ())
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -107,6 +109,10 @@ class ModelShape:
         if self.num_experts:
             return _ATTENTION_PROJECTIONS
         return FUSED_PROJECTIONS if self.fused_projections else PROJECTIONS
+
+    def layer_projections(self, layer: int) -> tuple[str, ...]:
+        """The Linear modules of layer `layer`: a dense layer of an MoE model has the dense MLP's too."""
+        return PROJECTIONS if layer in self.dense_layers else self.projections
 
     def experts_of(self, proj: str) -> int:
         """How many experts module `proj` stacks (its LoRA rank is that times r); 1 for a Linear."""
@@ -282,8 +288,8 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     if (why := invocation_vocab_problem(cfg, shape.vocab_size)) is not None:
         raise AdapterFormatError(f"{config_source}: {why}", param=INVOCATION_FIELD)
     names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers)
-             for proj in _projections(cfg, shape)}
-    experts = targeted_expert_weights(cfg, shape.num_layers, shape.num_experts, config_source)
+             for proj in _projections(cfg, shape, layer)}
+    experts = targeted_expert_weights(cfg, shape.num_layers, shape.num_experts, config_source, shape.dense_layers)
     params = {(layer, f"experts.{w}"): expert_param_name(layer, w) for layer, hit in experts.items() for w in hit}
     linears = _expert_linear_names(header, shape)
     if linears and experts:
@@ -368,7 +374,7 @@ def _expert_linear_names(header: SafetensorsHeader, shape: ModelShape) -> dict[t
     if layout is None or not any(_linear_match(k, shape) for k in header.tensors):
         return {}
     return {(layer, proj): expert_linears.module_name(layout, layer, proj) for layer in range(shape.num_layers)
-            for e in range(shape.num_experts) for proj in (expert_linears.linear_projection(e, n) for n in layout[1])}
+            if layer not in shape.dense_layers for e in range(shape.num_experts) for proj in (expert_linears.linear_projection(e, n) for n in layout[1])}
 
 
 def _linear_match(key: str, shape: ModelShape) -> re.Match | None:
@@ -395,7 +401,7 @@ def _check_stacked_ranks(modules: Mapping[tuple[int, str], _Module], layout, max
     return max([m.rank for m in modules.values()] + [sum(m.rank for m in pair) for pair in stacked.values()])
 
 
-def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
+def _projections(cfg: Mapping[str, Any], shape: ModelShape, layer: int) -> tuple[str, ...]:
     """The module names an adapter is matched against: the model's, except that on a fused model an
     adapter listing split names (q_proj, gate_proj, ...: what a converter to the Llama layout writes) is
     matched against those, each feeding its rows of the fused projection."""
@@ -403,7 +409,7 @@ def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
     split = set(PROJECTIONS) - set(FUSED_PROJECTIONS)
     if shape.fused_projections and isinstance(target, list) and any(t.rsplit(".", 1)[-1] in split for t in target):
         return PROJECTIONS
-    return shape.projections
+    return shape.layer_projections(layer)
 
 
 def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int, source: str,

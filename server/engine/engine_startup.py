@@ -174,7 +174,7 @@ def _adapter_shape(mcfg: ModelConfig) -> ModelShape:
                       kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
                       fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS, num_experts=mcfg.num_experts,
                       moe_intermediate_size=mcfg.moe_intermediate_size,
-                      expert_linears=EXPERT_LINEARS.get(mcfg.architecture))
+                      expert_linears=EXPERT_LINEARS.get(mcfg.architecture), dense_layers=mcfg.dense_layers)
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
