@@ -158,3 +158,24 @@ def test_refusals_name_the_module(linear_adapters, moe_model, tmp_path):
     with pytest.raises(AdapterFormatError, match="target_parameters together with per-expert Linear") as e:
         load_adapter_dir(both, shape, 64)
     assert e.value.param == "target_parameters"
+
+
+@pytest.mark.parametrize("model", sorted(MOE_MODELS))
+def test_agrees_with_peft_s_own_conversion(model, moe_model, tmp_path, peft_oracle):
+    """Where PEFT converts a transformers 4 adapter itself (every expert Linear targeted, one scaling: it
+    stacks gate and up at r and alpha doubled), PEFT is the oracle, and the hand-merged model agrees with it."""
+    model_dir, peft_adapters = moe_model(model)
+    linears = ["w1", "w2", "w3"] if model == "mixtral" else ["gate_proj", "up_proj", "down_proj"]
+    adapter = make_linear_adapter(model_dir, peft_adapters["r2_experts"], tmp_path / "v4", ARCH[model], 4, 8,
+                                  ["q_proj", *linears], {}, {}, seed=70)
+    merged = merged_model(model_dir, adapter, ARCH[model], tmp_path / "merged")
+    llm = make_llm(model_dir, {"v4": adapter})
+    prompts = random_prompts(2, (8, 20), VOCAB, seed=82)
+    params = SamplingParams(max_tokens=5, logprobs=2, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, adapters=["v4", None])
+    for prompt, out, oracle in zip(prompts, outs, [adapter, None]):
+        assert out.token_ids == peft_oracle(model_dir, oracle, prompt, 5)
+        ref = reference(model_dir, oracle, prompt + out.token_ids)
+        assert_matches(out, prompt, params, ref)
+    merged_ref = reference(merged, None, prompts[0] + outs[0].token_ids)
+    assert (reference(model_dir, adapter, prompts[0] + outs[0].token_ids) - merged_ref).abs().max() < 1e-4
