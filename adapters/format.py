@@ -300,6 +300,9 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
                                  "is not supported", "use_dora")
     names |= linears
     resolved = resolve_modules(cfg, list(names.values()), config_source, parameters=list(params.values()))
+    if len(resolved.canonical_json) > MAX_CONFIG_BYTES:  # what is stored must load again: refused now, not then
+        raise AdapterFormatError(f"{config_source}: the config's {len(resolved.ranks)} targeted modules, listed by "
+                                 f"name as stored, are over {MAX_CONFIG_BYTES} bytes", "target_modules")
     names |= params
     expected = {slot for slot, name in names.items() if name in resolved.ranks}
 

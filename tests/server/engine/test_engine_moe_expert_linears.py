@@ -179,3 +179,21 @@ def test_agrees_with_peft_s_own_conversion(model, moe_model, tmp_path, peft_orac
         assert_matches(out, prompt, params, ref)
     merged_ref = reference(merged, None, prompts[0] + outs[0].token_ids)
     assert (reference(model_dir, adapter, prompts[0] + outs[0].token_ids) - merged_ref).abs().max() < 1e-4
+
+
+def test_a_config_whose_stored_form_would_not_load_again_is_refused(linear_adapters, monkeypatch):
+    """The stored config lists every targeted module by name (adapters.pattern_resolver); on a large MoE
+    model a transformers 4 adapter's per-expert names could exceed the config bound a later load applies."""
+    import adapters.format
+
+    model_dir, dirs, _ = linear_adapters("mixtral")
+    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    config = (dirs["linear_all"] / "adapter_config.json").read_bytes()
+    weights = (dirs["linear_all"] / "adapter_model.safetensors").read_bytes()
+    stored = inspect_adapter_bytes(config, weights, shape, 64).canonical_config_json
+    assert len(stored) > len(config)
+    monkeypatch.setattr(adapters.format, "MAX_CONFIG_BYTES", len(config))
+    with pytest.raises(AdapterFormatError, match="targeted modules, listed by name as stored") as e:
+        inspect_adapter_bytes(config, weights, shape, 64)
+    assert e.value.param == "target_modules"
+
