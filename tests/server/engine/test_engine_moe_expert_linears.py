@@ -9,6 +9,7 @@ target_parameters adapter gives its greedy tokens and logprobs (float32, 1e-4)."
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_dir
 from server.demo_moe import MOE_MODELS, VOCAB
-from server.engine import SamplingParams
+from server.engine import LLM, SamplingParams
 from tests.engine_helpers import generate_in_one_batch, random_prompts
 from tests.moe_linear_adapters import make_linear_adapter, merged_model
 from tests.server.engine.test_engine_architectures import reference
@@ -197,3 +198,19 @@ def test_a_config_whose_stored_form_would_not_load_again_is_refused(linear_adapt
         inspect_adapter_bytes(config, weights, shape, 64)
     assert e.value.param == "target_modules"
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton needs a GPU or the interpreter")
+def test_stacked_gate_up_through_the_triton_kernels(linear_adapters, peft_oracle):
+    """The stacked rank-16 gate_up LoRA (and the folded scalings) in kernels.expert_lora_triton."""
+    model_dir, dirs, merged = linear_adapters("qwen3_moe")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(model_dir, device=device, dtype="float32", kernels="triton", max_loras=2, kv_cache_blocks=32,
+              max_model_len=128)
+    llm.add_adapter("linear_all", dirs["linear_all"])
+    prompts = random_prompts(2, (10, 20), VOCAB, seed=83)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                        adapters=["linear_all", None])
+    assert outs[0].token_ids == peft_oracle(merged["linear_all"], None, prompts[0], 4)
+    assert outs[1].token_ids == peft_oracle(model_dir, None, prompts[1], 4)
