@@ -6,7 +6,9 @@ LoRA on each: W_e' = W_e + scaling * B @ A, scaling alpha / r (rank_pattern / al
 module names). transformers 5 fuses the experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]), so these
 adapters are mapped onto the same per-expert slots PEFT's target_parameters fill (adapters.expert_params):
 a gate and an up LoRA of one expert become one gate_up LoRA of rank r_gate + r_up, A stacked and B
-block-diagonal (the gate's rows then the up's, as gate_up_proj stacks them).
+block-diagonal (the gate's rows then the up's, as gate_up_proj stacks them). PEFT on transformers 5 converts
+such an adapter the same way on load (r and alpha doubled) where it targets both gate and up of every
+expert; one targeting some experts, or gate without up, it refuses, and this serves as transformers 4 did.
 """
 from __future__ import annotations
 

@@ -376,8 +376,9 @@ def _expert_linear_names(header: SafetensorsHeader, shape: ModelShape) -> dict[t
     layout = shape.expert_linears
     if layout is None or not any(_linear_match(k, shape) for k in header.tensors):
         return {}
+    projections = [expert_linears.linear_projection(e, n) for e in range(shape.num_experts) for n in layout[1]]
     return {(layer, proj): expert_linears.module_name(layout, layer, proj) for layer in range(shape.num_layers)
-            if layer not in shape.dense_layers for e in range(shape.num_experts) for proj in (expert_linears.linear_projection(e, n) for n in layout[1])}
+            if layer not in shape.dense_layers for proj in projections}
 
 
 def _linear_match(key: str, shape: ModelShape) -> re.Match | None:
