@@ -32,13 +32,21 @@ def expert_of(proj: str) -> tuple[int, str] | None:
     return int(expert), weight
 
 
+def dense_layers(cfg: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers of a Qwen3-MoE config with a dense MLP in place of experts, as transformers builds them:
+    those in `mlp_only_layers`, and those where (layer + 1) is not a multiple of `decoder_sparse_step`."""
+    only, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step") or 1
+    return tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+
+
 def expert_param_name(layer: int, weight: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{weight}"
 
 
 def targeted_expert_weights(cfg: Mapping[str, Any], num_layers: int, num_experts: int,
-                            source: str) -> dict[int, tuple[str, ...]]:
-    """layer -> the expert weights cfg's target_parameters names there, in EXPERT_WEIGHTS order."""
+                            source: str, dense: tuple[int, ...] = ()) -> dict[int, tuple[str, ...]]:
+    """layer -> the expert weights cfg's target_parameters names there, in EXPERT_WEIGHTS order (`dense`:
+    layers without experts)."""
     targets = cfg.get("target_parameters") or []
     if not targets:
         return {}
@@ -50,7 +58,7 @@ def targeted_expert_weights(cfg: Mapping[str, Any], num_layers: int, num_experts
             raise AdapterFormatError(f"{source}: {field} with target_parameters is not supported", field)
     wanted = set(targets)  # t matches a name equal to it or ending in "." + t: one of its dotted suffixes
     out = {}
-    for layer in range(num_layers):
+    for layer in (i for i in range(num_layers) if i not in dense):
         names = {w: expert_param_name(layer, w) for w in EXPERT_WEIGHTS}
         hit = tuple(w for w, n in names.items() if not wanted.isdisjoint(dotted_suffixes(n)))
         if hit:

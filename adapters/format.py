@@ -28,9 +28,10 @@ import safetensors.torch
 import torch
 
 # PROJECTIONS and AdapterFormatError stay importable from here: callers use adapters.format.
+from adapters import expert_linears
 from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
 from adapters.expert_params import (
-    EXPERT_WEIGHTS, expert_param_name, expert_projection, targeted_expert_weights, weight_at_depth)
+    EXPERT_WEIGHTS, dense_layers, expert_param_name, expert_projection, targeted_expert_weights, weight_at_depth)
 from adapters.pattern_resolver import resolve_modules
 from adapters.peft_config import (
     FUSED_MODULES, FUSED_PROJECTIONS, PROJECTIONS, AdapterFormatError, _parse_config, _positive_int)
@@ -81,6 +82,9 @@ class ModelShape:
     # The server's bound on an adapter's parts of embed_tokens and lm_head, in float32 bytes
     # (--max-lora-vocab-bytes; adapters.vocab_format); None: two full copies of the base's are the most.
     max_vocab_bytes: int | None = None
+    # An MoE architecture's per-expert Linear names in transformers 4 (adapters.expert_linears.EXPERT_LINEARS)
+    expert_linears: tuple[str, tuple[str, ...]] | None = None
+    dense_layers: tuple[int, ...] = ()  # an MoE model's layers with a dense MLP (Qwen3-MoE's), no experts
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "q_size", "kv_size", "intermediate_size"):
@@ -102,7 +106,9 @@ class ModelShape:
                    cfg.get("num_experts") or cfg.get("num_local_experts") or 0 if arch == "Qwen3MoeForCausalLM" else 0)
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
                    kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"), arch in FUSED_PROJECTION_ARCHS,
-                   experts, cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0)
+                   experts, cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
+                   expert_linears.EXPERT_LINEARS.get(arch),
+                   dense_layers(cfg, cfg["num_hidden_layers"]) if arch == "Qwen3MoeForCausalLM" else ())
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -110,6 +116,10 @@ class ModelShape:
         if self.num_experts:
             return _ATTENTION_PROJECTIONS
         return FUSED_PROJECTIONS if self.fused_projections else PROJECTIONS
+
+    def layer_projections(self, layer: int) -> tuple[str, ...]:
+        """The Linear modules of layer `layer`: a dense layer of an MoE model has the dense MLP's too."""
+        return PROJECTIONS if layer in self.dense_layers else self.projections
 
     def experts_of(self, proj: str) -> int:
         """How many experts module `proj` stacks (its LoRA rank is that times r); 1 for a Linear."""
@@ -146,6 +156,8 @@ class ModelShape:
         if self.num_experts:  # one expert's share of each fused expert weight
             mi = self.moe_intermediate_size
             table |= {"experts.gate_up_proj": (h, 2 * mi), "experts.down_proj": (mi, h)}
+            if (linear := expert_linears.parse_linear(proj, self.expert_linears)) is not None:
+                return (mi, h) if linear.role == "down" else (h, mi)
         if proj not in table:
             raise ValueError(f"unknown projection {proj!r}; expected one of {PROJECTIONS + FUSED_PROJECTIONS}")
         return table[proj]
@@ -219,6 +231,7 @@ class _Plan:
     config: Mapping[str, Any]
     summary: AdapterSummary
     vocab: VocabPlan | None
+    linear_layout: tuple[str, tuple[str, ...]] | None = None  # ModelShape.expert_linears
 
 
 # ---- public entry points -------------------------------------------------
@@ -297,10 +310,21 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     if (why := invocation_vocab_problem(cfg, shape.vocab_size)) is not None:
         raise AdapterFormatError(f"{config_source}: {why}", param=INVOCATION_FIELD)
     names = {(layer, proj): module_name(layer, proj) for layer in range(shape.num_layers)
-             for proj in _projections(cfg, shape)}
-    experts = targeted_expert_weights(cfg, shape.num_layers, shape.num_experts, config_source)
+             for proj in _projections(cfg, shape, layer)}
+    experts = targeted_expert_weights(cfg, shape.num_layers, shape.num_experts, config_source, shape.dense_layers)
     params = {(layer, f"experts.{w}"): expert_param_name(layer, w) for layer, hit in experts.items() for w in hit}
+    linears = _expert_linear_names(header, shape)
+    if linears and experts:
+        raise AdapterFormatError(f"{config_source}: target_parameters together with per-expert Linear LoRA "
+                                 "(transformers 4's experts.{e} modules) is not supported", "target_parameters")
+    if linears and cfg.get("use_dora", False):
+        raise AdapterFormatError(f"{config_source}: use_dora on per-expert Linear modules (DoRA on MoE experts) "
+                                 "is not supported", "use_dora")
+    names |= linears
     resolved = resolve_modules(cfg, list(names.values()), config_source, parameters=list(params.values()))
+    if len(resolved.canonical_json) > MAX_CONFIG_BYTES:  # what is stored must load again: refused now, not then
+        raise AdapterFormatError(f"{config_source}: the config's {len(resolved.ranks)} targeted modules, listed by "
+                                 f"name as stored, are over {MAX_CONFIG_BYTES} bytes", "target_modules")
     names |= params
     expected = {slot for slot, name in names.items() if name in resolved.ranks}
 
@@ -316,7 +340,8 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
     use_rslora = cfg.get("use_rslora", False)
     use_dora = cfg.get("use_dora", False)
     modules: dict[tuple[int, str], _Module] = {}
-    for slot in sorted(set(keys) | expected, key=lambda s: (s[0], _ORDER[s[1]])):
+    position = {slot: i for i, slot in enumerate(names)}
+    for slot in sorted(set(keys) | expected, key=lambda s: (s[0], _ORDER.get(s[1], len(_ORDER)), position.get(s, 0))):
         name = names.get(slot, module_name(*slot))
         if slot not in expected:
             raise AdapterFormatError(f"{source}: tensors for {name}, which adapter_config.json does not target")
@@ -361,18 +386,59 @@ def _plan(cfg: Mapping[str, Any], header: SafetensorsHeader, shape: ModelShape, 
         modules[slot] = _Module(name, rank, in_f, out_f, scaling, ab["A"], ab["B"], ab.get("M"), shape.parts(slot[1]),
                                 n_exp)
 
+    rank = _check_stacked_ranks(modules, shape.expert_linears, max_lora_rank, source)
     size = sum(4 * (m.experts * m.rank * (m.in_features + m.out_features) + (m.out_features if m.m_key else 0))
                for m in modules.values()) + (vocab.size_bytes if vocab else 0)
+    # A per-expert gate or up LoRA's B fills its half of the expert's gate_up rows, the other half zero.
+    size += sum(4 * m.rank * m.out_features for slot, m in modules.items()
+                if getattr(expert_linears.parse_linear(slot[1], shape.expert_linears), "role", "down") != "down")
     if max_bytes is not None and size > max_bytes:
         raise AdapterFormatError(f"{source}: adapter size {size} bytes (as float32) is above the limit "
                                  f"of {max_bytes} bytes")
-    ranks = [m.rank for m in modules.values()] + list(vocab.ranks if vocab else ())
+    ranks = [rank] + list(vocab.ranks if vocab else ())
     targeted = {proj for _, proj in modules} | {m.rsplit(".", 1)[-1] for m in (vocab.loras if vocab else ())}
-    summary = AdapterSummary(max(ranks, default=0), tuple(sorted(targeted)), size, resolved.canonical_json)
-    return _Plan(MappingProxyType(modules), use_rslora, cfg, summary, vocab)
+    summary = AdapterSummary(max(ranks), tuple(sorted(targeted)), size, resolved.canonical_json)
+    return _Plan(MappingProxyType(modules), use_rslora, cfg, summary, vocab, shape.expert_linears)
 
 
-def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
+def _expert_linear_names(header: SafetensorsHeader, shape: ModelShape) -> dict[tuple[int, str], str]:
+    """(layer, projection) -> module name of every per-expert Linear of the model (adapters.expert_linears),
+    where the file holds tensors for such modules: an adapter written with transformers 4. Otherwise none,
+    so that target_modules="all-linear" means what it means on transformers 5 (attention only)."""
+    layout = shape.expert_linears
+    if layout is None or not any(_linear_match(k, shape) for k in header.tensors):
+        return {}
+    projections = [expert_linears.linear_projection(e, n) for e in range(shape.num_experts) for n in layout[1]]
+    return {(layer, proj): expert_linears.module_name(layout, layer, proj) for layer in range(shape.num_layers)
+            if layer not in shape.dense_layers for proj in projections}
+
+
+def _linear_match(key: str, shape: ModelShape) -> re.Match | None:
+    """key's match as a per-expert Linear's tensor of this model's layout (its block and names)."""
+    layout = shape.expert_linears
+    found = expert_linears.KEY_RE.fullmatch(key) if layout is not None else None
+    return found if found is not None and found[2] == layout[0] and found[4] in layout[1] else None
+
+
+def _check_stacked_ranks(modules: Mapping[tuple[int, str], _Module], layout, max_lora_rank: int,
+                         source: str) -> int:
+    """The adapter's rank as the engine's slots hold it: an expert's gate and up Linear LoRAs stack into
+    one gate_up LoRA of rank r_gate + r_up (adapters.expert_linears), which must fit max_lora_rank."""
+    stacked: dict[tuple[int, int], list[_Module]] = {}
+    for (layer, proj), m in modules.items():
+        linear = expert_linears.parse_linear(proj, layout)
+        if linear is not None and linear.role != "down":
+            stacked.setdefault((layer, linear.expert), []).append(m)
+    for pair in stacked.values():
+        if sum(m.rank for m in pair) > max_lora_rank:
+            raise AdapterFormatError(
+                f"{source}: {' and '.join(m.name for m in pair)}: ranks {' + '.join(str(m.rank) for m in pair)} "
+                f"stack into one gate_up LoRA of the expert, above max_lora_rank {max_lora_rank}")
+    return max([m.rank for m in modules.values()] + [sum(m.rank for m in pair) for pair in stacked.values()],
+               default=0)  # 0: parts of embed_tokens/lm_head only (adapters.vocab_format)
+
+
+def _projections(cfg: Mapping[str, Any], shape: ModelShape, layer: int) -> tuple[str, ...]:
     """The module names an adapter is matched against: the model's, except that on a fused model an
     adapter listing split names (q_proj, gate_proj, ...: what a converter to the Llama layout writes) is
     matched against those, each feeding its rows of the fused projection."""
@@ -380,7 +446,7 @@ def _projections(cfg: Mapping[str, Any], shape: ModelShape) -> tuple[str, ...]:
     split = set(PROJECTIONS) - set(FUSED_PROJECTIONS)
     if shape.fused_projections and isinstance(target, list) and any(t.rsplit(".", 1)[-1] in split for t in target):
         return PROJECTIONS
-    return shape.projections
+    return shape.layer_projections(layer)
 
 
 def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: int, source: str,
@@ -389,7 +455,7 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
     `experts` (adapters.expert_params.targeted_expert_weights: which saved key is which expert weight).
     Keys of embed_tokens and lm_head parts are adapters.vocab_format's."""
     unexpected = [k for k in header.tensors if not _KEY_RE.fullmatch(k) and not is_vocab_key(k)
-                  and not (shape.num_experts and _EXPERT_KEY_RE.fullmatch(k))]
+                  and not (shape.num_experts and (_EXPERT_KEY_RE.fullmatch(k) or _linear_match(k, shape)))]
     if unexpected:
         shown = ", ".join(repr(k) for k in sorted(unexpected)[:3])
         more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
@@ -408,6 +474,13 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
                 raise AdapterFormatError(f"{source}: tensor {key!r} is for an expert weight that adapter_config.json's "
                                          "target_parameters does not target", "target_parameters")
             proj = f"experts.{weight}"
+        elif (linear_match := _linear_match(key, shape)) is not None:
+            layer_s, parent, expert_s, name, ab = linear_match.groups()
+            magnitude, parent = None, "mlp"
+            if int(expert_s) >= shape.num_experts:
+                raise AdapterFormatError(f"{source}: tensor {key!r} is for expert {expert_s} but the base model has "
+                                         f"{shape.num_experts} experts per layer")
+            proj = expert_linears.linear_projection(int(expert_s), name)
         else:
             layer_s, parent, proj, ab, magnitude = _KEY_RE.fullmatch(key).groups()
         part = ab or "M"
@@ -444,6 +517,7 @@ def _tensor_keys(header: SafetensorsHeader, shape: ModelShape, max_lora_rank: in
 
 def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -> LoraAdapter:
     weights: dict[tuple[int, str], LoraWeights] = {}
+    linears: dict[tuple[int, int], dict[str, expert_linears.LinearLora]] = {}  # (layer, expert) -> role -> LoRA
     for slot, m in plan.modules.items():
         # copy=True: never alias a memory-mapped file or the caller's buffer.
         a = get(m.a_key).to(torch.float32, copy=True).contiguous()     # a: [r, in]
@@ -457,6 +531,9 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             if magnitude.shape != (m.out_features,):
                 raise AdapterFormatError(f"{source}: file changed while loading ({m.m_key!r})")
             check_magnitude(m.name, magnitude, source)
+        if (linear := expert_linears.parse_linear(slot[1], plan.linear_layout)) is not None:
+            linears.setdefault((slot[0], linear.expert), {})[linear.role] = expert_linears.LinearLora(a, b, m.scaling)
+            continue
         if m.experts > 1:  # expert e: A rows e*r.., B columns e::E (adapters.expert_params)
             a_e, b_e = a.view(m.experts, m.rank, m.in_features), b.view(m.out_features, m.rank, m.experts)
             weight = slot[1].removeprefix("experts.")
@@ -469,8 +546,12 @@ def _materialise(plan: _Plan, get: Callable[[str], torch.Tensor], source: str) -
             part_b = b if (lo, hi) == (0, m.out_features) else b[lo:hi].contiguous()
             part_m = magnitude if magnitude is None or (lo, hi) == (0, m.out_features) else magnitude[lo:hi].contiguous()
             weights[(slot[0], proj)] = LoraWeights(a, part_b, m.scaling, part_m)
+    for (layer, expert), parts in linears.items():
+        weights |= expert_linears.to_expert_weights(layer, expert, parts, LoraWeights)
     s = plan.summary
     vocab = None if plan.vocab is None else materialise_vocab(plan.vocab, get, source)
-    rank = max((m.rank for m in plan.modules.values()), default=0)
+    # The projections' rank as the slots hold it (an expert's gate and up Linear LoRAs stacked: their sum);
+    # 0 for parts of embed_tokens/lm_head only.
+    rank = max((w.rank for w in weights.values()), default=0)
     return LoraAdapter(rank, s.target_modules, plan.use_rslora, MappingProxyType(weights), s.size_bytes,
                        plan.config, vocab=vocab)

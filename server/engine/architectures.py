@@ -15,7 +15,7 @@ class ArchSupport:
     quantization: bool  # --quantization int8/int4/fp8 (and GPTQ checkpoints)
     dora: str  # which modules a DoRA adapter may target: "all", or "attention" (MoE: not the experts)
     sliding_window: bool  # windowed attention layers (Mistral, Qwen's use_sliding_window, Gemma's)
-    moe: bool  # experts routed top-k, LoRA on them by PEFT's target_parameters
+    moe: bool  # experts routed top-k, LoRA on them by PEFT's target_parameters or per-expert Linear (transformers 4)
     gguf: bool  # a llama.cpp GGUF file of it converts (server.gguf_convert)
 
 

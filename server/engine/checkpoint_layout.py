@@ -11,7 +11,7 @@ def layer_keys(cfg: ModelConfig, i: int, present=()) -> list[str]:
     (an MoE checkpoint's experts come in one of two layouts, server.engine.moe_weights)."""
     p = f"model.layers.{i}."
     keys = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "self_attn.o_proj.weight"]
-    if cfg.is_moe:
+    if cfg.is_sparse(i):
         keys += [p + f"self_attn.{n}_proj.weight" for n in "qkv"] + expert_keys(cfg, i, present)
     elif cfg.architecture in FUSED_PROJECTION_ARCHS:  # q/k/v and gate/up stored fused, in the engine's order
         keys += [p + "self_attn.qkv_proj.weight", p + "mlp.gate_up_proj.weight", p + "mlp.down_proj.weight"]

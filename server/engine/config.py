@@ -89,6 +89,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()  # an MoE model's layers with a dense MLP instead (Qwen3-MoE's)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -105,6 +106,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` routes to experts (else: a dense MLP)."""
+        return self.is_moe and layer not in self.dense_layers
 
     @property
     def q_size(self) -> int:

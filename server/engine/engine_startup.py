@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from adapters.expert_linears import EXPERT_LINEARS
 from adapters.format import FUSED_PROJECTION_ARCHS, ModelShape
 from adapters.host_tier import Fetch, HostTier
 from adapters.packed import PackedLoraAdapter
@@ -217,7 +218,8 @@ def _adapter_shape(mcfg: ModelConfig, config: EngineConfig) -> ModelShape:
     return ModelShape(num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, q_size=mcfg.q_size,
                       kv_size=mcfg.kv_size, intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
                       fused_projections=mcfg.architecture in FUSED_PROJECTION_ARCHS, num_experts=mcfg.num_experts,
-                      moe_intermediate_size=mcfg.moe_intermediate_size, max_vocab_bytes=config.max_lora_vocab_bytes)
+                      moe_intermediate_size=mcfg.moe_intermediate_size, max_vocab_bytes=config.max_lora_vocab_bytes,
+                      expert_linears=EXPERT_LINEARS.get(mcfg.architecture), dense_layers=mcfg.dense_layers)
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,

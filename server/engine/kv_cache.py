@@ -132,21 +132,22 @@ def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype,
                         paging: LoraPaging | None = None):
     """Per layer, the slot buffers of each fused projection group: `max_loras` slots of max_rank rows, or
     the layout `paging` gives (entries, and pages of its page rows: server.engine.lora.paging). An MoE
-    layer's experts: one group per fused expert weight, in slots (server.engine.lora.expert_buffers)."""
+    layer's experts: one group per fused expert weight, in slots (server.engine.lora.expert_buffers); the
+    dense layers of an MoE model (Qwen3-MoE's) have the dense MLP's groups instead."""
     paging = paging or LoraPaging.slots(max_loras, max_rank)
     h, q, kv, inter = mcfg.hidden_size, mcfg.q_size, mcfg.kv_size, mcfg.intermediate_size
-    shapes = {"qkv": (h, (q, kv, kv)), "o": (q, (h,))}
-    if not mcfg.is_moe:
-        shapes |= {"gate_up": (h, (inter, inter)), "down": (inter, (h,))}
+    attention = {"qkv": (h, (q, kv, kv)), "o": (q, (h,))}
+    mlp = {"gate_up": (h, (inter, inter)), "down": (inter, (h,))}
 
-    def layer() -> dict:
+    def layer(sparse: bool) -> dict:
+        shapes = attention if sparse else attention | mlp
         groups = {group: LoraGroupBuffers.allocate(in_f, outs, paging.entries, paging.page_rows, dtype, device,
                                                    paging.pages, paging.dora_entries)
                   for group, (in_f, outs) in shapes.items()}
-        if mcfg.is_moe:
+        if sparse:
             e, i = mcfg.num_experts, mcfg.moe_intermediate_size
             groups["experts_gate_up"] = ExpertLoraBuffers.allocate(e, h, 2 * i, max_loras, max_rank, dtype, device)
             groups["experts_down"] = ExpertLoraBuffers.allocate(e, i, h, max_loras, max_rank, dtype, device)
         return groups
 
-    return [layer() for _ in range(mcfg.num_layers)]
+    return [layer(mcfg.is_sparse(i)) for i in range(mcfg.num_layers)]

@@ -133,10 +133,11 @@ class DecoderLayer:
         self.qkv = base("qkv")
         self.o = base("o_proj")
         # An MoE layer's experts in place of the dense MLP (server.engine.moe_block).
-        self.moe = (MoeBlock(cfg, w.pop("experts"), lora["experts_gate_up"], lora["experts_down"]) if cfg.is_moe
+        sparse = "experts" in w  # a dense layer of an MoE model (Qwen3-MoE's) has the dense MLP
+        self.moe = (MoeBlock(cfg, w.pop("experts"), lora["experts_gate_up"], lora["experts_down"]) if sparse
                     else None)
-        self.gate_up = None if cfg.is_moe else base("gate_up")
-        self.down = None if cfg.is_moe else base("down_proj")
+        self.gate_up = None if sparse else base("gate_up")
+        self.down = None if sparse else base("down_proj")
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
     def projections(self) -> list[LoraLinear]:
@@ -332,7 +333,7 @@ def layer_weights(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) ->
         "post_attention_layernorm.weight": take(p + "post_attention_layernorm.weight"),
         "o_proj.weight": take(p + "self_attn.o_proj.weight"),
     }
-    if cfg.is_moe:
+    if cfg.is_sparse(i):
         w["qkv.weight"] = _fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         w["experts"] = take_experts(weights, cfg, i)
         return w | _norms_and_biases(weights, p)

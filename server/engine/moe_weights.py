@@ -11,11 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.expert_linears import EXPERT_LINEARS
 from server.engine.config import ModelConfig
 
-# Architecture -> (the block's prefix, (gate, up, down) per-expert names)
-_LAYOUT = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
-           "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,7 @@ class ExpertWeights:
 
 def expert_keys(cfg: ModelConfig, i: int, present) -> list[str]:
     """The keys layer i's MoE block needs (`present`: the checkpoint's keys, to tell the layouts apart)."""
-    block, names = _LAYOUT[cfg.architecture]
+    block, names = EXPERT_LINEARS[cfg.architecture]
     p = f"model.layers.{i}."
     fused = [p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
     if fused[0] in present:

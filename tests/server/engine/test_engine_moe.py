@@ -112,7 +112,7 @@ def test_routing_groups_pairs_by_expert_then_slot():
 def test_refusals_name_what_is_not_served(moe_model, tmp_path):
     model_dir, adapters = moe_model("qwen3_moe")
     cfg = json.loads((model_dir / "config.json").read_text())
-    for field, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [0])):
+    for field, value in (("decoder_sparse_step", 0), ("mlp_only_layers", [2])):
         with pytest.raises(ModelConfigError, match=field):
             ModelConfig.from_dict({**cfg, field: value})
     with pytest.raises(ModelConfigError, match="quantization 'int8' is not supported for Qwen3MoeForCausalLM"):
