@@ -17,7 +17,8 @@ core pages a version in from the registry on its first request, as after any evi
 
 Attached (`attach`, one of --api-server-count's front ends): the core is the parent process's
 (server.front_ends), on an input address that stays the same across its restarts. This client starts
-and stops nothing: it notices a death by the missing heartbeat, fails what is in flight the same way,
+and stops nothing: it notices a death by the core's pid (from Ready) being gone when a poll finds
+nothing to read, or by the missing heartbeat, fails what is in flight the same way,
 and says Hello again every REHELLO_S until the parent's new core answers Ready (the parent decides
 whether there is one; when it gives up it stops this front end).
 """
@@ -367,7 +368,11 @@ class RemoteEngineClient(EngineClient):
                 ready = poller.poll(POLL_MS)
                 if not ready:
                     core = self._core
-                    if self.is_healthy and time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
+                    if not self.is_healthy:
+                        continue
+                    if core.proc is None and not _pid_alive(self._core_pid):
+                        self._die(core, f"the engine core (pid {self._core_pid}) exited")
+                    elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
                         if core.proc is not None:
                             core.proc.kill()  # first: a restart must not find it still running
                         self._die(core, f"the engine core sent nothing for {HEARTBEAT_TIMEOUT_S:g} s")
@@ -492,6 +497,19 @@ class RestartPolicy:
 
     def describe(self) -> str:
         return f"{self.max_restarts} restarts within {self.window_s:g} s"
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """An attached client's check on the core its parent runs (and reaps at once: no zombie lingers)."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _settle(done: concurrent.futures.Future, value, error: BaseException | None) -> None:
