@@ -40,6 +40,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import msgspec
+import psutil
 import zmq
 
 from server.engine.core.arrays import int_bytes
@@ -370,7 +371,7 @@ class RemoteEngineClient(EngineClient):
                     core = self._core
                     if not self.is_healthy:
                         continue
-                    if core.proc is None and not _pid_alive(self._core_pid):
+                    if core.proc is None and self._core_pid is not None and not psutil.pid_exists(self._core_pid):
                         self._die(core, f"the engine core (pid {self._core_pid}) exited")
                     elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
                         if core.proc is not None:
@@ -497,19 +498,6 @@ class RestartPolicy:
 
     def describe(self) -> str:
         return f"{self.max_restarts} restarts within {self.window_s:g} s"
-
-
-def _pid_alive(pid: int | None) -> bool:
-    """An attached client's check on the core its parent runs (and reaps at once: no zombie lingers)."""
-    if pid is None:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _settle(done: concurrent.futures.Future, value, error: BaseException | None) -> None:
