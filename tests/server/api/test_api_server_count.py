@@ -1,15 +1,18 @@
 """--api-server-count 2 through the real CLI: two front-end processes on one port share one engine core.
 Concurrent tenants get the greedy outputs a one-front-end server gives, both front ends serve requests
 (x-loraplex-front-end), each tenant's usage is exactly what its responses reported, a requests-per-
-minute quota holds across both front ends, and SIGTERM to the parent drains and stops every process.
+minute quota holds across both front ends, and SIGTERM to the parent drains (a running stream ends in
+full) and stops every process. A killed core is restarted by the parent for both front ends.
 Without --engine-process separate the flag is refused in one line."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +21,7 @@ import httpx
 import psutil
 
 from server.embedded_redis.server import free_port
+from tests.fixtures_server import read_sse
 from tests.repo import ROOT_DIR as ROOT
 from tests.server.test_cli_start_stop import _start, _stop
 
@@ -99,9 +103,22 @@ def test_two_front_ends_share_one_core(tmp_path):
         assert codes == [200] * QUOTA_RPM + [429] * (2 * QUOTA_RPM), codes
         assert {r.headers["x-loraplex-front-end"] for r in capped} == {"0", "1"}
         split = {(k, m, str(p)): t for (k, m, p), t in zip(jobs, texts) if k == demo_key}
+
+        # SIGTERM to the parent drains: a stream running on either front end still ends in full
+        events, first = [], threading.Event()
+        body = {"model": "demo-r8", "prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        reader = threading.Thread(target=read_sse, args=(f"{base}/v1/completions",
+                                                         {"Authorization": f"Bearer {demo_key}"}, body, events, first),
+                                  daemon=True)
+        reader.start()
+        assert first.wait(60)
     finally:
         status = _stop(proc, signal.SIGTERM)
     assert status == 0, err.read_text()
+    reader.join(10)
+    assert events[-2:] == ["[DONE]", "closed"], events[-3:]
+    chunks = [json.loads(e) for e in events[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
     assert err.read_text().count("SIGTERM received: stopping (running requests get") == 2  # each front end
     # the core, both front ends, Redis and multiprocessing's helpers (which may exit just after the parent)
     _, alive = psutil.wait_procs(children, timeout=15)
