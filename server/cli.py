@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-restart-limit", type=_positive_int, default=None, metavar="N",
                    help="the crash-loop limit of --engine-restart: after N restarts within 60 s the next death "
                         "exits the server with status 1 (default 3)")
+    s.add_argument("--api-server-count", type=_positive_int, default=1, metavar="N",
+                   help="front-end processes (HTTP, auth, tokenizing, SSE) sharing the port and one engine core, "
+                        "each with its own channel to it; N > 1 needs --engine-process separate "
+                        "(docs/serving.md) (default 1)")
     s.add_argument("--quantization", metavar="int8|int4|fp8|gptq",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales (a C++ kernel on AVX2 CPUs, a Triton one on GPUs); int4 is "
@@ -321,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _banner(info, shutdown_timeout: float) -> None:
+def banner(info, shutdown_timeout: float) -> None:
     lines = ["", f"loraplex is serving {info.model_id} at {info.base_url}"]
     if info.admin_token_file is not None:
         lines.append(f"admin token (kept in {info.admin_token_file}): {info.admin_token}")
@@ -346,14 +350,19 @@ def _banner(info, shutdown_timeout: float) -> None:
     print("\n".join(lines), flush=True)
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The listening socket, bound before anything else starts: a port in use is reported at once,
-    not after the model is built and credentials printed for a server that would never start."""
+    not after the model is built and credentials printed for a server that would never start.
+    `reuse_port`: SO_REUSEPORT, so that --api-server-count's front ends each get a socket of their own
+    on the port and the kernel spreads connections over them (one shared socket: the first to wake
+    accepts them all)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
         sock.listen(2048)
     except OSError:
@@ -363,7 +372,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _log_to_stderr() -> None:
+def log_to_stderr() -> None:
     """The engine's start-up choices (context length, KV pool, kernels) as `loraplex: ...` lines; the
     `server` loggers only, so libraries keep their own levels."""
     handler = logging.StreamHandler(sys.stderr)
@@ -373,21 +382,24 @@ def _log_to_stderr() -> None:
     root.setLevel(logging.INFO)
 
 
-def serve(config: ServerConfig, sock: socket.socket) -> int:
-    """The exit status: 0 after a stop, 1 when the engine core died (--engine-process separate)."""
+def serve(config: ServerConfig, sock: socket.socket, on_ready=None, place_cpus: bool = True) -> int:
+    """The exit status: 0 after a stop, 1 when the engine core died (--engine-process separate).
+    `on_ready` gets the StartupInfo (default: print the banner); `place_cpus` False: a front end of
+    several, whose parent placed itself (server.front_ends)."""
     import uvicorn
 
     from server.api.app import create_app
     from server.stop_signals import QuietStopServer, quiet_uvicorn_lifecycle
 
-    _place_cpus(config)
+    if place_cpus:
+        place_cpus_of(config)
     died = []
 
     def engine_died() -> None:
         died.append(True)
         server.should_exit = True
 
-    app = create_app(config, on_ready=lambda info: _banner(info, config.shutdown_timeout),
+    app = create_app(config, on_ready=on_ready or (lambda info: banner(info, config.shutdown_timeout)),
                      on_engine_death=engine_died)
     uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=config.shutdown_timeout)
     quiet_uvicorn_lifecycle()
@@ -396,7 +408,7 @@ def serve(config: ServerConfig, sock: socket.socket) -> int:
     return 1 if died else 0
 
 
-def _place_cpus(config: ServerConfig) -> None:
+def place_cpus_of(config: ServerConfig) -> None:
     """This process onto its side's cores (server.cpu_placement): the front end's with an engine-core
     process (which moves itself onto the engine's), the engine's in-process; Redis, compile and loader
     processes onto the front end side's."""
@@ -470,13 +482,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args)
     try:
-        sock = bind_listener(args.host, args.port)
+        sock = bind_listener(args.host, args.port, reuse_port=args.api_server_count > 1)
     except OSError as e:
         print(f"loraplex: error: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
               f"(is another server running there? pick another --port)", file=sys.stderr)
         return 2
     with sock, ExitStack() as held:
-        _log_to_stderr()
+        log_to_stderr()
         try:
             check_before_model(args, os.environ, held)
             config = ServerConfig.from_args(args)
@@ -487,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("loraplex: interrupted while starting", file=sys.stderr)
             return 130
+        if config.api_server_count > 1:
+            from server.front_ends import run_front_ends
+
+            return run_front_ends(config, sock)
         return serve(config, sock)
 
 

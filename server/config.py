@@ -156,6 +156,12 @@ class ServerConfig:
     # unless engine_restart_limit restarts happened within ENGINE_RESTART_WINDOW_S; then the server exits 1.
     engine_restart: bool = True
     engine_restart_limit: int = 3
+    # --api-server-count: front-end processes sharing the port and one engine core (server.front_ends).
+    api_server_count: int = 1
+    # Set by the parent of several front ends in each one it spawns: which one this is (0 runs the
+    # start-up writes and the store's upkeep) and the running core's input socket to attach to.
+    front_end_index: int = 0
+    engine_address: str | None = None
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     # --engine-cpus / --api-cpus resolved (server.cpu_placement): the cores of each side, applied by
     # `loraplex serve`; None: nothing pinned (one core, or a ServerConfig built in code, e.g. by tests).
@@ -249,6 +255,11 @@ class ServerConfig:
                               f"got {self.engine_process!r}")
         if not isinstance(self.engine_restart_limit, int) or self.engine_restart_limit < 1:
             raise ConfigError(f"--engine-restart-limit must be >= 1, got {self.engine_restart_limit!r}")
+        if not isinstance(self.api_server_count, int) or self.api_server_count < 1:
+            raise ConfigError(f"--api-server-count must be >= 1, got {self.api_server_count!r}")
+        if self.api_server_count > 1 and self.engine_process != "separate":
+            raise ConfigError(f"--api-server-count {self.api_server_count} needs --engine-process separate "
+                              f"(front ends share one engine core; got --engine-process {self.engine_process})")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")
         cap = self.max_prefill_tokens_while_decoding
@@ -348,6 +359,18 @@ class ServerConfig:
                             max_file_bytes=self.max_upload_bytes, timeout_seconds=self.adapter_fetch_timeout)
 
     @property
+    def uses_loader_processes(self) -> bool:
+        """Whether adapters from sources are fetched in loader processes (and stored versions parsed in a
+        pager process of their own, in the engine's process)."""
+        return bool(self.adapter_load_workers and (self.adapter_sources or self.lora_modules))
+
+    @property
+    def runs_singletons(self) -> bool:
+        """Whether this process does the once-per-server work: start-up writes (tenants, demo key,
+        preloads, pins), the store's upkeep and the adapter-retirement listener. Front end 0 of several."""
+        return self.front_end_index == 0
+
+    @property
     def replica(self) -> str:
         """This process's name among replicas: --replica-name, else hostname:port. Derived here, not
         stored, so dataclasses.replace(config, port=...) keeps the default in step with the port."""
@@ -410,6 +433,7 @@ class ServerConfig:
             engine_process=getattr(args, "engine_process", "in-process"),
             engine_restart=_given(args, "engine_restart", True),
             engine_restart_limit=_given(args, "engine_restart_limit", 3),
+            api_server_count=getattr(args, "api_server_count", 1),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             cpu_placement=_cpu_placement(args),
             quantization=getattr(args, "quantization", None),

@@ -20,16 +20,27 @@ from server.engine.protocol.in_process import InProcessEngineClient
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
 
 
+def core_launch(config: ServerConfig, engine: EngineConfig, redis_url: str, shape: ModelShape,
+                pager: bool) -> CoreLaunch:
+    """What an engine-core process starts with, its input address left for whoever spawns it. The core
+    builds its own registry fetch and DoRA scale store from these (adapters cross as version ids)."""
+    return CoreLaunch(
+        engine, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix=config.redis_prefix,
+        adapter_grace_seconds=config.adapter_grace_seconds, adapter_shape=shape,
+        max_lora_rank=config.max_lora_rank, pager=pager, max_upload_bytes=config.max_upload_bytes,
+        loader_cpus=config.cpu_placement.api if config.cpu_placement is not None else None)
+
+
 def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: str, shape: ModelShape,
                   registry: AdapterRegistry, pager: LoaderPool | None, client: redis.Redis) -> EngineClient:
-    """The engine client --engine-process asks for (blocking: the weights load, here or in the core)."""
+    """The engine client --engine-process asks for (blocking: the weights load, here or in the core);
+    one of several front ends (--api-server-count) attaches to the core its parent runs."""
+    if config.engine_address is not None:
+        return RemoteEngineClient.attach(core_launch(config, engine, redis_url, shape, pager is not None),
+                                         config.engine_address)
     if config.engine_process == "separate":
-        # The core builds its own registry fetch and DoRA scale store from these (adapters cross as version ids).
-        return RemoteEngineClient.build(CoreLaunch(
-            engine, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix=config.redis_prefix,
-            adapter_grace_seconds=config.adapter_grace_seconds, adapter_shape=shape,
-            max_lora_rank=config.max_lora_rank, pager=pager is not None, max_upload_bytes=config.max_upload_bytes,
-            loader_cpus=config.cpu_placement.api if config.cpu_placement is not None else None),
+        return RemoteEngineClient.build(
+            core_launch(config, engine, redis_url, shape, pager is not None),
             restarts=RestartPolicy(config.engine_restart_limit, ENGINE_RESTART_WINDOW_S) if config.engine_restart
             else None)
     return InProcessEngineClient.build(engine, registry_fetch(registry, shape, config.max_lora_rank, pager),

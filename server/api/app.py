@@ -34,7 +34,8 @@ def _base_url(config: ServerConfig) -> str:
 
 def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | None = None,
                on_engine_death: Callable[[], None] | None = None) -> Starlette:
-    """`on_ready` gets the start-up info (tokens, demo key) once the server can serve; `on_engine_death`
+    """`on_ready` gets the start-up info (tokens, demo key; None in a front end other than the first of
+    several) once the server can serve; `on_engine_death`
     (--engine-process separate) stops the server once the engine core died (server.api.engine_watch)."""
 
     @contextlib.asynccontextmanager
@@ -42,12 +43,16 @@ def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | N
         state = await run_in_threadpool(ServerState.build, config)
         try:
             state.engine.start()
-            state.retirements.start()
             state.settlements.start()
-            info = await run_in_threadpool(bootstrap, state, _base_url(config))
-            await pin_startup_adapters(state)
-            background = [asyncio.create_task(run_upkeep(state)), asyncio.create_task(state.settlements.run()),
+            # Per process: its own requests' usage settlement and the console's history of the engine.
+            background = [asyncio.create_task(state.settlements.run()),
                           asyncio.create_task(state.history.run(state.engine.stats))]
+            info = None
+            if config.runs_singletons:  # once per server: front end 0 of several (server.front_ends)
+                state.retirements.start()
+                info = await run_in_threadpool(bootstrap, state, _base_url(config))
+                await pin_startup_adapters(state)
+                background.append(asyncio.create_task(run_upkeep(state)))
             if on_engine_death is not None and config.engine_process == "separate":
                 background.append(asyncio.create_task(exit_when_engine_dies(state.engine, on_engine_death)))
             app.state.lp = state
@@ -68,7 +73,8 @@ def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | N
               *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_adapter_routes.ROUTES, *adapter_pins.ROUTES,
               *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
               *source_credential_routes.ROUTES, *openapi.ROUTES, *pages.ROUTES]
-    middleware = [Middleware(ReplicaHeader, replica=config.replica), Middleware(SecurityHeaders),
+    middleware = [Middleware(ReplicaHeader, replica=config.replica, front_end=config.front_end_index
+                             if config.api_server_count > 1 else None), Middleware(SecurityHeaders),
                   Middleware(AdminAuthThrottle), Middleware(IgnoredFieldsHeader)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,
                      lifespan=lifespan)

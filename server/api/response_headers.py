@@ -23,7 +23,8 @@ sends no referrer. The Content-Security-Policy depends on what the response is:
 A route that sets its own policy keeps it.
 
 ReplicaHeader: names the replica on every response (`x-loraplex-replica`), so an operator
-behind a load balancer, and the cluster tests, can see which process answered.
+behind a load balancer, and the cluster tests, can see which process answered; with
+--api-server-count N > 1 also which front end of the replica (`x-loraplex-front-end`, 0..N-1).
 """
 from __future__ import annotations
 
@@ -63,12 +64,15 @@ class SecurityHeaders:
 
 
 REPLICA_HEADER = "x-loraplex-replica"
+FRONT_END_HEADER = "x-loraplex-front-end"
 
 
 class ReplicaHeader:
-    def __init__(self, app: ASGIApp, replica: str) -> None:
+    def __init__(self, app: ASGIApp, replica: str, front_end: int | None = None) -> None:
         self.app = app
-        self._header = (REPLICA_HEADER.encode("latin-1"), replica.encode("latin-1"))
+        self._headers = [(REPLICA_HEADER.encode("latin-1"), replica.encode("latin-1"))]
+        if front_end is not None:  # which of --api-server-count's processes answered
+            self._headers.append((FRONT_END_HEADER.encode("latin-1"), str(front_end).encode("latin-1")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,7 +81,7 @@ class ReplicaHeader:
 
         async def send_named(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self._header]}
+                message = {**message, "headers": [*message.get("headers", ()), *self._headers]}
             await send(message)
 
         await self.app(scope, receive, send_named)

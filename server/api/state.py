@@ -110,7 +110,7 @@ class ServerState:
             demo, model_dir = resolved.demo, str(resolved.model_dir)
             # Compile and loader processes on the front end side's cores (server.cpu_placement).
             child_cpus = config.cpu_placement.api if config.cpu_placement is not None else None
-            if config.adapter_load_workers and (config.adapter_sources or config.lora_modules):
+            if config.uses_loader_processes:
                 # Started first: their imports overlap the model's loading. The pager parses stored
                 # versions for the host tier and loads local directories, so neither ever queues
                 # behind slow remote fetches.

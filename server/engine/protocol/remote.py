@@ -14,6 +14,13 @@ and submit() raises it (a 503 with Retry-After) until a new core is ready: with 
 the new core hears of it in its Hello) unless the policy's crash-loop limit is reached, after which
 `gave_up` is true and the server exits for its orchestrator. Adapters come back by themselves: the new
 core pages a version in from the registry on its first request, as after any eviction.
+
+Attached (`attach`, one of --api-server-count's front ends): the core is the parent process's
+(server.front_ends), on an input address that stays the same across its restarts. This client starts
+and stops nothing: it notices a death by the core's pid (from Ready) being gone when a poll finds
+nothing to read, or by the missing heartbeat, fails what is in flight the same way,
+and says Hello again every REHELLO_S until the parent's new core answers Ready (the parent decides
+whether there is one; when it gives up it stops this front end).
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import msgspec
+import psutil
 import zmq
 
 from server.engine.core.arrays import int_bytes
@@ -61,6 +69,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_TIMEOUT_S = 3.0  # 12 missed stats pushes: the core's output thread is stuck or gone
 POLL_MS = 100
 SHUTDOWN_WAIT_S = 10.0
+REHELLO_S = 0.5
 
 
 @dataclasses.dataclass
@@ -68,14 +77,16 @@ class _Core:
     """One engine-core process and the socket this front end sends it on."""
 
     number: int  # 0 the first, then one more per restart
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: attached, the parent's process
     push: zmq.Socket
     dead: bool = False
 
 
 class RemoteEngineClient(EngineClient):
-    def __init__(self, launch: CoreLaunch, workdir: str, restarts: RestartPolicy | None = None) -> None:
+    def __init__(self, launch: CoreLaunch, workdir: str, restarts: RestartPolicy | None = None,
+                 attached: bool = False) -> None:
         self._launch = launch
+        self._attached = attached
         self._restarts = restarts
         self._workdir = workdir
         self._ctx = zmq.Context()
@@ -124,27 +135,50 @@ class RemoteEngineClient(EngineClient):
             raise
         return client
 
-    def _spawn(self, number: int) -> None:
-        """Core `number` on input socket in-`number` (a fresh socket: nothing queued for a dead core
-        reaches the new one), with a thread that waits on its process."""
-        address = f"ipc://{self._workdir}/in-{number}"
+    @classmethod
+    def attach(cls, launch: CoreLaunch, input_address: str,
+               ready_timeout: float | None = None) -> "RemoteEngineClient":
+        """Blocking: a channel of this process's own to a core another process runs at input_address,
+        ready once the core says Ready (after its weights load, if it is still starting)."""
+        client = cls(launch, tempfile.mkdtemp(prefix="loraplex-front-"), attached=True)
+        try:
+            client._connect(0, input_address)
+            client._send(Hello(client._output_address))
+            client._wait_ready(ready_timeout)
+        except BaseException:
+            client.shutdown()
+            raise
+        return client
+
+    def _connect(self, number: int, address: str, proc: subprocess.Popen | None = None) -> None:
+        """This client's DEALER to a core's input socket, replacing the last one."""
         push = self._ctx.socket(zmq.DEALER)
         push.setsockopt(zmq.ROUTING_ID, self._client_id)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(address)
-        proc = spawn_core(msgspec.structs.replace(self._launch, input_address=address))
         self._input_address = address
         with self._send_lock:
             old, self._core = self._core, _Core(number, proc, push)
             if old is not None:
                 old.push.close(linger=0)
         self._last_heard = time.monotonic()
+        if proc is None and number == 0:
+            threading.Thread(target=self._receive, name="core-receiver", daemon=True).start()
+
+    def _spawn(self, number: int) -> None:
+        """Core `number` on input socket in-`number` (a fresh socket: nothing queued for a dead core
+        reaches the new one), with a thread that waits on its process."""
+        address = f"ipc://{self._workdir}/in-{number}"
+        self._connect(number, address, spawn_core(msgspec.structs.replace(self._launch, input_address=address)))
         self._send(Hello(self._output_address))
         threading.Thread(target=self._watch, args=(self._core,), name=f"core-watch-{number}", daemon=True).start()
 
     def _start_core(self, ready_timeout: float | None) -> None:
         self._spawn(0)
         threading.Thread(target=self._receive, name="core-receiver", daemon=True).start()
+        self._wait_ready(ready_timeout)
+
+    def _wait_ready(self, ready_timeout: float | None) -> None:
         deadline = None if ready_timeout is None else time.monotonic() + ready_timeout
         while not self._ready.wait(0.1):
             if self._error is not None:
@@ -337,8 +371,13 @@ class RemoteEngineClient(EngineClient):
                 ready = poller.poll(POLL_MS)
                 if not ready:
                     core = self._core
-                    if self.is_healthy and time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
-                        core.proc.kill()  # first: a restart must not find it still running
+                    if not self.is_healthy:
+                        continue
+                    if core.proc is None and self._core_pid is not None and not psutil.pid_exists(self._core_pid):
+                        self._die(core, f"the engine core (pid {self._core_pid}) exited")
+                    elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
+                        if core.proc is not None:
+                            core.proc.kill()  # first: a restart must not find it still running
                         self._die(core, f"the engine core sent nothing for {HEARTBEAT_TIMEOUT_S:g} s")
                     continue
                 message = self._decoder.decode(self._pull.recv(copy=False).buffer)
@@ -397,14 +436,26 @@ class RemoteEngineClient(EngineClient):
             self._error = reason
             self._ready.clear()
             # Only a core that served restarts: one that cannot start would fail the same way again.
-            restart = self._restarts is not None and self._served and self._restarts.allow(time.monotonic())
+            restart = self._attached or (self._restarts is not None and self._served
+                                         and self._restarts.allow(time.monotonic()))
             self._restarting, self.gave_up = restart, not restart
             self._assembler = OutputAssembler()
         log.error("%s%s", reason, "; starting a new one" if restart else
                   "" if self._restarts is None else f" ({self._restarts.describe()} reached: not restarting)")
         self._fail_all(EngineDeadError(f"the engine is not running ({reason})"))
         if restart:
-            threading.Thread(target=self._restart, args=(core,), name="core-restart", daemon=True).start()
+            target = self._reattach if self._attached else self._restart
+            threading.Thread(target=target, args=(core,), name="core-restart", daemon=True).start()
+
+    def _reattach(self, dead: _Core) -> None:
+        """Hello on a fresh DEALER to the same address until the parent's next core answers Ready."""
+        self.restarts += 1
+        self._connect(dead.number + 1, self._input_address)
+        while not self._stopping and not self._ready.wait(REHELLO_S):
+            try:
+                self._send(Hello(self._output_address))
+            except EngineDeadError:
+                pass  # no core listening yet
 
     def _restart(self, dead: _Core) -> None:
         if dead.proc.poll() is None:

@@ -1,0 +1,257 @@
+"""--api-server-count N: one parent process, one engine core, N front-end processes on one port.
+
+The parent holds what a server must have once: the listening socket (bound by the CLI), the embedded
+Redis (its URL goes to every front end), and the engine core, spawned on an input address that stays
+the same across its restarts (--engine-restart: the parent restarts it; the front ends notice the
+missing heartbeat and say Hello again, server.engine.protocol.remote's attached mode). Each front end
+is a spawned process running the Starlette app under uvicorn on a listening socket of its own, all
+bound by the parent to the one port with SO_REUSEPORT (the kernel spreads connections over them by
+their addresses' hash), with its own channel to the core: a request's outputs come back to the
+process that sent it.
+
+Front end 0 starts first and alone does the once-per-server work (ServerConfig.runs_singletons: the
+start-up writes, --pin-adapter, the store's upkeep, the adapter-retirement listener); the others start
+once it is ready, so none serves before the demo key and preloads exist. Per-process by design: the
+usage settlement loop (each settles its own running requests into Redis), the lease heartbeat (each
+process's Limiter holder), the loader and grammar-compile processes, the console's engine history.
+
+SIGTERM or SIGINT to the parent: each front end is told to stop (SIGTERM: it drains, within
+--shutdown-timeout; a second signal is passed on as SIGINT, which stops them at once), then the core
+is sent shutdown and Redis stopped. Front ends run in sessions of their own, so a terminal's Ctrl-C
+reaches the parent only, and each exits by itself if the parent is gone. A front end that dies, or a
+core that is not restarted, stops the rest: the parent exits 1 for its orchestrator.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from adapters.format import ModelShape
+from server.api.bootstrap import StartupInfo
+from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
+from server.embedded_redis import DATA_SUBDIR
+from server.embedded_redis.server import EmbeddedRedis
+from server.engine.core.commands import SHUTDOWN
+from server.engine.core.launch import CoreLaunch
+from server.engine.core.launcher import spawn_core
+from server.engine.core.messages import Command
+from server.engine.protocol.remote import SHUTDOWN_WAIT_S, RestartPolicy
+from server.engine_mode import core_launch
+from server.engine_settings import engine_config
+from server.model_source import resolve_model
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+PARENT_CHECK_S = 0.5
+STOP_MARGIN_S = 15.0  # past --shutdown-timeout: a front end's lifespan shutdown, before it is killed
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontEndReady:
+    """A front end's word to the parent that it serves (front end 0's carries the banner's info)."""
+
+    index: int
+    pid: int
+    info: StartupInfo | None
+
+
+class CoreOwner:
+    """The engine-core process at a fixed input address, restarted there on death while the policy
+    allows (and once front ends were served by it: a core that never started would fail again)."""
+
+    def __init__(self, launch: CoreLaunch, restarts: RestartPolicy | None) -> None:
+        self._launch = launch
+        self._restarts = restarts
+        self._stopping = False
+        self.served = False
+        self.gave_up = False
+        self._proc = spawn_core(launch)
+        threading.Thread(target=self._watch, name="core-owner", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            code = self._proc.wait()
+            if self._stopping:
+                return
+            if self._restarts is None or not self.served or not self._restarts.allow(time.monotonic()):
+                why = "" if self._restarts is None or not self.served else f" ({self._restarts.describe()} reached)"
+                log.error("the engine core exited with status %d%s: stopping the server", code, why)
+                self.gave_up = True
+                return
+            log.error("the engine core exited with status %d; starting a new one at the same address", code)
+            self._proc = spawn_core(self._launch)
+
+    def stop(self) -> None:
+        """After the front ends: tell the core to stop (it finishes its queues), kill it past the wait."""
+        self._stopping = True
+        if self._proc.poll() is None:
+            ctx = zmq.Context()
+            try:
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 1000)
+                dealer.connect(self._launch.input_address)
+                dealer.send(msgspec.msgpack.encode(Command(0, SHUTDOWN)))
+                self._proc.wait(SHUTDOWN_WAIT_S)
+            except (zmq.ZMQError, OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+            finally:
+                ctx.destroy(linger=0)
+
+
+def front_end_main(config: ServerConfig, sock: socket.socket, ready: multiprocessing.Queue) -> None:
+    """A spawned front end's body: the app under uvicorn on the parent's listening socket."""
+    from server.cli import log_to_stderr, serve
+
+    os.setsid()  # a terminal's Ctrl-C goes to the parent, which passes the stop on
+    log_to_stderr()
+    parent = os.getppid()
+    threading.Thread(target=_stop_without_parent, args=(parent,), name="parent-watch", daemon=True).start()
+
+    def on_ready(info: StartupInfo) -> None:
+        ready.put(FrontEndReady(config.front_end_index, os.getpid(), info if config.runs_singletons else None))
+
+    sys.exit(serve(config, sock, on_ready=on_ready, place_cpus=False))
+
+
+def _stop_without_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _launch(config: ServerConfig, redis_url: str, address: str) -> CoreLaunch:
+    model_dir = str(resolve_model(config.model, Path(config.data_dir), log.info).model_dir)
+    shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    launch = core_launch(config, engine_config(config, model_dir, shape), redis_url, shape,
+                         config.uses_loader_processes)
+    return msgspec.structs.replace(launch, input_address=address, parent_pid=os.getpid())
+
+
+class _Stops:
+    """The parent's SIGINT/SIGTERM: the first asks the front ends to drain, the next to stop at once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.pids: list[int] = []
+
+    def __call__(self, signum: int, frame) -> None:
+        self.count += 1
+        if self.count == 1:
+            print(f"loraplex: {signal.Signals(signum).name} received: stopping {len(self.pids)} front end(s)",
+                  file=sys.stderr, flush=True)
+        self.forward()
+
+    def forward(self) -> None:
+        sig = signal.SIGTERM if self.count <= 1 else signal.SIGINT
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
+    """The parent's life; its exit status: 0 after a stop, 1 when a front end or the core died."""
+    from server.cli import banner, bind_listener, place_cpus_of
+
+    place_cpus_of(config)  # the parent on the front ends' cores: the spawned ones inherit it
+    stops = _Stops()
+    previous = {sig: signal.signal(sig, stops) for sig in (signal.SIGINT, signal.SIGTERM)}
+    workdir = tempfile.mkdtemp(prefix="loraplex-cores-")
+    with contextlib.ExitStack() as owned:
+        owned.callback(shutil.rmtree, workdir, ignore_errors=True)
+        for sig, handler in previous.items():
+            owned.callback(signal.signal, sig, handler)
+        redis_url = config.redis_url
+        if redis_url is None:
+            embedded = EmbeddedRedis.start(Path(config.data_dir) / DATA_SUBDIR)
+            owned.callback(embedded.stop)
+            redis_url = embedded.url
+        address = f"ipc://{workdir}/core"
+        restarts = RestartPolicy(config.engine_restart_limit, ENGINE_RESTART_WINDOW_S) if config.engine_restart \
+            else None
+        core = CoreOwner(_launch(config, redis_url, address), restarts)
+        owned.callback(core.stop)
+        # One SO_REUSEPORT socket per front end on the CLI's port (the first is the CLI's own).
+        sockets = [sock]
+        for _ in range(1, config.api_server_count):
+            sockets.append(owned.enter_context(bind_listener(config.host, sock.getsockname()[1], reuse_port=True)))
+        ctx = multiprocessing.get_context("spawn")
+        ready: multiprocessing.Queue = ctx.Queue()
+        procs: list[multiprocessing.Process] = []
+        owned.callback(_join_all, procs, config.shutdown_timeout + STOP_MARGIN_S)
+
+        def start(index: int) -> None:
+            fe = dataclasses.replace(config, redis_url=redis_url, engine_address=address, front_end_index=index)
+            proc = ctx.Process(target=front_end_main, args=(fe, sockets[index], ready),
+                               name=f"loraplex-front-end-{index}")
+            proc.start()
+            procs.append(proc)
+            stops.pids.append(proc.pid)
+
+        start(0)
+        heard = _wait_ready(ready, procs, core, stops, 1)
+        if heard is None:
+            return 0 if stops.count else _stop_all(stops)
+        core.served = True
+        for index in range(1, config.api_server_count):
+            start(index)
+        more = _wait_ready(ready, procs, core, stops, config.api_server_count - 1)
+        if more is None:
+            return 0 if stops.count else _stop_all(stops)
+        banner(heard[0].info, config.shutdown_timeout)
+        print(f"loraplex: {config.api_server_count} front ends (pids "
+              f"{', '.join(str(r.pid) for r in sorted(heard + more, key=lambda r: r.index))}) share one engine core",
+              file=sys.stderr, flush=True)
+        while not stops.count:
+            if core.gave_up or any(p.exitcode is not None for p in procs):
+                return _stop_all(stops)
+            time.sleep(POLL_S)
+        _join_all(procs, config.shutdown_timeout + STOP_MARGIN_S)
+        return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
+def _wait_ready(ready: multiprocessing.Queue, procs: list, core: CoreOwner, stops: _Stops,
+                count: int) -> list[FrontEndReady] | None:
+    """`count` ready front ends, or None once one died, the core gave up or a stop came."""
+    heard: list[FrontEndReady] = []
+    while len(heard) < count:
+        if stops.count or core.gave_up or any(p.exitcode is not None for p in procs):
+            return None
+        with contextlib.suppress(queue.Empty):
+            heard.append(ready.get(timeout=POLL_S))
+    return heard
+
+
+def _stop_all(stops: _Stops) -> int:
+    """An unplanned end (a front end or the core died, or a stop during start-up): the rest drain."""
+    stops.count = max(stops.count, 1)
+    stops.forward()
+    return 1
+
+
+def _join_all(procs: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            log.error("front end %s did not stop within %g s: killed", proc.name, timeout)
+            proc.kill()
+            proc.join()
