@@ -7,7 +7,9 @@ import time
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
+from adapters.host_tier import Fetch
 from server.bench.metrics import ClosedLoopRun, RequestRecord
 from server.bench.workload import BenchRequest
 
@@ -36,13 +38,14 @@ def _record(rec: RequestRecord, out, t: float) -> bool:
 
 class EngineTarget:
     def __init__(self, model_dir: str | Path, adapter_dirs: dict[str, Path], prefix_caching: bool | None = None,
-                 **engine_kwargs) -> None:
+                 adapter_source: Fetch | None = None, **engine_kwargs) -> None:
         """engine_kwargs: EngineConfig fields (device, dtype, max_loras, max_lora_rank, ...);
-        prefix_caching: turn the engine's prefix cache on or off (None: the engine's default)."""
+        prefix_caching: turn the engine's prefix cache on or off (None: the engine's default);
+        adapter_source: loads the adapters not in adapter_dirs on demand (LLMEngine's)."""
         from adapters.format import load_adapter_dir
         from server.engine import EngineConfig, LLMEngine
 
-        self.engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
+        self.engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs), adapter_source)
         if prefix_caching is not None:
             self.engine.set_prefix_cache_policy(prefix_caching)
         self.outputs: dict[int, list[int]] = {}  # request index -> its output token ids, once finished
@@ -84,9 +87,11 @@ class EngineTarget:
                     self.outputs[records[out.request_id].index] = list(out.token_ids)
         return [records[f"r{r.index}"] for r in requests]
 
-    def run_closed_loop(self, trace: list[BenchRequest], concurrency: int, stop_s: float) -> ClosedLoopRun:
+    def run_closed_loop(self, trace: list[BenchRequest], concurrency: int, stop_s: float,
+                        on_step: Callable[[float], None] | None = None) -> ClosedLoopRun:
         """Keep `concurrency` requests of the trace (in order) in flight, sending the next as one
-        finishes, until stop_s seconds; then abort what runs. A request's arrival is when it was sent."""
+        finishes, until stop_s seconds; then abort what runs. A request's arrival is when it was sent.
+        on_step(t), if given, runs after each step with its time (a bench sampling the engine's state)."""
         records: list[RequestRecord] = []
         running: dict[str, RequestRecord] = {}
         nxt, held_until, exhausted = 0, stop_s, False
@@ -109,6 +114,8 @@ class EngineTarget:
                 break
             outputs = self.engine.step()
             t = time.perf_counter() - t0
+            if on_step is not None:
+                on_step(t)
             for out in outputs:
                 if out.request_id in running and _record(running[out.request_id], out, t):
                     del running[out.request_id]
