@@ -107,8 +107,8 @@ class ModelShape:
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads * head_dim,
                    kv_heads * head_dim, cfg["intermediate_size"], cfg.get("vocab_size"), arch in FUSED_PROJECTION_ARCHS,
                    experts, cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
-                   expert_linears.EXPERT_LINEARS.get(arch),
-                   dense_layers(cfg, cfg["num_hidden_layers"]) if arch == "Qwen3MoeForCausalLM" else ())
+                   expert_linears=expert_linears.EXPERT_LINEARS.get(arch),
+                   dense_layers=dense_layers(cfg, cfg["num_hidden_layers"]) if arch == "Qwen3MoeForCausalLM" else ())
 
     @property
     def projections(self) -> tuple[str, ...]:

@@ -139,7 +139,8 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)
     runner = ModelRunner(model, kv_caches, kernels, config.block_size, scratch, slots.slot_ranks, slots.rank_table,
                          device, config.seed, GrammarMask(grammars.info.vocab_size), slots.slot_dora,
-                         slots.page_table, _page_gathers(slots, device), model.vocab_parts.slot_has)
+                         slots.page_table, _page_gathers(slots, device),
+                         model.vocab_parts.slot_has if model.vocab_parts is not None else None)
     if medusa_heads is not None:
         k = config.speculative_config.num_speculative_tokens
         runner.use_medusa(MedusaProposer(MedusaHeads(medusa_heads, dtype, device), k))

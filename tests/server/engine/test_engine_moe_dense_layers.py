@@ -13,6 +13,7 @@ import pytest
 from adapters.format import ModelShape, load_adapter_dir
 from server.demo_moe import VOCAB, make_moe_adapter, make_moe_model
 from server.engine import ModelConfig, SamplingParams
+from server.engine.config import EngineConfig
 from server.engine.engine_startup import _adapter_shape
 from tests.engine_helpers import generate_in_one_batch, random_prompts
 from tests.moe_linear_adapters import make_linear_adapter, merged_model
@@ -57,7 +58,7 @@ def test_layers_are_dense_or_sparse_as_transformers_builds_them(dense_moe):
     cfg = ModelConfig.from_dir(model_dir)
     assert cfg.dense_layers == (0, 2, 3, 4) and [cfg.is_sparse(i) for i in (1, 5)] == [True, True]
     shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    assert shape == _adapter_shape(cfg)
+    assert shape == _adapter_shape(cfg, EngineConfig(model=str(model_dir)))
     adapter = load_adapter_dir(adapters["linear_mlp"], shape, 64)
     assert {layer for layer, proj in adapter.weights if proj == "gate_proj"} == {0, 2, 3, 4}
     assert {layer for layer, proj in adapter.weights if proj.startswith("experts.")} == {1, 5}
