@@ -140,13 +140,16 @@ def running_server(config: ServerConfig, timeout: float = 120.0) -> Iterator[Ser
 
 
 def server_config(model_dir: Path, data_dir: Path, redis_url: str | None, **overrides) -> ServerConfig:
-    """$LORAPLEX_TEST_ENGINE_PROCESS=separate runs the HTTP tests against an engine-core process (the few
-    tests that still reach into the in-process engine, `.engine.engine`, fail there)."""
-    base = ServerConfig(engine_process=os.environ.get("LORAPLEX_TEST_ENGINE_PROCESS", "in-process"),
-                        data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url,
+    """The servers run `serve`'s default --engine-process unless $LORAPLEX_TEST_ENGINE_PROCESS names one
+    (in-process or separate); a test that reads the in-process engine's objects (`.engine.engine`) asks
+    for engine_process="in-process" itself, saying why."""
+    base = ServerConfig(data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url,
                         port=free_port(), device="cpu", kv_cache_blocks=64,
                         max_model_len=512, max_loras=4, max_lora_rank=32,
                         max_num_batched_tokens=512, max_num_seqs=16)
+    mode = os.environ.get("LORAPLEX_TEST_ENGINE_PROCESS")
+    if mode:
+        base = replace(base, engine_process=mode)
     return replace(base, **overrides)
 
 

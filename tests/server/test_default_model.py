@@ -59,8 +59,8 @@ def test_default_model_answers_in_english_over_http(smol_server):
     info = smol_server.app.state.startup
     assert info.model_id == "SmolLM2-135M-Instruct" and info.demo_key
     # no --max-model-len: the model's 8192 when the pool holds 4 of them (a tenth of memory, up to 4 GiB)
-    engine = smol_server.state.engine.engine
-    assert engine.max_model_len <= 8192 and engine.blocks.num_blocks * 16 >= 4 * engine.max_model_len
+    engine = smol_server.state.engine.info  # through the protocol: either engine mode
+    assert engine.max_model_len <= 8192 and engine.kv_pool.tokens >= 4 * engine.max_model_len
     reply = smol_server.client(info.demo_key).chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=32, temperature=0)

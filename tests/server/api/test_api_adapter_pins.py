@@ -11,8 +11,10 @@ from tests.fixtures_server import api_redis_url, running_server, server_config
 
 @pytest.fixture(scope="module")
 def pinned_server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server):
+    # In-process whatever the default: the tests read the engine's slots (pinned, slot_of, paging), which
+    # no protocol message carries; the pin routes' HTTP behaviour is the same in an engine core.
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("pin-data"), api_redis_url(redis_server),
-                           lora_page_rows=8, max_pinned_adapters_per_tenant=1,
+                           engine_process="in-process", lora_page_rows=8, max_pinned_adapters_per_tenant=1,
                            adapters=(("acme", "first", str(tiny_adapters["r8_all"])),),
                            pin_adapters=(("acme", "first"),))
     with running_server(config) as handle:

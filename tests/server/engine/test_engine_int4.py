@@ -287,7 +287,9 @@ def test_a_server_started_with_int4_serves_the_quantized_model(tmp_path, tiny_mo
                                                                redis_server, peft_oracle):
     from tests.fixtures_server import api_redis_url, running_server, server_config
 
-    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server), quantization="int4")
+    # In-process: the test reads the served model's weight types and stored projections.
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server), quantization="int4",
+                           engine_process="in-process")
     with running_server(config) as server:
         engine = server.state.engine.engine
         assert isinstance(engine.model.layers[0].gate_up.weight, Int4Weight)

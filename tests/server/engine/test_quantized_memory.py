@@ -121,8 +121,9 @@ def test_checkpoint_tensors_read_what_safetensors_holds(odd_model_dir):
 def test_admin_engine_reports_the_weights_bytes_by_dtype(tmp_path, odd_model_dir, redis_server):
     from tests.fixtures_server import api_redis_url, running_server, server_config
 
+    # In-process: the bytes are checked against the model's own tensors, which stay in an engine core.
     config = server_config(odd_model_dir, tmp_path / "data", api_redis_url(redis_server), quantization="int8",
-                           max_lora_rank=8)
+                           max_lora_rank=8, engine_process="in-process")
     with running_server(config) as server:
         _, key = server.new_tenant()
         server.client(key).completions.create(model=server.state.model_id, prompt=[5, 6, 7], max_tokens=4,
