@@ -87,8 +87,10 @@ class ServerHandle:
 
     @contextlib.contextmanager
     def engine_throttled(self, pause_s: float = 0.02) -> Iterator[None]:
-        """Slow the engine to about one step per pause_s, so a request is still
-        mid-generation when the test acts on it."""
+        """Slow the engine to about one step per pause_s in-process, so a request is still
+        mid-generation when the test acts on it. An engine core steps on while the next nap crosses
+        the socket: 2-3 steps per pause_s there, so a test that needs a generation to last long
+        sizes pause_s for that."""
         stop = threading.Event()
 
         def feed() -> None:

@@ -61,7 +61,11 @@ def _wait(cond, timeout: float = 30.0) -> None:
 
 
 def test_a_silent_replicas_leases_are_reclaimed_and_a_live_ones_kept(tiny_model_dir, redis_server, tmp_path):
-    config = server_config(tiny_model_dir, tmp_path / "a", api_redis_url(redis_server), lease_ttl=LEASE_TTL)
+    # In-process: y's request must outlast two lease TTLs under engine_throttled, which holds an in-process
+    # engine to a step per nap; an engine core steps on while each nap's reply crosses the socket (200
+    # tokens in 2.5 s at a 0.1 s nap), and the leases under test are the front end's either way.
+    config = server_config(tiny_model_dir, tmp_path / "a", api_redis_url(redis_server), lease_ttl=LEASE_TTL,
+                           engine_process="in-process")
     with running_server(config) as live, \
             running_server(replace(config, port=free_port(), data_dir=tmp_path / "b")) as doomed:
         model = live.state.model_id
