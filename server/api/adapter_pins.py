@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from adapters.registry import validate_name
 from server.api.admin_models import AdapterPin
 from server.api.admin_views import require_admin_tenant
 from server.api.bootstrap import adapter_owner
@@ -17,10 +18,19 @@ from server.api.state import ServerState
 from server.config import ConfigError
 
 
+async def _record(state: ServerState, tenant_id: str, name: str):
+    """The tenant's adapter named `name`, or None (a name no adapter can have included)."""
+    try:
+        validate_name(name)
+    except ValueError:
+        return None
+    return await run_in_threadpool(state.registry.get, tenant_id, name)
+
+
 async def pin_named(state: ServerState, tenant_id: str, name: str) -> str:
     """Pin `name`'s current version for tenant `tenant_id`; its version. 404 for an unknown adapter, 409
     naming max_pinned_adapters_per_tenant when the tenant is at its bound."""
-    record = await run_in_threadpool(state.registry.get, tenant_id, name)
+    record = await _record(state, tenant_id, name)
     if record is None:
         raise not_found(f"adapter {name!r}")
     if not await state.engine.pin_adapter(record.version, tenant_id):
@@ -55,7 +65,7 @@ async def pin_tenant_adapter(request: Request) -> Response:
 async def unpin_tenant_adapter(request: Request) -> Response:
     state, tenant = await require_admin_tenant(request)
     name = request.path_params["adapter"]
-    record = await run_in_threadpool(state.registry.get, tenant.id, name)
+    record = await _record(state, tenant.id, name)
     if record is None:
         raise not_found(f"adapter {name!r}")
     was = await state.engine.unpin_adapter(record.version)

@@ -245,8 +245,11 @@ class EngineView(BaseModel):
     kv_blocks: dict[str, int]
     # the pool's stored dtype (auto resolved; fp8_e4m3/fp8_e5m2), the flag's value, blocks, tokens, bytes
     kv_cache: dict[str, str | int]
-    slots: dict[str, int]
-    host: dict[str, int | None]
+    # device slots (or pages) and the host tier: counts, bytes, hits and misses, and their hit rate (None
+    # before the first lookup)
+    slots: dict[str, int | float | None]
+    host: dict[str, int | float | None]
+    store: dict[str, int | float] | None  # Redis's adapters and bytes, counted at most once a minute; None: not yet
     prefix_cache: dict[str, bool | int | float | None]
     cuda_graphs: dict[str, bool | int | float]  # decode graphs captured, replays, capture seconds and bytes
     structured_output: dict[str, int | float]
