@@ -67,6 +67,14 @@ def validate_name(name: str) -> str:
     return name
 
 
+def name_or_none(name: str) -> str | None:
+    """`name`, or None when no adapter can have it (a lookup by it finds nothing: a 404, not a 400)."""
+    try:
+        return validate_name(name)
+    except ValueError:
+        return None
+
+
 def _validate_tenant_id(tenant_id: str) -> str:
     if not isinstance(tenant_id, str) or not tenant_id or len(tenant_id) > 128 \
             or not tenant_id.isprintable():

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from adapters.registry import validate_name
+from adapters.registry import name_or_none
 from server.api.admin_models import AdapterPin
 from server.api.admin_views import require_admin_tenant
 from server.api.bootstrap import adapter_owner
@@ -20,9 +20,7 @@ from server.config import ConfigError
 
 async def _record(state: ServerState, tenant_id: str, name: str):
     """The tenant's adapter named `name`, or None (a name no adapter can have included)."""
-    try:
-        validate_name(name)
-    except ValueError:
+    if name_or_none(name) is None:
         return None
     return await run_in_threadpool(state.registry.get, tenant_id, name)
 

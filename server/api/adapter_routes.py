@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from adapters.format import MAX_CONFIG_BYTES
-from adapters.registry import validate_name
+from adapters.registry import name_or_none, validate_name
 from server.api.adapter_intake import store_adapter
 from server.api.adapter_references import register_reference, unregister
 from server.api.adapter_requests import AdapterByReference
@@ -25,14 +25,7 @@ from tenants import Tenant
 
 
 def _path_name(request: Request) -> str | None:
-    return _valid_or_none(request.path_params["name"])
-
-
-def _valid_or_none(name: str) -> str | None:
-    try:
-        return validate_name(name)
-    except ValueError:
-        return None  # cannot exist: answered as 404 by the caller
+    return name_or_none(request.path_params["name"])
 
 
 async def upload_adapter(request: Request) -> Response:
@@ -106,7 +99,7 @@ async def delete_adapter(request: Request) -> Response:
 
 async def delete_named(state: ServerState, tenant: Tenant, raw_name: str) -> Response:
     """Delete `tenant`'s adapter named `raw_name` (as the path gave it; 404 if it has none of that name)."""
-    name = _valid_or_none(raw_name)
+    name = name_or_none(raw_name)
     removed = False if name is None else await unregister(state, tenant.id, name)
     if removed is False:
         raise APIError(404, f"adapter '{raw_name}' does not exist", "not_found")

@@ -113,17 +113,16 @@ class Metrics:
         self.adapters_loaded.set(s.host.adapters)
         self.adapters_resident.set(s.slots.resident)
         self.preemptions.set(s.scheduler.preemptions)
-        self.tier_hits.labels("host").set(s.host.hits)
-        self.tier_misses.labels("host").set(s.host.misses)
-        self.tier_evictions.labels("host").set(s.host.evictions)
-        self.tier_resident.labels("host").set(s.host.adapters)
-        self.tier_hits.labels("device").set(s.slots.hits)
-        self.tier_misses.labels("device").set(s.slots.loads)
-        self.tier_evictions.labels("device").set(s.slots.evictions)
-        self.tier_resident.labels("device").set(s.slots.resident)
+        # A device miss is a load into a slot.
+        for tier, hits, misses, evictions, resident in (
+                ("host", s.host.hits, s.host.misses, s.host.evictions, s.host.adapters),
+                ("device", s.slots.hits, s.slots.loads, s.slots.evictions, s.slots.resident)):
+            self.tier_hits.labels(tier).set(hits)
+            self.tier_misses.labels(tier).set(misses)
+            self.tier_evictions.labels(tier).set(evictions)
+            self.tier_resident.labels(tier).set(resident)
+            self.tier_hit_rate.labels(tier).set(hit_rate(hits, misses) or 0.0)
         self.tier_bytes.labels("host").set(s.host.bytes_used)
-        self.tier_hit_rate.labels("host").set(hit_rate(s.host.hits, s.host.misses) or 0.0)
-        self.tier_hit_rate.labels("device").set(hit_rate(s.slots.hits, s.slots.loads) or 0.0)
         self.host_bytes.set(s.host.bytes_used)
         self.loading.set(s.host.loading)
         self.parked.set(s.host.parked)
