@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import reads_exactly
+from kernels.attention_ref import reads_exactly
 from kernels.launch_plan import AttentionLaunchPlan
 from kernels.metadata import AttentionBatch
 

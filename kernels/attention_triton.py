@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_decode
-from kernels.kv_quant import is_fp8, reads_exactly, storage, stored
+from kernels.attention_ref import is_fp8, reads_exactly, storage, stored
 from kernels.launch_plan import AttentionLaunchPlan, attention_plan
 from kernels.metadata import AttentionBatch
 
@@ -163,7 +163,7 @@ def write_kv(
     """Same contract as kernels.attention_ref.write_kv (a negative slot is skipped).
 
     Semantics: k_cache.flat[slot_mapping[t]] = k[t] in the cache's dtype; v_cache likewise. An fp8
-        cache gets torch's saturating cast (kernels.kv_quant), which the kernel then copies as bytes.
+        cache gets torch's saturating cast (kernels.attention_ref), which the kernel then copies as bytes.
     Shape: k, v [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; slot_mapping [T].
     """
     if is_fp8(k_cache.dtype):

@@ -1,7 +1,7 @@
 """--kv-cache-dtype: vLLM's names for what the paged KV pool stores, and the torch dtype each resolves to.
 
 `auto` stores the activation dtype. The fp8 formats store a quarter of float32's bytes (half of
-bfloat16's) with a scale of 1.0, as vLLM does without calibrated scales (kernels.kv_quant), so the
+bfloat16's) with a scale of 1.0, as vLLM does without calibrated scales (kernels.attention_ref), so the
 same memory holds 4x (2x) the blocks. On a CPU both run on the torch path; on a GPU the Triton
 kernels read them, and Triton's e4m3 (fp8e4nv) needs compute capability 8.9 (Ada, Hopper).
 """

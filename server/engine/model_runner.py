@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kernels.kv_quant import storage
+from kernels.attention_ref import storage
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar_mask import GrammarMask

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernels import attention_ref, attention_triton
-from kernels.kv_quant import reads_exactly, storage, to_cache_dtype
+from kernels.attention_ref import reads_exactly, storage, to_cache_dtype
 from kernels.metadata import AttentionBatch
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
@@ -49,7 +49,7 @@ def test_the_cast_saturates_and_rounds_to_nearest(name):
 
 
 def test_fp8_values_read_exactly_in_half_precision():
-    """What lets the Triton kernels read an fp8 pool in bf16/fp16 on tensor cores (kernels.kv_quant)."""
+    """What lets the Triton kernels read an fp8 pool in bf16/fp16 on tensor cores (kernels.attention_ref)."""
     for dtype in FP8.values():
         values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
         values = values[values.isfinite()]  # e5m2 has infinities, which the cast saturates
