@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ref import reads_exactly
-from kernels.launch_plan import AttentionLaunchPlan
-from kernels.metadata import AttentionBatch
+from kernels.metadata import AttentionBatch, AttentionLaunchPlan
 
 
 def num_warps(dtype: torch.dtype) -> int:

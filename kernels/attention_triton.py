@@ -7,7 +7,7 @@ sequence's queries and one KV head; the query heads that share that KV head
 read through the block table one tile at a time with an online softmax
 accumulated in fp32.
 
-The step's plan (kernels.launch_plan) lists the programs: the other
+The step's plan (kernels.metadata) lists the programs: the other
 sequences' query tiles go in one launch here, so a mixed batch launches no
 program for a decode's missing query tiles; decode sequences go to
 kernels.attention_decode, which splits their contexts across programs when
@@ -24,8 +24,7 @@ import triton.language as tl
 
 from kernels import attention_decode
 from kernels.attention_ref import is_fp8, reads_exactly, storage, stored
-from kernels.launch_plan import AttentionLaunchPlan, attention_plan
-from kernels.metadata import AttentionBatch
+from kernels.metadata import AttentionBatch, AttentionLaunchPlan, attention_plan
 
 # Rows of one program's query tile (query tokens x heads of one GQA group) for prefill, per dtype:
 # fp32 products run on FMA units with both operands and the accumulator in registers, and 64 rows

@@ -1,6 +1,6 @@
 """Triton multi-LoRA shrink/expand with the semantics of kernels.lora_ref.
 
-Two shapes of the same math; the step's plan (kernels.launch_plan) says which
+Two shapes of the same math; the step's plan (kernels.metadata) says which
 tokens each takes, so one call may launch both:
 
 - gathered (BGMV, decode-shaped runs): one program per (token, slice, rank
@@ -12,7 +12,7 @@ tokens each takes, so one call may launch both:
   multiplied with `tl.dot`.
 
 The `lora` entry (lora_apply) may split each shrink's K over programs
-(kernels.launch_plan.shrink_splits): fp32 partials that the expand sums in a
+(kernels.metadata.shrink_splits): fp32 partials that the expand sums in a
 fixed order, for steps whose few tokens (or tiles) otherwise run few programs.
 
 Expand programs index (slice, column tile) along one grid axis, so the narrow
@@ -37,11 +37,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels import launch_plan
-from kernels.launch_plan import MAX_SHRINK_SPLITS, TILE_ROWS, LoraLaunchPlan, shrink_splits
+from kernels import metadata
 from kernels.lora_tiles import lora_tiles
 from kernels.lora_triton_jit import _bgmv_expand_kernel, _bgmv_shrink_kernel, _sgmv_expand_kernel, _sgmv_shrink_kernel
-from kernels.metadata import LoraBatch
+from kernels.metadata import MAX_SHRINK_SPLITS, TILE_ROWS, LoraBatch, LoraLaunchPlan, shrink_splits
 
 # Expand takes up to this many output slices per launch (fused qkv is 3).
 MAX_FUSED_SLICES = 3
@@ -181,7 +180,7 @@ def split_k(batch: LoraBatch, lora_a: torch.Tensor, splits: int | None = None,
     tiled runs ("tiled", partials by token), or None (unsplit: h in its own dtype).
 
     splits: None = the launch plan's choice from the shape and the form's programs
-    (kernels.launch_plan.shrink_splits); 1 = unsplit. The partials come from the batch's scratch,
+    (kernels.metadata.shrink_splits); 1 = unsplit. The partials come from the batch's scratch,
     one buffer per shape made on first use: a padded decode context reuses its buffers on every
     step, so a captured graph writes and reads them where it did at capture.
     """
@@ -192,7 +191,7 @@ def split_k(batch: LoraBatch, lora_a: torch.Tensor, splits: int | None = None,
         rows, programs = plan.num_gather, plan.num_gather
     else:
         assert form == "tiled", form
-        if splits is None and not launch_plan.SPLIT_TILES:
+        if splits is None and not metadata.SPLIT_TILES:
             return None
         rows, programs = batch.num_tokens, sum(plan.num_tiles(h) for h in TILE_ROWS)
     eff = batch.effective_rank(rank)
@@ -230,7 +229,7 @@ def lora_apply(
     Semantics: for t with s = slot[t] >= 0, y[t, off_i : off_i + n_i] += hs @ lora_b[i][s].T, hs =
         scaling[i, s] * (x[t] @ lora_a[i, s].T), summed in fp32, y rounded once. Unsplit, each form
         stores hs in h (rounded to h's dtype) and reads it back, as lora_shrink then lora_expand do.
-        Split (kernels.launch_plan.shrink_splits, per form: gathered tokens, tiled runs): the shrink
+        Split (kernels.metadata.shrink_splits, per form: gathered tokens, tiled runs): the shrink
         writes hs as `splits` fp32 partials over slices of the in features, which the expand sums in
         split order, so the result is the same bit for bit on every run (the gathered expand takes the
         sum unrounded, the tiled one in b's dtype for tensor cores); h is not written. Rows with slot -1

@@ -4,7 +4,7 @@ Argument conventions shared by all four:
 - x [T, in], out / h [S, T, R], y [T, >= off_i + n_i]: token rows, addressed in int64;
 - lora_a [S, L, R, in], b_i [L, n_i, R], scaling [S, L] float32: slot buffers at max rank;
 - gather [n, 2] int32 (token, slot) and tiles [n, 4] int32 (first token, rows, slot, 0):
-  the step's plan (kernels.launch_plan), one program (row of the grid's axis 0) per entry; a
+  the step's plan (kernels.metadata), one program (row of the grid's axis 0) per entry; a
   gathered entry of slot -1 (a padded decode batch's base-model and padding rows) exits at once;
 - R: the effective rank (columns past it are not computed); never specialised on, it changes
   from step to step. Nor is stride_sl (the slice count, scalings being stored slot-major), so one
@@ -15,7 +15,7 @@ Argument conventions shared by all four:
   as an fp32 partial p [splits, S, rows, R] (gathered: indexed by the entry, not the token), and the expand
   sums the partials in split order before its product: no atomics, so the result is the same bit
   for bit on every run. The split count comes from the grid (shrink) or `num_splits` (expand), both
-  fixed per shape and decode bucket (kernels.launch_plan.shrink_splits); never specialised on.
+  fixed per shape and decode bucket (kernels.metadata.shrink_splits); never specialised on.
 - PAGED: the buffers are pages of PAGE rank rows (kernels.lora_pages), lora_a [S, P, PAGE, in] and b_i
   [P, n_i, PAGE], and rank row r of a slot is row r % PAGE of page table[slot, r // PAGE] (table
   [L, pages] int32, row stride stride_tl): one more load per rank tile, the weights' bytes unchanged.

@@ -27,7 +27,7 @@ it must read; few sequences run split-context (the `splits` column).
     python -m benchmarks.kernels.bench_kernels --attention --json bench-out/kernels.json
     python -m benchmarks.kernels.bench_kernels --smoke [--attention]              # CPU, Triton interpreter
 
---split-k picks the Triton rows (issue 21's split-K shrink, kernels.launch_plan.shrink_splits):
+--split-k picks the Triton rows (issue 21's split-K shrink, kernels.metadata.shrink_splits):
 `plan` (row `triton`: the split count the engine's launch plan picks, the `splits` column), `off` (row
 `triton-nosplit`: the unsplit kernels, as before split-K), or a number (row `triton-split<N>`: forced).
 --padded-decode runs the decode-shaped rows as the engine's graphed decode step does

@@ -5,7 +5,7 @@ tile sizes, the divisibility of integer arguments, pointer alignment), which
 takes seconds; without this, Llama-3-8B's ~30 variants were compiled on the
 engine thread in the middle of serving. The kernels are written so that every
 variant depends on the engine's configuration only (model widths, dtype,
-max_lora_rank, block size), never on a step's batch (kernels.launch_plan), so
+max_lora_rank, block size), never on a step's batch (kernels.metadata), so
 a handful of steps reaches them all:
 
 - per rank tile class (kernels.lora_tiles): one step with a decode-shaped
@@ -14,7 +14,7 @@ a handful of steps reaches them all:
   decode attention;
 - one step with a single long decode, which splits its context.
 
-Whether the gathered shrink splits K (kernels.launch_plan.shrink_splits) depends on the projection's
+Whether the gathered shrink splits K (kernels.metadata.shrink_splits) depends on the projection's
 in features alone, so the decode token of the first steps reaches the split form where there is one.
 
 benchmarks/aot/aot_check.py checks that these steps reach every variant that the
@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.launch_plan import GATHER_MAX_SEG_LEN, MIN_SPLIT_TOKENS, TILE_ROWS
 from kernels.lora_tiles import lora_tiles
-from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.metadata import GATHER_MAX_SEG_LEN, MIN_SPLIT_TOKENS, TILE_ROWS, AttentionBatch, LoraBatch
 from server.engine.kernel_ops import KernelOps
 from server.engine.model import CausalLM, StepContext
 

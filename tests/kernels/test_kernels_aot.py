@@ -17,8 +17,7 @@ import torch
 import triton
 
 from benchmarks.aot import aot
-from kernels.launch_plan import TILE_ROWS
-from kernels.metadata import LoraBatch
+from kernels.metadata import TILE_ROWS, LoraBatch
 from tests.repo import ROOT_DIR as ROOT
 
 

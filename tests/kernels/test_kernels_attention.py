@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import attention_decode, attention_ref, attention_triton, launch_plan
+from kernels import attention_decode, attention_ref, attention_triton, metadata
 from kernels.metadata import AttentionBatch
 from server.engine.kernel_choice import select_kernels
 from tests.kernel_helpers import bit_equal
@@ -211,9 +211,9 @@ def test_split_decode_with_a_window(kernel_device) -> None:
 
 
 def test_many_decodes_are_not_split() -> None:
-    assert launch_plan.split_context(64, 8, 4096, 32) == (4096, 1)  # 512 programs already
-    assert launch_plan.split_context(1, 8, 4096, 32) == (256, 16)  # batch 1: 8 programs -> 128
-    assert launch_plan.split_context(1, 8, 300, 32)[1] == 1  # too short to pay for a combine pass
+    assert metadata.split_context(64, 8, 4096, 32) == (4096, 1)  # 512 programs already
+    assert metadata.split_context(1, 8, 4096, 32) == (256, 16)  # batch 1: 8 programs -> 128
+    assert metadata.split_context(1, 8, 300, 32)[1] == 1  # too short to pay for a combine pass
     assert attention_decode.num_warps(torch.float32) == 8 and attention_decode.num_warps(torch.bfloat16) == 4
 
 

@@ -1,4 +1,4 @@
-"""Per-step launch plans: the programs a step launches are the work it has (kernels.launch_plan).
+"""Per-step launch plans: the programs a step launches are the work it has (kernels.metadata).
 
 The captured mixed batch is Llama-3-8B's: a 1793-token chunk continuing a 2000-token prefix next to
 255 decodes over 8 adapters and the base model (2048 tokens, benchmarks.aot.aot_shapes.mixed_batch).
@@ -15,8 +15,7 @@ import torch
 from benchmarks.aot import aot
 from benchmarks.aot.aot_shapes import mixed_batch
 from kernels import attention_triton, lora_triton
-from kernels.launch_plan import GATHER_MAX_SEG_LEN, TILE_ROWS, attention_plan, lora_work, pack_int32, runs
-from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.metadata import GATHER_MAX_SEG_LEN, TILE_ROWS, AttentionBatch, LoraBatch, attention_plan, lora_work, pack_int32, runs
 
 pytestmark = pytest.mark.unit
 

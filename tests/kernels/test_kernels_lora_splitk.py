@@ -10,9 +10,8 @@ import random
 import pytest
 import torch
 
-from kernels import launch_plan, lora_ref, lora_triton
-from kernels.launch_plan import MAX_SHRINK_SPLITS, MIN_SPLIT_K, shrink_splits
-from kernels.metadata import LoraBatch
+from kernels import lora_ref, lora_triton, metadata
+from kernels.metadata import MAX_SHRINK_SPLITS, MIN_SPLIT_K, LoraBatch, shrink_splits
 from tests.kernel_helpers import bit_equal
 from tests.kernels.test_kernels_lora import TOL, make_problem, request_slots, token_slots
 
@@ -102,7 +101,7 @@ def test_an_unpadded_step_splits_its_gathered_tokens_beside_its_tiles(kernel_dev
     assert gathered.partials.shape == (2, 2, 16, 8) and tiled.partials.shape == (2, 2, 32, 8)  # entries; tokens
     big = torch.zeros(2, 3, 8, 4 * MIN_SPLIT_K, device="meta")  # a K the plan splits
     assert lora_triton.split_k(batch, big, form="tiled").splits == 4  # K // MIN_SPLIT_K
-    monkeypatch.setattr(launch_plan, "SPLIT_TILES", False)  # the lever: only gathered tokens split
+    monkeypatch.setattr(metadata, "SPLIT_TILES", False)  # the lever: only gathered tokens split
     assert lora_triton.split_k(batch, big, form="tiled") is None and lora_triton.split_k(batch, big).splits == 4
     monkeypatch.undo()
     check(slots, 2, kernel_device, hidden=64, widths=(32, 16), rank=8, num_slots=3, form="build")
@@ -118,7 +117,7 @@ def test_the_plan_choice_reaches_the_kernels(kernel_device, monkeypatch) -> None
     p = make_problem(slots, hidden=96, max_rank=8, widths=[16], dtype=torch.float32, num_slots=3)
     batch = padded(slots, kernel_device)
     assert lora_triton.split_k(batch, p.lora_a) is None  # K = 96: unsplit
-    monkeypatch.setattr(launch_plan, "MIN_SPLIT_K", 16)
+    monkeypatch.setattr(metadata, "MIN_SPLIT_K", 16)
     split = lora_triton.split_k(batch, p.lora_a.to(kernel_device))
     assert split.splits == 4  # the largest power of two <= min(MAX_SHRINK_SPLITS, 96 // 16)
     assert split.partials.shape == (4, 1, 16, 8) and split.partials.dtype == torch.float32

@@ -14,7 +14,7 @@ from adapters.format import load_adapter_dir
 from adapters.host_tier import HostTier
 from adapters.packed import PackedLoraAdapter, pack_adapter
 from benchmarks.aot.aot_shapes import MODELS, meta_weights
-from kernels.launch_plan import GATHER_MAX_SEG_LEN, MIN_SPLIT_TOKENS, TILE_ROWS, lora_work, runs
+from kernels.metadata import GATHER_MAX_SEG_LEN, MIN_SPLIT_TOKENS, TILE_ROWS, lora_work, runs
 from kernels.lora_tiles import lora_tiles
 from server.engine import LLM
 from server.engine import kv_cache as kv

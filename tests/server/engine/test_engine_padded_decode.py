@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernels import attention_decode, attention_triton, launch_plan, lora_triton_jit
+from kernels import attention_decode, attention_triton, lora_triton_jit, metadata
 from server.engine import LLM, SamplingParams
 from server.engine.decode_buffers import bucket_for, decode_buckets
 from tests.engine_helpers import random_prompts
@@ -167,9 +167,9 @@ def _padded_step(llm: LLM, log: LaunchLog) -> tuple[tuple[int, bool, bool], list
 
 def _split_k(monkeypatch, split: bool) -> None:
     """The tiny model's in features (64, 128) are below the split-K minimum: lower it to split them
-    (kernels.launch_plan.shrink_splits: 4 splits of 16 features for qkv, o and gate_up, 8 for down)."""
+    (kernels.metadata.shrink_splits: 4 splits of 16 features for qkv, o and gate_up, 8 for down)."""
     if split:
-        monkeypatch.setattr(launch_plan, "MIN_SPLIT_K", 16)
+        monkeypatch.setattr(metadata, "MIN_SPLIT_K", 16)
 
 
 def _partials(llm: LLM, key) -> dict:

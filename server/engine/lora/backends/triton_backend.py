@@ -7,7 +7,7 @@ from server.engine.lora.backends.base import LoraBackend
 
 class TritonLoraBackend(LoraBackend):
     """Tensors on CUDA, or on CPU under TRITON_INTERPRET=1. The launch plan picks, per run, the gathered
-    or the segmented form and whether the shrink splits K (kernels.launch_plan): per step, not per engine,
+    or the segmented form and whether the shrink splits K (kernels.metadata): per step, not per engine,
     so they are one strategy here. apply also takes `splits` (None: the plan's; 1, 2, 4, 8 forced)."""
 
     name = "triton"
