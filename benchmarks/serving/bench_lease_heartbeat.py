@@ -26,7 +26,7 @@ from pathlib import Path
 import redis
 import torch
 
-from server.api.quota import Settlements
+from server.api.auth import Settlements
 from server.bench.artifacts import write_json
 from server.embedded_redis.server import EmbeddedRedis
 from tenants import Limiter, TenantStore, UsageLog

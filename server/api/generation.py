@@ -36,7 +36,7 @@ from server.api.adapter_references import resolve_adapter
 from server.api.errors import APIError, to_api_error
 from server.api.logprob_format import CompletionLogprobs, chat_content, merge_blocks, prompt_logprobs
 from server.api.openai_requests import ChatCompletionRequest, CompletionRequest, Constraint
-from server.api.quota import cancel_admission, charged_compile, keep_admission
+from server.api.auth import cancel_admission, charged_compile, keep_admission
 from server.api.state import ServerState
 from server.api.token_text import TokenText
 from server.api.tool_calls import ChoiceToolCalls, ToolPlan

@@ -92,7 +92,7 @@ class Metrics:
         self.auth_failures = Counter("loraplex_auth_failures",
                                      "Failed API-key checks: invalid (401) or throttled (429)", ["outcome"],
                                      registry=r)
-        # Crash recovery (server.api.quota), set from its counters at scrape time.
+        # Crash recovery (server.api.auth), set from its counters at scrape time.
         self.running_leases = Gauge("loraplex_running_leases", "Concurrency leases this replica beats", registry=r)
         self.leases_lost = Gauge("loraplex_leases_lost",
                                  "Running requests whose lease lapsed (this replica unheard for --lease-ttl)",

@@ -12,7 +12,7 @@ from starlette.routing import Route
 from adapters.registry import AdapterRecord
 from adapters.sharing import OPERATOR_OWNER
 from server.api.adapter_references import resolve_lorax_adapter
-from server.api.auth import require_tenant, state_of
+from server.api.auth import check_completion_cap, check_request_cost, gated, require_tenant, state_of
 from server.api.base_identity import unavailable_reason
 from server.api.body import BASE_VALUES, lenient_scope, read_model
 from server.api.openai_requests import (ChatCompletionRequest, CompletionRequest, constraint_of,
@@ -20,7 +20,6 @@ from server.api.openai_requests import (ChatCompletionRequest, CompletionRequest
 from server.api.errors import APIError
 from server.api.generation import (ChatRenderer, CompletionRenderer, Generation, SSEResponse, resolve_model,
                                    until_disconnect)
-from server.api.quota import check_completion_cap, check_request_cost, gated
 from server.api.state import ServerState
 from server.api.tool_calls import ToolPlan, chat_inputs, plan_tools, request_constraint
 from tenants import Tenant

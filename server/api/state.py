@@ -22,7 +22,7 @@ from server.api.engine_watch import EngineHistory
 from server.api.fetch_flights import FetchFlights
 from server.api.metrics import Metrics
 from server.api.prompts import PromptTokenizer
-from server.api.quota import Settlements
+from server.api.auth import Settlements
 from server.api.redis_probe import RedisProbe
 from server.api.store_tally import StoreTallies
 from server.config import ServerConfig
