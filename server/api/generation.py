@@ -39,7 +39,7 @@ from server.api.openai_requests import ChatCompletionRequest, CompletionRequest,
 from server.api.auth import cancel_admission, charged_compile, keep_admission
 from server.api.state import ServerState
 from server.api.token_text import TokenText
-from server.api.tool_calls import ChoiceToolCalls, ToolPlan
+from server.api.prompts import ChoiceToolCalls, ToolPlan
 from server.engine import SamplingParams
 from server.engine.protocol import EngineRequest, OutputStream, RequestOutput, TokenLogprobs
 from tenants import Admission, Tenant
@@ -471,7 +471,7 @@ class ChatRenderer(Renderer):
         self._tool_calls: dict[int, ChoiceToolCalls] = {}
 
     def _content(self, index: int, d: Delta) -> tuple[str, list[dict]]:
-        """The delta's content and tool-call items (server.api.tool_calls reads calls out of the text)."""
+        """The delta's content and tool-call items (server.api.prompts reads calls out of the text)."""
         if self.tools is None or self.tools.mode == "none":
             return d.text, []
         calls = self._tool_calls.get(index)

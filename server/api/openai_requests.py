@@ -225,7 +225,7 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict:
         """The message as the chat template sees it ("developer" is OpenAI's new name for "system");
-        tool calls and ids by server.api.tool_calls.tool_message_fields."""
+        tool calls and ids by server.api.prompts.tool_message_fields."""
         role = "system" if self.role == "developer" else self.role
         content = self.content if isinstance(self.content, str) or self.content is None else \
             [part.model_dump() for part in self.content]
@@ -255,7 +255,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    # Tool calling (server.api.tool_calls plans it; server.api.tool_requests bounds it).
+    # Tool calling (server.api.prompts plans it; server.api.tool_requests bounds it).
     tools: Tools | None = None
     tool_choice: ToolChoiceField = None
     parallel_tool_calls: bool | None = None

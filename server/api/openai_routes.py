@@ -21,7 +21,7 @@ from server.api.errors import APIError
 from server.api.generation import (ChatRenderer, CompletionRenderer, Generation, SSEResponse, resolve_model,
                                    until_disconnect)
 from server.api.state import ServerState
-from server.api.tool_calls import ToolPlan, chat_inputs, plan_tools, request_constraint
+from server.api.prompts import ToolPlan, chat_inputs, plan_tools, request_constraint
 from tenants import Tenant
 
 

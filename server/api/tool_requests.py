@@ -2,7 +2,7 @@
 `tool_choice`, and the assistant's `tool_calls` fed back in `messages`. Bounded here, before
 anything renders or compiles them: at most MAX_TOOLS functions, names OpenAI's way
 (1-64 of A-Z a-z 0-9 _ -), descriptions and ids by length; a parameters schema's size is
-checked against --max-schema-bytes by server.api.tool_calls."""
+checked against --max-schema-bytes by server.api.prompts."""
 from __future__ import annotations
 
 import re

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from server.api.errors import APIError
 from server.api.openai_requests import ChatCompletionRequest
-from server.api.tool_calls import chat_inputs, plan_tools, request_constraint
+from server.api.prompts import chat_inputs, plan_tools, request_constraint
 from server.demo import CHAT_TEMPLATE
 from tests.fixtures_server import api_redis_url, running_server, server_config
 

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from server.api.openai_requests import ChatCompletionRequest
-from server.api.tool_calls import chat_inputs, plan_tools
+from server.api.prompts import chat_inputs, plan_tools
 from server.api.tool_parsers import HermesParser
 from server.chat_templates import SHIPPED_DIR, resolve_chat_template
 from server.cli import build_parser

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.api.tool_calls import ChoiceToolCalls
+from server.api.prompts import ChoiceToolCalls
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.api.tool_parsers import ForcedArgumentsParser, ForcedArrayParser, HermesParser, Llama3JsonParser
