@@ -52,7 +52,7 @@ or scored) x (the top alternatives + 1). All are refusals that waiting cannot fi
 A request's constraint compiled at the tenant's cost: a new constraint is refused (429) once the
 tenant spent its --compile-seconds-per-minute, and the seconds a compile process spends on it are
 charged whether it compiles, fails or is killed at its deadline. A cached constraint is free.
-A failed compile's request also stays counted against requests_per_minute (server.api.generation):
+A failed compile's request also stays counted against requests_per_minute (server.api.openai_routes):
 its CPU was spent, so a flood of deadline-hitting schemas is neither free nor unbounded.
 
 Settling requests in Redis (concurrency lease, token charge, usage): while they run, and when

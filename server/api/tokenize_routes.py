@@ -15,7 +15,7 @@ from starlette.routing import Route
 from server.api.auth import gated, require_tenant, state_of
 from server.api.body import BASE_VALUES, lenient_scope, parse_model, read_json_object, read_model
 from server.api.errors import APIError
-from server.api.generation import resolve_model
+from server.api.openai_routes import resolve_model
 from server.api.openai_requests import DetokenizeRequest, TokenizeRequest
 
 

@@ -30,8 +30,8 @@ def test_loop_and_worker_samples_are_named_by_the_deepest_api_file():
             "encode (tokenizers/__init__.py:1)"]
     assert category(loop) == "event loop: api/tokenize_routes.py"
     assert category(loop[:3]) == "event loop: framework (uvicorn, starlette, asyncio)"
-    worker = [SERVER, "thread (12): asyncio_3", "render (/repo/server/api/generation.py:9)"]
-    assert category(worker) == "thread asyncio: api/generation.py"
+    worker = [SERVER, "thread (12): asyncio_3", "render (/repo/server/api/openai_routes.py:9)"]
+    assert category(worker) == "thread asyncio: api/openai_routes.py"
 
 
 def test_child_processes_are_named_by_what_they_run():
