@@ -203,7 +203,7 @@ class Keyspace:
     def usage_index(self, tenant_id: str) -> str:
         return f"{self.owned(tenant_id)}usage"
 
-    # What was recorded so far of one running request (tenants.usage.record_so_far), by its id.
+    # What was recorded so far of one running request (tenants.limits.record_so_far), by its id.
     def running_usage(self, tenant_id: str, run: str) -> str:
         return f"{self.owned(tenant_id)}running:{run}"
 

@@ -9,7 +9,7 @@ import redis
 
 from tenants import (Quota, QuotaError, RunUsage, Tenant, TenantExists, TenantIdError, TenantNameError,
                      TenantNotFound, TenantStore, UsageLog)
-from tenants.usage import ENDED_RUN_TTL_SECONDS
+from tenants.limits import ENDED_RUN_TTL_SECONDS
 from tests.tenant_helpers import ACME_ID
 
 pytestmark = pytest.mark.unit
