@@ -14,7 +14,7 @@ from server.engine.block_manager import KvBlockStats
 from server.engine.decode_graphs import DecodeGraphStats
 from server.engine.grammar import GrammarStats
 from server.engine.lora.slots import SlotStats
-from server.engine.prefix_cache import PrefixCacheStats
+from server.engine.block_manager import PrefixCacheStats
 from server.engine.scheduler import SchedulerStats
 from server.engine.spec_decode_stats import SpecDecodeStats
 
@@ -66,7 +66,7 @@ FLAT_NAMES = {
 class EngineStats:
     scheduler: SchedulerStats
     kv_blocks: KvBlockStats
-    prefix_cache: PrefixCacheStats  # server.engine.prefix_cache
+    prefix_cache: PrefixCacheStats  # server.engine.block_manager
     host: HostTierSnapshot  # host tier: parsed adapters in host memory (adapters.host_tier)
     slots: SlotStats  # device tier: adapters in slots (server.engine.lora.slots)
     decode_graphs: DecodeGraphStats  # decode CUDA graphs (server.engine.decode_graphs)

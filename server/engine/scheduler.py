@@ -33,7 +33,7 @@ wholly behind its window are returned to the pool before each step (BlockManager
 a long conversation holds about its window's blocks, not its length's.
 
 An admitted sequence starts with the longest run of its full blocks found in
-the prefix cache (server.engine.prefix_cache) and computes only the rest, in
+the prefix cache (server.engine.block_manager) and computes only the rest, in
 chunks as usual. Cached blocks nobody holds count as free: taking one costs a
 block like allocating one does, so the cache never crowds out running work.
 
@@ -62,7 +62,7 @@ from server.engine.lora.alora import adapter_from
 from server.engine.lora.slot_share import SlotShare
 from server.engine.lora.slots import LoraSlots
 from server.engine.ngram_proposer import propose
-from server.engine.prefix_cache import PrefixCache
+from server.engine.block_manager import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.spec_decode_stats import SpecDecodeCounters
 from server.engine.speculative_config import SpeculativeConfig

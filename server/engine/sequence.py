@@ -159,7 +159,7 @@ class Sequence:
         if index:
             group.needs_fork = True
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        # Prefix cache (server.engine.prefix_cache): the hash chain of token_ids' leading full blocks,
+        # Prefix cache (server.engine.block_manager): the hash chain of token_ids' leading full blocks,
         # as far as it was needed (it depends on the tokens alone, so it survives preemption), and how
         # many leading blocks of block_table have been offered to the cache.
         self.cache_salt = cache_salt

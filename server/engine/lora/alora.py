@@ -11,7 +11,7 @@ and forks keep it.
 Tokens before the point take the no-adapter slot (-1): they run as base-model
 rows in the same batch, whatever chunk they fall in. KV blocks wholly before
 it are the base model's, and the prefix cache keys them so
-(server.engine.prefix_cache); blocks from it on are the adapter's, keyed on
+(server.engine.block_manager); blocks from it on are the adapter's, keyed on
 its version *and* the point, since the same tokens with the adapter switched
 on elsewhere give other K/V.
 """

@@ -13,7 +13,7 @@ from server.engine.decode_graphs import DecodeGraphStats
 from server.engine.engine_stats import FLAT_NAMES, EngineStats
 from server.engine.grammar import GrammarStats
 from server.engine.lora.slots import SlotStats
-from server.engine.prefix_cache import PrefixCacheStats
+from server.engine.block_manager import PrefixCacheStats
 from server.engine.scheduler import SchedulerStats
 
 pytestmark = pytest.mark.unit
