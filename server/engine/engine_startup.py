@@ -54,10 +54,9 @@ from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor
 from server.engine.parallel.tp_leader import start_tensor_parallel
 from server.engine.parallel.tp_model import tp_refusal
-from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig, StepCost
 from server.engine.sliding_window import sequence_blocks
 from server.engine.speculative_config import resolve_disable_by_batch_size
-from server.engine.step_cost import StepCost
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
 from server.engine.weights import load_weights

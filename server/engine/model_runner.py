@@ -37,9 +37,8 @@ from server.engine.sampler import SampleFailure, sample_rows
 from server.engine.sampling_row import SamplingRow
 # Bound as `sample`: the runner looks it up as a module global each step, so a profiler
 # (benchmarks/engine/bench_engine.py) can wrap model_runner.sample.
-from server.engine.scheduler import ScheduledBatch, verifiable
+from server.engine.scheduler import ScheduledBatch, prompt_logprob_span, verifiable
 from server.engine.sequence import Sequence, TokenLogprobs
-from server.engine.step_cost import prompt_logprob_span
 
 
 @dataclass(slots=True)
