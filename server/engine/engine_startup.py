@@ -31,8 +31,7 @@ from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
 from server.engine.draft_model_loader import load_draft_model, read_draft_config
 from server.engine.draft_model_proposer import DraftModelProposer
-from server.engine.grammar import Grammars
-from server.engine.grammar_mask import GrammarMask
+from server.engine.grammar import GrammarMask, Grammars
 from server.engine.kernel_choice import select_kernels
 from server.engine.kernel_ops import KernelOps
 from server.engine.kv_cache import KvPoolInfo, allocate_kv_cache, allocate_lora_slots, kv_pool_like

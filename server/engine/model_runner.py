@@ -26,12 +26,12 @@ import torch
 from kernels.kv_quant import storage
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
-from server.engine.grammar_mask import GrammarMask
+from server.engine.grammar import GrammarMask
 from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
-from server.engine.medusa_proposer import MedusaProposer
 from server.engine.lora.alora import token_slots as alora_token_slots
 from server.engine.lora.page_gathers import PageGathers
+from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, sample_rows
 from server.engine.sampling_row import SamplingRow

@@ -5,7 +5,7 @@ vLLM's order: logit_bias, min_tokens masking, penalties (LogitsProcessors); gree
 rows take the argmax there; sampled rows go on with temperature, top_k, top_p
 and min_p (truncate), then draw (a seeded row with its own generator).
 A structured-output constraint's
-bitmask comes first (grammar_mask.py). Logprobs are of the raw logits. A batch whose rows use none of these pays for
+bitmask comes first (GrammarMask, grammar.py). Logprobs are of the raw logits. A batch whose rows use none of these pays for
 none of them.
 
 Numerically safe for every value SamplingParams accepts: temperatures below
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.grammar_mask import GrammarMask
+from server.engine.grammar import GrammarMask
 from server.engine.logprobs import gather_logprobs
 from server.engine.sampling_params import SamplingParams
 from server.engine.sampling_row import SamplingRow
