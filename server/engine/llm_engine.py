@@ -13,9 +13,8 @@ from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.slots import PinLimitError
 from server.engine.model_runner import SeqResult
 from server.engine.output_processor import StopChecker
-from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledBatch
-from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
+from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 
 
 class RequestError(ValueError):

@@ -46,9 +46,8 @@ import torch
 
 from server.engine.grammar import GrammarMask
 from server.engine.logprobs import gather_logprobs
-from server.engine.sampling_params import SamplingParams
 from server.engine.sampling_row import SamplingRow
-from server.engine.sequence import TokenLogprobs
+from server.engine.sequence import SamplingParams, TokenLogprobs
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 
 class SamplingRow(NamedTuple):

@@ -10,9 +10,8 @@ from server.engine.lora.slots import LoraSlots
 from server.engine.model_runner import SeqResult
 from server.engine.output_processor import IncrementalDetokenizer, OutputProcessor, StopChecker
 from server.engine.sampler import SampleFailure
-from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerConfig
-from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
+from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from server.engine.tokenizer_loader import load_tokenizer
 
 pytestmark = pytest.mark.unit
