@@ -46,7 +46,7 @@ An activated LoRA's blocks wholly before its activation point hold base-model
 KV, so they are keyed (and indexed) as the base model's blocks of the same
 tenant and salt: the base model and every aLoRA on that prompt share them.
 Its blocks from the point on are keyed on the version and the point
-(server.engine.lora.alora).
+(aLoRA, server.engine.lora.slots).
 
 Hashes depend only on a sequence's tokens, so each is computed once per
 sequence (kept in `Sequence.block_hashes`, surviving preemption) and never per
@@ -74,7 +74,7 @@ import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from server.engine.lora.alora import base_blocks
+from server.engine.lora.slots import base_blocks
 from server.engine.sequence import Sequence
 
 
@@ -421,7 +421,7 @@ class PrefixCache:
         hashes = seq.block_hashes
         if len(hashes) < n:
             first_active = seq.group.adapter_from
-            # Blocks before an aLoRA's activation point are keyed as the base model's (server.engine.lora.alora).
+            # Blocks before an aLoRA's activation point are keyed as the base model's (server.engine.lora.slots).
             base = base_blocks(first_active, self.block_size)
             own = self._seed(seq.version_id, seq, first_active)
             base_seed = own if seq.version_id is None or not base else self._seed(None, seq, 0)

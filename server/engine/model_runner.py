@@ -29,8 +29,8 @@ from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar import GrammarMask
 from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
-from server.engine.lora.alora import token_slots as alora_token_slots
 from server.engine.lora.page_gathers import PageGathers
+from server.engine.lora.slots import token_slots as alora_token_slots
 from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, sample_rows

@@ -80,9 +80,8 @@ from server.engine.block_manager import BlockManager, PrefixCache
 from server.engine.config import ModelConfig
 from server.engine.draft_length import DraftLength
 from server.engine.draft_model_proposer import DraftModelProposer, DraftRequest
-from server.engine.lora.alora import adapter_from
 from server.engine.lora.slot_share import SlotShare
-from server.engine.lora.slots import LoraSlots
+from server.engine.lora.slots import LoraSlots, adapter_from
 from server.engine.ngram_proposer import propose
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.spec_decode_stats import SpecDecodeCounters

@@ -232,7 +232,7 @@ class SequenceGroup:
         # Prompt tokens whose KV came from the prefix cache when choice 0 was first admitted (vLLM
         # counts that admission only); None until then. Forked choices share that prefill.
         self.num_cached_tokens: int | None = None
-        # The first position the adapter applies to (server.engine.lora.alora): 0 but for an activated LoRA,
+        # The first position the adapter applies to (server.engine.lora.slots): 0 but for an activated LoRA,
         # whose point the scheduler finds at admission.
         self.adapter_from = 0
         self._distinct_prompt: torch.Tensor | None = None
