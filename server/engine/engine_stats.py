@@ -10,13 +10,11 @@ from dataclasses import dataclass
 
 from adapters.host_tier import HostTierSnapshot
 from server.engine.async_step import AsyncStats
-from server.engine.block_manager import KvBlockStats
+from server.engine.block_manager import KvBlockStats, PrefixCacheStats
 from server.engine.decode_graphs import DecodeGraphStats
 from server.engine.grammar import GrammarStats
 from server.engine.lora.slots import SlotStats
-from server.engine.block_manager import PrefixCacheStats
-from server.engine.scheduler import SchedulerStats
-from server.engine.spec_decode_stats import SpecDecodeStats
+from server.engine.scheduler import SchedulerStats, SpecDecodeStats
 
 # Deprecated flat name -> (section, field).
 FLAT_NAMES = {
@@ -73,7 +71,7 @@ class EngineStats:
     async_scheduling: AsyncStats  # server.engine.async_step
     grammar: GrammarStats  # the compiled-grammar cache (server.engine.grammar)
     constrained_requests: int  # requests admitted with a structured-output constraint
-    speculative: SpecDecodeStats = SpecDecodeStats()  # server.engine.spec_decode_stats
+    speculative: SpecDecodeStats = SpecDecodeStats()  # server.engine.scheduler.SpecDecodeCounters
 
     def __getattr__(self, name: str):
         """The deprecated flat names (FLAT_NAMES); called only for names the class does not have."""
