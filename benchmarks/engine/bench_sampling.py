@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from server.engine.sampler import SamplingRow, sample_rows
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.8, top_p=0.95)

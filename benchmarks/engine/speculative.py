@@ -36,7 +36,7 @@ import torch
 from benchmarks.profile.cpu_model import cpu_model
 from server.bench.eval_items import load_items
 from server.engine import LLM, SamplingParams
-from server.engine.spec_decode_stats import SpecDecodeStats
+from server.engine.scheduler import SpecDecodeStats
 
 GROUNDED_PATH = Path(__file__).resolve().parents[2] / "server" / "bench" / "grounded_items.jsonl"
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

@@ -8,7 +8,7 @@ Memoised per id: only ids that were actually returned are ever decoded.
 """
 from __future__ import annotations
 
-from server.engine.detokenizer import bytes_to_unicode
+from server.engine.tokenizer_loader import bytes_to_unicode
 
 
 class TokenText:

@@ -5,11 +5,10 @@ Imports only torch, triton, transformers, safetensors and the standard library
 stack and Redis client are not installed.
 """
 from server.engine.config import EngineConfig, ModelConfig
-from server.engine.llm import LLM
 from server.engine.engine_stats import EngineStats
+from server.engine.llm import LLM
 from server.engine.llm_engine import LLMEngine, RequestError
-from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import RequestOutput
+from server.engine.sequence import RequestOutput, SamplingParams
 from server.engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [

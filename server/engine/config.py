@@ -214,7 +214,7 @@ class EngineConfig:
     block_size: int = 16
     kernels: str = "auto"
     seed: int = 0
-    # Prefix caching (server.engine.prefix_cache): full prompt blocks are reused across requests of one
+    # Prefix caching (server.engine.block_manager): full prompt blocks are reused across requests of one
     # tenant, adapter version and cache_salt. Sharing unsalted base-model blocks across tenants lets one
     # tenant learn from time to first token whether another sent a prompt: off unless the operator opts in.
     enable_prefix_caching: bool = True

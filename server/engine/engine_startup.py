@@ -23,17 +23,15 @@ from adapters.packed import PackedLoraAdapter
 from kernels.cpu_linear import upcast_linear
 from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
+from server.engine.architectures import ARCHITECTURES
 from server.engine.async_step import AsyncScheduling
 from server.engine.block_manager import BlockManager
-from server.engine.architectures import ARCHITECTURES
 from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
-from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.draft_model_loader import load_draft_model, read_draft_config
 from server.engine.draft_model_proposer import DraftModelProposer
-from server.engine.grammar import Grammars
-from server.engine.grammar_mask import GrammarMask
+from server.engine.grammar import GrammarMask, Grammars
 from server.engine.kernel_choice import select_kernels
 from server.engine.kernel_ops import KernelOps
 from server.engine.kv_cache import KvPoolInfo, allocate_kv_cache, allocate_lora_slots, kv_pool_like
@@ -41,9 +39,9 @@ from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
 from server.engine.lora.dora_precompute import DoraPrecompute
 from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.dora_scales import DoraScales
-from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.lora.page_gathers import PageGathers
 from server.engine.lora.paging import LoraPaging
+from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.lora.slots import LoraSlots
 from server.engine.lora.vocab_parts import VocabParts
 from server.engine.mask_lane import MaskBudget
@@ -51,13 +49,12 @@ from server.engine.medusa_heads import HeadWeights, MedusaHeads, read_heads_dir
 from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
-from server.engine.output_processor import OutputProcessor
+from server.engine.output_processor import IncrementalDetokenizer, OutputProcessor
 from server.engine.parallel.tp_leader import start_tensor_parallel
 from server.engine.parallel.tp_model import tp_refusal
-from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig
+from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig, StepCost
 from server.engine.sliding_window import sequence_blocks
 from server.engine.speculative_config import resolve_disable_by_batch_size
-from server.engine.step_cost import StepCost
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.warmup import warm_up
 from server.engine.weights import load_weights

@@ -10,13 +10,11 @@ from dataclasses import dataclass
 
 from adapters.host_tier import HostTierSnapshot
 from server.engine.async_step import AsyncStats
-from server.engine.block_manager import KvBlockStats
+from server.engine.block_manager import KvBlockStats, PrefixCacheStats
 from server.engine.decode_graphs import DecodeGraphStats
 from server.engine.grammar import GrammarStats
 from server.engine.lora.slots import SlotStats
-from server.engine.prefix_cache import PrefixCacheStats
-from server.engine.scheduler import SchedulerStats
-from server.engine.spec_decode_stats import SpecDecodeStats
+from server.engine.scheduler import SchedulerStats, SpecDecodeStats
 
 # Deprecated flat name -> (section, field).
 FLAT_NAMES = {
@@ -66,14 +64,14 @@ FLAT_NAMES = {
 class EngineStats:
     scheduler: SchedulerStats
     kv_blocks: KvBlockStats
-    prefix_cache: PrefixCacheStats  # server.engine.prefix_cache
+    prefix_cache: PrefixCacheStats  # server.engine.block_manager
     host: HostTierSnapshot  # host tier: parsed adapters in host memory (adapters.host_tier)
     slots: SlotStats  # device tier: adapters in slots (server.engine.lora.slots)
     decode_graphs: DecodeGraphStats  # decode CUDA graphs (server.engine.decode_graphs)
     async_scheduling: AsyncStats  # server.engine.async_step
     grammar: GrammarStats  # the compiled-grammar cache (server.engine.grammar)
     constrained_requests: int  # requests admitted with a structured-output constraint
-    speculative: SpecDecodeStats = SpecDecodeStats()  # server.engine.spec_decode_stats
+    speculative: SpecDecodeStats = SpecDecodeStats()  # server.engine.scheduler.SpecDecodeCounters
 
     def __getattr__(self, name: str):
         """The deprecated flat names (FLAT_NAMES); called only for names the class does not have."""

@@ -8,8 +8,7 @@ from typing import Sequence as Seq
 from adapters.format import load_adapter_dir
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
-from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import RequestOutput
+from server.engine.sequence import RequestOutput, SamplingParams
 
 
 class LLM:

@@ -12,10 +12,9 @@ from server.engine.grammar import GrammarError
 from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.slots import PinLimitError
 from server.engine.model_runner import SeqResult
-from server.engine.sampling_params import SamplingParams
+from server.engine.output_processor import StopChecker
 from server.engine.scheduler import ScheduledBatch
-from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
-from server.engine.stop import StopChecker
+from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 
 
 class RequestError(ValueError):

@@ -1,14 +1,27 @@
 """Decoder-only transformers (Llama 2/3, Mistral, Qwen2/3, Phi-3/4, Gemma 2/3) over a paged KV cache with
-batched multi-LoRA.
+batched multi-LoRA, with their rotary position embeddings (RotaryEmbedding) and the activation buffers one
+forward reuses across layers (Workspace).
 
 Projections are fused (qkv, gate_up) so one base matmul and one LoRA
 shrink/expand pair serve each fused layer for the whole mixed-adapter batch.
+
+Rotary position embeddings (RotaryEmbedding), matching transformers' (default, linear, llama3, yarn).
+
+The forward's activation buffers (Workspace): allocated once at the step's maximum size, reused by every layer.
+
+Why: on CPU a fresh prefill-sized output costs page faults on every layer. glibc serves blocks over
+32 MB straight from mmap, so each one is new, unmapped memory. A 4096-token gate_up output of the
+smol135 shape (50 MB) took 97 ms into a new tensor and 80 ms into a reused one (2 threads); at 8B
+widths every projection's output is over that size. Layers run one after another, so one set of
+buffers serves all of them: a layer's outputs are consumed before the next layer writes its own.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, fields, is_dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +38,128 @@ from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.lora.vocab_parts import VocabParts
 from server.engine.moe_block import MoeBlock
 from server.engine.moe_weights import take_experts
-from server.engine.rope import RotaryEmbedding
-from server.engine.workspace import Workspace
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [D/2]
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inverse_frequencies(head_dim, theta, scaling)
+    assert kind == "llama3", kind
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters, op for op): interpolated frequencies below a
+    ramp over the dimensions, original ones above it."""
+    factor = float(scaling["factor"])
+    old_len = scaling["original_max_position_embeddings"]  # ModelConfig fills it in when absent
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature, 1 elsewhere."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]))
+    return mscale()
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to max_positions, built once."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling, dtype, device) -> None:
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        factor = attention_factor(scaling)
+        self.cos = (emb.cos() * factor).to(dtype=dtype, device=device)  # [P, D]
+        # rotate_half(x) * sin = cat(-x2, x1) * sin = cat(x2, x1) * cat(-sin1, sin2): the sign moves
+        # into the table (exact: negation commutes with rounding), one op less per call.
+        half = head_dim // 2
+        sin = emb.sin() * factor
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype=dtype, device=device)  # [P, D]
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's rows of the tables, gathered once for all its layers: (cos, signed sin), each
+        [T, 1, D], from positions [T]."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.signed_sin.index_select(0, positions).unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, H, D]; tables: from tables() for the step's positions."""
+        cos, sin = tables
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass(frozen=True)
+class Workspace:
+    qkv: torch.Tensor  # [max_tokens, q + 2 kv], the fused qkv projection's output
+    attn: torch.Tensor  # [max_tokens, Hq, D], attention's output
+    o: torch.Tensor  # [max_tokens, H]
+    gate_up: torch.Tensor  # [max_tokens, 2 I]
+    act: torch.Tensor  # [max_tokens, I], silu(gate) * up: down's input
+    down: torch.Tensor  # [max_tokens, H]
+    # [largest projection's out * in], where an int8 or int4 weight is turned back into floats before
+    # its matmul (kernels.int8_weights.dequant_linear; kernels.int4_avx2 past 16 rows); None for float weights.
+    dequant: torch.Tensor | None = None
+
+    @staticmethod
+    def allocate(cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device | str,
+                 dequant: bool = False) -> Workspace:
+        assert max_tokens >= 1
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        largest = max((cfg.q_size + 2 * cfg.kv_size) * h, cfg.q_size * h, 2 * i * h)
+
+        def buf(*shape: int) -> torch.Tensor:
+            return torch.empty(max_tokens, *shape, dtype=dtype, device=device)
+
+        return Workspace(
+            qkv=buf(cfg.q_size + 2 * cfg.kv_size), attn=buf(cfg.num_heads, cfg.head_dim), o=buf(cfg.hidden_size),
+            gate_up=buf(2 * cfg.intermediate_size), act=buf(cfg.intermediate_size), down=buf(cfg.hidden_size),
+            dequant=torch.empty(largest, dtype=dtype, device=device) if dequant else None,
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        return self.qkv.shape[0]
 
 
 @dataclass

@@ -26,20 +26,19 @@ import torch
 from kernels.attention_ref import storage
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
-from server.engine.grammar_mask import GrammarMask
+from server.engine.grammar import GrammarMask
 from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
-from server.engine.medusa_proposer import MedusaProposer
-from server.engine.lora.alora import token_slots as alora_token_slots
 from server.engine.lora.page_gathers import PageGathers
+from server.engine.lora.slots import token_slots as alora_token_slots
+from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM, StepContext
 from server.engine.sampler import SampleFailure, sample_rows
 from server.engine.sampling_row import SamplingRow
 # Bound as `sample`: the runner looks it up as a module global each step, so a profiler
 # (benchmarks/engine/bench_engine.py) can wrap model_runner.sample.
-from server.engine.scheduler import ScheduledBatch, verifiable
+from server.engine.scheduler import ScheduledBatch, prompt_logprob_span, verifiable
 from server.engine.sequence import Sequence, TokenLogprobs
-from server.engine.step_cost import prompt_logprob_span
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""One token to choose: what the sampler (sampler.py) and the logit modifications (penalties.py)
-both read, in a module of its own so neither imports the other."""
+"""One token to choose: what the sampler (sampler.py: the logit modifications, truncation and the draw)
+reads of each row; the model runner builds the rows."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 
 class SamplingRow(NamedTuple):

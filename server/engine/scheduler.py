@@ -1,4 +1,6 @@
-"""Continuous batching: which sequences run this step, and how many of their tokens.
+"""Continuous batching: which sequences run this step, and how many of their tokens (Scheduler); the
+waiting queue in tenant fair-share order (FairQueue); what a prompt chunk costs a step (StepCost);
+speculative decoding's counters (SpecDecodeCounters, reported as SpecDecodeStats).
 
 Every step, decoding sequences go first (one token each), then running
 prompts get their next chunk, then waiting ones are admitted in fair-share
@@ -12,7 +14,7 @@ some by weighted max-min fair share (FairQueue.shares), so many long prompts
 of one tenant share its part, not everyone's; what a share leaves unused goes
 to the chunks already in the step. While any running sequence is decoding,
 that work is capped by `max_prefill_tokens_while_decoding` (when set), counted
-in decode-token equivalents (server.engine.step_cost: a late token of a long
+in decode-token equivalents (StepCost, below: a late token of a long
 prompt attends over more positions, a prompt-logprob position runs the
 lm_head): a long prompt is then prefilled in chunks of bounded cost between
 decode steps instead of in one step that stalls every decoding stream for its
@@ -33,7 +35,7 @@ wholly behind its window are returned to the pool before each step (BlockManager
 a long conversation holds about its window's blocks, not its length's.
 
 An admitted sequence starts with the longest run of its full blocks found in
-the prefix cache (server.engine.prefix_cache) and computes only the rest, in
+the prefix cache (server.engine.block_manager) and computes only the rest, in
 chunks as usual. Cached blocks nobody holds count as free: taking one costs a
 block like allocating one does, so the cache never crowds out running work.
 
@@ -45,28 +47,257 @@ slots like any token. A draft model always makes the k asked for, so room for th
 drafts are made at the end of schedule(), in one batch over the sequences still in the step. The output processor rolls back what the
 model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
 speculates while disable_by_batch_size sequences run; a request may opt out (SamplingParams.speculative).
+
+The waiting queue (FairQueue), ordered by tenant fair share (virtual token counters, as in VTC).
+
+Each tenant's counter is charged its prompt tokens (when admitted) and its
+output tokens (as generated), divided by the tenant's weight; the backlogged
+tenant with the lowest counter goes next, so one tenant flooding the queue
+cannot starve the others. A tenant returning from idle is lifted to the
+lowest counter among active tenants, so idling does not bank credit.
+Within a tenant: lower `priority` value first, then arrival order.
+
+What a prompt chunk costs a step (StepCost), in decode-token equivalents, for the prefill cap while others decode.
+
+A chunk's tokens are not equal: each attends over every position before it, and a position whose prompt
+logprobs are asked for also runs the lm_head and a log-softmax over the vocabulary. Late in a long
+prompt, and with prompt logprobs, a 256-token chunk costs several times 256 ordinary tokens, and every
+decoding stream waits for it. Counted here from the model's shape (multiply-adds relative to one
+token's projections and MLP), so the cap bounds a step's work, not only its token count, and stays
+deterministic (a measured cost would make the schedule depend on the machine's load).
+
+Speculative decoding's counters since start (SpecDecodeCounters, SpecDecodeStats), vLLM's `spec_decode`
+metrics: verify steps run (one per sequence and step that had drafts), drafts verified, drafts accepted
+(in all and by draft position), and decode steps run without drafts because the batch was past the cut-off.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
-from server.engine.block_manager import BlockManager
-from server.engine.draft_model_proposer import DraftModelProposer, DraftRequest
+from server.engine.block_manager import BlockManager, PrefixCache
+from server.engine.config import ModelConfig
 from server.engine.draft_length import DraftLength
-from server.engine.fair_queue import FairQueue
-from server.engine.lora.alora import adapter_from
+from server.engine.draft_model_proposer import DraftModelProposer, DraftRequest
 from server.engine.lora.slot_share import SlotShare
-from server.engine.lora.slots import LoraSlots
+from server.engine.lora.slots import LoraSlots, adapter_from
 from server.engine.ngram_proposer import propose
-from server.engine.prefix_cache import PrefixCache
 from server.engine.sequence import Sequence, SequenceStatus
-from server.engine.spec_decode_stats import SpecDecodeCounters
 from server.engine.speculative_config import SpeculativeConfig
-from server.engine.step_cost import PLAIN, StepCost
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    method: str | None = None  # None: speculative decoding is off
+    num_drafts: int = 0  # vLLM's spec_decode_num_drafts: sequences' verify steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # [j]: verify steps that accepted draft j (0-based)
+    skipped_steps: int = 0  # steps whose batch was too large to speculate (disable_by_batch_size)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step emits on average: its accepted drafts and the target's own (vLLM's)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecodeCounters:
+    """The mutable side: the output processor counts verify steps, the scheduler skipped steps."""
+
+    def __init__(self, method: str | None) -> None:
+        self.method = method
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
+        self.skipped_steps = 0
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.method, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               tuple(self.accepted_per_position), self.skipped_steps)
+
+
+PROMPT_TOKEN_COST = 1.0
+OUTPUT_TOKEN_COST = 2.0  # decode tokens cost a forward each; S-LoRA's VTC weighs them 2x
+
+
+class FairQueue:
+    def __init__(self) -> None:
+        self.queues: dict[str | None, list[tuple[int, int, Sequence]]] = {}  # tenant -> sorted (prio, arrival, seq)
+        self.counters: dict[str | None, float] = {}
+        self.weights: dict[str | None, float] = {}
+        self.active: dict[str | None, int] = {}  # tenant -> running requests
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def __bool__(self) -> bool:
+        return any(self.queues.values())
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return any(entry[2] is seq for entry in self.queues.get(seq.tenant, ()))
+
+    def set_weight(self, tenant: str | None, weight: float) -> None:
+        assert weight > 0
+        self.weights[tenant] = weight
+
+    def push(self, seq: Sequence) -> None:
+        tenant = seq.tenant
+        if not self.queues.get(tenant) and not self.active.get(tenant):
+            self._lift(tenant)
+        bisect.insort(self.queues.setdefault(tenant, []), (seq.priority, seq.arrival, seq), key=_order)
+
+    def remove(self, seq: Sequence) -> None:
+        q = self.queues[seq.tenant]
+        q.pop(next(i for i, entry in enumerate(q) if entry[2] is seq))
+
+    def ordered(self) -> Iterator[Sequence]:
+        """Waiting sequences in the order to admit them, as if each were admitted in turn.
+
+        A heap over tenants keeps each step O(log tenants), so thousands of tenants stay cheap.
+        """
+        # (projected counter, tie-break by name, unique index so tenants never compare, tenant, head)
+        heap = [(self.counters.get(t, 0.0), str(t), i, t, 0) for i, (t, q) in enumerate(self.queues.items()) if q]
+        heapq.heapify(heap)
+        while heap:
+            projected, key, i, tenant, head = heapq.heappop(heap)
+            queue = self.queues[tenant]
+            seq = queue[head][2]
+            yield seq
+            if head + 1 < len(queue):
+                cost = seq.num_prompt_tokens * PROMPT_TOKEN_COST / self.weights.get(tenant, 1.0)
+                heapq.heappush(heap, (projected + cost, key, i, tenant, head + 1))
+
+    def admitted(self, seq: Sequence) -> None:
+        """`seq` left the queue to run: charge its (uncached) prompt."""
+        self.remove(seq)
+        self.started_running(seq)
+        self.charge(seq.tenant, seq.num_pending_tokens * PROMPT_TOKEN_COST)
+
+    def started_running(self, seq: Sequence) -> None:
+        """`seq` runs: admitted, or forked from a sibling (which charged the shared prompt once)."""
+        self.active[seq.tenant] = self.active.get(seq.tenant, 0) + 1
+
+    def stopped_running(self, seq: Sequence) -> None:
+        self.active[seq.tenant] -= 1
+        if not self.active[seq.tenant]:
+            del self.active[seq.tenant]
+
+    def charge_output(self, seq: Sequence, tokens: int = 1) -> None:
+        """Every choice's tokens count: n choices cost n times the decoding."""
+        self.charge(seq.tenant, tokens * OUTPUT_TOKEN_COST)
+
+    def charge(self, tenant: str | None, cost: float) -> None:
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
+
+    def shares(self, demands: dict[str | None, float], total: float) -> dict[str | None, float]:
+        """`total` (one step's prefill budget) split between the tenants with `demands` on it by weighted
+        max-min fair share: each gets its weight's part, and what a tenant needs less of goes to the
+        others in the same proportions."""
+        shares: dict[str | None, float] = {}
+        left = total
+        pending = sorted(demands, key=lambda t: demands[t] / self.weights.get(t, 1.0))
+        weight = sum(self.weights.get(t, 1.0) for t in pending)
+        for tenant in pending:  # smallest demand per weight first: it is the one that may leave some over
+            w = self.weights.get(tenant, 1.0)
+            shares[tenant] = min(demands[tenant], left * w / weight)
+            left -= shares[tenant]
+            weight -= w
+        return shares
+
+    def _lift(self, tenant: str | None) -> None:
+        others = [self.counters.get(t, 0.0) for t in set(self.active) | {t for t, q in self.queues.items() if q}]
+        if others:
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(others))
+
+
+def _order(entry: tuple[int, int, Sequence]) -> tuple[int, int]:
+    return entry[0], entry[1]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    attention_per_position: float = 0.0  # one query token attending one earlier position
+    logits_row: float = 0.0  # one prompt position's logits (lm_head), for its prompt logprobs
+    # Every layer windowed (ModelConfig.kv_window): a token attends at most this many positions.
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.attention_per_position >= 0 and self.logits_row >= 0
+
+    @classmethod
+    def of(cls, mcfg: ModelConfig) -> StepCost:
+        q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+        per_layer = mcfg.hidden_size * (2 * q + 2 * kv + 3 * mcfg.intermediate_size)  # q, k, v, o, gate/up/down
+        return cls(attention_per_position=2 * q / per_layer,  # QK^T and PV, per layer like the projections
+                   logits_row=mcfg.hidden_size * mcfg.vocab_size / (mcfg.num_layers * per_layer),
+                   window=mcfg.kv_window)
+
+    @property
+    def plain(self) -> bool:
+        return not (self.attention_per_position or self.logits_row)
+
+    def chunk(self, seq: Sequence, start: int, n: int) -> float:
+        """Cost of computing `seq`'s tokens start..start+n."""
+        if self.plain:
+            return float(n)
+        attended = _attended(start + 1, start + n, self.window)  # token i attends start + i + 1 positions
+        lo, hi = prompt_logprob_span(seq, start, n)
+        return n + self.attention_per_position * attended + self.logits_row * max(0, hi - lo)
+
+    def fit(self, seq: Sequence, start: int, most: int, allowance: float) -> int:
+        """The most tokens (<= `most`) of `seq` from `start` whose chunk costs at most `allowance`."""
+        allowance += SLACK  # shares are float splits of an integer cap: 7.999999 tokens is 8
+        if self.plain:
+            return max(0, min(most, int(allowance)))
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.chunk(seq, start, mid) <= allowance:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+PLAIN = StepCost()
+SLACK = 1e-6
+
+
+def _attended(lo: int, hi: int, window: int | None) -> float:
+    """sum of min(p, window) over p = lo..hi: the positions queries lo-1..hi-1 attend."""
+    top = hi if window is None else min(hi, window)
+    below = (lo + top) * (top - lo + 1) / 2 if top >= lo else 0.0
+    return below + (0 if window is None else window * max(0, hi - max(lo - 1, window)))
+
+
+def prompt_logprob_span(seq: Sequence, start: int, n: int) -> tuple[int, int]:
+    """Prompt positions lo..hi among start..start+n whose logits give prompt logprobs still owed (each
+    position's logits give the next token's); lo >= hi when none."""
+    owed = seq.group.prompt_logprobs
+    if owed is None:
+        return 0, 0
+    return max(start, len(owed) - 1), min(start + n, seq.num_prompt_tokens - 1)
+
 
 # After this many steps blocked on an adapter slot, the head of the queue stops letting requests
 # of its own tenant, or of tenants above their share of the slots, join adapters already in a slot,
@@ -85,7 +316,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_prefill_tokens_while_decoding: int | None = None  # None: prompts may take the whole token budget
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
-    # What a prompt token costs against the cap while decoding (server.engine.step_cost); PLAIN: 1 each.
+    # What a prompt token costs against the cap while decoding (StepCost); PLAIN: 1 each.
     step_cost: StepCost = PLAIN
     # Every layer windowed (ModelConfig.kv_window): blocks wholly behind a sequence's window go back to
     # the pool before each step. None: a sequence keeps all its blocks.

@@ -1,6 +1,6 @@
 """How often each token occurs in a choice's output, kept up to date a token at a time.
 
-The penalties (server.engine.penalties) read a penalised choice's output counts every step. Rebuilt
+The penalties (server.engine.sampler) read a penalised choice's output counts every step. Rebuilt
 from the whole output each step, one request with a long output made every step of the batch, and
 so every neighbour's next token, pay for its whole history again (and a repetition penalty for its
 whole prompt). Counted incrementally, each output token is counted once over the choice's life, and

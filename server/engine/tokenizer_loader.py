@@ -8,6 +8,9 @@ calls `TokenizersBackend`), AutoTokenizer ends in that same class for llama and 
 builds Qwen2Tokenizer instead), so for those it is built directly.
 Anything else (no `tokenizer.json`, a model-specific class, a remote-code `auto_map`, another model
 type) goes through AutoTokenizer as before. Importing AutoTokenizer's module alone costs ~3 s.
+
+Also here: GPT-2's byte-level alphabet (bytes_to_unicode), read by the engine's detokenizer and the
+front end's token text.
 """
 from __future__ import annotations
 
@@ -55,3 +58,16 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the ByteLevel alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars)))

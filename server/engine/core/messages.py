@@ -16,7 +16,7 @@ import msgspec
 
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.snapshot import EngineSnapshot
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 STATS_INTERVAL_S = 0.25
 

@@ -1,4 +1,5 @@
-"""Preallocated device slot buffers for LoRA weights, and which adapter sits in which slot.
+"""Preallocated device slot buffers for LoRA weights, which adapter sits in which slot (LoraSlots), and
+which of a request's tokens take its adapter's slot under an activated LoRA (adapter_from, token_slots).
 
 Every slot is sized for `max_lora_rank`; an adapter of smaller rank fills the
 leading rows and the rest stay zero. A slot is zero-filled before reuse so a
@@ -30,6 +31,24 @@ so a later host-tier load of the version reads them; the server has them
 computed when it accepts the version (server.engine.lora.dora_precompute, through
 the same hook), so even the first load reads them; on CUDA, where the base
 weights live on the device, they are computed as the adapter enters its slot.
+
+Activated LoRA in the engine (adapter_from, token_slots, base_blocks): which of a request's tokens run
+with its adapter, and which KV is the base's.
+
+A request's *activation point* (`SequenceGroup.adapter_from`) is the first
+position its adapter applies to: 0 for a plain LoRA (and irrelevant for the
+base model), the start of the invocation sequence's last occurrence in the
+prompt for an aLoRA, NOT_INVOKED when the prompt lacks it (PEFT's rule,
+adapters.activation). It is found when the request is admitted, the adapter
+being in the host tier then, and depends on the prompt alone, so preemption
+and forks keep it.
+
+Tokens before the point take the no-adapter slot (-1): they run as base-model
+rows in the same batch, whatever chunk they fall in. KV blocks wholly before
+it are the base model's, and the prefix cache keys them so
+(server.engine.block_manager); blocks from it on are the adapter's, keyed on
+its version *and* the point, since the same tokens with the adapter switched
+on elsewhere give other K/V.
 """
 from __future__ import annotations
 
@@ -37,16 +56,20 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Sequence
 from weakref import WeakKeyDictionary
 
 import torch
 
+from adapters.activation import activation_start, invocation_tokens
+from adapters.format import LoraAdapter
 from adapters.packed import PackedLoraAdapter
 from server.engine.lora.dora_scale_cache import DoraScaleCache, ScaleStore
 from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.expert_buffers import expert_target
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.vocab_parts import VocabParts
+
 
 # Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
 # rank_pattern adapters), so the cache stays bounded.
@@ -501,3 +524,23 @@ def _page_views(buffers: LoraGroupBuffers, i: int, pages: tuple[int, ...], rank:
         a.append(buffers.a[i, page, :rows])
         b.append(buffers.b[i][page, :, :rows])
     return a, b
+
+
+def adapter_from(adapter: LoraAdapter, prompt: Sequence[int]) -> int:
+    """The activation point of `prompt` under `adapter`: 0 unless it is an aLoRA."""
+    invocation = invocation_tokens(adapter.config)
+    return 0 if invocation is None else activation_start(invocation, prompt)
+
+
+def token_slots(slot: int, start: int, n: int, first_active: int) -> list[int]:
+    """The adapter slot of each of a sequence's tokens at positions start .. start+n-1 when its adapter
+    (in `slot`, -1: none) applies from position `first_active` on; -1 before it."""
+    if slot < 0 or first_active <= start:
+        return [slot] * n
+    base = min(n, first_active - start)
+    return [-1] * base + [slot] * (n - base)
+
+
+def base_blocks(first_active: int, block_size: int) -> int:
+    """How many leading full blocks hold only tokens before the activation point: the base model's KV."""
+    return first_active // block_size

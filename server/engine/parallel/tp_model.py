@@ -14,12 +14,11 @@ from dataclasses import replace
 import torch
 
 from server.engine.config import ModelConfig
-from server.engine.model import CausalLM, DecoderLayer, StepContext
+from server.engine.model import CausalLM, DecoderLayer, StepContext, Workspace
 from server.engine.parallel.collectives import Collectives
 from server.engine.parallel.sharded_lora import ShardedColumnLora, ShardedRowLora
 from server.engine.parallel.tp_group import TpGroup
 from server.engine.parallel.tp_layers import RowParallelLinear, column_parallel
-from server.engine.workspace import Workspace
 
 # The architectures this slice shards: Llama's layer (Mistral's and Qwen2's are the same projections).
 TP_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -11,7 +11,7 @@ from server.engine.protocol.outputs import OutputStream, RequestOutput, TokenLog
 from server.engine.protocol.request import EngineRequest
 from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot, EngineStats
-from server.engine.spec_decode_stats import SpecDecodeStats  # EngineStats.speculative's type
+from server.engine.scheduler import SpecDecodeStats  # EngineStats.speculative's type
 
 __all__ = ["AdapterTiers", "EngineClient", "EngineDeadError", "EngineInfo", "EngineRequest", "EngineSnapshot",
            "EngineStats", "LoadTimes", "OutputStream", "RequestError", "RequestOutput", "SpecDecodeStats",

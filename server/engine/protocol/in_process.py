@@ -8,10 +8,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from server.engine.adapter_residency import adapter_tiers, held_versions, residency, take_load_times
-from server.engine.async_engine import AsyncEngine
-from server.engine.core.commands import nap
-from server.engine.request_stream import RequestStream
+from server.engine.async_engine import AsyncEngine, RequestStream
 from server.engine.config import EngineConfig
+from server.engine.core.commands import nap
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.protocol.client import EngineClient

@@ -50,6 +50,7 @@ from server.engine.core.launch import CoreLaunch
 from server.engine.core.launcher import spawn_core
 from server.engine.core.messages import (Abort, Accepted, Command, CoreMessage, Fatal, Hello, Outputs, Ready, Reply,
                                          Stats, Submit)
+from server.engine.async_engine import RequestStream, Sink, dispatch
 from server.engine.engine_stats import EngineStats
 from server.engine.grammar import Grammars
 from server.engine.grammar_worker import GrammarCompileService
@@ -58,7 +59,6 @@ from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.request import EngineRequest
 from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot
-from server.engine.request_stream import RequestStream, Sink, dispatch
 from server.engine.tokenizer_loader import load_tokenizer
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 
 @dataclass(frozen=True)

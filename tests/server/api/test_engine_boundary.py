@@ -14,8 +14,8 @@ API_DIR = ROOT_DIR / "server" / "api"
 # compiling (front-end work). The engine's config and its client (in-process or an engine core's) are
 # built outside it (server.engine_settings, server.engine_mode).
 ALLOWED_MODULES = {
-    "server.engine.protocol", "server.engine.sampling_params",
-    "server.engine.structured_outputs", "server.engine.tokenizer_loader", "server.engine.detokenizer",
+    "server.engine.protocol",
+    "server.engine.structured_outputs", "server.engine.tokenizer_loader",
     "server.engine.grammar", "server.engine.grammar_worker",
 }
 # Names the front end may take from the server.engine package itself.

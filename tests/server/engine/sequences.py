@@ -1,6 +1,5 @@
 """Requests as the engine queues them, for tests of the scheduler and its parts (no model, no tokenizer)."""
-from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import Sequence, SequenceGroup
+from server.engine.sequence import SamplingParams, Sequence, SequenceGroup
 
 
 def request(prompt: list[int], arrival: int, *, tenant: str | None = None, version: str | None = None,

@@ -1,4 +1,4 @@
-"""The detokenizer's id -> bytes table (server.engine.detokenizer) for byte-level vocabularies: each
+"""The detokenizer's id -> bytes table (server.engine.output_processor) for byte-level vocabularies: each
 entry is the bytes its piece's byte-level characters stand for, and a vocabulary with a piece that is
 not byte-level (a raw space, a character outside the alphabet) gets no table (decode() is used)."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from server.engine.detokenizer import IncrementalDetokenizer, bytes_to_unicode
+from server.engine.output_processor import IncrementalDetokenizer
+from server.engine.tokenizer_loader import bytes_to_unicode
 
 pytestmark = pytest.mark.unit
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from server.engine import LLM, SamplingParams
-from server.engine.penalties import LogitsProcessors, apply_logit_bias, apply_penalties, mask_tokens
-from server.engine.sampler import sample_rows
+from server.engine.sampler import (LogitsProcessors, apply_logit_bias, apply_penalties, mask_tokens, sample_rows,
+                                   sampling_probs)
 from server.engine.sampling_row import SamplingRow
-from server.engine.truncation import sampling_probs
 from tests.engine_helpers import random_prompts
 
 pytestmark = pytest.mark.unit
@@ -207,12 +206,12 @@ def test_temperature_top_k_top_p_min_p_match_their_definitions(candidates):
 
 
 def test_draws_follow_the_truncated_distribution(monkeypatch):
-    import server.engine.truncation as truncation
+    import server.engine.sampler as sampler
 
-    monkeypatch.setattr(truncation, "CANDIDATES", (4, 12))
+    monkeypatch.setattr(sampler, "CANDIDATES", (4, 12))
     logits, _, _ = random_case(4, rows=len(TRUNCATED), vocab=64)
     logits = logits / 3  # flatter: many tokens in play
-    widths = sorted(g.weights.shape[1] for g in truncation.truncate(logits, TRUNCATED) if g.token_ids is not None)
+    widths = sorted(g.weights.shape[1] for g in sampler.truncate(logits, TRUNCATED) if g.token_ids is not None)
     assert set(widths) == {4, 12, 64}  # every width taken: 4 and 12 candidates, and all 64 tokens
     expected = sampling_probs(logits, TRUNCATED)
     expected = expected / expected.sum(dim=-1, keepdim=True)
@@ -228,7 +227,7 @@ def test_draws_follow_the_truncated_distribution(monkeypatch):
               for p in TRUNCATED for s in range(20)]
     wide = logits.repeat_interleave(20, dim=0)
     narrow = sample_rows(wide, seeded, torch.Generator()).tokens
-    monkeypatch.setattr(truncation, "CANDIDATES", (64,))
+    monkeypatch.setattr(sampler, "CANDIDATES", (64,))
     assert sample_rows(wide, seeded, torch.Generator()).tokens == narrow
 
 

@@ -108,7 +108,7 @@ def test_stream_text_is_incremental_and_multibyte_whole(llm):
 
 
 def test_window_detokenizer_agrees_with_byte_table(llm):
-    from server.engine.detokenizer import IncrementalDetokenizer
+    from server.engine.output_processor import IncrementalDetokenizer
 
     tok = llm.tokenizer
     window = IncrementalDetokenizer(tok)

@@ -13,8 +13,7 @@ import torch
 
 from server.demo import SEVEN, make_adapter, make_base_model
 from server.engine import LLM, SamplingParams
-from server.engine.block_manager import FREED
-from server.engine.prefix_cache import PrefixCache
+from server.engine.block_manager import FREED, PrefixCache
 from tests.engine_helpers import (
     GREEDY, assert_matches_peft, drive, generate_through_preemption_and_prefix_hits, random_prompts)
 from tests.server.engine.test_engine_architectures import reference

@@ -8,12 +8,11 @@ import pytest
 
 from adapters.host_tier import HostTierSnapshot
 from server.engine.async_step import AsyncStats
-from server.engine.block_manager import KvBlockStats
+from server.engine.block_manager import KvBlockStats, PrefixCacheStats
 from server.engine.decode_graphs import DecodeGraphStats
 from server.engine.engine_stats import FLAT_NAMES, EngineStats
 from server.engine.grammar import GrammarStats
 from server.engine.lora.slots import SlotStats
-from server.engine.prefix_cache import PrefixCacheStats
 from server.engine.scheduler import SchedulerStats
 
 pytestmark = pytest.mark.unit

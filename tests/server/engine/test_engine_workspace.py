@@ -1,7 +1,7 @@
 """The forward writes its projections into the model's preallocated workspace instead of new tensors.
 
 Why it matters: on CPU, glibc serves blocks over 32 MB from fresh mmaps, so a prefill-sized output
-allocated per layer page-faults on every layer (server/engine/workspace.py). Correctness with the
+allocated per layer page-faults on every layer (server/engine/model.py, Workspace). Correctness with the
 reused buffers is the PEFT parity suite's; this checks the allocations themselves.
 """
 from __future__ import annotations

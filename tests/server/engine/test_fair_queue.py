@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.engine.fair_queue import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairQueue
+from server.engine.scheduler import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairQueue
 from tests.server.engine.sequences import request
 
 pytestmark = pytest.mark.unit

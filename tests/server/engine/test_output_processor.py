@@ -6,15 +6,12 @@ import pytest
 
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
-from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.lora.slots import LoraSlots
 from server.engine.model_runner import SeqResult
-from server.engine.output_processor import OutputProcessor
+from server.engine.output_processor import IncrementalDetokenizer, OutputProcessor, StopChecker
 from server.engine.sampler import SampleFailure
-from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerConfig
-from server.engine.sequence import RequestOutput, Sequence, SequenceGroup
-from server.engine.stop import StopChecker
+from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from server.engine.tokenizer_loader import load_tokenizer
 
 pytestmark = pytest.mark.unit

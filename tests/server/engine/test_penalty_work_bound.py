@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from server.engine.model_runner import _add_rows
-from server.engine.penalties import LogitsProcessors
-from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import Sequence
+from server.engine.sampler import LogitsProcessors
+from server.engine.sequence import SamplingParams, Sequence
 from tests.server.engine.test_engine_openai_sampling import reference_penalties
 
 pytestmark = pytest.mark.unit

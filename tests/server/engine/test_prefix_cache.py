@@ -2,8 +2,7 @@
 import itertools
 
 import pytest
-from server.engine.block_manager import BlockManager
-from server.engine.prefix_cache import PrefixCache
+from server.engine.block_manager import BlockManager, PrefixCache
 from server.engine.sequence import Sequence
 from tests.server.engine.sequences import request
 

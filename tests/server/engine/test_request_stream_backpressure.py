@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from server.engine.async_engine import RequestStream, Sink, dispatch
 from server.engine.protocol.errors import EngineDeadError
-from server.engine.request_stream import RequestStream, Sink, dispatch
 from server.engine.sequence import RequestOutput
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.engine.sampler import SamplingRow, sample_rows
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.unit
 

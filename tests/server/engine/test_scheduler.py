@@ -17,9 +17,8 @@ from adapters.format import LoraAdapter, LoraWeights
 from adapters.host_tier import HostTier
 from server.engine.block_manager import FREED, BlockManager
 from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
-from server.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from server.engine.scheduler import PLAIN, ScheduledBatch, Scheduler, SchedulerConfig, StepCost
 from server.engine.sequence import Sequence, SequenceStatus
-from server.engine.step_cost import PLAIN, StepCost
 from tests.server.engine.sequences import request
 
 pytestmark = pytest.mark.unit

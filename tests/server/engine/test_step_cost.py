@@ -1,7 +1,7 @@
 """StepCost's attention term: every earlier position, or at most the window where every layer has one."""
 import pytest
 
-from server.engine.step_cost import StepCost
+from server.engine.scheduler import StepCost
 from tests.server.engine.sequences import request
 
 pytestmark = pytest.mark.unit

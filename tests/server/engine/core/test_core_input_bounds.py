@@ -18,7 +18,7 @@ from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
 from server.engine.protocol.remote import RemoteEngineClient
 from server.engine.protocol.request import EngineRequest
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 LIMIT = 1 << 20
 
