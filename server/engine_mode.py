@@ -16,7 +16,7 @@ from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
 from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
 from server.engine.protocol.client import EngineClient
-from server.engine.protocol.in_process import InProcessEngineClient
+from server.engine.async_engine import InProcessEngineClient
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
 
 

@@ -1,6 +1,6 @@
 """The typed engine protocol: what the front end sends the engine and what comes back.
 
-EngineClient is the whole interface; InProcessEngineClient (server.engine.protocol.in_process) runs
+EngineClient is the whole interface; InProcessEngineClient (server.engine.async_engine) runs
 it over the step loop in this process. Import that one from its module: this package's names are the
 messages, which carry no engine internals.
 """
