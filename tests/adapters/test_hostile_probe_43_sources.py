@@ -5,6 +5,7 @@ operator's policy when registered and counted with uploads (7)."""
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 
@@ -156,3 +157,25 @@ def test_uploads_count_lazy_references_toward_max_adapters(server, tiny_adapters
     refused = server.upload(token, "uploaded", tiny_adapters["r8_all"])
     assert refused.status_code == 403 and "max_adapters" in refused.text, refused.text
     assert server.upload(token, "lazy", tiny_adapters["r8_all"], replace=True).status_code == 201
+
+
+def test_concurrent_registrations_cannot_pass_max_adapters(server, tiny_adapters):
+    # Each registration's room check and its write were separate Redis calls: a burst of lazy
+    # references (no bytes to send) all saw room and all stayed, far past max_adapters.
+    name, token = server.new_tenant(quota={"max_adapters": 2})
+    statuses: list[int] = []
+
+    def register(i: int) -> None:
+        with server.http(token) as h:
+            statuses.append(h.post("/v1/adapters", json={"name": f"burst{i}", "source": "r4_qv"}).status_code)
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(statuses) == [201, 201] + [403] * 10, statuses
+    assert _reference_count(server, name) == 2
+    # An upload racing nothing still sees the references: no room.
+    refused = server.upload(token, "uploaded", tiny_adapters["r8_all"])
+    assert refused.status_code == 403 and "max_adapters" in refused.text, refused.text
