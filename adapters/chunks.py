@@ -48,6 +48,11 @@ class RegistryKeys:
         # that versions before tenant ids kept by tenant name (names have no ':').
         return f"{self.prefix}ad:idx:t:{tenant_id}"
 
+    def references(self, tenant_id: str) -> str:
+        """The tenant's adapters by reference (adapters.references): counted with the index
+        toward max_adapters, in the same Lua scripts."""
+        return f"{self.prefix}adapter-refs:{tenant_id}"
+
     def legacy_index(self, tenant_name: str) -> str:
         return f"{self.prefix}ad:idx:{tenant_name}"
 

@@ -8,6 +8,9 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from adapters.chunks import RegistryKeys
+from adapters.registry_scripts import _PUT_REFERENCE_LUA
+
 
 @dataclass(frozen=True)
 class AdapterReference:
@@ -27,15 +30,25 @@ def _text(value) -> str:
 class ReferenceStore:
     def __init__(self, redis, prefix: str = "lp:") -> None:
         self._redis = redis
-        self._prefix = prefix
+        self._keys = RegistryKeys(prefix)
+        self._put_within = redis.register_script(_PUT_REFERENCE_LUA)
 
     def _key(self, owner: str) -> str:
-        return f"{self._prefix}adapter-refs:{owner}"
+        return self._keys.references(owner)
 
     def put(self, owner: str, name: str, source: str, sha256: str | None = None) -> AdapterReference:
         ref = AdapterReference(name, source, time.time(), sha256)
         self._redis.hset(self._key(owner), name, json.dumps(asdict(ref)))
         return ref
+
+    def put_within(self, owner: str, name: str, source: str, max_adapters: int) -> AdapterReference | None:
+        """put, unless `name` is new to `owner` and its names (stored in the registry or referenced
+        here, each counted once) already number `max_adapters`: then None and nothing written. One
+        Lua script, so concurrent registrations cannot all see room."""
+        ref = AdapterReference(name, source, time.time())
+        written = self._put_within(keys=[self._key(owner), self._keys.index(owner)],
+                                   args=[name, json.dumps(asdict(ref)), max_adapters])
+        return ref if int(written) else None
 
     def restore(self, owner: str, ref: AdapterReference) -> None:
         """Put back a reference as it was (a replacement whose fetch failed)."""

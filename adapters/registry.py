@@ -313,7 +313,8 @@ class AdapterRegistry:
                     max_adapters: int | None, fields: dict, counts: Counter) -> list:
         return self._commit(
             keys=[self._keys.index(record.tenant), self._keys.version(record.version),
-                  self._keys.retired, self._keys.tombstone(record.tenant)],
+                  self._keys.retired, self._keys.tombstone(record.tenant),
+                  self._keys.references(record.tenant)],
             args=[repr(record.created_at), record.name, record.version, int(replace),
                   -1 if max_adapters is None else max_adapters,
                   self._keys.version_prefix, self._keys.chunk_prefix,

@@ -25,11 +25,24 @@ How each failure point of ``put`` is covered:
      the upload: the commit finds the tenant's tombstone and writes nothing.
 """
 
-# KEYS: idx, new version record, retired zset, the tenant's tombstone.
+# A tenant's names toward max_adapters: its index's, and its references' that are not in the index.
+_HELD_NAMES_LUA = """
+local function held_names(idx, refs)
+  local n = redis.call('HLEN', idx)
+  for _, ref in ipairs(redis.call('HKEYS', refs)) do
+    if redis.call('HEXISTS', idx, ref) == 0 then n = n + 1 end
+  end
+  return n
+end
+"""
+
+# KEYS: idx, new version record, retired zset, the tenant's tombstone, its references hash
+#       (names registered by reference count toward max_adapters with the index's; a reference's
+#       own name is already counted).
 # ARGV: now, name, version, replace(0/1), max_adapters(-1 = none),
 #       version prefix, chunk prefix, stage prefix, channel,
 #       record fields (JSON object of strings), chunk counts (JSON object).
-_COMMIT_LUA = """
+_COMMIT_LUA = _HELD_NAMES_LUA + """
 local idx, ver_key, retired = KEYS[1], KEYS[2], KEYS[3]
 local now, name, version = ARGV[1], ARGV[2], ARGV[3]
 local replace, max_adapters = ARGV[4] == '1', tonumber(ARGV[5])
@@ -38,8 +51,9 @@ local rec, counts = cjson.decode(ARGV[10]), cjson.decode(ARGV[11])
 if redis.call('EXISTS', KEYS[4]) == 1 then return {'gone'} end
 local old = redis.call('HGET', idx, name)
 if old and not replace then return {'exists', old} end
-if (not old) and max_adapters >= 0 and redis.call('HLEN', idx) >= max_adapters then
-  return {'quota', tostring(redis.call('HLEN', idx))}
+if (not old) and max_adapters >= 0 and redis.call('HEXISTS', KEYS[5], name) == 0 then
+  local held = held_names(idx, KEYS[5])
+  if held >= max_adapters then return {'quota', tostring(held)} end
 end
 local missing = {'missing'}
 for d, _ in pairs(counts) do
@@ -163,5 +177,21 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local base = redis.call('HGET', KEYS[1], 'base')
 if base and base ~= '' then return 0 end
 redis.call('HSET', KEYS[1], 'base', ARGV[1])
+return 1
+"""
+
+
+# KEYS: the tenant's references hash, its registry index.
+# ARGV: name, reference JSON, max_adapters.
+# A new name is written only while the tenant's names (stored and referenced, counted once each) are
+# under max_adapters: checked and written in one step, so a burst of registrations cannot all pass.
+_PUT_REFERENCE_LUA = _HELD_NAMES_LUA + """
+local refs, idx = KEYS[1], KEYS[2]
+local name, max_adapters = ARGV[1], tonumber(ARGV[3])
+if redis.call('HEXISTS', refs, name) == 0 and redis.call('HEXISTS', idx, name) == 0 then
+  local held = held_names(idx, refs)
+  if held >= max_adapters then return 0 end
+end
+redis.call('HSET', refs, name, ARGV[2])
 return 1
 """

@@ -452,6 +452,19 @@ def prepare_model(config: ServerConfig) -> None:
     except ModelConfigError as e:
         raise ConfigError(f"--model: {e}") from None
     _check_speculative_model(config, resolved.model_dir)
+    _check_lora_module_sources(config)
+
+
+def _check_lora_module_sources(config: ServerConfig) -> None:
+    """--lora-modules sources parsed as a tenant's are (a malformed URL such as `http://[::1/`, an S3
+    key with dot segments), so a mistake is one line here, not a lifespan traceback."""
+    from adapters.sources import SourceError, parse_reference
+
+    for name, source in config.lora_modules:
+        try:
+            parse_reference(source)
+        except SourceError as e:
+            raise ConfigError(f"--lora-modules {name}: {e.message}") from None
 
 
 def _check_speculative_model(config: ServerConfig, model_dir: Path) -> None:

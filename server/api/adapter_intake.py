@@ -79,14 +79,18 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
 
 async def check_adapter_room(state: ServerState, owner: str, quota: Quota | None, name: str) -> None:
     """403 when `name` is new to `owner` and would take it past max_adapters: stored adapters and
-    references (lazy ones included) count together, by name. (The registry's own atomic check counts
-    stored versions only; this one sees the references too.)"""
+    references (lazy ones included) count together, by name. An early refusal before the work of
+    validating; the registry's commit (and ReferenceStore.put_within) count the same atomically."""
     if quota is None or quota.max_adapters is None:
         return
     if await run_in_threadpool(_holds_room_for, state, owner, name, quota.max_adapters):
         return
-    raise APIError(403, f"tenant already has the maximum of {quota.max_adapters} adapters; delete one "
-                        "or ask the operator for a higher max_adapters", "max_adapters")
+    raise no_adapter_room(quota.max_adapters)
+
+
+def no_adapter_room(max_adapters: int) -> APIError:
+    return APIError(403, f"tenant already has the maximum of {max_adapters} adapters; delete one "
+                         "or ask the operator for a higher max_adapters", "max_adapters")
 
 
 def _holds_room_for(state: ServerState, owner: str, name: str, limit: int) -> bool:

@@ -16,7 +16,7 @@ from adapters.sharing import OPERATOR_OWNER
 from adapters.sources import SourceError, SourcePolicy, SourceRef, fetch_adapter, parse_reference
 from adapters.sources.admission import admit_reference
 from adapters.sources.policy import operator_policy
-from server.api.adapter_intake import check_adapter_room, store_adapter
+from server.api.adapter_intake import no_adapter_room, store_adapter
 from server.api.base_identity import require_same_base, unavailable_reason
 from server.api.errors import APIError
 from server.api.fetch_flights import NEAR, REMOTE
@@ -91,9 +91,12 @@ async def register_reference(state: ServerState, owner: str, quota: Quota | None
     if exists and not replace:
         raise APIError(409, f"adapter '{name}' already exists; send replace=true (load_inplace) to replace it",
                        "adapter_exists")
-    if not exists:
-        await check_adapter_room(state, owner, quota, name)
-    stored = await run_in_threadpool(state.references.put, owner, name, source)
+    if exists or quota is None or quota.max_adapters is None:
+        stored = await run_in_threadpool(state.references.put, owner, name, source)
+    else:
+        stored = await run_in_threadpool(state.references.put_within, owner, name, source, quota.max_adapters)
+        if stored is None:
+            raise no_adapter_room(quota.max_adapters)
     if not prefetch:
         old = await run_in_threadpool(state.registry.delete, owner, name)
         if old is not None:  # the next use fetches the new reference

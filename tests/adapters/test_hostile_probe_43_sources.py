@@ -5,6 +5,7 @@ operator's policy when registered and counted with uploads (7)."""
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 
@@ -118,9 +119,10 @@ def _reference_count(server, name: str) -> int:
     return len(server.state.references.list(tenant_id))
 
 
-@pytest.mark.parametrize("source", ["http://[64:ff9b::7f00:1]/a/", "http://127.0.0.1:9/a/", "http://localhost/a/",
-                                    "http://192.0.0.8/a/", "http://[fe80::1]/a/", "s3://other-bucket/a",
-                                    "/etc"])
+@pytest.mark.parametrize("source", ["http://127.0.0.1:9/a/", "http://localhost/a/", "http://[fe80::1]/a/",
+                                    "http://2130706433/a/", "http://0x7f.1/a/", "s3://other-bucket/a", "/etc",
+                                    *(f"http://[{a}]/a/" for a in EMBEDDED.values()),
+                                    *(f"http://{a}/a/" for a in SPECIAL_V4)])
 def test_a_lazy_reference_the_policy_refuses_is_refused_at_registration(server, source):
     # finding 7: it was a 201, failing only on use
     name, token = server.new_tenant()
@@ -156,3 +158,25 @@ def test_uploads_count_lazy_references_toward_max_adapters(server, tiny_adapters
     refused = server.upload(token, "uploaded", tiny_adapters["r8_all"])
     assert refused.status_code == 403 and "max_adapters" in refused.text, refused.text
     assert server.upload(token, "lazy", tiny_adapters["r8_all"], replace=True).status_code == 201
+
+
+def test_concurrent_registrations_cannot_pass_max_adapters(server, tiny_adapters):
+    # Each registration's room check and its write were separate Redis calls: a burst of lazy
+    # references (no bytes to send) all saw room and all stayed, far past max_adapters.
+    name, token = server.new_tenant(quota={"max_adapters": 2})
+    statuses: list[int] = []
+
+    def register(i: int) -> None:
+        with server.http(token) as h:
+            statuses.append(h.post("/v1/adapters", json={"name": f"burst{i}", "source": "r4_qv"}).status_code)
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(statuses) == [201, 201] + [403] * 10, statuses
+    assert _reference_count(server, name) == 2
+    # An upload racing nothing still sees the references: no room.
+    refused = server.upload(token, "uploaded", tiny_adapters["r8_all"])
+    assert refused.status_code == 403 and "max_adapters" in refused.text, refused.text

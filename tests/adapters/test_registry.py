@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from adapters.references import AdapterReference, ReferenceStore
 from adapters.registry import (AdapterCorrupted, AdapterExists, AdapterNotFound,
                                AdapterQuotaExceeded, AdapterRecord, AdapterRegistry)
 
@@ -268,6 +269,21 @@ def test_max_adapters_holds_under_concurrency(reg, redis_client):
         for field in ("config_chunks", "weights_chunks"):
             expected |= set(json.loads(redis_client.hget(f"lp:ad:ver:{r.version}", field)))
     assert chunk_keys(redis_client) == sorted(f"lp:ad:chunk:{d}" for d in expected)
+
+
+def test_uploads_and_references_share_max_adapters_atomically(reg, redis_client):
+    # Issue 43: lazy references count toward max_adapters, and neither side's check can be raced.
+    refs = ReferenceStore(redis_client)
+    assert refs.put_within("acme", "lazy", "s3://b/x", max_adapters=2) is not None
+    reg.put("acme", "lazy", CONFIG, b"0", summary=Summary(), max_adapters=2)  # its fetch: same place
+    results = _race(8, lambda i: reg.put("acme", f"up{i}", CONFIG, payload(40 + i, 150), summary=Summary(),
+                                         max_adapters=2) if i % 2 else
+                    refs.put_within("acme", f"ref{i}", "s3://b/y", max_adapters=2))
+    won = [r for r in results if isinstance(r, (AdapterRecord, AdapterReference))]
+    assert len(won) == 1, results
+    names = {r.name for r in reg.list("acme")} | set(refs.list("acme"))
+    assert len(names) == 2, names
+    assert refs.put_within("acme", "lazy", "s3://b/z", max_adapters=2) is not None  # a replacement fits
 
 
 def test_concurrent_puts_of_one_name_have_one_winner(reg, redis_client):

@@ -1,6 +1,8 @@
 """Issue 43's hostile probe, finding 9: operator input. A GPTQ 8-bit or AWQ quantization_config was
 refused through a lifespan traceback, and a GPTQ 4-bit config over plain float weights started and
-served silently; each is now one `loraplex: error:` line from a real `loraplex serve`, exit status 2."""
+served silently; each is now one `loraplex: error:` line from a real `loraplex serve`, exit status 2.
+So is a malformed --lora-modules source (finding 5's URLs at the operator's entry point), which was a
+lifespan traceback."""
 from __future__ import annotations
 
 import json
@@ -16,7 +18,6 @@ from server.embedded_redis.server import free_port
 from server.engine import LLM
 from server.engine.config import ModelConfigError
 from tests.repo import ROOT_DIR as ROOT
-
 
 
 def _with_quantization(tiny_model_dir: Path, dest: Path, qc: dict) -> Path:
@@ -61,3 +62,12 @@ def test_the_offline_api_refuses_a_gptq_config_over_float_weights(tiny_model_dir
                                                                    "group_size": 32})
     with pytest.raises(ModelConfigError, match="not GPTQ"):
         LLM(model, device="cpu", kv_cache_blocks=16, max_model_len=64)
+
+
+@pytest.mark.parametrize("source", ["http://[::1/a/", "s3://[::1/x", "s3://bucket/a/../b", "https://h:99999/a/"])
+def test_a_malformed_lora_modules_source_is_one_line_at_start(tiny_model_dir, tmp_path, source):
+    done = _serve(tmp_path, tiny_model_dir, "--lora-modules", f"bad={source}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("loraplex: error: --lora-modules bad: adapter source "), \
+        done.stderr

@@ -8,6 +8,7 @@ import pytest
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
 CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+P = {"a": {"type": "integer"}, "b": {"type": "integer"}}
 MUTUAL = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 
 
@@ -50,6 +51,17 @@ def test_unsatisfiable_constraints_are_400s_at_compile(server, key, field, value
     ({"type": "object", "properties": {"a": {"type": "integer", "not": {"minimum": 3}}}}, "not"),
     ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, "if"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    # The audit's finds: each passed a value the schema refuses.
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains"),
+    ({"type": "object", "properties": P, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "object", "properties": P, "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas"),
+    ({"type": "object", "properties": P, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "required"),
+    ({"type": "object", "properties": P, "required": ["z"]}, "'z'"),
+    ({"$ref": "https://example.com/schema.json"}, "$ref"),
+    ({"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "$ref"),
+    ({"type": "string", "enum": [1, "a"]}, "type"),
+    ({"oneOf": [{"type": "integer"}, {"type": "integer", "minimum": 0}]}, "oneOf"),
 ])
 def test_unenforced_keywords_are_refused_by_name(server, key, schema, keyword):
     r = _post(server, key, structured_outputs={"json": schema})
@@ -61,5 +73,23 @@ def test_unenforced_keywords_are_refused_by_name(server, key, schema, keyword):
 def test_a_property_named_like_a_keyword_is_not_a_keyword(server, key):
     schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": [1]}},
               "required": ["not", "if"], "additionalProperties": False}
+    r = _post(server, key, structured_outputs={"json": schema}, max_tokens=40)
+    assert r.status_code == 200, r.text
+
+
+def _pet(kind: str, field: str) -> dict:
+    return {"properties": {"t": {"const": kind, "type": "string"}, field: {"type": "integer"}},
+            "required": ["t", field], "type": "object"}
+
+
+@pytest.mark.parametrize("schema", [
+    {"oneOf": [{"type": "integer"}, {"type": "string"}]},  # disjoint by type
+    {"$defs": {"Cat": _pet("cat", "m"), "Dog": _pet("dog", "b")}, "type": "object", "required": ["pet"],
+     "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                            "discriminator": {"propertyName": "t"}}}},  # pydantic's discriminated union
+    {"type": "integer", "multipleOf": 3},
+    {"type": ["string", "null"], "enum": ["a", None]},
+])
+def test_what_is_enforced_still_compiles(server, key, schema):
     r = _post(server, key, structured_outputs={"json": schema}, max_tokens=40)
     assert r.status_code == 200, r.text
