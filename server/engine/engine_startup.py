@@ -127,8 +127,8 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
         spec.model, draft_cfg, dtype, device, max_len, max(config.max_num_batched_tokens, config.max_num_seqs))
     kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype, draft_cfg, unified)
     # Unified, a sequence is sized against the KV share: adapters in use may hold the rest.
-    context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks if unified is None else unified.kv_share,
-                                   config.block_size,
+    kv_blocks = kv_pool.blocks if unified is None else unified.kv_share
+    context = choose_max_model_len(config.max_model_len, limit, kv_blocks, config.block_size,
                                    partial(sequence_blocks, block_size=config.block_size, window=mcfg.kv_window,
                                            chunk=config.max_num_batched_tokens))
     max_model_len = context.max_model_len
