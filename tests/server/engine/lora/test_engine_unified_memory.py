@@ -75,10 +75,12 @@ def test_mixed_ranks_through_churn_in_one_pool_match_peft(tiny_model_dir, tiny_a
     engine.shutdown()
 
 
+@pytest.mark.parametrize("pin_idle", [False, True])
 def test_kv_growth_evicts_idle_adapters_before_preempting_and_never_one_in_use(tiny_model_dir, tiny_adapters,
-                                                                               tmp_path):
+                                                                               tmp_path, pin_idle):
     """40 units: an idle rank-16 adapter (16 units), a busy one (16) and 8 free. Base requests growing past
-    the free units take the idle adapter's pages first; past those they preempt, and the busy adapter stays."""
+    the free units take the idle adapter's pages first; past those they preempt, and the busy adapter stays.
+    Pinned, the idle adapter stays too: the requests preempt instead."""
     dirs = {n: write_adapter(tiny_adapters["r8_all"], tmp_path / n, 16, seed=s) for n, s in (("idle", 1), ("busy", 2))}
     engine = unified_engine(tiny_model_dir, kv_cache_blocks=8)
     for name, d in dirs.items():
@@ -88,6 +90,8 @@ def test_kv_growth_evicts_idle_adapters_before_preempting_and_never_one_in_use(t
     slots = engine.lora_slots
     assert len(slots.slot_of) == 1 and not slots.users
     idle_version = next(iter(slots.slot_of))
+    if pin_idle:
+        assert engine.pin_adapter(idle_version, None)
     prompts = random_prompts(4, (40, 40), VOCAB, seed=2)
     engine.add_request("busy", prompts[0][:10], greedy(100), "busy")
     for i, prompt in enumerate(prompts[1:]):
@@ -103,8 +107,11 @@ def test_kv_growth_evicts_idle_adapters_before_preempting_and_never_one_in_use(t
 
     final = drive(engine, check)
     first_preemption = next(i for i, (_, p) in enumerate(seen) if p)
-    assert any(not resident for resident, p in seen if p == 0)  # evicted while nobody was preempted yet
-    assert not any(resident for resident, _ in seen[first_preemption:])
+    if pin_idle:
+        assert all(resident for resident, _ in seen)  # (the busy adapter may go once its request is done)
+    else:
+        assert any(not resident for resident, p in seen if p == 0)  # evicted while nobody was preempted yet
+        assert not any(resident for resident, _ in seen[first_preemption:])
     oracle = PeftMultiOracle(tiny_model_dir)
     assert final["busy"].token_ids == oracle(dirs["busy"], "busy", prompts[0][:10], 100)
     for i, prompt in enumerate(prompts[1:]):
