@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adapter memory by rank: pages of this many rank rows (a power of two dividing "
                         "--max-lora-rank), an adapter holding as many as its rank needs, in --max-loras slots' "
                         "worth of memory; default off: one --max-lora-rank slot per adapter")
+    s.add_argument("--unified-memory", action="store_true",
+                   help="KV blocks and adapter pages from one pool (needs --lora-page-rows; CPU devices): KV "
+                        "growth evicts idle adapters before preempting, an adapter load may preempt newer "
+                        "requests; the KV and --max-loras budgets become the pool's shares; default off")
     s.add_argument("--pin-adapter", action="append", metavar="[TENANT/]NAME",
                    help="keep this adapter on the device once loaded, never evicted (repeatable; TENANT as "
                         "for --adapter); at most --max-pinned-adapters-per-tenant per tenant (default none)")

@@ -131,6 +131,7 @@ class ServerConfig:
     max_loras: int | None = 8  # None: --max-loras auto (server.engine.lora.slot_budget)
     max_lora_rank: int = 64
     lora_page_rows: int | None = None  # --lora-page-rows: adapter memory in pages of rank rows; None: slots
+    unified_memory: bool = False  # --unified-memory: KV blocks and adapter pages from one pool
     pin_adapters: tuple[tuple[str | None, str], ...] = ()  # --pin-adapter: (tenant or None: the default owner, name)
     max_pinned_adapters_per_tenant: int = 4
     max_model_len: int | None = None
@@ -237,6 +238,9 @@ class ServerConfig:
         if rows is not None and (rows < 1 or rows & (rows - 1) or self.max_lora_rank % rows):
             raise ConfigError(f"--lora-page-rows must be a power of two dividing --max-lora-rank "
                               f"({self.max_lora_rank}), got {rows}")
+        if self.unified_memory and rows is None:
+            raise ConfigError("--unified-memory needs --lora-page-rows: adapter pages are what shares the pool "
+                              "with the KV blocks")
         if self.max_pinned_adapters_per_tenant < 0:
             raise ConfigError("--max-pinned-adapters-per-tenant must be >= 0")
         owners = Counter(tenant for tenant, _ in set(self.pin_adapters))
@@ -416,6 +420,7 @@ class ServerConfig:
             adapters=tuple(parse_adapter_flag(a) for a in args.adapter or ()),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
             lora_page_rows=getattr(args, "lora_page_rows", None),
+            unified_memory=getattr(args, "unified_memory", False),
             pin_adapters=tuple(parse_pin_flag(a) for a in getattr(args, "pin_adapter", None) or ()),
             max_pinned_adapters_per_tenant=getattr(args, "max_pinned_adapters_per_tenant", 4),
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

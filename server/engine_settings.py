@@ -26,6 +26,7 @@ def engine_config(config: ServerConfig, model_dir: str, shape: ModelShape) -> En
     engine = EngineConfig(
         model=model_dir, device=config.device, dtype=config.dtype,
         max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, lora_page_rows=config.lora_page_rows,
+        unified_memory=config.unified_memory,
         max_pinned_adapters_per_tenant=config.max_pinned_adapters_per_tenant,
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

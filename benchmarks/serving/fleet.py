@@ -4,7 +4,8 @@
 1,000 distinct adapters (benchmarks.serving.fleet_adapters: ranks drawn from {8, 16, 32, 64, 128}),
 loaded on demand through the engine's adapter source into a host tier of --host-share of the fleet's
 bytes, and from there into the device's adapter memory: today's slots of --max-lora-rank rows, and
-pages of --page-rows rank rows (--lora-page-rows), both --max-loras slots' worth of bytes. Requests:
+pages of --page-rows rank rows (--lora-page-rows), both --max-loras slots' worth of bytes (with
+--unified-memory the pages' runs share one pool with the KV blocks: mode "unified"). Requests:
 Zipf(1.0) over the fleet (adapter k drawn with weight 1/(k+1)), prompts and outputs of --prompt-len
 and --output-len tokens, --concurrency streams kept in flight (closed loop: the next request is sent
 as one finishes; server.bench.engine_target), measured over a window after a warm-up. The 8-adapter
@@ -49,7 +50,9 @@ from server.bench.metrics import percentile, window_summary
 from server.bench.workload import BenchRequest, adapter_name, tenant_of_adapter
 from server.demo import ensure_demo
 
-MODES = ("slots", "paged")
+def modes(cfg: FleetConfig) -> tuple[str, str]:
+    """Today's slots, and pages: in their own budget, or with --unified-memory in one pool with the KV."""
+    return "slots", "unified" if cfg.unified_memory else "paged"
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class FleetConfig:
     tenants: int = 4
     seed: int = 0
     cpu_threads: int = 1
+    unified_memory: bool = False  # the pages' runs draw from one pool with the KV blocks (--unified-memory)
 
 
 @dataclass
@@ -137,12 +141,18 @@ def zipf_trace(cfg: FleetConfig, vocab: int) -> list[BenchRequest]:
 
 
 def adapter_memory_bytes(engine) -> int:
-    """The device's adapter buffers (A, B, scalings, DoRA scales) and its rank and page tables."""
+    """The device's adapter buffers (A, B, scalings, DoRA scales) and its rank and page tables; with
+    --unified-memory, whose page buffers span the whole pool, the adapter share's bytes in place of A and B."""
     slots = engine.lora_slots
-    total = sum(t.numel() * t.element_size() for layer in slots.layers for g in layer.values()
-                for t in (g.a, *g.b, g.scaling, g.dora_scale))
-    return total + sum(t.numel() * t.element_size() for t in (slots.rank_table, slots.page_table)
-                       if t is not None)
+    groups = [g for layer in slots.layers for g in layer.values()]
+    units = slots.units
+    if units is None:
+        weights = sum(t.numel() * t.element_size() for g in groups for t in (g.a, *g.b))
+    else:
+        weights = units.pool.adapter_share * units.pool.unit_bytes
+    entries = sum(t.numel() * t.element_size() for g in groups for t in (g.scaling, g.dora_scale))
+    return weights + entries + sum(t.numel() * t.element_size() for t in (slots.rank_table, slots.page_table)
+                                   if t is not None)
 
 
 def build_engine(cfg: FleetConfig, model_dir: Path, source: FleetSource, mode: str, host_bytes: int) -> EngineTarget:
@@ -150,7 +160,8 @@ def build_engine(cfg: FleetConfig, model_dir: Path, source: FleetSource, mode: s
     target = EngineTarget(model_dir, {}, device="cpu", dtype="float32", max_loras=cfg.max_loras,
                           max_lora_rank=cfg.max_lora_rank, kv_cache_blocks=blocks,
                           max_num_seqs=cfg.concurrency, cpu_threads=cfg.cpu_threads,
-                          lora_page_rows=cfg.page_rows if mode == "paged" else None,
+                          lora_page_rows=None if mode == "slots" else cfg.page_rows,
+                          unified_memory=mode == "unified",
                           max_cpu_lora_bytes=host_bytes, adapter_source=source)
     return target
 
@@ -225,7 +236,7 @@ def run(cfg: FleetConfig, work_dir: Path, log=print) -> dict:
         f"{fleet_bytes / 2**20:.1f} MiB; {cfg.small}-adapter pool; {cfg.concurrency} streams; "
         f"{cfg.warmup_s:g} s warm-up + {cfg.window_s:g} s window x {cfg.rounds} rounds")
     engines = {(mode, which): build_engine(cfg, model_dir, source, mode, host_bytes)
-               for mode in MODES for which in ("fleet", "small")}
+               for mode in modes(cfg) for which in ("fleet", "small")}
     runs: dict[tuple[str, str], list[dict]] = {k: [] for k in engines}
     keys = list(engines)
     for r in range(cfg.rounds):
@@ -244,7 +255,7 @@ def run(cfg: FleetConfig, work_dir: Path, log=print) -> dict:
     for target in engines.values():
         target.engine.shutdown()
     rows = []
-    for mode in MODES:
+    for mode in modes(cfg):
         for which in ("fleet", "small"):
             rs = runs[(mode, which)]
             speeds = [x["window"]["throughput_tok_s"] or 0.0 for x in rs]
@@ -316,14 +327,16 @@ def parse_args(argv: list[str] | None) -> tuple[FleetConfig, argparse.Namespace]
     ap.add_argument("--host-share", type=float, default=d.host_share, help="host tier: this share of the fleet's bytes")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--quick", action="store_true", help="a tiny trace over 40 adapters (the test's)")
+    ap.add_argument("--unified-memory", action="store_true",
+                    help="the pages' runs with --unified-memory: one pool with the KV blocks (mode 'unified')")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--work-dir", type=Path, default=Path("bench-out"), help="where the demo model is made once")
     a = ap.parse_args(argv)
     if a.quick:
-        return FleetConfig(**QUICK), a
+        return FleetConfig(**QUICK, unified_memory=a.unified_memory), a
     cfg = FleetConfig(adapters=a.adapters, small=a.small, concurrency=a.concurrency, requests=a.requests,
                       warmup_s=a.warmup, window_s=a.window, rounds=a.rounds, max_loras=a.max_loras,
-                      page_rows=a.page_rows, host_share=a.host_share, seed=a.seed)
+                      page_rows=a.page_rows, host_share=a.host_share, seed=a.seed, unified_memory=a.unified_memory)
     return cfg, a
 
 

@@ -243,6 +243,8 @@ class EngineView(BaseModel):
     waiting: int
     preemptions: int
     kv_blocks: dict[str, int]
+    # --unified-memory: the pool's units, their bytes, shares and split (kv, adapter, cached free, free); else None
+    memory_pool: dict[str, int] | None = None
     # the pool's stored dtype (auto resolved; fp8_e4m3/fp8_e5m2), the flag's value, blocks, tokens, bytes
     kv_cache: dict[str, str | int]
     # device slots (or pages) and the host tier: counts, bytes, hits and misses, and their hit rate (None

@@ -12,7 +12,9 @@ from server.api.errors import APIError, not_found
 from server.api.metrics import hit_rate
 from server.api.state import ServerState
 from server.api.usage_report import int_param, usage_report
+from server.engine.block_manager import KvBlockStats
 from server.engine.protocol import SpecDecodeStats
+from server.engine.unified_memory import UnifiedPool
 from tenants import Tenant
 
 MAX_PAGE = 500
@@ -70,6 +72,17 @@ async def adapters(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data, "total": len(rows), "offset": offset, "limit": limit})
 
 
+def _memory_pool(pool: UnifiedPool | None, kv: KvBlockStats, cached_free: int) -> dict | None:
+    """--unified-memory's pool split in units (one KV block's bytes each: kv_blocks counts the same units);
+    None without it."""
+    if pool is None:
+        return None
+    return {"units": pool.units, "unit_bytes": pool.unit_bytes, "units_per_page": pool.units_per_page,
+            "kv_share": pool.kv_share, "adapter_share": pool.adapter_share, "kv_units": kv.used,
+            "adapter_units": kv.lent, "cached_free_units": cached_free,
+            "free_units": kv.total - kv.used - kv.lent - cached_free}
+
+
 async def engine(request: Request) -> Response:
     require_admin(request)
     state = state_of(request)
@@ -83,6 +96,7 @@ async def engine(request: Request) -> Response:
         "healthy": state.engine.is_healthy, "error": state.engine.error,
         "running": s.scheduler.running, "waiting": s.scheduler.waiting, "preemptions": s.scheduler.preemptions,
         "kv_blocks": {"used": s.kv_blocks.used, "total": s.kv_blocks.total},
+        "memory_pool": _memory_pool(pool.unified, s.kv_blocks, prefix.cached_free_blocks),
         "kv_cache": {"dtype": pool.dtype, "requested_dtype": info.requested_kv_cache_dtype, "blocks": pool.blocks,
                      "block_size": pool.block_size, "tokens": pool.tokens, "bytes": pool.bytes},
         "base_weights": info.base_weights,

@@ -34,6 +34,11 @@ class Metrics:
         self.running = Gauge("loraplex_running_batch_size", "Requests in the running batch", registry=r)
         self.kv_used = Gauge("loraplex_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_total = Gauge("loraplex_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        # With --unified-memory the pool's units (KV blocks' bytes) are shared with adapter pages; without, the
+        # adapter use is 0. The four uses sum to loraplex_kv_blocks_total.
+        self.pool_units = Gauge("loraplex_memory_pool_units", "Units of the KV pool (one KV block's bytes) by use: "
+                                "kv (sequences' blocks), adapter (pages of resident adapters, --unified-memory), "
+                                "cached (prefix blocks nobody holds, evictable), free", ["use"], registry=r)
         self.adapters_loaded = Gauge("loraplex_adapters_loaded", "Adapters registered in the engine",
                                      registry=r)
         self.adapters_resident = Gauge("loraplex_adapters_resident",
@@ -110,6 +115,10 @@ class Metrics:
         self.running.set(s.scheduler.running)
         self.kv_used.set(s.kv_blocks.used)
         self.kv_total.set(s.kv_blocks.total)
+        kv, cached = s.kv_blocks, s.prefix_cache.cached_free_blocks
+        for use, units in (("kv", kv.used), ("adapter", kv.lent), ("cached", cached),
+                           ("free", kv.total - kv.used - kv.lent - cached)):
+            self.pool_units.labels(use).set(units)
         self.adapters_loaded.set(s.host.adapters)
         self.adapters_resident.set(s.slots.resident)
         self.preemptions.set(s.scheduler.preemptions)

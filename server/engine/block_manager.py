@@ -86,6 +86,7 @@ FREED = -1
 class KvBlockStats:
     used: int  # blocks some sequence references
     total: int
+    lent: int = 0  # blocks' memory adapter pages hold (--unified-memory: server.engine.unified_memory)
 
 
 class BlockManager:
@@ -101,6 +102,7 @@ class BlockManager:
         self.entries: dict[int, tuple[bytes, str | None]] = {}  # indexed block -> (hash, adapter version)
         self.by_version: dict[str, set[int]] = {}  # adapter version -> its indexed blocks, for retirement
         self.senders: dict[int, set[str | None]] = {}  # indexed block -> tenants that sent its content
+        self.num_lent_blocks = 0  # held by adapter pages (lend), not by sequences
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,7 +111,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks some sequence references."""
+        """Blocks some sequence references, or lent to adapter pages."""
         return self.num_blocks - self.num_free_blocks
 
     @property
@@ -121,7 +123,7 @@ class BlockManager:
         return len(self.evictable)
 
     def stats(self) -> KvBlockStats:
-        return KvBlockStats(self.num_used_blocks, self.num_blocks)
+        return KvBlockStats(self.num_used_blocks - self.num_lent_blocks, self.num_blocks, self.num_lent_blocks)
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """Extra blocks for a sequence holding `block_table` to cover `num_tokens` tokens."""
@@ -137,6 +139,19 @@ class BlockManager:
         assert need <= self.num_free_blocks, "caller must check can_grow first"
         for _ in range(need):
             block_table.append(self._allocate())
+
+    def lend(self, n: int) -> list[int]:
+        """n blocks' memory for adapter pages (--unified-memory), out of circulation until `repay`: taken
+        as a sequence's are (a free block first, then the least recently released cached one)."""
+        assert n <= self.num_free_blocks, "caller must check for free blocks first"
+        self.num_lent_blocks += n
+        return [self._allocate() for _ in range(n)]
+
+    def repay(self, blocks: list[int]) -> None:
+        """Lent blocks back to the pool (never indexed: free at once)."""
+        self.num_lent_blocks -= len(blocks)
+        for block in blocks:
+            self._drop(block)
 
     def fork(self, block_table: list[int]) -> list[int]:
         """A new table holding the same blocks (one more reference to each)."""

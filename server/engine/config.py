@@ -196,6 +196,8 @@ class EngineConfig:
     # Adapter memory by rank (server.engine.lora.paging): pages of this many rank rows, an adapter holding
     # ceil(rank / rows) of them in max_loras slots' worth of memory; None: slots of max_lora_rank rows.
     lora_page_rows: int | None = None
+    # KV blocks and adapter pages from one pool (server.engine.unified_memory); needs lora_page_rows.
+    unified_memory: bool = False
     # Adapters one tenant may pin on the device (never evicted: LLMEngine.pin_adapter).
     max_pinned_adapters_per_tenant: int = 4
     max_model_len: int | None = None
@@ -290,6 +292,8 @@ class EngineConfig:
             raise ValueError("max_lora_rank must be <= 512")
         if self.lora_page_rows is not None:
             check_page_rows(self.lora_page_rows, self.max_lora_rank)
+        if self.unified_memory and self.lora_page_rows is None:
+            raise ValueError("unified_memory needs lora_page_rows: adapter pages are what shares the pool with KV")
         if self.max_pinned_adapters_per_tenant < 0:
             raise ValueError("max_pinned_adapters_per_tenant must be >= 0")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 0:

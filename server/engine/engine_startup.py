@@ -8,6 +8,7 @@ every buffer they read exists.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -34,7 +35,8 @@ from server.engine.draft_model_proposer import DraftModelProposer
 from server.engine.grammar import GrammarMask, Grammars
 from server.engine.kernel_choice import select_kernels
 from server.engine.kernel_ops import KernelOps
-from server.engine.kv_cache import KvPoolInfo, allocate_kv_cache, allocate_lora_slots, kv_pool_like
+from server.engine.kv_cache import (KvPoolInfo, allocate_kv_cache, allocate_lora_slots, kv_bytes_per_block,
+                                    kv_pool_like, lora_page_bytes, num_kv_blocks)
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
 from server.engine.lora.dora_precompute import DoraPrecompute
 from server.engine.lora.dora_scale_cache import ScaleStore
@@ -56,6 +58,7 @@ from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig,
 from server.engine.sliding_window import sequence_blocks
 from server.engine.speculative_config import resolve_disable_by_batch_size
 from server.engine.tokenizer_loader import load_tokenizer
+from server.engine.unified_memory import PageUnits, UnifiedPool, unified_refusal
 from server.engine.warmup import warm_up
 from server.engine.weights import load_weights
 
@@ -106,7 +109,11 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     tensor_parallel = config.tensor_parallel_size > 1
     if tensor_parallel:
         _check_tensor_parallel(config, mcfg, device)
-    paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
+    if config.unified_memory and (refusal := unified_refusal(device.type, config.tensor_parallel_size,
+                                                             draft_cfg is not None)) is not None:
+        raise ModelConfigError(refusal)
+    unified = _unified_pool(config, mcfg, dtype, device, max_len, kv_dtype) if config.unified_memory else None
+    paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len, unified)
     max_loras = paging.entries
     # Everything else on the device is allocated before the KV pool is sized from what is left.
     # Not sharded yet: DoRA (without DoraScales the slots refuse DoRA adapters) and adapters' parts of
@@ -117,13 +124,17 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     draft_model = None if draft_cfg is None else load_draft_model(
         spec.model, draft_cfg, dtype, device, max_len, max(config.max_num_batched_tokens, config.max_num_seqs))
-    kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype, draft_cfg)
-    context = choose_max_model_len(config.max_model_len, limit, kv_pool.blocks, config.block_size,
+    kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype, draft_cfg, unified)
+    # Unified, a sequence is sized against the KV share: adapters in use may hold the rest.
+    kv_blocks = kv_pool.blocks if unified is None else unified.kv_share
+    context = choose_max_model_len(config.max_model_len, limit, kv_blocks, config.block_size,
                                    partial(sequence_blocks, block_size=config.block_size, window=mcfg.kv_window,
                                            chunk=config.max_num_batched_tokens))
     max_model_len = context.max_model_len
     log.info("%s", context.reason)
     blocks = BlockManager(kv_pool.blocks, config.block_size)
+    if unified is not None:
+        slots.units = PageUnits(unified, blocks)
     host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks,
                                    mcfg.kv_window)
     kernels = _select_kernels(config, device, dtype)
@@ -220,10 +231,23 @@ def _adapter_shape(mcfg: ModelConfig, config: EngineConfig) -> ModelShape:
                       expert_linears=EXPERT_LINEARS.get(mcfg.architecture), dense_layers=mcfg.dense_layers)
 
 
+def _unified_pool(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+                  kv_dtype: torch.dtype) -> UnifiedPool:
+    """--unified-memory's pool: the KV budget's blocks plus --max-loras slots' worth of pages, in KV blocks."""
+    max_loras, _ = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, dtype, free_device_bytes(device))
+    budget = LoraPaging.of(max_loras, config.max_lora_rank, config.lora_page_rows)
+    pool = UnifiedPool.of(num_kv_blocks(mcfg, config, dtype, device, max_len, kv_dtype),
+                          kv_bytes_per_block(mcfg, config.block_size, kv_dtype),
+                          lora_page_bytes(mcfg, config.lora_page_rows, dtype), budget.pages - 1)
+    log.info("unified memory: %d units of %d bytes (KV share %d, adapter share %d), %d per adapter page",
+             pool.units, pool.unit_bytes, pool.kv_share, pool.adapter_share, pool.units_per_page)
+    return pool
+
+
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_len: int) -> tuple[LoraPaging, list, CausalLM]:
-    """The adapter memory's layout (slots, or pages: server.engine.lora.paging), its LoRA buffers and the
-    model that reads them."""
+                max_len: int, unified: UnifiedPool | None) -> tuple[LoraPaging, list, CausalLM]:
+    """The adapter memory's layout (slots, or pages: server.engine.lora.paging; unified: as many pages as
+    the pool could hold), its LoRA buffers and the model that reads them."""
     if config.quantization is not None and not ARCHITECTURES[mcfg.architecture].quantization:
         raise ModelConfigError(f"quantization {config.quantization!r} is not supported for {mcfg.architecture} "
                                f"(its weights are served as the checkpoint's floats)")
@@ -238,10 +262,13 @@ def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
                                        free_device_bytes(device))
     log.info("%s", why)
     paging = LoraPaging.of(max_loras, config.max_lora_rank, config.lora_page_rows)
+    if unified is not None:
+        paging = dataclasses.replace(paging, pages=unified.pages + 1)
     if paging.paged:
         log.info("adapter memory paged by rank: %d pages of %d rank rows (%d slots' worth), up to %d adapters",
                  paging.pages - 1, paging.page_rows, max_loras, paging.entries)
-    lora_layers = allocate_lora_slots(mcfg, max_loras, config.max_lora_rank, dtype, device, paging)
+    lora_layers = allocate_lora_slots(mcfg, max_loras, config.max_lora_rank, dtype, device, paging,
+                                      lazy=unified is not None)
     model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
                      config.max_num_batched_tokens, config.quantization, config.quantize_lm_head,
                      config.int4_group_size or DEFAULT_GROUP_SIZE)

@@ -12,6 +12,7 @@ from server.engine.lora.expert_buffers import ExpertLoraBuffers
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.sliding_window import sequence_blocks
+from server.engine.unified_memory import UnifiedPool
 
 
 def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -89,6 +90,7 @@ class KvPoolInfo:
     blocks: int
     block_size: int
     bytes: int
+    unified: UnifiedPool | None = None  # --unified-memory: the blocks are the pool's units, shared with adapter pages
 
     @property
     def tokens(self) -> int:
@@ -96,16 +98,17 @@ class KvPoolInfo:
 
 
 def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device, cache_dtype=None,
-                      draft: ModelConfig | None = None):
+                      draft: ModelConfig | None = None, unified: UnifiedPool | None = None):
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D] of cache_dtype (dtype, the
     activations', when None), and the pool's KvPoolInfo; whether a sequence of the chosen length fits
     is server.engine.context_len's to say. draft: sized so that a draft model's pool of as many blocks
-    (kv_pool_like) fits too."""
+    (kv_pool_like) fits too. unified: a block for each of the unified pool's units."""
     cache_dtype = cache_dtype or dtype
-    blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype, draft)
+    blocks = unified.units if unified is not None else num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype,
+                                                                     draft)
     caches = kv_pool_like(mcfg, blocks, cfg.block_size, cache_dtype, device)
     info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.block_size,
-                      blocks * kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype))
+                      blocks * kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype), unified)
     return caches, info
 
 
@@ -128,22 +131,36 @@ def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def _group_shapes(mcfg: ModelConfig, sparse: bool) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """A layer's fused projection groups: name -> (in features, each slice's out features)."""
+    h, q, kv, inter = mcfg.hidden_size, mcfg.q_size, mcfg.kv_size, mcfg.intermediate_size
+    attention = {"qkv": (h, (q, kv, kv)), "o": (q, (h,))}
+    return attention if sparse else attention | {"gate_up": (h, (inter, inter)), "down": (inter, (h,))}
+
+
+def lora_page_bytes(mcfg: ModelConfig, page_rows: int, dtype: torch.dtype) -> int:
+    """Bytes one adapter page takes: `page_rows` rank rows of A and B of every group of every (dense) layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = sum(page_rows * (len(outs) * in_f + sum(outs))
+               for i in range(mcfg.num_layers) for in_f, outs in _group_shapes(mcfg, mcfg.is_sparse(i)).values())
+    return rows * elem
+
+
 def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device,
-                        paging: LoraPaging | None = None):
+                        paging: LoraPaging | None = None, lazy: bool = False):
     """Per layer, the slot buffers of each fused projection group: `max_loras` slots of max_rank rows, or
     the layout `paging` gives (entries, and pages of its page rows: server.engine.lora.paging). An MoE
     layer's experts: one group per fused expert weight, in slots (server.engine.lora.expert_buffers); the
-    dense layers of an MoE model (Qwen3-MoE's) have the dense MLP's groups instead."""
+    dense layers of an MoE model (Qwen3-MoE's) have the dense MLP's groups instead. lazy: A and B mapped
+    on first touch (CPU), as the KV pool is: --unified-memory's pages, as many as the whole pool could hold."""
     paging = paging or LoraPaging.slots(max_loras, max_rank)
-    h, q, kv, inter = mcfg.hidden_size, mcfg.q_size, mcfg.kv_size, mcfg.intermediate_size
-    attention = {"qkv": (h, (q, kv, kv)), "o": (q, (h,))}
-    mlp = {"gate_up": (h, (inter, inter)), "down": (inter, (h,))}
+    h = mcfg.hidden_size
+    zeros = _lazy_cpu_zeros if lazy and torch.device(device).type == "cpu" else torch.zeros
 
     def layer(sparse: bool) -> dict:
-        shapes = attention if sparse else attention | mlp
         groups = {group: LoraGroupBuffers.allocate(in_f, outs, paging.entries, paging.page_rows, dtype, device,
-                                                   paging.pages, paging.dora_entries)
-                  for group, (in_f, outs) in shapes.items()}
+                                                   paging.pages, paging.dora_entries, zeros)
+                  for group, (in_f, outs) in _group_shapes(mcfg, sparse).items()}
         if sparse:
             e, i = mcfg.num_experts, mcfg.moe_intermediate_size
             groups["experts_gate_up"] = ExpertLoraBuffers.allocate(e, h, 2 * i, max_loras, max_rank, dtype, device)

@@ -585,6 +585,8 @@ class Scheduler:
             shared = self._shared_blocks_written(seq, end)
             if self.blocks.blocks_needed(seq.block_table, end) + len(shared) <= self.blocks.num_free_blocks:
                 break
+            if self.lora_slots.units is not None and self.lora_slots.evict_idle():
+                continue  # --unified-memory: an idle adapter's pages go before any sequence
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim, batch)
             if victim is seq:
@@ -628,7 +630,9 @@ class Scheduler:
             joining = seq.group.n if seq.group.needs_fork else 1
             if not admit or budget == 0 or len(self.running) + self.fork_seats + joining > self.config.max_num_seqs:
                 continue  # keep scanning only to start loads for requests near the head
-            if version is not None and not self.lora_slots.can_acquire(version, self.host.entries.get(version)):
+            unified = self.lora_slots.units is not None  # its pages are made room for with its KV, below
+            if version is not None and not self.lora_slots.can_acquire(version, self.host.entries.get(version),
+                                                                        pages=not unified):
                 if not head_blocked:
                     head_blocked = True
                     self.head_blocked_steps += 1
@@ -662,8 +666,12 @@ class Scheduler:
                 continue  # its first mask is still being filled: admitted next step, no one held up
             # Keep one block spare so running sequences can decode without preempting at once; cached
             # blocks nobody holds come out of the free pool when taken.
-            reserve = (1 if self.running else 0) + self.blocks.num_unreferenced(table)
-            if not self.blocks.can_grow(table, start + n, reserve):
+            spare = 1 if self.running else 0
+            if unified:
+                fits = self._unified_room(seq, table, start + n, spare, batch)
+            else:
+                fits = self.blocks.can_grow(table, start + n, spare + self.blocks.num_unreferenced(table))
+            if not fits:
                 admit = False
                 continue
             self.blocks.take(table)  # before grow, which could otherwise evict them
@@ -689,6 +697,27 @@ class Scheduler:
             self.head_blocked_steps = 0
         self.lora_slots.sync()
         return budget
+
+    def _unified_room(self, seq: Sequence, table: list[int], tokens: int, spare: int, batch: ScheduledBatch) -> bool:
+        """--unified-memory (server.engine.unified_memory): whether the pool has the blocks for `seq`'s first
+        `tokens` tokens past its cached `table`, `spare` more, and its adapter's pages when they must be
+        loaded; made by evicting idle adapters (never its own) and then, for an adapter load only, by
+        preempting running sequences that arrived after `seq`, the newest first."""
+        version = seq.version_id
+        loading = version is not None and version not in self.lora_slots.slot_of
+        units = self.lora_slots.units
+        pages = units.units_for(self.lora_slots.pages_for(self.host.get(version))) if loading else 0
+        while True:
+            # Cached blocks nobody holds count as free until taken: recounted, a preemption may add some.
+            need = self.blocks.blocks_needed(table, tokens) + spare + self.blocks.num_unreferenced(table) + pages
+            if need <= self.blocks.num_free_blocks:
+                return True
+            if self.lora_slots.evict_idle(keep=version):
+                continue
+            newer = [s for s in self.running if s.arrival > seq.arrival]
+            if not loading or not newer:
+                return False
+            self._preempt(max(newer, key=lambda s: s.arrival), batch)
 
     def release_behind_window(self, seq: Sequence) -> None:
         """Return `seq`'s blocks wholly behind the window of its next query (position num_computed_tokens:

@@ -55,3 +55,9 @@ def test_quick_run_writes_the_reported_fields(tmp_path, capsys):
             assert "ratio_vs_small" in row
     assert doc["machine"]["load_average_start"] and doc["machine"]["cpu"]
     assert "TTFT by the adapter's place" in capsys.readouterr().out
+
+
+def test_unified_memory_switch_runs_the_pages_in_one_pool():
+    cfg, _ = fleet.parse_args(["--quick", "--unified-memory"])
+    assert cfg.unified_memory and fleet.modes(cfg) == ("slots", "unified")
+    assert fleet.modes(fleet.parse_args(["--quick"])[0]) == ("slots", "paged")

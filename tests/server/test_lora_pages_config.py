@@ -1,5 +1,5 @@
-"""--lora-page-rows, --pin-adapter and --max-pinned-adapters-per-tenant: parsed from the CLI, passed to the
-engine, refused when invalid (naming the flag)."""
+"""--lora-page-rows, --unified-memory, --pin-adapter and --max-pinned-adapters-per-tenant: parsed from the
+CLI, passed to the engine, refused when invalid (naming the flag)."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +26,8 @@ def test_flags_reach_the_engine(tmp_path):
     engine = engine_config(config, "demo", shape)
     assert engine.lora_page_rows == 8 and engine.max_pinned_adapters_per_tenant == 2
     assert _config(tmp_path).lora_page_rows is None  # off by default: slots
+    unified = _config(tmp_path, "--lora-page-rows", "8", "--unified-memory")
+    assert engine_config(unified, "demo", shape).unified_memory and not engine.unified_memory
 
 
 @pytest.mark.parametrize("flags, names", [
@@ -34,6 +36,7 @@ def test_flags_reach_the_engine(tmp_path):
     (("--pin-adapter", "a", "--pin-adapter", "b", "--max-pinned-adapters-per-tenant", "1"),
      "--max-pinned-adapters-per-tenant"),
     (("--pin-adapter", "Bad Tenant/x"), "--pin-adapter"),
+    (("--unified-memory",), "--unified-memory needs --lora-page-rows"),
 ])
 def test_invalid_values_are_refused_naming_the_flag(tmp_path, flags, names):
     with pytest.raises(ConfigError, match=names):

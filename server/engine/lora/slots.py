@@ -56,7 +56,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 from weakref import WeakKeyDictionary
 
 import torch
@@ -69,6 +69,9 @@ from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.expert_buffers import expert_target
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.vocab_parts import VocabParts
+
+if TYPE_CHECKING:
+    from server.engine.unified_memory import PageUnits
 
 
 # Slot-view lists kept per (slot, adapter layout); past this many the oldest go (many distinct layouts:
@@ -107,17 +110,17 @@ class LoraGroupBuffers:
 
     @classmethod
     def allocate(cls, in_features: int, out_sizes: tuple[int, ...], max_loras: int, max_rank: int, dtype, device,
-                 pages: int | None = None, dora_entries: int | None = None):
+                 pages: int | None = None, dora_entries: int | None = None, zeros: Callable = torch.zeros):
         """max_loras adapter entries (scalings), the first dora_entries of them with DoRA scales (None: all);
         A and B as `pages` pages of max_rank rows each (None: one per entry, the slots; paged: max_rank is
-        the page's rows, kernels.lora_pages)."""
+        the page's rows, kernels.lora_pages), made by `zeros(shape, dtype=, device=)`."""
         pages = max_loras if pages is None else pages
         dora_entries = max_loras if dora_entries is None else dora_entries
         offsets = tuple(sum(out_sizes[:i]) for i in range(len(out_sizes)))
         return cls(
             # Slot-major A lets the CPU shrink read a span of slots, every slice, in one batched matmul.
-            a=torch.zeros(pages, len(out_sizes), max_rank, in_features, dtype=dtype, device=device).transpose(0, 1),
-            b=tuple(torch.zeros(pages, max_rank, n, dtype=dtype, device=device).transpose(1, 2)
+            a=zeros((pages, len(out_sizes), max_rank, in_features), dtype=dtype, device=device).transpose(0, 1),
+            b=tuple(zeros((pages, max_rank, n), dtype=dtype, device=device).transpose(1, 2)
                     for n in out_sizes),
             scaling=torch.zeros(max_loras, len(out_sizes), dtype=torch.float32, device=device).t(),
             offsets=offsets,
@@ -204,6 +207,8 @@ class LoraSlots:
         # Paged: the pool's free pages (page 0, the zero page, is never handed out); slot -> its pages.
         self.free_pages = list(range(self.paging.pages - 1, 0, -1)) if self.paging.paged else []
         self.slot_pages: dict[int, tuple[int, ...]] = {}
+        # --unified-memory: the pool's units behind the pages (server.engine.unified_memory; startup sets it).
+        self.units: PageUnits | None = None
         self.pinned: dict[str, str | None] = {}  # version -> the tenant that pinned it
         self.released_at: dict[str, int] = {}  # version -> `tick` when it went idle
         self.tick = 0  # admissions so far: the clock idle time is counted in
@@ -250,9 +255,10 @@ class LoraSlots:
         """Pages `adapter` holds on the device (1 when not paged: a slot)."""
         return self.paging.pages_for(max((r for _, r in adapter.layout), default=1))
 
-    def can_acquire(self, version: str, adapter: PackedLoraAdapter | None = None) -> bool:
+    def can_acquire(self, version: str, adapter: PackedLoraAdapter | None = None, pages: bool = True) -> bool:
         """Whether `version` is resident or can be made so now, evicting only idle unpinned adapters
-        (adapter: its weights, for the pages it needs; None: one page)."""
+        (adapter: its weights, for the pages it needs; None: one page; pages False: an entry only, the
+        pages being the caller's to make room for: --unified-memory's scheduler)."""
         if version in self.slot_of:
             return True
         dora = adapter is not None and adapter.use_dora
@@ -260,10 +266,10 @@ class LoraSlots:
         rows = self.paging.dora_entries
         if self._free_entry(dora) is None and not any(s < rows or not dora for s in victims):
             return False
-        if not self.paging.paged:
+        if not self.paging.paged or not pages:
             return True
         need = 1 if adapter is None else self.pages_for(adapter)
-        return len(self.free_pages) + sum(len(self.slot_pages[s]) for s in victims) >= need
+        return self._page_room() + sum(len(self.slot_pages[s]) for s in victims) >= need
 
     def acquire(self, version: str, adapter: PackedLoraAdapter) -> int:
         """Pin `version` in a slot for one more request, copying it in from the host tier if needed."""
@@ -272,13 +278,15 @@ class LoraSlots:
         if slot is None:
             need = self.pages_for(adapter)
             while (entry := self._free_entry(adapter.use_dora)) is None or (
-                    self.paging.paged and len(self.free_pages) < need):
+                    self.paging.paged and self._page_room() < need):
                 victim = self._victim(dora_row=adapter.use_dora and entry is None)
                 assert victim is not None, "acquire without room: can_acquire first"
                 self._evict(victim)
                 self.evictions += 1
             slot = self.free_slots.pop(entry)
             pages = tuple(self.free_pages.pop() for _ in range(need)) if self.paging.paged else (slot,)
+            if self.units is not None:
+                self.units.take(slot, need)
             self._load(slot, pages, adapter)
             self.slot_of[version] = slot
         else:
@@ -286,6 +294,21 @@ class LoraSlots:
         self.idle.pop(slot, None)
         self.users[version] = self.users.get(version, 0) + 1
         return slot
+
+    def _page_room(self) -> int:
+        """Pages a load can take without evicting: the free ones, or under --unified-memory as many as the
+        pool's free units make."""
+        return len(self.free_pages) if self.units is None else min(len(self.free_pages), self.units.room())
+
+    def evict_idle(self, keep: str | None = None) -> bool:
+        """Evict the idle unpinned adapter eviction would choose (never `keep`): its pages' memory for KV
+        blocks (--unified-memory); whether there was one."""
+        victim = self._victim(keep=keep)
+        if victim is None:
+            return False
+        self._evict(victim)
+        self.evictions += 1
+        return True
 
     def _free_entry(self, dora: bool) -> int | None:
         """Index in free_slots of the entry an adapter takes: one with a DoRA scale row for a DoRA adapter,
@@ -296,12 +319,12 @@ class LoraSlots:
             fits = list(range(len(self.free_slots)))
         return fits[-1] if fits else None
 
-    def _victim(self, dora_row: bool = False) -> str | None:
+    def _victim(self, dora_row: bool = False, keep: str | None = None) -> str | None:
         """The idle unpinned version with the most idle time per unit of reload cost (the least recent first
         among equals), among those holding a DoRA scale row when `dora_row`; None if there is none."""
         best, best_score = None, -1.0
         for slot, version in self.idle.items():  # least recent first: a tie keeps the older
-            if version in self.pinned or (dora_row and slot >= self.paging.dora_entries):
+            if version in self.pinned or version == keep or (dora_row and slot >= self.paging.dora_entries):
                 continue
             cost = len(self.slot_pages[slot]) * RELOAD_COST[self.reload_tier(version)]
             score = (self.tick - self.released_at.get(version, 0) + 1) / cost
@@ -366,6 +389,8 @@ class LoraSlots:
         self.slot_ranks[slot] = 0
         self.rank_table[slot] = 0
         pages = self.slot_pages.pop(slot)
+        if self.units is not None:
+            self.units.give(slot)
         if self.page_table is not None:
             self.page_table[slot] = 0  # the zero page: a stale entry reads zeros, never the next holder's rows
             self.free_pages.extend(reversed(pages))

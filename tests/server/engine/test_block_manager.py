@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.engine.block_manager import BlockManager
+from server.engine.block_manager import BlockManager, KvBlockStats
 
 pytestmark = pytest.mark.unit
 
@@ -264,3 +264,23 @@ def test_release_before_frees_whole_blocks_behind_a_position_and_leaves_placehol
     bm.free(child)
     bm.free(table)
     assert bm.num_used_blocks == 0 and sorted(bm.ref_counts) == [0] * 8
+
+
+def test_lending_to_adapter_pages_takes_free_blocks_then_the_least_recently_released_cached_ones():
+    """--unified-memory's order (server.engine.unified_memory): never-indexed free blocks first, then cached
+    blocks nobody holds, oldest release first; lent blocks count apart from sequences' and come back free."""
+    bm = BlockManager(6, 4)
+    a, b = [], []
+    bm.grow(a, 8)
+    bm.grow(b, 4)
+    for i, block in enumerate(a + b):
+        bm.index(block, _hash(i), None)
+    (a0, a1), (b0,) = a, b
+    bm.free(a)  # released tail first: a1, then a0
+    bm.free(b)
+    lent = bm.lend(5)
+    assert lent[:3] == [3, 4, 5] and lent[3:] == [a1, a0]  # free, then cached in release order
+    assert bm.num_cached_blocks == 1 and bm.lookup(_hash(2)) == b0
+    assert bm.stats() == KvBlockStats(used=0, total=6, lent=5) and bm.num_free_blocks == 1
+    bm.repay(lent)
+    assert bm.stats() == KvBlockStats(used=0, total=6, lent=0) and bm.num_free_blocks == 6

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,38 +36,59 @@ def check_pool(engine: LLMEngine) -> None:
             assert g.a[:, empty].abs().sum() == 0 and all(b[empty].abs().sum() == 0 for b in g.b)
 
 
-def test_mixed_ranks_through_page_churn_match_peft(tiny_model_dir, tiny_adapters, tmp_path):
-    """12 adapters of ranks 2..16 in two rank-16 slots' worth of pages (8 pages of 4 rows): they load,
-    are evicted and come back into other pages, every step checked."""
-    ranks = [2, 4, 8, 16]
-    dirs = {f"a{i:02d}": write_adapter(tiny_adapters["r8_all"], tmp_path / f"a{i:02d}", ranks[i % 4], seed=50 + i)
-            for i in range(12)}
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=2, max_lora_rank=16,
-                                    lora_page_rows=4, kv_cache_blocks=128, max_model_len=256, max_num_seqs=6))
-    assert engine.lora_slots.paging.pages == 9 and engine.lora_slots.max_loras == 4
+def mixed_rank_adapters(tiny_adapters, tmp_path, seed: int) -> dict[str, Path]:
+    """12 adapters, of ranks 2, 4, 8 and 16 in turn."""
+    return {f"a{i:02d}": write_adapter(tiny_adapters["r8_all"], tmp_path / f"a{i:02d}", (2, 4, 8, 16)[i % 4],
+                                       seed=seed + i) for i in range(12)}
+
+
+def skewed_requests(engine: LLMEngine, dirs: dict[str, Path], n: int, lengths: tuple[int, int], seed: int,
+                    prompt_seed: int) -> tuple[list[str | None], list[list[int]]]:
+    """`dirs`' adapters added to `engine`; n requests' adapters, the first ones more often, and 4 base-model
+    ones, shuffled, and their prompts of `lengths` tokens."""
     for name, d in dirs.items():
-        engine.add_adapter(name, load_adapter_dir(d, engine.adapter_shape, 16))
-    rng = random.Random(3)
-    names = [f"a{int(12 * rng.random() ** 1.5):02d}" for _ in range(40)] + [None] * 4
+        engine.add_adapter(name, load_adapter_dir(d, engine.adapter_shape, engine.config.max_lora_rank))
+    rng = random.Random(seed)
+    names = [f"a{int(len(dirs) * rng.random() ** 1.5):02d}" for _ in range(n)] + [None] * 4
     rng.shuffle(names)
-    prompts = random_prompts(len(names), (4, 12), VOCAB, seed=9)
+    return names, random_prompts(len(names), lengths, VOCAB, seed=prompt_seed)
+
+
+def churn_matches_peft(engine: LLMEngine, model_dir, dirs: dict[str, Path], names: list[str | None],
+                       prompts: list[list[int]], tokens: int, check=None) -> dict[str, set[tuple[int, ...]]]:
+    """Runs the requests to the end, checking the pool (and `check(engine)`) after every step; every output
+    is peft's. Returns the page tuples each adapter version was seen holding."""
     moved: dict[str, set[tuple[int, ...]]] = {}
 
-    def check(engine: LLMEngine) -> None:
+    def each_step(engine: LLMEngine) -> None:
         check_pool(engine)
+        if check is not None:
+            check(engine)
         slots = engine.lora_slots
         for version, slot in slots.slot_of.items():
             moved.setdefault(version, set()).add(slots.slot_pages[slot])
 
     for i, (prompt, name) in enumerate(zip(prompts, names)):
-        engine.add_request(f"q{i}", prompt, greedy(4), name)
-    final = drive(engine, check)
+        engine.add_request(f"q{i}", prompt, greedy(tokens), name)
+    final = drive(engine, each_step)
+    oracle = PeftMultiOracle(model_dir)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert final[f"q{i}"].token_ids == oracle(dirs[name] if name else None, name, prompt, tokens), name
+    return moved
+
+
+def test_mixed_ranks_through_page_churn_match_peft(tiny_model_dir, tiny_adapters, tmp_path):
+    """12 adapters of ranks 2..16 in two rank-16 slots' worth of pages (8 pages of 4 rows): they load,
+    are evicted and come back into other pages, every step checked."""
+    dirs = mixed_rank_adapters(tiny_adapters, tmp_path, seed=50)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=2, max_lora_rank=16,
+                                    lora_page_rows=4, kv_cache_blocks=128, max_model_len=256, max_num_seqs=6))
+    assert engine.lora_slots.paging.pages == 9 and engine.lora_slots.max_loras == 4
+    names, prompts = skewed_requests(engine, dirs, 40, (4, 12), seed=3, prompt_seed=9)
+    moved = churn_matches_peft(engine, tiny_model_dir, dirs, names, prompts, 4)
     slots = engine.lora_slots
     assert slots.evictions > 5 and any(len(p) > 1 for p in moved.values())  # reloaded into other pages
     assert slots.stats().pages_used <= 8 and not slots.users
-    oracle = PeftMultiOracle(tiny_model_dir)
-    for i, (prompt, name) in enumerate(zip(prompts, names)):
-        assert final[f"q{i}"].token_ids == oracle(dirs[name] if name else None, name, prompt, 4), name
     engine.shutdown()
 
 
