@@ -12,9 +12,7 @@ from server.api.errors import APIError, not_found
 from server.api.metrics import hit_rate
 from server.api.state import ServerState
 from server.api.usage_report import int_param, usage_report
-from server.engine.block_manager import KvBlockStats
-from server.engine.protocol import SpecDecodeStats
-from server.engine.unified_memory import UnifiedPool
+from server.engine.protocol import KvBlockStats, SpecDecodeStats, UnifiedPool
 from tenants import Tenant
 
 MAX_PAGE = 500

@@ -11,8 +11,10 @@ from server.engine.protocol.outputs import OutputStream, RequestOutput, TokenLog
 from server.engine.protocol.request import EngineRequest
 from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot, EngineStats
+from server.engine.block_manager import KvBlockStats  # EngineStats.kv_blocks's type
 from server.engine.scheduler import SpecDecodeStats  # EngineStats.speculative's type
+from server.engine.unified_memory import UnifiedPool  # KvPoolInfo.unified's type (--unified-memory)
 
 __all__ = ["AdapterTiers", "EngineClient", "EngineDeadError", "EngineInfo", "EngineRequest", "EngineSnapshot",
-           "EngineStats", "LoadTimes", "OutputStream", "RequestError", "RequestOutput", "SpecDecodeStats",
-           "TokenLogprobs"]
+           "EngineStats", "KvBlockStats", "LoadTimes", "OutputStream", "RequestError", "RequestOutput", "SpecDecodeStats",
+           "TokenLogprobs", "UnifiedPool"]
