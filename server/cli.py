@@ -10,8 +10,8 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, ENGINE_PROCESSES, MAX_LORA_RANK,
-                           MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError, ServerConfig)
+from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, DATA_PARALLEL_ROUTINGS, ENGINE_PROCESSES,
+                           MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError, ServerConfig)
 from server.default_model import DefaultModelMissing, announce as announce_default_model
 from server.gguf_reader import GGUFError
 from server.startup_checks import check_before_model
@@ -206,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="front-end processes (HTTP, auth, tokenizing, SSE) sharing the port and one engine core, "
                         "each with its own channel to it; N > 1 needs --engine-process separate "
                         "(docs/serving.md) (default 1)")
+    s.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="vLLM's: N engine-core processes behind the front end, each on its share of the engine's "
+                        "cores with its own KV cache, adapter slots and host tier; a request goes to the core "
+                        "its adapter is resident on, then by load. N > 1 needs --engine-process separate "
+                        "(docs/scaling.md) (default 1)")
+    s.add_argument("--data-parallel-routing", choices=DATA_PARALLEL_ROUTINGS, default="affinity",
+                   help="with --data-parallel-size: affinity (the adapter's core, a free slot, least loaded) or "
+                        "round-robin (for comparison) (default affinity)")
     s.add_argument("--quantization", metavar="int8|int4|fp8|gptq",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales (a C++ kernel on AVX2 CPUs, a Triton one on GPUs); int4 is "

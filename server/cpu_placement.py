@@ -67,13 +67,18 @@ def _cores(flag: str, text: str, allowed: Cpus) -> Cpus:
 
 
 def plan_placement(engine_cpus: str | None, api_cpus: str | None, allowed: Cpus,
-                   automatic: bool = True) -> CpuPlacement | None:
+                   automatic: bool = True, engine_groups: int = 1) -> CpuPlacement | None:
     """The placement the flags (None: not given) ask for on `allowed` cores, or with neither flag the
-    automatic split where `automatic` (an engine-core process of its own); None: nothing pinned."""
+    automatic split where `automatic` (an engine-core process of its own); None: nothing pinned.
+    `engine_groups`: --data-parallel-size, engine cores that each need a core of their own: where the
+    split leaves fewer engine cores than that, the engine side takes every core and the front end
+    shares them (a 2-core machine at DP 2: one core per engine core)."""
     if engine_cpus is None and api_cpus is None:
         if not automatic or len(allowed) < 2:
             return None
         split = len(allowed) - max(1, len(allowed) // API_SHARE)
+        if split < engine_groups:
+            return CpuPlacement(engine=allowed, api=allowed)
         return CpuPlacement(engine=allowed[:split], api=allowed[split:])
     engine = _cores("--engine-cpus", engine_cpus, allowed) if engine_cpus is not None else None
     api = _cores("--api-cpus", api_cpus, allowed) if api_cpus is not None else None
