@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -29,7 +30,9 @@ from server.engine.data_parallel.stats_merge import merge_snapshots
 from server.engine.engine_stats import EngineStats
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.protocol.client import EngineClient
+from server.engine.protocol.cores import EngineCoreReport
 from server.engine.protocol.errors import EngineDeadError
+from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.request import EngineRequest
 from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot
@@ -49,7 +52,7 @@ TIERS = ("host", "device")  # adapter_residency's names, slowest first
 class DataParallelEngineClient(EngineClient):
     def __init__(self, cores: list[RemoteEngineClient], routing: str) -> None:
         self.cores = cores
-        self.info = cores[0].info
+        self.info = _summed_info([core.info for core in cores])
         self.router = Router(routing)
         self._in_flight = [0] * len(cores)
         self._device: list[frozenset[str]] = [frozenset()] * len(cores)
@@ -248,6 +251,20 @@ class DataParallelEngineClient(EngineClient):
         """Each core's last snapshot, in core order."""
         return [core.snapshot() for core in self.cores]
 
+    def engine_cores(self) -> list[EngineCoreReport]:
+        return [EngineCoreReport(i, core.is_healthy, core.error, core.restarts, self.routed[i], core.info.max_loras,
+                                 core.snapshot()) for i, core in enumerate(self.cores)]
+
     def take_load_times(self) -> LoadTimes:
         taken = [core.take_load_times() for core in self.cores]
         return LoadTimes(host=[s for t in taken for s in t.host], device=[s for t in taken for s in t.device])
+
+
+def _summed_info(infos: list[EngineInfo]) -> EngineInfo:
+    """The server's capacity: the cores' slots, batch seats and KV pools added up (what /admin/engine and
+    vllm:max_gpu_lora_adapters show beside the summed counters); limits a request must fit are each core's."""
+    first = infos[0]
+    pool = dataclasses.replace(first.kv_pool, blocks=sum(i.kv_pool.blocks for i in infos),
+                               bytes=sum(i.kv_pool.bytes for i in infos))
+    return dataclasses.replace(first, max_loras=sum(i.max_loras for i in infos),
+                               max_num_seqs=sum(i.max_num_seqs for i in infos), kv_pool=pool)

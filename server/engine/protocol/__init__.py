@@ -5,6 +5,7 @@ it over the step loop in this process. Import that one from its module: this pac
 messages, which carry no engine internals.
 """
 from server.engine.protocol.client import EngineClient
+from server.engine.protocol.cores import EngineCoreReport
 from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.outputs import OutputStream, RequestOutput, TokenLogprobs
@@ -13,6 +14,6 @@ from server.engine.protocol.residency import AdapterTiers, LoadTimes
 from server.engine.protocol.snapshot import EngineSnapshot, EngineStats
 from server.engine.spec_decode_stats import SpecDecodeStats  # EngineStats.speculative's type
 
-__all__ = ["AdapterTiers", "EngineClient", "EngineDeadError", "EngineInfo", "EngineRequest", "EngineSnapshot",
+__all__ = ["AdapterTiers", "EngineClient", "EngineCoreReport", "EngineDeadError", "EngineInfo", "EngineRequest", "EngineSnapshot",
            "EngineStats", "LoadTimes", "OutputStream", "RequestError", "RequestOutput", "SpecDecodeStats",
            "TokenLogprobs"]

@@ -149,7 +149,8 @@ def test_engine_view_and_history(api_server):
     # The view's shape is public (the console reads it); EngineStats nests differently.
     assert {k: sorted(v) for k, v in view.items() if k in STATS_SECTIONS} == STATS_SECTIONS
     assert {"healthy", "error", "running", "waiting", "preemptions", "kv_cache", "base_weights", "dora_scales",
-            "history"} | set(STATS_SECTIONS) == set(view)
+            "engines", "history"} | set(STATS_SECTIONS) == set(view)
+    assert view["engines"] == []  # one engine: no per-core section (--data-parallel-size: test_api_data_parallel)
     assert view["kv_cache"] == {"dtype": "float32", "requested_dtype": "auto", "blocks": 64, "block_size": 16,
                                 "tokens": 1024, "bytes": api_server.state.engine.info.kv_pool.bytes}
     # (That these bytes are the tensors' own: tests/server/engine/test_quantized_memory.py.)

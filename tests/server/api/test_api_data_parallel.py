@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.demo import make_adapter, make_base_model
 from server.engine.data_parallel.client import PLACED_S, REFRESH_S
@@ -36,8 +37,8 @@ def _config(model_dir, data_dir, redis_server, **overrides):
                          kv_cache_blocks=520, max_model_len=8192, **overrides)
 
 
-def _uploaded(handle, adapters) -> str:
-    _, key = handle.new_tenant()
+def _uploaded(handle, adapters, name: str | None = None) -> str:
+    _, key = handle.new_tenant(name=name)
     for i, adapter_dir in enumerate(adapters):
         assert handle.upload(key, f"a{i}", adapter_dir).status_code == 201
     return key
@@ -56,7 +57,7 @@ def dp_server(model, redis_server, tmp_path_factory, one_core_outputs):
     model_dir, adapters = model
     with running_server(_config(model_dir, tmp_path_factory.mktemp("dp-data"), redis_server,
                                 data_parallel_size=2)) as handle:
-        yield handle, _uploaded(handle, adapters)
+        yield handle, _uploaded(handle, adapters, name="acme")
 
 
 def _complete(handle, key: str, model: str, prompt, max_tokens: int = 8) -> httpx.Response:
@@ -123,6 +124,28 @@ def test_a_tenants_quota_holds_across_the_cores(dp_server):
                                                     max_tokens=64).status_code, range(6)))
     assert codes == [200] * 4 + [429] * 2, codes
     assert all(b > a for a, b in zip(before, handle.state.engine.routed)), (before, handle.state.engine.routed)
+
+
+def test_pins_reach_every_core_and_each_core_has_its_engine_label(dp_server):
+    handle, key = dp_server
+    engine = handle.state.engine
+    assert handle.admin("PUT", "/admin/tenants/acme/adapters/a2/pin").status_code == 200
+    assert [core.snapshot.stats.slots.pinned for core in engine.engine_cores()] == [1, 1]
+    assert handle.admin("DELETE", "/admin/tenants/acme/adapters/a2/pin").status_code == 200
+    assert [core.snapshot.stats.slots.pinned for core in engine.engine_cores()] == [0, 0]
+
+    view = handle.admin("GET", "/admin/engine").json()
+    assert [core["engine"] for core in view["engines"]] == [0, 1]
+    assert view["slots"]["total"] == sum(core["slots"]["total"] for core in view["engines"]) == 8
+    assert view["kv_blocks"]["total"] == sum(core["kv_blocks"]["total"] for core in view["engines"])
+    assert all(core["routed"] > 0 and core["healthy"] for core in view["engines"])
+    families = {f.name: f for f in text_string_to_metric_families(handle.admin("GET", "/metrics").text)}
+    up = {s.labels["engine"]: s.value for s in families["loraplex_engine_core_up"].samples}
+    assert up == {"0": 1.0, "1": 1.0}
+    routed = {s.labels["engine"]: s.value for s in families["loraplex_engine_core_routed_requests"].samples}
+    assert routed == {str(i): float(n) for i, n in enumerate(engine.routed)}
+    (slots,) = families["vllm:max_gpu_lora_adapters"].samples  # the server's: both cores' slots
+    assert slots.value == 8
 
 
 def test_killing_one_core_leaves_the_others_streams_running(dp_server):
