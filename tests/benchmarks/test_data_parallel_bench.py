@@ -1,0 +1,25 @@
+"""benchmarks/serving/data_parallel.py's pieces that need no server: the trace and the table (the run
+itself is the bench's, recorded in docs/scaling.md)."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serving.data_parallel import ADAPTERS, QUICK, SERVERS, format_table, zipf_trace
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_trace_is_the_same_per_round_and_skewed_over_32_adapters():
+    trace = zipf_trace(QUICK, 0)
+    assert trace == zipf_trace(QUICK, 0) and trace != zipf_trace(QUICK, 1)
+    assert len(trace) == QUICK.requests and all(len(p) == QUICK.prompt_len for _, p in trace)
+    names = [name for name, _ in zipf_trace(QUICK, 0) + zipf_trace(QUICK, 1)]
+    assert set(names) <= {f"a{k}" for k in range(ADAPTERS)}
+    assert names.count("a0") > names.count("a31")
+
+
+def test_the_table_has_a_row_per_server_and_the_machine():
+    doc = {"summary": {n: {"tokens_per_s": 10.0, "over_one_core": 1.2, "device_hit_rate": 0.5} for n in SERVERS},
+           "machine": {"cpu": "cpu", "cores": 2, "load_average_start": (3.0, 0, 0), "load_average_end": (4.0, 0, 0)}}
+    table = format_table(doc)
+    assert all(name in table for name in SERVERS) and "1.20x" in table and "shared machine" in table
