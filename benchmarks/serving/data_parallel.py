@@ -150,6 +150,12 @@ def run(settings: Settings, work: Path, log=print) -> dict:
                 log(f"round {r}: {name:12s} {row[name]['tokens_per_s']:8.1f} tok/s  "
                     f"device hit rate {row[name]['device_hit_rate']}")
             rounds.append({"order": order, **row})
+    return summarize(rounds, settings, load_start)
+
+
+def summarize(rounds: list[dict], settings: Settings, load_start: tuple[float, float, float]) -> dict:
+    """The report: each server's median throughput, its ratio to the baseline paired within rounds, and its
+    median device hit rate; with the machine (a shared one: its load average at start and end)."""
     summary = {}
     for name in SERVERS:
         paired = [rd[name]["tokens_per_s"] / rd[BASELINE]["tokens_per_s"] for rd in rounds]
@@ -158,11 +164,10 @@ def run(settings: Settings, work: Path, log=print) -> dict:
                          "device_hit_rate": statistics.median(rd[name]["device_hit_rate"] or 0.0 for rd in rounds)}
     return {"machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "load_average_start": load_start,
                         "load_average_end": os.getloadavg(), "shared": "yes: other sessions ran on it"},
-            "settings": asdict(settings), "servers": {n: {"data_parallel_size": s, "routing": r}
-                                                       for n, (s, r) in SERVERS.items()},
-            "rounds": rounds, "summary": summary,
-            "dp2_over_one_core": {"median": statistics.median(ratio), "per_round": ratio},
-            "dp2_rr_over_one_core": {"median": statistics.median(rr_ratio), "per_round": rr_ratio}}
+            "settings": asdict(settings),
+            "servers": {n: {"data_parallel_size": size, "routing": routing, "torch_threads": threads}
+                        for n, (size, routing, threads) in SERVERS.items()},
+            "rounds": rounds, "summary": summary}
 
 
 def format_table(doc: dict) -> str:
