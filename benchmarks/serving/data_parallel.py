@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """--data-parallel-size 2 against one engine core, over HTTP, at 32 adapters (issue 39's DP target).
 
-Three real servers on the tiny random llama (a larger one without --quick), one redis-server (a
+Four real servers on the tiny random llama (a larger one without --quick), one redis-server (a
 database each), all with the engine side and the front end on every core of the machine
 (benchmarks.serving.shared_cores_serve):
 
