@@ -438,7 +438,7 @@ def place_cpus_of(config: ServerConfig) -> None:
     for child in psutil.Process().children(recursive=True):  # an embedded Redis started before this
         with contextlib.suppress(OSError, psutil.Error):
             pin_process(child.pid, placement.api)
-    logging.getLogger("server").info(placement.line(separate=separate))
+    logging.getLogger("server").info(placement.line(separate=separate, engines=config.data_parallel_size))
 
 
 def prepare_model(config: ServerConfig) -> None:

@@ -39,9 +39,10 @@ class CpuPlacement:
     engine: Cpus  # the step loop and its torch threads (the engine-core process, when separate)
     api: Cpus  # HTTP front end, grammar-compile and adapter-loader processes
 
-    def line(self, separate: bool) -> str:
+    def line(self, separate: bool, engines: int = 1) -> str:
         if separate:
-            return (f"cpu placement: engine-core process on cores {format_cpu_list(self.engine)}; HTTP front end, "
+            who = "engine-core process" if engines == 1 else f"{engines} engine-core processes (a share each)"
+            return (f"cpu placement: {who} on cores {format_cpu_list(self.engine)}; HTTP front end, "
                     f"grammar compiles, adapter loaders and Redis on cores {format_cpu_list(self.api)}")
         return (f"cpu placement: server process (HTTP and the engine's step loop, one interpreter) on cores "
                 f"{format_cpu_list(self.engine)}; grammar compiles, adapter loaders and Redis on cores "

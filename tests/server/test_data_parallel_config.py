@@ -51,3 +51,8 @@ def test_the_automatic_split_shares_the_cores_when_the_engine_needs_them_all():
     assert plan_placement(None, None, (0, 1)) == CpuPlacement(engine=(0,), api=(1,))
     assert plan_placement(None, None, tuple(range(8)), engine_groups=2) == CpuPlacement(engine=tuple(range(6)),
                                                                                         api=(6, 7))
+
+
+def test_the_placement_line_names_the_engine_cores():
+    line = CpuPlacement(engine=(0, 1), api=(0, 1)).line(separate=True, engines=2)
+    assert line.startswith("cpu placement: 2 engine-core processes (a share each) on cores 0-1;")
