@@ -10,8 +10,8 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, ENGINE_PROCESSES, MAX_LORA_RANK,
-                           MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError, ServerConfig)
+from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, DATA_PARALLEL_ROUTINGS, ENGINE_PROCESSES,
+                           MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError, ServerConfig)
 from server.default_model import DefaultModelMissing, announce as announce_default_model
 from server.gguf_reader import GGUFError
 from server.startup_checks import check_before_model
@@ -210,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="front-end processes (HTTP, auth, tokenizing, SSE) sharing the port and one engine core, "
                         "each with its own channel to it; N > 1 needs --engine-process separate "
                         "(docs/serving.md) (default 1)")
+    s.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="vLLM's: N engine-core processes behind the front end, each on its share of the engine's "
+                        "cores with its own KV cache, adapter slots and host tier; a request goes to the core "
+                        "its adapter is resident on, then by load. N > 1 needs --engine-process separate "
+                        "(docs/scaling.md) (default 1)")
+    s.add_argument("--data-parallel-routing", choices=DATA_PARALLEL_ROUTINGS, default="affinity",
+                   help="with --data-parallel-size: affinity (the adapter's core, a free slot, least loaded) or "
+                        "round-robin (for comparison) (default affinity)")
     s.add_argument("--quantization", metavar="int8|int4|fp8|gptq",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
                         "per-output-channel scales (a C++ kernel on AVX2 CPUs, a Triton one on GPUs); int4 is "
@@ -434,7 +442,7 @@ def place_cpus_of(config: ServerConfig) -> None:
     for child in psutil.Process().children(recursive=True):  # an embedded Redis started before this
         with contextlib.suppress(OSError, psutil.Error):
             pin_process(child.pid, placement.api)
-    logging.getLogger("server").info(placement.line(separate=separate))
+    logging.getLogger("server").info(placement.line(separate=separate, engines=config.data_parallel_size))
 
 
 def prepare_model(config: ServerConfig) -> None:

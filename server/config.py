@@ -27,6 +27,7 @@ AUTO_PREFILL_CAP = "auto"
 # --engine-process: the engine's step loop on a thread here (the default for now), or an engine-core
 # process of its own (server.engine.core).
 ENGINE_PROCESSES = ("in-process", "separate")
+DATA_PARALLEL_ROUTINGS = ("affinity", "round-robin")
 ENGINE_RESTART_WINDOW_S = 60.0  # --engine-restart-limit counts the restarts within this window
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser: server.api.tool_parsers
 # On a 2-core CPU a 256-token chunk of the demo model's prompt keeps a decoding stream's worst gap under a
@@ -159,6 +160,10 @@ class ServerConfig:
     engine_restart_limit: int = 3
     # --api-server-count: front-end processes sharing the port and one engine core (server.front_ends).
     api_server_count: int = 1
+    # --data-parallel-size / --data-parallel-routing: engine-core processes behind the front end, each on
+    # its share of the engine's cores (server.engine.data_parallel); DATA_PARALLEL_ROUTINGS.
+    data_parallel_size: int = 1
+    data_parallel_routing: str = "affinity"
     # Set by the parent of several front ends in each one it spawns: which one this is (0 runs the
     # start-up writes and the store's upkeep) and the running core's input socket to attach to.
     front_end_index: int = 0
@@ -264,6 +269,7 @@ class ServerConfig:
         if self.api_server_count > 1 and self.engine_process != "separate":
             raise ConfigError(f"--api-server-count {self.api_server_count} needs --engine-process separate "
                               f"(front ends share one engine core; got --engine-process {self.engine_process})")
+        self._check_data_parallel()
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")
         cap = self.max_prefill_tokens_while_decoding
@@ -350,6 +356,30 @@ class ServerConfig:
             if not is_gguf(self.model):
                 raise ConfigError(f"--model {self.model}: neither a Hugging Face model dir (no config.json there) "
                                   f"nor a GGUF file (use `{DEMO_MODEL_FLAG}` for the built-in random-weight model)")
+
+    def _check_data_parallel(self) -> None:
+        """--data-parallel-size: the combinations built (several engine-core processes behind one front
+        end); every other is refused in one line rather than accepted and ignored."""
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or dp < 1:
+            raise ConfigError(f"--data-parallel-size must be >= 1, got {dp!r}")
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTINGS:
+            raise ConfigError(f"--data-parallel-routing must be one of {', '.join(DATA_PARALLEL_ROUTINGS)}, "
+                              f"got {self.data_parallel_routing!r}")
+        if dp == 1:
+            return
+        if self.engine_process != "separate":
+            raise ConfigError(f"--data-parallel-size {dp} needs --engine-process separate (each engine core is a "
+                              f"process of its own; got --engine-process {self.engine_process})")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(f"--data-parallel-size {dp} does not combine with --tensor-parallel-size "
+                              f"{self.tensor_parallel_size} yet")
+        if self.api_server_count > 1:
+            raise ConfigError(f"--data-parallel-size {dp} does not combine with --api-server-count "
+                              f"{self.api_server_count} yet (one front end routes over the engine cores)")
+        if self.cpu_placement is not None and len(self.cpu_placement.engine) < dp:
+            raise ConfigError(f"--data-parallel-size {dp} needs at least {dp} engine cores, one per engine-core "
+                              f"process; the engine side has {len(self.cpu_placement.engine)} (--engine-cpus)")
 
     def source_policy(self):
         """What tenants may register adapters from (adapters.sources.SourcePolicy)."""
@@ -439,6 +469,8 @@ class ServerConfig:
             engine_restart=_given(args, "engine_restart", True),
             engine_restart_limit=_given(args, "engine_restart_limit", 3),
             api_server_count=getattr(args, "api_server_count", 1),
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
+            data_parallel_routing=getattr(args, "data_parallel_routing", "affinity"),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             cpu_placement=_cpu_placement(args),
             quantization=getattr(args, "quantization", None),
@@ -504,7 +536,8 @@ def _cpu_placement(args) -> "CpuPlacement | None":
 
     try:
         return plan_placement(getattr(args, "engine_cpus", None), getattr(args, "api_cpus", None), allowed_cpus(),
-                              automatic=getattr(args, "engine_process", "in-process") == "separate")
+                              automatic=getattr(args, "engine_process", "in-process") == "separate",
+                              engine_groups=getattr(args, "data_parallel_size", 1))
     except CpuPlacementError as e:
         raise ConfigError(str(e)) from None
 

@@ -39,9 +39,10 @@ class CpuPlacement:
     engine: Cpus  # the step loop and its torch threads (the engine-core process, when separate)
     api: Cpus  # HTTP front end, grammar-compile and adapter-loader processes
 
-    def line(self, separate: bool) -> str:
+    def line(self, separate: bool, engines: int = 1) -> str:
         if separate:
-            return (f"cpu placement: engine-core process on cores {format_cpu_list(self.engine)}; HTTP front end, "
+            who = "engine-core process" if engines == 1 else f"{engines} engine-core processes (a share each)"
+            return (f"cpu placement: {who} on cores {format_cpu_list(self.engine)}; HTTP front end, "
                     f"grammar compiles, adapter loaders and Redis on cores {format_cpu_list(self.api)}")
         return (f"cpu placement: server process (HTTP and the engine's step loop, one interpreter) on cores "
                 f"{format_cpu_list(self.engine)}; grammar compiles, adapter loaders and Redis on cores "
@@ -67,13 +68,18 @@ def _cores(flag: str, text: str, allowed: Cpus) -> Cpus:
 
 
 def plan_placement(engine_cpus: str | None, api_cpus: str | None, allowed: Cpus,
-                   automatic: bool = True) -> CpuPlacement | None:
+                   automatic: bool = True, engine_groups: int = 1) -> CpuPlacement | None:
     """The placement the flags (None: not given) ask for on `allowed` cores, or with neither flag the
-    automatic split where `automatic` (an engine-core process of its own); None: nothing pinned."""
+    automatic split where `automatic` (an engine-core process of its own); None: nothing pinned.
+    `engine_groups`: --data-parallel-size, engine cores that each need a core of their own: where the
+    split leaves fewer engine cores than that, the engine side takes every core and the front end
+    shares them (a 2-core machine at DP 2: one core per engine core)."""
     if engine_cpus is None and api_cpus is None:
         if not automatic or len(allowed) < 2:
             return None
         split = len(allowed) - max(1, len(allowed) // API_SHARE)
+        if split < engine_groups:
+            return CpuPlacement(engine=allowed, api=allowed)
         return CpuPlacement(engine=allowed[:split], api=allowed[split:])
     engine = _cores("--engine-cpus", engine_cpus, allowed) if engine_cpus is not None else None
     api = _cores("--api-cpus", api_cpus, allowed) if api_cpus is not None else None

@@ -15,6 +15,7 @@ from adapters.registry_fetch import registry_fetch
 from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
 from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
+from server.engine.data_parallel.launch import build_data_parallel
 from server.engine.protocol.client import EngineClient
 from server.engine.async_engine import InProcessEngineClient
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
@@ -31,6 +32,11 @@ def core_launch(config: ServerConfig, engine: EngineConfig, redis_url: str, shap
         loader_cpus=config.cpu_placement.api if config.cpu_placement is not None else None)
 
 
+def restart_policy(config: ServerConfig) -> RestartPolicy | None:
+    """--engine-restart's policy for one engine core (each data-parallel core has its own)."""
+    return RestartPolicy(config.engine_restart_limit, ENGINE_RESTART_WINDOW_S) if config.engine_restart else None
+
+
 def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: str, shape: ModelShape,
                   registry: AdapterRegistry, pager: LoaderPool | None, client: redis.Redis) -> EngineClient:
     """The engine client --engine-process asks for (blocking: the weights load, here or in the core);
@@ -38,10 +44,12 @@ def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: s
     if config.engine_address is not None:
         return RemoteEngineClient.attach(core_launch(config, engine, redis_url, shape, pager is not None),
                                          config.engine_address)
+    if config.data_parallel_size > 1:
+        return build_data_parallel(config, engine,
+                                   lambda one: core_launch(config, one, redis_url, shape, pager is not None),
+                                   lambda: restart_policy(config))
     if config.engine_process == "separate":
-        return RemoteEngineClient.build(
-            core_launch(config, engine, redis_url, shape, pager is not None),
-            restarts=RestartPolicy(config.engine_restart_limit, ENGINE_RESTART_WINDOW_S) if config.engine_restart
-            else None)
+        return RemoteEngineClient.build(core_launch(config, engine, redis_url, shape, pager is not None),
+                                        restarts=restart_policy(config))
     return InProcessEngineClient.build(engine, registry_fetch(registry, shape, config.max_lora_rank, pager),
                                        DoraScaleStore(client, prefix=config.redis_prefix))

@@ -236,6 +236,20 @@ class EnginePoint(BaseModel):
     kv_blocks_total: int
 
 
+class EngineCoreView(BaseModel):
+    """One engine core of --data-parallel-size (server.api.admin_views.engine_core_view)."""
+    engine: int
+    healthy: bool
+    error: str | None
+    restarts: int
+    routed: int  # requests routed to it since start
+    running: int
+    waiting: int
+    kv_blocks: dict[str, int]
+    slots: dict[str, int | float | None]
+    host: dict[str, int]
+
+
 class EngineView(BaseModel):
     healthy: bool
     error: str | None
@@ -259,4 +273,5 @@ class EngineView(BaseModel):
     # method (None: off), verify steps, drafts verified and accepted (also per draft position), acceptance
     # rate, mean accepted length and steps skipped by disable_by_batch_size (server.api.admin_views)
     speculative_decoding: dict[str, str | int | float | list[int] | None]
+    engines: list[EngineCoreView] = []  # --data-parallel-size: each core's own (the fields above sum them)
     history: list[EnginePoint]

@@ -12,7 +12,7 @@ from server.api.errors import APIError, not_found
 from server.api.metrics import hit_rate
 from server.api.state import ServerState
 from server.api.usage_report import int_param, usage_report
-from server.engine.protocol import KvBlockStats, SpecDecodeStats, UnifiedPool
+from server.engine.protocol import EngineCoreReport, KvBlockStats, SpecDecodeStats, UnifiedPool
 from tenants import Tenant
 
 MAX_PAGE = 500
@@ -128,7 +128,19 @@ async def engine(request: Request) -> Response:
         # DoRA scales: computed against the base, or read from Redis (server.engine.lora.dora_scale_cache).
         "dora_scales": snapshot.dora_scales,
         "speculative_decoding": speculative_view(s.speculative),
+        # --data-parallel-size: each engine core's own (the sections above are their sums); [] for one engine.
+        "engines": [engine_core_view(core) for core in state.engine.engine_cores()],
         "history": list(state.history.points)})
+
+
+def engine_core_view(core: EngineCoreReport) -> dict:
+    s = core.snapshot.stats
+    return {"engine": core.index, "healthy": core.healthy, "error": core.error, "restarts": core.restarts,
+            "routed": core.routed, "running": s.scheduler.running, "waiting": s.scheduler.waiting,
+            "kv_blocks": {"used": s.kv_blocks.used, "total": s.kv_blocks.total},
+            "slots": {"used": s.slots.resident, "total": core.max_loras, "hits": s.slots.hits,
+                      "misses": s.slots.loads, "hit_rate": hit_rate(s.slots.hits, s.slots.loads)},
+            "host": {"adapters": s.host.adapters, "hits": s.host.hits, "misses": s.host.misses}}
 
 
 def speculative_view(spec: SpecDecodeStats) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from server.api.engine_core_metrics import EngineCoreMetrics
 from server.api.store_tally import StoreTally
 from server.api.vllm_metrics import VllmMetrics
 from server.engine.protocol import EngineStats, LoadTimes
@@ -109,6 +110,7 @@ class Metrics:
         # series: Prometheus already labels each scrape target, and a join on this one names it.
         self.replica = Info("loraplex_replica", "Which replica this is, and what it serves", registry=r)
         self.vllm = VllmMetrics(r)
+        self.cores = EngineCoreMetrics(r)  # --data-parallel-size's cores, one `engine` label each
 
     def observe_engine(self, s: EngineStats) -> None:
         self.queue_depth.set(s.scheduler.waiting)

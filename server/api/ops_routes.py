@@ -57,6 +57,7 @@ async def metrics(request: Request) -> Response:
                                    loraplex_version())
     stats = state.engine.stats()
     state.metrics.observe_engine(stats)
+    state.metrics.cores.observe(state.engine.engine_cores(), state.model_id)
     tiers = await _adapter_tiers(state)
     await run_in_threadpool(state.metrics.vllm.observe, stats, tiers, state.engine.info, state.model_id,
                             lambda v: adapter_label(state.registry.get_version(v)))

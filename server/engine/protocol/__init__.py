@@ -5,6 +5,7 @@ it over the step loop in this process. Import that one from its module: this pac
 messages, which carry no engine internals.
 """
 from server.engine.protocol.client import EngineClient
+from server.engine.protocol.cores import EngineCoreReport
 from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.outputs import OutputStream, RequestOutput, TokenLogprobs
@@ -15,6 +16,6 @@ from server.engine.block_manager import KvBlockStats  # EngineStats.kv_blocks's 
 from server.engine.scheduler import SpecDecodeStats  # EngineStats.speculative's type
 from server.engine.unified_memory import UnifiedPool  # KvPoolInfo.unified's type (--unified-memory)
 
-__all__ = ["AdapterTiers", "EngineClient", "EngineDeadError", "EngineInfo", "EngineRequest", "EngineSnapshot",
-           "EngineStats", "KvBlockStats", "LoadTimes", "OutputStream", "RequestError", "RequestOutput", "SpecDecodeStats",
-           "TokenLogprobs", "UnifiedPool"]
+__all__ = ["AdapterTiers", "EngineClient", "EngineCoreReport", "EngineDeadError", "EngineInfo", "EngineRequest",
+           "EngineSnapshot", "EngineStats", "KvBlockStats", "LoadTimes", "OutputStream", "RequestError", "RequestOutput",
+           "SpecDecodeStats", "TokenLogprobs", "UnifiedPool"]

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from server.engine.llm_engine import EngineStats
+from server.engine.protocol.cores import EngineCoreReport
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.outputs import OutputStream
 from server.engine.protocol.request import EngineRequest
@@ -131,6 +132,10 @@ class EngineClient(ABC):
     @abstractmethod
     def snapshot(self) -> EngineSnapshot:
         """stats() and the engine's other published counters."""
+
+    def engine_cores(self) -> list[EngineCoreReport]:
+        """Each engine core's own report where there are several (data parallel); [] for one engine."""
+        return []
 
     @abstractmethod
     def take_load_times(self) -> LoadTimes:

@@ -291,6 +291,11 @@ class RemoteEngineClient(EngineClient):
     async def adapter_tiers(self) -> AdapterTiers:
         return AdapterTiers.of(await self._ask("adapter_tiers"))
 
+    def adapter_tiers_future(self) -> concurrent.futures.Future:
+        """adapter_tiers() for a thread off the event loop (the data-parallel router's refresh): the
+        core's reply, AdapterTiers.of it."""
+        return self._call("adapter_tiers")
+
     def held_adapter_versions(self, timeout: float) -> set[str]:
         return set(self._call("held_versions").result(timeout=timeout))
 

@@ -149,8 +149,9 @@ def test_engine_view_and_history(api_server):
     # The view's shape is public (the console reads it); EngineStats nests differently.
     assert {k: sorted(v) for k, v in view.items() if k in STATS_SECTIONS} == STATS_SECTIONS
     assert {"healthy", "error", "running", "waiting", "preemptions", "kv_cache", "base_weights", "dora_scales",
-            "history", "memory_pool"} | set(STATS_SECTIONS) == set(view)
+            "engines", "history", "memory_pool"} | set(STATS_SECTIONS) == set(view)
     assert view["memory_pool"] is None  # no --unified-memory (tests/server/api/test_api_unified_memory.py)
+    assert view["engines"] == []  # one engine: no per-core section (--data-parallel-size: test_api_data_parallel)
     assert view["kv_cache"] == {"dtype": "float32", "requested_dtype": "auto", "blocks": 64, "block_size": 16,
                                 "tokens": 1024, "bytes": api_server.state.engine.info.kv_pool.bytes}
     # (That these bytes are the tensors' own: tests/server/engine/test_quantized_memory.py.)
