@@ -13,7 +13,7 @@ from server.engine.data_parallel.client import DataParallelEngineClient
 from server.engine.data_parallel.router import Router
 from server.engine.protocol.residency import AdapterTiers
 from server.engine.protocol.request import EngineRequest
-from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.unit
 
