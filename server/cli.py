@@ -194,14 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'; the output is the plain engine\'s '
                         '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory), '
                         'draft_model ("model": a smaller model with the same vocabulary) (default off)')
-    s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="in-process",
-                   help="where the engine runs: in-process (its step loop on a thread of the server process) or "
-                        "separate (an engine-core process of its own, reached over ZMQ: HTTP, tokenizing and "
-                        "SSE no longer share its interpreter; a dead one is restarted, see --engine-restart) "
-                        "(default in-process)")
+    s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="separate",
+                   help="where the engine runs: separate (an engine-core process of its own, reached over ZMQ: "
+                        "HTTP, tokenizing and SSE do not share its interpreter; a dead one is restarted, see "
+                        "--engine-restart) or in-process (its step loop on a thread of the server process) "
+                        "(default separate)")
     s.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --engine-process separate: start a new engine core when it dies (open streams end "
-                        "with an SSE error, new requests get 503 + Retry-After and /health 503 until it is "
+                   help="with --engine-process separate (the default): start a new engine core when it dies "
+                        "(open streams end with an SSE error, new requests get 503 + Retry-After and /health 503 until it is "
                         "ready); --no-engine-restart exits the server with status 1 instead (default on)")
     s.add_argument("--engine-restart-limit", type=_positive_int, default=None, metavar="N",
                    help="the crash-loop limit of --engine-restart: after N restarts within 60 s the next death "
@@ -517,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_before_model(args, os.environ, held)
             config = ServerConfig.from_args(args)
+            if config.engine_process == "separate":
+                # Forked here, before any thread: the engine core's imports are this process's own.
+                from server.engine.core.reserved import reserve_core
+
+                held.enter_context(reserve_core(close=(sock.fileno(),)))
             prepare_model(config)
         except (ConfigError, DefaultModelMissing, GGUFError) as e:
             print(f"loraplex: error: {e}", file=sys.stderr)

@@ -24,8 +24,8 @@ _TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
 AUTO_PREFILL_CAP = "auto"
-# --engine-process: the engine's step loop on a thread here (the default for now), or an engine-core
-# process of its own (server.engine.core).
+# --engine-process: an engine-core process of its own (server.engine.core, the default), or the engine's
+# step loop on a thread here (the LLM API's way, and tests that read the engine's objects).
 ENGINE_PROCESSES = ("in-process", "separate")
 DATA_PARALLEL_ROUTINGS = ("affinity", "round-robin")
 ENGINE_RESTART_WINDOW_S = 60.0  # --engine-restart-limit counts the restarts within this window
@@ -151,9 +151,9 @@ class ServerConfig:
     speculative_config: str | None = None  # --speculative-config: JSON (server.engine.speculative_config)
     tensor_parallel_size: int = 1         # --tensor-parallel-size: ranks over gloo (server.engine.parallel)
     fully_sharded_loras: bool = False     # --fully-sharded-loras: A split by rank rows under TP
-    # --engine-process: the engine in this process's step-loop thread, or in an engine-core process of
-    # its own (server.engine.core); ENGINE_PROCESSES.
-    engine_process: str = "in-process"
+    # --engine-process: the engine in an engine-core process of its own (server.engine.core), or in this
+    # process's step-loop thread; ENGINE_PROCESSES.
+    engine_process: str = "separate"
     # --engine-restart / --engine-restart-limit (separate only): a dead engine core is started again
     # unless engine_restart_limit restarts happened within ENGINE_RESTART_WINDOW_S; then the server exits 1.
     engine_restart: bool = True
@@ -465,7 +465,7 @@ class ServerConfig:
             speculative_config=getattr(args, "speculative_config", None),
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
             fully_sharded_loras=getattr(args, "fully_sharded_loras", False),
-            engine_process=getattr(args, "engine_process", "in-process"),
+            engine_process=getattr(args, "engine_process", "separate"),
             engine_restart=_given(args, "engine_restart", True),
             engine_restart_limit=_given(args, "engine_restart_limit", 3),
             api_server_count=getattr(args, "api_server_count", 1),
@@ -520,7 +520,7 @@ def _given(args, name: str, default):
 def _refuse_restart_flags_in_process(args) -> None:
     """--engine-restart and its limit act on an engine-core process: given without one, they would be
     accepted and ignored."""
-    if getattr(args, "engine_process", "in-process") == "separate":
+    if getattr(args, "engine_process", "separate") == "separate":
         return
     for flag, name in (("--engine-restart/--no-engine-restart", "engine_restart"),
                        ("--engine-restart-limit", "engine_restart_limit")):
@@ -536,7 +536,7 @@ def _cpu_placement(args) -> "CpuPlacement | None":
 
     try:
         return plan_placement(getattr(args, "engine_cpus", None), getattr(args, "api_cpus", None), allowed_cpus(),
-                              automatic=getattr(args, "engine_process", "in-process") == "separate",
+                              automatic=getattr(args, "engine_process", "separate") == "separate",
                               engine_groups=getattr(args, "data_parallel_size", 1))
     except CpuPlacementError as e:
         raise ConfigError(str(e)) from None

@@ -282,7 +282,11 @@ def make_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, r:
                         use_rslora=spec.use_rslora, rank_pattern=dict(spec.rank_pattern or {}),
                         alpha_pattern=dict(spec.alpha_pattern or {}), init_lora_weights=False,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_dora=spec.use_dora)
-    model = get_peft_model(base, config)
+    # PEFT draws its own A and B from the global RNG, and a DoRA magnitude vector is ||W + s B A|| of
+    # those: seeded here (and the caller's RNG left as it was), so the adapter is the seed's alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = get_peft_model(base, config)
     _decisive_lora_init(model, spec.seed)
     out = Path(out_dir)
     model.save_pretrained(out)

@@ -103,5 +103,6 @@ def test_first_start_and_stop(tmp_path):
     stderr = err.read_text()
     assert status == 0 and not NOISE.search(stderr) and not NOISE.search(out.read_text()), stderr
     assert stderr.count("SIGTERM received: stopping (running requests get 7.5 s;") == 1
-    # one line per start stage: each of loraplex's own, nothing from uvicorn's lifecycle
-    assert all(line.startswith("loraplex: ") for line in stderr.splitlines()), stderr
+    # one line per start stage: each of loraplex's own (the server's or its engine core's), nothing from
+    # uvicorn's lifecycle
+    assert all(line.startswith(("loraplex: ", "loraplex engine core: ")) for line in stderr.splitlines()), stderr

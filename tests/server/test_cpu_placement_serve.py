@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from server.bench.server_proc import ServerProcess
+from server.engine.core.process import PROCESS_NAME as CORE_PROCESS_NAME
 from tests.fixtures_server import api_redis_url
 from tests.repo import ROOT_DIR as ROOT
 
@@ -54,13 +55,14 @@ def test_each_process_ends_on_its_sides_cores(mode, redis_server, tiny_model_dir
         _constrained_request(srv)
         server = psutil.Process(srv.proc.pid)
         descendants = server.children(recursive=True)
-        core = [p for p in descendants if "server.engine.core" in " ".join(p.cmdline())]
+        core = [p for p in descendants if p.name() == CORE_PROCESS_NAME]  # forked by serve: the CLI's cmdline
         threads = _allowed(srv.proc.pid)
         if mode == "in-process":  # HTTP and the step loop share one GIL: they stay together
             assert not core
             assert set(threads.values()) == {"0"}, threads
         else:
             assert len(core) == 1
+            assert "server.engine.core" not in core[0].cmdline()  # forked by serve, torch imported once
             assert set(threads.values()) == {"1"}, threads  # the front end
             assert set(_allowed(core[0].pid).values()) == {"0"}, _allowed(core[0].pid)
         front = [p for p in descendants if p not in core]

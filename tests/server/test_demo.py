@@ -75,6 +75,20 @@ def test_same_args_same_bytes_and_seed_matters(tmp_path):
     assert (x / "adapter_model.safetensors").read_bytes() == (y / "adapter_model.safetensors").read_bytes()
 
 
+def test_a_dora_adapter_is_its_seeds_alone(tmp_path):
+    """PEFT's DoRA magnitudes are the norms of the A and B it draws from the global RNG: seeded by make_adapter,
+    or every test session served another adapter (a 6th token that was EOS 1 run in 5 of test_api_dora)."""
+    model = make_base_model(tmp_path / "m", "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=128)
+    x = make_adapter(model, tmp_path / "x", r=4, seed=3, use_dora=True)
+    torch.rand(1000)  # the global RNG moved on, as other fixtures move it
+    y = make_adapter(model, tmp_path / "y", r=4, seed=3, use_dora=True)
+    assert (x / "adapter_model.safetensors").read_bytes() == (y / "adapter_model.safetensors").read_bytes()
+    state = torch.random.get_rng_state()
+    make_adapter(model, tmp_path / "z", r=4, seed=3, use_dora=True)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG is left alone
+
+
 def test_ensure_demo_is_idempotent_and_repairs_partial_dirs(demo_paths, tmp_path):
     before = {p: p.stat().st_mtime_ns for p in demo_paths.model_dir.iterdir()}
     again = ensure_demo(demo_paths.model_dir.parent)

@@ -29,6 +29,13 @@ def test_restart_flags_without_an_engine_core_process_are_refused_not_ignored(tm
         _config(tmp_path, "--engine-process", "in-process", *flags)
 
 
+def test_the_engine_core_process_is_the_default_so_the_restart_flags_need_no_other(tmp_path):
+    config = _config(tmp_path, "--no-engine-restart", "--engine-restart-limit", "2")
+    assert (config.engine_process, config.engine_restart, config.engine_restart_limit) == ("separate", False, 2)
+    assert ServerConfig(data_dir=tmp_path, admin_token="x" * 16).engine_process == "separate"
+    assert _config(tmp_path, "--engine-process", "in-process").engine_process == "in-process"
+
+
 def test_a_limit_below_1_is_refused_naming_the_flag(tmp_path):
     with pytest.raises(SystemExit):
         _config(tmp_path, "--engine-restart-limit", "0")

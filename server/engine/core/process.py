@@ -9,11 +9,16 @@ Fatal message and exit status 1.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import queue
+import signal
+import sys
 import threading
 from functools import partial
 
+import msgspec
 import redis
 import zmq
 
@@ -33,8 +38,32 @@ from server.engine.protocol.info import engine_info
 
 log = logging.getLogger(__name__)
 
+# The core's process name (ps, top, psutil's name()): a forked core's command line is the CLI's.
+PROCESS_NAME = "loraplex-core"
+PR_SET_NAME = 15  # prctl(2)
 REDIS_TIMEOUT_SECONDS = 5.0  # as the front end's (server.api.state): a stuck Redis fails a load, not the core
 FLUSH_SECONDS = 2.0
+
+
+def core_main(raw_launch: bytes) -> int:
+    """An engine-core process's life from its msgpack CoreLaunch: spawned (`python -m server.engine.core`,
+    from stdin) or forked by `serve` (server.engine.core.reserved, from a pipe)."""
+    # The front end owns the core's lifecycle: on SIGINT/SIGTERM it drains its requests, then sends
+    # shutdown. A supervisor that signals every process of the group (systemd's control-group kill)
+    # must not end the core under requests still draining; it exits anyway once its front end is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the name stays python's
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, PROCESS_NAME.encode(), 0, 0, 0)
+    launch = msgspec.msgpack.decode(raw_launch, type=CoreLaunch)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("loraplex engine core: %(message)s"))
+    root = logging.getLogger("server")
+    for inherited in list(root.handlers):  # a forked core has the CLI's "loraplex:" one
+        root.removeHandler(inherited)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return run_core(launch, os.getpid())
 
 
 def run_core(launch: CoreLaunch, pid: int) -> int:

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.bench.server_proc import ServerProcess
 from server.demo import make_base_model
+from server.engine.core.process import PROCESS_NAME as CORE_PROCESS_NAME
 from tests.fixtures_server import api_redis_url, read_sse, running_server, server_config
 
 ADAPTERS = ("r4_qv", "r8_all", "r16_rslora")
@@ -165,7 +166,7 @@ def _cli_split_server(redis_server, tmp_path, *flags: str):
         key = httpx.post(f"{srv.url}/admin/tenants/k/keys", headers=admin).json()["key"]
         auth = {"Authorization": f"Bearer {key}"}
         model = httpx.get(f"{srv.url}/v1/models", headers=auth).json()["data"][0]["id"]
-        core = [p for p in psutil.Process(srv.proc.pid).children() if "server.engine.core" in " ".join(p.cmdline())]
+        core = [p for p in psutil.Process(srv.proc.pid).children() if p.name() == CORE_PROCESS_NAME]
         assert len(core) == 1
         yield srv, auth, model, core[0]
 

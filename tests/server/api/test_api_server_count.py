@@ -21,6 +21,7 @@ import httpx
 import psutil
 
 from server.embedded_redis.server import free_port
+from server.engine.core.process import PROCESS_NAME as CORE_PROCESS_NAME
 from tests.fixtures_server import read_sse
 from tests.repo import ROOT_DIR as ROOT
 from tests.server.test_cli_start_stop import _start, _stop
@@ -134,7 +135,7 @@ def test_two_front_ends_share_one_core(tmp_path):
 
 
 def _core_pid(parent: int) -> int:
-    cores = [c for c in psutil.Process(parent).children() if "server.engine.core" in c.cmdline()]
+    cores = [c for c in psutil.Process(parent).children() if c.name() == CORE_PROCESS_NAME]
     assert len(cores) == 1, cores
     return cores[0].pid
 
@@ -165,7 +166,8 @@ def test_the_parent_restarts_a_killed_core_for_every_front_end(tmp_path):
 
 def test_more_than_one_front_end_needs_a_separate_core(tmp_path):
     r = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", "demo", "--port", str(free_port()),
-                        "--data-dir", str(tmp_path / "data"), "--api-server-count", "2"],
+                        "--data-dir", str(tmp_path / "data"), "--api-server-count", "2",
+                        "--engine-process", "in-process"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
