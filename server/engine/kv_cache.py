@@ -109,13 +109,15 @@ class KvPoolInfo:
     """What /admin/engine shows of the pool: its dtype (kv_cache_dtype_label) and capacity."""
 
     dtype: str
-    blocks: int
+    blocks: int  # of one KV layer group's layers where the model has several (server.engine.kv_groups)
     block_size: int
     bytes: int
+    groups: int = 1  # KV layer groups
 
     @property
     def tokens(self) -> int:
-        return self.blocks * self.block_size
+        """Token positions of every layer the pool holds."""
+        return self.blocks * self.block_size // self.groups
 
 
 def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device, cache_dtype=None,
@@ -131,7 +133,8 @@ def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype,
     if groups is not None:  # one tensor per place in a group, shared by that place's layer of every group
         caches = [caches[slot] for slot in groups.layer_slot]
     info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.block_size,
-                      blocks * pool_block_bytes(mcfg, cfg.block_size, cache_dtype))
+                      blocks * pool_block_bytes(mcfg, cfg.block_size, cache_dtype),
+                      mcfg.num_layers // pool_layers(mcfg))
     return caches, info
 
 
