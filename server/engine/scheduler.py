@@ -80,9 +80,9 @@ from dataclasses import dataclass, field
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager, PrefixCache
 from server.engine.config import ModelConfig
-from server.engine.group_blocks import GroupedPrefixCache, KvTables
 from server.engine.draft_length import DraftLength
 from server.engine.draft_model_proposer import DraftModelProposer, DraftRequest
+from server.engine.group_blocks import GroupedPrefixCache, KvTables
 from server.engine.lora.alora import adapter_from
 from server.engine.lora.slot_share import SlotShare
 from server.engine.lora.slots import LoraSlots
