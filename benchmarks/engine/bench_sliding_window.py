@@ -34,15 +34,21 @@ import torch
 from server.demo import make_base_model
 from server.engine import LLM, SamplingParams
 from server.engine.block_manager import FREED
+from server.engine.config import ModelConfig
+from server.engine.kv_cache import held_blocks, pool_layers
 from server.engine.sliding_window import sequence_blocks
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-# label -> (arch, layers, its window config, KV pool in windows' blocks; None: room for the whole conversation)
+# label -> (arch, layers, its window config, KV pool in windows' blocks; None: room for the whole conversation;
+# HELD: what one conversation holds at most over its KV layer groups, and a block)
+HELD = "held"
 MODELS = {
     "mistral (every layer windowed)": ("mistral", 2, lambda w: {"sliding_window": w}, None),
     "mistral, pool of 1.25 windows": ("mistral", 2, lambda w: {"sliding_window": w}, 1.25),
     "gemma2 (sliding + global layers)": ("gemma2", 2, lambda w: {"sliding_window": w,
                                                                  "layer_types": [SLIDING, FULL]}, None),
+    "gemma2, pool of what it holds": ("gemma2", 2, lambda w: {"sliding_window": w,
+                                                              "layer_types": [SLIDING, FULL]}, HELD),
     "gemma3 (5 sliding : 1 global)": ("gemma3", 6, lambda w: {"sliding_window": w,
                                                               "layer_types": [SLIDING] * 5 + [FULL]}, None),
 }
@@ -130,14 +136,21 @@ def main() -> None:
             # Room for the whole conversation (an interleaved model's global layers need it), or a pool of
             # pool_x windows, which an all-windowed conversation of any length runs in. kv_cache_blocks counts
             # blocks of every layer: an interleaved model's pool has as many bytes in its groups' blocks.
-            blocks = (-(-max_len // b) + 8 if pool_x is None else
-                      max(int(pool_x * window_blocks), sequence_blocks(max_len, b, args.window, args.chunk) + 1))
+            # HELD: the pool (blocks of every layer) that has room for what the conversation holds in its groups.
+            mcfg = ModelConfig.from_dir(model_dir)
+            if pool_x is None:
+                blocks = -(-max_len // b) + 8
+            elif pool_x == HELD:
+                blocks = -(-held_blocks(mcfg, max_len, b, args.chunk) * pool_layers(mcfg) // mcfg.num_layers) + 1
+            else:
+                blocks = max(int(pool_x * window_blocks), sequence_blocks(max_len, b, args.window, args.chunk) + 1)
             llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_blocks=blocks,
                       max_model_len=max_len, max_num_batched_tokens=args.chunk, block_size=b, max_loras=1)
             llm.engine.set_prefix_cache_policy(True)
             row = conversation(llm, args.window, args.length_x, args.user, args.reply, seed=0)
             row["kv_window"] = llm.engine.model_config.kv_window
             row["pool_blocks"] = blocks
+            row["pool_x_conversation"] = blocks / -(-max_len // b)  # of every layer's blocks for the whole length
             row["preemptions"] = llm.engine.stats().scheduler.preemptions
             row["decode_peak_x_window"] = row["decode_peak_blocks"] / window_blocks
             row["peak_x_window"] = row["peak_blocks"] / window_blocks
@@ -148,11 +161,11 @@ def main() -> None:
           f"turns of {args.user} user + {args.reply} generated tokens; chunks of {args.chunk}")
     print("windowed tables' peaks (the peak over a model's windowed groups); per group while decoding, global "
           "first; KV held in layer-blocks against every layer's whole length")
-    print(f"{'model':<34} {'pool':>5} {'decode peak':>12} {'x window':>9} {'peak (chunks)':>14} {'x window':>9} "
+    print(f"{'model':<34} {'pool':>5} {'x conv':>7} {'decode peak':>12} {'x window':>9} {'peak (chunks)':>14} {'x window':>9} "
           f"{'hit tokens':>11} {'preempted':>10} {'per group':>24} {'KV x all layers':>16}")
     for label, r in rows.items():
         groups = "/".join(map(str, r["decode_peak_blocks_per_group"]))
-        print(f"{label:<34} {r['pool_blocks']:>5} {r['decode_peak_blocks']:>12} {r['decode_peak_x_window']:>9.3f} "
+        print(f"{label:<34} {r['pool_blocks']:>5} {r['pool_x_conversation']:>7.3f} {r['decode_peak_blocks']:>12} {r['decode_peak_x_window']:>9.3f} "
               f"{r['peak_blocks']:>14} {r['peak_x_window']:>9.3f} {r['prefix_hit_tokens']:>11} {r['preemptions']:>10} "
               f"{groups:>24} {r['layer_blocks_x_every_layer']:>16.3f}")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
