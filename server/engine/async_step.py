@@ -192,10 +192,9 @@ class AsyncScheduling:
                 continue  # the running step ends it by length
             position = seq.num_computed_tokens + 1  # of the running step's token, this step's input
             scheduler.release_behind_window(seq)  # behind the running step's query, so this one's too
-            table = seq.block_table
-            if position // size < len(table) and self.blocks.is_shared(table[position // size]):
+            if position // size < len(seq.block_table) and scheduler.kv.shared_written(seq, position + 1):
                 return None  # a copy-on-write first: the synchronous scheduler makes it
-            need += self.blocks.blocks_needed(table, position + 1)
+            need += scheduler.kv.blocks_needed(seq, position + 1)
             batch.seqs.append(seq)
             batch.num_tokens.append(1)
             batch.lora_slots.append(scheduler.lora_slot_of_seq.get(seq, -1))
@@ -203,7 +202,7 @@ class AsyncScheduling:
         if batch.empty or need > self.blocks.num_free_blocks:
             return None  # nothing to run, or the synchronous scheduler would preempt
         for seq in batch.seqs:
-            self.blocks.grow(seq.block_table, seq.num_computed_tokens + 2)
+            scheduler.kv.grow(seq, seq.num_computed_tokens + 2)
         return batch, source
 
 

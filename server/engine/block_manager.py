@@ -72,10 +72,15 @@ import hashlib
 import json
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.engine.lora.slots import base_blocks
 from server.engine.sequence import Sequence
+
+
+def _same(block_hash: bytes) -> bytes:
+    return block_hash
 
 
 # A block-table entry whose block went back to the pool (wholly outside every layer's window).
@@ -348,17 +353,9 @@ class PrefixCache:
     def lookup(self, seq: Sequence) -> list[int] | None:
         """The cached blocks that start `seq` (not yet referenced: BlockManager.take does that), or
         None when `seq` may not use the cache."""
-        if not self.enabled or seq.version_id in self.retired:
+        n = self.lookup_span(seq)
+        if n is None:
             return None
-        limit = len(seq.token_ids) - 1  # at least the last token runs: its logits give the next token
-        owed = seq.group.prompt_logprobs
-        if owed is not None and len(owed) < seq.num_prompt_tokens:
-            # Prompt logprobs still owed need the logits of the positions before them: from entry
-            # len(owed) on, computed at positions len(owed) - 1 on, which must run.
-            limit = min(limit, len(owed) - 1)
-        if limit < self.block_size:
-            return None
-        n = limit // self.block_size
         hashes = self._hashes(seq, n)
         if self.kv_window is not None:
             return self._windowed_hit(hashes)
@@ -369,6 +366,25 @@ class PrefixCache:
                 break
             hit.append(block)
         return hit
+
+    def lookup_tables(self, seq: Sequence) -> list[list[int]] | None:
+        """lookup() as one block table per KV layer group (server.engine.group_blocks): one here."""
+        hit = self.lookup(seq)
+        return None if hit is None else [hit]
+
+    def lookup_span(self, seq: Sequence) -> int | None:
+        """How many of `seq`'s leading full blocks a hit may cover; None when `seq` may not use the cache."""
+        if not self.enabled or seq.version_id in self.retired:
+            return None
+        limit = len(seq.token_ids) - 1  # at least the last token runs: its logits give the next token
+        owed = seq.group.prompt_logprobs
+        if owed is not None and len(owed) < seq.num_prompt_tokens:
+            # Prompt logprobs still owed need the logits of the positions before them: from entry
+            # len(owed) on, computed at positions len(owed) - 1 on, which must run.
+            limit = min(limit, len(owed) - 1)
+        if limit < self.block_size:
+            return None
+        return limit // self.block_size
 
     def _windowed_hit(self, hashes: list[bytes]) -> list[int]:
         """The longest k blocks whose last ones, those the window of position k * block_size reads,
@@ -414,13 +430,18 @@ class PrefixCache:
         if version in self.retired:
             return
         hashes = self._hashes(seq, full)
-        table = seq.block_table
         base = base_blocks(seq.group.adapter_from, self.block_size)
-        for i in range(done, full):
-            if table[i] == FREED:
-                continue  # released behind the window before it was offered (the cache was off then)
-            # An aLoRA's blocks before its activation point are base-model KV: no version to retire.
-            self.blocks.index(table[i], hashes[i], None if i < base else version, seq.tenant)
+        for table, key in self.keyed_tables(seq):
+            for i in range(done, full):
+                if table[i] == FREED:
+                    continue  # released behind the window before it was offered (the cache was off then)
+                # An aLoRA's blocks before its activation point are base-model KV: no version to retire.
+                self.blocks.index(table[i], key(hashes[i]), None if i < base else version, seq.tenant)
+
+    def keyed_tables(self, seq: Sequence) -> list[tuple[list[int], Callable[[bytes], bytes]]]:
+        """`seq`'s block tables, each with what turns a block's hash into its key in the index: one table
+        keyed by the hash itself here (a KV layer group's own keys: server.engine.group_blocks)."""
+        return [(seq.block_table, _same)]
 
     def retire(self, version: str) -> None:
         """`version` was deleted or replaced: nothing may reuse its KV; its free blocks go back first."""

@@ -16,6 +16,7 @@ from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fiel
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
 from server.engine.lora.paging import check_page_rows
 from server.engine.moe_config import MOE_ARCHS, MoeConfigError, moe_fields
+from server.engine.kv_groups import KvGroups
 from server.engine.sliding_window import SlidingWindowError, kv_window, layer_windows, window_of
 from server.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -102,6 +103,11 @@ class ModelConfig:
         """Where every layer is windowed, the widest window: KV further back than that from a sequence's
         next query is never read again (server.engine.sliding_window). None with a global layer."""
         return kv_window(self.layer_windows)
+
+    @property
+    def kv_groups(self) -> KvGroups | None:
+        """With windowed layers interleaved with global ones, the KV layer groups (server.engine.kv_groups)."""
+        return KvGroups.of(self.layer_windows)
 
     @property
     def is_moe(self) -> bool:

@@ -26,6 +26,10 @@ def read_draft_config(model_dir: str, target: ModelConfig) -> ModelConfig:
         raise ModelConfigError(f"speculative method draft_model is not supported for a target with a sliding "
                                f"window in every layer ({target.architecture}, window {target.kv_window})")
     draft = ModelConfig.from_dir(model_dir)
+    for model in (target, draft):  # its pool rides group 0's block ids: one tensor per layer of all of them
+        if model.kv_groups is not None:
+            raise ModelConfigError(f"speculative method draft_model is not supported with sliding-window layers "
+                                   f"interleaved with global ones ({model.architecture}: KV layer groups)")
     if draft.vocab_size != target.vocab_size:
         raise ModelConfigError(f"speculative draft model's vocabulary ({draft.vocab_size} tokens) does not match "
                                f"the target's ({target.vocab_size} tokens)")

@@ -35,8 +35,8 @@ from server.engine.draft_model_proposer import DraftModelProposer
 from server.engine.grammar import GrammarMask, Grammars
 from server.engine.kernel_choice import select_kernels
 from server.engine.kernel_ops import KernelOps
-from server.engine.kv_cache import (KvPoolInfo, allocate_kv_cache, allocate_lora_slots, kv_bytes_per_block,
-                                    kv_pool_like, lora_page_bytes, num_kv_blocks)
+from server.engine.kv_cache import (KvPoolInfo, allocate_kv_cache, allocate_lora_slots, held_blocks,
+                                    kv_bytes_per_block, kv_pool_like, lora_page_bytes, num_kv_blocks)
 from server.engine.kv_cache_dtype import resolve_kv_cache_dtype
 from server.engine.lora.dora_precompute import DoraPrecompute
 from server.engine.lora.dora_scale_cache import ScaleStore
@@ -55,7 +55,6 @@ from server.engine.output_processor import IncrementalDetokenizer, OutputProcess
 from server.engine.parallel.tp_leader import start_tensor_parallel
 from server.engine.parallel.tp_model import tp_refusal
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig, StepCost
-from server.engine.sliding_window import sequence_blocks
 from server.engine.speculative_config import resolve_disable_by_batch_size
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.unified_memory import PageUnits, UnifiedPool, unified_refusal
@@ -110,7 +109,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     if tensor_parallel:
         _check_tensor_parallel(config, mcfg, device)
     if config.unified_memory and (refusal := unified_refusal(device.type, config.tensor_parallel_size,
-                                                             draft_cfg is not None)) is not None:
+                                                             draft_cfg is not None, mcfg.kv_groups is not None)) is not None:
         raise ModelConfigError(refusal)
     unified = _unified_pool(config, mcfg, dtype, device, max_len, kv_dtype) if config.unified_memory else None
     paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len, unified)
@@ -128,7 +127,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     # Unified, a sequence is sized against the KV share: adapters in use may hold the rest.
     kv_blocks = kv_pool.blocks if unified is None else unified.kv_share
     context = choose_max_model_len(config.max_model_len, limit, kv_blocks, config.block_size,
-                                   partial(sequence_blocks, block_size=config.block_size, window=mcfg.kv_window,
+                                   partial(held_blocks, mcfg, block_size=config.block_size,
                                            chunk=config.max_num_batched_tokens))
     max_model_len = context.max_model_len
     log.info("%s", context.reason)
@@ -136,7 +135,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     if unified is not None:
         slots.units = PageUnits(unified, blocks)
     host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks,
-                                   mcfg.kv_window)
+                                   mcfg)
     kernels = _select_kernels(config, device, dtype)
     if draft_model is not None:  # its own pool, at the target's block ids (server.engine.draft_model_proposer)
         draft_kv = kv_pool_like(draft_cfg, kv_pool.blocks, config.block_size, kv_dtype, device)
@@ -277,9 +276,9 @@ def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
 
 def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetch | None, device: torch.device,
                  dtype: torch.dtype, bind_thread: Callable[[], None], slots: LoraSlots,
-                 blocks: BlockManager, kv_window: int | None) -> tuple[HostTier, Scheduler]:
-    """The host tier of adapters, and the scheduler over it, the slots and the KV blocks (kv_window:
-    ModelConfig.kv_window, behind which blocks are released)."""
+                 blocks: BlockManager, mcfg: ModelConfig) -> tuple[HostTier, Scheduler]:
+    """The host tier of adapters, and the scheduler over it, the slots and the KV blocks (released behind
+    the model's windows: ModelConfig.kv_window, or its KV layer groups')."""
     # Parking places for finished loads match the scheduler's prefetch window: every adapter it
     # prefetches can wait, loaded, for room, instead of being fetched again.
     def prepare(adapter: PackedLoraAdapter, version: str | None) -> PackedLoraAdapter:
@@ -292,7 +291,8 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
     scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                           config.max_prefill_tokens_while_decoding,
                                           resolve_disable_by_batch_size(config.speculative_config, device.type),
-                                          step_cost, kv_window),
+                                          step_cost, mcfg.kv_window,
+                                          mcfg.kv_groups.windows if mcfg.kv_groups is not None else ()),
                           blocks, slots, host)
     # Eviction weighs what an adapter costs to bring back: a device copy from the host tier, or a fetch.
     slots.reload_tier = lambda version: "host" if version in host.entries else "store"
@@ -333,8 +333,9 @@ def _capture_decode_graphs(config: EngineConfig, device: torch.device, kernels: 
     kernels, unless enforce_eager). Not with the torch kernels: their padded LoRA gathers every row's
     weights (kernels.lora_cpu), which a graph would keep for good (~1 GB at Llama-3-8B widths, 256 rows)."""
     # Not for an MoE model: its routing sizes each expert's matmul on the host, step by step. Not with
-    # Medusa heads: their drafts are made eagerly after each step (server.engine.medusa_proposer).
+    # Medusa heads: their drafts are made eagerly after each step (server.engine.medusa_proposer). Not
+    # with KV layer groups (server.engine.kv_groups): the padded buffers hold one block table per row.
     if (device.type == "cuda" and kernels.name == "triton" and not config.enforce_eager
-            and not runner.model.cfg.is_moe and runner.medusa is None):
+            and not runner.model.cfg.is_moe and runner.medusa is None and runner.kv_groups is None):
         rows = min(config.max_num_seqs, config.max_num_batched_tokens)
         runner.use_padded_decode(max_loras, rows, max_model_len).capture()

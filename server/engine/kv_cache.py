@@ -16,8 +16,30 @@ from server.engine.unified_memory import UnifiedPool
 
 
 def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """A block's bytes of every layer's KV (what kv_cache_blocks counts)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * elem
+
+
+def pool_block_bytes(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """A block of the pool: every layer's KV, or one KV layer group's where the model has several
+    (server.engine.kv_groups)."""
+    return kv_bytes_per_block(mcfg, block_size, dtype) * pool_layers(mcfg) // mcfg.num_layers
+
+
+def pool_layers(mcfg: ModelConfig) -> int:
+    """Layers whose KV one block holds: all of them, or one KV layer group's."""
+    groups = mcfg.kv_groups
+    return mcfg.num_layers if groups is None else groups.layers_per_group
+
+
+def held_blocks(mcfg: ModelConfig, length: int, block_size: int, chunk: int) -> int:
+    """The most blocks one sequence of `length` tokens holds at once (server.engine.sliding_window.
+    sequence_blocks), over every KV layer group's table where the model has several."""
+    groups = mcfg.kv_groups
+    if groups is None:
+        return sequence_blocks(length, block_size, mcfg.kv_window, chunk)
+    return groups.held_blocks(length, block_size, chunk)
 
 
 def activation_bytes(mcfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype) -> int:
@@ -64,8 +86,9 @@ def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
     4x the float32 blocks in fp8. draft: a draft model (speculative decoding) whose pool has as many
     blocks: the budget pays for both."""
     if cfg.kv_cache_blocks is not None:
-        return cfg.kv_cache_blocks
-    per_block = kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype or dtype)
+        # Blocks of every layer's KV: as many bytes in blocks of one KV layer group's layers.
+        return cfg.kv_cache_blocks * mcfg.num_layers // pool_layers(mcfg)
+    per_block = pool_block_bytes(mcfg, cfg.block_size, cache_dtype or dtype)
     if draft is not None:
         per_block += kv_bytes_per_block(draft, cfg.block_size, cache_dtype or dtype)
     if device.type == "cuda":
@@ -77,7 +100,7 @@ def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
     elif cfg.cpu_kv_cache_bytes is not None:
         budget = cfg.cpu_kv_cache_bytes
     else:
-        blocks_per_seq = sequence_blocks(max_len, cfg.block_size, mcfg.kv_window, cfg.max_num_batched_tokens)
+        blocks_per_seq = held_blocks(mcfg, max_len, cfg.block_size, cfg.max_num_batched_tokens)
         budget = cpu_kv_budget_bytes(physical_memory_bytes(), per_block, cfg.max_num_seqs, blocks_per_seq)
     return max(1, int(budget // per_block))
 
@@ -87,14 +110,16 @@ class KvPoolInfo:
     """What /admin/engine shows of the pool: its dtype (kv_cache_dtype_label) and capacity."""
 
     dtype: str
-    blocks: int
+    blocks: int  # of one KV layer group's layers where the model has several (server.engine.kv_groups)
     block_size: int
     bytes: int
     unified: UnifiedPool | None = None  # --unified-memory: the blocks are the pool's units, shared with adapter pages
+    groups: int = 1  # KV layer groups
 
     @property
     def tokens(self) -> int:
-        return self.blocks * self.block_size
+        """Token positions of every layer the pool holds."""
+        return self.blocks * self.block_size // self.groups
 
 
 def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device, cache_dtype=None,
@@ -107,18 +132,23 @@ def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype,
     blocks = unified.units if unified is not None else num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype,
                                                                      draft)
     caches = kv_pool_like(mcfg, blocks, cfg.block_size, cache_dtype, device)
+    groups = mcfg.kv_groups
+    if groups is not None:  # one tensor per place in a group, shared by that place's layer of every group
+        caches = [caches[slot] for slot in groups.layer_slot]
     info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.block_size,
-                      blocks * kv_bytes_per_block(mcfg, cfg.block_size, cache_dtype), unified)
+                      blocks * pool_block_bytes(mcfg, cfg.block_size, cache_dtype), unified=unified,
+                      groups=mcfg.num_layers // pool_layers(mcfg))
     return caches, info
 
 
 def kv_pool_like(mcfg: ModelConfig, blocks: int, block_size: int, cache_dtype: torch.dtype,
                  device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer of `mcfg`, (k_cache, v_cache) of `blocks` blocks, zeroed."""
+    """Per layer of `mcfg` (of one KV layer group where it has several), (k_cache, v_cache) of `blocks`
+    blocks, zeroed."""
     shape = (blocks, block_size, mcfg.num_kv_heads, mcfg.head_dim)
     zeros = _lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
     return [(zeros(shape, dtype=cache_dtype, device=device), zeros(shape, dtype=cache_dtype, device=device))
-            for _ in range(mcfg.num_layers)]
+            for _ in range(pool_layers(mcfg))]
 
 
 def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

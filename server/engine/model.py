@@ -171,6 +171,9 @@ class StepContext:
     attn: AttentionBatch
     lora: LoraBatch
     lora_scratch: torch.Tensor  # [3, max_tokens, R], shrink output
+    # Per KV layer group (server.engine.kv_groups), its block tables' AttentionBatch, attn being group 0's;
+    # () with one group.
+    group_attn: tuple[AttentionBatch, ...] = ()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -248,6 +251,8 @@ class DecoderLayer:
         self.pre_mlp_norm, self.post_mlp_norm = norm("pre_feedforward_layernorm.weight"), norm("post_feedforward_layernorm.weight")
         self.q_norm, self.k_norm = norm("q_norm.weight"), norm("k_norm.weight")  # over [D] each, or None
         self.window = cfg.layer_windows[index] if cfg.layer_windows else None
+        groups = cfg.kv_groups
+        self.kv_group = groups.layer_group[index] if groups is not None else 0  # whose block tables it reads
         self.local = self.window is not None and cfg.local_rope_theta is not None  # the sliding layers' rope
         self.act = (partial(F.gelu, approximate="tanh") if cfg.hidden_act == "gelu_pytorch_tanh"
                     else partial(F.silu, inplace=True))  # on workspace rows: overwritten in place where it can be
@@ -292,13 +297,14 @@ class DecoderLayer:
         k = self.rope.apply(k, rope)  # [T, Hkv, D]
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv
-        write_kv = ctx.ops.write_kv_padded if ctx.attn.padded else ctx.ops.write_kv
-        write_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        batch = ctx.group_attn[self.kv_group] if ctx.group_attn else ctx.attn
+        write_kv = ctx.ops.write_kv_padded if batch.padded else ctx.ops.write_kv
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         attn = ws.attn[:t]  # [T, Hq, D]
         if cfg.attn_softcap is None and self.window is None:
-            ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn)
+            ctx.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, attn)
         else:
-            ctx.ops.paged_attention(q, k_cache, v_cache, ctx.attn, self.scale, attn, cfg.attn_softcap, self.window)
+            ctx.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, attn, cfg.attn_softcap, self.window)
         o = self.o(attn.view(t, cfg.q_size), ctx, ws.o[:t])
         if self.pre_mlp_norm is None:
             h += o

@@ -125,6 +125,7 @@ class ModelRunner:
         self.rank_table = rank_table
         self.model = model
         self.kv_caches = kv_caches
+        self.kv_groups = model.cfg.kv_groups  # several: a block table per group (server.engine.group_blocks)
         self.ops = ops
         self.block_size = block_size
         self.lora_scratch = lora_scratch
@@ -143,6 +144,8 @@ class ModelRunner:
 
     def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
         """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
+        if self.kv_groups is not None:
+            raise ValueError("padded decode holds one block table per row: not for a model with KV layer groups")
         self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
                                    max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora,
                                    self.page_table)
@@ -233,6 +236,11 @@ class ModelRunner:
         attn = AttentionBatch.build(
             [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev
         )
+        # The other KV layer groups' tables (server.engine.group_blocks), each its own AttentionBatch.
+        groups = self.kv_groups
+        group_attn = (attn, *(AttentionBatch.build([s.group_tables[g] for s in batch.seqs], context_lens,
+                                                   batch.num_tokens, self.block_size, dev)
+                              for g in range(groups.num_groups - 1))) if groups is not None else ()
         ctx = StepContext(
             ops=self.ops,
             positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
@@ -240,6 +248,7 @@ class ModelRunner:
             lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora, self.page_table,
                                  self.page_gathers and self.page_gathers.for_step(token_slots)),
             lora_scratch=self.lora_scratch,
+            group_attn=group_attn,
         )
         ids = None if ahead else torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         return StepInputs(ids, ctx, torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True), **common)
@@ -334,7 +343,8 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies, devi
     """Copy-on-write: each (source, copy) block's K/V, every layer, before the forward writes."""
     src = torch.tensor([s for s, _ in copies], dtype=torch.long).to(device, non_blocking=True)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long).to(device, non_blocking=True)
-    for kv in kv_caches:  # each [num_blocks, block_size, Hkv, D]
+    # Layers of different KV layer groups share a pool tensor (server.engine.kv_groups): each copied once.
+    for kv in {id(kv): kv for kv in kv_caches}.values():  # each [num_blocks, block_size, Hkv, D]
         for cache in map(storage, kv):  # bytes: CPU index_copy_ has no fp8 kernel
             cache.index_copy_(0, dst, cache.index_select(0, src))
 

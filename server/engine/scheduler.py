@@ -32,7 +32,9 @@ nothing need no mask.
 
 With every layer of the model windowed (SchedulerConfig.kv_window), a running sequence's blocks
 wholly behind its window are returned to the pool before each step (BlockManager.release_before), so
-a long conversation holds about its window's blocks, not its length's.
+a long conversation holds about its window's blocks, not its length's. With windowed layers interleaved
+with global ones (SchedulerConfig.kv_groups), a sequence has a block table per layer group and only the
+windowed groups' are released (server.engine.group_blocks).
 
 An admitted sequence starts with the longest run of its full blocks found in
 the prefix cache (server.engine.block_manager) and computes only the rest, in
@@ -85,6 +87,7 @@ from server.engine.block_manager import BlockManager, PrefixCache
 from server.engine.config import ModelConfig
 from server.engine.draft_length import DraftLength
 from server.engine.draft_model_proposer import DraftModelProposer, DraftRequest
+from server.engine.group_blocks import GroupedPrefixCache, KvTables
 from server.engine.lora.slot_share import SlotShare
 from server.engine.lora.slots import LoraSlots, adapter_from
 from server.engine.ngram_proposer import propose
@@ -321,8 +324,16 @@ class SchedulerConfig:
     # Every layer windowed (ModelConfig.kv_window): blocks wholly behind a sequence's window go back to
     # the pool before each step. None: a sequence keeps all its blocks.
     kv_window: int | None = None
+    # Windowed layers interleaved with global ones: each KV layer group's window (server.engine.kv_groups),
+    # group 0 a global one; () for a model with one group.
+    kv_groups: tuple[int | None, ...] = ()
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return self.kv_groups or (self.kv_window,)
 
     def __post_init__(self) -> None:
+        assert not (self.kv_groups and self.kv_window), "an interleaved model has no window over every layer"
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         assert self.max_prefill_tokens_while_decoding is None or self.max_prefill_tokens_while_decoding > 0
 
@@ -356,7 +367,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier) -> None:
         self.config = config
         self.blocks = blocks
-        self.prefix_cache = PrefixCache(blocks, config.kv_window)
+        self.kv = KvTables(blocks, config.group_windows)  # every KV layer group's table of a sequence
+        self.prefix_cache = (GroupedPrefixCache(blocks, config.kv_groups) if config.kv_groups
+                             else PrefixCache(blocks, config.kv_window))
         self.lora_slots = lora_slots
         self.host = host
         self.waiting = FairQueue()
@@ -484,9 +497,9 @@ class Scheduler:
             used = prefill.cost.chunk(seq, start, n)
             m = prefill.cost.fit(seq, start, min(seq.num_pending_tokens, n + budget), used + left)
             # Only into free blocks (one kept spare for decoding): a leftover never preempts anyone.
-            if m <= n or not _mask_ready(seq, start + m) or not self.blocks.can_grow(seq.block_table, start + m, 1):
+            if m <= n or not _mask_ready(seq, start + m) or not self.kv.can_grow(seq, start + m, 1):
                 continue
-            self.blocks.grow(seq.block_table, start + m)
+            self.kv.grow(seq, start + m)
             batch.num_tokens[i] = m
             budget -= m - n
             left -= prefill.cost.chunk(seq, start, m) - used
@@ -549,7 +562,7 @@ class Scheduler:
         self.fork_seats -= len(children)
         for child in children:
             child.num_computed_tokens = parent.num_computed_tokens
-            child.block_table = self.blocks.fork(parent.block_table)
+            self.kv.fork(parent, child)
             # Same tokens so far: the same block hashes, and the same blocks already indexed.
             child.block_hashes = list(parent.block_hashes)
             child.num_registered_blocks = parent.num_registered_blocks
@@ -574,16 +587,13 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Private blocks for `seq`'s next `n` tokens, preempting the newest running sequences while
         the pool is short; False if `seq` itself went."""
-        start = seq.num_computed_tokens
-        end = start + n
-        table, size = seq.block_table, self.blocks.block_size
-        if end <= len(table) * size and (end - 1) // size == start // size \
-                and not self.blocks.is_shared(table[start // size]):
+        end = seq.num_computed_tokens + n
+        if self.kv.writes_own_block(seq, end):
             return True  # most decode steps: the last block has room and is this sequence's own
         while True:
             # Recomputed after each preemption: a preempted sibling may have left a block unshared.
-            shared = self._shared_blocks_written(seq, end)
-            if self.blocks.blocks_needed(seq.block_table, end) + len(shared) <= self.blocks.num_free_blocks:
+            shared = self.kv.shared_written(seq, end)
+            if self.kv.blocks_needed(seq, end) + len(shared) <= self.blocks.num_free_blocks:
                 break
             if self.lora_slots.units is not None and self.lora_slots.evict_idle():
                 continue  # --unified-memory: an idle adapter's pages go before any sequence
@@ -591,18 +601,10 @@ class Scheduler:
             self._preempt(victim, batch)
             if victim is seq:
                 return False
-        for i in shared:
-            batch.block_copies.append(self.blocks.copy_on_write(seq.block_table, i))
-        self.blocks.grow(seq.block_table, end)
+        for group, i in shared:
+            batch.block_copies.append(self.kv.copy_on_write(seq, group, i))
+        self.kv.grow(seq, end)
         return True
-
-    def _shared_blocks_written(self, seq: Sequence, end: int) -> list[int]:
-        """Positions in `seq`'s block table of shared blocks that its tokens up to `end` land in:
-        after a fork, the prompt's partly filled last block (usually none, else one)."""
-        size = self.blocks.block_size
-        table = seq.block_table
-        last = min(len(table), (end + size - 1) // size)
-        return [i for i in range(seq.num_computed_tokens // size, last) if self.blocks.is_shared(table[i])]
 
     def _admit(self, batch: ScheduledBatch, budget: int, prefill: _PrefillShares, scan: list[Sequence],
                admit: bool) -> int:
@@ -653,12 +655,12 @@ class Scheduler:
                                                   self.lora_slots.max_loras, head_tenant)
                     if seq.tenant == head_tenant or slot_share.over(seq.tenant):
                         continue
-            assert not seq.block_table and seq.num_computed_tokens == 0, "a waiting sequence holds no KV"
+            assert seq.num_computed_tokens == 0, "a waiting sequence has computed nothing"
             if version is not None:  # before the lookup: the point decides which blocks are the base's
                 seq.group.adapter_from = adapter_from(self.host.get(version), seq.prompt_token_ids)
-            hit = self.prefix_cache.lookup(seq)
-            table = hit or []
-            start = len(table) * self.blocks.block_size
+            hit = self.prefix_cache.lookup_tables(seq)
+            tables = hit or [[] for _ in self.config.group_windows]
+            start = len(tables[0]) * self.blocks.block_size
             n = prefill.chunk(seq, start, min(len(seq.token_ids) - start, budget))
             if n == 0:
                 continue  # its tenant's share of the step is spent: it starts in a later step
@@ -668,18 +670,18 @@ class Scheduler:
             # blocks nobody holds come out of the free pool when taken.
             spare = 1 if self.running else 0
             if unified:
-                fits = self._unified_room(seq, table, start + n, spare, batch)
+                fits = self._unified_room(seq, tables, start + n, spare, batch)
             else:
-                fits = self.blocks.can_grow(table, start + n, spare + self.blocks.num_unreferenced(table))
+                need = sum(self.blocks.blocks_needed(t, start + n) for t in tables)
+                fits = need + spare + self.kv.num_unreferenced(tables) <= self.blocks.num_free_blocks
             if not fits:
                 admit = False
                 continue
-            self.blocks.take(table)  # before grow, which could otherwise evict them
-            seq.block_table = table
+            self.kv.take(seq, tables)  # before grow, which could otherwise evict them
             seq.num_computed_tokens = start
-            self.prefix_cache.admitted(seq, hit)
+            self.prefix_cache.admitted(seq, hit and hit[0])
             self.release_behind_window(seq)  # cached blocks it will never read
-            self.blocks.grow(seq.block_table, start + n)
+            self.kv.grow(seq, start + n)
             self.waiting.admitted(seq)  # charges the uncached tokens only
             if version is not None:
                 if seq not in self.waited_for_load:
@@ -698,9 +700,10 @@ class Scheduler:
         self.lora_slots.sync()
         return budget
 
-    def _unified_room(self, seq: Sequence, table: list[int], tokens: int, spare: int, batch: ScheduledBatch) -> bool:
+    def _unified_room(self, seq: Sequence, tables: list[list[int]], tokens: int, spare: int,
+                      batch: ScheduledBatch) -> bool:
         """--unified-memory (server.engine.unified_memory): whether the pool has the blocks for `seq`'s first
-        `tokens` tokens past its cached `table`, `spare` more, and its adapter's pages when they must be
+        `tokens` tokens past its cached `tables` (one per KV layer group), `spare` more, and its adapter's pages when they must be
         loaded; made by evicting idle adapters (never its own) and then, for an adapter load only, by
         preempting running sequences that arrived after `seq`, the newest first."""
         version = seq.version_id
@@ -709,7 +712,8 @@ class Scheduler:
         pages = units.units_for(self.lora_slots.pages_for(self.host.get(version))) if loading else 0
         while True:
             # Cached blocks nobody holds count as free until taken: recounted, a preemption may add some.
-            need = self.blocks.blocks_needed(table, tokens) + spare + self.blocks.num_unreferenced(table) + pages
+            need = (sum(self.blocks.blocks_needed(t, tokens) for t in tables) + spare
+                    + self.kv.num_unreferenced(tables) + pages)
             if need <= self.blocks.num_free_blocks:
                 return True
             if self.lora_slots.evict_idle(keep=version):
@@ -723,9 +727,7 @@ class Scheduler:
         """Return `seq`'s blocks wholly behind the window of its next query (position num_computed_tokens:
         it sees keys from num_computed_tokens + 1 - window on). Nothing rolls num_computed_tokens back
         past that query (rejected drafts come after it), so no step reads them again."""
-        window = self.config.kv_window
-        if window is not None:
-            self.blocks.release_before(seq.block_table, seq.num_computed_tokens + 1 - window)
+        self.kv.release_behind_window(seq)
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts: list[int] | tuple[()]) -> None:
         batch.seqs.append(seq)
@@ -736,11 +738,7 @@ class Scheduler:
     def roll_back(self, seq: Sequence) -> None:
         """Return the blocks of `seq`'s table wholly past its computed tokens: they held only drafts
         the model rejected (nothing indexes them: only full computed blocks are cached)."""
-        keep = -(-seq.num_computed_tokens // self.blocks.block_size)
-        if len(seq.block_table) > keep:
-            tail = seq.block_table[keep:]
-            del seq.block_table[keep:]
-            self.blocks.free(tail)
+        self.kv.roll_back(seq)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, back into the queue."""
@@ -764,7 +762,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq.group.needs_fork:
             self.fork_seats -= seq.group.n - 1
-        self.blocks.free(seq.block_table)
+        self.kv.free(seq)
         self.waiting.stopped_running(seq)
         if self.lora_slot_of_seq.pop(seq, None) is not None:
             self.lora_slots.release(seq.version_id)

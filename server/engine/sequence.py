@@ -260,7 +260,7 @@ class Sequence:
         "request_id", "prompt_token_ids", "token_ids", "params", "version_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
         "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
-        "num_registered_blocks", "grammar", "_output_counts", "proposed",
+        "num_registered_blocks", "grammar", "_output_counts", "proposed", "group_tables",
     )
 
     def __init__(
@@ -287,6 +287,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
         self.block_table: list[int] = []
+        # The other KV layer groups' tables, where the model has several (server.engine.group_blocks).
+        self.group_tables: list[list[int]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""

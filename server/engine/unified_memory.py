@@ -80,7 +80,7 @@ class PageUnits:
         self.blocks.repay(self.held.pop(slot))
 
 
-def unified_refusal(device_type: str, tensor_parallel_size: int, draft_model: bool) -> str | None:
+def unified_refusal(device_type: str, tensor_parallel_size: int, draft_model: bool, kv_groups: bool) -> str | None:
     """One line naming what --unified-memory does not combine with (None: it runs)."""
     if device_type != "cpu":
         return (f"--unified-memory runs on CPU devices for now, not {device_type}: the KV blocks and adapter "
@@ -89,4 +89,7 @@ def unified_refusal(device_type: str, tensor_parallel_size: int, draft_model: bo
         return f"--unified-memory does not combine with --tensor-parallel-size {tensor_parallel_size} yet"
     if draft_model:
         return "--unified-memory does not combine with a draft model (its KV pool is a second pool) yet"
+    if kv_groups:
+        return ("--unified-memory does not serve a model with KV layer groups (sliding layers interleaved with "
+                "global ones: Gemma 2/3, Qwen with max_window_layers) yet: their blocks are one group's layers")
     return None

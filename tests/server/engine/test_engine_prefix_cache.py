@@ -35,8 +35,9 @@ def check_blocks(engine) -> None:
     """The pool's invariants, for drive(check=...): every reference is a running sequence's, a block
     in use is never free or evictable, and a cached block is full and computed by whoever holds it."""
     blocks = engine.blocks
-    held = Counter(b for seq in engine.scheduler.running for b in seq.block_table)
-    assert all(not seq.block_table for seq in engine.scheduler.waiting.ordered())
+    # Every KV layer group's table (server.engine.group_blocks): one pool, one count.
+    held = Counter(b for seq in engine.scheduler.running for t in (seq.block_table, *seq.group_tables) for b in t)
+    assert all(not seq.block_table and not any(seq.group_tables) for seq in engine.scheduler.waiting.ordered())
     assert [blocks.ref_counts[b] for b in range(blocks.num_blocks)] == [held[b] for b in range(blocks.num_blocks)]
     free, evictable = set(blocks.free_blocks), set(blocks.evictable)
     assert len(free) == len(blocks.free_blocks) and not free & evictable

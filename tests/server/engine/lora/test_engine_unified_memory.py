@@ -153,10 +153,11 @@ def test_an_adapter_load_preempts_only_newer_requests_when_kv_fills_the_pool(tin
 
 def test_refusals_are_one_line():
     assert "lora_page_rows" in str(pytest.raises(ValueError, EngineConfig, model="m", unified_memory=True).value)
-    assert "CPU" in unified_refusal("cuda", 1, False)
-    assert "--tensor-parallel-size 2" in unified_refusal("cpu", 2, False)
-    assert "draft model" in unified_refusal("cpu", 1, True)
-    assert unified_refusal("cpu", 1, False) is None
+    assert "CPU" in unified_refusal("cuda", 1, False, False)
+    assert "--tensor-parallel-size 2" in unified_refusal("cpu", 2, False, False)
+    assert "draft model" in unified_refusal("cpu", 1, True, False)
+    assert "KV layer groups" in unified_refusal("cpu", 1, False, True)
+    assert unified_refusal("cpu", 1, False, False) is None
 
 
 def test_pool_is_the_two_budgets_in_whole_units_per_page():
