@@ -167,3 +167,45 @@ def test_serve_refuses_heads_of_another_model_in_one_line_before_the_model_loads
         prepare_model(ServerConfig.from_args(args, env={}))
     assert str(e.value) == ("--speculative-config: medusa heads vocab_size 1000 does not match the base model's "
                             "vocab_size 512")
+
+
+@pytest.mark.parametrize("adapter", [None, "r8_all"])
+def test_served_drafts_are_the_heads_training_guesses(tiny_model_dir, tiny_adapters, trained_heads, adapter):
+    """What the heads were trained to guess is what serving drafts: at every step the drafts a sequence holds
+    are the script's own head logits (scripts/train_medusa_heads.head_logits, over transformers' hidden
+    states at the position whose token the sequence chose last), after a rejected draft and an accepted run
+    alike. An off-by-one position, the normed instead of the raw last-layer row, or the base row for an
+    adapter's request would each break this: serving acceptance then falls far below the training metric."""
+    trainer = script_module("train_medusa_heads")
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=256, max_loras=2,
+              speculative_config=spec(trained_heads, k=4))
+    if adapter is not None:
+        llm.add_adapter(adapter, tiny_adapters[adapter])
+    engine = llm.engine
+    prompts = prompts_of(48, seed=0)[:6]  # training prompts (6: under the batch size that stops speculating)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                           llm._versions[adapter] if adapter else None)
+        seqs.append(engine.output_processor.seqs[f"r{i}"])
+    held = [[] for _ in seqs]
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq, log in zip(seqs, held):
+            if not log or log[-1][0] != len(seq.token_ids):
+                log.append((len(seq.token_ids), list(seq.proposed)))
+    rows, _, norm, lm_head = trainer.hidden_states(tiny_model_dir, tiny_adapters[adapter] if adapter else None,
+                                                   [list(s.token_ids) for s in seqs], [len(p) for p in prompts], 4)
+    heads = read_heads_dir(trained_heads, HIDDEN, VOCAB)
+    with torch.no_grad():
+        guesses = trainer.head_logits(heads.weight, heads.bias, rows, norm, lm_head).argmax(-1)
+    first = 0  # the script's rows: each sequence's positions from its last prompt token on, in order
+    runs = 0
+    for seq, prompt, log in zip(seqs, prompts, held):
+        for n, drafts in log:
+            row = n - 2 - (len(prompt) - 1)  # the position that chose token n - 1
+            if row < len(seq.token_ids) - len(prompt) - 1:
+                assert drafts == guesses[first + row].tolist(), f"drafts held at {n} tokens"
+        runs += sum(b[0] - a[0] >= 2 for a, b in zip(log, log[1:]))
+        first += len(seq.token_ids) - 2 - (len(prompt) - 1)
+    assert runs, "no step accepted a draft"
