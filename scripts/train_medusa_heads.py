@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from server.engine import LLM, SamplingParams
-from server.engine.medusa_heads import HeadWeights, save_heads
+from adapters.medusa_format import HeadWeights, save_heads
 
 TOPICS = ["the moon", "volcanoes", "bread", "bicycles", "the ocean", "honey bees", "rainbows", "libraries",
           "trains", "chess", "coffee", "winter", "the internet", "forests", "music", "electricity", "dinosaurs",
