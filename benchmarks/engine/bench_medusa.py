@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.profile.cpu_model import cpu_model
 from server.engine import LLM, SamplingParams
 
 
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             llm.add_adapter(name, args.adapter)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     decode_run(plain, medusa, prompts[:1], params, name)  # warm both
+    load_before = os.getloadavg()
     processor = medusa.engine.output_processor
     drafted0, accepted0 = processor.num_draft_tokens, processor.num_accepted_tokens
     agreement = HeadAgreement(k)
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "model": model.name, "adapter": str(args.adapter) if args.adapter else None, "heads": str(args.heads), "k": k,
         "items": len(items), "max_tokens": args.max_tokens, "batch": 1,
-        "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+        "cpu": cpu_model(), "cpus": os.cpu_count(),
+        "load_average_before": load_before, "load_average": os.getloadavg(),
         "plain_decode_tok_s": round(plain_tps, 2), "medusa_decode_tok_s": round(medusa_tps, 2),
         "ratio": round(medusa_tps / plain_tps, 3), "decode_tokens": totals["plain"][0],
         "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
