@@ -138,6 +138,10 @@ class AdapterRecord:
                 "size_bytes": self.size_bytes, "created_at": self.created_at, "base": self.base or None}
 
 
+# A version's optional Medusa heads files, by field prefix (their chunks are collected with the version's).
+MEDUSA_PARTS = ("medusa_config", "medusa_weights")
+
+
 @dataclass(frozen=True)
 class StoredVersion:
     """A version record as stored: the public record, its files' layout, and
@@ -147,11 +151,17 @@ class StoredVersion:
     config: ChunkedFile
     weights: ChunkedFile
     retired_at: float | None
+    # The adapter's own Medusa heads (adapters.medusa_format): their config's and weights' layouts, or None.
+    medusa: tuple[ChunkedFile, ChunkedFile] | None = None
 
     def fields(self) -> dict[str, str]:
         """The Redis hash of the record (without retired_at, which only scripts set)."""
         r, config, weights = self.record, self.config, self.weights
-        return {"tenant": r.tenant, "name": r.name, "version": r.version,
+        heads = {}
+        for part, layout in zip(MEDUSA_PARTS, self.medusa or ()):
+            heads |= {f"{part}_sha256": layout.sha256, f"{part}_len": str(layout.length),
+                      f"{part}_chunks": json.dumps(list(layout.digests))}
+        return heads | {"tenant": r.tenant, "name": r.name, "version": r.version,
                 "rank": str(r.rank), "target_modules": json.dumps(list(r.target_modules)),
                 "size_bytes": str(r.size_bytes), "created_at": repr(r.created_at), "base": r.base,
                 "config_sha256": config.sha256, "config_len": str(config.length),
@@ -171,7 +181,11 @@ class StoredVersion:
         weights = ChunkedFile(f["weights_sha256"], int(f["weights_len"]),
                               tuple(json.loads(f["weights_chunks"])))
         retired = f.get("retired_at")
-        return cls(record, config, weights, None if retired is None else float(retired))
+        medusa = None
+        if f"{MEDUSA_PARTS[0]}_sha256" in f:
+            medusa = tuple(ChunkedFile(f[f"{p}_sha256"], int(f[f"{p}_len"]), tuple(json.loads(f[f"{p}_chunks"])))
+                           for p in MEDUSA_PARTS)
+        return cls(record, config, weights, None if retired is None else float(retired), medusa)
 
 
 def _text(value) -> str:

@@ -16,6 +16,7 @@ every later load alike.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -32,6 +33,7 @@ from adapters import expert_linears
 from adapters.activation import FIELD as INVOCATION_FIELD, invocation_vocab_problem
 from adapters.expert_params import (
     EXPERT_WEIGHTS, dense_layers, expert_param_name, expert_projection, targeted_expert_weights, weight_at_depth)
+from adapters.medusa_format import HeadWeights, MedusaHeadsError, read_adapter_heads
 from adapters.pattern_resolver import resolve_modules
 from adapters.peft_config import (
     FUSED_MODULES, FUSED_PROJECTIONS, PROJECTIONS, AdapterFormatError, _parse_config, _positive_int)
@@ -192,6 +194,9 @@ class LoraAdapter:
     config: Mapping[str, Any]                        # the parsed adapter_config.json
     # Its parts of embed_tokens and lm_head (counted in size_bytes); keyword-only, so subclasses add fields.
     vocab: VocabWeights | None = field(default=None, kw_only=True)
+    # Its own Medusa heads (a `medusa/` folder, adapters.medusa_format): its requests draft with them when
+    # the server runs speculative method medusa; None: the base model's heads.
+    medusa: HeadWeights | None = field(default=None, kw_only=True)
 
     @property
     def use_dora(self) -> bool:
@@ -261,11 +266,23 @@ def load_adapter_dir(path: str | os.PathLike, shape: ModelShape, max_lora_rank: 
     except SafetensorsHeaderError as e:
         raise AdapterFormatError(f"{weights_path}: corrupt safetensors file: {e}") from None
     plan = _plan(config, header, shape, max_lora_rank, max_bytes, weights_path)
+    heads = _adapter_heads(root, shape)
     try:
         with safetensors.safe_open(weights_path, framework="pt", device="cpu") as f:
-            return _materialise(plan, f.get_tensor, weights_path)
+            adapter = _materialise(plan, f.get_tensor, weights_path)
     except safetensors.SafetensorError as e:
         raise AdapterFormatError(f"{weights_path}: corrupt safetensors file: {e}") from None
+    return adapter if heads is None else dataclasses.replace(adapter, medusa=heads)
+
+
+def _adapter_heads(root: str, shape: ModelShape) -> HeadWeights | None:
+    """The directory's own Medusa heads (its `medusa/` folder), checked against the base; None without."""
+    if shape.vocab_size is None and os.path.exists(os.path.join(root, "medusa")):
+        raise AdapterFormatError(f"{root}: medusa heads need the base model's vocab_size, which is not known here")
+    try:
+        return read_adapter_heads(root, shape.hidden_size, shape.vocab_size or 0)
+    except MedusaHeadsError as e:
+        raise AdapterFormatError(f"{root}: {e}") from None
 
 
 def load_adapter_bytes(config_json: bytes, weights: bytes, shape: ModelShape, max_lora_rank: int, *,

@@ -111,6 +111,7 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
                     + (vocab.nbytes if vocab is not None else 0)),
         config=adapter.config,
         vocab=vocab,
+        medusa=adapter.medusa,
         flat=flat,
         scalings=scalings,
         magnitudes=magnitudes,

@@ -126,9 +126,11 @@ class AdapterRegistry:
     # ---- writes -------------------------------------------------------
 
     def put(self, tenant_id: str, name: str, config_json: bytes, weights: bytes, *, summary,
-            replace: bool = False, max_adapters: int | None = None, base: str = "") -> AdapterRecord:
+            replace: bool = False, max_adapters: int | None = None, base: str = "",
+            medusa: tuple[bytes, bytes] | None = None) -> AdapterRecord:
         """Store a validated adapter; all-or-nothing (see the module docstring). `base`: the base
-        model it was validated against (kept in its record).
+        model it was validated against (kept in its record); `medusa`: its own Medusa heads' config and
+        weights files, validated too (adapters.medusa_format), stored with it.
         Raises TenantAdaptersPurged if the tenant's adapters were purged meanwhile."""
         _validate_tenant_id(tenant_id)
         validate_name(name)
@@ -147,10 +149,18 @@ class AdapterRegistry:
         config_layout, config_chunks = split(config_json, self._chunk_size)
         weights_layout, weights_chunks = split(weights, self._chunk_size)
         payloads = {**config_chunks, **weights_chunks}
-        counts = Counter(config_layout.digests + weights_layout.digests)
+        digests = config_layout.digests + weights_layout.digests
+        heads = None
+        if medusa is not None:
+            heads = tuple(split(data, self._chunk_size) for data in medusa)
+            for layout, chunks in heads:
+                payloads |= chunks
+                digests += layout.digests
+        counts = Counter(digests)
         record = AdapterRecord(tenant_id, name, uuid.uuid4().hex, int(summary.rank),
                                tuple(summary.target_modules), int(summary.size_bytes), now, base)
-        fields = StoredVersion(record, config_layout, weights_layout, None).fields()
+        fields = StoredVersion(record, config_layout, weights_layout, None,
+                               None if heads is None else (heads[0][0], heads[1][0])).fields()
         upload_id = uuid.uuid4().hex
         staged: set[str] = set()
         try:
@@ -294,15 +304,27 @@ class AdapterRegistry:
         stored = self._load(version)
         if stored is None:
             raise AdapterNotFound(f"adapter version {version!r} not found")
+        config_json, weights = self._read(version, (stored.config, stored.weights))
+        return config_json, weights
+
+    def read_medusa(self, version: str) -> tuple[bytes, bytes] | None:
+        """A version's own Medusa heads (medusa_config.json, medusa_heads.safetensors), checked against the
+        upload's sha256; None when it was stored without."""
+        stored = self._load(version)
+        if stored is None:
+            raise AdapterNotFound(f"adapter version {version!r} not found")
+        return None if stored.medusa is None else self._read(version, stored.medusa)
+
+    def _read(self, version: str, layouts) -> tuple[bytes, ...]:
         files = []
-        for layout in (stored.config, stored.weights):
+        for layout in layouts:
             data = self._chunks.read(layout)
             if data is None:
                 raise AdapterNotFound(f"adapter version {version!r} was removed")
             if len(data) != layout.length or hashlib.sha256(data).hexdigest() != layout.sha256:
                 raise AdapterCorrupted(f"adapter version {version!r} failed its checksum")
             files.append(data)
-        return files[0], files[1]
+        return tuple(files)
 
     # ---- steps (separate methods so tests can fail them on purpose) ----
 

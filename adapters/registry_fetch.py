@@ -7,9 +7,11 @@ mode and by the engine-core process itself in the separate one (server.engine.co
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from adapters.format import LoraAdapter, ModelShape, load_adapter_bytes
 from adapters.loader_pool import LoaderPool
+from adapters.medusa_format import MAX_ADAPTER_HEADS, check_heads
 from adapters.registry import AdapterRegistry
 
 
@@ -21,7 +23,13 @@ def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: 
     def fetch(version: str) -> LoraAdapter:
         config_json, weights = registry.read_files(version)
         if pager is not None:
-            return pager.parse(config_json, weights, shape, max_lora_rank, f"stored version {version}")
-        return load_adapter_bytes(config_json, weights, shape, max_lora_rank)
+            adapter = pager.parse(config_json, weights, shape, max_lora_rank, f"stored version {version}")
+        else:
+            adapter = load_adapter_bytes(config_json, weights, shape, max_lora_rank)
+        heads = registry.read_medusa(version)  # its own Medusa heads, checked again as the upload was
+        if heads is None:
+            return adapter
+        return replace(adapter, medusa=check_heads(*heads, shape.hidden_size, shape.vocab_size or 0,
+                                                   max_heads=MAX_ADAPTER_HEADS))
 
     return fetch

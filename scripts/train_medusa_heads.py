@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from server.engine import LLM, SamplingParams
-from server.engine.medusa_heads import HeadWeights, save_heads
+from adapters.medusa_format import HeadWeights, save_heads
 
 TOPICS = ["the moon", "volcanoes", "bread", "bicycles", "the ocean", "honey bees", "rainbows", "libraries",
           "trains", "chess", "coffee", "winter", "the internet", "forests", "music", "electricity", "dinosaurs",
@@ -37,8 +37,43 @@ PHRASINGS = ["Explain {t} in a few sentences.", "Write a short story about {t}."
              "What should I know about {t}?", "Tell me something surprising about {t}."]
 
 
+# Short questions and instructions, like chat traffic's (a capital, a sum, a colour, a format to keep), over
+# countries, numbers and words that no evaluation item uses: heads trained only on essays guess a short
+# answer's next tokens badly (2.9% of drafts accepted on the chat eval items).
+COUNTRIES = ["Ecuador", "Bolivia", "Venezuela", "Uruguay", "Paraguay", "Pakistan", "Bangladesh", "Nepal", "Malaysia",
+             "Jamaica", "Ghana", "Ethiopia", "Tanzania", "Senegal", "Algeria", "Tunisia", "Iraq", "Jordan", "Lebanon",
+             "Romania", "Bulgaria", "Serbia", "Croatia", "Slovakia", "Estonia", "Latvia", "Lithuania", "Georgia",
+             "Armenia", "Mongolia", "Cambodia", "Sri Lanka", "New Zealand", "Luxembourg", "Malta", "Albania",
+             "Zambia", "Uganda", "Costa Rica", "Panama"]
+COUNTRY_QUESTIONS = ["What is the capital of {c}?", "Tell me the capital city of {c}.", "What language is spoken in {c}?",
+                     "Answer with a single word. What is the capital of {c}?", "Which continent is {c} in?",
+                     'Reply in JSON with one key, "answer". What is the capital of {c}?']
+THINGS = {"a lemon": "yellow", "a strawberry": "red", "a pumpkin": "orange", "milk": "white", "a leaf": "green",
+          "an eggplant": "purple", "a cherry": "red", "a pear": "green", "ink": "black", "a flamingo": "pink",
+          "the ocean": "blue", "a walnut": "brown"}
+ANIMALS = ["chicken", "cow", "duck", "bee", "crab", "frog", "elephant", "monkey", "kangaroo", "beetle", "mouse",
+           "deer", "wolf", "rabbit", "tiger", "octopus"]
+WORDS = ["table", "mountain", "coffee", "silver", "forest", "rocket", "basket", "candle", "bridge", "tiger", "violin",
+         "marble"]
+KINDS = ["instruments", "languages", "rivers", "oceans", "trees", "insects", "drinks", "shapes", "jobs", "desserts"]
+
+
 def default_prompts() -> list[str]:
-    return [p.format(t=t) for t in TOPICS for p in PHRASINGS]
+    """Essays on topics, then short chat questions (none of them an evaluation item)."""
+    prompts = [p.format(t=t) for t in TOPICS for p in PHRASINGS]
+    prompts += [q.format(c=c) for c in COUNTRIES for q in COUNTRY_QUESTIONS]
+    for thing, colour in THINGS.items():
+        prompts += [f"What color is {thing}?", f"Is {thing} {colour}? Say what color it is."]
+    for animal in ANIMALS:
+        prompts += [f"How many legs does a {animal} have?", f"Tell me how many legs a {animal} has."]
+    prompts += [f"Write the word '{w}' in capital letters." for w in WORDS]
+    prompts += [f"List three {k}, separated by commas." for k in KINDS]
+    for i in range(48):  # sums and differences of numbers past the evaluation's (1 to 40)
+        a, b = 41 + (i * 17) % 58, 41 + (i * 29) % 58
+        prompts.append(["Compute {a} + {b}.", "What is {a} minus {b}?", "What is {a} plus {b}?",
+                        "Reply with only the number, nothing else. What is {a} plus {b}?"][i % 4].format(a=max(a, b),
+                                                                                                       b=min(a, b)))
+    return prompts
 
 
 def chat_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:

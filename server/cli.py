@@ -484,7 +484,7 @@ def _check_speculative_model(config: ServerConfig, model_dir: Path) -> None:
     here, not a lifespan traceback."""
     from server.engine.config import ModelConfig, ModelConfigError
     from server.engine.draft_model_loader import read_draft_config
-    from server.engine.medusa_heads import MedusaHeadsError, read_heads_dir
+    from adapters.medusa_format import MedusaHeadsError, read_heads_dir
     from server.engine.speculative_config import parse_speculative_config
 
     spec = parse_speculative_config(config.speculative_config)

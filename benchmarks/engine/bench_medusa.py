@@ -15,18 +15,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.profile.cpu_model import cpu_model
 from server.engine import LLM, SamplingParams
 
 
-def decode_time(llm: LLM, prompt: list[int], params: SamplingParams, adapter: str | None) -> tuple[list[int], float]:
-    """One request alone: its tokens and the seconds from its first token to its last."""
+class HeadAgreement:
+    """Each head's top-1 agreement with the engine's own greedy continuation, through the serving path:
+    the drafts a sequence holds once it has n tokens guess tokens n, n + 1, ...; head i's guess is
+    right when the request's token n + i is that draft (whether or not it was verified)."""
+
+    def __init__(self, num_heads: int) -> None:
+        self.right = [0] * num_heads
+        self.scored = [0] * num_heads
+
+    def score(self, proposals: list[tuple[int, list[int]]], full: list[int]) -> None:
+        for n, drafts in proposals:
+            for i, draft in enumerate(drafts):
+                if n + i < len(full):
+                    self.scored[i] += 1
+                    self.right[i] += draft == full[n + i]
+
+    def rates(self) -> list[float | None]:
+        return [round(r / s, 4) if s else None for r, s in zip(self.right, self.scored)]
+
+
+def decode_time(llm: LLM, prompt: list[int], params: SamplingParams, adapter: str | None,
+                agreement: HeadAgreement | None = None) -> tuple[list[int], float]:
+    """One request alone: its tokens and the seconds from its first token to its last. With `agreement`,
+    each step's Medusa drafts are kept and scored against the tokens the request went on to get."""
     engine = llm.engine
-    engine.add_request(f"r{time.perf_counter_ns()}", prompt, params, llm._versions[adapter] if adapter else None)
+    request_id = f"r{time.perf_counter_ns()}"
+    engine.add_request(request_id, prompt, params, llm._versions[adapter] if adapter else None)
+    seq = engine.output_processor.seqs[request_id] if agreement is not None else None
+    proposals: list[tuple[int, list[int]]] = []
     first = last = None
     tokens: list[int] = []
     while engine.has_unfinished_requests():
@@ -35,6 +60,10 @@ def decode_time(llm: LLM, prompt: list[int], params: SamplingParams, adapter: st
             first = first if first is not None else now
             last = now
             tokens = list(out.token_ids)
+        if seq is not None:
+            proposals.append((len(seq.token_ids), list(seq.proposed)))
+    if agreement is not None:
+        agreement.score(proposals, list(prompt) + tokens)
     return tokens, last - first
 
 
@@ -72,30 +101,45 @@ def main(argv: list[str] | None = None) -> int:
             llm.add_adapter(name, args.adapter)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     decode_run(plain, medusa, prompts[:1], params, name)  # warm both
+    load_before = os.getloadavg()
     processor = medusa.engine.output_processor
     drafted0, accepted0 = processor.num_draft_tokens, processor.num_accepted_tokens
-    totals, mismatches = decode_run(plain, medusa, prompts, params, name)
+    agreement = HeadAgreement(k)
+    totals, mismatches = decode_run(plain, medusa, prompts, params, name, agreement)
     drafted, accepted = processor.num_draft_tokens - drafted0, processor.num_accepted_tokens - accepted0
     plain_tps, medusa_tps = (totals[m][0] / totals[m][1] for m in ("plain", "medusa"))
     doc = {
         "model": model.name, "adapter": str(args.adapter) if args.adapter else None, "heads": str(args.heads), "k": k,
         "items": len(items), "max_tokens": args.max_tokens, "batch": 1,
-        "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+        "cpu": cpu_model(), "cpus": os.cpu_count(),
+        "load_average_before": load_before, "load_average": os.getloadavg(),
         "plain_decode_tok_s": round(plain_tps, 2), "medusa_decode_tok_s": round(medusa_tps, 2),
         "ratio": round(medusa_tps / plain_tps, 3), "decode_tokens": totals["plain"][0],
         "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "mismatched_outputs": mismatches,
+        # The heads' guesses against what the served model went on to say, next to their training metric:
+        # far apart means the heads are served differently from how they were trained, or on other text.
+        "serving_top1_agreement": agreement.rates(),
+        "training_held_out_top1_accuracy": training_accuracy(args.heads),
     }
     print(f"{'engine':<8} {'decode tok/s':>12}\n{'plain':<8} {plain_tps:>12.1f}\n{'medusa':<8} {medusa_tps:>12.1f}\n"
-          f"ratio {doc['ratio']:.2f}x; drafts accepted {accepted}/{drafted}; mismatched outputs {mismatches}")
+          f"ratio {doc['ratio']:.2f}x; drafts accepted {accepted}/{drafted}; mismatched outputs {mismatches}\n"
+          f"top-1 per head: serving {doc['serving_top1_agreement']}, "
+          f"training (held out) {doc['training_held_out_top1_accuracy']}")
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if mismatches else 0
 
 
+def training_accuracy(heads: Path) -> list[float] | None:
+    """The held-out top-1 accuracy scripts/train_medusa_heads.py logged for these heads, if it did."""
+    log = heads / "train_log.json"
+    return json.loads(log.read_text()).get("held_out_top1_accuracy") if log.is_file() else None
+
+
 def decode_run(plain: LLM, medusa: LLM, prompts: list[list[int]], params: SamplingParams,
-               adapter: str | None) -> tuple[dict[str, list[float]], int]:
+               adapter: str | None, agreement: HeadAgreement | None = None) -> tuple[dict[str, list[float]], int]:
     """Paired rounds: {engine: [decode tokens, decode seconds]} and how many outputs differed."""
     totals = {"plain": [0, 0.0], "medusa": [0, 0.0]}
     mismatches = 0
@@ -103,7 +147,7 @@ def decode_run(plain: LLM, medusa: LLM, prompts: list[list[int]], params: Sampli
         order = [("plain", plain), ("medusa", medusa)][:: 1 if i % 2 == 0 else -1]
         got = {}
         for key, llm in order:
-            tokens, seconds = decode_time(llm, prompt, params, adapter)
+            tokens, seconds = decode_time(llm, prompt, params, adapter, agreement if key == "medusa" else None)
             got[key] = tokens
             totals[key][0] += len(tokens) - 1
             totals[key][1] += seconds

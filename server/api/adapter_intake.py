@@ -12,20 +12,26 @@ from concurrent.futures import Future
 from starlette.concurrency import run_in_threadpool
 
 from adapters.format import AdapterSummary, LoraAdapter, inspect_adapter_bytes, load_adapter_bytes
+from adapters.medusa_format import MAX_ADAPTER_HEADS, MedusaHeadsError, check_heads
 from adapters.registry import AdapterRecord
 from server.api.errors import APIError
 from server.api.state import ServerState
+from server.engine.speculative_config import parse_speculative_config
 from tenants import Quota
 
 
 async def store_adapter(state: ServerState, owner: str, quota: Quota | None, name: str, config_json: bytes,
                         weights: bytes, replace: bool, keep_identical: bool = False,
-                        validated: AdapterSummary | None = None) -> AdapterRecord:
+                        validated: AdapterSummary | None = None,
+                        medusa: tuple[bytes, bytes] | None = None) -> AdapterRecord:
     """Validate and store; `quota` None: the operator's own adapter (no tenant's limits apply).
     `keep_identical`: if the name already holds exactly these bytes, keep that version (its id is
     what the KV cache and the tiers are keyed on) rather than make a new one. `validated`: a loader
     process already ran the full validation below on these bytes, against this server's model
-    shape and rank cap (adapters.loader_pool), and `config_json` is its canonical config."""
+    shape and rank cap (adapters.loader_pool), and `config_json` is its canonical config. `medusa`: the
+    adapter's own Medusa heads files (config, weights), checked against the base and stored with it."""
+    if medusa is not None:
+        check_adapter_heads(state, medusa)
     if name == state.model_id:
         raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
                        param="name")
@@ -60,7 +66,8 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     old = await run_in_threadpool(state.registry.get, owner, name)
     if keep_identical and old is not None:
         stored = await run_in_threadpool(state.registry.read_files, old.version)
-        if stored == (summary.canonical_config_json, weights) and old.base == state.base:
+        if (stored == (summary.canonical_config_json, weights) and old.base == state.base
+                and state.registry.read_medusa(old.version) == medusa):
             await _precompute(state, old.version, dora)  # stored against another base, maybe
             return old
     # The canonical config is stored: the user's patterns were resolved once, above, and a
@@ -68,13 +75,25 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     record = await run_in_threadpool(
         lambda: state.registry.put(owner, name, summary.canonical_config_json, weights, summary=summary,
                                    replace=replace, max_adapters=None if quota is None else quota.max_adapters,
-                                   base=state.base))
+                                   base=state.base, medusa=medusa))
     if old is not None and old.version != record.version:
         await state.engine.remove_adapter(old.version)  # other processes hear it via the registry's events
     # Waited for (a W A^T per DoRA module, on the engine's one precompute thread, off the event loop):
     # an answered upload's first request then reloads, at a LoRA load's cost.
     await _precompute(state, record.version, dora)
     return record
+
+
+def check_adapter_heads(state: ServerState, medusa: tuple[bytes, bytes]) -> None:
+    """400 naming the mismatch for heads that do not fit the base (hidden size, vocabulary, tensors), are over
+    the bound (MAX_ADAPTER_HEADS, their bytes), or are fewer than a medusa server's num_speculative_tokens."""
+    shape = state.engine.info.adapter_shape
+    spec = parse_speculative_config(state.config.speculative_config)
+    need = spec.num_speculative_tokens if spec is not None and spec.method == "medusa" else 1
+    try:
+        check_heads(*medusa, shape.hidden_size, shape.vocab_size or 0, min_heads=need, max_heads=MAX_ADAPTER_HEADS)
+    except MedusaHeadsError as e:
+        raise APIError(400, str(e), "invalid_adapter", param="medusa_heads.safetensors") from None
 
 
 async def check_adapter_room(state: ServerState, owner: str, quota: Quota | None, name: str) -> None:

@@ -10,6 +10,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
+from adapters import medusa_format
 from adapters.format import CONFIG_FILE, MAX_CONFIG_BYTES, PICKLE_FILE, WEIGHTS_FILE
 from server.api.errors import APIError
 
@@ -23,6 +24,8 @@ class AdapterUpload:
     replace: bool
     config_json: bytes
     weights: bytes
+    # Its own Medusa heads (the optional files medusa_config.json and medusa_heads.safetensors), unchecked.
+    medusa: tuple[bytes, bytes] | None = None
 
 
 def _too_large(cap: int) -> APIError:
@@ -77,6 +80,14 @@ async def read_adapter_upload(request: Request, cap: int) -> AdapterUpload:
             raise APIError(413, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes",
                            "request_too_large")
         weights = await files[WEIGHTS_FILE].read()
-        return AdapterUpload(name, replace.lower() in ("true", "1"), config_json, weights)
+        heads = [f for f in (medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE) if f in files]
+        if len(heads) == 1:
+            other = ({medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE} - set(heads)).pop()
+            raise APIError(400, f"medusa heads need both files: the form has {heads[0]} without {other}",
+                           "invalid_field", param=other)
+        medusa = None
+        if heads:
+            medusa = (await files[medusa_format.CONFIG_FILE].read(), await files[medusa_format.WEIGHTS_FILE].read())
+        return AdapterUpload(name, replace.lower() in ("true", "1"), config_json, weights, medusa)
     finally:
         await form.close()

@@ -47,7 +47,8 @@ from server.engine.lora.slot_budget import free_device_bytes, resolve_max_loras
 from server.engine.lora.slots import LoraSlots
 from server.engine.lora.vocab_parts import VocabParts
 from server.engine.mask_lane import MaskBudget
-from server.engine.medusa_heads import HeadWeights, MedusaHeads, read_heads_dir
+from adapters.medusa_format import HeadWeights, read_heads_dir
+from server.engine.medusa_heads import MedusaHeads
 from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
@@ -151,6 +152,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     if medusa_heads is not None:
         k = config.speculative_config.num_speculative_tokens
         runner.use_medusa(MedusaProposer(MedusaHeads(medusa_heads, dtype, device), k))
+        slots.medusa = runner.medusa  # adapters' own heads load and leave with their slot
     warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device, slots.page_table)
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.
     dora_precompute = DoraPrecompute(host, slots.dora_cache)

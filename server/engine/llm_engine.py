@@ -75,6 +75,12 @@ class LLMEngine:
         if getattr(adapter, "vocab", None) is not None and self.config.tensor_parallel_size > 1:
             raise RequestError(f"adapters with parts of embed_tokens or lm_head are not served with "
                                f"--tensor-parallel-size {self.config.tensor_parallel_size} yet")
+        heads = getattr(adapter, "medusa", None)
+        spec = self.config.speculative_config
+        if heads is not None and spec is not None and spec.method == "medusa" and \
+                heads.num_heads < spec.num_speculative_tokens:
+            raise RequestError(f"the adapter's medusa heads num_heads {heads.num_heads} is fewer than "
+                               f"num_speculative_tokens {spec.num_speculative_tokens}")
         self.host.add(version_id, adapter)
         self.scheduler.prefix_cache.restore(version_id)
 

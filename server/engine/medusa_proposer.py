@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from adapters.medusa_format import HeadWeights
 from server.engine.kernel_ops import KernelOps
 from server.engine.medusa_heads import MedusaHeads
 
@@ -18,6 +19,16 @@ class MedusaProposer:
         self.base = base
         self.k = num_speculative_tokens
         self.slot_heads: dict[int, MedusaHeads] = {}  # adapter slot -> its own heads, while resident
+
+    def load(self, slot: int, weights: HeadWeights | None) -> None:
+        """An adapter entered `slot`: its own heads (on the device, in the base heads' dtype), or the base's."""
+        if weights is None:
+            self.slot_heads.pop(slot, None)
+        else:
+            self.slot_heads[slot] = MedusaHeads(weights, self.base.weight.dtype, self.base.weight.device)
+
+    def evict(self, slot: int) -> None:
+        self.slot_heads.pop(slot, None)
 
     def heads_for(self, slot: int) -> MedusaHeads:
         return self.slot_heads.get(slot, self.base)

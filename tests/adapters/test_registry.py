@@ -221,6 +221,22 @@ def test_delete_frees_everything_after_grace(reg, redis_client, clock):
     assert keys(redis_client) == []
 
 
+
+def test_medusa_heads_are_stored_with_their_version_and_freed_with_it(reg, redis_client, clock):
+    heads = (b'{"num_heads": 2}', payload(21, 3000))
+    rec = reg.put("acme", "sql", CONFIG, payload(13, 500), summary=Summary(), medusa=heads)
+    plain = reg.put("acme", "other", CONFIG, payload(14, 500), summary=Summary())
+    assert reg.read_medusa(rec.version) == heads and reg.read_medusa(plain.version) is None
+    assert reg.read_files(rec.version) == (CONFIG, payload(13, 500))
+    reg.delete("acme", "sql")
+    reg.delete("acme", "other")
+    clock.now += GRACE * 2
+    assert reg.collect_garbage() == 2
+    assert keys(redis_client) == [], "the heads' chunks went with their version"
+    with pytest.raises(AdapterNotFound):
+        reg.read_medusa(rec.version)
+
+
 # ---- quota ----
 
 def test_max_adapters_enforced(reg):

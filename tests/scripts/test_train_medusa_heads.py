@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from server.engine.medusa_heads import read_heads_dir
+from adapters.medusa_format import read_heads_dir
 from tests.scripts.script_module import script_module
 
 pytestmark = pytest.mark.unit

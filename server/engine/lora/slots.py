@@ -69,6 +69,7 @@ from server.engine.lora.dora_scales import DoraScales
 from server.engine.lora.expert_buffers import expert_target
 from server.engine.lora.paging import LoraPaging
 from server.engine.lora.vocab_parts import VocabParts
+from server.engine.medusa_proposer import MedusaProposer
 
 if TYPE_CHECKING:
     from server.engine.unified_memory import PageUnits
@@ -190,6 +191,8 @@ class LoraSlots:
         adapters one tenant may pin on the device; vocab: where adapters' parts of embed_tokens and lm_head
         go with their slot (None: not served)."""
         self.vocab = vocab
+        # Adapters' own Medusa heads go with their slot too (server.engine.medusa_proposer; set by use_medusa).
+        self.medusa: MedusaProposer | None = None
         self.layers = layers  # per layer: group name -> buffers
         some = layers[0]["o"].a if layers else torch.empty(0, 0, 1, 0)
         self.paging = paging or LoraPaging.slots(max_loras, some.shape[2])
@@ -380,6 +383,8 @@ class LoraSlots:
             torch._foreach_zero_(written)
         if self.vocab is not None:
             self.vocab.evict(slot)
+        if self.medusa is not None:
+            self.medusa.evict(slot)
         if self.slot_dora[slot]:
             for groups in self.layers:
                 for buffers in groups.values():
@@ -436,6 +441,8 @@ class LoraSlots:
         if adapter.vocab is not None:
             assert self.vocab is not None, "an engine that serves vocabulary parts builds its slots with VocabParts"
             self.vocab.load(slot, adapter)
+        if self.medusa is not None:
+            self.medusa.load(slot, adapter.medusa)
         self.slot_ranks[slot] = adapter.rank
         self.rank_table[slot] = adapter.rank
         self.slot_pages[slot] = pages

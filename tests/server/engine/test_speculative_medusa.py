@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from server.engine import LLM, SamplingParams
-from server.engine.medusa_heads import (CONFIG_FILE, WEIGHTS_FILE, HeadWeights, MedusaHeadsError, read_heads_dir,
-                                        save_heads)
+from adapters.medusa_format import (ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE, HeadWeights, MedusaHeadsError, read_heads_dir,
+                                    save_heads)
 from server.engine.speculative_config import parse_speculative_config
 from tests.scripts.script_module import script_module
 from tests.server.engine.test_speculative_ngram import assert_same, generate_checked, mixed_params
@@ -41,6 +42,17 @@ def trained_heads(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained-heads")
     trainer.train(tiny_model_dir, out, prompts_of(48, seed=0), num_heads=4, max_tokens=48, steps=200,
                   log=lambda line: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def own_heads_adapter(tiny_model_dir, tiny_adapters, tmp_path_factory) -> Path:
+    """r8_all with Medusa heads of its own in its `medusa/` folder, trained on its own answers."""
+    trainer = script_module("train_medusa_heads")
+    out = tmp_path_factory.mktemp("own-heads") / "r8_all"
+    shutil.copytree(tiny_adapters["r8_all"], out)
+    trainer.train(tiny_model_dir, out / ADAPTER_DIR, prompts_of(48, seed=0), adapter=tiny_adapters["r8_all"],
+                  num_heads=4, max_tokens=48, steps=200, log=lambda line: None)
     return out
 
 
@@ -167,3 +179,86 @@ def test_serve_refuses_heads_of_another_model_in_one_line_before_the_model_loads
         prepare_model(ServerConfig.from_args(args, env={}))
     assert str(e.value) == ("--speculative-config: medusa heads vocab_size 1000 does not match the base model's "
                             "vocab_size 512")
+
+
+@pytest.mark.parametrize("adapter", [None, "r8_all", "own_heads"])
+def test_served_drafts_are_the_heads_training_guesses(tiny_model_dir, tiny_adapters, trained_heads, own_heads_adapter,
+                                                      adapter):
+    """What the heads were trained to guess is what serving drafts: at every step the drafts a sequence holds
+    are the script's own head logits (scripts/train_medusa_heads.head_logits, over transformers' hidden
+    states at the position whose token the sequence chose last), after a rejected draft and an accepted run
+    alike. An off-by-one position, the normed instead of the raw last-layer row, or the base row for an
+    adapter's request would each break this: serving acceptance then falls far below the training metric."""
+    trainer = script_module("train_medusa_heads")
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=256, max_loras=2,
+              speculative_config=spec(trained_heads, k=4))
+    peft_dir = tiny_adapters["r8_all"] if adapter == "own_heads" else tiny_adapters.get(adapter)
+    if adapter is not None:  # own_heads: r8_all's weights, drafting with its own heads (medusa/)
+        llm.add_adapter(adapter, own_heads_adapter if adapter == "own_heads" else peft_dir)
+    engine = llm.engine
+    prompts = prompts_of(48, seed=0)[:6]  # training prompts (6: under the batch size that stops speculating)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                           llm._versions[adapter] if adapter else None)
+        seqs.append(engine.output_processor.seqs[f"r{i}"])
+    held = [[] for _ in seqs]
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq, log in zip(seqs, held):
+            if not log or log[-1][0] != len(seq.token_ids):
+                log.append((len(seq.token_ids), list(seq.proposed)))
+    rows, _, norm, lm_head = trainer.hidden_states(tiny_model_dir, peft_dir, [list(s.token_ids) for s in seqs],
+                                                   [len(p) for p in prompts], 4)
+    heads = read_heads_dir(own_heads_adapter / ADAPTER_DIR if adapter == "own_heads" else trained_heads, HIDDEN, VOCAB)
+    with torch.no_grad():
+        guesses = trainer.head_logits(heads.weight, heads.bias, rows, norm, lm_head).argmax(-1)
+    first = 0  # the script's rows: each sequence's positions from its last prompt token on, in order
+    runs = 0
+    for seq, prompt, log in zip(seqs, prompts, held):
+        for n, drafts in log:
+            row = n - 2 - (len(prompt) - 1)  # the position that chose token n - 1
+            if row < len(seq.token_ids) - len(prompt) - 1:
+                assert drafts == guesses[first + row].tolist(), f"drafts held at {n} tokens"
+        runs += sum(b[0] - a[0] >= 2 for a, b in zip(log, log[1:]))
+        first += len(seq.token_ids) - 2 - (len(prompt) - 1)
+    assert runs, "no step accepted a draft"
+
+
+def test_an_adapters_own_heads_draft_for_its_requests_and_outputs_stay_the_plain_engines(
+        tiny_model_dir, tiny_adapters, trained_heads, own_heads_adapter):
+    """A mixed batch (base, r8_all with its own heads, r4_qv with none), through preemption and prefix hits:
+    the plain engine's tokens; while r8_all is resident its slot drafts with its heads, the others with the
+    base's."""
+    plain, medusa = pair(tiny_model_dir, tiny_adapters, trained_heads, kv_cache_blocks=20)
+    medusa.add_adapter("r8_all", own_heads_adapter)  # the same LoRA weights, now with heads
+    check_mixed_batch(plain, medusa, sampled=False)
+    proposer, slots = medusa.engine.runner.medusa, medusa.engine.lora_slots
+    own = slots.slot_of.get(medusa._versions["r8_all"])
+    assert own is not None and set(proposer.slot_heads) == {own}
+    assert proposer.heads_for(own) is not proposer.base
+    medusa.remove_adapter("r8_all")
+    medusa.generate([[5, 6, 7]], SamplingParams(max_tokens=2), adapters=["r4_qv"])  # frees the slot
+    assert not proposer.slot_heads
+
+
+def test_an_adapters_heads_that_do_not_fit_the_base_are_refused_naming_the_mismatch(tiny_model_dir, tiny_adapters,
+                                                                                    tmp_path):
+    from adapters.format import AdapterFormatError
+
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=128,
+              speculative_config=spec(random_heads(tmp_path / "base-heads")))
+    cases = {"hidden_size 32 does not match the base model's hidden_size 64": dict(hidden=32),
+             "vocab_size 100 does not match the base model's vocab_size 512": dict(vocab=100),
+             "num_heads 9 is over the limit of 8": dict(num_heads=9)}
+    for i, (message, kw) in enumerate(cases.items()):
+        d = tmp_path / f"a{i}"
+        shutil.copytree(tiny_adapters["r8_all"], d)
+        random_heads(d / ADAPTER_DIR, **kw)
+        with pytest.raises(AdapterFormatError, match=message):
+            llm.add_adapter("bad", d)
+    d = tmp_path / "few"
+    shutil.copytree(tiny_adapters["r8_all"], d)
+    random_heads(d / ADAPTER_DIR, num_heads=2)
+    with pytest.raises(Exception, match="num_heads 2 is fewer than num_speculative_tokens 3"):
+        llm.add_adapter("few", d)
