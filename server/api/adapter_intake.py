@@ -16,7 +16,6 @@ from adapters.medusa_format import MAX_ADAPTER_HEADS, MedusaHeadsError, check_he
 from adapters.registry import AdapterRecord
 from server.api.errors import APIError
 from server.api.state import ServerState
-from server.engine.speculative_config import parse_speculative_config
 from tenants import Quota
 
 
@@ -88,10 +87,9 @@ def check_adapter_heads(state: ServerState, medusa: tuple[bytes, bytes]) -> None
     """400 naming the mismatch for heads that do not fit the base (hidden size, vocabulary, tensors), are over
     the bound (MAX_ADAPTER_HEADS, their bytes), or are fewer than a medusa server's num_speculative_tokens."""
     shape = state.engine.info.adapter_shape
-    spec = parse_speculative_config(state.config.speculative_config)
-    need = spec.num_speculative_tokens if spec is not None and spec.method == "medusa" else 1
     try:
-        check_heads(*medusa, shape.hidden_size, shape.vocab_size or 0, min_heads=need, max_heads=MAX_ADAPTER_HEADS)
+        check_heads(*medusa, shape.hidden_size, shape.vocab_size or 0, min_heads=state.engine.info.medusa_heads_needed,
+                    max_heads=MAX_ADAPTER_HEADS)
     except MedusaHeadsError as e:
         raise APIError(400, str(e), "invalid_adapter", param="medusa_heads.safetensors") from None
 

@@ -10,6 +10,7 @@ from server.engine.kv_cache import KvPoolInfo
 
 if TYPE_CHECKING:
     from server.engine.llm_engine import LLMEngine
+    from server.engine.speculative_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class EngineInfo:
     # The ids that end a choice (the model's and the tokenizer's EOS): a front end that compiles grammars
     # itself (the engine-core mode) builds its vocabulary's stop tokens from them.
     eos_token_ids: tuple[int, ...] = ()
+    # Heads an adapter's own Medusa heads must have: the server's num_speculative_tokens with method medusa,
+    # else 1 (they are stored for a later medusa server).
+    medusa_heads_needed: int = 1
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -48,4 +52,9 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         requested_kv_cache_dtype=cfg.kv_cache_dtype, block_size=cfg.block_size,
         async_scheduling=cfg.async_scheduling, base_weights=engine.model.base_weights(),
         model_config=engine.model_config,
-        eos_token_ids=tuple(sorted(engine.eos_token_ids)))
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+        medusa_heads_needed=_medusa_heads_needed(cfg.speculative_config))
+
+
+def _medusa_heads_needed(spec: SpeculativeConfig | None) -> int:
+    return spec.num_speculative_tokens if spec is not None and spec.method == "medusa" else 1
