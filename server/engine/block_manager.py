@@ -140,12 +140,34 @@ class BlockManager:
         for _ in range(need):
             block_table.append(self._allocate())
 
-    def lend(self, n: int) -> list[int]:
-        """n blocks' memory for adapter pages (--unified-memory), out of circulation until `repay`: taken
-        as a sequence's are (a free block first, then the least recently released cached one)."""
-        assert n <= self.num_free_blocks, "caller must check for free blocks first"
-        self.num_lent_blocks += n
-        return [self._allocate() for _ in range(n)]
+    def lendable(self, size: int, taking: frozenset[int] = frozenset()) -> int:
+        """Aligned groups of `size` blocks (blocks g*size .. g*size+size-1) that `lend` could take now: none
+        of their blocks held by a sequence or lent, nor in `taking` (cached blocks a sequence is about to take)."""
+        refs = self.ref_counts
+        return sum(1 for g in range(self.num_blocks // size)
+                   if not any(refs[b] or b in taking for b in range(g * size, g * size + size)))
+
+    def lend(self, size: int) -> int:
+        """One aligned group of `size` blocks for an adapter page (--unified-memory: the page is the same
+        memory, server.engine.unified_buffer), out of circulation until `repay`; its index. The group with
+        the fewest cached blocks, the first among equals: never-indexed memory goes before any prefix."""
+        refs, best, fewest = self.ref_counts, None, size + 1
+        for g in range(self.num_blocks // size):
+            group = range(g * size, g * size + size)
+            if not any(refs[b] for b in group) and (cached := sum(b in self.entries for b in group)) < fewest:
+                best, fewest = g, cached
+                if not cached:
+                    break
+        assert best is not None, "caller must check lendable first"
+        for block in range(best * size, best * size + size):
+            if block in self.entries:
+                del self.evictable[block]
+                self._unindex(block)
+            else:
+                self.free_blocks.remove(block)
+            self.ref_counts[block] = 1
+        self.num_lent_blocks += size
+        return best
 
     def repay(self, blocks: list[int]) -> None:
         """Lent blocks back to the pool (never indexed: free at once)."""
