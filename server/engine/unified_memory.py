@@ -56,10 +56,11 @@ class UnifiedPool:
 
     @classmethod
     def within(cls, units: int, unit_bytes: int, page_bytes: int, budget_pages: int) -> UnifiedPool | None:
-        """A pool of `units` measured units (CUDA: what the device has left), the adapter budget's pages
-        out of them; None when they do not leave the KV share a unit."""
+        """A pool within `units` measured units (CUDA: what the device has left): the zero page's units and
+        the adapter budget's pages out of them; None when they do not leave the KV share a unit."""
         per_page = max(1, -(-page_bytes // unit_bytes))
         adapter_share = budget_pages * per_page
+        units -= per_page  # the zero page (server.engine.unified_buffer): in the buffer, never lent
         if units <= adapter_share:
             return None
         return cls(units, unit_bytes, per_page, units - adapter_share, adapter_share)

@@ -165,6 +165,10 @@ def test_refusals_are_one_line():
 def test_pool_is_the_two_budgets_in_whole_units_per_page():
     pool = UnifiedPool.of(kv_blocks=10, unit_bytes=1000, page_bytes=2500, budget_pages=4)
     assert (pool.units, pool.units_per_page, pool.kv_share, pool.adapter_share, pool.pages) == (22, 3, 10, 12, 7)
+    # CUDA: what the device has left holds the zero page and the adapter budget; the rest is the KV share.
+    pool = UnifiedPool.within(units=25, unit_bytes=1000, page_bytes=2500, budget_pages=4)
+    assert (pool.units, pool.kv_share, pool.adapter_share, pool.page_bytes) == (22, 10, 12, 3000)
+    assert UnifiedPool.within(units=15, unit_bytes=1000, page_bytes=2500, budget_pages=4) is None
 
 
 def _storage(t: torch.Tensor) -> int:
