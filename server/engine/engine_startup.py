@@ -134,7 +134,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
                                            chunk=config.max_num_batched_tokens))
     max_model_len = context.max_model_len
     log.info("%s", context.reason)
-    blocks = BlockManager(kv_pool.blocks, config.block_size)
+    blocks = BlockManager(kv_pool.blocks, config.block_size, pack=memory is not None)
     if memory is not None:
         slots.use_pool(PageUnits(memory.pool, blocks, memory.page_bytes), memory.pool.pages + 1)
     host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks,
