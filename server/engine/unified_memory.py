@@ -3,15 +3,17 @@
 The pool's unit is one KV block's bytes (every layer's K and V); an adapter page (kernels.lora_pages: a
 page of rank rows of every projection of every layer) is sized up to a whole number of units. The pool
 has as many units as the two budgets together: the KV pool's blocks plus `--max-loras` slots' worth of
-pages; those budgets are only its initial shares, and either side may then take any free unit.
+pages (on CUDA without --kv-cache-blocks: what the device has left, the adapter share out of it); those
+budgets are only its initial shares, and either side may then take any free unit.
 
-One allocator hands out units: the BlockManager's. A page an adapter loads borrows `units_per_page` of
-its blocks (PageUnits, the adapter slots' hook), taken like a sequence's: a free block first, then the
-least recently released cached prefix block; eviction gives them back. So whoever needs memory takes,
-in this order:
+One allocator hands out units: the BlockManager's. A page an adapter loads borrows an aligned group of
+`units_per_page` blocks nobody holds (PageUnits, the adapter slots' hook; BlockManager.lend: a group
+without cached blocks first, from the top of the pool, while the KV packs at the bottom); eviction gives
+them back. So whoever needs memory takes, in this order:
 
 1. free units;
-2. cached prefix blocks nobody holds (least recently released first: the block manager's own order);
+2. cached prefix blocks nobody holds (for a sequence least recently released first: the block manager's
+   own order; for a page, the group with the fewest);
 3. idle adapters' pages (unpinned, no running request), by idle time per unit of reload cost (LoraSlots'
    eviction order);
 4. preemption, by the existing rule (the newest running sequence first). A sequence growing its KV
