@@ -220,3 +220,25 @@ def test_fp8_kv_in_the_pool_serves_what_its_own_pool_serves(tiny_model_dir, tiny
         outs.append({r: o.token_ids for r, o in drive(engine, check_split if unified else None).items()})
         engine.shutdown()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--unified-memory on CUDA needs a GPU")
+def test_on_cuda_the_pool_serves_what_separate_buffers_serve(tiny_model_dir, tiny_adapters, tmp_path):
+    """On a GPU (the allocation is the point there): mixed ranks through churn give the tokens the same
+    engine gives with its own KV and page buffers (one request at a time, so the steps' shapes are the
+    same in both and only the views' strides differ); the views share the one buffer."""
+    dirs = mixed_rank_adapters(tiny_adapters, tmp_path, seed=71)
+    outs = []
+    for unified in (False, True):
+        engine = unified_engine(tiny_model_dir, kv_cache_blocks=16, device="cuda", unified_memory=unified)
+        if unified:
+            memory = _storage(engine.lora_slots.units.page_bytes)
+            assert all(_storage(t) == memory for kv in engine.runner.kv_caches for t in kv)
+        names, prompts = skewed_requests(engine, dirs, 16, (20, 60), seed=6, prompt_seed=12)
+        out = {}
+        for i, (name, prompt) in enumerate(zip(names, prompts)):
+            engine.add_request(str(i), prompt, greedy(8), name)
+            out |= {r: o.token_ids for r, o in drive(engine, check_split if unified else None).items()}
+        outs.append(out)
+        engine.shutdown()
+    assert outs[0] == outs[1] and len(outs[0]) == 20
