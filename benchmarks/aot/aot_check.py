@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                         "kernels.int4_triton's launches depend on the projection shapes, not on the rank)")
     p.add_argument("--lora-page-rows", nargs="+", type=int, default=[16],
                    help="adapter memory paged by rank: each adds each model and dtype at the first "
-                        "--max-lora-ranks value, read through a page table (default 16; 0: none)")
+                        "--max-lora-ranks value, read through a page table, in its own buffers and as "
+                        "--unified-memory's views of one (default 16; 0: none)")
     p.add_argument("--compile-only", nargs="+", metavar="KERNEL", help="compile only these kernels' variants")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", type=Path)
@@ -195,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     shapes += [EngineShape(m, d, args.max_lora_ranks[0], quantization=quant) for quant in QUANTIZED_MATMULS
                if quant in args.quantizations for m in args.models for d in dtypes
                if not is_moe(EngineShape(m, d, args.max_lora_ranks[0]))]
-    # MoE models keep slots (server.engine.architectures): pages only for dense shapes.
-    shapes += [EngineShape(m, d, args.max_lora_ranks[0], lora_page_rows=rows) for rows in args.lora_page_rows
-               if rows for m in args.models for d in dtypes
+    # MoE models keep slots (server.engine.architectures): pages only for dense shapes; each also as
+    # --unified-memory's strided views of one buffer (KV and pages alike: server.engine.unified_buffer).
+    shapes += [EngineShape(m, d, args.max_lora_ranks[0], lora_page_rows=rows, unified_memory=unified)
+               for rows in args.lora_page_rows if rows for m in args.models for d in dtypes for unified in (False, True)
                if not is_moe(EngineShape(m, d, args.max_lora_ranks[0]))]
     # A meta torch.cat imports torch._dynamo (2 s): once here, not once per forked worker.
     torch.cat([torch.empty(1, device="meta")] * 2)

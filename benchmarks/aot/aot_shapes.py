@@ -14,9 +14,11 @@ import torch
 from kernels.expert_batch import ExpertBatch
 from server.engine.config import ModelConfig
 from server.engine.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype_name
-from server.engine.kv_cache import allocate_lora_slots
+from server.engine.kv_cache import allocate_lora_slots, kv_bytes_per_block, lora_page_bytes
 from server.engine.lora.paging import LoraPaging
 from server.engine.model import CausalLM
+from server.engine.unified_buffer import UnifiedBuffer, unallocated
+from server.engine.unified_memory import UnifiedPool
 from server.engine.warmup import SyntheticSeq, SyntheticStep
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -60,8 +62,13 @@ class EngineShape:
     # --lora-page-rows: adapter memory in pages of this many rank rows, read through a page table (the
     # kernels' PAGED variants); None: slots.
     lora_page_rows: int | None = None
+    # --unified-memory: the KV caches and the adapter pages as strided views of one buffer
+    # (server.engine.unified_buffer), at the full model's strides (its layer count, a page of every layer).
+    unified_memory: bool = False
 
     def __post_init__(self) -> None:
+        if self.unified_memory and self.lora_page_rows is None:
+            raise ValueError("unified_memory needs lora_page_rows: adapter pages are what shares the pool")
         if self.model not in MODELS or self.dtype not in DTYPES:
             raise ValueError(f"unknown model {self.model!r} or dtype {self.dtype!r}")
         check_kv_cache_dtype_name(self.kv_cache_dtype)
@@ -75,7 +82,8 @@ class EngineShape:
         kv = "" if self.kv_cache_dtype == "auto" else f"/kv-{self.kv_cache_dtype}"
         quant = "" if self.quantization is None else f"/{self.quantization}"
         pages = "" if self.lora_page_rows is None else f"/pages{self.lora_page_rows}"
-        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}{quant}{pages}"
+        unified = "/unified" if self.unified_memory else ""
+        return f"{self.model}/{self.dtype}/r{self.max_lora_rank}{kv}{quant}{pages}{unified}"
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -111,16 +119,32 @@ def meta_engine(shape: EngineShape) -> tuple[CausalLM, list[tuple[torch.Tensor, 
     cfg = ModelConfig.from_dict({**MODELS[shape.model], "num_hidden_layers": 1})
     dtype = DTYPES[shape.dtype]
     paging = LoraPaging.of(shape.max_loras, shape.max_lora_rank, shape.lora_page_rows)
-    lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta", paging)
+    lora = allocate_lora_slots(cfg, shape.max_loras, shape.max_lora_rank, dtype, "meta", paging,
+                               unallocated if shape.unified_memory else None)
     table = torch.zeros(paging.entries, paging.pages_per_entry, dtype=torch.int32,
                         device="meta") if paging.paged else None
     model = CausalLM(cfg, meta_weights(cfg, dtype), lora, shape.max_model_len, shape.max_num_batched_tokens,
                      shape.quantization, quantize_lm_head=shape.quantization == "int8")
-    pool = (shape.num_kv_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.empty(pool, dtype=shape.cache_dtype, device="meta"),
-           torch.empty(pool, dtype=shape.cache_dtype, device="meta"))]
+    if shape.unified_memory:
+        kv = _unified_views(shape, paging, lora)
+    else:
+        pool = (shape.num_kv_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv = [(torch.empty(pool, dtype=shape.cache_dtype, device="meta"),
+               torch.empty(pool, dtype=shape.cache_dtype, device="meta"))]
     scratch = torch.empty(3, shape.max_num_batched_tokens, shape.max_lora_rank, dtype=dtype, device="meta")
     return model, kv, scratch, table
+
+
+def _unified_views(shape: EngineShape, paging: LoraPaging, lora: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """--unified-memory's layout on meta: the full model's pool (every layer's K and V in a unit, every
+    layer's rows in a page), `lora`'s one layer carved from it and layer 0's KV views, as the engine has them."""
+    full = ModelConfig.from_dict(MODELS[shape.model])
+    pool = UnifiedPool.of(shape.num_kv_blocks, kv_bytes_per_block(full, shape.block_size, shape.cache_dtype),
+                          lora_page_bytes(full, paging.page_rows, DTYPES[shape.dtype]), paging.pages - 1)
+    memory = UnifiedBuffer.allocate(pool, "meta")
+    memory.carve_pages(lora)
+    return memory.kv_caches(full.num_layers, shape.block_size, full.num_kv_heads, full.head_dim,
+                            shape.cache_dtype)[:1]
 
 
 def is_moe(shape: EngineShape) -> bool:

@@ -95,10 +95,14 @@ class KvBlockStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, pack: bool = False) -> None:
+        """pack (--unified-memory): a block a sequence lets go is handed out again first, so the KV stays in
+        the groups of blocks it already touches (the lowest) and whole groups stay whole for adapter pages
+        (`lend`, which takes the highest); without it, blocks go round in release order."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.pack = pack
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))  # unreferenced and not indexed
         # Unreferenced indexed blocks in release order: the first is the least recently used.
@@ -145,18 +149,43 @@ class BlockManager:
         for _ in range(need):
             block_table.append(self._allocate())
 
-    def lend(self, n: int) -> list[int]:
-        """n blocks' memory for adapter pages (--unified-memory), out of circulation until `repay`: taken
-        as a sequence's are (a free block first, then the least recently released cached one)."""
-        assert n <= self.num_free_blocks, "caller must check for free blocks first"
-        self.num_lent_blocks += n
-        return [self._allocate() for _ in range(n)]
+    def lendable(self, size: int, taking: frozenset[int] = frozenset()) -> int:
+        """Aligned groups of `size` blocks (blocks g*size .. g*size+size-1) that `lend` could take now: none
+        of their blocks held by a sequence or lent, nor in `taking` (cached blocks a sequence is about to take)."""
+        refs = self.ref_counts
+        return sum(1 for g in range(self.num_blocks // size)
+                   if not any(refs[b] or b in taking for b in range(g * size, g * size + size)))
+
+    def lend(self, size: int) -> int:
+        """One aligned group of `size` blocks for an adapter page (--unified-memory: the page is the same
+        memory, server.engine.unified_buffer), out of circulation until `repay`; its index. The group with
+        the fewest cached blocks, the last among equals: never-indexed memory goes before any prefix, and
+        pages gather at the top of the pool, away from the KV (`pack`)."""
+        refs, best, fewest = self.ref_counts, None, size + 1
+        for g in reversed(range(self.num_blocks // size)):
+            group = range(g * size, g * size + size)
+            if not any(refs[b] for b in group) and (cached := sum(b in self.entries for b in group)) < fewest:
+                best, fewest = g, cached
+                if not cached:
+                    break
+        assert best is not None, "caller must check lendable first"
+        for block in range(best * size, best * size + size):
+            if block in self.entries:
+                del self.evictable[block]
+                self._unindex(block)
+            else:
+                self.free_blocks.remove(block)
+            self.ref_counts[block] = 1
+        self.num_lent_blocks += size
+        return best
 
     def repay(self, blocks: list[int]) -> None:
-        """Lent blocks back to the pool (never indexed: free at once)."""
+        """Lent blocks back to the pool (never indexed: free at once), handed out last: a whole group."""
         self.num_lent_blocks -= len(blocks)
         for block in blocks:
-            self._drop(block)
+            assert self.ref_counts[block] == 1, f"repay of block {block} not lent"
+            self.ref_counts[block] = 0
+            self.free_blocks.append(block)
 
     def fork(self, block_table: list[int]) -> list[int]:
         """A new table holding the same blocks (one more reference to each)."""
@@ -215,6 +244,8 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             if block in self.entries:
                 self.evictable[block] = None
+            elif self.pack:
+                self.free_blocks.appendleft(block)
             else:
                 self.free_blocks.append(block)
 

@@ -8,7 +8,6 @@ every buffer they read exists.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -58,6 +57,7 @@ from server.engine.parallel.tp_model import tp_refusal
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig, StepCost
 from server.engine.speculative_config import resolve_disable_by_batch_size
 from server.engine.tokenizer_loader import load_tokenizer
+from server.engine.unified_buffer import UnifiedBuffer, unallocated
 from server.engine.unified_memory import PageUnits, UnifiedPool, unified_refusal
 from server.engine.warmup import warm_up
 from server.engine.weights import load_weights
@@ -109,11 +109,10 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     tensor_parallel = config.tensor_parallel_size > 1
     if tensor_parallel:
         _check_tensor_parallel(config, mcfg, device)
-    if config.unified_memory and (refusal := unified_refusal(device.type, config.tensor_parallel_size,
-                                                             draft_cfg is not None, mcfg.kv_groups is not None)) is not None:
+    if config.unified_memory and (refusal := unified_refusal(config.tensor_parallel_size, draft_cfg is not None,
+                                                             mcfg.kv_groups is not None)) is not None:
         raise ModelConfigError(refusal)
-    unified = _unified_pool(config, mcfg, dtype, device, max_len, kv_dtype) if config.unified_memory else None
-    paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len, unified)
+    paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
     max_loras = paging.entries
     # Everything else on the device is allocated before the KV pool is sized from what is left.
     # Not sharded yet: DoRA (without DoraScales the slots refuse DoRA adapters) and adapters' parts of
@@ -124,17 +123,20 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     draft_model = None if draft_cfg is None else load_draft_model(
         spec.model, draft_cfg, dtype, device, max_len, max(config.max_num_batched_tokens, config.max_num_seqs))
-    kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype, draft_cfg, unified)
+    # Unified: the pool sized now, as the KV pool is, from what is left; the adapter pages carved from it.
+    memory = _unified_memory(config, mcfg, dtype, device, max_len, kv_dtype, paging, lora_layers) \
+        if config.unified_memory else None
+    kv_caches, kv_pool = allocate_kv_cache(mcfg, config, max_len, dtype, device, kv_dtype, draft_cfg, memory)
     # Unified, a sequence is sized against the KV share: adapters in use may hold the rest.
-    kv_blocks = kv_pool.blocks if unified is None else unified.kv_share
+    kv_blocks = kv_pool.blocks if memory is None else memory.pool.kv_share
     context = choose_max_model_len(config.max_model_len, limit, kv_blocks, config.block_size,
                                    partial(held_blocks, mcfg, block_size=config.block_size,
                                            chunk=config.max_num_batched_tokens))
     max_model_len = context.max_model_len
     log.info("%s", context.reason)
-    blocks = BlockManager(kv_pool.blocks, config.block_size)
-    if unified is not None:
-        slots.units = PageUnits(unified, blocks)
+    blocks = BlockManager(kv_pool.blocks, config.block_size, pack=memory is not None)
+    if memory is not None:
+        slots.use_pool(PageUnits(memory.pool, blocks, memory.page_bytes), memory.pool.pages + 1)
     host, scheduler = _build_tiers(config, StepCost.of(mcfg), adapter_source, device, dtype, bind_thread, slots, blocks,
                                    mcfg)
     kernels = _select_kernels(config, device, dtype)
@@ -232,23 +234,33 @@ def _adapter_shape(mcfg: ModelConfig, config: EngineConfig) -> ModelShape:
                       expert_linears=EXPERT_LINEARS.get(mcfg.architecture), dense_layers=mcfg.dense_layers)
 
 
-def _unified_pool(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-                  kv_dtype: torch.dtype) -> UnifiedPool:
-    """--unified-memory's pool: the KV budget's blocks plus --max-loras slots' worth of pages, in KV blocks."""
-    max_loras, _ = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, dtype, free_device_bytes(device))
-    budget = LoraPaging.of(max_loras, config.max_lora_rank, config.lora_page_rows)
-    pool = UnifiedPool.of(num_kv_blocks(mcfg, config, dtype, device, max_len, kv_dtype),
-                          kv_bytes_per_block(mcfg, config.block_size, kv_dtype),
-                          lora_page_bytes(mcfg, config.lora_page_rows, dtype), budget.pages - 1)
+def _unified_memory(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+                    kv_dtype: torch.dtype, paging: LoraPaging, lora_layers: list) -> UnifiedBuffer:
+    """--unified-memory's pool, in KV blocks, and its one buffer, with `lora_layers`' pages carved from it. A
+    given KV budget (--kv-cache-blocks, the CPU's bytes) gets the adapter budget (paging: --max-loras slots'
+    worth of pages) on top; on CUDA, what the device has left is the pool, the adapter budget out of it."""
+    unit, page = kv_bytes_per_block(mcfg, config.block_size, kv_dtype), lora_page_bytes(mcfg, config.lora_page_rows,
+                                                                                      dtype)
+    blocks = num_kv_blocks(mcfg, config, dtype, device, max_len, kv_dtype)
+    if device.type == "cuda" and config.kv_cache_blocks is None:
+        pool = UnifiedPool.within(blocks, unit, page, paging.pages - 1)
+        if pool is None:
+            raise ModelConfigError(f"--unified-memory: the device has {blocks} KV blocks' worth left, no more than "
+                                   f"--max-loras {paging.dora_entries} slots' worth of adapter pages: lower "
+                                   f"--max-loras or raise --gpu-memory-utilization")
+    else:
+        pool = UnifiedPool.of(blocks, unit, page, paging.pages - 1)
     log.info("unified memory: %d units of %d bytes (KV share %d, adapter share %d), %d per adapter page",
              pool.units, pool.unit_bytes, pool.kv_share, pool.adapter_share, pool.units_per_page)
-    return pool
+    memory = UnifiedBuffer.allocate(pool, device)
+    memory.carve_pages(lora_layers)
+    return memory
 
 
 def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_len: int, unified: UnifiedPool | None) -> tuple[LoraPaging, list, CausalLM]:
-    """The adapter memory's layout (slots, or pages: server.engine.lora.paging; unified: as many pages as
-    the pool could hold), its LoRA buffers and the model that reads them."""
+                max_len: int) -> tuple[LoraPaging, list, CausalLM]:
+    """The adapter memory's layout (slots, or pages: server.engine.lora.paging), its LoRA buffers and the
+    model that reads them (unified: stand-ins for A and B, carved from the pool once it is sized)."""
     if config.quantization is not None and not ARCHITECTURES[mcfg.architecture].quantization:
         raise ModelConfigError(f"quantization {config.quantization!r} is not supported for {mcfg.architecture} "
                                f"(its weights are served as the checkpoint's floats)")
@@ -263,13 +275,11 @@ def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
                                        free_device_bytes(device))
     log.info("%s", why)
     paging = LoraPaging.of(max_loras, config.max_lora_rank, config.lora_page_rows)
-    if unified is not None:
-        paging = dataclasses.replace(paging, pages=unified.pages + 1)
     if paging.paged:
         log.info("adapter memory paged by rank: %d pages of %d rank rows (%d slots' worth), up to %d adapters",
                  paging.pages - 1, paging.page_rows, max_loras, paging.entries)
     lora_layers = allocate_lora_slots(mcfg, max_loras, config.max_lora_rank, dtype, device, paging,
-                                      lazy=unified is not None)
+                                      unallocated if config.unified_memory else None)
     model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
                      config.max_num_batched_tokens, config.quantization, config.quantize_lm_head,
                      config.int4_group_size or DEFAULT_GROUP_SIZE)

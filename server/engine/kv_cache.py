@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +15,9 @@ from server.engine.lora.paging import LoraPaging
 from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.sliding_window import sequence_blocks
 from server.engine.unified_memory import UnifiedPool
+
+if TYPE_CHECKING:
+    from server.engine.unified_buffer import UnifiedBuffer
 
 
 def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -123,21 +128,24 @@ class KvPoolInfo:
 
 
 def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype, device, cache_dtype=None,
-                      draft: ModelConfig | None = None, unified: UnifiedPool | None = None):
+                      draft: ModelConfig | None = None, unified: UnifiedBuffer | None = None):
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D] of cache_dtype (dtype, the
     activations', when None), and the pool's KvPoolInfo; whether a sequence of the chosen length fits
     is server.engine.context_len's to say. draft: sized so that a draft model's pool of as many blocks
-    (kv_pool_like) fits too. unified: a block for each of the unified pool's units."""
+    (kv_pool_like) fits too. unified: views of its buffer, a block for each of the unified pool's units."""
     cache_dtype = cache_dtype or dtype
-    blocks = unified.units if unified is not None else num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype,
-                                                                     draft)
-    caches = kv_pool_like(mcfg, blocks, cfg.block_size, cache_dtype, device)
-    groups = mcfg.kv_groups
-    if groups is not None:  # one tensor per place in a group, shared by that place's layer of every group
-        caches = [caches[slot] for slot in groups.layer_slot]
+    if unified is not None:  # refused for a model with KV layer groups (server.engine.unified_memory)
+        blocks = unified.pool.units
+        caches = unified.kv_caches(mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim, cache_dtype)
+    else:
+        blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype, draft)
+        caches = kv_pool_like(mcfg, blocks, cfg.block_size, cache_dtype, device)
+        groups = mcfg.kv_groups
+        if groups is not None:  # one tensor per place in a group, shared by that place's layer of every group
+            caches = [caches[slot] for slot in groups.layer_slot]
     info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.block_size,
-                      blocks * pool_block_bytes(mcfg, cfg.block_size, cache_dtype), unified=unified,
-                      groups=mcfg.num_layers // pool_layers(mcfg))
+                      blocks * pool_block_bytes(mcfg, cfg.block_size, cache_dtype),
+                      unified=None if unified is None else unified.pool, groups=mcfg.num_layers // pool_layers(mcfg))
     return caches, info
 
 
@@ -146,12 +154,12 @@ def kv_pool_like(mcfg: ModelConfig, blocks: int, block_size: int, cache_dtype: t
     """Per layer of `mcfg` (of one KV layer group where it has several), (k_cache, v_cache) of `blocks`
     blocks, zeroed."""
     shape = (blocks, block_size, mcfg.num_kv_heads, mcfg.head_dim)
-    zeros = _lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
+    zeros = lazy_cpu_zeros if torch.device(device).type == "cpu" else torch.zeros
     return [(zeros(shape, dtype=cache_dtype, device=device), zeros(shape, dtype=cache_dtype, device=device))
             for _ in range(pool_layers(mcfg))]
 
 
-def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """Zeros whose pages the OS maps on first touch: numpy's zeros is calloc, which takes fresh
     (already zero) pages for large sizes, where torch.zeros writes every byte. A pool of gigabytes
     then costs nothing at start-up and only the memory that sequences use."""
@@ -177,15 +185,16 @@ def lora_page_bytes(mcfg: ModelConfig, page_rows: int, dtype: torch.dtype) -> in
 
 
 def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device,
-                        paging: LoraPaging | None = None, lazy: bool = False):
+                        paging: LoraPaging | None = None, pages: Callable | None = None):
     """Per layer, the slot buffers of each fused projection group: `max_loras` slots of max_rank rows, or
     the layout `paging` gives (entries, and pages of its page rows: server.engine.lora.paging). An MoE
     layer's experts: one group per fused expert weight, in slots (server.engine.lora.expert_buffers); the
-    dense layers of an MoE model (Qwen3-MoE's) have the dense MLP's groups instead. lazy: A and B mapped
-    on first touch (CPU), as the KV pool is: --unified-memory's pages, as many as the whole pool could hold."""
+    dense layers of an MoE model (Qwen3-MoE's) have the dense MLP's groups instead. pages: what makes A and
+    B (`zeros(shape, dtype=, device=)`; None: torch.zeros): --unified-memory's stand-ins until the pool's
+    buffer is carved (server.engine.unified_buffer)."""
     paging = paging or LoraPaging.slots(max_loras, max_rank)
     h = mcfg.hidden_size
-    zeros = _lazy_cpu_zeros if lazy and torch.device(device).type == "cpu" else torch.zeros
+    zeros = pages or torch.zeros
 
     def layer(sparse: bool) -> dict:
         groups = {group: LoraGroupBuffers.allocate(in_f, outs, paging.entries, paging.page_rows, dtype, device,

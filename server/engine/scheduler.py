@@ -83,7 +83,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
-from server.engine.block_manager import BlockManager, PrefixCache
+from server.engine.block_manager import FREED, BlockManager, PrefixCache
 from server.engine.config import ModelConfig
 from server.engine.draft_length import DraftLength
 from server.engine.draft_model_proposer import DraftModelProposer, DraftRequest
@@ -681,14 +681,14 @@ class Scheduler:
             seq.num_computed_tokens = start
             self.prefix_cache.admitted(seq, hit and hit[0])
             self.release_behind_window(seq)  # cached blocks it will never read
-            self.kv.grow(seq, start + n)
-            self.waiting.admitted(seq)  # charges the uncached tokens only
-            if version is not None:
+            if version is not None:  # before grow: --unified-memory's pages need whole groups of units
                 if seq not in self.waited_for_load:
                     self.host.note_hit()
                 self.waited_for_load.discard(seq)
                 self.lora_slot_of_seq[seq] = self._acquire_slot(version)
                 self.host.pin(version)
+            self.kv.grow(seq, start + n)
+            self.waiting.admitted(seq)  # charges the uncached tokens only
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.fork_seats += joining - 1
@@ -703,18 +703,21 @@ class Scheduler:
     def _unified_room(self, seq: Sequence, tables: list[list[int]], tokens: int, spare: int,
                       batch: ScheduledBatch) -> bool:
         """--unified-memory (server.engine.unified_memory): whether the pool has the blocks for `seq`'s first
-        `tokens` tokens past its cached `tables` (one per KV layer group), `spare` more, and its adapter's pages when they must be
-        loaded; made by evicting idle adapters (never its own) and then, for an adapter load only, by
+        `tokens` tokens past its cached `tables` (one per KV layer group), `spare` more, and its adapter's pages
+        when they must be loaded; made by evicting idle adapters (never its own) and then, for an adapter load only, by
         preempting running sequences that arrived after `seq`, the newest first."""
         version = seq.version_id
         loading = version is not None and version not in self.lora_slots.slot_of
         units = self.lora_slots.units
-        pages = units.units_for(self.lora_slots.pages_for(self.host.get(version))) if loading else 0
+        pages = self.lora_slots.pages_for(self.host.get(version)) if loading else 0
+        taking = frozenset(b for t in tables for b in t if b != FREED)  # its cached blocks: no page may take them
         while True:
             # Cached blocks nobody holds count as free until taken: recounted, a preemption may add some.
             need = (sum(self.blocks.blocks_needed(t, tokens) for t in tables) + spare
-                    + self.kv.num_unreferenced(tables) + pages)
-            if need <= self.blocks.num_free_blocks:
+                    + self.kv.num_unreferenced(tables))
+            # A page is an aligned group of units nobody holds (BlockManager.lend), not any free blocks.
+            if need + units.units_for(pages) <= self.blocks.num_free_blocks and (
+                    not pages or units.room(taking) >= pages):
                 return True
             if self.lora_slots.evict_idle(keep=version):
                 continue

@@ -16,6 +16,8 @@ import torch
 from kernels import attention_decode, attention_ref, attention_triton, metadata
 from kernels.metadata import AttentionBatch
 from server.engine.kernel_choice import select_kernels
+from server.engine.unified_buffer import UnifiedBuffer
+from server.engine.unified_memory import UnifiedPool
 from tests.kernel_helpers import bit_equal
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
@@ -92,15 +94,20 @@ def make_case(context_lens: list[int], query_lens: list[int], block_size: int, h
     )
 
 
-def check_attention(case: Case, device: torch.device | str = "cpu", **options) -> torch.Tensor:
+def _cloned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k_cache.clone(), v_cache.clone()
+
+
+def check_attention(case: Case, device: torch.device | str = "cpu", place=_cloned, **options) -> torch.Tensor:
     """Triton on `device` against the reference and the dense oracle (on the CPU); returns the output.
-    options: paged_attention's softcap and window."""
+    place: the caches the kernels write and read, holding the case's (copies; or views of another
+    layout); options: paged_attention's softcap and window."""
     dtype = case.q.dtype
     scale = case.q.shape[2] ** -0.5
     dev = case.to(torch.device(device))
-    k_cache, v_cache = dev.k_cache.clone(), dev.v_cache.clone()
+    k_cache, v_cache = place(dev.k_cache, dev.v_cache)
     attention_triton.write_kv(dev.k_new, dev.v_new, k_cache, v_cache, dev.batch.slot_mapping)
-    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    k_ref, v_ref = place(case.k_cache, case.v_cache)
     attention_ref.write_kv(case.k_new, case.v_new, k_ref, v_ref, case.batch.slot_mapping)
     assert bit_equal(k_cache.cpu(), k_ref) and bit_equal(v_cache.cpu(), v_ref)
 
@@ -222,3 +229,28 @@ def test_bf16_on_gpu() -> None:
     context_lens = [300, 0, 17, 64, 2000]
     case = make_case(context_lens, [1, 200, 1, 33, 1], 16, 32, 8, 128, torch.bfloat16)
     check_attention(case, torch.device("cuda"))
+
+
+def _in_unified_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as --unified-memory's views (server.engine.unified_buffer): layer 1 of 3 of a pool whose
+    units are token-major, strided, the other layers' bytes NaN, after a zero page of 2 units."""
+    blocks, block_size, hkv, d = k_cache.shape
+    unit = 2 * 3 * block_size * hkv * d * k_cache.element_size()
+    memory = UnifiedBuffer.allocate(UnifiedPool(blocks, unit, 2, blocks, 0), k_cache.device)
+    memory.data.view(k_cache.dtype).fill_(float("nan"))
+    k, v = memory.kv_caches(3, block_size, hkv, d, k_cache.dtype)[1]
+    assert not k.is_contiguous() and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    k.copy_(k_cache)
+    v.copy_(v_cache)
+    return k, v
+
+
+@pytest.mark.parametrize("contexts,queries,dtype", [([37, 0, 5], [1, 20, 9], torch.float32),
+                                                    ([600], [1], torch.float32), ([700, 30], [1, 1], torch.float16)],
+                         ids=["mixed", "split-decode", "fp16"])
+def test_unified_pool_views(contexts, queries, dtype, kernel_device) -> None:
+    """write_kv and attention (prefill and split decode), Triton and the reference, on the unified pool's
+    strided per-layer views: the same bits and outputs as on contiguous caches."""
+    case = make_case(contexts, queries, 16, 8, 2, 32, dtype, seed=8)
+    want = check_attention(case, kernel_device)
+    torch.testing.assert_close(check_attention(case, kernel_device, _in_unified_pool), want, rtol=0, atol=0)

@@ -13,6 +13,9 @@ import torch
 from kernels import lora_cpu, lora_ref, lora_triton
 from kernels.lora_pages import dense_a, dense_b
 from kernels.metadata import LoraBatch
+from server.engine.lora.slots import LoraGroupBuffers
+from server.engine.unified_buffer import UnifiedBuffer, unallocated
+from server.engine.unified_memory import UnifiedPool
 
 pytestmark = pytest.mark.unit
 
@@ -33,17 +36,39 @@ def _slots() -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
     return a, b, torch.rand(len(WIDTHS), len(RANKS), generator=g) + 0.5
 
 
-def _paged(a, b, garbage: bool):
+def _unified_pages(num_pages: int, garbage: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A and B as --unified-memory's views (server.engine.unified_buffer): each page 3 units of 1,000 bytes,
+    the buffers carved from one byte buffer, a page's stride past its 2,944 bytes of A and B (the rest is a
+    KV block's, garbage like any free unit when `garbage`)."""
+    buffers = LoraGroupBuffers.allocate(HIDDEN, WIDTHS, len(RANKS), PAGE, torch.float32, "cpu", num_pages,
+                                        zeros=unallocated)
+    units = 3 * (num_pages - 1)
+    memory = UnifiedBuffer.allocate(UnifiedPool(units, 1000, 3, units, 0), "cpu")
+    if garbage:
+        memory.data.view(torch.float32).normal_()
+        memory.page_bytes[0].zero_()
+    memory.carve_pages([{"qkv": buffers}])
+    assert all(t.untyped_storage().data_ptr() == memory.data.untyped_storage().data_ptr()
+               for t in (buffers.a, *buffers.b))
+    assert buffers.a.stride(1) == 3000 // 4 and not buffers.a.is_contiguous()
+    return buffers.a, buffers.b
+
+
+def _paged(a, b, garbage: bool, unified: bool = False):
     """The same slots as pages of PAGE rows, each adapter's pages shuffled over the pool; page 0 is the
     zero page. garbage: the pages nobody holds are full of another adapter's values (a pool after churn
-    whose free pages were not zeroed must still never reach a slot through the table)."""
+    whose free pages were not zeroed must still never reach a slot through the table). unified: the pages
+    are --unified-memory's strided views of one buffer (_unified_pages)."""
     pages = [-(-r // PAGE) for r in RANKS]
     num_pages = 1 + sum(pages) + 3  # the zero page, the adapters' pages, 3 free ones
     order = list(range(1, num_pages))
     random.Random(5).shuffle(order)
-    pool_a = torch.zeros(num_pages, len(WIDTHS), PAGE, HIDDEN).transpose(0, 1)  # [S, P, p, in], page-major
-    pool_b = tuple(torch.zeros(num_pages, PAGE, n).transpose(1, 2) for n in WIDTHS)  # [P, n, p]
-    if garbage:
+    if unified:
+        pool_a, pool_b = _unified_pages(num_pages, garbage)
+    else:
+        pool_a = torch.zeros(num_pages, len(WIDTHS), PAGE, HIDDEN).transpose(0, 1)  # [S, P, p, in], page-major
+        pool_b = tuple(torch.zeros(num_pages, PAGE, n).transpose(1, 2) for n in WIDTHS)  # [P, n, p]
+    if garbage and not unified:
         pool_a[:, 1:].normal_()
         for pb in pool_b:
             pb[1:].normal_()
@@ -78,22 +103,24 @@ def _ref_apply(x, a, b, scaling, offsets, batch, h, y):
     lora_ref.lora_expand(h, b, batch, y, offsets)
 
 
+@pytest.mark.parametrize("unified", [False, True], ids=["own-buffers", "unified-pool"])
 @pytest.mark.parametrize("garbage", [False, True], ids=["zeroed-pool", "dirty-free-pages"])
-def test_dense_views_equal_the_slots(garbage):
+def test_dense_views_equal_the_slots(garbage, unified):
     a, b, _ = _slots()
-    pool_a, pool_b, table = _paged(a, b, garbage)
+    pool_a, pool_b, table = _paged(a, b, garbage, unified)
     batch = LoraBatch.build([0], page_table=table)
     torch.testing.assert_close(dense_a(pool_a, batch), a, rtol=0, atol=0)
     for got, want in zip(dense_b(pool_b, batch), b):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("unified", [False, True], ids=["own-buffers", "unified-pool"])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decodes", "with-prefill"])
 @pytest.mark.parametrize("bounded", [False, True], ids=["full-rank", "rank-bound"])
 @pytest.mark.parametrize("impl", ["ref", "cpu", "triton"])
-def test_paged_equals_unpaged(impl, prefill, bounded):
+def test_paged_equals_unpaged(impl, prefill, bounded, unified):
     a, b, scaling = _slots()
-    pool_a, pool_b, table = _paged(a, b, garbage=True)
+    pool_a, pool_b, table = _paged(a, b, garbage=True, unified=unified)
     slots = _token_slots(prefill)
     ranks = list(RANKS) if bounded else None
     rank_table = torch.tensor(RANKS, dtype=torch.int32) if bounded else None
@@ -106,11 +133,12 @@ def test_paged_equals_unpaged(impl, prefill, bounded):
     assert got[[i for i, s in enumerate(slots) if s < 0]].abs().max() == 0  # base rows untouched
 
 
+@pytest.mark.parametrize("unified", [False, True], ids=["own-buffers", "unified-pool"])
 @pytest.mark.parametrize("impl", ["cpu", "triton"])
-def test_padded_decode_reads_through_the_table(impl):
+def test_padded_decode_reads_through_the_table(impl, unified):
     """A padded decode batch (every slot may occur, full rank, rows of slot -1 masked)."""
     a, b, scaling = _slots()
-    pool_a, pool_b, table = _paged(a, b, garbage=True)
+    pool_a, pool_b, table = _paged(a, b, garbage=True, unified=unified)
     slots = torch.tensor([5, -1, 0, 3, 1, -1], dtype=torch.int32)
     gather = torch.stack([torch.arange(len(slots), dtype=torch.int32), slots], dim=1).contiguous()
     x = torch.randn(len(slots), HIDDEN, generator=torch.Generator().manual_seed(2))

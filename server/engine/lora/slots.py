@@ -118,15 +118,30 @@ class LoraGroupBuffers:
         pages = max_loras if pages is None else pages
         dora_entries = max_loras if dora_entries is None else dora_entries
         offsets = tuple(sum(out_sizes[:i]) for i in range(len(out_sizes)))
+        a, b = cls.page_tensors(in_features, out_sizes, pages, max_rank, dtype, device, zeros)
         return cls(
-            # Slot-major A lets the CPU shrink read a span of slots, every slice, in one batched matmul.
-            a=zeros((pages, len(out_sizes), max_rank, in_features), dtype=dtype, device=device).transpose(0, 1),
-            b=tuple(zeros((pages, max_rank, n), dtype=dtype, device=device).transpose(1, 2)
-                    for n in out_sizes),
+            a=a,
+            b=b,
             scaling=torch.zeros(max_loras, len(out_sizes), dtype=torch.float32, device=device).t(),
             offsets=offsets,
             dora_scale=torch.ones(dora_entries + 1, sum(out_sizes), dtype=torch.float32, device=device),
         )
+
+    @staticmethod
+    def page_tensors(in_features: int, out_sizes: tuple[int, ...], pages: int, rows: int, dtype, device,
+                     zeros: Callable) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """A and the B's of `pages` pages (or slots) of `rows` rank rows, made by `zeros`, A then each B in
+        order (a page's bytes in that order: server.engine.unified_buffer carves them so)."""
+        # Slot-major A lets the CPU shrink read a span of slots, every slice, in one batched matmul.
+        a = zeros((pages, len(out_sizes), rows, in_features), dtype=dtype, device=device).transpose(0, 1)
+        return a, tuple(zeros((pages, rows, n), dtype=dtype, device=device).transpose(1, 2) for n in out_sizes)
+
+    def repage(self, pages: int, zeros: Callable) -> None:
+        """A and B as `pages` pages made by `zeros` in place of the ones allocated (the model holds this
+        object: --unified-memory's pages come from the pool's buffer once it is sized)."""
+        num_slices, _, rows, in_features = self.a.shape
+        self.a, self.b = self.page_tensors(in_features, tuple(b.shape[1] for b in self.b), pages, rows,
+                                           self.a.dtype, self.a.device, zeros)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.a, *self.b, self.scaling, self.dora_scale
@@ -210,7 +225,7 @@ class LoraSlots:
         # Paged: the pool's free pages (page 0, the zero page, is never handed out); slot -> its pages.
         self.free_pages = list(range(self.paging.pages - 1, 0, -1)) if self.paging.paged else []
         self.slot_pages: dict[int, tuple[int, ...]] = {}
-        # --unified-memory: the pool's units behind the pages (server.engine.unified_memory; startup sets it).
+        # --unified-memory: the pool's units behind the pages (server.engine.unified_memory; use_pool sets it).
         self.units: PageUnits | None = None
         self.pinned: dict[str, str | None] = {}  # version -> the tenant that pinned it
         self.released_at: dict[str, int] = {}  # version -> `tick` when it went idle
@@ -243,6 +258,14 @@ class LoraSlots:
         staging = min(STAGING_BYTES // some.element_size(), slot_elems)
         self.staging = torch.empty(staging, dtype=some.dtype, device=some.device) if cuda else None
         self.scaling_staging = torch.empty(modules, dtype=torch.float32, device=some.device) if cuda else None
+
+    def use_pool(self, units: PageUnits, pages: int) -> None:
+        """--unified-memory (startup, before any load): the pages are the pool's, `pages` of them (the zero
+        page included), each lent by `units` with the KV blocks that are its memory."""
+        assert not self.slot_of, "the pool is set before any adapter loads"
+        self.units = units
+        self.paging = dataclasses.replace(self.paging, pages=pages)
+        self.free_pages = list(range(pages - 1, 0, -1))
 
     @property
     def num_resident(self) -> int:
@@ -287,9 +310,11 @@ class LoraSlots:
                 self._evict(victim)
                 self.evictions += 1
             slot = self.free_slots.pop(entry)
-            pages = tuple(self.free_pages.pop() for _ in range(need)) if self.paging.paged else (slot,)
-            if self.units is not None:
-                self.units.take(slot, need)
+            if self.units is not None:  # the pages whose units the pool lent (server.engine.unified_memory)
+                pages = self.units.take(slot, need)
+                self.free_pages = [p for p in self.free_pages if p not in pages]
+            else:
+                pages = tuple(self.free_pages.pop() for _ in range(need)) if self.paging.paged else (slot,)
             self._load(slot, pages, adapter)
             self.slot_of[version] = slot
         else:
@@ -300,8 +325,8 @@ class LoraSlots:
 
     def _page_room(self) -> int:
         """Pages a load can take without evicting: the free ones, or under --unified-memory as many as the
-        pool's free units make."""
-        return len(self.free_pages) if self.units is None else min(len(self.free_pages), self.units.room())
+        pool's aligned groups of units nobody holds make."""
+        return len(self.free_pages) if self.units is None else self.units.room()
 
     def evict_idle(self, keep: str | None = None) -> bool:
         """Evict the idle unpinned adapter eviction would choose (never `keep`): its pages' memory for KV
@@ -452,16 +477,23 @@ class LoraSlots:
         flat_dst = [v for views in dst for v in views]
         self.written[slot] = flat_dst + scales
         src = adapter.tensors()
-        if not src:  # parts of embed_tokens and lm_head only (self.vocab's): nothing for the projections
-            return
         if self.copy_stream is None:
+            if self.units is not None:  # the pages' units held KV (or another adapter) until lent
+                self.units.zero(pages)
+            if not src:  # parts of embed_tokens and lm_head only (self.vocab's): nothing for the projections
+                return
             torch._foreach_copy_(flat_dst, self._sources(adapter))
             torch._foreach_copy_(scales, adapter.scaling_entries)
             self._load_dora(slot, pages, adapter)
             return
-        # The pages were zeroed, and last read, on the compute stream: copy only after that.
+        # The pages were zeroed, and last read (as KV blocks too, when lent), on the compute stream: copy only
+        # after that.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
         with torch.cuda.stream(self.copy_stream):
+            if self.units is not None:
+                self.units.zero(pages)
+            if not src:
+                return
             for first, last in adapter.spans(self.staging.numel()):
                 lo, hi = adapter.extent(first, last)
                 part = slice(2 * first, 2 * last)

@@ -266,21 +266,26 @@ def test_release_before_frees_whole_blocks_behind_a_position_and_leaves_placehol
     assert bm.num_used_blocks == 0 and sorted(bm.ref_counts) == [0] * 8
 
 
-def test_lending_to_adapter_pages_takes_free_blocks_then_the_least_recently_released_cached_ones():
-    """--unified-memory's order (server.engine.unified_memory): never-indexed free blocks first, then cached
-    blocks nobody holds, oldest release first; lent blocks count apart from sequences' and come back free."""
-    bm = BlockManager(6, 4)
+def test_lending_to_adapter_pages_takes_aligned_groups_nobody_holds_never_indexed_ones_first():
+    """--unified-memory's pages (server.engine.unified_memory): a page is an aligned group of blocks (the same
+    memory, server.engine.unified_buffer), none held by a sequence; groups without cached blocks go first,
+    then the one with the fewest, whose cached blocks leave the index; the highest among equals. Lent blocks
+    count apart from sequences' and come back free, handed out last; packed, a sequence's freed block first."""
+    bm = BlockManager(8, 4, pack=True)
     a, b = [], []
-    bm.grow(a, 8)
-    bm.grow(b, 4)
-    for i, block in enumerate(a + b):
+    bm.grow(a, 8)  # blocks 0, 1
+    bm.grow(b, 8)  # blocks 2, 3
+    for i, block in enumerate(a):
         bm.index(block, _hash(i), None)
-    (a0, a1), (b0,) = a, b
-    bm.free(a)  # released tail first: a1, then a0
+    bm.free(a)  # 0 and 1 cached, nobody holds them; b holds 2 and 3
+    assert bm.lendable(2) == 3 and bm.lendable(2, frozenset({0})) == 2 and bm.lendable(4) == 1
+    assert [bm.lend(2), bm.lend(2)] == [3, 2]  # blocks 4..7: free, never indexed
+    assert bm.lendable(2) == 1 and bm.num_cached_blocks == 2
+    assert bm.lend(2) == 0 and bm.num_cached_blocks == 0 and bm.lookup(_hash(0)) is None
+    assert bm.lendable(2) == 0  # group 1 is b's
+    assert bm.stats() == KvBlockStats(used=2, total=8, lent=6) and bm.num_free_blocks == 0
+    bm.repay([0, 1, 4, 5])
+    assert bm.stats() == KvBlockStats(used=2, total=8, lent=2) and bm.num_free_blocks == 4
     bm.free(b)
-    lent = bm.lend(5)
-    assert lent[:3] == [3, 4, 5] and lent[3:] == [a1, a0]  # free, then cached in release order
-    assert bm.num_cached_blocks == 1 and bm.lookup(_hash(2)) == b0
-    assert bm.stats() == KvBlockStats(used=0, total=6, lent=5) and bm.num_free_blocks == 1
-    bm.repay(lent)
-    assert bm.stats() == KvBlockStats(used=0, total=6, lent=0) and bm.num_free_blocks == 6
+    assert bm.lendable(4) == 1 and bm.lendable(2) == 3
+    assert list(bm.free_blocks) == [2, 3, 0, 1, 4, 5]  # b's blocks first (released tail first), repaid last

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 from adapters.format import load_adapter_dir
 from server.engine import EngineConfig, LLMEngine
@@ -37,6 +38,9 @@ def check_split(engine: LLMEngine) -> None:
     pages = sum(len(p) for p in slots.slot_pages.values())
     assert len(lent) == len(set(lent)) == pages * units.pool.units_per_page == blocks.num_lent_blocks
     assert set(units.held) == set(slots.slot_pages)
+    per = units.pool.units_per_page
+    for slot, held in slots.slot_pages.items():  # page p is the memory of the aligned group p - 1
+        assert units.held[slot] == [(p - 1) * per + j for p in held for j in range(per)]
     seq_blocks = {b for s in engine.scheduler.running for b in s.block_table if b != FREED}
     assert not set(lent) & seq_blocks and not set(lent) & set(blocks.entries)
     s = engine.stats()
@@ -153,13 +157,89 @@ def test_an_adapter_load_preempts_only_newer_requests_when_kv_fills_the_pool(tin
 
 def test_refusals_are_one_line():
     assert "lora_page_rows" in str(pytest.raises(ValueError, EngineConfig, model="m", unified_memory=True).value)
-    assert "CPU" in unified_refusal("cuda", 1, False, False)
-    assert "--tensor-parallel-size 2" in unified_refusal("cpu", 2, False, False)
-    assert "draft model" in unified_refusal("cpu", 1, True, False)
-    assert "KV layer groups" in unified_refusal("cpu", 1, False, True)
-    assert unified_refusal("cpu", 1, False, False) is None
+    assert "--tensor-parallel-size 2" in unified_refusal(2, False, False)
+    assert "draft model" in unified_refusal(1, True, False)
+    assert "KV layer groups" in unified_refusal(1, False, True)
+    assert unified_refusal(1, False, False) is None
 
 
 def test_pool_is_the_two_budgets_in_whole_units_per_page():
     pool = UnifiedPool.of(kv_blocks=10, unit_bytes=1000, page_bytes=2500, budget_pages=4)
     assert (pool.units, pool.units_per_page, pool.kv_share, pool.adapter_share, pool.pages) == (22, 3, 10, 12, 7)
+    # CUDA: what the device has left holds the zero page and the adapter budget; the rest is the KV share.
+    pool = UnifiedPool.within(units=25, unit_bytes=1000, page_bytes=2500, budget_pages=4)
+    assert (pool.units, pool.kv_share, pool.adapter_share, pool.page_bytes) == (22, 10, 12, 3000)
+    assert UnifiedPool.within(units=15, unit_bytes=1000, page_bytes=2500, budget_pages=4) is None
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_kv_and_adapter_pages_are_views_of_one_allocation(tiny_model_dir, tiny_adapters, tmp_path):
+    """Every layer's K and V and every group's A and B are strided views of the one buffer; a lent unit
+    written through a page view is read through the KV view of its block, and the KV a lent page's units
+    held (NaN here) is zeroed before the adapter is copied in: its output is PEFT's."""
+    engine = unified_engine(tiny_model_dir, kv_cache_blocks=16)
+    runner, slots = engine.runner, engine.lora_slots
+    memory = _storage(slots.units.page_bytes)
+    views = [t for kv in runner.kv_caches for t in kv] + [t for groups in slots.layers for g in groups.values()
+                                                          for t in (g.a, *g.b)]
+    assert all(_storage(t) == memory for t in views) and not runner.kv_caches[0][0].is_contiguous()
+    for k, v in runner.kv_caches:
+        k.fill_(float("nan"))  # every unit free, as if KV had been written everywhere
+        v.fill_(float("nan"))
+    d = write_adapter(tiny_adapters["r8_all"], tmp_path / "r6", 6, seed=9)
+    engine.add_adapter("r6", load_adapter_dir(d, engine.adapter_shape, 16))
+    prompt = random_prompts(1, (12, 12), VOCAB, seed=3)[0]
+    engine.add_request("x", prompt, greedy(6), "r6")
+    final = drive(engine, check_split)
+    assert final["x"].token_ids == PeftMultiOracle(tiny_model_dir)(d, "r6", prompt, 6)
+    (slot, (page, *_)), = slots.slot_pages.items()  # idle, still resident: rank 6 is 2 pages of 4 rows
+    block = (page - 1) * slots.units.pool.units_per_page  # the first unit of its page
+    a = slots.layers[0]["qkv"].a  # [S, P, rows, in]: the first bytes of a page are slice 0's row 0
+    k = runner.kv_caches[0][0]  # [units, block_size, Hkv, D]: a unit's first bytes are token 0's layer-0 K
+    d = k.shape[3]
+    a[0, page, 0, :d] = torch.arange(d, dtype=a.dtype)
+    assert torch.equal(k[block, 0, 0].view(torch.uint8), a[0, page, 0, :d].view(torch.uint8))
+    engine.shutdown()
+
+
+def test_fp8_kv_in_the_pool_serves_what_its_own_pool_serves(tiny_model_dir, tiny_adapters, tmp_path):
+    """fp8 KV blocks are views of the same byte buffer as the float32 adapter pages: the tokens are those
+    of the same engine without --unified-memory."""
+    d = write_adapter(tiny_adapters["r8_all"], tmp_path / "r8", 8, seed=4)
+    prompts = random_prompts(3, (20, 40), VOCAB, seed=8)
+    outs = []
+    for unified in (False, True):
+        engine = unified_engine(tiny_model_dir, kv_cache_blocks=16, kv_cache_dtype="fp8_e4m3",
+                                unified_memory=unified)
+        assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        engine.add_adapter("r8", load_adapter_dir(d, engine.adapter_shape, 16))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy(10), "r8" if i % 2 else None)
+        outs.append({r: o.token_ids for r, o in drive(engine, check_split if unified else None).items()})
+        engine.shutdown()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--unified-memory on CUDA needs a GPU")
+def test_on_cuda_the_pool_serves_what_separate_buffers_serve(tiny_model_dir, tiny_adapters, tmp_path):
+    """On a GPU (the allocation is the point there): mixed ranks through churn give the tokens the same
+    engine gives with its own KV and page buffers (one request at a time, so the steps' shapes are the
+    same in both and only the views' strides differ); the views share the one buffer."""
+    dirs = mixed_rank_adapters(tiny_adapters, tmp_path, seed=71)
+    outs = []
+    for unified in (False, True):
+        engine = unified_engine(tiny_model_dir, kv_cache_blocks=16, device="cuda", unified_memory=unified)
+        if unified:
+            memory = _storage(engine.lora_slots.units.page_bytes)
+            assert all(_storage(t) == memory for kv in engine.runner.kv_caches for t in kv)
+        names, prompts = skewed_requests(engine, dirs, 16, (20, 60), seed=6, prompt_seed=12)
+        out = {}
+        for i, (name, prompt) in enumerate(zip(names, prompts)):
+            engine.add_request(str(i), prompt, greedy(8), name)
+            out |= {r: o.token_ids for r, o in drive(engine, check_split if unified else None).items()}
+        outs.append(out)
+        engine.shutdown()
+    assert outs[0] == outs[1] and len(outs[0]) == 20
