@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 # Tiny models: one intra-op thread avoids the pool's spin-waits, which dominate small ops.
 torch.set_num_threads(1)
 
-pytest_plugins = ["tests.fixtures_models", "tests.fixtures_redis", "tests.fixtures_server",
+pytest_plugins = ["tests.fixtures_models", "tests.fixtures_redis", "tests.fixtures_server", "tests.fixtures_http",
                   "tests.fixtures_architectures", "tests.fixtures_moe"]
 
 

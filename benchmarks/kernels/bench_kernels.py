@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--padded-decode", action="store_true",
                         help="decode-shaped rows as the engine's graphed decode step (every row gathered); "
                              "default off (an eager step's plan)")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, help="untimed calls per config (default 10; 1 with --smoke)")
+    parser.add_argument("--iters", type=int, help="timed calls per config (default 50; 3 with --smoke)")
     args = parser.parse_args(argv)
     for value in args.split_k:
         if value not in ("plan", "off", "2", "4", "8"):
@@ -385,9 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SMOKE_PROJECTIONS if args.smoke else PROJECTIONS
     names = [p for p in (args.projections or shapes) if p in shapes]
     ranks, tokens, adapters = args.ranks, args.tokens, args.adapters
-    warmup, iters = args.warmup, args.iters
+    warmup, iters = (1, 3) if args.smoke else (10, 50)
     if args.smoke:
-        ranks, tokens, adapters, warmup, iters = [16], [1, 8, 80], [1, 8], 1, 3
+        ranks, tokens, adapters = [16], [1, 8, 80], [1, 8]
+    warmup = warmup if args.warmup is None else args.warmup
+    iters = iters if args.iters is None else args.iters
+    if warmup < 0 or iters < 1:
+        parser.error(f"--warmup takes 0 or more and --iters 1 or more, got {warmup} and {iters}")
     copy_gbps = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20), iters=20 if cuda else 5)
     ops = {"torch": torch_ops(), "triton": triton_ops()}
     impls = lora_impls(args.split_k)
