@@ -34,6 +34,9 @@ HEALTH_INTERVAL_S = 0.05
 QUIET_CORES = 0.25  # the server counts as settled once its tree uses less CPU than this over a second
 SETTLE_TIMEOUT_S = 300.0
 PROBE_DELAY_S = 2.0
+# server.engine.core.process.PROCESS_NAME (its comm): importing that module would load torch into every
+# attacker process; tests/benchmarks/test_victim_harness_engine_core.py holds the two equal.
+ENGINE_CORE_PROCESS = "loraplex-core"
 
 
 @dataclass(frozen=True)
@@ -170,8 +173,10 @@ class Phase:
             out["itl_p99_vs_baseline"] = None if r is None else round(r, 3)
         if self.profile is not None:
             out["server_profile"] = self.profile
-            engine = next((t for t in (self.profile.get("kernel") or {}).get("threads", [])
-                           if t["name"] == ENGINE_THREAD), None)
+            kernel = self.profile.get("kernel") or {}
+            engine = next((t for t in kernel.get("threads", []) if t["name"] == ENGINE_THREAD), None)
+            if "engine_core" in kernel:  # the step loop runs on the engine-core process's main thread
+                engine = next((t for t in kernel["engine_core"]["threads"] if t["name"] == "MainThread"), None)
             if engine is not None and self.gaps_s:
                 # the engine's CPU and its wait for the core per token the victim got (each victim token
                 # is one engine step; steps without the victim are few: it always has a request running)
@@ -291,15 +296,33 @@ def _sampled(phase: Phase, profile: tuple[int, Path] | None) -> Iterator[None]:
         return
     pid, directory = profile
     out, start = directory / f"{phase.name}.txt", time.perf_counter()
+    core = _engine_core_pid(pid)
     with Sampler(pid, out) as sampler:
-        kernel = [(time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid))]
+        kernel = [(time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid),
+                   core and (thread_times.snapshot(core), core_share.snapshot(core)))]
         yield
-        kernel.append((time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid)))
+        kernel.append((time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid),
+                       core and (thread_times.snapshot(core), core_share.snapshot(core))))
     phase.profile = summarize(out, time.perf_counter() - start, sampler.rate)
-    (t0, threads0, share0), (t1, threads1, share1) = kernel
+    (t0, threads0, share0, core0), (t1, threads1, share1, core1) = kernel
+    names = thread_times.thread_names(out)
     phase.profile["kernel"] = {
         "wall_s": round(t1 - t0, 2), **core_share.phase_share(share0, share1, t1 - t0, pid),
-        "threads": thread_times.phase_times(threads0, threads1, thread_times.thread_names(out), t1 - t0)}
+        "threads": thread_times.phase_times(threads0, threads1, names, t1 - t0)}
+    if core0 and core1:
+        # --engine-process separate: the step loop is the engine-core process's main thread, on its own CPUs
+        phase.profile["kernel"]["engine_core"] = {
+            **core_share.phase_share(core0[1], core1[1], t1 - t0, core),
+            "threads": thread_times.phase_times(core0[0], core1[0], names, t1 - t0)}
+
+
+def _engine_core_pid(server: int) -> int | None:
+    """The engine-core process under `server` (--engine-process separate), None in-process."""
+    for pid in core_share.tree(server)[1:]:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_CORE_PROCESS:
+                return pid
+    return None
 
 
 def profile_text(report: dict) -> str:
@@ -316,4 +339,10 @@ def profile_text(report: dict) -> str:
                              f"; engine per victim token: {s.get('engine_cpu_ms_per_victim_token')} ms CPU, "
                              f"{s.get('engine_core_wait_ms_per_victim_token')} ms waiting for the core")
                 lines += thread_times.thread_lines(name, k["threads"][:10])
+                core = k.get("engine_core")
+                if core:
+                    lines.append(f"  {name}: engine core: CPUs {core['cpus']} busy {core['cpus_busy_cores']}, its "
+                                 f"process {core['tree_cpu_cores']} cores, other processes "
+                                 f"{core['others_on_those_cpus_cores']}")
+                    lines += thread_times.thread_lines(f"{name} (engine core)", core["threads"][:5])
     return "\n".join(lines)

@@ -6,6 +6,8 @@ import math
 import sys
 from pathlib import Path
 
+from server.config import ENGINE_PROCESSES, ServerConfig
+
 DESCRIPTION = """\
 Drive a seeded multi-tenant workload (power-law adapter popularity, gamma
 arrivals) through loraplex over HTTP and, with --compare-peft, through a
@@ -113,6 +115,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--target", choices=("http", "engine"), default=None,
                    help="http: a `loraplex serve` child (default); engine: in-process LLMEngine "
                         "(the default, and the only choice, for --workload prefix)")
+    s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default=None,
+                   help="http target: the server's --engine-process (default: the server's own default, "
+                        f"{ServerConfig.engine_process}); refused with --target engine")
     s.add_argument("--compare-peft", action="store_true", help="also run the transformers + peft baseline")
     s.add_argument("--baseline-max-batch", type=int, default=32)
     s.add_argument("--model", default=None, help="model directory (default: the demo model)")
@@ -172,7 +177,7 @@ def config_from_args(args):
         steady_s=args.steady_duration, warmup_s=args.warmup, popularity=args.popularity,
         power_alpha=args.power_alpha, churn=args.churn, peft_check=args.peft_check,
         device_bandwidth_gbps=args.device_bandwidth_gbps, enforce_eager=args.enforce_eager,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, engine_process=args.engine_process)
 
 
 def run_bench(args) -> int:

@@ -119,6 +119,7 @@ def serve_args(cfg, n_used: int, kv_blocks: int | None = None, *, slots: int | N
     return ["--device", cfg.device.split(":")[0], "--dtype", cfg.dtype, "--max-loras", str(max_loras),
             "--max-lora-rank", str(rank or cfg.rank), "--max-num-seqs", str(cfg.max_num_seqs),
             "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), *kv, *eager,
+            *(["--engine-process", cfg.engine_process] if cfg.engine_process else []),
             "--cpu-threads", str(cfg.threads()), *(variant or cfg.variants[0]).serve_flags()]
 
 

@@ -19,6 +19,7 @@ from server.bench.variants import (AUTO_KV, NO_QUANTIZATION, EngineVariant, engi
                                    variant_order)
 from server.bench.model_setup import (engine_kwargs, kv_cache_blocks, lora_slots, point_adapters, point_requests,
                                       resolve_model, serve_args)
+from server.config import ENGINE_PROCESSES, ServerConfig
 from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads, resolve_cpu_threads
 from server.bench.workload import BenchRequest, WorkloadConfig, adapters_used, check_same_trace, trace_totals
 
@@ -83,6 +84,8 @@ class BenchConfig:
     # Engine variants (server.bench.variants): each combination serves every point; the first is the reference.
     quantization: tuple[str, ...] = (NO_QUANTIZATION,)
     kv_cache_dtype: tuple[str, ...] = (AUTO_KV,)
+    # http target: the server's --engine-process; None: the server's default (resolved, so the JSON says which)
+    engine_process: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,13 @@ class BenchConfig:
             raise BenchConfigError(f"the KV pool needs a positive size, got {self.kv_cache_bytes} bytes")
         if self.gpu and not torch.cuda.is_available():
             raise BenchConfigError("--gpu needs a CUDA device; none is visible to torch")
+        if self.target != "http" and self.engine_process is not None:
+            raise BenchConfigError("--engine-process is the HTTP server's: refused with --target engine")
+        if self.target == "http":
+            mode = self.engine_process or ServerConfig.engine_process
+            if mode not in ENGINE_PROCESSES:
+                raise BenchConfigError(f"--engine-process must be one of {ENGINE_PROCESSES}, got {mode!r}")
+            object.__setattr__(self, "engine_process", mode)
         if self.workload_type not in WORKLOADS:
             raise BenchConfigError(f"--workload must be one of {WORKLOADS}, got {self.workload_type!r}")
         if self.repeats < 1:

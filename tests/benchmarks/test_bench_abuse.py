@@ -96,9 +96,13 @@ def test_a_profiled_phase_says_where_the_server_cpu_went(server, tmp_path):
         profile = phase["server_profile"]
         assert (tmp_path / f"{name}.txt").exists() and profile["samples"] > 0, (name, profile)
         kernel = profile["kernel"]
-        threads = {t["name"]: t for t in kernel["threads"]}
-        assert threads[ENGINE_THREAD]["cpu_cores"] > 0, kernel  # the victim streamed: the engine ran
+        if server.config.engine_process == "separate":  # the step loop: the engine-core process's main thread
+            threads, engine = {t["name"]: t for t in kernel["engine_core"]["threads"]}, "MainThread"
+        else:
+            threads, engine = {t["name"]: t for t in kernel["threads"]}, ENGINE_THREAD
+        assert threads[engine]["cpu_cores"] > 0, kernel  # the victim streamed: the engine ran
         assert kernel["cpus"] == sorted(os.sched_getaffinity(0)) and kernel["others_on_those_cpus_cores"] >= 0
         assert phase["engine_cpu_ms_per_victim_token"] > 0 and phase["engine_core_wait_ms_per_victim_token"] >= 0
     text = profile_text(report)
-    assert "kernel: server tree" in text and ENGINE_THREAD in text
+    assert "kernel: server tree" in text
+    assert ("engine core: CPUs" in text) if server.config.engine_process == "separate" else (ENGINE_THREAD in text)
