@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kernels.attention_ref import storage
+from kernels.host_arrays import host_tensor
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar import GrammarMask
@@ -226,7 +227,7 @@ class ModelRunner:
             tables = [s.block_table for s in batch.seqs]
             staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)
             leading = logits_indices == list(range(len(logits_indices)))  # the usual case: no copy to make
-            indices = None if leading else torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True)
+            indices = None if leading else host_tensor(logits_indices).to(dev, non_blocking=True)
             if ahead:
                 return StepInputs(None, None, indices, ahead_rows=staged, **common)
             return StepInputs(None, None, indices, padded=padded.stage(input_ids, *staged), **common)
@@ -235,21 +236,21 @@ class ModelRunner:
         )
         ctx = StepContext(
             ops=self.ops,
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            positions=host_tensor(positions).to(dev, non_blocking=True),
             attn=attn,
             lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora, self.page_table,
                                  self.page_gathers and self.page_gathers.for_step(token_slots)),
             lora_scratch=self.lora_scratch,
         )
-        ids = None if ahead else torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        return StepInputs(ids, ctx, torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True), **common)
+        ids = None if ahead else host_tensor(input_ids).to(dev, non_blocking=True)
+        return StepInputs(ids, ctx, host_tensor(logits_indices).to(dev, non_blocking=True), **common)
 
     def fill_ahead(self, inputs: StepInputs, input_ids: list[int]) -> StepInputs:
         """A step prepared ahead with its input ids [T], the previous step's sampled tokens: staged now, in
         order behind the previous step (the one host-to-device copy of a padded step)."""
         if inputs.ahead_rows is not None:
             return replace(inputs, padded=self.padded.stage(input_ids, *inputs.ahead_rows), ahead_rows=None)
-        return replace(inputs, input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True))
+        return replace(inputs, input_ids=host_tensor(input_ids).to(self.device, non_blocking=True))
 
     def run(self, batch: ScheduledBatch) -> dict[int, SeqResult]:
         """Batch position -> what that sequence got, for sequences that finished their pending tokens
