@@ -170,6 +170,21 @@ class ModelRunner:
         medusa_rows: dict[int, tuple[int, int]] | None = {} if self.medusa is not None else None
         for i, (seq, n, slot, drafts) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots, all_drafts)):
             start = seq.num_computed_tokens + (1 if ahead else 0)
+            if n == 1 and not (ahead or drafts) and medusa_rows is None:
+                p, group, ids = seq.params, seq.group, seq.token_ids
+                if (start + 1 == len(ids) and p.max_tokens and not (p.has_row_state or group.needs_fork)
+                        and group.prompt_logprobs is None and (slot < 0 or group.adapter_from <= start)):
+                    # The usual decode row, inline: what the general path below makes of it.
+                    input_ids.append(ids[start])
+                    positions.append(start)
+                    token_slots.append(slot)
+                    context_lens.append(start)
+                    rows.append(SamplingRow(p, seq.index, start + 1 - seq.num_prompt_tokens))
+                    row_logits.append(len(logits_indices))
+                    row_starts.append(len(rows))
+                    logits_indices.append(len(input_ids) - 1)
+                    sampled.append(i)
+                    continue
             first = len(input_ids)
             if ahead:
                 assert n == 1, "only decode rows are prepared ahead"
@@ -280,13 +295,17 @@ class ModelRunner:
             if bitmask is not None:
                 _fail_costly_constraints(inputs.rows, out.tokens)
             drafts = inputs.drafts or {}
-            for s, i in enumerate(sampled):
-                a, b = starts[s], starts[s + 1]
-                if s in drafts:
-                    b = a + _accepted(drafts[s], out.tokens[a:b]) + 1
-                    results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b], drafted=len(drafts[s]))
-                else:
-                    results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
+            if not drafts and len(out.tokens) == len(sampled):  # one row each: row s is sequence s's
+                for i, token, logprob in zip(sampled, out.tokens, out.logprobs):
+                    results[i] = SeqResult(True, [token], [logprob])
+            else:
+                for s, i in enumerate(sampled):
+                    a, b = starts[s], starts[s + 1]
+                    if s in drafts:
+                        b = a + _accepted(drafts[s], out.tokens[a:b]) + 1
+                        results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b], drafted=len(drafts[s]))
+                    else:
+                        results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
             if hidden is not None:
                 self._propose(inputs, hidden, results)
         prompt = inputs.prompt

@@ -113,7 +113,7 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
