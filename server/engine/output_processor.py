@@ -227,6 +227,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.token_bytes = self._byte_table()  # id -> bytes, or None when not byte-level
+        # id -> its bytes decoded when they are whole UTF-8 characters (None: a partial one)
+        self.token_text = None if self.token_bytes is None else [_whole_text(b) for b in self.token_bytes]
 
     def new_state(self, start: int = 0) -> DetokState:
         """State for a sequence whose first `start` ids (the prompt) are not to be decoded."""
@@ -239,11 +241,17 @@ class IncrementalDetokenizer:
         """
         if self.token_bytes is not None:
             table, n = self.token_bytes, len(self.token_bytes)
-            new = output_ids[state.read_offset :]
-            state.read_offset = len(output_ids)
-            if len(new) == 1:  # the usual decode step
-                t = new[0]
-                return state.utf8.decode(table[t] if 0 <= t < n else b"")
+            read, state.read_offset = state.read_offset, len(output_ids)
+            if len(output_ids) == read + 1:  # the usual decode step
+                t = output_ids[read]
+                if not 0 <= t < n:
+                    return state.utf8.decode(b"")
+                text = self.token_text[t]
+                # Nothing held back and the token's bytes are whole characters: what the decoder would give.
+                if text is not None and not state.utf8.buffer:
+                    return text
+                return state.utf8.decode(table[t])
+            new = output_ids[read:]
             return state.utf8.decode(b"".join(table[t] if 0 <= t < n else b"" for t in new))
         prefix, full = self._window(state, output_ids)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
@@ -292,6 +300,13 @@ class IncrementalDetokenizer:
                 except UnicodeEncodeError:
                     return None  # not a pure byte-level vocabulary
         return table
+
+
+def _whole_text(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 class StopChecker:
