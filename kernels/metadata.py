@@ -19,9 +19,12 @@ so the set of compiled variants) never depends on the batch.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels.host_arrays import host_array, host_tensor
 
 # A run of equal slots at most this long is decode-shaped: each token gathers its adapter's weights.
 GATHER_MAX_SEG_LEN = 4
@@ -33,6 +36,7 @@ ALIGN = 4
 # Entries per gathered token (token, slot) and per tile (first token, rows, slot, unused).
 GATHER_FIELDS = 2
 TILE_FIELDS = 4
+_ZEROS = host_array((0,) * ALIGN, torch.int32)  # a section's padding
 
 
 @dataclass(frozen=True)
@@ -120,17 +124,17 @@ def shrink_splits(in_features: int, programs: int) -> int:
     return splits
 
 
-def pack_int32(sections: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
+def pack_int32(sections: list[list[int] | array], device: torch.device | str) -> list[torch.Tensor]:
     """One host buffer, one copy to `device`; returns a 1-D view per section, each 16-byte aligned."""
-    offsets, total = [], 0
+    host = host_array((), torch.int32)
+    offsets = []
     for values in sections:
-        offsets.append(total)
-        total += -(-len(values) // ALIGN) * ALIGN
-    host = torch.zeros(max(total, ALIGN), dtype=torch.int32)
-    for off, values in zip(offsets, sections):
-        if values:
-            host[off: off + len(values)] = torch.tensor(values, dtype=torch.int32)
-    dev = host.to(device, non_blocking=True)
+        offsets.append(len(host))
+        host.extend(values)
+        host.extend(_ZEROS[: -len(values) % ALIGN])
+    if not host:
+        host.extend(_ZEROS)
+    dev = host_tensor(host, torch.int32).to(device, non_blocking=True)
     return [dev[off: off + len(values)] for off, values in zip(offsets, sections)]
 
 
@@ -377,13 +381,17 @@ class AttentionBatch:
             for pos in range(start, end):
                 slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=1) or 1
-        padded = [x for t in block_tables for x in t + [0] * (width - len(t))]
+        padded = host_array((), torch.int32)  # [B, width], each row padded with 0
+        zeros = host_array((0,) * width, torch.int32)
+        for t in block_tables:
+            padded.extend(t)
+            padded.extend(zeros[: width - len(t)])
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
         tables, query_start_loc, lens, contexts = pack_int32([padded, starts, seq_lens, context_lens], device)
         return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
+            slot_mapping=host_tensor(slot_mapping).to(device, non_blocking=True),
             block_tables=tables.view(len(block_tables), width),
             query_start_loc=query_start_loc,
             seq_lens=lens,

@@ -15,28 +15,30 @@ PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
 class Timer:
     """Wraps a callable and accumulates its wall time."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, clock=time.perf_counter):
         self.fn = fn
+        self.clock = clock
         self.total = 0.0
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        t = time.perf_counter()
+        t = self.clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.total += time.perf_counter() - t
+            self.total += self.clock() - t
 
 
 @contextmanager
-def timed_phases(engine) -> Iterator[dict[str, Timer]]:
-    """Yields phase -> Timer while each phase of `engine.step()` runs through its timer."""
+def timed_phases(engine, clock=time.perf_counter) -> Iterator[dict[str, Timer]]:
+    """Yields phase -> Timer while each phase of `engine.step()` runs through its timer (timed by `clock`:
+    wall time, or time.thread_time for the step thread's CPU time)."""
     # Each phase is the method of that name on its owner; sampling is the runner module's function.
     owners = {"schedule": engine.scheduler, "prepare": engine.runner, "forward": engine.runner.model,
               "postprocess": engine.output_processor}
-    timers = {phase: Timer(getattr(owner, phase)) for phase, owner in owners.items()}
-    timers["sample"] = Timer(model_runner.sample_rows)
+    timers = {phase: Timer(getattr(owner, phase), clock) for phase, owner in owners.items()}
+    timers["sample"] = Timer(model_runner.sample_rows, clock)
     for phase, owner in owners.items():
         setattr(owner, phase, timers[phase])  # shadows the method on this instance only
     model_runner.sample_rows = timers["sample"]

@@ -68,6 +68,7 @@ token still tells, roughly: that channel is what the operator's option accepts.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -505,7 +506,13 @@ class PrefixCache:
         (None: the base model) and, for an aLoRA, where it starts applying."""
         # A salt is the tenant's own: another tenant sending the same string must reach nothing.
         shared = version_id is None and self.share_base_across_tenants and seq.cache_salt is None
-        key = [version_id, None if shared else seq.tenant, shared, seq.cache_salt]
+        key = (version_id, None if shared else seq.tenant, shared, seq.cache_salt)
         if version_id is not None and first_active:
-            key.append(first_active)
-        return hashlib.sha256(json.dumps(key).encode()).digest()
+            key += (first_active,)
+        return _seed_digest(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_digest(key: tuple) -> bytes:
+    """A seed's digest, made once per key: each block a sequence fills is hashed under it."""
+    return hashlib.sha256(json.dumps(key).encode()).digest()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kernels.attention_ref import storage
+from kernels.host_arrays import host_tensor
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar import GrammarMask
@@ -172,6 +173,21 @@ class ModelRunner:
         medusa_rows: dict[int, tuple[int, int]] | None = {} if self.medusa is not None else None
         for i, (seq, n, slot, drafts) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots, all_drafts)):
             start = seq.num_computed_tokens + (1 if ahead else 0)
+            if n == 1 and not (ahead or drafts) and medusa_rows is None:
+                p, group, ids = seq.params, seq.group, seq.token_ids
+                if (start + 1 == len(ids) and p.max_tokens and not (p.has_row_state or group.needs_fork)
+                        and group.prompt_logprobs is None and (slot < 0 or group.adapter_from <= start)):
+                    # The usual decode row, inline: what the general path below makes of it.
+                    input_ids.append(ids[start])
+                    positions.append(start)
+                    token_slots.append(slot)
+                    context_lens.append(start)
+                    rows.append(SamplingRow(p, seq.index, start + 1 - seq.num_prompt_tokens))
+                    row_logits.append(len(logits_indices))
+                    row_starts.append(len(rows))
+                    logits_indices.append(len(input_ids) - 1)
+                    sampled.append(i)
+                    continue
             first = len(input_ids)
             if ahead:
                 assert n == 1, "only decode rows are prepared ahead"
@@ -229,7 +245,7 @@ class ModelRunner:
             tables = [s.block_table for s in batch.seqs]
             staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)
             leading = logits_indices == list(range(len(logits_indices)))  # the usual case: no copy to make
-            indices = None if leading else torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True)
+            indices = None if leading else host_tensor(logits_indices).to(dev, non_blocking=True)
             if ahead:
                 return StepInputs(None, None, indices, ahead_rows=staged, **common)
             return StepInputs(None, None, indices, padded=padded.stage(input_ids, *staged), **common)
@@ -243,22 +259,22 @@ class ModelRunner:
                               for g in range(groups.num_groups - 1))) if groups is not None else ()
         ctx = StepContext(
             ops=self.ops,
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            positions=host_tensor(positions).to(dev, non_blocking=True),
             attn=attn,
             lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora, self.page_table,
                                  self.page_gathers and self.page_gathers.for_step(token_slots)),
             lora_scratch=self.lora_scratch,
             group_attn=group_attn,
         )
-        ids = None if ahead else torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        return StepInputs(ids, ctx, torch.tensor(logits_indices, dtype=torch.long).to(dev, non_blocking=True), **common)
+        ids = None if ahead else host_tensor(input_ids).to(dev, non_blocking=True)
+        return StepInputs(ids, ctx, host_tensor(logits_indices).to(dev, non_blocking=True), **common)
 
     def fill_ahead(self, inputs: StepInputs, input_ids: list[int]) -> StepInputs:
         """A step prepared ahead with its input ids [T], the previous step's sampled tokens: staged now, in
         order behind the previous step (the one host-to-device copy of a padded step)."""
         if inputs.ahead_rows is not None:
             return replace(inputs, padded=self.padded.stage(input_ids, *inputs.ahead_rows), ahead_rows=None)
-        return replace(inputs, input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True))
+        return replace(inputs, input_ids=host_tensor(input_ids).to(self.device, non_blocking=True))
 
     def run(self, batch: ScheduledBatch) -> dict[int, SeqResult]:
         """Batch position -> what that sequence got, for sequences that finished their pending tokens
@@ -288,13 +304,17 @@ class ModelRunner:
             if bitmask is not None:
                 _fail_costly_constraints(inputs.rows, out.tokens)
             drafts = inputs.drafts or {}
-            for s, i in enumerate(sampled):
-                a, b = starts[s], starts[s + 1]
-                if s in drafts:
-                    b = a + _accepted(drafts[s], out.tokens[a:b]) + 1
-                    results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b], drafted=len(drafts[s]))
-                else:
-                    results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
+            if not drafts and len(out.tokens) == len(sampled):  # one row each: row s is sequence s's
+                for i, token, logprob in zip(sampled, out.tokens, out.logprobs):
+                    results[i] = SeqResult(True, [token], [logprob])
+            else:
+                for s, i in enumerate(sampled):
+                    a, b = starts[s], starts[s + 1]
+                    if s in drafts:
+                        b = a + _accepted(drafts[s], out.tokens[a:b]) + 1
+                        results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b], drafted=len(drafts[s]))
+                    else:
+                        results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
             if hidden is not None:
                 self._propose(inputs, hidden, results)
         prompt = inputs.prompt

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.engine.sampler import SampleFailure
-from server.engine.sequence import RequestOutput, Sequence, TokenLogprobs
+from server.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 from server.engine.tokenizer_loader import bytes_to_unicode
 
 if TYPE_CHECKING:
@@ -82,21 +82,24 @@ class OutputProcessor:
         self.aborted.clear()
         for seq, error in batch.failed:
             outputs += self._fail(seq, f"adapter {seq.version_id} could not be loaded: {error}")
+        register, finished = self.scheduler.prefix_cache.register, SequenceStatus.FINISHED
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            if seq.finished:
+            if seq.status is finished:
                 continue  # async scheduling: aborted, or ended by the step before, while this one ran
             result = results.get(i)
-            if result is not None and result.done:
+            if result is None:  # a prompt chunk
+                seq.num_computed_tokens += n
+                register(seq)
+                continue
+            if result.done:
                 seq.proposed = result.proposed
-            if result is not None and result.drafted:
+            if result.drafted:
                 self._advance_run(outputs, seq, n - result.drafted, result)
                 continue
             seq.num_computed_tokens += n
             # Blocks this step filled are computed now, so others may reuse them (before a fork copies
             # the sequence's progress to its siblings).
-            self.scheduler.prefix_cache.register(seq)
-            if result is None:
-                continue  # a prompt chunk
+            register(seq)
             if result.prompt_logprobs:
                 seq.group.prompt_logprobs += result.prompt_logprobs
             if not result.done:
@@ -141,15 +144,16 @@ class OutputProcessor:
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> RequestOutput:
         if seq.grammar is not None and not seq.grammar.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
-        seq.token_ids.append(token)
+        ids = seq.token_ids
+        ids.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
         self.scheduler.waiting.charge_output(seq)
-        seq.text += self.detokenizer.step(seq.detok_state, seq.token_ids)
+        seq.text += self.detokenizer.step(seq.detok_state, ids)
         reason = self._finish_reason(seq, token)
-        if reason is not None and seq.text_cut is None:
-            seq.text += self.detokenizer.flush(seq.detok_state, seq.token_ids)
         if reason is not None:
+            if seq.text_cut is None:
+                seq.text += self.detokenizer.flush(seq.detok_state, ids)
             self._finish(seq, reason)
         return self._output(seq)
 
@@ -189,11 +193,12 @@ class OutputProcessor:
             return None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        cut = seq.stop.find(seq.text)
-        if cut is not None:
-            seq.text = seq.text[:cut]
-            seq.text_cut = cut
-            return "stop"
+        if seq.stop.stops:
+            cut = seq.stop.find(seq.text)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                seq.text_cut = cut
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
@@ -201,7 +206,7 @@ class OutputProcessor:
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
         stop = seq.stop
-        if not seq.finished and stop.stops:
+        if stop.stops and not seq.finished:
             # Hold back a tail that could still grow into a stop string, so it is never streamed.
             return seq.output(seq.text[: len(seq.text) - stop.partial_suffix(seq.text)])
         return seq.output()
@@ -222,6 +227,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.token_bytes = self._byte_table()  # id -> bytes, or None when not byte-level
+        # id -> its bytes decoded when they are whole UTF-8 characters (None: a partial one)
+        self.token_text = None if self.token_bytes is None else [_whole_text(b) for b in self.token_bytes]
 
     def new_state(self, start: int = 0) -> DetokState:
         """State for a sequence whose first `start` ids (the prompt) are not to be decoded."""
@@ -234,11 +241,17 @@ class IncrementalDetokenizer:
         """
         if self.token_bytes is not None:
             table, n = self.token_bytes, len(self.token_bytes)
-            new = output_ids[state.read_offset :]
-            state.read_offset = len(output_ids)
-            if len(new) == 1:  # the usual decode step
-                t = new[0]
-                return state.utf8.decode(table[t] if 0 <= t < n else b"")
+            read, state.read_offset = state.read_offset, len(output_ids)
+            if len(output_ids) == read + 1:  # the usual decode step
+                t = output_ids[read]
+                if not 0 <= t < n:
+                    return state.utf8.decode(b"")
+                text = self.token_text[t]
+                # Nothing held back and the token's bytes are whole characters: what the decoder would give.
+                if text is not None and not state.utf8.buffer:
+                    return text
+                return state.utf8.decode(table[t])
+            new = output_ids[read:]
             return state.utf8.decode(b"".join(table[t] if 0 <= t < n else b"" for t in new))
         prefix, full = self._window(state, output_ids)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
@@ -287,6 +300,13 @@ class IncrementalDetokenizer:
                 except UnicodeEncodeError:
                     return None  # not a pure byte-level vocabulary
         return table
+
+
+def _whole_text(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 class StopChecker:

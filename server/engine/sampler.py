@@ -46,6 +46,7 @@ import torch
 
 from server.engine.grammar import GrammarMask
 from server.engine.logprobs import gather_logprobs
+from server.engine.row_max import row_max
 from server.engine.sampling_row import SamplingRow
 from server.engine.sequence import SamplingParams, TokenLogprobs
 
@@ -352,7 +353,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
     processors = LogitsProcessors.build(rows, logits.device, ending)
     if processors is None and bitmask is None:
         processed = logits  # [N, V]
-        best, chosen = logits.max(dim=-1)  # [N] each; the first index of ties, as argmax
+        best, chosen = row_max(logits)  # [N] each; the first index of ties, as argmax
         raw_max = best
     else:
         raw_max = logits.amax(dim=-1)
@@ -362,7 +363,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
             grammar_mask.apply(processed, bitmask)
         if processors is not None:
             processed = processors.apply(processed)
-        best, chosen = processed.max(dim=-1)
+        best, chosen = row_max(processed)
     # max propagates NaN and shows +inf, min shows -inf: two reductions instead of an [N, V] mask.
     finite = torch.isfinite(raw_max) & (logits.amin(dim=-1) > float("-inf"))  # [N]
     # Only a finite row can lose every token (a penalty overflow), and then it fails alone.

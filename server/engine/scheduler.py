@@ -413,22 +413,26 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         capped = cap is not None and any(s.num_pending_tokens == 1 for s in self.running)
-        for seq in self.running:
-            self.release_behind_window(seq)
+        if self.config.kv_window is not None:
+            for seq in self.running:
+                self.release_behind_window(seq)
         speculate = self._speculate()
         prompts: list[Sequence] = []
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):  # decoding sequences first: no prompt chunk can take their tokens
-            if seq.num_pending_tokens > 1:
+            pending = len(seq.token_ids) - seq.num_computed_tokens
+            if pending > 1:
                 prompts.append(seq)
                 continue
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_pending_tokens, budget)
+            n = min(pending, budget)
             drafts = self._drafts(seq, budget - 1) if n and speculate else ()
             n += len(drafts)
-            if n == 0 or not _mask_ready(seq, seq.num_computed_tokens + n) or not self._make_room(seq, n, batch):
+            if n == 0 or (seq.grammar is not None and not _mask_ready(seq, seq.num_computed_tokens + n)) \
+                    or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n, drafts)
             budget -= n

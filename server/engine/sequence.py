@@ -113,7 +113,7 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
@@ -348,17 +348,20 @@ class Sequence:
 
     def output(self, text: str | None = None) -> RequestOutput:
         """This choice so far; `text` overrides the text (a streamed output holds back a possible stop string)."""
+        error, group = self.error, self.group
+        # Positional, in RequestOutput's field order: one is made per running sequence per step, and
+        # keyword arguments cost twice the construction.
         return RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            token_ids=self.output_token_ids,
-            text=self.text if text is None else text,
-            finished=self.finished,
-            finish_reason=self.finish_reason,
-            error=self.error,
-            error_is_client=self.error is not None and self.grammar is not None and self.grammar.failure is not None,
-            index=self.index,
-            logprobs=None if self.logprobs is None else self.logprobs[:],
-            prompt_logprobs=self.group.prompt_logprobs,
-            num_cached_tokens=self.group.num_cached_tokens or 0,
+            self.request_id,
+            self.prompt_token_ids,
+            self.token_ids[self._num_prompt :],
+            self.text if text is None else text,
+            self.status is SequenceStatus.FINISHED,
+            self.finish_reason,
+            error,
+            error is not None and self.grammar is not None and self.grammar.failure is not None,
+            self.index,
+            None if self.logprobs is None else self.logprobs[:],
+            group.prompt_logprobs,
+            group.num_cached_tokens or 0,
         )
