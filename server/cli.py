@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "worth of memory; default off: one --max-lora-rank slot per adapter")
     s.add_argument("--unified-memory", action="store_true",
                    help="KV blocks and adapter pages from one pool, one allocation (needs --lora-page-rows; not with "
-                        "tensor parallelism or a draft model): KV "
+                        "tensor parallelism, a draft model or a model with KV layer groups): KV "
                         "growth evicts idle adapters before preempting, an adapter load may preempt newer "
                         "requests; the KV and --max-loras budgets become the pool's shares; default off")
     s.add_argument("--pin-adapter", action="append", metavar="[TENANT/]NAME",
