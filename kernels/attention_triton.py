@@ -15,7 +15,6 @@ few sequences decode (flash-decoding).
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "worth of memory; default off: one --max-lora-rank slot per adapter")
     s.add_argument("--unified-memory", action="store_true",
                    help="KV blocks and adapter pages from one pool, one allocation (needs --lora-page-rows; not with "
-                        "tensor parallelism or a draft model): KV "
+                        "tensor parallelism, a draft model or a model with KV layer groups): KV "
                         "growth evicts idle adapters before preempting, an adapter load may preempt newer "
                         "requests; the KV and --max-loras budgets become the pool's shares; default off")
     s.add_argument("--pin-adapter", action="append", metavar="[TENANT/]NAME",
@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "cores with its own KV cache, adapter slots and host tier; a request goes to the core "
                         "its adapter is resident on, then by load. N > 1 needs --engine-process separate "
                         "(docs/scaling.md) (default 1)")
-    s.add_argument("--data-parallel-routing", choices=DATA_PARALLEL_ROUTINGS, default="affinity",
-                   help="with --data-parallel-size: affinity (the adapter's core, a free slot, least loaded) or "
+    s.add_argument("--data-parallel-routing", choices=DATA_PARALLEL_ROUTINGS, default=None,
+                   help="with --data-parallel-size N > 1 (refused with one core): affinity (the adapter's core, a free slot, least loaded) or "
                         "round-robin (for comparison) (default affinity)")
     s.add_argument("--quantization", metavar="int8|int4|fp8|gptq",
                    help="store the base model's decoder projections quantized: int8 is weight-only with "
@@ -465,7 +465,26 @@ def prepare_model(config: ServerConfig) -> None:
     except ModelConfigError as e:
         raise ConfigError(f"--model: {e}") from None
     _check_speculative_model(config, resolved.model_dir)
+    _check_flag_combinations(config, resolved.model_dir)
     _check_lora_module_sources(config)
+
+
+def _check_flag_combinations(config: ServerConfig, model_dir: Path) -> None:
+    """What the engine would refuse of these flags on this model (--tensor-parallel-size with
+    --lora-page-rows, --unified-memory with KV layer groups, ...) refused here in the same one line, not
+    as an engine core's traceback and restarts."""
+    from server.engine.config import ModelConfig, ModelConfigError
+    from server.engine.flag_refusals import combination_refusal
+    from server.engine.speculative_config import parse_speculative_config
+
+    try:
+        mcfg = ModelConfig.from_dir(model_dir)
+    except ModelConfigError as e:
+        raise ConfigError(f"--model: {e}") from None
+    spec = parse_speculative_config(config.speculative_config)
+    refusal = combination_refusal(config, mcfg, draft_model=spec is not None and spec.method == "draft_model")
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def _check_lora_module_sources(config: ServerConfig) -> None:

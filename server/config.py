@@ -442,6 +442,7 @@ class ServerConfig:
             token = load_or_create_secret(data_dir / ADMIN_TOKEN_FILE,
                                           lambda: "lpadm-" + secrets.token_urlsafe(32))
         _refuse_restart_flags_in_process(args)
+        _refuse_routing_without_data_parallel(args)
         return cls(
             data_dir=data_dir, admin_token=token, admin_token_generated=generated,
             model=args.model, served_model_name=args.served_model_name,
@@ -470,7 +471,7 @@ class ServerConfig:
             engine_restart_limit=_given(args, "engine_restart_limit", 3),
             api_server_count=getattr(args, "api_server_count", 1),
             data_parallel_size=getattr(args, "data_parallel_size", 1),
-            data_parallel_routing=getattr(args, "data_parallel_routing", "affinity"),
+            data_parallel_routing=_given(args, "data_parallel_routing", "affinity"),
             cpu_threads=getattr(args, "cpu_threads", "auto"),
             cpu_placement=_cpu_placement(args),
             quantization=getattr(args, "quantization", None),
@@ -527,6 +528,13 @@ def _refuse_restart_flags_in_process(args) -> None:
         if getattr(args, name, None) is not None:
             raise ConfigError(f"{flag} applies to --engine-process separate only (the engine runs in the "
                               f"server's process here)")
+
+
+def _refuse_routing_without_data_parallel(args) -> None:
+    """--data-parallel-routing picks among engine cores: given with one, it would be accepted and ignored."""
+    if getattr(args, "data_parallel_routing", None) is not None and getattr(args, "data_parallel_size", 1) == 1:
+        raise ConfigError("--data-parallel-routing applies with --data-parallel-size > 1 only (one engine core: "
+                          "nothing to route between)")
 
 
 def _cpu_placement(args) -> "CpuPlacement | None":

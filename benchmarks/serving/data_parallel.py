@@ -112,7 +112,7 @@ def _server(stack: ExitStack, work: Path, name: str, model_dir: Path, redis_url:
     slug = name.replace(" ", "-")
     srv = ServerProcess(work / slug, work / f"{slug}.log", model_dir=model_dir, serve_args=[
         "--redis-url", redis_url, "--device", "cpu", "--dtype", "float32", "--engine-process", "separate",
-        "--data-parallel-size", str(size), "--data-parallel-routing", routing,
+        "--data-parallel-size", str(size), *(("--data-parallel-routing", routing) if size > 1 else ()),
         "--cpu-threads", str(threads),
         "--max-loras", str(settings.slots * (2 // size)), "--max-lora-rank", "16", "--max-model-len", "256",
         "--kv-cache-blocks", str(64 * 2 // size), "--max-num-seqs", str(settings.concurrency)])

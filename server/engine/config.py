@@ -14,9 +14,9 @@ from server.engine.cpu_threads import AUTO, parse_cpu_threads, resolve_cpu_threa
 from server.engine.architectures import ARCHITECTURES, SUPPORTED_ARCHS, architecture_refusal  # noqa: F401
 from server.engine.gemma_config import GEMMA_ARCHS, GemmaConfigError, gemma_fields, split_layer_ropes
 from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
+from server.engine.kv_groups import KvGroups
 from server.engine.lora.paging import check_page_rows
 from server.engine.moe_config import MOE_ARCHS, MoeConfigError, moe_fields
-from server.engine.kv_groups import KvGroups
 from server.engine.sliding_window import SlidingWindowError, kv_window, layer_windows, window_of
 from server.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 

@@ -31,6 +31,7 @@ from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
 from server.engine.draft_model_loader import load_draft_model, read_draft_config
 from server.engine.draft_model_proposer import DraftModelProposer
+from server.engine.flag_refusals import combination_refusal
 from server.engine.grammar import GrammarMask, Grammars
 from server.engine.kernel_choice import select_kernels
 from server.engine.kernel_ops import KernelOps
@@ -53,12 +54,11 @@ from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import IncrementalDetokenizer, OutputProcessor
 from server.engine.parallel.tp_leader import start_tensor_parallel
-from server.engine.parallel.tp_model import tp_refusal
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig, StepCost
 from server.engine.speculative_config import resolve_disable_by_batch_size
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.unified_buffer import UnifiedBuffer, unallocated
-from server.engine.unified_memory import PageUnits, UnifiedPool, unified_refusal
+from server.engine.unified_memory import PageUnits, UnifiedPool
 from server.engine.warmup import warm_up
 from server.engine.weights import load_weights
 
@@ -107,10 +107,10 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     max_len = config.max_model_len or limit
     tokenizer, eos_token_ids = _load_tokenizer(config, mcfg)
     tensor_parallel = config.tensor_parallel_size > 1
-    if tensor_parallel:
-        _check_tensor_parallel(config, mcfg, device)
-    if config.unified_memory and (refusal := unified_refusal(config.tensor_parallel_size, draft_cfg is not None,
-                                                             mcfg.kv_groups is not None)) is not None:
+    if tensor_parallel and device.type != "cpu":
+        raise ModelConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} runs on CPU devices (gloo) "
+                               f"for now, not {device}")
+    if (refusal := combination_refusal(config, mcfg, draft_cfg is not None)) is not None:
         raise ModelConfigError(refusal)
     paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
     max_loras = paging.entries
@@ -182,23 +182,6 @@ def _read_medusa_heads(config: EngineConfig, mcfg: ModelConfig) -> HeadWeights |
     if spec is None or spec.method != "medusa":
         return None
     return read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
-
-
-def _check_tensor_parallel(config: EngineConfig, mcfg: ModelConfig, device: torch.device) -> None:
-    """Refuses, in one line, what --tensor-parallel-size does not shard yet (later slices)."""
-    n = config.tensor_parallel_size
-    if device.type != "cpu":
-        raise ModelConfigError(f"--tensor-parallel-size {n} runs on CPU devices (gloo) for now, not {device}")
-    if config.lora_page_rows is not None:
-        raise ModelConfigError(f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet")
-    if config.speculative_config is not None:
-        raise ModelConfigError(f"--tensor-parallel-size {n} does not combine with --speculative-config yet")
-    if mcfg.layer_windows is not None and any(w is not None for w in mcfg.layer_windows):
-        raise ModelConfigError(f"--tensor-parallel-size {n}: sliding-window attention ({mcfg.architecture}) is "
-                               f"not sharded yet")
-    refusal = tp_refusal(mcfg, config.quantization, n, config.fully_sharded_loras, config.max_lora_rank)
-    if refusal is not None:
-        raise ModelConfigError(refusal)
 
 
 def _set_up_device(config: EngineConfig,

@@ -29,6 +29,13 @@ def test_refusals_are_one_line(tmp_path, flags, refusal):
     assert "\n" not in str(raised.value)
 
 
+def test_routing_without_data_parallel_is_refused(tmp_path):
+    """One engine core has nothing to route between: the flag would be accepted and ignored."""
+    with pytest.raises(ConfigError, match="--data-parallel-routing applies with --data-parallel-size > 1 only"):
+        _config(tmp_path, "--data-parallel-routing", "round-robin")
+    assert _config(tmp_path).data_parallel_routing == "affinity"
+
+
 @pytest.mark.parametrize("kw, refusal", [
     ({"cpu_placement": CpuPlacement(engine=(0,), api=(1,))}, "needs at least 2 engine cores"),
     ({"data_parallel_size": 0}, "--data-parallel-size must be >= 1"),

@@ -261,10 +261,15 @@ class DataParallelEngineClient(EngineClient):
 
 
 def _summed_info(infos: list[EngineInfo]) -> EngineInfo:
-    """The server's capacity: the cores' slots, batch seats and KV pools added up (what /admin/engine and
-    vllm:max_gpu_lora_adapters show beside the summed counters); limits a request must fit are each core's."""
+    """The server's capacity: the cores' slots, batch seats and KV pools (with --unified-memory the pools'
+    units too) added up (what /admin/engine and vllm:max_gpu_lora_adapters show beside the summed
+    counters); limits a request must fit are each core's."""
     first = infos[0]
+    unified = first.kv_pool.unified  # --unified-memory: each core's pool; its units add up as the blocks do
+    if unified is not None:
+        unified = dataclasses.replace(unified, **{name: sum(getattr(i.kv_pool.unified, name) for i in infos)
+                                                  for name in ("units", "kv_share", "adapter_share")})
     pool = dataclasses.replace(first.kv_pool, blocks=sum(i.kv_pool.blocks for i in infos),
-                               bytes=sum(i.kv_pool.bytes for i in infos))
+                               bytes=sum(i.kv_pool.bytes for i in infos), unified=unified)
     return dataclasses.replace(first, max_loras=sum(i.max_loras for i in infos),
                                max_num_seqs=sum(i.max_num_seqs for i in infos), kv_pool=pool)

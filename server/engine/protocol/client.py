@@ -3,8 +3,9 @@
 The front end holds one of these and nothing else of the engine: no LLMEngine, scheduler, model or
 tier objects (tests/server/api/test_engine_boundary.py checks its imports). Its arguments and answers
 are the protocol's messages (EngineRequest, RequestOutput, EngineInfo, EngineSnapshot: frozen
-dataclasses of primitives and compact lists), so an implementation that talks to an engine-core
-process (msgspec over ZMQ) can stand where the in-process one stands today.
+dataclasses of primitives and compact lists), so the engine-core process's client (msgspec over ZMQ,
+server.engine.protocol.remote: `serve`'s default) stands where the in-process one
+(server.engine.async_engine) does.
 """
 from __future__ import annotations
 

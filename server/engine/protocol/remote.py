@@ -446,7 +446,8 @@ class RemoteEngineClient(EngineClient):
             self._restarting, self.gave_up = restart, not restart
             self._assembler = OutputAssembler()
         log.error("%s%s", reason, "; starting a new one" if restart else
-                  "" if self._restarts is None else f" ({self._restarts.describe()} reached: not restarting)")
+                  "" if self._restarts is None else " (it never started: not restarting)" if not self._served
+                  else f" ({self._restarts.describe()} reached: not restarting)")
         self._fail_all(EngineDeadError(f"the engine is not running ({reason})"))
         if restart:
             target = self._reattach if self._attached else self._restart

@@ -167,3 +167,25 @@ def test_healthy_while_any_core_serves_and_over_once_one_is_gone(make):
     assert not client.is_healthy and client.is_restarting
     dead.gave_up = True
     assert not client.is_healthy and not client.is_restarting and client.gave_up
+
+
+def test_the_summed_info_adds_the_unified_pools_units_as_the_stats_add_their_uses(tiny_model_dir):
+    """/admin/engine's memory_pool reads the units from the info and their uses from the summed stats:
+    one core's units beside two cores' uses gave negative free units."""
+    from dataclasses import replace
+
+    from adapters.format import ModelShape
+    from server.engine.config import ModelConfig
+    from server.engine.data_parallel.client import _summed_info
+    from server.engine.kv_cache import KvPoolInfo
+    from server.engine.protocol.info import EngineInfo
+    from server.engine.unified_memory import UnifiedPool
+
+    pool = KvPoolInfo("float32", blocks=40, block_size=16, bytes=4000, unified=UnifiedPool.of(32, 100, 150, 4))
+    one = EngineInfo(max_model_len=256, vocab_size=64, adapter_shape=ModelShape(1, 8, 8, 8, 16), max_loras=2,
+                     max_lora_rank=16, max_num_seqs=4, max_cpu_lora_bytes=None, device="cpu", dtype="float32",
+                     dtype_bytes=4, kv_pool=pool, requested_kv_cache_dtype="auto", block_size=16,
+                     async_scheduling=False, base_weights={}, model_config=ModelConfig.from_dir(tiny_model_dir))
+    summed = _summed_info([one, replace(one)]).kv_pool
+    assert (summed.blocks, summed.bytes) == (80, 8000)
+    assert summed.unified == UnifiedPool(units=80, unit_bytes=100, units_per_page=2, kv_share=64, adapter_share=16)

@@ -1,0 +1,43 @@
+"""The flag combinations the engine does not build, each refused in one line naming the flags.
+
+One function for both places that check them: the engine before it loads the weights (the Python API,
+and the core a server starts) and `loraplex serve` before it starts the core, so a refusal there is one
+line on stderr rather than an engine core's traceback, its restarts and the lifespan's.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from server.engine.config import ModelConfig
+from server.engine.parallel.tp_model import tp_refusal
+from server.engine.unified_memory import unified_refusal
+
+
+class EngineFlags(Protocol):
+    """What the refusals read: EngineConfig and the server's ServerConfig both have these."""
+    tensor_parallel_size: int
+    fully_sharded_loras: bool
+    lora_page_rows: int | None
+    max_lora_rank: int
+    unified_memory: bool
+    quantization: str | None
+    speculative_config: object  # set (any form) or None
+
+
+def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool) -> str | None:
+    """The one line `flags` are refused with for this model (`draft_model`: --speculative-config names
+    one), or None: they run."""
+    n = flags.tensor_parallel_size
+    if n > 1:
+        if flags.lora_page_rows is not None:
+            return f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet"
+        if flags.speculative_config is not None:
+            return f"--tensor-parallel-size {n} does not combine with --speculative-config yet"
+        if mcfg.layer_windows is not None and any(w is not None for w in mcfg.layer_windows):
+            return f"--tensor-parallel-size {n}: sliding-window attention ({mcfg.architecture}) is not sharded yet"
+        refusal = tp_refusal(mcfg, flags.quantization, n, flags.fully_sharded_loras, flags.max_lora_rank)
+        if refusal is not None:
+            return refusal
+    if flags.unified_memory:
+        return unified_refusal(n, draft_model, mcfg.kv_groups is not None)
+    return None

@@ -1,0 +1,26 @@
+"""An engine core that cannot start (a refusal of its engine's) is not restarted, and the front end's
+error line says why it gave up: it never started, not the crash-loop limit it never reached."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from adapters.format import ModelShape
+from server.engine.config import EngineConfig
+from server.engine.core.launch import CoreLaunch
+from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
+
+
+def test_a_core_that_cannot_start_is_not_restarted_and_the_line_says_so(tiny_model_dir, redis_url, caplog):
+    shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512,
+                          tensor_parallel_size=2, lora_page_rows=16)  # refused by the engine as it starts
+    launch = CoreLaunch(config, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix="lp-nostart:",
+                        adapter_grace_seconds=600.0, adapter_shape=shape, max_lora_rank=32, pager=False,
+                        max_upload_bytes=1 << 20, max_message_bytes=1 << 20)
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="the engine core did not start"):
+        RemoteEngineClient.build(launch, ready_timeout=120, restarts=RestartPolicy(3, 60.0))
+    lines = [r.getMessage() for r in caplog.records if "engine core exited" in r.getMessage()]
+    assert lines and lines[-1].endswith("(it never started: not restarting)"), lines

@@ -1,0 +1,54 @@
+"""Flag combinations the engine does not build (server.engine.flag_refusals): the same one line from the
+engine's config and from the server's, and `serve` refuses them before it starts an engine core (the
+core's refusal was a traceback, three restarts and the lifespan's traceback)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.config import ConfigError, ServerConfig
+from server.engine.config import EngineConfig, ModelConfig
+from server.engine.flag_refusals import combination_refusal
+
+pytestmark = pytest.mark.unit
+
+_GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 4,
+           "sliding_window": 20, "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh",
+           "layer_types": ["sliding_attention", "full_attention"] * 2}
+
+
+def _server(tmp_path, **kw) -> ServerConfig:
+    return ServerConfig(data_dir=tmp_path, admin_token="x" * 16, **kw)
+
+
+def test_the_engine_and_the_server_config_give_the_same_line(tmp_path, tiny_model_dir):
+    mcfg = ModelConfig.from_dir(tiny_model_dir)
+    flags = {"tensor_parallel_size": 2, "lora_page_rows": 16}
+    engine = combination_refusal(EngineConfig(model=str(tiny_model_dir), **flags), mcfg, draft_model=False)
+    assert engine == combination_refusal(_server(tmp_path, **flags), mcfg, draft_model=False)
+    assert engine == "--tensor-parallel-size 2 does not combine with --lora-page-rows yet"
+
+
+def test_unified_memory_is_refused_for_kv_layer_groups_and_a_draft_model(tmp_path, tiny_model_dir):
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    unified = _server(tmp_path, unified_memory=True, lora_page_rows=16)
+    assert combination_refusal(unified, ModelConfig.from_dict(cfg), draft_model=False) is None
+    assert "a draft model" in combination_refusal(unified, ModelConfig.from_dict(cfg), draft_model=True)
+    gemma = combination_refusal(unified, ModelConfig.from_dict({**cfg, **_GEMMA2}), draft_model=False)
+    assert gemma.startswith("--unified-memory does not serve a model with KV layer groups")
+
+
+def test_serve_refuses_before_the_engine_core_in_one_line(tmp_path, tiny_model_dir):
+    from server.cli import _check_flag_combinations
+
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps({**cfg, **_GEMMA2}))
+    with pytest.raises(ConfigError, match="--unified-memory does not serve a model with KV layer groups") as raised:
+        _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), gemma)
+    assert "\n" not in str(raised.value)
+    _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), tiny_model_dir)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2: sliding-window attention"):
+        _check_flag_combinations(_server(tmp_path, tensor_parallel_size=2), gemma)
