@@ -109,6 +109,36 @@ def test_local_root_is_not_left_by_links(tmp_path, tiny_adapters):
     assert e.value.status == 403
 
 
+def test_a_local_directorys_medusa_folder_comes_with_its_files_bounded_and_inside_the_root(tmp_path, tiny_adapters):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    outside.mkdir()
+    for f, data in _files(tiny_adapters["r4_qv"]).items():
+        (root / "a" / f).write_bytes(data)
+    policy = SourcePolicy(kinds=frozenset({"local"}), local_root=root, max_file_bytes=CAP)
+    without = fetch_adapter(parse_reference("a"), policy)
+    (root / "a" / "medusa").mkdir()
+    (root / "a" / "medusa" / "medusa_config.json").write_bytes(b"{}")
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("a"), policy)
+    assert e.value.status == 400 and "medusa/ folder has no medusa_heads.safetensors" in e.value.message
+    (outside / "medusa_heads.safetensors").write_bytes(b"w")
+    os.symlink(outside / "medusa_heads.safetensors", root / "a" / "medusa" / "medusa_heads.safetensors")
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("a"), policy)
+    assert e.value.status == 404  # a link out of the root: not read
+    (root / "a" / "medusa" / "medusa_heads.safetensors").unlink()
+    (root / "a" / "medusa" / "medusa_heads.safetensors").write_bytes(b"w" * (CAP + 1))
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("a"), policy)
+    assert e.value.status == 413
+    (root / "a" / "medusa" / "medusa_heads.safetensors").write_bytes(b"w")
+    heads = fetch_adapter(parse_reference("a"), policy)
+    assert heads.medusa == (b"{}", b"w") and without.medusa is None  # checked against the base by the store
+    assert (heads.config_json, heads.weights) == (without.config_json, without.weights)
+    assert heads.sha256 != without.sha256  # new heads: a new version
+
+
 def test_redirect_chains_are_bounded():
     with FileServer() as files:
         for i in range(10):
