@@ -5,7 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.format import CONFIG_FILE, WEIGHTS_FILE, inspect_adapter_bytes
+from adapters import medusa_format
+from adapters.format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError, inspect_adapter_bytes
 from adapters.sharing import ALL, OPERATOR_OWNER
 from adapters.sources import fetch_adapter, parse_reference
 from adapters.sources.policy import operator_policy
@@ -39,9 +40,22 @@ class StartupInfo:
 
 
 def _put_dir(state: ServerState, tenant: Tenant, name: str, directory: str | Path) -> None:
-    """Store a PEFT directory under the tenant unless the same adapter is already there."""
+    """Store a PEFT directory (and its `medusa/` folder's heads) under the tenant unless the same adapter is
+    already there."""
     d = Path(directory)
-    _put_files(state, tenant.id, name, (d / CONFIG_FILE).read_bytes(), (d / WEIGHTS_FILE).read_bytes())
+    _put_files(state, tenant.id, name, (d / CONFIG_FILE).read_bytes(), (d / WEIGHTS_FILE).read_bytes(),
+               _dir_heads(d))
+
+
+def _dir_heads(d: Path) -> tuple[bytes, bytes] | None:
+    heads = d / medusa_format.ADAPTER_DIR
+    if not heads.exists():
+        return None
+    names = (medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE)
+    for name in names:
+        if not (heads / name).is_file():
+            raise AdapterFormatError(f"{d}: the adapter's {medusa_format.ADAPTER_DIR}/ folder has no {name}")
+    return (heads / names[0]).read_bytes(), (heads / names[1]).read_bytes()
 
 
 def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, weights: bytes,

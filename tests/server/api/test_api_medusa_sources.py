@@ -42,7 +42,8 @@ def test_a_local_sources_medusa_folder_is_fetched_checked_and_drafts_for_its_req
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
                            speculative_config=json.dumps(spec), engine_process="in-process",
                            adapter_sources=("local",), adapter_local_root=str(root),
-                           lora_modules=(("operator", str(root / "operator")),))
+                           lora_modules=(("operator", str(root / "operator")),),
+                           adapters=(("default", "preloaded", str(root / "with-heads")),))
     with running_server(config) as server:
         name, key = server.new_tenant()
         registry = server.state.registry
@@ -60,8 +61,11 @@ def test_a_local_sources_medusa_folder_is_fetched_checked_and_drafts_for_its_req
             assert "hidden_size 32 does not match the base model's hidden_size 64" in misfit.text
         tenant_id = server.state.tenants.get(name).id
         with_heads = registry.get(tenant_id, "with-heads")
-        assert registry.read_medusa(with_heads.version) == tuple(
-            (own / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE))
+        own_files = tuple((own / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE))
+        assert registry.read_medusa(with_heads.version) == own_files
+        [preloaded] = registry.list(server.state.tenants.get("default").id)  # --adapter default/preloaded=DIR
+        assert registry.read_medusa(preloaded.version) == own_files
+        assert preloaded.size_bytes == with_heads.size_bytes
         jobs = list(zip(prompts_of(6, seed=5), [server.state.model_id, "with-heads", "operator"] * 2))
         drafted = greedy_texts(server.client(key), jobs)
         engine = server.state.engine.engine
