@@ -83,14 +83,19 @@ def test_medusa_heads_count_in_size_bytes_and_against_max_adapter_bytes(tmp_path
     spec = {"method": "medusa", "model": str(random_heads(tmp_path / "base-heads")), "num_speculative_tokens": 3}
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
                            speculative_config=json.dumps(spec), adapter_sources=("local",),
-                           adapter_local_root=str(root))
+                           adapter_local_root=str(root), adapter_load_workers=0)  # fetched in the server process
     with running_server(config) as server:
-        _, key = server.new_tenant()
+        name, key = server.new_tenant()
         plain = upload_with_heads(server, key, "plain", tiny_adapters["r8_all"])
         assert plain.status_code == 201, plain.text
         with_heads = upload_with_heads(server, key, "with-heads", tiny_adapters["r8_all"], own)
         assert with_heads.status_code == 201, with_heads.text
         assert with_heads.json()["size_bytes"] == plain.json()["size_bytes"] + HEADS_BYTES
+        with server.http(key) as h:
+            fetched = h.post("/v1/load_lora_adapter", json={"lora_name": "fetched", "lora_path": "with-heads"})
+        assert fetched.status_code == 200, fetched.text
+        tenant_id = server.state.tenants.get(name).id
+        assert server.state.registry.get(tenant_id, "fetched").size_bytes == with_heads.json()["size_bytes"]
         # Room for the adapter, not for its heads too.
         _, tight = server.new_tenant({"max_adapter_bytes": plain.json()["size_bytes"] + HEADS_BYTES - 1})
         assert upload_with_heads(server, tight, "plain", tiny_adapters["r8_all"]).status_code == 201
