@@ -1,6 +1,7 @@
 """fetch_adapter: a reference's two PEFT files, from whichever allowed source it names, and the adapter's own
-Medusa heads (its `medusa/` folder, adapters.medusa_format) where the source is a local directory: http, S3
-and archive sources are fetched file by file by name, so they carry no heads (docs/adapters.md).
+Medusa heads (its `medusa/` folder, adapters.medusa_format) where the source is a local directory or an
+archive (whose members are listed): http and S3 directories are fetched by file name, the two PEFT files
+only, so they carry no heads (docs/speculative-decoding.md).
 Blocking (network, disk): call it off the event loop."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from adapters import medusa_format
 from adapters.format import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
-from adapters.sources.archive import extract_adapter_files
+from adapters.sources.archive import extract_adapter_archive
 from adapters.sources.errors import SourceError, refused
 from adapters.sources.http_fetch import http_get
 from adapters.sources.local_fetch import read_local_file, resolve_local
@@ -49,7 +50,7 @@ def _from_s3(ref: SourceRef, policy: SourcePolicy, deadline: float, clients: S3C
     reader = S3Reader(policy, ref.bucket, deadline, clients, keys)
     if ref.is_archive:
         data = reader.get(ref.location, _archive_cap(policy))
-        return AdapterFiles(*extract_adapter_files(data, ref.location, policy.max_file_bytes, str(ref)))
+        return AdapterFiles(*extract_adapter_archive(data, ref.location, policy.max_file_bytes, str(ref)))
     config = reader.get(posixpath.join(ref.location, CONFIG_FILE), MAX_CONFIG_BYTES)
     return AdapterFiles(config, reader.get(posixpath.join(ref.location, WEIGHTS_FILE), policy.max_file_bytes))
 
@@ -59,7 +60,7 @@ def _from_http(ref: SourceRef, policy: SourcePolicy, deadline: float, tls: ssl.S
         raise refused(f"{ref.kind}:// adapter sources are not allowed on this server")
     if ref.is_archive:
         data = http_get(ref.location, policy, _archive_cap(policy), deadline, ref.location, tls)
-        return AdapterFiles(*extract_adapter_files(data, ref.location, policy.max_file_bytes, ref.location))
+        return AdapterFiles(*extract_adapter_archive(data, ref.location, policy.max_file_bytes, ref.location))
     base = ref.location if ref.location.endswith("/") else ref.location + "/"
     config = http_get(base + CONFIG_FILE, policy, MAX_CONFIG_BYTES, deadline, base + CONFIG_FILE, tls)
     return AdapterFiles(config, http_get(base + WEIGHTS_FILE, policy, policy.max_file_bytes, deadline,
@@ -72,7 +73,7 @@ def _from_local(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
     assert root is not None
     if path.is_file():
         data = read_local_file(path, root, _archive_cap(policy), ref.location)
-        return AdapterFiles(*extract_adapter_files(data, path.name, policy.max_file_bytes, ref.location))
+        return AdapterFiles(*extract_adapter_archive(data, path.name, policy.max_file_bytes, ref.location))
     return AdapterFiles(read_local_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES, ref.location),
                         read_local_file(path / WEIGHTS_FILE, root, policy.max_file_bytes, ref.location),
                         _local_heads(path, root, policy, ref.location))

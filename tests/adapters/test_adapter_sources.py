@@ -12,7 +12,7 @@ import zipfile
 import pytest
 
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
-from adapters.sources.archive import extract_adapter_files
+from adapters.sources.archive import extract_adapter_archive, extract_adapter_files
 from tests.source_servers import FileServer
 
 pytestmark = pytest.mark.unit
@@ -34,13 +34,17 @@ def test_zip_and_tar_archives(tiny_adapters):
             zf.writestr(f"deep/er/{f}", b"decoy")
             zf.writestr(f"top/{f}", data)
     assert extract_adapter_files(buf.getvalue(), "a.zip", CAP, "a.zip") == tuple(files.values())
+    assert extract_adapter_files(_tar(files), "a.tar", CAP, "a.tar") == tuple(files.values())
+
+
+def _tar(members: dict[str, bytes], mode: str = "w") -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for f, data in files.items():
-            info = tarfile.TarInfo(f)
+    with tarfile.open(fileobj=buf, mode=mode) as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-    assert extract_adapter_files(buf.getvalue(), "a.tar", CAP, "a.tar") == tuple(files.values())
+    return buf.getvalue()
 
 
 def test_archives_that_are_refused():
@@ -137,6 +141,30 @@ def test_a_local_directorys_medusa_folder_comes_with_its_files_bounded_and_insid
     assert heads.medusa == (b"{}", b"w") and without.medusa is None  # checked against the base by the store
     assert (heads.config_json, heads.weights) == (without.config_json, without.weights)
     assert heads.sha256 != without.sha256  # new heads: a new version
+
+
+def test_an_archives_medusa_folder_beside_the_picked_files_comes_with_them(tiny_adapters):
+    files = _files(tiny_adapters["r4_qv"])
+    heads = {"medusa_config.json": b"{}", "medusa_heads.safetensors": b"w"}
+
+    def zipped(members: dict[str, bytes]) -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+            for name, data in members.items():
+                zf.writestr(name, data)
+        return buf.getvalue()
+
+    peft = {f"top/{f}": data for f, data in files.items()}
+    decoys = {f"top/deeper/medusa/{f}": b"decoy" for f in heads}  # not beside the picked files
+    assert extract_adapter_archive(zipped(peft | decoys), "a.zip", CAP, "a")[2] is None
+    with_heads = peft | decoys | {f"top/medusa/{f}": data for f, data in heads.items()}
+    assert extract_adapter_archive(zipped(with_heads), "a.zip", CAP, "a") == (
+        *files.values(), tuple(heads.values()))
+    half = peft | {"top/medusa/medusa_config.json": b"{}"}
+    with pytest.raises(SourceError) as e:
+        extract_adapter_archive(zipped(half), "a.zip", CAP, "a")
+    assert e.value.status == 400 and "medusa/ folder has no medusa_heads.safetensors" in e.value.message
+    assert extract_adapter_archive(_tar(with_heads, "w:gz"), "a.tgz", CAP, "a")[2] == tuple(heads.values())
 
 
 def test_redirect_chains_are_bounded():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tarfile
 
 from adapters.sharing import OPERATOR_OWNER
 from adapters.medusa_format import ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE
@@ -79,7 +80,9 @@ def test_medusa_heads_count_in_size_bytes_and_against_max_adapter_bytes(tmp_path
                                                                          redis_server):
     root = tmp_path / "root"
     own = random_heads(tmp_path / "own", seed=1)
-    _adapter_dir(root, "with-heads", tiny_adapters["r8_all"], own)
+    directory = _adapter_dir(root, "with-heads", tiny_adapters["r8_all"], own)
+    with tarfile.open(root / "with-heads.tar", "w") as tf:  # an archive's medusa/ folder comes along too
+        tf.add(directory, arcname="adapter")
     spec = {"method": "medusa", "model": str(random_heads(tmp_path / "base-heads")), "num_speculative_tokens": 3}
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
                            speculative_config=json.dumps(spec), adapter_sources=("local",),
@@ -92,10 +95,15 @@ def test_medusa_heads_count_in_size_bytes_and_against_max_adapter_bytes(tmp_path
         assert with_heads.status_code == 201, with_heads.text
         assert with_heads.json()["size_bytes"] == plain.json()["size_bytes"] + HEADS_BYTES
         with server.http(key) as h:
-            fetched = h.post("/v1/load_lora_adapter", json={"lora_name": "fetched", "lora_path": "with-heads"})
-        assert fetched.status_code == 200, fetched.text
+            for lora_name, path in (("fetched", "with-heads"), ("fetched-tar", "with-heads.tar")):
+                fetched = h.post("/v1/load_lora_adapter", json={"lora_name": lora_name, "lora_path": path})
+                assert fetched.status_code == 200, fetched.text
         tenant_id = server.state.tenants.get(name).id
-        assert server.state.registry.get(tenant_id, "fetched").size_bytes == with_heads.json()["size_bytes"]
+        for lora_name in ("fetched", "fetched-tar"):
+            record = server.state.registry.get(tenant_id, lora_name)
+            assert record.size_bytes == with_heads.json()["size_bytes"]
+            assert server.state.registry.read_medusa(record.version) == tuple(
+                (own / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE))
         # Room for the adapter, not for its heads too.
         _, tight = server.new_tenant({"max_adapter_bytes": plain.json()["size_bytes"] + HEADS_BYTES - 1})
         assert upload_with_heads(server, tight, "plain", tiny_adapters["r8_all"]).status_code == 201
