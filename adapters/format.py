@@ -190,7 +190,7 @@ class LoraAdapter:
     target_modules: tuple[str, ...]                  # sorted: the modules targeted, as PEFT names them
     use_rslora: bool
     weights: Mapping[tuple[int, str], LoraWeights]   # (layer, one of PROJECTIONS) -> weights; fused ones split
-    size_bytes: int                                  # A, B (and DoRA magnitudes) as float32
+    size_bytes: int                                  # A, B (and DoRA magnitudes) as float32, and its medusa heads
     config: Mapping[str, Any]                        # the parsed adapter_config.json
     # Its parts of embed_tokens and lm_head (counted in size_bytes); keyword-only, so subclasses add fields.
     vocab: VocabWeights | None = field(default=None, kw_only=True)
@@ -272,7 +272,12 @@ def load_adapter_dir(path: str | os.PathLike, shape: ModelShape, max_lora_rank: 
             adapter = _materialise(plan, f.get_tensor, weights_path)
     except safetensors.SafetensorError as e:
         raise AdapterFormatError(f"{weights_path}: corrupt safetensors file: {e}") from None
-    return adapter if heads is None else dataclasses.replace(adapter, medusa=heads)
+    return adapter if heads is None else with_heads(adapter, heads)
+
+
+def with_heads(adapter: LoraAdapter, heads: HeadWeights) -> LoraAdapter:
+    """`adapter` carrying its own Medusa heads, their bytes counted in its size_bytes (the host tier's budget)."""
+    return dataclasses.replace(adapter, medusa=heads, size_bytes=adapter.size_bytes + heads.nbytes)
 
 
 def _adapter_heads(root: str, shape: ModelShape) -> HeadWeights | None:

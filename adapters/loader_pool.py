@@ -46,6 +46,7 @@ class LoadedAdapter:
     summary: AdapterSummary      # from the loader's full validation; canonical_config_json is what to store
     weights: bytes               # adapter_model.safetensors as fetched
     sha256: str                  # content hash of the fetched files (adapters.sources.AdapterFiles.sha256)
+    medusa: tuple[bytes, bytes] | None = None  # its own Medusa heads files as fetched (AdapterFiles.medusa)
 
 
 @dataclass
@@ -224,10 +225,11 @@ def _loaded(header: dict, blobs: list[bytes]) -> LoadedAdapter | None:
     if header.get("ok") is not True:
         return None
     rank, modules, size, sha = (header.get(k) for k in ("rank", "target_modules", "size_bytes", "sha256"))
-    if not (len(blobs) == 2 and isinstance(rank, int) and isinstance(size, int) and isinstance(sha, str)
+    if not (len(blobs) in (2, 4) and isinstance(rank, int) and isinstance(size, int) and isinstance(sha, str)
             and isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
         raise ValueError("malformed loader reply")
-    return LoadedAdapter(AdapterSummary(rank, tuple(modules), size, blobs[0]), blobs[1], sha)
+    return LoadedAdapter(AdapterSummary(rank, tuple(modules), size, blobs[0]), blobs[1], sha,
+                         (blobs[2], blobs[3]) if len(blobs) == 4 else None)
 
 
 def _parsed(header: dict, blobs: list[bytes]) -> LoraAdapter | None:

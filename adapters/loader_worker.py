@@ -80,7 +80,7 @@ def _fetch_job(job: dict, clients: SourceClients) -> tuple[dict, tuple[bytes, ..
     load_adapter_bytes(summary.canonical_config_json, files.weights, shape, rank_cap)  # values too
     header = {"ok": True, "rank": summary.rank, "target_modules": list(summary.target_modules),
               "size_bytes": summary.size_bytes, "sha256": files.sha256}
-    return header, (summary.canonical_config_json, files.weights)
+    return header, (summary.canonical_config_json, files.weights, *(files.medusa or ()))  # heads: unchecked here
 
 
 def _parse_job(job: dict, blobs: list[bytes]) -> tuple[dict, tuple[bytes, ...]]:

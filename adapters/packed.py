@@ -108,7 +108,8 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
         use_rslora=adapter.use_rslora,
         weights=MappingProxyType(views),
         size_bytes=(flat.numel() * flat.element_size() + magnitudes.numel() * magnitudes.element_size()
-                    + (vocab.nbytes if vocab is not None else 0)),
+                    + (vocab.nbytes if vocab is not None else 0)
+                    + (adapter.medusa.nbytes if adapter.medusa is not None else 0)),
         config=adapter.config,
         vocab=vocab,
         medusa=adapter.medusa,

@@ -7,9 +7,8 @@ mode and by the engine-core process itself in the separate one (server.engine.co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
-from adapters.format import LoraAdapter, ModelShape, load_adapter_bytes
+from adapters.format import LoraAdapter, ModelShape, load_adapter_bytes, with_heads
 from adapters.loader_pool import LoaderPool
 from adapters.medusa_format import MAX_ADAPTER_HEADS, check_heads
 from adapters.registry import AdapterRegistry
@@ -29,7 +28,7 @@ def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: 
         heads = registry.read_medusa(version)  # its own Medusa heads, checked again as the upload was
         if heads is None:
             return adapter
-        return replace(adapter, medusa=check_heads(*heads, shape.hidden_size, shape.vocab_size or 0,
+        return with_heads(adapter, check_heads(*heads, shape.hidden_size, shape.vocab_size or 0,
                                                    max_heads=MAX_ADAPTER_HEADS))
 
     return fetch

@@ -6,13 +6,14 @@ first request for it loads them from Redis instead of computing them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from concurrent.futures import Future
 
 from starlette.concurrency import run_in_threadpool
 
 from adapters.format import AdapterSummary, LoraAdapter, inspect_adapter_bytes, load_adapter_bytes
-from adapters.medusa_format import MAX_ADAPTER_HEADS, MedusaHeadsError, check_heads
+from adapters.medusa_format import MAX_ADAPTER_HEADS, HeadWeights, MedusaHeadsError, check_heads
 from adapters.registry import AdapterRecord
 from server.api.errors import APIError
 from server.api.state import ServerState
@@ -29,23 +30,26 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     process already ran the full validation below on these bytes, against this server's model
     shape and rank cap (adapters.loader_pool), and `config_json` is its canonical config. `medusa`: the
     adapter's own Medusa heads files (config, weights), checked against the base and stored with it."""
-    if medusa is not None:
-        check_adapter_heads(state, medusa)
+    heads_bytes = 0 if medusa is None else check_adapter_heads(state, medusa).nbytes
     if name == state.model_id:
         raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
                        param="name")
     shape = state.engine.info.adapter_shape
     rank_cap = state.config.max_lora_rank
     summary = validated or await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)
+    # Its own heads count as its bytes (float32 on the host, like the summary): the quota, the host tier's
+    # budget and the record's size_bytes.
+    size = summary.size_bytes + heads_bytes
     if quota is not None and quota.max_lora_rank is not None and summary.rank > quota.max_lora_rank:
         raise APIError(400, f"adapter rank {summary.rank} exceeds this tenant's max_lora_rank of "
                             f"{quota.max_lora_rank}", "max_lora_rank")
-    if quota is not None and quota.max_adapter_bytes is not None and summary.size_bytes > quota.max_adapter_bytes:
-        raise APIError(413, f"adapter size {summary.size_bytes} bytes (as float32) exceeds this "
+    if quota is not None and quota.max_adapter_bytes is not None and size > quota.max_adapter_bytes:
+        with_heads = f" ({heads_bytes} of them its medusa heads)" if heads_bytes else ""
+        raise APIError(413, f"adapter size {size} bytes (as float32){with_heads} exceeds this "
                             f"tenant's max_adapter_bytes of {quota.max_adapter_bytes}", "max_adapter_bytes")
     host_budget = state.engine.info.max_cpu_lora_bytes
-    # The host tier keeps adapters in the serving dtype; the summary counts them as float32.
-    host_bytes = summary.size_bytes * state.engine.info.dtype_bytes // 4
+    # The host tier keeps adapters in the serving dtype, heads in float32; the summary counts float32.
+    host_bytes = summary.size_bytes * state.engine.info.dtype_bytes // 4 + heads_bytes
     if host_budget is not None and host_bytes > host_budget:
         # It could never be paged in: every request for it would fail.
         raise APIError(413, f"adapter size {host_bytes} bytes (in the serving dtype) exceeds the server's "
@@ -72,7 +76,8 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     # The canonical config is stored: the user's patterns were resolved once, above, and a
     # later load never runs them again.
     record = await run_in_threadpool(
-        lambda: state.registry.put(owner, name, summary.canonical_config_json, weights, summary=summary,
+        lambda: state.registry.put(owner, name, summary.canonical_config_json, weights,
+                                   summary=dataclasses.replace(summary, size_bytes=size),
                                    replace=replace, max_adapters=None if quota is None else quota.max_adapters,
                                    base=state.base, medusa=medusa))
     if old is not None and old.version != record.version:
@@ -83,12 +88,12 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     return record
 
 
-def check_adapter_heads(state: ServerState, medusa: tuple[bytes, bytes]) -> None:
+def check_adapter_heads(state: ServerState, medusa: tuple[bytes, bytes]) -> HeadWeights:
     """400 naming the mismatch for heads that do not fit the base (hidden size, vocabulary, tensors), are over
     the bound (MAX_ADAPTER_HEADS, their bytes), or are fewer than a medusa server's num_speculative_tokens."""
     shape = state.engine.info.adapter_shape
     try:
-        check_heads(*medusa, shape.hidden_size, shape.vocab_size or 0, min_heads=state.engine.info.medusa_heads_needed,
+        return check_heads(*medusa, shape.hidden_size, shape.vocab_size or 0, min_heads=state.engine.info.medusa_heads_needed,
                     max_heads=MAX_ADAPTER_HEADS)
     except MedusaHeadsError as e:
         raise APIError(400, str(e), "invalid_adapter", param="medusa_heads.safetensors") from None

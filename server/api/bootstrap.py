@@ -1,14 +1,16 @@
 """Start-up writes: the built-in tenants, the demo key, and preloaded adapters."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.format import CONFIG_FILE, WEIGHTS_FILE, inspect_adapter_bytes
+from adapters import medusa_format
+from adapters.format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError, inspect_adapter_bytes
 from adapters.sharing import ALL, OPERATOR_OWNER
 from adapters.sources import fetch_adapter, parse_reference
 from adapters.sources.policy import operator_policy
-from server.api.adapter_intake import dora_scales_of_files
+from server.api.adapter_intake import check_adapter_heads, dora_scales_of_files
 from server.api.state import ServerState
 from server.credentials import ADMIN_TOKEN_FILE, DEMO_KEY_FILE, read_secret, write_secret
 from tenants import Tenant
@@ -38,21 +40,39 @@ class StartupInfo:
 
 
 def _put_dir(state: ServerState, tenant: Tenant, name: str, directory: str | Path) -> None:
-    """Store a PEFT directory under the tenant unless the same adapter is already there."""
+    """Store a PEFT directory (and its `medusa/` folder's heads) under the tenant unless the same adapter is
+    already there."""
     d = Path(directory)
-    _put_files(state, tenant.id, name, (d / CONFIG_FILE).read_bytes(), (d / WEIGHTS_FILE).read_bytes())
+    _put_files(state, tenant.id, name, (d / CONFIG_FILE).read_bytes(), (d / WEIGHTS_FILE).read_bytes(),
+               _dir_heads(d))
 
 
-def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, weights: bytes) -> None:
+def _dir_heads(d: Path) -> tuple[bytes, bytes] | None:
+    heads = d / medusa_format.ADAPTER_DIR
+    if not heads.exists():
+        return None
+    names = (medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE)
+    for name in names:
+        if not (heads / name).is_file():
+            raise AdapterFormatError(f"{d}: the adapter's {medusa_format.ADAPTER_DIR}/ folder has no {name}")
+    return (heads / names[0]).read_bytes(), (heads / names[1]).read_bytes()
+
+
+def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, weights: bytes,
+               medusa: tuple[bytes, bytes] | None = None) -> None:
+    """`medusa`: the adapter's own heads files (a local --lora-modules directory's `medusa/` folder)."""
+    heads_bytes = 0 if medusa is None else check_adapter_heads(state, medusa).nbytes
     summary = inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
                                     state.config.max_lora_rank)
-    # What is stored is the canonical config (user patterns resolved once, here).
+    # What is stored is the canonical config (user patterns resolved once, here); heads count in its size.
     config_json = summary.canonical_config_json
+    summary = dataclasses.replace(summary, size_bytes=summary.size_bytes + heads_bytes)
     record = state.registry.get(owner, name)
-    if record is None or record.base != state.base or state.registry.read_files(record.version) != (config_json,
-                                                                                                     weights):
+    if (record is None or record.base != state.base
+            or state.registry.read_files(record.version) != (config_json, weights)
+            or state.registry.read_medusa(record.version) != medusa):
         record = state.registry.put(owner, name, config_json, weights, summary=summary, replace=True,
-                                    base=state.base)
+                                    base=state.base, medusa=medusa)
     dora_scales_of_files(state, record.version, config_json, weights)  # the first request reloads them
 
 
@@ -64,7 +84,7 @@ def publish_lora_modules(state: ServerState) -> None:
     policy = operator_policy(state.sources)
     for name, path in wanted.items():
         files = fetch_adapter(parse_reference(path), policy, state.source_clients)
-        _put_files(state, OPERATOR_OWNER, name, files.config_json, files.weights)
+        _put_files(state, OPERATOR_OWNER, name, files.config_json, files.weights, files.medusa)
         state.references.put(OPERATOR_OWNER, name, path, files.sha256)
         state.sharing.set_default(name, ALL)
     for name in set(state.sharing.all()) - set(wanted):

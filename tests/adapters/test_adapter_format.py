@@ -16,6 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from adapters.format import (
     PROJECTIONS, AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes, load_adapter_dir)
+from adapters.medusa_format import ADAPTER_DIR, HeadWeights, save_heads
+from adapters.packed import pack_adapter
 
 pytestmark = pytest.mark.unit
 
@@ -408,3 +410,15 @@ def test_dora_refusals(dora, reason):
     if "holds" not in reason:
         with pytest.raises(AdapterFormatError, match=re.escape(reason)):
             inspect_adapter_bytes(config_json, weights, SHAPE, MAX_RANK)
+
+
+def test_an_adapters_own_medusa_heads_count_in_its_size_bytes_packed_or_not(tmp_path):
+    """The host tier budgets adapters by size_bytes: an adapter's heads are part of what it holds."""
+    path = save_adapter(tmp_path / "a")
+    plain = load_adapter_dir(path, SHAPE, MAX_RANK)
+    heads = HeadWeights(torch.randn(3, 32, 32), torch.randn(3, 32))
+    save_heads(path / ADAPTER_DIR, heads, SHAPE.vocab_size)
+    with_heads = load_adapter_dir(path, SHAPE, MAX_RANK)
+    assert with_heads.medusa is not None and with_heads.size_bytes == plain.size_bytes + heads.nbytes
+    packed, packed_plain = (pack_adapter(a, torch.float16, pin=False) for a in (with_heads, plain))
+    assert packed.medusa is with_heads.medusa and packed.size_bytes == packed_plain.size_bytes + heads.nbytes

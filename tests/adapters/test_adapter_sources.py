@@ -12,7 +12,7 @@ import zipfile
 import pytest
 
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
-from adapters.sources.archive import extract_adapter_files
+from adapters.sources.archive import extract_adapter_archive, extract_adapter_files
 from tests.source_servers import FileServer
 
 pytestmark = pytest.mark.unit
@@ -34,13 +34,17 @@ def test_zip_and_tar_archives(tiny_adapters):
             zf.writestr(f"deep/er/{f}", b"decoy")
             zf.writestr(f"top/{f}", data)
     assert extract_adapter_files(buf.getvalue(), "a.zip", CAP, "a.zip") == tuple(files.values())
+    assert extract_adapter_files(_tar(files), "a.tar", CAP, "a.tar") == tuple(files.values())
+
+
+def _tar(members: dict[str, bytes], mode: str = "w") -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for f, data in files.items():
-            info = tarfile.TarInfo(f)
+    with tarfile.open(fileobj=buf, mode=mode) as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-    assert extract_adapter_files(buf.getvalue(), "a.tar", CAP, "a.tar") == tuple(files.values())
+    return buf.getvalue()
 
 
 def test_archives_that_are_refused():
@@ -107,6 +111,60 @@ def test_local_root_is_not_left_by_links(tmp_path, tiny_adapters):
     with pytest.raises(SourceError) as e:
         fetch_adapter(parse_reference("mixed"), SourcePolicy(kinds=frozenset({"s3"})))
     assert e.value.status == 403
+
+
+def test_a_local_directorys_medusa_folder_comes_with_its_files_bounded_and_inside_the_root(tmp_path, tiny_adapters):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    outside.mkdir()
+    for f, data in _files(tiny_adapters["r4_qv"]).items():
+        (root / "a" / f).write_bytes(data)
+    policy = SourcePolicy(kinds=frozenset({"local"}), local_root=root, max_file_bytes=CAP)
+    without = fetch_adapter(parse_reference("a"), policy)
+    (root / "a" / "medusa").mkdir()
+    (root / "a" / "medusa" / "medusa_config.json").write_bytes(b"{}")
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("a"), policy)
+    assert e.value.status == 400 and "medusa/ folder has no medusa_heads.safetensors" in e.value.message
+    (outside / "medusa_heads.safetensors").write_bytes(b"w")
+    os.symlink(outside / "medusa_heads.safetensors", root / "a" / "medusa" / "medusa_heads.safetensors")
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("a"), policy)
+    assert e.value.status == 404  # a link out of the root: not read
+    (root / "a" / "medusa" / "medusa_heads.safetensors").unlink()
+    (root / "a" / "medusa" / "medusa_heads.safetensors").write_bytes(b"w" * (CAP + 1))
+    with pytest.raises(SourceError) as e:
+        fetch_adapter(parse_reference("a"), policy)
+    assert e.value.status == 413
+    (root / "a" / "medusa" / "medusa_heads.safetensors").write_bytes(b"w")
+    heads = fetch_adapter(parse_reference("a"), policy)
+    assert heads.medusa == (b"{}", b"w") and without.medusa is None  # checked against the base by the store
+    assert (heads.config_json, heads.weights) == (without.config_json, without.weights)
+    assert heads.sha256 != without.sha256  # new heads: a new version
+
+
+def test_an_archives_medusa_folder_beside_the_picked_files_comes_with_them(tiny_adapters):
+    files = _files(tiny_adapters["r4_qv"])
+    heads = {"medusa_config.json": b"{}", "medusa_heads.safetensors": b"w"}
+
+    def zipped(members: dict[str, bytes]) -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+            for name, data in members.items():
+                zf.writestr(name, data)
+        return buf.getvalue()
+
+    peft = {f"top/{f}": data for f, data in files.items()}
+    decoys = {f"top/deeper/medusa/{f}": b"decoy" for f in heads}  # not beside the picked files
+    assert extract_adapter_archive(zipped(peft | decoys), "a.zip", CAP, "a")[2] is None
+    with_heads = peft | decoys | {f"top/medusa/{f}": data for f, data in heads.items()}
+    assert extract_adapter_archive(zipped(with_heads), "a.zip", CAP, "a") == (
+        *files.values(), tuple(heads.values()))
+    half = peft | {"top/medusa/medusa_config.json": b"{}"}
+    with pytest.raises(SourceError) as e:
+        extract_adapter_archive(zipped(half), "a.zip", CAP, "a")
+    assert e.value.status == 400 and "medusa/ folder has no medusa_heads.safetensors" in e.value.message
+    assert extract_adapter_archive(_tar(with_heads, "w:gz"), "a.tgz", CAP, "a")[2] == tuple(heads.values())
 
 
 def test_redirect_chains_are_bounded():

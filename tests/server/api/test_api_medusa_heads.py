@@ -13,12 +13,27 @@ from tests.fixtures_server import api_redis_url, running_server, server_config
 from tests.server.engine.test_speculative_medusa import prompts_of, random_heads
 
 
-def _upload(server, key, name: str, adapter_dir, heads_dir=None):
+def upload_with_heads(server, key, name: str, adapter_dir, heads_dir=None):
     files = {f: (f, (adapter_dir / f).read_bytes()) for f in ("adapter_config.json", "adapter_model.safetensors")}
     if heads_dir is not None:
         files |= {f: (f, (heads_dir / f).read_bytes()) for f in (CONFIG_FILE, WEIGHTS_FILE)}
     with server.http(key) as h:
         return h.post("/v1/adapters", data={"name": name}, files=files)
+
+
+def greedy_texts(client, jobs: list[tuple[list[int], str]], speculative: bool = True) -> list[str]:
+    """Each (prompt, model)'s greedy text: concurrent (mixed batches) when drafting, one at a time with
+    speculation off (the plain engine's text)."""
+    def complete(job) -> str:
+        prompt, model = job
+        extra = {"ignore_eos": True} | ({} if speculative else {"speculative": False})
+        return client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0,
+                                         extra_body=extra).choices[0].text
+
+    if not speculative:
+        return [complete(job) for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(complete, jobs))
 
 
 def test_an_uploaded_adapters_heads_draft_for_its_requests_and_texts_stay_the_plain_engines(
@@ -30,25 +45,17 @@ def test_an_uploaded_adapters_heads_draft_for_its_requests_and_texts_stay_the_pl
     own = random_heads(tmp_path / "own" / ADAPTER_DIR, seed=1)
     with running_server(config) as server:
         _, key = server.new_tenant()
-        stored = _upload(server, key, "with-heads", tiny_adapters["r8_all"], own)
+        stored = upload_with_heads(server, key, "with-heads", tiny_adapters["r8_all"], own)
         assert stored.status_code == 201
-        assert _upload(server, key, "plain", tiny_adapters["r4_qv"]).status_code == 201
+        assert upload_with_heads(server, key, "plain", tiny_adapters["r4_qv"]).status_code == 201
         bad = random_heads(tmp_path / "bad", hidden=32)
-        refused = _upload(server, key, "misfit", tiny_adapters["r8_all"], bad)
+        refused = upload_with_heads(server, key, "misfit", tiny_adapters["r8_all"], bad)
         assert refused.status_code == 400
         assert "hidden_size 32 does not match the base model's hidden_size 64" in refused.json()["error"]["message"]
-        few = _upload(server, key, "few", tiny_adapters["r8_all"], random_heads(tmp_path / "few", num_heads=2))
+        few = upload_with_heads(server, key, "few", tiny_adapters["r8_all"], random_heads(tmp_path / "few", num_heads=2))
         assert few.status_code == 400 and "fewer than num_speculative_tokens 3" in few.json()["error"]["message"]
-        client, base = server.client(key), server.state.model_id
-        jobs = list(zip(prompts_of(6, seed=4), [base, "with-heads", "plain"] * 2))
-
-        def complete(job, **extra) -> str:
-            prompt, model = job
-            return client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0,
-                                             extra_body={"ignore_eos": True, **extra}).choices[0].text
-
-        with ThreadPoolExecutor(len(jobs)) as pool:  # concurrent: mixed batches
-            drafted = list(pool.map(complete, jobs))
+        jobs = list(zip(prompts_of(6, seed=4), [server.state.model_id, "with-heads", "plain"] * 2))
+        drafted = greedy_texts(server.client(key), jobs)
         engine = server.state.engine.engine
         proposer = engine.runner.medusa
         assert len(proposer.slot_heads) == 1, "the adapter with heads has them in its slot, the other none"
@@ -58,5 +65,5 @@ def test_an_uploaded_adapters_heads_draft_for_its_requests_and_texts_stay_the_pl
             (own / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE))
         stats = engine.stats().speculative
         assert stats.num_draft_tokens > 0
-        plain = [complete(job, speculative=False) for job in jobs]
+        plain = greedy_texts(server.client(key), jobs, speculative=False)
     assert drafted == plain
