@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from server.engine.core.deltas import DeltaEncoder
+from server.engine.core.front_end_watch import FrontEndWatch
 from server.engine.core.messages import STATS_INTERVAL_S, Fatal, OutputDelta, Outputs, Ready, Reply, Stats
 from server.engine.protocol.info import EngineInfo
 from server.engine.protocol.residency import LoadTimes
@@ -35,7 +36,7 @@ class OutputSocket(threading.Thread):
         super().__init__(name="core-output", daemon=True)
         self._ctx = ctx
         self._outbox = outbox
-        self._parent_pid = parent_pid
+        self._front_end = FrontEndWatch(parent_pid)
         self._refused = refused
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas = DeltaEncoder()
@@ -114,8 +115,8 @@ class OutputSocket(threading.Thread):
             sock.send(self._encoder.encode(message), copy=False)
 
     def _beat(self) -> None:
-        if os.getppid() != self._parent_pid:
-            log.error("the front end (pid %d) is gone: the engine core exits", self._parent_pid)
+        if self._front_end.gone():
+            log.error("the front end (pid %d) is gone: the engine core exits", self._front_end.pid)
             os._exit(1)
         if self._ready is None or not self._peers:
             return

@@ -18,18 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
-import time
-import traceback
 from collections.abc import Iterator
 
-POLL_S = 0.05
+from server.engine.core.core_handle import CoreHandle
+from server.engine.core.fork_child import exit_after
 
 
-class ForkedCore:
-    """A forked engine core, as much of subprocess.Popen as the engine clients use (pid, poll, wait, kill)."""
+class ForkedCore(CoreHandle):
+    """The reserved core, this process's child."""
 
     def __init__(self, pid: int, launch_fd: int) -> None:
         self.pid = pid
@@ -60,20 +57,6 @@ class ForkedCore:
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        # Polled, not a blocking waitpid: the engine client's watch thread and its shutdown both wait.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"engine core {self.pid}", timeout)
-            time.sleep(POLL_S)
-        return code
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
 
 
 class Reservation:
@@ -109,8 +92,7 @@ def reserve_core(close: tuple[int, ...] = ()) -> Iterator[None]:
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child runs the core and never returns into the CLI
-        status = 1
-        try:
+        def body() -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             os.setsid()  # as a spawned core: a terminal's Ctrl-C reaches the front end only
@@ -119,13 +101,9 @@ def reserve_core(close: tuple[int, ...] = ()) -> Iterator[None]:
                 os.close(fd)
             with os.fdopen(read_fd, "rb") as pipe:
                 raw = pipe.read()
-            status = core_process.core_main(raw) if raw else 0
-        except BaseException:  # noqa: BLE001 - said, then the exit status tells the front end
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+            return core_process.core_main(raw) if raw else 0
+
+        exit_after(body)
     os.close(read_fd)
     core = ForkedCore(pid, write_fd)
     RESERVATION.hold(core)

@@ -45,6 +45,7 @@ import zmq
 
 from server.engine.core.arrays import int_bytes
 from server.engine.core.commands import NAP
+from server.engine.core.core_handle import CoreHandle
 from server.engine.core.deltas import OutputAssembler
 from server.engine.core.launch import CoreLaunch
 from server.engine.core.launcher import spawn_core
@@ -77,7 +78,7 @@ class _Core:
     """One engine-core process and the socket this front end sends it on."""
 
     number: int  # 0 the first, then one more per restart
-    proc: subprocess.Popen | None  # None: attached, the parent's process
+    proc: CoreHandle | None  # None: attached, the parent's process
     push: zmq.Socket
     dead: bool = False
 
@@ -150,7 +151,7 @@ class RemoteEngineClient(EngineClient):
             raise
         return client
 
-    def _connect(self, number: int, address: str, proc: subprocess.Popen | None = None) -> None:
+    def _connect(self, number: int, address: str, proc: CoreHandle | None = None) -> None:
         """This client's DEALER to a core's input socket, replacing the last one."""
         push = self._ctx.socket(zmq.DEALER)
         push.setsockopt(zmq.ROUTING_ID, self._client_id)

@@ -135,7 +135,8 @@ def test_two_front_ends_share_one_core(tmp_path):
 
 
 def _core_pid(parent: int) -> int:
-    cores = [c for c in psutil.Process(parent).children() if c.name() == CORE_PROCESS_NAME]
+    # the first is forked by serve, a restarted one by the core fork server: a grandchild
+    cores = [c for c in psutil.Process(parent).children(recursive=True) if c.name() == CORE_PROCESS_NAME]
     assert len(cores) == 1, cores
     return cores[0].pid
 
