@@ -34,6 +34,15 @@ def server(tmp_path_factory, tiny_model_dir, redis_server):
         yield handle
 
 
+@pytest.fixture(scope="module")
+def in_process_server(tmp_path_factory, tiny_model_dir, redis_server):
+    """In-process: the slow-mask test slows this engine's mask lane, out of reach in an engine core."""
+    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("grammar-masks-ip"), api_redis_url(redis_server),
+                           max_grammar_mask_seconds=0.002, engine_process="in-process")
+    with running_server(config) as handle:
+        yield handle
+
+
 def _complete(server, key: str, **fields):
     body = {"model": server.state.model_id, "prompt": "x", "max_tokens": 200, "min_tokens": 150, "temperature": 1.0,
             **fields}
@@ -111,9 +120,8 @@ def test_a_victims_stream_keeps_its_pace_while_another_tenant_attacks(server):
     assert outcomes and set(outcomes) == {400}, outcomes
 
 
-def test_a_slow_mask_holds_up_only_its_own_request(server, monkeypatch):
-    if server.config.engine_process == "separate":
-        pytest.skip("slows the mask lane of an engine in this process (an engine core's is out of reach)")
+def test_a_slow_mask_holds_up_only_its_own_request(in_process_server, monkeypatch):
+    server = in_process_server
     lane = server.state.engine.engine.grammars.lane
     monkeypatch.setattr(lane, "pool", _Delayed(lane.pool, lambda: SLOW_FILL_S))
     _, victim = server.new_tenant()

@@ -34,7 +34,7 @@ def test_a_saved_embedding_and_an_lm_head_lora_are_served_as_peft(server, tmp_pa
         r = server.upload(key, name, path)
         assert r.status_code == 201, r.text
     assert r.json()["target_modules"] == ["lm_head", "v_proj"]
-    tok = server.state.engine.engine.tokenizer
+    tok = server.tokenizer
     ids = tok(PROMPT).input_ids
     for name, path in (("saved", saved), ("head", head), (server.state.model_id, None)):
         out = server.client(key).completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0,

@@ -29,8 +29,9 @@ NAMES = ("r4_qv", "r8_all", "r16_rslora", "r32_pattern")
 
 @pytest.fixture(scope="module")
 def gateway_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path_factory):
+    # In-process: the residency test compares the series with the engine's own slot and host tables.
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("gateway"), api_redis_url(redis_server),
-                           max_loras=2, max_num_seqs=2)
+                           max_loras=2, max_num_seqs=2, engine_process="in-process")
     with running_server(config) as probe:  # the stored sizes, for a host budget of two adapters
         name, key = probe.new_tenant()
         sizes = [probe.upload(key, n.replace("_", "-"), tiny_adapters[n]).json()["size_bytes"] for n in NAMES]
