@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import queue
@@ -86,6 +87,11 @@ def run_core(launch: CoreLaunch, pid: int) -> int:
         owned.callback(fetching.shutdown)
         core = EngineCore(engine, inbox, outbox)
         inputs.attach(engine.grammars, fetching)
+        # The start-up's objects (weights' wrappers, tokenizer tables, imported modules) live as long as the
+        # core: frozen out of the collector, a full collection no longer walks them (it took ~350 ms mid-step
+        # at 256 sequences on a loaded CPU), as vLLM's engine core does.
+        gc.collect()
+        gc.freeze()
         outbox.put(("ready", engine_info(engine), core.snapshot, partial(take_load_times, engine), pid))
         try:
             core.run()
