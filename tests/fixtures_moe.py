@@ -1,11 +1,11 @@
-"""The MoE tests' models and adapters (server.demo_moe), built once per session."""
+"""The MoE tests' models and adapters (benchmarks.engine.moe_models), built once per session."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from server.demo_moe import MOE_MODELS, make_moe_adapter, make_moe_model
+from benchmarks.engine.moe_models import MOE_MODELS, make_moe_adapter, make_moe_model
 
 BOTH = ["experts.gate_up_proj", "experts.down_proj"]
 # adapter name -> (r, lora_alpha, target_modules, target_parameters, use_rslora, use_dora): ranks 8, 4 and 2,

@@ -27,7 +27,7 @@ import torch
 from benchmarks.engine.bench_int8 import decode_tok_s
 from benchmarks.engine.decode_rounds import decode_rounds_parser
 from server.demo import SEVEN, make_adapter, make_base_model
-from server.demo_moe import make_moe_adapter, make_moe_model
+from benchmarks.engine.moe_models import make_moe_adapter, make_moe_model
 from server.engine import LLM
 
 ATTENTION = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)

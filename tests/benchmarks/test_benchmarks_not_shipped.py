@@ -75,3 +75,52 @@ def test_package_discovery_leaves_benchmarks_out() -> None:
     packages = find_namespace_packages(str(ROOT), include=find.get("include", ["*"]), exclude=find.get("exclude", ()))
     assert {"server", "server.bench", "adapters", "kernels", "tenants"} <= set(packages)
     assert [p for p in packages if is_benchmarks(p)] == []
+
+
+# What the product is entered by: the console script, the Python API and the engine core's `-m` module.
+ENTRY_MODULES = ("server.cli", "server.engine", "server.engine.core", "server.engine.core.__main__")
+
+
+def product_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The product modules a file imports: statements anywhere in it (lazy ones included) and dotted names in
+    string constants (import_module, multiprocessing preloads, `-m` command lines)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+    return {name for name in found if name in modules}
+
+
+def reachable(modules: dict[str, Path], entries: tuple[str, ...] = ENTRY_MODULES) -> set[str]:
+    seen: set[str] = set()
+    todo = [m for m in entries if m in modules]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a module runs its packages
+        todo += product_imports(modules[name], modules)
+    return seen
+
+
+def test_every_product_module_serves_the_product() -> None:
+    """Nothing under the installed package is there only for scripts or tests (issue 40): every module is
+    reached from an entry point by imports."""
+    modules = product_modules()
+    assert {m for m in ENTRY_MODULES if m in modules} == set(ENTRY_MODULES)
+    assert sorted(set(modules) - reachable(modules)) == []
+
+
+def test_the_reach_check_sees_a_module_only_tests_use(tmp_path: Path) -> None:
+    (tmp_path / "entry.py").write_text("import used\n")
+    (tmp_path / "used.py").write_text("X = 1\n")
+    (tmp_path / "orphan.py").write_text("import used\n")
+    modules = {p.stem: p for p in tmp_path.glob("*.py")}
+    assert product_imports(modules["entry"], modules) == {"used"}
+    assert set(modules) - reachable(modules, ("entry",)) == {"orphan"}

@@ -13,7 +13,7 @@ import torch
 
 from adapters.format import AdapterFormatError, ModelShape, load_adapter_dir
 from kernels.expert_batch import ExpertBatch
-from server.demo_moe import MOE_MODELS, VOCAB, make_moe_adapter
+from benchmarks.engine.moe_models import MOE_MODELS, VOCAB, make_moe_adapter
 from server.engine import LLM, ModelConfig, SamplingParams
 from server.engine.config import EngineConfig, ModelConfigError
 from server.engine.engine_startup import _adapter_shape

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from adapters.format import ModelShape, load_adapter_dir
-from server.demo_moe import VOCAB, make_moe_adapter, make_moe_model
+from benchmarks.engine.moe_models import VOCAB, make_moe_adapter, make_moe_model
 from server.engine import ModelConfig, SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.engine_startup import _adapter_shape

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_dir
-from server.demo_moe import MOE_MODELS, VOCAB
+from benchmarks.engine.moe_models import MOE_MODELS, VOCAB
 from server.engine import LLM, SamplingParams
 from tests.engine_helpers import generate_in_one_batch, random_prompts
 from tests.moe_linear_adapters import make_linear_adapter, merged_model
