@@ -70,7 +70,9 @@ def test_many_running_requests_keep_their_leases_with_redis_a_round_trip_away(ti
         stop = threading.Event()
         tokens = [0] * STREAMS
         probes: list[tuple[int, str | None]] = []
-        with server.engine_throttled(0.02):
+        # 500 tokens must outlast the streams' start and the probe window: an engine core steps 2-3 times per
+        # pause (engine_throttled), so 0.1 s gives it 15-25 s, in-process 50 s.
+        with server.engine_throttled(0.1):
             threads = [threading.Thread(target=_hold_stream, args=(server.url, key, model, stop, tokens, i),
                                         daemon=True) for i in range(STREAMS)]
             for thread in threads:
