@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.cpu_placement import CpuPlacement, plan_placement
+from tests.server.serve_config import serve_config
 
 pytestmark = pytest.mark.unit
-
-
-def _config(tmp_path, *flags: str) -> ServerConfig:
-    args = build_parser().parse_args(["serve", "--model", "demo", "--data-dir", str(tmp_path),
-                                      "--admin-token", "x" * 16, *flags])
-    return ServerConfig.from_args(args, env={})
 
 
 @pytest.mark.parametrize("flags, refusal", [
@@ -25,15 +19,15 @@ def _config(tmp_path, *flags: str) -> ServerConfig:
 ])
 def test_refusals_are_one_line(tmp_path, flags, refusal):
     with pytest.raises(ConfigError, match=refusal) as raised:
-        _config(tmp_path, "--data-parallel-size", "2", *flags)
+        serve_config(tmp_path, "--data-parallel-size", "2", *flags)
     assert "\n" not in str(raised.value)
 
 
 def test_routing_without_data_parallel_is_refused(tmp_path):
     """One engine core has nothing to route between: the flag would be accepted and ignored."""
     with pytest.raises(ConfigError, match="--data-parallel-routing applies with --data-parallel-size > 1 only"):
-        _config(tmp_path, "--data-parallel-routing", "round-robin")
-    assert _config(tmp_path).data_parallel_routing == "affinity"
+        serve_config(tmp_path, "--data-parallel-routing", "round-robin")
+    assert serve_config(tmp_path).data_parallel_routing == "affinity"
 
 
 @pytest.mark.parametrize("kw, refusal", [
@@ -48,7 +42,7 @@ def test_values_are_refused(tmp_path, kw, refusal):
 
 
 def test_the_flags_reach_the_config(tmp_path):
-    config = _config(tmp_path, "--engine-process", "separate", "--data-parallel-size", "2",
+    config = serve_config(tmp_path, "--engine-process", "separate", "--data-parallel-size", "2",
                      "--data-parallel-routing", "round-robin")
     assert (config.data_parallel_size, config.data_parallel_routing) == (2, "round-robin")
 

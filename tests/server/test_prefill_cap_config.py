@@ -5,25 +5,20 @@ import pytest
 
 from server.cli import build_parser
 from server.config import CPU_PREFILL_CAP, ConfigError, ServerConfig
+from tests.server.serve_config import serve_config
 
 pytestmark = pytest.mark.unit
 
 
-def _config(tmp_path, *flags: str) -> ServerConfig:
-    args = build_parser().parse_args(["serve", "--model", "demo", "--data-dir", str(tmp_path),
-                                      "--admin-token", "x" * 16, *flags])
-    return ServerConfig.from_args(args, env={})
-
-
 def test_auto_caps_a_cpu_and_not_a_gpu(tmp_path):
-    config = _config(tmp_path)
+    config = serve_config(tmp_path)
     assert config.prefill_cap_for("cpu") == CPU_PREFILL_CAP
     assert config.prefill_cap_for("cuda") is None
 
 
 @pytest.mark.parametrize("flag, cap", [("off", None), ("512", 512)])
 def test_an_explicit_value_holds_on_every_device(tmp_path, flag, cap):
-    config = _config(tmp_path, "--max-prefill-tokens-while-decoding", flag)
+    config = serve_config(tmp_path, "--max-prefill-tokens-while-decoding", flag)
     assert config.prefill_cap_for("cpu") == cap and config.prefill_cap_for("cuda") == cap
 
 

@@ -10,6 +10,7 @@ from server.api.prompts import ChoiceToolCalls
 from server.cli import build_parser
 from server.config import ConfigError, ServerConfig
 from server.api.tool_parsers import ForcedArgumentsParser, ForcedArrayParser, HermesParser, Llama3JsonParser
+from tests.server.serve_config import serve_config
 
 pytestmark = pytest.mark.unit
 
@@ -96,12 +97,8 @@ def test_llama3_json_other_text_is_content(text):
 
 
 def test_the_tool_call_parser_flag(tmp_path):
-    def config(*flags: str) -> ServerConfig:
-        args = build_parser().parse_args(["serve", "--model", "demo", "--data-dir", str(tmp_path),
-                                          "--admin-token", "x" * 16, *flags])
-        return ServerConfig.from_args(args, env={})
-    assert config().tool_call_parser == "hermes"
-    assert config("--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
+    assert serve_config(tmp_path).tool_call_parser == "hermes"
+    assert serve_config(tmp_path, "--tool-call-parser", "llama3_json").tool_call_parser == "llama3_json"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
     with pytest.raises(ConfigError, match="--tool-call-parser"):
