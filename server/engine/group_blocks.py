@@ -29,6 +29,7 @@ class KvTables:
         """windows: per group, the window behind which its blocks are released (None: kept)."""
         self.blocks = blocks
         self.windows = windows
+        self.windowed = any(w is not None for w in windows)  # some group releases blocks behind a window
 
     def tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s tables, group 0's first (the others' made empty on first use)."""

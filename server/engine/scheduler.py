@@ -413,7 +413,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         capped = cap is not None and any(s.num_pending_tokens == 1 for s in self.running)
-        if any(w is not None for w in self.config.group_windows):  # a windowed layer group
+        if self.kv.windowed:
             for seq in self.running:
                 self.release_behind_window(seq)
         speculate = self._speculate()
