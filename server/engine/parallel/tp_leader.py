@@ -7,7 +7,6 @@ value, a few KB) and runs the same forward on its shard; the logits every rank e
 from __future__ import annotations
 
 import logging
-import pickle
 import socket
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 
 from server.engine.config import EngineConfig
 from server.engine.model_runner import ModelRunner, StepInputs
+from server.engine.parallel import tp_codec
 from server.engine.parallel.tp_group import DEFAULT_TIMEOUT_S, TpGroup, join_gloo
 from server.engine.parallel.tp_messages import TpStep, TpStop
 from server.engine.parallel.tp_runner import shard_runner
@@ -48,7 +48,7 @@ class TpLeaderRunner(ModelRunner):
         step = TpStep(inputs.input_ids, ctx.positions, ctx.attn, ctx.lora, inputs.logits_indices,
                       tuple(self.pending_copies))
         self.pending_copies = []
-        data = pickle.dumps(step)
+        data = tp_codec.encode(step)
         for pipe in self.pipes:
             pipe.send_bytes(data)  # BrokenPipeError where a worker is gone: the engine's step fails
         return super().forward(inputs)
@@ -57,7 +57,7 @@ class TpLeaderRunner(ModelRunner):
         """Stops the workers (a TpStop, then a bounded wait) and leaves the group."""
         for pipe in self.pipes:
             try:
-                pipe.send_bytes(pickle.dumps(TpStop()))
+                pipe.send_bytes(tp_codec.encode(TpStop()))
             except OSError:  # already gone
                 pass
             pipe.close()

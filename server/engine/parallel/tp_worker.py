@@ -7,7 +7,6 @@ Steps come over a pipe (a wait of any length), their collectives over the group 
 """
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -18,6 +17,7 @@ from server.engine.kernel_choice import select_kernels
 from server.engine.model import CausalLM, StepContext
 from server.engine.model_runner import copy_blocks
 from server.engine.parallel.collectives import Collectives
+from server.engine.parallel import tp_codec
 from server.engine.parallel.tp_group import join_gloo
 from server.engine.parallel.tp_messages import TpStep, TpStop
 from server.engine.parallel.tp_model import TpCausalLM
@@ -56,7 +56,7 @@ def worker_main(rank: int, spec: TpWorkerSpec, lora_layers: list, steps: Connect
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype)
     while True:
         try:
-            msg = pickle.loads(steps.recv_bytes())
+            msg = tp_codec.decode(steps.recv_bytes())
         except EOFError:  # rank 0 is gone
             return
         if isinstance(msg, TpStop):
