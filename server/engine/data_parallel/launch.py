@@ -1,4 +1,5 @@
-"""build_data_parallel: start --data-parallel-size engine cores, each on its share of the engine's cores."""
+"""build_data_parallel: start --data-parallel-size engine cores, each on its share of the engine's cores;
+attach_data_parallel: one of --api-server-count front ends, over the cores its parent started."""
 from __future__ import annotations
 
 import logging
@@ -32,4 +33,17 @@ def build_data_parallel(config: ServerConfig, engine: EngineConfig, launch_of: C
         return lambda: RemoteEngineClient.build(launch_of(one), restarts=policy)
 
     return DataParallelEngineClient.build([starter(one, restarts()) for one in configs],
+                                          config.data_parallel_routing)
+
+
+def attach_data_parallel(config: ServerConfig, launch: CoreLaunch) -> DataParallelEngineClient:
+    """Blocking, in one of several front ends: a channel of this process's own to each engine core the
+    parent runs (server.front_ends), ready once every core is. The parent restarts a dead core at its
+    address; this front end's router reads each core's load from the core's own stats, which count
+    every front end's requests (server.engine.data_parallel.client)."""
+
+    def attacher(address: str):
+        return lambda: RemoteEngineClient.attach(launch, address)
+
+    return DataParallelEngineClient.build([attacher(a) for a in config.engine_addresses],
                                           config.data_parallel_routing)
