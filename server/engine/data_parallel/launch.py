@@ -19,15 +19,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def placed_configs(engine: EngineConfig, n: int) -> list[EngineConfig]:
+    """The N cores' configs (core_split), each core's place logged."""
+    configs = core_configs(engine, n)
+    for i, one in enumerate(configs):
+        where = f"cores {format_cpu_list(one.cpu_affinity)}" if one.cpu_affinity is not None else one.device
+        log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.resolve_cpu_threads())
+    return configs
+
+
 def build_data_parallel(config: ServerConfig, engine: EngineConfig, launch_of: Callable[[EngineConfig], CoreLaunch],
                         restarts: Callable[[], RestartPolicy | None]) -> DataParallelEngineClient:
     """Blocking: every core's weights loaded and pools sized. `launch_of`: a core's CoreLaunch from its
     EngineConfig (server.engine_mode.core_launch with the server's Redis and adapter settings);
     `restarts`: a fresh --engine-restart policy (each core counts its own restarts)."""
-    configs = core_configs(engine, config.data_parallel_size)
-    for i, one in enumerate(configs):
-        where = f"cores {format_cpu_list(one.cpu_affinity)}" if one.cpu_affinity is not None else one.device
-        log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.resolve_cpu_threads())
+    configs = placed_configs(engine, config.data_parallel_size)
 
     def starter(one: EngineConfig, policy: RestartPolicy | None):
         return lambda: RemoteEngineClient.build(launch_of(one), restarts=policy)

@@ -3,16 +3,21 @@ port, each with its own channel to both engine cores. Concurrent tenants on seve
 greedy tokens a single-engine server gives, whichever front end and core served them; both front ends
 and both cores serve; each tenant's usage is exactly what its responses reported; and a tenant's
 requests-per-minute, tokens-per-minute and concurrency quotas hold across all of them (two front ends
-times two cores is not four quotas)."""
+times two cores is not four quotas). A killed core is restarted by the parent at its address for both
+front ends while the other core keeps serving."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 
+from server.engine.core.process import PROCESS_NAME as CORE_PROCESS_NAME
 from tests.server.api.test_api_server_count import PROMPTS, _greedy, _recorded, _serve, _text
 from tests.server.test_cli_start_stop import _stop
 
@@ -109,3 +114,35 @@ def test_two_front_ends_over_two_engine_cores(tmp_path):
         assert _stop(proc, signal.SIGTERM) == 0, err.read_text()
     for (_, model, prompt), r in zip([(demo_key, m, p) for m in ADAPTERS for p in PROMPTS], reference):
         assert by_job[f"{model}:{prompt}"] == {_text(r)}, (model, prompt)
+
+
+def _core_pids(parent: int) -> set[int]:
+    return {c.pid for c in psutil.Process(parent).children(recursive=True) if c.name() == CORE_PROCESS_NAME}
+
+
+def test_a_killed_core_is_restarted_for_both_front_ends_while_the_other_serves(tmp_path):
+    proc, base, err = _serve(tmp_path, "--api-server-count", "2", "--data-parallel-size", "2")
+    try:
+        key = (tmp_path / "data" / "demo-key").read_text().strip()
+        jobs = [(key, m, p) for m in ADAPTERS for p in PROMPTS]
+        before = [_text(r) for r in _greedy(base, jobs)]
+        cores = _core_pids(proc.pid)
+        assert len(cores) == 2, cores
+        victim = min(cores)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # a 503 only for requests routed to the killed core before its death was noticed
+            after = _greedy(base, jobs)
+            codes = {r.status_code for r in after}
+            assert codes <= {200, 503}, [r.text for r in after]
+            if codes == {200} and len(_core_pids(proc.pid)) == 2:
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, err.read_text()
+            time.sleep(0.5)
+        assert [_text(r) for r in after] == before
+        assert {r.headers["x-loraplex-front-end"] for r in after} == {"0", "1"}
+        now = _core_pids(proc.pid)
+        assert victim not in now and len(now & cores) == 1, (cores, now)
+        assert err.read_text().count("starting a new one at the same address") == 1, err.read_text()
+    finally:
+        assert _stop(proc, signal.SIGTERM) == 0, err.read_text()
