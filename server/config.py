@@ -158,16 +158,17 @@ class ServerConfig:
     # unless engine_restart_limit restarts happened within ENGINE_RESTART_WINDOW_S; then the server exits 1.
     engine_restart: bool = True
     engine_restart_limit: int = 3
-    # --api-server-count: front-end processes sharing the port and one engine core (server.front_ends).
+    # --api-server-count: front-end processes sharing the port and the engine core(s) (server.front_ends).
     api_server_count: int = 1
     # --data-parallel-size / --data-parallel-routing: engine-core processes behind the front end, each on
     # its share of the engine's cores (server.engine.data_parallel); DATA_PARALLEL_ROUTINGS.
     data_parallel_size: int = 1
     data_parallel_routing: str = "affinity"
     # Set by the parent of several front ends in each one it spawns: which one this is (0 runs the
-    # start-up writes and the store's upkeep) and the running core's input socket to attach to.
+    # start-up writes and the store's upkeep) and the input socket of each engine core it runs (one, or
+    # --data-parallel-size of them) to attach to.
     front_end_index: int = 0
-    engine_address: str | None = None
+    engine_addresses: tuple[str, ...] = ()
     cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     # --engine-cpus / --api-cpus resolved (server.cpu_placement): the cores of each side, applied by
     # `loraplex serve`; None: nothing pinned (one core, or a ServerConfig built in code, e.g. by tests).
@@ -359,7 +360,8 @@ class ServerConfig:
 
     def _check_data_parallel(self) -> None:
         """--data-parallel-size: the combinations built (several engine-core processes behind one front
-        end); every other is refused in one line rather than accepted and ignored."""
+        end, or behind each of --api-server-count front ends); every other is refused in one line rather
+        than accepted and ignored."""
         dp = self.data_parallel_size
         if not isinstance(dp, int) or dp < 1:
             raise ConfigError(f"--data-parallel-size must be >= 1, got {dp!r}")
@@ -374,9 +376,6 @@ class ServerConfig:
         if self.tensor_parallel_size > 1:
             raise ConfigError(f"--data-parallel-size {dp} does not combine with --tensor-parallel-size "
                               f"{self.tensor_parallel_size} yet")
-        if self.api_server_count > 1:
-            raise ConfigError(f"--data-parallel-size {dp} does not combine with --api-server-count "
-                              f"{self.api_server_count} yet (one front end routes over the engine cores)")
         if self.cpu_placement is not None and len(self.cpu_placement.engine) < dp:
             raise ConfigError(f"--data-parallel-size {dp} needs at least {dp} engine cores, one per engine-core "
                               f"process; the engine side has {len(self.cpu_placement.engine)} (--engine-cpus)")

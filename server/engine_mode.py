@@ -15,7 +15,7 @@ from adapters.registry_fetch import registry_fetch
 from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
 from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
-from server.engine.data_parallel.launch import build_data_parallel
+from server.engine.data_parallel.launch import attach_data_parallel, build_data_parallel
 from server.engine.protocol.client import EngineClient
 from server.engine.async_engine import InProcessEngineClient
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
@@ -40,10 +40,12 @@ def restart_policy(config: ServerConfig) -> RestartPolicy | None:
 def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: str, shape: ModelShape,
                   registry: AdapterRegistry, pager: LoaderPool | None, client: redis.Redis) -> EngineClient:
     """The engine client --engine-process asks for (blocking: the weights load, here or in the core);
-    one of several front ends (--api-server-count) attaches to the core its parent runs."""
-    if config.engine_address is not None:
-        return RemoteEngineClient.attach(core_launch(config, engine, redis_url, shape, pager is not None),
-                                         config.engine_address)
+    one of several front ends (--api-server-count) attaches to the core(s) its parent runs."""
+    if config.engine_addresses:
+        launch = core_launch(config, engine, redis_url, shape, pager is not None)
+        if len(config.engine_addresses) == 1:
+            return RemoteEngineClient.attach(launch, config.engine_addresses[0])
+        return attach_data_parallel(config, launch)
     if config.data_parallel_size > 1:
         return build_data_parallel(config, engine,
                                    lambda one: core_launch(config, one, redis_url, shape, pager is not None),

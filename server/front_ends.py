@@ -1,13 +1,16 @@
-"""--api-server-count N: one parent process, one engine core, N front-end processes on one port.
+"""--api-server-count N: one parent process, N front-end processes on one port, and the engine core (or,
+with --data-parallel-size M, M engine cores) they all share.
 
 The parent holds what a server must have once: the listening socket (bound by the CLI), the embedded
-Redis (its URL goes to every front end), and the engine core, spawned on an input address that stays
-the same across its restarts (--engine-restart: the parent restarts it; the front ends notice the
-missing heartbeat and say Hello again, server.engine.protocol.remote's attached mode). Each front end
-is a spawned process running the Starlette app under uvicorn on a listening socket of its own, all
-bound by the parent to the one port with SO_REUSEPORT (the kernel spreads connections over them by
-their addresses' hash), with its own channel to the core: a request's outputs come back to the
-process that sent it.
+Redis (its URL goes to every front end), and the engine core(s), each spawned on an input address that
+stays the same across its restarts (--engine-restart: the parent restarts it under its own policy; the
+front ends notice the missing heartbeat and say Hello again, server.engine.protocol.remote's attached
+mode). Each front end is a spawned process running the Starlette app under uvicorn on a listening
+socket of its own, all bound by the parent to the one port with SO_REUSEPORT (the kernel spreads
+connections over them by their addresses' hash), with its own channel to every core: a request's
+outputs come back to the process that sent it. With M cores each front end routes its requests itself
+(server.engine.data_parallel), by residency and load it reads from the cores' own stats, which count
+every front end's requests, so that two front ends do not both pick the core each thinks idle.
 
 Front end 0 starts first and alone does the once-per-server work (ServerConfig.runs_singletons: the
 start-up writes, --pin-adapter, the store's upkeep, the adapter-retirement listener); the others start
@@ -45,15 +48,16 @@ import zmq
 
 from adapters.format import ModelShape
 from server.api.bootstrap import StartupInfo
-from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
+from server.config import ServerConfig
 from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
 from server.engine.core.commands import SHUTDOWN
 from server.engine.core.launch import CoreLaunch
 from server.engine.core.launcher import spawn_core
 from server.engine.core.messages import Command
+from server.engine.data_parallel.launch import placed_configs
 from server.engine.protocol.remote import SHUTDOWN_WAIT_S, RestartPolicy
-from server.engine_mode import core_launch
+from server.engine_mode import core_launch, restart_policy
 from server.engine_settings import engine_config
 from server.model_source import resolve_model
 
@@ -74,11 +78,12 @@ class FrontEndReady:
 
 
 class CoreOwner:
-    """The engine-core process at a fixed input address, restarted there on death while the policy
+    """One engine-core process at a fixed input address, restarted there on death while the policy
     allows (and once front ends were served by it: a core that never started would fail again)."""
 
     def __init__(self, launch: CoreLaunch, restarts: RestartPolicy | None) -> None:
         self._launch = launch
+        self.address = launch.input_address
         self._restarts = restarts
         self._stopping = False
         self.served = False
@@ -93,10 +98,11 @@ class CoreOwner:
                 return
             if self._restarts is None or not self.served or not self._restarts.allow(time.monotonic()):
                 why = "" if self._restarts is None or not self.served else f" ({self._restarts.describe()} reached)"
-                log.error("the engine core exited with status %d%s: stopping the server", code, why)
+                log.error("the engine core at %s exited with status %d%s: stopping the server", self.address, code, why)
                 self.gave_up = True
                 return
-            log.error("the engine core exited with status %d; starting a new one at the same address", code)
+            log.error("the engine core at %s exited with status %d; starting a new one at the same address",
+                      self.address, code)
             self._proc = spawn_core(self._launch)
 
     def stop(self) -> None:
@@ -138,12 +144,16 @@ def _stop_without_parent(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _launch(config: ServerConfig, redis_url: str, address: str) -> CoreLaunch:
+def _launches(config: ServerConfig, redis_url: str, workdir: str) -> list[CoreLaunch]:
+    """Each engine core's launch at its input address: one, or --data-parallel-size on their shares
+    of the engine's cores (server.engine.data_parallel.core_split)."""
     model_dir = str(resolve_model(config.model, Path(config.data_dir), log.info).model_dir)
     shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    launch = core_launch(config, engine_config(config, model_dir, shape), redis_url, shape,
-                         config.uses_loader_processes)
-    return msgspec.structs.replace(launch, input_address=address, parent_pid=os.getpid())
+    engine = engine_config(config, model_dir, shape)
+    engines = placed_configs(engine, config.data_parallel_size) if config.data_parallel_size > 1 else [engine]
+    return [msgspec.structs.replace(core_launch(config, one, redis_url, shape, config.uses_loader_processes),
+                                    input_address=f"ipc://{workdir}/core-{i}", parent_pid=os.getpid())
+            for i, one in enumerate(engines)]
 
 
 class _Stops:
@@ -184,11 +194,11 @@ def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
             embedded = EmbeddedRedis.start(Path(config.data_dir) / DATA_SUBDIR)
             owned.callback(embedded.stop)
             redis_url = embedded.url
-        address = f"ipc://{workdir}/core"
-        restarts = RestartPolicy(config.engine_restart_limit, ENGINE_RESTART_WINDOW_S) if config.engine_restart \
-            else None
-        core = CoreOwner(_launch(config, redis_url, address), restarts)
-        owned.callback(core.stop)
+        cores = []
+        for launch in _launches(config, redis_url, workdir):  # each core restarts on its own policy
+            cores.append(CoreOwner(launch, restart_policy(config)))
+            owned.callback(cores[-1].stop)
+        addresses = tuple(core.address for core in cores)
         # One SO_REUSEPORT socket per front end on the CLI's port (the first is the CLI's own).
         sockets = [sock]
         for _ in range(1, config.api_server_count):
@@ -199,7 +209,7 @@ def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
         owned.callback(_join_all, procs, config.shutdown_timeout + STOP_MARGIN_S)
 
         def start(index: int) -> None:
-            fe = dataclasses.replace(config, redis_url=redis_url, engine_address=address, front_end_index=index)
+            fe = dataclasses.replace(config, redis_url=redis_url, engine_addresses=addresses, front_end_index=index)
             proc = ctx.Process(target=front_end_main, args=(fe, sockets[index], ready),
                                name=f"loraplex-front-end-{index}")
             proc.start()
@@ -207,33 +217,34 @@ def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
             stops.pids.append(proc.pid)
 
         start(0)
-        heard = _wait_ready(ready, procs, core, stops, 1)
+        heard = _wait_ready(ready, procs, cores, stops, 1)
         if heard is None:
             return 0 if stops.count else _stop_all(stops)
-        core.served = True
+        for core in cores:
+            core.served = True
         for index in range(1, config.api_server_count):
             start(index)
-        more = _wait_ready(ready, procs, core, stops, config.api_server_count - 1)
+        more = _wait_ready(ready, procs, cores, stops, config.api_server_count - 1)
         if more is None:
             return 0 if stops.count else _stop_all(stops)
         banner(heard[0].info, config.shutdown_timeout)
         print(f"loraplex: {config.api_server_count} front ends (pids "
-              f"{', '.join(str(r.pid) for r in sorted(heard + more, key=lambda r: r.index))}) share one engine core",
-              file=sys.stderr, flush=True)
+              f"{', '.join(str(r.pid) for r in sorted(heard + more, key=lambda r: r.index))}) share "
+              f"{'one engine core' if len(cores) == 1 else f'{len(cores)} engine cores'}", file=sys.stderr, flush=True)
         while not stops.count:
-            if core.gave_up or any(p.exitcode is not None for p in procs):
+            if any(core.gave_up for core in cores) or any(p.exitcode is not None for p in procs):
                 return _stop_all(stops)
             time.sleep(POLL_S)
         _join_all(procs, config.shutdown_timeout + STOP_MARGIN_S)
         return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
-def _wait_ready(ready: multiprocessing.Queue, procs: list, core: CoreOwner, stops: _Stops,
+def _wait_ready(ready: multiprocessing.Queue, procs: list, cores: list[CoreOwner], stops: _Stops,
                 count: int) -> list[FrontEndReady] | None:
-    """`count` ready front ends, or None once one died, the core gave up or a stop came."""
+    """`count` ready front ends, or None once one died, a core gave up or a stop came."""
     heard: list[FrontEndReady] = []
     while len(heard) < count:
-        if stops.count or core.gave_up or any(p.exitcode is not None for p in procs):
+        if stops.count or any(core.gave_up for core in cores) or any(p.exitcode is not None for p in procs):
             return None
         with contextlib.suppress(queue.Empty):
             heard.append(ready.get(timeout=POLL_S))

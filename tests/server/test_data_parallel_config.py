@@ -1,5 +1,5 @@
 """--data-parallel-size: refused in one line where it is not built (in-process, with tensor parallel,
-with several front ends, fewer engine cores than cores asked for); the automatic CPU split gives every
+fewer engine cores than cores asked for), accepted with several front ends (server.front_ends); the automatic CPU split gives every
 engine core a core of its own on a small machine."""
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize("flags, refusal", [
     (["--engine-process", "in-process"], "--data-parallel-size 2 needs --engine-process separate"),
     (["--engine-process", "separate", "--tensor-parallel-size", "2"], "does not combine with --tensor-parallel-size 2"),
-    (["--engine-process", "separate", "--api-server-count", "2"], "does not combine with --api-server-count 2"),
 ])
 def test_refusals_are_one_line(tmp_path, flags, refusal):
     with pytest.raises(ConfigError, match=refusal) as raised:
@@ -45,6 +44,9 @@ def test_the_flags_reach_the_config(tmp_path):
     config = serve_config(tmp_path, "--engine-process", "separate", "--data-parallel-size", "2",
                      "--data-parallel-routing", "round-robin")
     assert (config.data_parallel_size, config.data_parallel_routing) == (2, "round-robin")
+    both = serve_config(tmp_path, "--engine-process", "separate", "--data-parallel-size", "2",
+                        "--api-server-count", "2")
+    assert (both.data_parallel_size, both.api_server_count) == (2, 2)
 
 
 def test_the_automatic_split_shares_the_cores_when_the_engine_needs_them_all():

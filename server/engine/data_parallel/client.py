@@ -1,9 +1,12 @@
 """DataParallelEngineClient: the EngineClient over N engine-core processes (--data-parallel-size).
 
 Requests: the router picks a core per request (server.engine.data_parallel.router) from what this
-client knows of each: its health, the requests it sent there that are still running (exact: counted as
-streams end), the adapter versions in its device slots (read from the core every REFRESH_S, plus the
-running ones of its last stats and those routed there since) and those waiting there.
+client knows of each: its health, its load, the adapter versions in its device slots (read from the
+core every REFRESH_S, plus the running ones of its last stats and those routed there since) and those
+waiting there. The load is what the core itself last published (its running and waiting requests,
+whichever front end sent them: with --api-server-count several front ends route over the same cores)
+plus this client's requests accepted there since that push, and never less than this client's own
+requests still running there (exact: counted as streams end).
 
 Adapters: load, unload, release, pin and unpin go to every core (each has its own tiers; a version's
 registry entry is shared through Redis), answers combined (pinned where every core pinned it, resident
@@ -55,6 +58,7 @@ class DataParallelEngineClient(EngineClient):
         self.info = _summed_info([core.info for core in cores])
         self.router = Router(routing)
         self._in_flight = [0] * len(cores)
+        self._accepted: list[dict[str, float]] = [{} for _ in cores]  # request id -> when the core accepted it
         self._device: list[frozenset[str]] = [frozenset()] * len(cores)
         self._placed: list[dict[str, float]] = [{} for _ in cores]  # version -> when routed there
         self.routed = [0] * len(cores)  # requests sent to each core since start
@@ -123,10 +127,12 @@ class DataParallelEngineClient(EngineClient):
             self._in_flight[index] -= 1
             raise
         self.routed[index] += 1
-        return CountedStream(stream, request.params.n, lambda: self._ended(index))
+        self._accepted[index][request.request_id] = time.monotonic()
+        return CountedStream(stream, request.params.n, lambda: self._ended(index, request.request_id))
 
-    def _ended(self, index: int) -> None:
+    def _ended(self, index: int, request_id: str) -> None:
         self._in_flight[index] -= 1
+        self._accepted[index].pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """A no-op on the cores that do not have it (a stream's own abort goes to its core only)."""
@@ -143,8 +149,12 @@ class DataParallelEngineClient(EngineClient):
                 placed.pop(version, None)
             scheduler = core.stats().scheduler if core.is_healthy else None
             running = scheduler.running_adapters if scheduler is not None else frozenset()
+            load = self._in_flight[i]
+            if scheduler is not None:
+                unpublished = sum(at >= core.snapshot_at for at in self._accepted[i].values())
+                load = max(load, scheduler.running + scheduler.waiting + unpublished)
             views.append(CoreView(
-                healthy=core.is_healthy, in_flight=self._in_flight[i], max_num_seqs=core.info.max_num_seqs,
+                healthy=core.is_healthy, in_flight=load, max_num_seqs=core.info.max_num_seqs,
                 max_loras=core.info.max_loras, device=self._device[i] | running | placed.keys(),
                 waiting=scheduler.waiting_adapters if scheduler is not None else frozenset()))
         return views

@@ -1,4 +1,5 @@
-"""build_data_parallel: start --data-parallel-size engine cores, each on its share of the engine's cores."""
+"""build_data_parallel: start --data-parallel-size engine cores, each on its share of the engine's cores;
+attach_data_parallel: one of --api-server-count front ends, over the cores its parent started."""
 from __future__ import annotations
 
 import logging
@@ -18,18 +19,37 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def placed_configs(engine: EngineConfig, n: int) -> list[EngineConfig]:
+    """The N cores' configs (core_split), each core's place logged."""
+    configs = core_configs(engine, n)
+    for i, one in enumerate(configs):
+        where = f"cores {format_cpu_list(one.cpu_affinity)}" if one.cpu_affinity is not None else one.device
+        log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.resolve_cpu_threads())
+    return configs
+
+
 def build_data_parallel(config: ServerConfig, engine: EngineConfig, launch_of: Callable[[EngineConfig], CoreLaunch],
                         restarts: Callable[[], RestartPolicy | None]) -> DataParallelEngineClient:
     """Blocking: every core's weights loaded and pools sized. `launch_of`: a core's CoreLaunch from its
     EngineConfig (server.engine_mode.core_launch with the server's Redis and adapter settings);
     `restarts`: a fresh --engine-restart policy (each core counts its own restarts)."""
-    configs = core_configs(engine, config.data_parallel_size)
-    for i, one in enumerate(configs):
-        where = f"cores {format_cpu_list(one.cpu_affinity)}" if one.cpu_affinity is not None else one.device
-        log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.resolve_cpu_threads())
+    configs = placed_configs(engine, config.data_parallel_size)
 
     def starter(one: EngineConfig, policy: RestartPolicy | None):
         return lambda: RemoteEngineClient.build(launch_of(one), restarts=policy)
 
     return DataParallelEngineClient.build([starter(one, restarts()) for one in configs],
+                                          config.data_parallel_routing)
+
+
+def attach_data_parallel(config: ServerConfig, launch: CoreLaunch) -> DataParallelEngineClient:
+    """Blocking, in one of several front ends: a channel of this process's own to each engine core the
+    parent runs (server.front_ends), ready once every core is. The parent restarts a dead core at its
+    address; this front end's router reads each core's load from the core's own stats, which count
+    every front end's requests (server.engine.data_parallel.client)."""
+
+    def attacher(address: str):
+        return lambda: RemoteEngineClient.attach(launch, address)
+
+    return DataParallelEngineClient.build([attacher(a) for a in config.engine_addresses],
                                           config.data_parallel_routing)

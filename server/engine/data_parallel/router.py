@@ -27,7 +27,7 @@ class CoreView:
     """What the router knows of one engine core when it routes."""
 
     healthy: bool
-    in_flight: int  # requests this front end sent it that have not finished
+    in_flight: int  # its requests running or waiting, from every front end (client.views: the load)
     max_num_seqs: int
     max_loras: int  # device slots
     device: frozenset[str]  # adapter versions in its device slots (or on their way there)

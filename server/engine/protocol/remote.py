@@ -108,6 +108,7 @@ class RemoteEngineClient(EngineClient):
         self._call_ids = itertools.count(1)
         self._ready = threading.Event()
         self._snapshot: EngineSnapshot | None = None
+        self.snapshot_at = 0.0  # time.monotonic() when the last snapshot arrived (the DP router's freshness)
         self._grammars: Grammars | None = None  # grammar_compiler()'s
         self._load_seconds: deque[float] = deque()  # Redis -> host, from the core's Stats
         self._device_load_seconds: deque[float] = deque()  # host -> a device slot
@@ -406,16 +407,17 @@ class RemoteEngineClient(EngineClient):
             with self._lock:
                 done = self._calls.pop(message.call_id, None)
             if message.snapshot is not None:
-                self._snapshot = message.snapshot
+                self._snapshot, self.snapshot_at = message.snapshot, time.monotonic()
             if done is not None:
                 _settle(done, message.value, None if message.error is None else RuntimeError(message.error))
         elif isinstance(message, Stats):
-            self._snapshot = message.snapshot
+            self._snapshot, self.snapshot_at = message.snapshot, time.monotonic()
             self._load_seconds.extend(message.load_seconds)
             self._device_load_seconds.extend(message.device_load_seconds)
             self.refused_messages = message.refused_messages
         elif isinstance(message, Ready):
             self.info, self._snapshot, self._core_pid = message.info, message.snapshot, message.pid
+            self.snapshot_at = time.monotonic()
             with self._lock:
                 self._error, self._restarting, self._served = None, False, True  # a restarted core serves again
                 self._ready.set()
@@ -423,7 +425,8 @@ class RemoteEngineClient(EngineClient):
             self._die(self._core, f"the engine core failed: {message.error}")
 
     def _deliver(self, message: Outputs) -> None:
-        self._snapshot = message.snapshot  # first: a stream woken below finds stats at least this new
+        # first: a stream woken below finds stats at least this new
+        self._snapshot, self.snapshot_at = message.snapshot, time.monotonic()
         with self._lock:
             outputs = [self._assembler.apply(delta) for delta in message.outputs]
             dispatch(self._sinks, [out for out in outputs if out is not None], self._assembler.drop)

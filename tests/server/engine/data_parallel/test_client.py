@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,6 +50,14 @@ class Stream:
 
 
 @dataclass
+class Sched:
+    running: int = 0
+    waiting: int = 0
+    running_adapters: frozenset = frozenset()
+    waiting_adapters: frozenset = frozenset()
+
+
+@dataclass
 class Info:
     max_num_seqs: int = 4
     max_loras: int = 2
@@ -69,6 +79,8 @@ class Core:
     info: Info = field(default_factory=Info)
     pinned: set = field(default_factory=set)
     outputs: list = field(default_factory=list)
+    published: Sched | None = None  # the scheduler part of the core's last stats push
+    snapshot_at: float = 0.0
 
     async def submit(self, request):
         return Stream(request.request_id, list(self.outputs))
@@ -95,7 +107,8 @@ class Core:
         return done
 
     def stats(self):
-        raise AssertionError("not read while stats are not needed")
+        assert self.published is not None, "not read while stats are not needed"
+        return SimpleNamespace(scheduler=self.published)
 
     def shutdown(self):
         pass
@@ -112,6 +125,7 @@ def make():
         client = DataParallelEngineClient.__new__(DataParallelEngineClient)
         client.cores, client.router = list(cores), Router("round-robin")
         client._in_flight, client.routed = [0] * len(cores), [0] * len(cores)
+        client._accepted = [{} for _ in cores]
         client._device, client._placed = [frozenset()] * len(cores), [{} for _ in cores]
         return client
 
@@ -140,6 +154,30 @@ def test_a_seat_is_freed_when_the_stream_ends_errs_or_is_aborted(make, monkeypat
         assert client._in_flight == [0, 0] and client.routed == [1, 2]
 
     asyncio.run(go())
+
+
+def test_the_load_is_what_each_core_published_plus_this_front_ends_unpublished_requests(make):
+    """With several front ends a core's load is mostly other front ends' requests: the router reads the
+    core's own running and waiting counts, adds what this client had accepted there since that push,
+    and never goes below its own requests still running there."""
+    busy = Core(published=Sched(running=3, waiting=2), snapshot_at=time.monotonic())
+    idle = Core(published=Sched(), snapshot_at=time.monotonic(), outputs=[Out(False)])
+    client = make(busy, idle)
+    client.router = Router("affinity")
+    assert [v.in_flight for v in client.views()] == [5, 0]  # nothing of them sent by this client
+
+    async def go():
+        first = await client.submit(_request("r1"))  # to the idle core: the busy one is the other front end's
+        assert client._in_flight == [0, 1]
+        assert [v.in_flight for v in client.views()] == [5, 1]  # accepted after idle's last push
+        idle.published, idle.snapshot_at = Sched(running=1), time.monotonic()
+        assert [v.in_flight for v in client.views()] == [5, 1]  # now in the push: not counted twice
+        idle.published = Sched()  # a push that lags this client's own count
+        assert [v.in_flight for v in client.views()] == [5, 1]
+        return first
+
+    asyncio.run(go())
+    assert client.routed == [0, 1]
 
 
 def test_a_pin_holds_on_every_core_or_none(make):
