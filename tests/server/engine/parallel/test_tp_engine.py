@@ -17,13 +17,13 @@ from tests.engine_helpers import random_prompts
 from tests.gptq_writer import write_gptq_checkpoint
 
 KW = dict(device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256)
-NAMES = [None, "r8_all", "r16_rslora", "r8_all", None, "r16_rslora"]
+NAMES = [None, "r8_all", "r16_rslora", "dora_r8_all", None, "r16_rslora"]
 PARAMS = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6, logprobs=0)
 
 
 @pytest.fixture(scope="module")
 def arch_adapters(model_variant_dir, tmp_path_factory):
-    """arch -> (model dir, {"r8_all", "r16_rslora": adapter dir}) for the architectures TP shards."""
+    """arch -> (model dir, {"r8_all", "r16_rslora", "dora_r8_all": adapter dir}) for the architectures TP shards."""
     built = {}
 
     def get(arch: str):
@@ -33,7 +33,9 @@ def arch_adapters(model_variant_dir, tmp_path_factory):
             built[arch] = model_dir, {
                 "r8_all": make_adapter(model_dir, root / "r8_all", r=8, lora_alpha=16, seed=52),
                 "r16_rslora": make_adapter(model_dir, root / "r16_rslora", r=16, lora_alpha=16, use_rslora=True,
-                                           seed=53)}
+                                           seed=53),
+                "dora_r8_all": make_adapter(model_dir, root / "dora_r8_all", r=8, lora_alpha=16, use_dora=True,
+                                            seed=54)}
         return built[arch]
 
     return get
