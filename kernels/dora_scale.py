@@ -13,15 +13,20 @@ import torch
 from kernels.metadata import LoraBatch
 
 
-def dora_scale(y: torch.Tensor, table: torch.Tensor, batch: LoraBatch, bias: torch.Tensor | None) -> None:
+def dora_scale(y: torch.Tensor, table: torch.Tensor, batch: LoraBatch, bias: torch.Tensor | None,
+               cols: torch.Tensor | None = None) -> None:
     """Scale each row of y by its slot's DoRA scales, then add the bias, in place.
 
     Semantics: for each row t, with s = batch.token_slots[t] (s = D, the table's last row, for -1 and for
     slots past D: adapter entries without DoRA scales, server.engine.lora.paging):
         y[t, :] = y[t, :] * table[s, :] (product in float32, rounded to y's dtype), then + bias.
-    Shape: y [T, W] (x W^T plus the LoRA delta, no bias yet); table [D + 1, W] float32, row D all 1.0;
-        bias [W] or None.
+    With cols, y holds those columns of the table's only (a tensor-parallel rank's output columns):
+        y[t, j] = y[t, j] * table[s, cols[j]].
+    Shape: y [T, W] (x W^T plus the LoRA delta, no bias yet); table [D + 1, W] float32 ([D + 1, W'] with
+        cols [W] int64), row D all 1.0; bias [W] or None.
     """
+    if cols is not None:  # read at every call: the slots write the whole table as adapters load
+        table = table.index_select(1, cols)
     y.mul_(table.index_select(0, _table_rows(batch, table.shape[0] - 1)))  # [T, W] gathered scales
     if bias is not None:
         y.add_(bias)

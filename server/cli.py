@@ -482,7 +482,7 @@ def _check_flag_combinations(config: ServerConfig, model_dir: Path) -> None:
     except ModelConfigError as e:
         raise ConfigError(f"--model: {e}") from None
     spec = parse_speculative_config(config.speculative_config)
-    refusal = combination_refusal(config, mcfg, draft_model=spec is not None and spec.method == "draft_model")
+    refusal = combination_refusal(config, mcfg, spec is not None and spec.method == "draft_model", model_dir)
     if refusal is not None:
         raise ConfigError(refusal)
 

@@ -21,7 +21,6 @@ from adapters.format import FUSED_PROJECTION_ARCHS, ModelShape
 from adapters.host_tier import Fetch, HostTier
 from adapters.packed import PackedLoraAdapter
 from kernels.cpu_linear import upcast_linear
-from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from kernels.int8_weights import dequant_linear
 from server.engine.architectures import ARCHITECTURES
 from server.engine.async_step import AsyncScheduling
@@ -60,7 +59,7 @@ from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.unified_buffer import UnifiedBuffer, unallocated
 from server.engine.unified_memory import PageUnits, UnifiedPool
 from server.engine.warmup import warm_up
-from server.engine.weights import load_weights
+from server.engine.weights import served_model, served_weights
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +109,16 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     if tensor_parallel and device.type != "cpu":
         raise ModelConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} runs on CPU devices (gloo) "
                                f"for now, not {device}")
-    if (refusal := combination_refusal(config, mcfg, draft_cfg is not None)) is not None:
+    if (refusal := combination_refusal(config, mcfg, draft_cfg is not None, config.model)) is not None:
         raise ModelConfigError(refusal)
     paging, lora_layers, model = _load_model(config, mcfg, dtype, device, max_len)
     max_loras = paging.entries
     # Everything else on the device is allocated before the KV pool is sized from what is left.
-    # Not sharded yet: DoRA (without DoraScales the slots refuse DoRA adapters) and adapters' parts of
-    # embed_tokens/lm_head (without VocabParts LLMEngine.add_adapter and the slots refuse them).
+    # Not sharded yet: adapters' parts of embed_tokens/lm_head (without VocabParts LLMEngine.add_adapter
+    # and the slots refuse them). DoRA scales are computed against the full weights, tensor parallel or
+    # not (server.engine.parallel.tp_layers), so rank 0 keeps them for that.
     model.vocab_parts = None if tensor_parallel else VocabParts.of_model(model, max_loras)
-    slots = LoraSlots(lora_layers, max_loras, None if tensor_parallel else DoraScales.of_model(model),
+    slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model),
                       dora_scale_store, paging, config.max_pinned_adapters_per_tenant, vocab=model.vocab_parts)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
     draft_model = None if draft_cfg is None else load_draft_model(
@@ -251,8 +251,7 @@ def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
         # Experts' LoRA buffers are slots of max rank (server.engine.lora.expert_buffers), not pages.
         raise ModelConfigError(f"--lora-page-rows is not supported for {mcfg.architecture} (a mixture of "
                                f"experts keeps adapter slots of --max-lora-rank)")
-    weights = load_weights(config.model, mcfg, dtype, device, config.quantization, config.int4_group_size,
-                           config.require_gptq_checkpoint)
+    weights = served_weights(config, mcfg, dtype, device)
     # Slots come before the KV pool: with max_loras unset, a share of what the weights left (CUDA).
     max_loras, why = resolve_max_loras(config.max_loras, mcfg, config.max_lora_rank, dtype,
                                        free_device_bytes(device))
@@ -263,10 +262,7 @@ def _load_model(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, dev
                  paging.pages - 1, paging.page_rows, max_loras, paging.entries)
     lora_layers = allocate_lora_slots(mcfg, max_loras, config.max_lora_rank, dtype, device, paging,
                                       unallocated if config.unified_memory else None)
-    model = CausalLM(mcfg, weights, lora_layers, max_len,  # frees the unfused projections
-                     config.max_num_batched_tokens, config.quantization, config.quantize_lm_head,
-                     config.int4_group_size or DEFAULT_GROUP_SIZE)
-    return paging, lora_layers, model
+    return paging, lora_layers, served_model(config, mcfg, weights, lora_layers, max_len)
 
 
 def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetch | None, device: torch.device,

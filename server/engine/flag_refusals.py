@@ -6,9 +6,12 @@ line on stderr rather than an engine core's traceback, its restarts and the life
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Protocol
 
-from server.engine.config import ModelConfig
+from server.engine.config import GPTQ_QUANTIZATIONS, ModelConfig
+from server.engine.gptq_checkpoint import checkpoint_quantization
 from server.engine.parallel.tp_model import tp_refusal
 from server.engine.unified_memory import unified_refusal
 
@@ -21,12 +24,13 @@ class EngineFlags(Protocol):
     max_lora_rank: int
     unified_memory: bool
     quantization: str | None
+    int4_group_size: int | None
     speculative_config: object  # set (any form) or None
 
 
-def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool) -> str | None:
+def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool, model_dir: str | Path) -> str | None:
     """The one line `flags` are refused with for this model (`draft_model`: --speculative-config names
-    one), or None: they run."""
+    one; `model_dir`: its checkpoint, whose GPTQ groups a sharded int4 base keeps), or None: they run."""
     n = flags.tensor_parallel_size
     if n > 1:
         if flags.lora_page_rows is not None:
@@ -35,9 +39,20 @@ def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool
             return f"--tensor-parallel-size {n} does not combine with --speculative-config yet"
         if mcfg.layer_windows is not None and any(w is not None for w in mcfg.layer_windows):
             return f"--tensor-parallel-size {n}: sliding-window attention ({mcfg.architecture}) is not sharded yet"
-        refusal = tp_refusal(mcfg, flags.quantization, n, flags.fully_sharded_loras, flags.max_lora_rank)
+        quantization = "int4" if flags.quantization in GPTQ_QUANTIZATIONS else flags.quantization
+        groups = _int4_group_size(flags, model_dir) if quantization == "int4" else None
+        refusal = tp_refusal(mcfg, quantization, n, flags.fully_sharded_loras, flags.max_lora_rank, groups)
         if refusal is not None:
             return refusal
     if flags.unified_memory:
         return unified_refusal(n, draft_model, mcfg.kv_groups is not None)
     return None
+
+
+def _int4_group_size(flags: EngineFlags, model_dir: str | Path) -> int | None:
+    """An int4 base's groups: --int4-group-size, else a GPTQ checkpoint's (-1: a whole row), else None
+    (the default of quantizing at load)."""
+    if flags.int4_group_size is not None:
+        return flags.int4_group_size
+    spec = checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()))
+    return None if spec is None else spec.group_size

@@ -69,9 +69,6 @@ class LLMEngine:
         """Preload an adapter version into the host tier; it stays until removed."""
         if adapter.rank > self.config.max_lora_rank:
             raise RequestError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
-        if adapter.use_dora and self.config.tensor_parallel_size > 1:
-            raise RequestError(f"DoRA adapters are not served with --tensor-parallel-size "
-                               f"{self.config.tensor_parallel_size} yet")
         if getattr(adapter, "vocab", None) is not None and self.config.tensor_parallel_size > 1:
             raise RequestError(f"adapters with parts of embed_tokens or lm_head are not served with "
                                f"--tensor-parallel-size {self.config.tensor_parallel_size} yet")

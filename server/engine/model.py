@@ -202,31 +202,41 @@ class LoraLinear:
     """A base linear layer (possibly several fused projections) plus its LoRA slots."""
 
     def __init__(self, weight: torch.Tensor | Int8Weight | Int4Weight | Fp8Weight, bias: torch.Tensor | None,
-                 lora: LoraGroupBuffers, dequant_scratch: torch.Tensor | None = None) -> None:
+                 lora: LoraGroupBuffers, dequant_scratch: torch.Tensor | None = None,
+                 dora_cols: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out, in], float, or int8 / fp8 with per-row scales, or int4 with per-group ones
         self.bias = bias  # [out] or None
         self.lora = lora
         self.dequant_scratch = dequant_scratch  # the workspace's, for an int8 or int4 weight (Workspace.dequant)
+        # The DoRA table's columns this layer's outputs are (a tensor-parallel rank's, whose table stays the
+        # slots' whole one: server.engine.parallel.tp_layers); None: all of them.
+        self.dora_cols = dora_cols
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
         """out: [T, out] workspace rows the result is written into (and returned)."""
-        dora = ctx.lora.dora  # DoRA scales multiply x W^T + the LoRA delta; the bias comes after them
-        bias = None if dora else self.bias
-        if isinstance(self.weight, Int8Weight):
-            y = ctx.ops.int8_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
-        elif isinstance(self.weight, Int4Weight):
-            y = ctx.ops.int4_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
-        elif isinstance(self.weight, Fp8Weight):
-            y = ctx.ops.fp8_linear(x, self.weight, bias, out=out)  # [T, out]
-        else:
-            y = ctx.ops.linear(x, self.weight, bias, out=out)  # x: [T, in] -> y: [T, out]
+        y = self.project(x, ctx, out)
         if ctx.lora.any_lora:
             h = ctx.lora_scratch[: self.lora.a.shape[0], : x.shape[0]]  # [S, T, R]
             lora = self.lora
             ctx.ops.lora.apply(x, lora.a, lora.b, lora.scaling, lora.offsets, ctx.lora, h, y)
-        if dora:
-            dora_scale(y, self.lora.dora_scale, ctx.lora, self.bias)
+        self.rescale(y, ctx)
         return y
+
+    def project(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
+        """x W^T into out, plus the bias unless the step has DoRA rows (rescale adds it after their scales)."""
+        bias = None if ctx.lora.dora else self.bias  # DoRA scales multiply x W^T + the LoRA delta
+        if isinstance(self.weight, Int8Weight):
+            return ctx.ops.int8_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
+        if isinstance(self.weight, Int4Weight):
+            return ctx.ops.int4_linear(x, self.weight, bias, out=out, scratch=self.dequant_scratch)  # [T, out]
+        if isinstance(self.weight, Fp8Weight):
+            return ctx.ops.fp8_linear(x, self.weight, bias, out=out)  # [T, out]
+        return ctx.ops.linear(x, self.weight, bias, out=out)  # x: [T, in] -> y: [T, out]
+
+    def rescale(self, y: torch.Tensor, ctx: StepContext) -> None:
+        """A step with DoRA rows: y (x W^T plus the LoRA delta) times each row's DoRA scales, then the bias."""
+        if ctx.lora.dora:
+            dora_scale(y, self.lora.dora_scale, ctx.lora, self.bias, self.dora_cols)
 
 
 class DecoderLayer:

@@ -7,9 +7,10 @@ import torch
 
 from server.engine.checkpoint_layout import layer_keys
 from server.engine.checkpoint_tensors import CheckpointTensors, TensorEntry, read_index, read_tensor
-from server.engine.config import ModelConfig, ModelConfigError
-from kernels.int4_weights import Int4Weight, int4_to
+from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
+from kernels.int4_weights import DEFAULT_GROUP_SIZE, Int4Weight, int4_to
 from server.engine.gptq_checkpoint import check_checkpoint, dequantize_checkpoint, int4_checkpoint, is_gptq_part
+from server.engine.model import CausalLM
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -55,3 +56,19 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     if missing:
         raise ModelConfigError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return weights
+
+
+
+def served_weights(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype,
+                   device: torch.device) -> CheckpointTensors | dict[str, torch.Tensor | Int4Weight]:
+    """load_weights with `config`'s checkpoint and quantization (the engine's, and each tensor-parallel
+    worker's: the same served model, which it then cuts to its shard)."""
+    return load_weights(config.model, mcfg, dtype, device, config.quantization, config.int4_group_size,
+                        config.require_gptq_checkpoint)
+
+
+def served_model(config: EngineConfig, mcfg: ModelConfig, weights, lora_layers: list, max_len: int) -> CausalLM:
+    """The model `config` serves (quantization, lm_head) from served_weights' `weights`, over
+    `lora_layers`' slots; it frees the unfused projections as it fuses them."""
+    return CausalLM(mcfg, weights, lora_layers, max_len, config.max_num_batched_tokens, config.quantization,
+                    config.quantize_lm_head, config.int4_group_size or DEFAULT_GROUP_SIZE)

@@ -537,8 +537,7 @@ class LoraSlots:
         if not adapter.use_dora or adapter.magnitudes_are_scales:
             return adapter
         if self.dora is None:  # a failed load: its requests get this line, the engine keeps serving
-            raise ValueError("DoRA adapters are not served by this engine: its slots have no DoRA scales "
-                             "(--tensor-parallel-size > 1 does not shard DoRA yet)")
+            raise ValueError("DoRA adapters are not served by this engine: its slots have no DoRA scales")
         stored = None if version is None else self.dora_cache.read(version, adapter.magnitudes.numel())
         if stored is not None:
             adapter.magnitudes.copy_(stored)  # [sum out] float32, module order, as computed below

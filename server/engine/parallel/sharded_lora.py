@@ -18,46 +18,52 @@ import torch
 from server.engine.lora.slots import LoraGroupBuffers
 from server.engine.model import LoraLinear, StepContext
 from server.engine.parallel.collectives import Collectives
+from server.engine.parallel.tp_weights import weight_columns
 
 
 class ShardedColumnLora:
     """A column-parallel projection (tp_layers.column_parallel) with its A cut to this rank's rank rows."""
 
     def __init__(self, lin: LoraLinear, rank_span: tuple[int, int], comm: Collectives) -> None:
+        self.inner = lin  # its base (float or quantized), B rows and DoRA columns
         self.weight, self.bias, self.lora = lin.weight, lin.bias, lin.lora
         self.a = lin.lora.a[:, :, rank_span[0]:rank_span[1]]  # [S, L, R / tp, in]
         self.comm = comm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
-        y = ctx.ops.linear(x, self.weight, self.bias, out=out)
+        y = self.inner.project(x, ctx, out)
         if ctx.lora.any_lora:
             lora = self.lora
             h = x.new_zeros(self.a.shape[0], x.shape[0], self.a.shape[2])  # [S, T, R / tp]
             ctx.ops.lora.shrink(x, self.a, ctx.lora, lora.scaling, h)
             ctx.ops.lora.expand(self.comm.gather_last(h), lora.b, ctx.lora, y, lora.offsets)  # h: [S, T, R]
+        self.inner.rescale(y, ctx)
         return y
 
 
 class ShardedRowLora:
     """A row-parallel projection over this rank's input columns whose LoRA expands into this rank's
-    output columns only; the base all_reduce sums the partial outputs."""
+    output columns only; the base all_reduce sums the partial outputs (DoRA-scaled by the full width's
+    table before it: the scales are per output column, so they commute with the sum)."""
 
     def __init__(self, lin: LoraLinear, in_span: tuple[int, int], out_span: tuple[int, int], rank: int,
                  comm: Collectives) -> None:
         lo, hi = in_span
-        self.weight = lin.weight[:, lo:hi].contiguous()
-        self.bias = lin.bias if rank == 0 else None
         self.a = lin.lora.a[..., lo:hi]  # [1, L, R, in / tp]
         self.out_span = out_span
         self.b = tuple(b[:, out_span[0]:out_span[1]] for b in lin.lora.b)  # [L, H / tp, R]
         self.lora = LoraGroupBuffers(self.a, self.b, lin.lora.scaling, (0,), lin.lora.dora_scale)
+        self.inner = LoraLinear(weight_columns(lin.weight, lo, hi), lin.bias if rank == 0 else None, self.lora,
+                                lin.dequant_scratch)
+        self.weight, self.bias = self.inner.weight, self.inner.bias
         self.comm = comm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext, out: torch.Tensor) -> torch.Tensor:
-        y = ctx.ops.linear(x, self.weight, self.bias, out=out)
+        y = self.inner.project(x, ctx, out)
         if ctx.lora.any_lora:
             h = x.new_zeros(1, x.shape[0], self.a.shape[2])  # [1, T, R]
             ctx.ops.lora.shrink(x, self.a, ctx.lora, self.lora.scaling, h)
             lo, hi = self.out_span
             ctx.ops.lora.expand(self.comm.all_reduce(h), self.b, ctx.lora, y[:, lo:hi], (0,))
+        self.inner.rescale(y, ctx)
         return self.comm.all_reduce(y)

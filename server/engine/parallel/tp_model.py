@@ -13,31 +13,38 @@ from dataclasses import replace
 
 import torch
 
+from kernels.int4_weights import DEFAULT_GROUP_SIZE
 from server.engine.config import ModelConfig
 from server.engine.model import CausalLM, DecoderLayer, StepContext, Workspace
 from server.engine.parallel.collectives import Collectives
 from server.engine.parallel.sharded_lora import ShardedColumnLora, ShardedRowLora
 from server.engine.parallel.tp_group import TpGroup
 from server.engine.parallel.tp_layers import RowParallelLinear, column_parallel
+from server.engine.parallel.tp_weights import fp8_refusal, int4_split_refusal, vocab_shard
 
 # The architectures this slice shards: Llama's layer (Mistral's and Qwen2's are the same projections).
 TP_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int, fully_sharded_loras: bool = False,
-               max_lora_rank: int = 0) -> str | None:
-    """The one line --tensor-parallel-size N > 1 is refused with for this model, or None."""
+               max_lora_rank: int = 0, int4_group_size: int | None = None) -> str | None:
+    """The one line --tensor-parallel-size N > 1 is refused with for this model, or None. int4_group_size:
+    the int4 base's groups (--int4-group-size, or a GPTQ checkpoint's), with quantization "int4"."""
     if mcfg.architecture not in TP_ARCHS:
         return (f"--tensor-parallel-size {world_size}: architecture {mcfg.architecture} is not sharded yet "
-                f"(supported: {', '.join(TP_ARCHS)}; quantized bases and DoRA adapters neither)")
-    if quantization is not None:
-        return f"--tensor-parallel-size {world_size}: a quantized base ({quantization}) is not sharded yet"
+                f"(supported: {', '.join(TP_ARCHS)})")
+    if quantization == "fp8":
+        return fp8_refusal(world_size)
     for n, what in ((mcfg.num_heads, "num_attention_heads"), (mcfg.num_kv_heads, "num_key_value_heads"),
                     (mcfg.intermediate_size, "intermediate_size"),
                     *(((mcfg.hidden_size, "hidden_size"), (max_lora_rank, "--max-lora-rank"))
                       if fully_sharded_loras else ())):
         if n % world_size:
             return f"--tensor-parallel-size {world_size} does not divide {what} ({n})"
+    if quantization == "int4":  # the row-parallel projections' inputs split: o (heads), down (intermediate)
+        return int4_split_refusal(int4_group_size or DEFAULT_GROUP_SIZE,
+                                  {"o_proj": mcfg.num_heads // world_size * mcfg.head_dim,
+                                   "down_proj": mcfg.intermediate_size // world_size}, world_size)
     return None
 
 
@@ -64,13 +71,8 @@ class TpCausalLM(CausalLM):
         ws = full.workspace
         self.workspace = Workspace.allocate(self.local_cfg, ws.max_tokens, ws.qkv.dtype, ws.qkv.device)
         # Rows of the lm_head: padded to a multiple of the world size with zero rows, trimmed after the gather.
-        vocab = full.lm_head.shape[0]
-        per_rank = -(-vocab // tp.world_size)
-        padded = torch.zeros(per_rank * tp.world_size, full.lm_head.shape[1], dtype=full.lm_head.dtype,
-                             device=full.lm_head.device)
-        padded[:vocab] = full.lm_head
-        self.lm_head = padded[tp.rank * per_rank:(tp.rank + 1) * per_rank].clone()
-        self.vocab_size = vocab
+        self.lm_head = vocab_shard(full.lm_head, tp.rank, tp.world_size)
+        self.vocab_size = full.lm_head.shape[0]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -14,14 +14,14 @@ import torch
 
 from server.engine.config import EngineConfig, ModelConfig
 from server.engine.kernel_choice import select_kernels
-from server.engine.model import CausalLM, StepContext
+from server.engine.model import StepContext
 from server.engine.model_runner import copy_blocks
 from server.engine.parallel.collectives import Collectives
 from server.engine.parallel import tp_codec
 from server.engine.parallel.tp_group import join_gloo
 from server.engine.parallel.tp_messages import TpStep, TpStop
 from server.engine.parallel.tp_model import TpCausalLM
-from server.engine.weights import load_weights
+from server.engine.weights import served_model, served_weights
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,10 @@ def worker_main(rank: int, spec: TpWorkerSpec, lora_layers: list, steps: Connect
     device = torch.device("cpu")
     mcfg = ModelConfig.from_dir(config.model)
     dtype = config.resolve_dtype(mcfg, device)
-    weights = load_weights(config.model, mcfg, dtype, device)
+    full = served_model(config, mcfg, served_weights(config, mcfg, dtype, device), lora_layers, spec.max_len)
     comm = Collectives(tp)
-    model = TpCausalLM(CausalLM(mcfg, weights, lora_layers, spec.max_len, config.max_num_batched_tokens), tp, comm,
-                       config.fully_sharded_loras)
+    model = TpCausalLM(full, tp, comm, config.fully_sharded_loras)
+    del full  # the shard is cut: the full projections go
     local = model.local_cfg
     shape = (spec.kv_blocks, config.block_size, local.num_kv_heads, local.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(mcfg.num_layers)]

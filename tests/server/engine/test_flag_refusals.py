@@ -25,17 +25,43 @@ def _server(tmp_path, **kw) -> ServerConfig:
 def test_the_engine_and_the_server_config_give_the_same_line(tmp_path, tiny_model_dir):
     mcfg = ModelConfig.from_dir(tiny_model_dir)
     flags = {"tensor_parallel_size": 2, "lora_page_rows": 16}
-    engine = combination_refusal(EngineConfig(model=str(tiny_model_dir), **flags), mcfg, draft_model=False)
-    assert engine == combination_refusal(_server(tmp_path, **flags), mcfg, draft_model=False)
+    engine = combination_refusal(EngineConfig(model=str(tiny_model_dir), **flags), mcfg, False, tiny_model_dir)
+    assert engine == combination_refusal(_server(tmp_path, **flags), mcfg, False, tiny_model_dir)
     assert engine == "--tensor-parallel-size 2 does not combine with --lora-page-rows yet"
+
+
+@pytest.mark.parametrize("flags, line", [
+    (dict(quantization="int4", int4_group_size=64),
+     "--tensor-parallel-size 2: int4 groups of 64 input channels do not split o_proj's 64 inputs into 2 shards of 32"),
+    (dict(quantization="int4"), None),  # groups of 32: o_proj's 32 and down_proj's 64 per rank
+    (dict(quantization="int8"), None),
+    (dict(quantization="fp8"), "--tensor-parallel-size 2: a quantized base (fp8) is not sharded"),
+])
+def test_quantized_bases_under_tensor_parallel(tmp_path, tiny_model_dir, flags, line):
+    mcfg = ModelConfig.from_dir(tiny_model_dir)
+    got = combination_refusal(_server(tmp_path, tensor_parallel_size=2, **flags), mcfg, False, tiny_model_dir)
+    assert got == line if line is None else got.startswith(line)
+
+
+def test_a_gptq_checkpoints_groups_decide(tmp_path, tiny_model_dir):
+    """No --int4-group-size: the checkpoint's quantization_config groups are the ones that must split."""
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    for group_size, want in ((32, None), (64, "int4 groups of 64"), (-1, "group_size -1")):
+        (gptq / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+            "quant_method": "gptq", "bits": 4, "group_size": group_size}}))
+        got = combination_refusal(_server(tmp_path, tensor_parallel_size=2, quantization="gptq"),
+                                  ModelConfig.from_dir(gptq), False, gptq)
+        assert got is None if want is None else want in got
 
 
 def test_unified_memory_is_refused_for_kv_layer_groups_and_a_draft_model(tmp_path, tiny_model_dir):
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     unified = _server(tmp_path, unified_memory=True, lora_page_rows=16)
-    assert combination_refusal(unified, ModelConfig.from_dict(cfg), draft_model=False) is None
-    assert "a draft model" in combination_refusal(unified, ModelConfig.from_dict(cfg), draft_model=True)
-    gemma = combination_refusal(unified, ModelConfig.from_dict({**cfg, **_GEMMA2}), draft_model=False)
+    assert combination_refusal(unified, ModelConfig.from_dict(cfg), False, tiny_model_dir) is None
+    assert "a draft model" in combination_refusal(unified, ModelConfig.from_dict(cfg), True, tiny_model_dir)
+    gemma = combination_refusal(unified, ModelConfig.from_dict({**cfg, **_GEMMA2}), False, tiny_model_dir)
     assert gemma.startswith("--unified-memory does not serve a model with KV layer groups")
 
 

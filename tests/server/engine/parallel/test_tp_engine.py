@@ -1,6 +1,7 @@
 """The engine with --tensor-parallel-size 2: workers spawned under it, joined over gloo; its greedy
-tokens and logprobs those of TP = 1 for a mixed batch; what is not sharded yet refused in one line;
-a worker that dies fails the engine's step instead of hanging it."""
+tokens and logprobs those of TP = 1 for a mixed batch (base rows, LoRA and DoRA adapters; float, int8
+and int4 bases, each against TP = 1 with the same quantization); what is not sharded yet refused in one
+line; a worker that dies fails the engine's step instead of hanging it."""
 from __future__ import annotations
 
 import os
@@ -9,20 +10,20 @@ import signal
 
 import pytest
 
-from adapters.format import load_adapter_dir
 from server.demo import make_adapter, make_base_model
-from server.engine import LLM, RequestError, SamplingParams
+from server.engine import LLM, SamplingParams
 from server.engine.config import ModelConfigError
 from tests.engine_helpers import random_prompts
+from tests.gptq_writer import write_gptq_checkpoint
 
 KW = dict(device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256)
-NAMES = [None, "r8_all", "r16_rslora", "r8_all", None, "r16_rslora"]
+NAMES = [None, "r8_all", "r16_rslora", "dora_r8_all", None, "r16_rslora"]
 PARAMS = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6, logprobs=0)
 
 
 @pytest.fixture(scope="module")
 def arch_adapters(model_variant_dir, tmp_path_factory):
-    """arch -> (model dir, {"r8_all", "r16_rslora": adapter dir}) for the architectures TP shards."""
+    """arch -> (model dir, {"r8_all", "r16_rslora", "dora_r8_all": adapter dir}) for the architectures TP shards."""
     built = {}
 
     def get(arch: str):
@@ -32,23 +33,25 @@ def arch_adapters(model_variant_dir, tmp_path_factory):
             built[arch] = model_dir, {
                 "r8_all": make_adapter(model_dir, root / "r8_all", r=8, lora_alpha=16, seed=52),
                 "r16_rslora": make_adapter(model_dir, root / "r16_rslora", r=16, lora_alpha=16, use_rslora=True,
-                                           seed=53)}
+                                           seed=53),
+                "dora_r8_all": make_adapter(model_dir, root / "dora_r8_all", r=8, lora_alpha=16, use_dora=True,
+                                            seed=54)}
         return built[arch]
 
     return get
 
 
-def served(llm: LLM, adapters: dict) -> tuple[list, list]:
+def served(llm: LLM, adapters: dict, names: list, seed: int) -> tuple[list, list]:
     for name, path in adapters.items():
         llm.add_adapter(name, path)
-    prompts = random_prompts(len(NAMES), (3, 30), 512, seed=4)
-    outs = llm.generate(prompts, PARAMS, adapters=NAMES)
+    prompts = random_prompts(len(names), (3, 30), 512, seed=seed)
+    outs = llm.generate(prompts, PARAMS, adapters=names)
     return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
 
 
 @pytest.fixture
 def tp_llm(tiny_model_dir):
-    llm = LLM(tiny_model_dir, tensor_parallel_size=2, **KW)
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, **{**KW, "max_lora_rank": 16})
     yield llm
     llm.engine.shutdown()
 
@@ -57,28 +60,71 @@ def tp_llm(tiny_model_dir):
                                                  ("qwen2", True)])  # qwen2: q/k/v biases, cut with their heads
 def test_tp2_engine_matches_tp1(arch, fully_sharded, arch_adapters):
     model_dir, adapters = arch_adapters(arch)
-    llm = LLM(model_dir, tensor_parallel_size=2, fully_sharded_loras=fully_sharded, **KW)
+    llm = assert_tp2_serves_as_tp1(model_dir, adapters, KW, NAMES, 4, fully_sharded_loras=fully_sharded)
+    assert llm.engine.runner.comm.calls["all_reduce"] > 0
+
+
+def assert_tp2_serves_as_tp1(model_dir, adapters: dict, kw: dict, names: list, seed: int, **tp_kw) -> LLM:
+    """TP = 2 (tp_kw on top of kw) and TP = 1 (kw) on a batch of `names`' rows: the same tokens, logprobs
+    within 1e-4. Returns the TP = 2 engine's LLM, shut down, for what its rank 0 kept."""
+    llm = LLM(model_dir, tensor_parallel_size=2, **kw, **tp_kw)
     try:
-        tokens, logprobs = served(llm, adapters)
-        assert llm.engine.runner.comm.calls["all_reduce"] > 0
+        tokens, logprobs = served(llm, adapters, names, seed)
     finally:
         llm.engine.shutdown()
-    want_tokens, want_logprobs = served(LLM(model_dir, **KW), adapters)
+    want_tokens, want_logprobs = served(LLM(model_dir, **kw), adapters, names, seed)
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs):
         assert got == pytest.approx(want, abs=1e-4)
+    return llm
 
 
-def test_dora_adapter_refused_under_tp(tp_llm, tiny_dora_adapters):
-    with pytest.raises(RequestError, match="DoRA adapters are not served with --tensor-parallel-size 2"):
-        tp_llm.add_adapter("d", tiny_dora_adapters["dora_r8_all"])
+DORA_NAMES = [None, "r8_all", "dora_r8_all", "dora_r16_pattern", None, "dora_r8_all", "r16_rslora"]
 
 
-def test_dora_adapter_fetched_on_demand_fails_its_load(tp_llm, tiny_dora_adapters):
-    """The host tier's on-demand path (LoraSlots.prepare on its loader threads) refuses it too."""
-    adapter = load_adapter_dir(tiny_dora_adapters["dora_r8_all"], tp_llm.engine.adapter_shape, 64)
-    with pytest.raises(ValueError, match="does not shard DoRA yet"):
-        tp_llm.engine.host.packed(adapter, "v-dora")
+@pytest.fixture(scope="module")
+def mixed_adapters(tiny_adapters, tiny_dora_adapters) -> dict:
+    """Two LoRA and two DoRA adapters of the tiny model (DORA_NAMES' batch)."""
+    return {"r8_all": tiny_adapters["r8_all"], "r16_rslora": tiny_adapters["r16_rslora"],
+            "dora_r8_all": tiny_dora_adapters["dora_r8_all"],
+            "dora_r16_pattern": tiny_dora_adapters["dora_r16_pattern"]}
+
+
+@pytest.mark.parametrize("quant, fully_sharded", [
+    ({}, False), ({}, True),
+    (dict(quantization="int8", quantize_lm_head=True), False), (dict(quantization="int8"), True),
+    (dict(quantization="int4"), False), (dict(quantization="int4"), True),
+], ids=["float", "float-fully", "int8-lm_head", "int8-fully", "int4", "int4-fully"])
+def test_tp2_dora_and_quantized_bases_match_tp1(tiny_model_dir, mixed_adapters, quant, fully_sharded):
+    """DoRA's per-column scales are the full rows' (whatever the shard), and a quantized base is TP = 1's
+    quantized weights cut: TP = 2 serves TP = 1's tokens, logprobs within 1e-4."""
+    llm = assert_tp2_serves_as_tp1(tiny_model_dir, mixed_adapters, {**KW, **quant, "max_lora_rank": 16},
+                                   DORA_NAMES, 5, fully_sharded_loras=fully_sharded)
+    assert llm.engine.lora_slots.dora_cache.stats.computed >= 2  # rank 0 computed the DoRA scales
+    layer = llm.engine.runner.model.layers[0]
+    want = {None: "Tensor", "int8": "Int8Weight", "int4": "Int4Weight"}[quant.get("quantization")]
+    assert {type(layer.qkv.weight).__name__, type(layer.o.weight).__name__} == {want}  # the shards stay quantized
+
+
+def test_tp2_serves_a_gptq_checkpoint_as_tp1(tiny_model_dir, mixed_adapters, tmp_path):
+    """A GPTQ checkpoint's own int4 groups (32: o_proj's and down_proj's shards are whole groups), cut."""
+    gptq, ref = tmp_path / "gptq", tmp_path / "ref"
+    gptq.mkdir(), ref.mkdir()
+    write_gptq_checkpoint(tiny_model_dir, gptq, ref, 32, act_order=False)
+    llm = assert_tp2_serves_as_tp1(gptq, mixed_adapters, {**KW, "quantization": "gptq", "max_lora_rank": 16},
+                                   DORA_NAMES, 5)
+    assert type(llm.engine.runner.model.layers[0].down.weight).__name__ == "Int4Weight"
+
+
+def test_tp2_dora_matches_peft(tp_llm, tiny_model_dir, tiny_dora_adapters, peft_oracle):
+    """The float32 oracle itself: each DoRA row's greedy tokens are transformers + peft's."""
+    prompts = random_prompts(3, (3, 30), 512, seed=6)
+    names = ["dora_r8_all", "dora_r16_rslora", "dora_r4_qv"]
+    for name in names:
+        tp_llm.add_adapter(name, tiny_dora_adapters[name])
+    outs = tp_llm.generate(prompts, PARAMS, adapters=names)
+    for prompt, name, out in zip(prompts, names, outs):
+        assert out.token_ids == peft_oracle(tiny_model_dir, tiny_dora_adapters[name], prompt, PARAMS.max_tokens), name
 
 
 def test_dead_worker_fails_the_step(tp_llm, tiny_adapters):
@@ -90,7 +136,7 @@ def test_dead_worker_fails_the_step(tp_llm, tiny_adapters):
 
 
 @pytest.mark.parametrize("kw, line", [
-    (dict(quantization="int8"), "a quantized base (int8) is not sharded yet"),
+    (dict(quantization="int4", int4_group_size=64), "int4 groups of 64 input channels do not split o_proj's 64"),
     (dict(tensor_parallel_size=3), "does not divide num_attention_heads"),
     (dict(lora_page_rows=8), "does not combine with --lora-page-rows"),
     (dict(fully_sharded_loras=True, max_lora_rank=9), "does not divide --max-lora-rank (9)"),

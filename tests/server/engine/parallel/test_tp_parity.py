@@ -1,6 +1,6 @@
 """TP = 2 on gloo (two spawned processes) generates the same greedy tokens as TP = 1 and as transformers
-+ peft in float32, logprobs within 1e-4, for a mixed batch of base rows and two adapters of different
-ranks; LoRA sharded as vLLM does by default (tp_layers) and fully (sharded_lora)."""
++ peft in float32, logprobs within 1e-4, for a mixed batch of base rows, two LoRA adapters of different
+ranks and two DoRA ones; LoRA sharded as vLLM does by default (tp_layers) and fully (sharded_lora)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -46,15 +46,20 @@ def peft_logprobs(model_dir, adapter_dir, prompt: list[int], tokens: list[int]) 
 
 
 @pytest.fixture(scope="module")
-def job(tiny_model_dir, tiny_adapters, tmp_path_factory) -> TpJob:
-    adapters = {name: str(tiny_adapters[name]) for name in ("r8_all", "r16_rslora")}
-    names = [None, "r8_all", "r16_rslora", "r8_all", None, "r16_rslora"]
+def job(tiny_model_dir, every_adapter, tmp_path_factory) -> TpJob:
+    adapters = {name: str(every_adapter[name]) for name in ("r8_all", "r16_rslora", "dora_r8_all", "dora_r16_pattern")}
+    names = [None, "r8_all", "r16_rslora", "dora_r8_all", None, "r16_rslora", "dora_r16_pattern", "dora_r8_all"]
     init = f"file://{tmp_path_factory.mktemp('tp-rendezvous') / 'store'}"
     return TpJob(init, str(tiny_model_dir), adapters, random_prompts(len(names), (3, 30), 512, seed=3), names, TOKENS)
 
 
+@pytest.fixture(scope="module")
+def every_adapter(tiny_adapters, tiny_dora_adapters) -> dict:
+    return {**tiny_adapters, **tiny_dora_adapters}
+
+
 @pytest.mark.parametrize("fully_sharded", [False, True], ids=["vllm-default", "fully-sharded"])
-def test_tp2_matches_tp1_and_peft(job, fully_sharded, tiny_model_dir, tiny_adapters, peft_oracle, tmp_path):
+def test_tp2_matches_tp1_and_peft(job, fully_sharded, tiny_model_dir, every_adapter, peft_oracle, tmp_path):
     job = replace(job, init_method=f"file://{tmp_path / 'store'}", fully_sharded_loras=fully_sharded)
     ranks = run_tp(job, WORLD)
     tp1_tokens, tp1_logprobs = generate(build_llm(job), job)
@@ -66,6 +71,6 @@ def test_tp2_matches_tp1_and_peft(job, fully_sharded, tiny_model_dir, tiny_adapt
         for got, want in zip(r.logprobs, tp1_logprobs):
             assert got == pytest.approx(want, abs=1e-4)
     for prompt, name, tokens, logprobs in zip(job.prompts, job.names, ranks[0].tokens, ranks[0].logprobs):
-        adapter = tiny_adapters[name] if name else None
+        adapter = every_adapter[name] if name else None
         assert tokens == peft_oracle(tiny_model_dir, adapter, prompt, TOKENS), name
         assert logprobs == pytest.approx(peft_logprobs(tiny_model_dir, adapter, prompt, tokens), abs=1e-4), name
