@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from server.engine.config import EngineConfig
-from server.engine.step_latency import SMOOTHING, LatencyCap, StepLatency, StepTiming
+from server.engine.step_latency import WINDOW, LatencyCap, StepLatency, StepTiming
 
 pytestmark = pytest.mark.unit
 
@@ -42,11 +42,23 @@ def test_a_step_faster_than_a_decode_step_teaches_no_negative_cost():
     assert latency.unit_seconds == 0.0 and latency.cap(256) == 256  # no cost known yet: the static cap
 
 
-def test_one_slow_step_moves_the_estimates_by_a_fraction_of_its_excess():
+def test_steps_preempted_by_other_processes_do_not_move_the_estimates():
+    latency = StepLatency(LatencyCap(ratio=1.25, floor=8))
+    for i in range(WINDOW):
+        slow = i % 3 == 0  # a third of the steps waited 100 ms for the core
+        latency.observe(StepTiming(0.010 + 0.100 * slow, decoding=1, prompt_work=0))
+    assert latency.decode_seconds == 0.010
+    latency.observe(StepTiming(1.010, decoding=1, prompt_work=100))  # a first prompt step's one-time costs
+    for i in range(WINDOW - 1):
+        latency.observe(StepTiming(0.012 + 0.100 * (i % 3 == 0), decoding=1, prompt_work=20))
+    assert latency.unit_seconds == pytest.approx(0.0001) and latency.cap(256) == pytest.approx(25.0)
+
+
+def test_the_estimates_follow_a_lasting_change_within_their_window():
     latency = StepLatency(LatencyCap())
-    latency.observe(StepTiming(0.010, decoding=1, prompt_work=0))
-    latency.observe(StepTiming(0.110, decoding=1, prompt_work=0))  # preempted by another process
-    assert latency.decode_seconds == pytest.approx(0.010 + SMOOTHING * 0.100)
+    for seconds in (0.010,) * WINDOW + (0.020,) * (WINDOW // 2 + 1):
+        latency.observe(StepTiming(seconds, decoding=1, prompt_work=0))
+    assert latency.decode_seconds == 0.020
 
 
 def test_a_ratio_at_or_below_one_is_refused():
