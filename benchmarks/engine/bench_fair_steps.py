@@ -102,7 +102,7 @@ def main() -> None:
         summary[name] = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
         print(f"{name:<14}" + "".join(f"{summary[name][k]:>26.3f}" for k in keys))
     report = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-              "load_before_after": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()},
+              "load_at_end": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()},
               "median_of_rounds": summary, "rounds": rounds}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
