@@ -10,8 +10,9 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, DATA_PARALLEL_ROUTINGS, ENGINE_PROCESSES,
-                           MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError, ServerConfig)
+from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO, DATA_PARALLEL_ROUTINGS,
+                           ENGINE_PROCESSES, MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError,
+                           ServerConfig)
 from server.default_model import DefaultModelMissing, announce as announce_default_model
 from server.gguf_reader import GGUFError
 from server.startup_checks import check_before_model
@@ -153,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prefill-tokens-while-decoding", type=_prefill_cap, default=AUTO_PREFILL_CAP,
                    metavar="N|auto|off",
                    help="prompt tokens one step may compute while other requests decode, so one long prompt "
-                        "cannot stall everyone's next token; auto: %d on a CPU, off on a GPU (default auto)"
-                        % CPU_PREFILL_CAP)
+                        "cannot stall everyone's next token; auto: on a CPU %d and at most %gx a decode-only step's measured "
+                        "time, off on a GPU (default auto)" % (CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO))
     kv = s.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=_positive_int,
                     help="KV cache size in blocks of 16 tokens (default: sized from --gpu-memory-utilization on a "

@@ -33,6 +33,9 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser: server.api.
 # On a 2-core CPU a 256-token chunk of the demo model's prompt keeps a decoding stream's worst gap under a
 # second where one 2,048-token step stalled it for ~6 s (docs/benchmarks/abuse.md).
 CPU_PREFILL_CAP = 256
+# ... and under it, a step with prompt work costs at most this times a decode-only step, from the engine's
+# measured step times (server.engine.step_latency), as Sarathi-Serve sizes its token budget from the TBT SLO.
+CPU_PREFILL_STEP_RATIO = 1.25
 DEMO_MODEL_FLAG = "demo"  # --model demo: the built-in random-weight model
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # no --model: server.default_model
 # server.engine.config's bounds, repeated: checked here so a start-up mistake is one line before the model
@@ -417,6 +420,11 @@ class ServerConfig:
         if self.max_prefill_tokens_while_decoding == AUTO_PREFILL_CAP:
             return CPU_PREFILL_CAP if device_type == "cpu" else None
         return self.max_prefill_tokens_while_decoding
+
+    def prefill_step_ratio_for(self, device_type: str) -> float | None:
+        """The latency-aware bound under that cap: `auto` on a CPU only; an explicit N or off is taken as given."""
+        auto = self.max_prefill_tokens_while_decoding == AUTO_PREFILL_CAP
+        return CPU_PREFILL_STEP_RATIO if auto and device_type == "cpu" else None
 
     def chat_template_text(self) -> str | None:
         """The chat template the server renders with (None: the tokenizer's own); server.chat_templates."""

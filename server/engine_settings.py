@@ -45,7 +45,8 @@ def engine_config(config: ServerConfig, model_dir: str, shape: ModelShape) -> En
         max_mask_fill_seconds=config.max_grammar_mask_ms / 1000,
         max_mask_seconds_per_request=config.max_grammar_mask_seconds)
     device = engine.resolve_device()
-    engine = dataclasses.replace(engine, max_prefill_tokens_while_decoding=config.prefill_cap_for(device.type))
+    engine = dataclasses.replace(engine, max_prefill_tokens_while_decoding=config.prefill_cap_for(device.type),
+                                 max_prefill_step_ratio=config.prefill_step_ratio_for(device.type))
     if config.max_cpu_loras is not None:
         itemsize = engine.resolve_dtype(ModelConfig.from_dir(Path(model_dir)), device).itemsize
         engine = dataclasses.replace(engine, max_cpu_lora_bytes=cpu_loras_bytes(

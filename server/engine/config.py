@@ -212,6 +212,9 @@ class EngineConfig:
     # Prompt tokens one step may compute while other sequences decode (server.engine.scheduler); None:
     # no cap beyond max_num_batched_tokens.
     max_prefill_tokens_while_decoding: int | None = None
+    # Under that cap, a step with prompt work costs at most this times a decode-only step, from measured step
+    # times (server.engine.step_latency; `auto` on a CPU); None: the cap alone.
+    max_prefill_step_ratio: float | None = None
     kv_cache_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int | None = None  # the CPU KV pool; None: a share of memory (server.engine.kv_cache)
@@ -310,6 +313,9 @@ class EngineConfig:
             raise ValueError("max_mask_fill_seconds and max_mask_seconds_per_request must be > 0")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
+        if self.max_prefill_step_ratio is not None and not (
+                self.max_prefill_step_ratio > 1 and self.max_prefill_tokens_while_decoding is not None):
+            raise ValueError("max_prefill_step_ratio must be > 1, under a max_prefill_tokens_while_decoding")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError("kv_cache_blocks must be >= 1")
         if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes < 1:

@@ -55,6 +55,7 @@ from server.engine.output_processor import IncrementalDetokenizer, OutputProcess
 from server.engine.parallel.tp_leader import start_tensor_parallel
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig, StepCost
 from server.engine.speculative_config import resolve_disable_by_batch_size
+from server.engine.step_latency import LatencyCap
 from server.engine.tokenizer_loader import load_tokenizer
 from server.engine.unified_buffer import UnifiedBuffer, unallocated
 from server.engine.unified_memory import PageUnits, UnifiedPool
@@ -283,7 +284,9 @@ def _build_tiers(config: EngineConfig, step_cost: StepCost, adapter_source: Fetc
                                           config.max_prefill_tokens_while_decoding,
                                           resolve_disable_by_batch_size(config.speculative_config, device.type),
                                           step_cost, mcfg.kv_window,
-                                          mcfg.kv_groups.windows if mcfg.kv_groups is not None else ()),
+                                          mcfg.kv_groups.windows if mcfg.kv_groups is not None else (),
+                                          LatencyCap(config.max_prefill_step_ratio)
+                                          if config.max_prefill_step_ratio is not None else None),
                           blocks, slots, host)
     # Eviction weighs what an adapter costs to bring back: a device copy from the host tier, or a fetch.
     slots.reload_tier = lambda version: "host" if version in host.entries else "store"

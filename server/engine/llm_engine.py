@@ -1,6 +1,8 @@
 """The engine: requests in, tokens out, one `step()` at a time (schedule -> run -> postprocess)."""
 from __future__ import annotations
 
+import time
+
 from adapters.format import LoraAdapter
 from adapters.host_tier import Fetch
 from server.engine.async_step import AsyncStats
@@ -211,10 +213,15 @@ class LLMEngine:
         return self.step_fn()
 
     def step_plain(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if self._idle(batch):
             return []
-        return self.output_processor.postprocess(batch, self._run(batch))
+        outputs = self.output_processor.postprocess(batch, self._run(batch))
+        # The step as a decoding stream sees it, timed around work that already waited for its tokens (the
+        # latency-aware prefill cap learns from it; overlapped steps are not timed: the static cap holds).
+        self.scheduler.observe(time.perf_counter() - start, batch)
+        return outputs
 
     def step_overlapped(self) -> list[RequestOutput]:
         """While step N runs on the worker, step N+1 is scheduled and prepared and queued behind it where

@@ -19,7 +19,9 @@ prompt attends over more positions, a prompt-logprob position runs the
 lm_head): a long prompt is then prefilled in chunks of bounded cost between
 decode steps instead of in one step that stalls every decoding stream for its
 whole duration (one tenant's 2,000-token prompt would otherwise hold up
-everyone's next token for seconds on a CPU).
+everyone's next token for seconds on a CPU). With a latency cap, the cap
+shrinks further to what keeps such a step within a ratio of a decode-only
+step's measured time (Scheduler.observe learns each step's).
 
 A request for n choices is admitted as its choice 0 alone; once that prompt
 is prefilled the other choices fork from it, sharing its blocks. A sequence
@@ -65,8 +67,9 @@ A chunk's tokens are not equal: each attends over every position before it, and 
 logprobs are asked for also runs the lm_head and a log-softmax over the vocabulary. Late in a long
 prompt, and with prompt logprobs, a 256-token chunk costs several times 256 ordinary tokens, and every
 decoding stream waits for it. Counted here from the model's shape (multiply-adds relative to one
-token's projections and MLP), so the cap bounds a step's work, not only its token count, and stays
-deterministic (a measured cost would make the schedule depend on the machine's load).
+token's projections and MLP), so the cap bounds a step's work, not only its token count; the relative
+costs stay deterministic. With SchedulerConfig.latency_cap (`auto` on a CPU) the cap itself is bounded
+further from the engine's measured step times (server.engine.step_latency: what a unit costs in seconds).
 
 Speculative decoding's counters since start (SpecDecodeCounters, SpecDecodeStats), vLLM's `spec_decode`
 metrics: verify steps run (one per sequence and step that had drafts), drafts verified, drafts accepted
@@ -93,6 +96,7 @@ from server.engine.lora.slots import LoraSlots, adapter_from
 from server.engine.ngram_proposer import propose
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.speculative_config import SpeculativeConfig
+from server.engine.step_latency import LatencyCap, StepLatency, StepTiming
 
 
 @dataclass(frozen=True)
@@ -327,6 +331,9 @@ class SchedulerConfig:
     # Windowed layers interleaved with global ones: each KV layer group's window (server.engine.kv_groups),
     # group 0 a global one; () for a model with one group.
     kv_groups: tuple[int | None, ...] = ()
+    # The cap bounded further by measured step times (server.engine.step_latency; `auto` on a CPU); None:
+    # the cap as given.
+    latency_cap: LatencyCap | None = None
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:
@@ -336,6 +343,8 @@ class SchedulerConfig:
         assert not (self.kv_groups and self.kv_window), "an interleaved model has no window over every layer"
         assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         assert self.max_prefill_tokens_while_decoding is None or self.max_prefill_tokens_while_decoding > 0
+        assert self.latency_cap is None or self.max_prefill_tokens_while_decoding is not None, \
+            "the latency-aware cap bounds a cap: it needs one"
 
 
 @dataclass
@@ -348,6 +357,10 @@ class ScheduledBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy), copy-on-write
     # Per sequence: the draft tokens run after its last token (speculative decoding); () for most.
     drafts: list[list[int] | tuple[()]] = field(default_factory=list)
+    # With the latency-aware cap (SchedulerConfig.latency_cap): the step's decoding rows and its prompt
+    # work in StepCost units, what Scheduler.observe learns from once the step has run.
+    decoding: int = 0
+    prompt_work: float = 0.0
 
     @property
     def empty(self) -> bool:
@@ -388,6 +401,7 @@ class Scheduler:
         self.spec_counters = SpecDecodeCounters(spec.method if spec is not None else None)
         self.draft_lengths: dict[Sequence, DraftLength] = {}  # per running sequence: its adaptive k
         self.draft_model: DraftModelProposer | None = None  # the draft_model method's (engine_startup sets it)
+        self.latency = StepLatency(config.latency_cap) if config.latency_cap is not None else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -440,7 +454,7 @@ class Scheduler:
         # step_cost), else the tokens left; split between tenants by fair share, whatever is left over
         # going to prompts that could use it.
         cost = self.config.step_cost if capped else PLAIN
-        total = cap if capped else budget
+        total = (cap if self.latency is None else self.latency.cap(cap)) if capped else budget
         scan = list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON))
         prefill = _PrefillShares(cost, self.waiting.shares(self._demands(prompts, scan, budget, cost, total), total),
                                  total)
@@ -460,7 +474,24 @@ class Scheduler:
         self._share_leftover(batch, budget, prefill)
         if self.draft_model is not None and speculate:
             self._draft_with_model(batch)
+        if self.latency is not None:
+            self._measure(batch, prefill.chunked)
         return batch
+
+    def _measure(self, batch: ScheduledBatch, chunked: set[Sequence]) -> None:
+        """The batch's decoding rows and prompt work (StepCost units, whether or not the step was capped), for
+        observe()."""
+        cost = self.config.step_cost
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq in chunked:
+                batch.prompt_work += cost.chunk(seq, seq.num_computed_tokens, n)
+            else:
+                batch.decoding += 1
+
+    def observe(self, seconds: float, batch: ScheduledBatch) -> None:
+        """`batch` took `seconds` from schedule() to its outputs: the latency-aware cap's estimates learn it."""
+        if self.latency is not None:
+            self.latency.observe(StepTiming(seconds, batch.decoding, batch.prompt_work))
 
     def _draft_with_model(self, batch: ScheduledBatch) -> None:
         """The draft model's drafts for the sequences given room for them (placeholders until now), made

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from server.cli import build_parser
-from server.config import CPU_PREFILL_CAP, ConfigError, ServerConfig
+from server.config import CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO, ConfigError, ServerConfig
 from tests.server.serve_config import serve_config
 
 pytestmark = pytest.mark.unit
@@ -14,6 +14,14 @@ def test_auto_caps_a_cpu_and_not_a_gpu(tmp_path):
     config = serve_config(tmp_path)
     assert config.prefill_cap_for("cpu") == CPU_PREFILL_CAP
     assert config.prefill_cap_for("cuda") is None
+
+
+def test_auto_bounds_a_cpu_step_by_measured_step_times_and_an_explicit_value_does_not(tmp_path):
+    assert serve_config(tmp_path).prefill_step_ratio_for("cpu") == CPU_PREFILL_STEP_RATIO
+    assert serve_config(tmp_path).prefill_step_ratio_for("cuda") is None
+    for flag in ("off", "512"):
+        config = serve_config(tmp_path, "--max-prefill-tokens-while-decoding", flag)
+        assert config.prefill_step_ratio_for("cpu") is None
 
 
 @pytest.mark.parametrize("flag, cap", [("off", None), ("512", 512)])

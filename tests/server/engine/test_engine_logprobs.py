@@ -171,7 +171,33 @@ def test_prompt_logprobs_through_fair_step_chunks_equal_unchunked(tiny_model_dir
     assert sum(chunks) == 150 + 1 and chunks[-1] == 1  # the prompt, then one decode step
     assert max(chunks) < 16 and len(chunks) > 150 // 16 + 1
     assert_matches(outs[16], prompt, scored, hf_logprobs("r8_all", prompt + outs[16].token_ids))
-    assert outs[16].token_ids == outs[None].token_ids
-    for chunked, whole in zip(outs[16].prompt_logprobs[1:], outs[None].prompt_logprobs[1:]):
+    assert_same_prompt_logprobs(outs[16], outs[None])
+
+
+def assert_same_prompt_logprobs(chunked_out, whole_out) -> None:
+    assert chunked_out.token_ids == whole_out.token_ids
+    for chunked, whole in zip(chunked_out.prompt_logprobs[1:], whole_out.prompt_logprobs[1:]):
         assert chunked.token_id == whole.token_id and abs(chunked.logprob - whole.logprob) <= TOL
         assert all(abs(a - b) <= TOL for (_, a), (_, b) in zip(chunked.top, whole.top))
+
+
+def test_prompt_logprobs_through_latency_sized_chunks_equal_unchunked(tiny_model_dir, tiny_adapters):
+    """Under the latency-aware cap (auto on a CPU) chunk sizes follow measured step times, so they differ
+    run to run; the outputs never do."""
+    prompt = random_prompts(1, (150, 150), VOCAB, seed=66)[0]
+    short = random_prompts(1, (6, 6), VOCAB, seed=67)[0]
+    scored = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=5)
+    outs = {}
+    for ratio in (1.25, None):
+        llm = make_llm(tiny_model_dir, tiny_adapters, max_num_batched_tokens=256,
+                       max_prefill_tokens_while_decoding=64 if ratio else None, max_prefill_step_ratio=ratio)
+        engine = llm.engine
+        engine.add_request("victim", short, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
+                           tenant="victim")
+        for _ in range(4):
+            engine.step()
+        engine.add_request("scored", prompt, scored, llm._versions["r8_all"], tenant="scorer")
+        outs[ratio] = drive(engine)["scored"]
+        if ratio:
+            assert engine.scheduler.latency.decode_seconds is not None  # the engine timed its steps
+    assert_same_prompt_logprobs(outs[1.25], outs[None])

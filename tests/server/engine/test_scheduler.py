@@ -19,6 +19,7 @@ from server.engine.block_manager import FREED, BlockManager
 from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
 from server.engine.scheduler import PLAIN, ScheduledBatch, Scheduler, SchedulerConfig, StepCost
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.step_latency import LatencyCap
 from tests.server.engine.sequences import request
 
 pytestmark = pytest.mark.unit
@@ -41,8 +42,9 @@ class Steps:
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, max_loras: int = 2,
                  cap: int | None = None, versions: tuple[str, ...] = (), step_cost: StepCost = PLAIN,
-                 kv_window: int | None = None) -> None:
-        self.config = SchedulerConfig(max_num_seqs, budget, cap, step_cost=step_cost, kv_window=kv_window)
+                 kv_window: int | None = None, latency_cap: LatencyCap | None = None) -> None:
+        self.config = SchedulerConfig(max_num_seqs, budget, cap, step_cost=step_cost, kv_window=kv_window,
+                                      latency_cap=latency_cap)
         self.blocks = BlockManager(num_blocks, BLOCK)
         layers = [{"o": LoraGroupBuffers.allocate(WIDTH, (WIDTH,), max_loras, RANK, torch.float32, "cpu")}]
         self.slots = LoraSlots(layers, max_loras)
@@ -62,10 +64,13 @@ class Steps:
 
     def step(self) -> ScheduledBatch:
         decoding = any(seq.num_pending_tokens == 1 for seq in self.scheduler.running)
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is not None and self.scheduler.latency is not None:
+            cap = self.scheduler.latency.cap(cap)
         batch = self.scheduler.schedule()
         self._check(batch)
-        if decoding and self.config.max_prefill_tokens_while_decoding is not None:
-            self._check_prompt_work(batch)
+        if decoding and cap is not None:
+            self._check_prompt_work(batch, cap)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq not in self.admitted:
                 self.admitted.append(seq)
@@ -115,7 +120,7 @@ class Steps:
         for seq in batch.preempted:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq in sched.waiting
 
-    def _check_prompt_work(self, batch: ScheduledBatch) -> None:
+    def _check_prompt_work(self, batch: ScheduledBatch, cap: float) -> None:
         """While some sequence decodes, the step's prompt chunks cost at most the cap, passed only by the
         one token a tenant's first chunk may take past its share."""
         cost = self.config.step_cost
@@ -124,7 +129,7 @@ class Steps:
             if seq.num_pending_tokens > 1:
                 work += cost.chunk(seq, seq.num_computed_tokens, n)
                 first_tokens.setdefault(seq.tenant, cost.chunk(seq, seq.num_computed_tokens, 1))
-        assert work <= self.config.max_prefill_tokens_while_decoding + sum(first_tokens.values()) + 1e-6
+        assert work <= cap + sum(first_tokens.values()) + 1e-6
 
     def expected_tokens(self, seq: Sequence) -> list[int]:
         """What `seq` generates had it never been preempted (tokens depend on their position alone)."""
@@ -422,3 +427,54 @@ def test_a_prompt_whose_token_costs_more_than_its_share_still_moves_a_token_a_st
     for i in range(1, 4):
         batch = s.step()
         assert victim in batch.seqs and scored.num_computed_tokens == i
+
+
+def _timed(s: Steps, decode_s: float, unit_s: float) -> list[float]:
+    """Runs `s` to the end on a simulated clock (a step costs `decode_s` plus `unit_s` per StepCost unit of
+    prompt work), each step's time fed back to the scheduler as the engine does; the times of the steps
+    in which some sequence decoded."""
+    times = []
+    for _ in range(2000):
+        if not s.scheduler.has_unfinished():
+            return times
+        batch = s.step()
+        seconds = decode_s + unit_s * batch.prompt_work
+        s.scheduler.observe(seconds, batch)
+        if batch.decoding:
+            times.append(seconds)
+    raise AssertionError("the scheduler stopped making progress")
+
+
+def test_the_latency_aware_cap_bounds_a_step_to_its_ratio_of_a_decode_only_step():
+    # A decode step costs 10 ms and a prompt token 0.1 ms: 1.25x leaves 2.5 ms, 25 tokens, under the cap of 64.
+    s = Steps(budget=128, cap=64, num_blocks=256, latency_cap=LatencyCap(ratio=1.25, floor=4))
+    victim = _decoding(s, max_tokens=120)
+    s.scheduler.observe(0.010, s.step())  # a decode-only step
+    long = s.add(400, tenant="a", max_tokens=1)
+    first = s.step()  # no prompt step timed yet: the static cap
+    assert _per_tenant(first) == {"a": 64} and first.decoding == 1 and first.prompt_work == 64
+    s.scheduler.observe(0.010 + 0.0001 * 64, first)
+    times = _timed(s, 0.010, 0.0001)
+    assert long.finished and victim.finished
+    assert max(times) <= 1.25 * 0.010 + 1e-9 and 0.0125 in {round(t, 9) for t in times}
+
+
+def test_the_latency_aware_cap_never_starves_a_prompt_below_its_floor():
+    # A prompt token costing as much as a whole decode step would get a quarter of one: the floor, 4, holds.
+    s = Steps(budget=128, cap=64, num_blocks=128, latency_cap=LatencyCap(ratio=1.25, floor=4))
+    victim = _decoding(s, max_tokens=60)
+    s.scheduler.latency.decode_seconds, s.scheduler.latency.unit_seconds = 0.010, 0.010
+    long = s.add(100, tenant="a", max_tokens=1)
+    batch = s.step()
+    assert victim in batch.seqs and _per_tenant(batch) == {"a": 4}
+    _timed(s, 0.010, 0.010)
+    assert long.finished and victim.finished
+
+
+def test_an_explicit_cap_is_not_bounded_by_step_times():
+    s = Steps(budget=64, cap=16)
+    _decoding(s)
+    s.add(40, tenant="a", max_tokens=1)
+    batch = s.step()
+    s.scheduler.observe(1.0, batch)  # no latency cap: nothing learns, nothing changes
+    assert s.scheduler.latency is None and _per_tenant(s.step()) == {"a": 16}
