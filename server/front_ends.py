@@ -50,7 +50,7 @@ from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
 from server.engine.core.commands import SHUTDOWN
 from server.engine.core.launch import CoreLaunch
-from server.engine.core.launcher import spawn_core
+from server.engine.core.launcher import CoreStarter
 from server.engine.core.messages import Command
 from server.engine.protocol.remote import SHUTDOWN_WAIT_S, RestartPolicy
 from server.engine_mode import core_launch
@@ -77,13 +77,14 @@ class CoreOwner:
     """The engine-core process at a fixed input address, restarted there on death while the policy
     allows (and once front ends were served by it: a core that never started would fail again)."""
 
-    def __init__(self, launch: CoreLaunch, restarts: RestartPolicy | None) -> None:
+    def __init__(self, launch: CoreLaunch, restarts: RestartPolicy | None, starter: CoreStarter) -> None:
         self._launch = launch
+        self._starter = starter
         self._restarts = restarts
         self._stopping = False
         self.served = False
         self.gave_up = False
-        self._proc = spawn_core(launch)
+        self._proc = starter.start(launch)
         threading.Thread(target=self._watch, name="core-owner", daemon=True).start()
 
     def _watch(self) -> None:
@@ -97,7 +98,7 @@ class CoreOwner:
                 self.gave_up = True
                 return
             log.error("the engine core exited with status %d; starting a new one at the same address", code)
-            self._proc = spawn_core(self._launch)
+            self._proc = self._starter.start(self._launch)
 
     def stop(self) -> None:
         """After the front ends: tell the core to stop (it finishes its queues), kill it past the wait."""
@@ -167,8 +168,9 @@ class _Stops:
                 os.kill(pid, sig)
 
 
-def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
-    """The parent's life; its exit status: 0 after a stop, 1 when a front end or the core died."""
+def run_front_ends(config: ServerConfig, sock: socket.socket, starter: CoreStarter) -> int:
+    """The parent's life; its exit status: 0 after a stop, 1 when a front end or the core died. `starter`
+    (the CLI's, holding the core it reserved) starts the core and restarts it."""
     from server.cli import banner, bind_listener, place_cpus_of
 
     place_cpus_of(config)  # the parent on the front ends' cores: the spawned ones inherit it
@@ -187,7 +189,7 @@ def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
         address = f"ipc://{workdir}/core"
         restarts = RestartPolicy(config.engine_restart_limit, ENGINE_RESTART_WINDOW_S) if config.engine_restart \
             else None
-        core = CoreOwner(_launch(config, redis_url, address), restarts)
+        core = CoreOwner(_launch(config, redis_url, address), restarts, starter)
         owned.callback(core.stop)
         # One SO_REUSEPORT socket per front end on the CLI's port (the first is the CLI's own).
         sockets = [sock]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from server.cpu_list import format_cpu_list
 from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
+from server.engine.core.launcher import CoreStarter
 from server.engine.data_parallel.client import DataParallelEngineClient
 from server.engine.data_parallel.core_split import core_configs
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
@@ -19,17 +20,19 @@ log = logging.getLogger(__name__)
 
 
 def build_data_parallel(config: ServerConfig, engine: EngineConfig, launch_of: Callable[[EngineConfig], CoreLaunch],
-                        restarts: Callable[[], RestartPolicy | None]) -> DataParallelEngineClient:
+                        restarts: Callable[[], RestartPolicy | None],
+                        starter: CoreStarter) -> DataParallelEngineClient:
     """Blocking: every core's weights loaded and pools sized. `launch_of`: a core's CoreLaunch from its
     EngineConfig (server.engine_mode.core_launch with the server's Redis and adapter settings);
-    `restarts`: a fresh --engine-restart policy (each core counts its own restarts)."""
+    `restarts`: a fresh --engine-restart policy (each core counts its own restarts); `starter`: the
+    server's, which every core is started and restarted with."""
     configs = core_configs(engine, config.data_parallel_size)
     for i, one in enumerate(configs):
         where = f"cores {format_cpu_list(one.cpu_affinity)}" if one.cpu_affinity is not None else one.device
         log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.resolve_cpu_threads())
 
     def starter(one: EngineConfig, policy: RestartPolicy | None):
-        return lambda: RemoteEngineClient.build(launch_of(one), restarts=policy)
+        return lambda: RemoteEngineClient.build(launch_of(one), starter, restarts=policy)
 
     return DataParallelEngineClient.build([starter(one, restarts()) for one in configs],
                                           config.data_parallel_routing)
