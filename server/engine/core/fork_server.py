@@ -105,12 +105,14 @@ class CoreForkServer:
         self._server = forkserver.ForkServer()
         self._server.set_forkserver_preload(PRELOAD)
         self._cores: list[ForkServedCore] = []
+        self._lock = threading.Lock()  # data-parallel cores start from several threads at once
 
     def start(self, raw_launch: bytes) -> ForkServedCore:
         process = multiprocessing.get_context("forkserver").Process(
             target=run_forked_core, args=(raw_launch,), name="loraplex-core")
         core = ForkServedCore(_Popen(process, self._server))
-        self._cores = [c for c in self._cores if c.poll() is None] + [core]
+        with self._lock:
+            self._cores = [c for c in self._cores if c.poll() is None] + [core]
         return core
 
     @property
@@ -120,8 +122,9 @@ class CoreForkServer:
 
     def idle(self) -> bool:
         """No core of its runs (each one's exit status read: the fork server has reaped it)."""
-        self._cores = [c for c in self._cores if c.poll() is None]
-        return not self._cores
+        with self._lock:
+            self._cores = [c for c in self._cores if c.poll() is None]
+            return not self._cores
 
     def close(self) -> None:
         """End the fork server and reap it: its alive pipe closed (it exits once no core of its holds the

@@ -31,8 +31,8 @@ def build_data_parallel(config: ServerConfig, engine: EngineConfig, launch_of: C
         where = f"cores {format_cpu_list(one.cpu_affinity)}" if one.cpu_affinity is not None else one.device
         log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.resolve_cpu_threads())
 
-    def starter(one: EngineConfig, policy: RestartPolicy | None):
+    def start_core(one: EngineConfig, policy: RestartPolicy | None):
         return lambda: RemoteEngineClient.build(launch_of(one), starter, restarts=policy)
 
-    return DataParallelEngineClient.build([starter(one, restarts()) for one in configs],
+    return DataParallelEngineClient.build([start_core(one, restarts()) for one in configs],
                                           config.data_parallel_routing)
