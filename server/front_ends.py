@@ -56,6 +56,7 @@ from server.engine.protocol.remote import SHUTDOWN_WAIT_S, RestartPolicy
 from server.engine_mode import core_launch
 from server.engine_settings import engine_config
 from server.model_source import resolve_model
+from server.starting_responder import StartingResponder
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,12 @@ class _Stops:
                 os.kill(pid, sig)
 
 
-def run_front_ends(config: ServerConfig, sock: socket.socket, starter: CoreStarter) -> int:
+def run_front_ends(config: ServerConfig, sock: socket.socket, starter: CoreStarter,
+                   starting: StartingResponder) -> int:
     """The parent's life; its exit status: 0 after a stop, 1 when a front end or the core died. `starter`
-    (the CLI's, holding the core it reserved) starts the core and restarts it."""
+    (the CLI's, holding the core it reserved) starts the core and restarts it; `starting`: the CLI's 503
+    answerer on `sock`. Each socket is answered 503 here until its front end is spawned (which answers
+    503 itself until it is ready)."""
     from server.cli import banner, bind_listener, place_cpus_of
 
     place_cpus_of(config)  # the parent on the front ends' cores: the spawned ones inherit it
@@ -193,8 +197,15 @@ def run_front_ends(config: ServerConfig, sock: socket.socket, starter: CoreStart
         owned.callback(core.stop)
         # One SO_REUSEPORT socket per front end on the CLI's port (the first is the CLI's own).
         sockets = [sock]
+        answering = [starting]
+
+        def stop_answering() -> None:
+            for responder in answering:
+                responder.stop()
+        owned.callback(stop_answering)
         for _ in range(1, config.api_server_count):
             sockets.append(owned.enter_context(bind_listener(config.host, sock.getsockname()[1], reuse_port=True)))
+            answering.append(StartingResponder(sockets[-1]).start())
         ctx = multiprocessing.get_context("spawn")
         ready: multiprocessing.Queue = ctx.Queue()
         procs: list[multiprocessing.Process] = []
@@ -204,6 +215,7 @@ def run_front_ends(config: ServerConfig, sock: socket.socket, starter: CoreStart
             fe = dataclasses.replace(config, redis_url=redis_url, engine_address=address, front_end_index=index)
             proc = ctx.Process(target=front_end_main, args=(fe, sockets[index], ready),
                                name=f"loraplex-front-end-{index}")
+            answering[index].stop()  # the socket is the front end's from here
             proc.start()
             procs.append(proc)
             stops.pids.append(proc.pid)
