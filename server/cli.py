@@ -9,14 +9,19 @@ import socket
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO, DATA_PARALLEL_ROUTINGS,
                            ENGINE_PROCESSES, MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError,
                            ServerConfig)
 from server.default_model import DefaultModelMissing, announce as announce_default_model
 from server.gguf_reader import GGUFError
+from server.starting_responder import StartingResponder
 from server.startup_checks import check_before_model
 from server.version import loraplex_version
+
+if TYPE_CHECKING:
+    from server.engine.core.launcher import CoreStarter
 
 
 def _max_loras(text: str) -> int | None:
@@ -396,10 +401,13 @@ def log_to_stderr() -> None:
     root.setLevel(logging.INFO)
 
 
-def serve(config: ServerConfig, sock: socket.socket, on_ready=None, place_cpus: bool = True) -> int:
+def serve(config: ServerConfig, sock: socket.socket, on_ready=None, place_cpus: bool = True,
+          starter: CoreStarter | None = None, starting: StartingResponder | None = None) -> int:
     """The exit status: 0 after a stop, 1 when the engine core died (--engine-process separate).
     `on_ready` gets the StartupInfo (default: print the banner); `place_cpus` False: a front end of
-    several, whose parent placed itself (server.front_ends)."""
+    several, whose parent placed itself (server.front_ends); `starter`: the caller's CoreStarter
+    (main's, holding the core it reserved; None: the app's own); `starting`: the caller's 503 answerer
+    on `sock` (None: one from here), stopped once the app is ready, before uvicorn accepts."""
     import uvicorn
 
     from server.api.app import create_app
@@ -407,18 +415,26 @@ def serve(config: ServerConfig, sock: socket.socket, on_ready=None, place_cpus: 
 
     if place_cpus:
         place_cpus_of(config)
+    if starting is None:
+        starting = StartingResponder(sock).start()
     died = []
 
     def engine_died() -> None:
         died.append(True)
         server.should_exit = True
 
-    app = create_app(config, on_ready=on_ready or (lambda info: banner(info, config.shutdown_timeout)),
-                     on_engine_death=engine_died)
-    uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=config.shutdown_timeout)
-    quiet_uvicorn_lifecycle()
-    server = QuietStopServer(uv_config)
-    server.run(sockets=[sock])
+    def ready(info) -> None:
+        starting.stop()
+        (on_ready or (lambda info: banner(info, config.shutdown_timeout)))(info)
+
+    try:
+        app = create_app(config, on_ready=ready, on_engine_death=engine_died, starter=starter)
+        uv_config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=config.shutdown_timeout)
+        quiet_uvicorn_lifecycle()
+        server = QuietStopServer(uv_config)
+        server.run(sockets=[sock])
+    finally:
+        starting.stop()
     return 1 if died else 0
 
 
@@ -538,11 +554,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_before_model(args, os.environ, held)
             config = ServerConfig.from_args(args)
+            starter = None
             if config.engine_process == "separate":
                 # Forked here, before any thread: the engine core's imports are this process's own.
+                from server.engine.core.launcher import CoreStarter
                 from server.engine.core.reserved import reserve_core
 
-                held.enter_context(reserve_core(close=(sock.fileno(),)))
+                starter = CoreStarter(reserve_core(close=(sock.fileno(),)))
+                held.callback(starter.close)
+            # After the fork (a thread from here on): 503 on the port while the model is prepared.
+            starting = StartingResponder(sock).start()
+            held.callback(starting.stop)
             prepare_model(config)
         except (ConfigError, DefaultModelMissing, GGUFError) as e:
             print(f"loraplex: error: {e}", file=sys.stderr)
@@ -553,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.api_server_count > 1:
             from server.front_ends import run_front_ends
 
-            return run_front_ends(config, sock)
-        return serve(config, sock)
+            return run_front_ends(config, sock, starter, starting)
+        return serve(config, sock, starter=starter, starting=starting)
 
 
 if __name__ == "__main__":

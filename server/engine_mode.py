@@ -1,7 +1,8 @@
 """--engine-process: the engine client the server's state holds, in this process or an engine core's.
 
 Outside server/api, like server.engine_settings: the HTTP side gets an EngineClient and never
-imports either implementation (tests/server/api/test_engine_boundary.py).
+imports either implementation (tests/server/api/test_engine_boundary.py); the app holds the
+CoreStarter it is handed (or makes one) as an opaque object from here.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from adapters.registry_fetch import registry_fetch
 from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
 from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
+from server.engine.core.launcher import CoreStarter
 from server.engine.data_parallel.launch import attach_data_parallel, build_data_parallel
 from server.engine.protocol.client import EngineClient
 from server.engine.async_engine import InProcessEngineClient
@@ -38,9 +40,11 @@ def restart_policy(config: ServerConfig) -> RestartPolicy | None:
 
 
 def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: str, shape: ModelShape,
-                  registry: AdapterRegistry, pager: LoaderPool | None, client: redis.Redis) -> EngineClient:
-    """The engine client --engine-process asks for (blocking: the weights load, here or in the core);
-    one of several front ends (--api-server-count) attaches to the core(s) its parent runs."""
+                        registry: AdapterRegistry, pager: LoaderPool | None, client: redis.Redis,
+                        starter: CoreStarter) -> EngineClient:
+    """The engine client --engine-process asks for (blocking: the weights load, here or in the core,
+    started with `starter`); one of several front ends (--api-server-count) attaches to the core(s) its
+    parent runs."""
     if config.engine_addresses:
         launch = core_launch(config, engine, redis_url, shape, pager is not None)
         if len(config.engine_addresses) == 1:
@@ -49,9 +53,9 @@ def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: s
     if config.data_parallel_size > 1:
         return build_data_parallel(config, engine,
                                    lambda one: core_launch(config, one, redis_url, shape, pager is not None),
-                                   lambda: restart_policy(config))
+                                   lambda: restart_policy(config), starter)
     if config.engine_process == "separate":
-        return RemoteEngineClient.build(core_launch(config, engine, redis_url, shape, pager is not None),
+        return RemoteEngineClient.build(core_launch(config, engine, redis_url, shape, pager is not None), starter,
                                         restarts=restart_policy(config))
     return InProcessEngineClient.build(engine, registry_fetch(registry, shape, config.max_lora_rank, pager),
                                        DoraScaleStore(client, prefix=config.redis_prefix))

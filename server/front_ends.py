@@ -53,13 +53,14 @@ from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
 from server.engine.core.commands import SHUTDOWN
 from server.engine.core.launch import CoreLaunch
-from server.engine.core.launcher import spawn_core
+from server.engine.core.launcher import CoreStarter
 from server.engine.core.messages import Command
 from server.engine.data_parallel.launch import placed_configs
 from server.engine.protocol.remote import SHUTDOWN_WAIT_S, RestartPolicy
 from server.engine_mode import core_launch, restart_policy
 from server.engine_settings import engine_config
 from server.model_source import resolve_model
+from server.starting_responder import StartingResponder
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +82,15 @@ class CoreOwner:
     """One engine-core process at a fixed input address, restarted there on death while the policy
     allows (and once front ends were served by it: a core that never started would fail again)."""
 
-    def __init__(self, launch: CoreLaunch, restarts: RestartPolicy | None) -> None:
+    def __init__(self, launch: CoreLaunch, restarts: RestartPolicy | None, starter: CoreStarter) -> None:
         self._launch = launch
         self.address = launch.input_address
+        self._starter = starter
         self._restarts = restarts
         self._stopping = False
         self.served = False
         self.gave_up = False
-        self._proc = spawn_core(launch)
+        self._proc = starter.start(launch)
         threading.Thread(target=self._watch, name="core-owner", daemon=True).start()
 
     def _watch(self) -> None:
@@ -103,7 +105,7 @@ class CoreOwner:
                 return
             log.error("the engine core at %s exited with status %d; starting a new one at the same address",
                       self.address, code)
-            self._proc = spawn_core(self._launch)
+            self._proc = self._starter.start(self._launch)
 
     def stop(self) -> None:
         """After the front ends: tell the core to stop (it finishes its queues), kill it past the wait."""
@@ -177,8 +179,12 @@ class _Stops:
                 os.kill(pid, sig)
 
 
-def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
-    """The parent's life; its exit status: 0 after a stop, 1 when a front end or the core died."""
+def run_front_ends(config: ServerConfig, sock: socket.socket, starter: CoreStarter,
+                   starting: StartingResponder) -> int:
+    """The parent's life; its exit status: 0 after a stop, 1 when a front end or the core died. `starter`
+    (the CLI's, holding the core it reserved) starts the core and restarts it; `starting`: the CLI's 503
+    answerer on `sock`. Each socket is answered 503 here until its front end is spawned (which answers
+    503 itself until it is ready)."""
     from server.cli import banner, bind_listener, place_cpus_of
 
     place_cpus_of(config)  # the parent on the front ends' cores: the spawned ones inherit it
@@ -196,13 +202,20 @@ def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
             redis_url = embedded.url
         cores = []
         for launch in _launches(config, redis_url, workdir):  # each core restarts on its own policy
-            cores.append(CoreOwner(launch, restart_policy(config)))
+            cores.append(CoreOwner(launch, restart_policy(config), starter))
             owned.callback(cores[-1].stop)
         addresses = tuple(core.address for core in cores)
         # One SO_REUSEPORT socket per front end on the CLI's port (the first is the CLI's own).
         sockets = [sock]
+        answering = [starting]
+
+        def stop_answering() -> None:
+            for responder in answering:
+                responder.stop()
+        owned.callback(stop_answering)
         for _ in range(1, config.api_server_count):
             sockets.append(owned.enter_context(bind_listener(config.host, sock.getsockname()[1], reuse_port=True)))
+            answering.append(StartingResponder(sockets[-1]).start())
         ctx = multiprocessing.get_context("spawn")
         ready: multiprocessing.Queue = ctx.Queue()
         procs: list[multiprocessing.Process] = []
@@ -212,6 +225,7 @@ def run_front_ends(config: ServerConfig, sock: socket.socket) -> int:
             fe = dataclasses.replace(config, redis_url=redis_url, engine_addresses=addresses, front_end_index=index)
             proc = ctx.Process(target=front_end_main, args=(fe, sockets[index], ready),
                                name=f"loraplex-front-end-{index}")
+            answering[index].stop()  # the socket is the front end's from here
             proc.start()
             procs.append(proc)
             stops.pids.append(proc.pid)

@@ -24,6 +24,7 @@ from server.api.app import create_app
 from server.api.state import ServerState
 from server.config import ServerConfig
 from server.embedded_redis.server import EmbeddedRedis, free_port
+from server.engine.core.launcher import CoreStarter
 from server.engine.tokenizer_loader import load_tokenizer
 
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
@@ -120,9 +121,22 @@ class ServerHandle:
             return c.post("/v1/adapters", data=data, files=files)
 
 
+@pytest.fixture(scope="session")
+def core_starter() -> Iterator[CoreStarter]:
+    """One CoreStarter for the session's engine cores, as `serve` has one per process: its fork server
+    (seconds of imports) is shared by every server and client that is handed it."""
+    starter = CoreStarter()
+    try:
+        yield starter
+    finally:
+        starter.close()
+
+
 @contextlib.contextmanager
-def running_server(config: ServerConfig, timeout: float = 120.0) -> Iterator[ServerHandle]:
-    app = create_app(config)
+def running_server(config: ServerConfig, timeout: float = 120.0,
+                   starter: CoreStarter | None = None) -> Iterator[ServerHandle]:
+    """`starter`: the engine cores' (None: the app's own, closed with it)."""
+    app = create_app(config, starter=starter)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
@@ -167,11 +181,11 @@ def api_redis_url(redis_server: EmbeddedRedis, flush: bool = True) -> str:
 
 
 @pytest.fixture(scope="module")
-def api_server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[ServerHandle]:
+def api_server(tmp_path_factory, tiny_model_dir, redis_server, core_starter) -> Iterator[ServerHandle]:
     url = api_redis_url(redis_server)
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("api-data"), url,
                            rate_window_seconds=2.0)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -23,6 +23,7 @@ from server.api.housekeeping import run_upkeep
 from server.api.response_headers import ReplicaHeader, SecurityHeaders
 from server.api.state import ServerState
 from server.config import ServerConfig
+from server.engine_mode import CoreStarter
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +34,27 @@ def _base_url(config: ServerConfig) -> str:
 
 
 def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | None = None,
-               on_engine_death: Callable[[], None] | None = None) -> Starlette:
+               on_engine_death: Callable[[], None] | None = None,
+               starter: CoreStarter | None = None) -> Starlette:
     """`on_ready` gets the start-up info (tokens, demo key; None in a front end other than the first of
     several) once the server can serve; `on_engine_death`
-    (--engine-process separate) stops the server once the engine core died (server.api.engine_watch)."""
+    (--engine-process separate) stops the server once the engine core died (server.api.engine_watch);
+    `starter` starts engine cores (its owner closes it: `serve`'s, with the core it reserved); None: the
+    app makes one of its own, closed when it stops."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state = await run_in_threadpool(ServerState.build, config)
+        async with contextlib.AsyncExitStack() as owned:
+            cores = starter
+            if cores is None:
+                cores = CoreStarter()
+                owned.push_async_callback(run_in_threadpool, cores.close)
+            async with _served(app, cores):
+                yield
+
+    @contextlib.asynccontextmanager
+    async def _served(app: Starlette, cores: CoreStarter) -> AsyncIterator[None]:
+        state = await run_in_threadpool(ServerState.build, config, cores)
         try:
             state.engine.start()
             state.settlements.start()

@@ -32,7 +32,7 @@ from server.embedded_redis import DATA_SUBDIR
 from server.embedded_redis.server import EmbeddedRedis
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.protocol import EngineClient
-from server.engine_mode import build_engine_client
+from server.engine_mode import CoreStarter, build_engine_client
 from server.engine_settings import engine_config
 from server.model_source import resolve_model
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
@@ -89,8 +89,9 @@ class ServerState:
     embedded_redis: EmbeddedRedis | None
 
     @classmethod
-    def build(cls, config: ServerConfig) -> "ServerState":
-        """Blocking (starts Redis, may build the demo model, loads weights): run it off the loop."""
+    def build(cls, config: ServerConfig, starter: CoreStarter) -> "ServerState":
+        """Blocking (starts Redis, may build the demo model, loads weights): run it off the loop.
+        `starter`: how engine cores start (--engine-process separate), the caller's to close."""
         embedded = None
         client = None
         loaders = pager = None
@@ -122,7 +123,7 @@ class ServerState:
             shape = dataclasses.replace(ModelShape.from_hf_config(hf_config),
                                         max_vocab_bytes=config.max_lora_vocab_bytes)
             engine = build_engine_client(config, engine_config(config, model_dir, shape), url, shape, registry,
-                                         pager, client)
+                                         pager, client, starter)
             retirements = RetirementListener(client, registry.events_channel, engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(engine),
                                              retired=registry.retired_versions)

@@ -7,6 +7,7 @@ import queue
 
 from server.engine.core.commands import reply_of
 from server.engine.core.messages import Accepted
+from server.engine.core.queue_items import AbortRequests, AddRequest, Call, Send, StepOutputs, Stop, Track
 from server.engine.llm_engine import LLMEngine, RequestError
 from server.engine.protocol.snapshot import EngineSnapshot, engine_snapshot
 
@@ -14,9 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """inbox items: ("add", owner, request_id, prompt_ids, params, version_id, tenant, priority,
-    tenant_weight, cache_salt, grammar), ("abort", request_ids), ("call", owner, call_id, fn), ("stop",).
-    outbox items (server.engine.core.output_socket): ("track", ...), ("send", owner, message), ("outputs", list)."""
+    """Reads the inbox's items, writes outbox items (server.engine.core.queue_items)."""
 
     def __init__(self, engine: LLMEngine, inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
         self.engine = engine
@@ -43,7 +42,7 @@ class EngineCore:
                 # Stats first: a front end woken by an output finds a snapshot at least as new.
                 self._stats = engine.stats()
                 if outputs:
-                    self._outbox.put(("outputs", outputs))
+                    self._outbox.put(StepOutputs(outputs))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -57,38 +56,35 @@ class EngineCore:
             except queue.Empty:
                 return
 
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "add":
-            self._add(*item[1:])
-        elif kind == "abort":
-            for request_id in item[1]:
+    def _handle(self, item: AddRequest | AbortRequests | Call | Stop) -> None:
+        if isinstance(item, AddRequest):
+            self._add(item)
+        elif isinstance(item, AbortRequests):
+            for request_id in item.request_ids:
                 self.engine.abort_request(request_id)
-        elif kind == "call":
-            _, owner, call_id, fn = item
-            reply = reply_of(call_id, lambda: fn(self.engine))
+        elif isinstance(item, Call):
+            reply = reply_of(item.call_id, lambda: item.fn(self.engine))
             self._stats = self.engine.stats()  # the reply's snapshot shows the command done
-            if call_id:
-                self._outbox.put(("send", owner, reply))
+            if item.call_id:
+                self._outbox.put(Send(item.owner, reply))
             elif reply.error is not None:
                 log.error("engine command failed: %s", reply.error)
-        elif kind == "stop":
+        elif isinstance(item, Stop):
             self._stopping = True
         else:
-            raise AssertionError(f"unknown command {kind!r}")
+            raise AssertionError(f"unknown inbox item {item!r}")
 
-    def _add(self, owner: bytes, request_id: str, prompt_ids: list[int], params, version_id, tenant, priority,
-             tenant_weight, cache_salt, grammar) -> None:
+    def _add(self, a: AddRequest) -> None:
         try:
-            self.engine.add_request(request_id, prompt_ids, params, version_id, tenant, priority, tenant_weight,
-                                    cache_salt=cache_salt, grammar=grammar)
+            self.engine.add_request(a.request_id, a.prompt_ids, a.params, a.version_id, a.tenant, a.priority,
+                                    a.tenant_weight, cache_salt=a.cache_salt, grammar=a.grammar)
         except RequestError as e:
-            self._outbox.put(("send", owner, Accepted(request_id, str(e), invalid=True)))
+            self._outbox.put(Send(a.owner, Accepted(a.request_id, str(e), invalid=True)))
             return
         except Exception as e:  # noqa: BLE001 - handed to the caller
-            log.exception("adding request %s failed", request_id)
-            self._outbox.put(("send", owner, Accepted(request_id, f"{type(e).__name__}: {e}")))
+            log.exception("adding request %s failed", a.request_id)
+            self._outbox.put(Send(a.owner, Accepted(a.request_id, f"{type(e).__name__}: {e}")))
             return
         # Tracked before the verdict, on the same queue: its first output cannot overtake either.
-        self._outbox.put(("track", request_id, owner, params.n))
-        self._outbox.put(("send", owner, Accepted(request_id)))
+        self._outbox.put(Track(a.request_id, a.owner, a.params.n))
+        self._outbox.put(Send(a.owner, Accepted(a.request_id)))

@@ -71,17 +71,17 @@ class FetchingCommands:
         try:
             adapter = self._fetch(version)
         except Exception as e:  # noqa: BLE001 - handed to the caller
-            self._outbox.put(("send", owner, Reply(call_id, error=f"{type(e).__name__}: {e}")))
+            self._outbox.put(Send(owner, Reply(call_id, error=f"{type(e).__name__}: {e}")))
             return
-        self._inbox.put(("call", owner, call_id, lambda engine: engine.add_adapter(version, adapter)))
+        self._inbox.put(Call(owner, call_id, lambda engine: engine.add_adapter(version, adapter)))
 
     def _precompute_dora(self, owner: bytes, call_id: int, version: str) -> None:
         try:
             done = self._engine.dora_precompute.submit(version, self._fetch(version))
         except Exception as e:  # noqa: BLE001 - handed to the caller
-            self._outbox.put(("send", owner, Reply(call_id, error=f"{type(e).__name__}: {e}")))
+            self._outbox.put(Send(owner, Reply(call_id, error=f"{type(e).__name__}: {e}")))
             return
-        done.add_done_callback(lambda f: self._outbox.put(("send", owner, reply_of(call_id, f.result))))
+        done.add_done_callback(lambda f: self._outbox.put(Send(owner, reply_of(call_id, f.result))))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

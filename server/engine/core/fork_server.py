@@ -12,6 +12,11 @@ The launch reaches the child as its msgpack bytes, the target's only argument; t
 preparation carries no main module (a user's script is not imported again in the core). The core
 is not one of multiprocessing's children (its exit handler would join it): ForkServedCore is the
 handle, as much of subprocess.Popen as the engine clients use, its exit status from the fork server.
+
+A fork server is ~295 MiB of imports: close() ends one that no core needs any more (its owner, the
+CoreStarter, keeps few: server.engine.core.launcher). multiprocessing gives every child the fork
+server's "alive" pipe, so the fork server outlives our end of it while one of its cores runs: close
+waits for it (it has reaped every core by then: each one's status was read), killing it past a bound.
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import io
 import multiprocessing
 import os
 import select
+import signal
 import threading
-from multiprocessing import forkserver, popen_forkserver, reduction, spawn
+import time
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import set_spawning_popen
 
 from server.engine.core.core_handle import CoreHandle
@@ -31,6 +38,7 @@ PRELOAD = ["server.engine.core.process", "server.engine.core.fork_child"]
 # The fork server writes a child's status once it has reaped it: how long to wait for that after the
 # child's pidfd said it exited (the fork server itself may be gone: killed with the front end's group).
 STATUS_WAIT_S = 2.0
+CLOSE_WAIT_S = 5.0  # the fork server's exit after its alive pipe closed (it only tidies up)
 LOST_STATUS = 255  # as multiprocessing's, where the fork server died before telling
 
 
@@ -91,13 +99,50 @@ class ForkServedCore(CoreHandle):
 
 
 class CoreForkServer:
-    """This process's fork server for engine cores, started by the first core asked for."""
+    """A fork server for engine cores, started by the first core asked for, ended by close()."""
 
     def __init__(self) -> None:
         self._server = forkserver.ForkServer()
         self._server.set_forkserver_preload(PRELOAD)
+        self._cores: list[ForkServedCore] = []
+        self._lock = threading.Lock()  # data-parallel cores start from several threads at once
 
     def start(self, raw_launch: bytes) -> ForkServedCore:
         process = multiprocessing.get_context("forkserver").Process(
             target=run_forked_core, args=(raw_launch,), name="loraplex-core")
-        return ForkServedCore(_Popen(process, self._server))
+        core = ForkServedCore(_Popen(process, self._server))
+        with self._lock:
+            self._cores = [c for c in self._cores if c.poll() is None] + [core]
+        return core
+
+    @property
+    def pid(self) -> int | None:
+        """The fork server's process (None before its first core, or once closed)."""
+        return self._server._forkserver_pid
+
+    def idle(self) -> bool:
+        """No core of its runs (each one's exit status read: the fork server has reaped it)."""
+        with self._lock:
+            self._cores = [c for c in self._cores if c.poll() is None]
+            return not self._cores
+
+    def close(self) -> None:
+        """End the fork server and reap it: its alive pipe closed (it exits once no core of its holds the
+        other end), killed past CLOSE_WAIT_S (a core left running then outlives it, reparented)."""
+        pid, alive_fd = self._server._forkserver_pid, self._server._forkserver_alive_fd
+        if pid is None:
+            return
+        self._server._forkserver_pid = self._server._forkserver_alive_fd = None
+        os.close(alive_fd)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+        address, self._server._forkserver_address = self._server._forkserver_address, None
+        if not util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(address)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from server.engine.core.queue_items import AbortRequests, AddRequest, Call, PeerHello, Send, Stop
 from server.engine.core.arrays import ints
 from server.engine.core.commands import FETCH_OPS, LOOP_OPS, NAP, SHUTDOWN, nap
 from server.engine.core.messages import Abort, Accepted, Command, FrontMessage, Hello, Submit
@@ -73,13 +74,13 @@ class InputSocket(threading.Thread):
 
     def _handle(self, owner: bytes, message) -> None:
         if isinstance(message, Hello):
-            self._outbox.put(("hello", owner, message.output_address))
+            self._outbox.put(PeerHello(owner, message.output_address))
         elif self._grammars is None or self._fetching is None:
             self._refuse(owner, "the engine is not ready")  # a front end waits for Ready before sending
         elif isinstance(message, Submit):
             self._submit(owner, message)
         elif isinstance(message, Abort):
-            self._inbox.put(("abort", message.request_ids))
+            self._inbox.put(AbortRequests(message.request_ids))
         elif isinstance(message, Command):
             self._command(owner, message)
 
@@ -89,22 +90,23 @@ class InputSocket(threading.Thread):
             try:
                 grammar = self._grammars.deserialize(m.grammar_json)
             except Exception as e:  # noqa: BLE001 - the request's fault
-                self._outbox.put(("send", owner, Accepted(m.request_id, f"the compiled grammar is invalid: {e}",
-                                                          invalid=True)))
+                self._outbox.put(Send(owner, Accepted(m.request_id, f"the compiled grammar is invalid: {e}",
+                                                      invalid=True)))
                 return
-        self._inbox.put(("add", owner, m.request_id, ints(m.prompt_ids), m.params, m.version_id, m.tenant,
-                         m.priority, m.tenant_weight, m.cache_salt, grammar))
+        self._inbox.put(AddRequest(owner, m.request_id, ints(m.prompt_ids), m.params, version_id=m.version_id,
+                                   tenant=m.tenant, priority=m.priority, tenant_weight=m.tenant_weight,
+                                   cache_salt=m.cache_salt, grammar=grammar))
 
     def _command(self, owner: bytes, m: Command) -> None:
         if m.op in LOOP_OPS:
             op = LOOP_OPS[m.op]
-            self._inbox.put(("call", owner, m.call_id, lambda engine: op(engine, m)))
+            self._inbox.put(Call(owner, m.call_id, lambda engine: op(engine, m)))
         elif m.op in FETCH_OPS and m.version_id is not None:
             self._fetching.run(owner, m.call_id, m.op, m.version_id)
         elif m.op == NAP:
             seconds = m.seconds
-            self._inbox.put(("call", owner, m.call_id, lambda engine: nap(seconds)))
+            self._inbox.put(Call(owner, m.call_id, lambda engine: nap(seconds)))
         elif m.op == SHUTDOWN:
-            self._inbox.put(("stop",))
+            self._inbox.put(Stop())
         else:
             self._refuse(owner, f"unknown command {m.op[:40]!r}")

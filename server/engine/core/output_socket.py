@@ -19,17 +19,13 @@ import zmq
 from server.engine.core.deltas import DeltaEncoder
 from server.engine.core.front_end_watch import FrontEndWatch
 from server.engine.core.messages import STATS_INTERVAL_S, Fatal, OutputDelta, Outputs, Ready, Reply, Stats
-from server.engine.protocol.info import EngineInfo
-from server.engine.protocol.residency import LoadTimes
-from server.engine.protocol.snapshot import EngineSnapshot
+from server.engine.core.queue_items import CoreFatal, CoreReady, Flush, PeerHello, Send, StepOutputs, Track
 
 log = logging.getLogger(__name__)
 
 
 class OutputSocket(threading.Thread):
-    """outbox items: ("hello", owner, address), ("ready", info, snapshot, take_load_times, pid),
-    ("fatal", error), ("track", request_id, owner, n), ("outputs", [RequestOutput]),
-    ("send", owner, message), ("flush", threading.Event)."""
+    """Reads the outbox's items (server.engine.core.queue_items) and sends what they say."""
 
     def __init__(self, ctx: zmq.Context, outbox: queue.SimpleQueue, parent_pid: int,
                  refused: Callable[[], int]) -> None:
@@ -41,7 +37,7 @@ class OutputSocket(threading.Thread):
         self._encoder = msgspec.msgpack.Encoder()
         self._deltas = DeltaEncoder()
         self._peers: dict[bytes, zmq.Socket] = {}
-        self._ready: tuple[EngineInfo, Callable[[], EngineSnapshot], Callable[[], LoadTimes], int] | None = None
+        self._ready: CoreReady | None = None
 
     def run(self) -> None:
         next_beat = time.monotonic()
@@ -56,36 +52,35 @@ class OutputSocket(threading.Thread):
                 self._beat()
                 next_beat = time.monotonic() + STATS_INTERVAL_S
 
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "outputs":
+    def _handle(self, item: StepOutputs | Send | Track | PeerHello | CoreReady | CoreFatal | Flush) -> None:
+        if isinstance(item, StepOutputs):
             by_owner: dict[bytes, list[OutputDelta]] = {}
-            for out in item[1]:
+            for out in item.outputs:
                 routed = self._deltas.encode(out)
                 if routed is not None:
                     by_owner.setdefault(routed[0], []).append(routed[1])
             if by_owner:
-                snapshot = self._ready[1]()
+                snapshot = self._ready.snapshot()
                 for owner, deltas in by_owner.items():
                     self._send(owner, Outputs(deltas, snapshot))
-        elif kind == "send":
-            message = item[2]
+        elif isinstance(item, Send):
+            message = item.message
             if isinstance(message, Reply) and self._ready is not None:
-                message.snapshot = self._ready[1]()  # the caller then reads stats at least as new as its command
-            self._send(item[1], message)
-        elif kind == "track":
-            self._deltas.track(item[1], item[2], item[3])
-        elif kind == "hello":
-            self._connect(item[1], item[2])
-        elif kind == "ready":
-            self._ready = item[1:]
+                message.snapshot = self._ready.snapshot()  # the caller then reads stats at least as new as its command
+            self._send(item.owner, message)
+        elif isinstance(item, Track):
+            self._deltas.track(item.request_id, item.owner, item.n)
+        elif isinstance(item, PeerHello):
+            self._connect(item.owner, item.address)
+        elif isinstance(item, CoreReady):
+            self._ready = item
             for owner in self._peers:
                 self._send_ready(owner)
-        elif kind == "fatal":
+        elif isinstance(item, CoreFatal):
             for owner in list(self._peers):
-                self._send(owner, Fatal(item[1]))
-        elif kind == "flush":
-            item[1].set()
+                self._send(owner, Fatal(item.error))
+        elif isinstance(item, Flush):
+            item.done.set()
 
     def _connect(self, owner: bytes, address: str) -> None:
         old = self._peers.pop(owner, None)
@@ -106,8 +101,8 @@ class OutputSocket(threading.Thread):
             self._send_ready(owner)
 
     def _send_ready(self, owner: bytes) -> None:
-        info, snapshot, _, pid = self._ready
-        self._send(owner, Ready(info, snapshot(), pid))
+        ready = self._ready
+        self._send(owner, Ready(ready.info, ready.snapshot(), ready.pid))
 
     def _send(self, owner: bytes, message) -> None:
         sock = self._peers.get(owner)
@@ -120,8 +115,7 @@ class OutputSocket(threading.Thread):
             os._exit(1)
         if self._ready is None or not self._peers:
             return
-        _, snapshot, take_load_times, _ = self._ready
-        times = take_load_times()
-        stats = Stats(snapshot(), times.host, self._refused(), times.device)
+        times = self._ready.take_load_times()
+        stats = Stats(self._ready.snapshot(), times.host, self._refused(), times.device)
         for owner in self._peers:
             self._send(owner, stats)

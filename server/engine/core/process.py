@@ -28,6 +28,7 @@ from adapters.loader_pool import LoaderPool
 from adapters.registry import AdapterRegistry
 from adapters.registry_fetch import registry_fetch
 from server.engine.adapter_residency import take_load_times
+from server.engine.core.queue_items import CoreFatal, CoreReady, Flush
 from server.engine.core.busy_loop import EngineCore
 from server.engine.cpu_affinity import pin_process
 from server.engine.core.commands import FetchingCommands
@@ -92,7 +93,7 @@ def run_core(launch: CoreLaunch, pid: int) -> int:
         # at 256 sequences on a loaded CPU), as vLLM's engine core does.
         gc.collect()
         gc.freeze()
-        outbox.put(("ready", engine_info(engine), core.snapshot, partial(take_load_times, engine), pid))
+        outbox.put(CoreReady(engine_info(engine), core.snapshot, partial(take_load_times, engine), pid))
         try:
             core.run()
         except Exception as e:  # noqa: BLE001 - a bug in the engine: every front end must hear of it
@@ -119,7 +120,7 @@ def _build_engine(launch: CoreLaunch, owned: contextlib.ExitStack) -> LLMEngine:
 
 
 def _fatal(outbox: queue.SimpleQueue, error: str) -> int:
-    outbox.put(("fatal", error))
+    outbox.put(CoreFatal(error))
     _flush(outbox)
     return 1
 
@@ -127,5 +128,5 @@ def _fatal(outbox: queue.SimpleQueue, error: str) -> int:
 def _flush(outbox: queue.SimpleQueue) -> None:
     """Wait (briefly) until the output thread has sent everything queued before this."""
     done = threading.Event()
-    outbox.put(("flush", done))
+    outbox.put(Flush(done))
     done.wait(FLUSH_SECONDS)

@@ -9,17 +9,16 @@ parallel op, so its OpenMP pool starts fresh in the child: vLLM forks its worker
 condition). The child waits for its CoreLaunch on a pipe while the CLI goes on (model checks, the
 app's imports, Redis), then runs it exactly as a spawned core would (server.engine.core.process).
 
-It is one process, taken by the first spawn_core of this process (server.engine.core.launcher); a
-restarted core, or one started where nothing was reserved (tests' in-thread servers, the LLM API),
-is spawned as before. A reservation never taken ends when the CLI exits (the pipe's end closes).
+It is one process, handed to the CoreStarter that `serve` passes down (server.engine.core.launcher),
+whose first core it becomes; a restarted core, or one started where nothing was reserved (tests'
+in-thread servers), is a fork server's. A reservation never taken is released when the starter closes
+(and ends anyway when the CLI exits: the pipe's end closes).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
 
 from server.engine.core.core_handle import CoreHandle
 from server.engine.core.fork_child import exit_after
@@ -59,36 +58,14 @@ class ForkedCore(CoreHandle):
             return self.returncode
 
 
-class Reservation:
-    """This process's reserved core until the first spawn_core takes it."""
-
-    def __init__(self) -> None:
-        self._core: ForkedCore | None = None
-        self._lock = threading.Lock()
-
-    def hold(self, core: ForkedCore) -> None:
-        self._core = core
-
-    def take(self) -> ForkedCore | None:
-        with self._lock:
-            core, self._core = self._core, None
-            return core
-
-
-# Per process by nature (the child is this process's): spawn_core, deep in the engine client, takes it.
-RESERVATION = Reservation()
-
-
-@contextlib.contextmanager
-def reserve_core(close: tuple[int, ...] = ()) -> Iterator[None]:
+def reserve_core(close: tuple[int, ...] = ()) -> ForkedCore | None:
     """Fork the reserved core now (`close`: descriptors the child must not keep, such as the listening
-    socket); a no-op where a thread exists already. Call it before this process runs any torch operation
-    (an OpenMP pool does not survive a fork). A reservation not taken inside is released."""
+    socket); None where a thread exists already. Call it before this process runs any torch operation
+    (an OpenMP pool does not survive a fork). Whoever holds it starts or releases it."""
     import server.engine.core.process as core_process  # torch and the engine, once, for both processes
 
     if threading.active_count() > 1:
-        yield
-        return
+        return None
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child runs the core and never returns into the CLI
@@ -105,10 +82,4 @@ def reserve_core(close: tuple[int, ...] = ()) -> Iterator[None]:
 
         exit_after(body)
     os.close(read_fd)
-    core = ForkedCore(pid, write_fd)
-    RESERVATION.hold(core)
-    try:
-        yield
-    finally:
-        if RESERVATION.take() is core:
-            core.release()
+    return ForkedCore(pid, write_fd)

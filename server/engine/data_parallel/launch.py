@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from server.cpu_list import format_cpu_list
 from server.engine.config import EngineConfig
 from server.engine.core.launch import CoreLaunch
+from server.engine.core.launcher import CoreStarter
 from server.engine.data_parallel.client import DataParallelEngineClient
 from server.engine.data_parallel.core_split import core_configs
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
@@ -29,16 +30,18 @@ def placed_configs(engine: EngineConfig, n: int) -> list[EngineConfig]:
 
 
 def build_data_parallel(config: ServerConfig, engine: EngineConfig, launch_of: Callable[[EngineConfig], CoreLaunch],
-                        restarts: Callable[[], RestartPolicy | None]) -> DataParallelEngineClient:
+                        restarts: Callable[[], RestartPolicy | None],
+                        starter: CoreStarter) -> DataParallelEngineClient:
     """Blocking: every core's weights loaded and pools sized. `launch_of`: a core's CoreLaunch from its
     EngineConfig (server.engine_mode.core_launch with the server's Redis and adapter settings);
-    `restarts`: a fresh --engine-restart policy (each core counts its own restarts)."""
+    `restarts`: a fresh --engine-restart policy (each core counts its own restarts); `starter`: the
+    server's, which every core is started and restarted with."""
     configs = placed_configs(engine, config.data_parallel_size)
 
-    def starter(one: EngineConfig, policy: RestartPolicy | None):
-        return lambda: RemoteEngineClient.build(launch_of(one), restarts=policy)
+    def start_core(one: EngineConfig, policy: RestartPolicy | None):
+        return lambda: RemoteEngineClient.build(launch_of(one), starter, restarts=policy)
 
-    return DataParallelEngineClient.build([starter(one, restarts()) for one in configs],
+    return DataParallelEngineClient.build([start_core(one, restarts()) for one in configs],
                                           config.data_parallel_routing)
 
 

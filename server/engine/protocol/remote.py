@@ -48,7 +48,7 @@ from server.engine.core.commands import NAP
 from server.engine.core.core_handle import CoreHandle
 from server.engine.core.deltas import OutputAssembler
 from server.engine.core.launch import CoreLaunch
-from server.engine.core.launcher import spawn_core
+from server.engine.core.launcher import CoreStarter
 from server.engine.core.messages import (Abort, Accepted, Command, CoreMessage, Fatal, Hello, Outputs, Ready, Reply,
                                          Stats, Submit)
 from server.engine.async_engine import RequestStream, Sink, dispatch
@@ -84,10 +84,11 @@ class _Core:
 
 
 class RemoteEngineClient(EngineClient):
-    def __init__(self, launch: CoreLaunch, workdir: str, restarts: RestartPolicy | None = None,
-                 attached: bool = False) -> None:
+    def __init__(self, launch: CoreLaunch, workdir: str, starter: CoreStarter | None,
+                 restarts: RestartPolicy | None = None) -> None:
         self._launch = launch
-        self._attached = attached
+        self._starter = starter  # None: attached, the core is another process's to start
+        self._attached = starter is None
         self._restarts = restarts
         self._workdir = workdir
         self._ctx = zmq.Context()
@@ -124,12 +125,13 @@ class RemoteEngineClient(EngineClient):
         self._core: _Core | None = None
 
     @classmethod
-    def build(cls, launch_without_address: CoreLaunch, ready_timeout: float | None = None,
+    def build(cls, launch_without_address: CoreLaunch, starter: CoreStarter, ready_timeout: float | None = None,
               restarts: RestartPolicy | None = None) -> "RemoteEngineClient":
-        """Blocking: starts the core and waits until its engine is built (weights loaded, pools sized)."""
+        """Blocking: starts the core with `starter` (and restarts it with it) and waits until its engine
+        is built (weights loaded, pools sized)."""
         workdir = tempfile.mkdtemp(prefix="loraplex-core-")
         launch = msgspec.structs.replace(launch_without_address, parent_pid=os.getpid())
-        client = cls(launch, workdir, restarts)
+        client = cls(launch, workdir, starter, restarts)
         try:
             client._start_core(ready_timeout)
         except BaseException:
@@ -142,7 +144,7 @@ class RemoteEngineClient(EngineClient):
                ready_timeout: float | None = None) -> "RemoteEngineClient":
         """Blocking: a channel of this process's own to a core another process runs at input_address,
         ready once the core says Ready (after its weights load, if it is still starting)."""
-        client = cls(launch, tempfile.mkdtemp(prefix="loraplex-front-"), attached=True)
+        client = cls(launch, tempfile.mkdtemp(prefix="loraplex-front-"), None)
         try:
             client._connect(0, input_address)
             client._send(Hello(client._output_address))
@@ -171,7 +173,8 @@ class RemoteEngineClient(EngineClient):
         """Core `number` on input socket in-`number` (a fresh socket: nothing queued for a dead core
         reaches the new one), with a thread that waits on its process."""
         address = f"ipc://{self._workdir}/in-{number}"
-        self._connect(number, address, spawn_core(msgspec.structs.replace(self._launch, input_address=address)))
+        core = self._starter.start(msgspec.structs.replace(self._launch, input_address=address))
+        self._connect(number, address, core)
         self._send(Hello(self._output_address))
         threading.Thread(target=self._watch, args=(self._core,), name=f"core-watch-{number}", daemon=True).start()
 

@@ -1,7 +1,7 @@
 """--engine-restart (--engine-process separate): a kill -9 of the engine core mid-stream ends the stream
 with an SSE error event and [DONE], /health turns 503 within about a second and new requests get 503 with
 Retry-After while a new core starts; usage is settled for the tokens the stream delivered, no lease or
-running request is left behind, and once /health is 200 again the same greedy requests, on the base and
+running request is left behind (nor a concurrency lease in Redis), and once /health is 200 again the same greedy requests, on the base and
 on an adapter uploaded before (paged in again from the registry), give the same tokens as before the
 kill. Past --engine-restart-limit the client gives up (the CLI then exits 1: test_api_engine_process)."""
 from __future__ import annotations
@@ -90,6 +90,8 @@ def test_kill_9_of_the_core_restarts_it_and_settles_the_stream(long_model, redis
                 return h.get("/v1/usage").json()["total"]["completion_tokens"] == delivered + 8 * 8
         _wait(settled, 10, "the stream's tokens were not settled")
         assert handle.state.settlements.running == 0 and handle.state.settlements.leases_lost == 0
+        with handle.http(key) as h:  # the killed stream's concurrency lease is gone from Redis too
+            assert h.get("/v1/usage").json()["current"]["concurrent_requests"] == 0
         assert handle.state.engine.stats().scheduler.running == 0
 
         # A second death within the window is past --engine-restart-limit 1: gone for good.

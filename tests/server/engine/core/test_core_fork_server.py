@@ -42,3 +42,50 @@ def test_front_end_watch_sees_the_process_exit():
         assert watch.gone()
     finally:
         proc.kill()
+
+
+# Each core refuses its launch as it starts (tensor parallel on a CPU), so it exits 1 quickly.
+BOUND_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import psutil
+from adapters.format import ModelShape
+from server.engine.config import EngineConfig
+from server.engine.core.launch import CoreLaunch
+from server.engine.core.launcher import CoreStarter
+
+model = Path(sys.argv[1])
+launch = CoreLaunch(
+    EngineConfig(model=str(model), device="cpu", kv_cache_blocks=64, max_model_len=512, tensor_parallel_size=2,
+                 lora_page_rows=16),
+    input_address="ipc://" + sys.argv[2], parent_pid=os.getpid(), redis_url="redis://127.0.0.1:1",
+    redis_prefix="lp-bound:", adapter_grace_seconds=600.0,
+    adapter_shape=ModelShape.from_hf_config(json.loads((model / "config.json").read_text())), max_lora_rank=32,
+    pager=False, max_upload_bytes=1 << 20)
+me = psutil.Process()
+
+def fork_servers():
+    return [c for c in me.children() if "forkserver" in " ".join(c.cmdline())]
+
+starter = CoreStarter()
+for i in range(4):
+    os.environ["LORAPLEX_BOUND_TEST"] = str(i)  # a new environment: a new fork server
+    code = starter.start(launch).wait(240)
+    print("round", i, code, starter.fork_servers, len(fork_servers()), me.num_fds(), flush=True)
+starter.close()
+zombies = [c.pid for c in me.children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
+print("closed", starter.fork_servers, len(fork_servers()), zombies, me.num_fds())
+"""
+
+
+def test_a_starter_holds_one_idle_fork_server_whatever_environments_it_saw(tiny_model_dir, tmp_path):
+    done = subprocess.run([sys.executable, "-c", BOUND_SCRIPT, str(tiny_model_dir), str(tmp_path / "in")],
+                          cwd=ROOT_DIR, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rounds = [line.split() for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert [r[2:5] for r in rounds] == [["1", "1", "1"]] * 4, rounds  # each core failed; one fork server held
+    fds = [int(r[5]) for r in rounds]
+    assert fds[1:] == [fds[0]] * 3, fds  # a closed fork server leaves no descriptor behind
+    closed = done.stdout.splitlines()[-1].split()
+    assert closed[:4] == ["closed", "0", "0", "[]"], closed  # reaped: no fork server, no zombie
+    assert int(closed[4]) < fds[0], closed

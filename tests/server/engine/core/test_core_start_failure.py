@@ -13,7 +13,8 @@ from server.engine.core.launch import CoreLaunch
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
 
 
-def test_a_core_that_cannot_start_is_not_restarted_and_the_line_says_so(tiny_model_dir, redis_url, caplog):
+def test_a_core_that_cannot_start_is_not_restarted_and_the_line_says_so(tiny_model_dir, redis_url, caplog,
+                                                                        core_starter):
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     config = EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512,
                           tensor_parallel_size=2, lora_page_rows=16)  # refused by the engine as it starts
@@ -21,6 +22,6 @@ def test_a_core_that_cannot_start_is_not_restarted_and_the_line_says_so(tiny_mod
                         adapter_grace_seconds=600.0, adapter_shape=shape, max_lora_rank=32, pager=False,
                         max_upload_bytes=1 << 20, max_message_bytes=1 << 20)
     with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="the engine core did not start"):
-        RemoteEngineClient.build(launch, ready_timeout=120, restarts=RestartPolicy(3, 60.0))
+        RemoteEngineClient.build(launch, core_starter, ready_timeout=120, restarts=RestartPolicy(3, 60.0))
     lines = [r.getMessage() for r in caplog.records if "engine core exited" in r.getMessage()]
     assert lines and lines[-1].endswith("(it never started: not restarting)"), lines
