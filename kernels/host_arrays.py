@@ -3,17 +3,12 @@
 torch.tensor(list) inspects every element's type; array.array converts in one C loop, 3-4x faster at
 a few hundred to a few thousand ids (the per-step block tables, slot mappings, positions and token ids).
 The tensor shares the array's memory and keeps it alive.
-
-A step's block tables go through numpy (padded_tables): one C pass over every sequence's blocks instead
-of a Python extend per sequence.
 """
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
-from itertools import chain
+from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 _TYPECODES = {torch.int32: "i", torch.int64: "q"}
@@ -31,13 +26,3 @@ def host_tensor(values: Iterable[int] | array, dtype: torch.dtype = torch.int64)
         return torch.empty(0, dtype=dtype)
     assert buf.typecode == _TYPECODES[dtype], (buf.typecode, dtype)
     return torch.frombuffer(buf, dtype=dtype)
-
-
-def padded_tables(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
-    """[len(tables), width] int32: row b holds tables[b], then zeros (width >= the longest table)."""
-    lens = np.fromiter(map(len, tables), dtype=np.intp, count=len(tables))
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    # A boolean mask fills row-major, so the flat blocks land in table order.
-    out[np.arange(width) < lens[:, None]] = np.fromiter(chain.from_iterable(tables), dtype=np.int32,
-                                                       count=int(lens.sum()))
-    return out

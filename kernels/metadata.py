@@ -22,10 +22,9 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from kernels.host_arrays import host_array, host_tensor, padded_tables
+from kernels.host_arrays import host_array, host_tensor
 
 # A run of equal slots at most this long is decode-shaped: each token gathers its adapter's weights.
 GATHER_MAX_SEG_LEN = 4
@@ -55,13 +54,20 @@ class LoraLaunchPlan:
         return self.tiles[rows].shape[0]
 
 
-def runs(token_slots: list[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of equal slots: (starts, lengths, slots), 1-D int32 arrays (numpy: no per-token Python)."""
-    slots = np.asarray(token_slots, dtype=np.int32)
-    starts = np.flatnonzero(np.concatenate(([True], slots[1:] != slots[:-1]))).astype(np.int32) \
-        if len(slots) else np.zeros(0, dtype=np.int32)
-    lens = np.diff(np.append(starts, np.int32(len(slots)))).astype(np.int32)
-    return starts, lens, slots[starts]
+def runs(token_slots: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Runs of equal slots: (starts, lengths, slots)."""
+    starts: list[int] = []
+    lens: list[int] = []
+    slots: list[int] = []
+    prev = None
+    for i, s in enumerate(token_slots):
+        if s != prev:
+            starts.append(i)
+            lens.append(0)
+            slots.append(s)
+            prev = s
+        lens[-1] += 1
+    return starts, lens, slots
 
 
 def tile_class(rows: int) -> int:
@@ -69,24 +75,23 @@ def tile_class(rows: int) -> int:
     return next(h for h in TILE_ROWS if rows <= h)
 
 
-def lora_work(starts, lens, slots, gather_max: int) -> tuple[np.ndarray, dict[int, list[int]]]:
-    """Host work lists from runs (starts, lens, slots: sequences of ints): gathered (token, slot) pairs
-    for runs of at most `gather_max` tokens, flat int32, and tiles (first token, rows, slot, 0) per height
-    class for the longer ones. Slot -1 runs give no work."""
-    starts, lens, slots = (np.asarray(x, dtype=np.int64) for x in (starts, lens, slots))
-    short = (slots >= 0) & (lens <= gather_max)
-    first, count = starts[short], lens[short]
-    # Every token of the short runs, in order: a run's start plus the token's index within it.
-    within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    gather = np.stack([np.repeat(first, count) + within, np.repeat(slots[short], count)], axis=1)
-    gather = gather.astype(np.int32).ravel()
+def lora_work(starts: list[int], lens: list[int], slots: list[int], gather_max: int
+              ) -> tuple[list[int], dict[int, list[int]]]:
+    """Flat host lists: gathered (token, slot) pairs for runs of at most `gather_max` tokens, and tiles
+    (first token, rows, slot, 0) per height class for the longer ones. Slot -1 runs give no work."""
+    gather: list[int] = []
     tiles: dict[int, list[int]] = {h: [] for h in TILE_ROWS}
     top = TILE_ROWS[-1]
-    for run in np.flatnonzero((slots >= 0) & (lens > gather_max)).tolist():  # few: prompt chunks
-        start, length, slot = int(starts[run]), int(lens[run]), int(slots[run])
-        for first_token in range(start, start + length, top):
-            rows = min(top, start + length - first_token)
-            tiles[tile_class(rows)] += (first_token, rows, slot, 0)
+    for start, length, slot in zip(starts, lens, slots):
+        if slot < 0:
+            continue
+        if length <= gather_max:
+            for t in range(start, start + length):
+                gather += (t, slot)
+            continue
+        for first in range(start, start + length, top):
+            rows = min(top, start + length - first)
+            tiles[tile_class(rows)] += (first, rows, slot, 0)
     return gather, tiles
 
 
@@ -119,18 +124,13 @@ def shrink_splits(in_features: int, programs: int) -> int:
     return splits
 
 
-def pack_int32(sections: list[list[int] | array | np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """One host buffer, one copy to `device`; returns a 1-D view per section, each 16-byte aligned
-    (a numpy section is 1-D int32)."""
+def pack_int32(sections: list[list[int] | array], device: torch.device | str) -> list[torch.Tensor]:
+    """One host buffer, one copy to `device`; returns a 1-D view per section, each 16-byte aligned."""
     host = host_array((), torch.int32)
     offsets = []
     for values in sections:
         offsets.append(len(host))
-        if isinstance(values, np.ndarray):
-            assert values.dtype == np.int32 and values.ndim == 1, (values.dtype, values.shape)
-            host.frombytes(values.tobytes())
-        else:
-            host.extend(values)
+        host.extend(values)
         host.extend(_ZEROS[: -len(values) % ALIGN])
     if not host:
         host.extend(_ZEROS)
@@ -278,20 +278,19 @@ class LoraBatch:
         """`slot_ranks[s]` is the rank of the adapter in slot s (bounds the work; optional);
         slot_rank_table the same on the device (optional); slot_dora[s]: slot s holds a DoRA adapter;
         page_table: where each slot's rank rows live when the buffers are paged (None: not paged)."""
-        slots_np = np.asarray(token_slots, dtype=np.int32)
-        starts, lens, slots = runs(slots_np)
+        starts, lens, slots = runs(token_slots)
         gather, tiles = lora_work(starts, lens, slots, GATHER_MAX_SEG_LEN)
-        views = pack_int32([slots_np, starts, lens, slots, gather, *(tiles[h] for h in TILE_ROWS)], device)
-        active = tuple(np.unique(slots[slots >= 0]).tolist())
+        views = pack_int32([token_slots, starts, lens, slots, gather, *(tiles[h] for h in TILE_ROWS)], device)
+        active = tuple(sorted({s for s in slots if s >= 0}))
         return cls(
             token_slots=views[0],
             seg_starts=views[1],
             seg_lens=views[2],
             seg_slots=views[3],
-            max_seg_len=int(lens.max()) if len(lens) else 0,
+            max_seg_len=max(lens, default=0),
             active_slots=active,
             plan=lora_plan(gather, tiles, views[4:]),
-            runs_host=(tuple(starts.tolist()), tuple(lens.tolist()), tuple(slots.tolist())),
+            runs_host=(tuple(starts), tuple(lens), tuple(slots)),
             rank_bound=max((slot_ranks[s] for s in active), default=0) if slot_ranks is not None else None,
             slot_rank_table=slot_rank_table,
             dora=slot_dora is not None and any(slot_dora[s] for s in active),
@@ -373,26 +372,26 @@ class AttentionBatch:
         device: torch.device | str = "cpu",
     ) -> "AttentionBatch":
         assert len(block_tables) == len(context_lens) == len(query_lens)
-        # Vectorised over the step's tokens: each token's sequence row and position, then its pool slot.
-        queries = np.array(query_lens, dtype=np.int64)
-        contexts_np = np.array(context_lens, dtype=np.int64)
-        seq_lens_np = contexts_np + queries
-        width = max(map(len, block_tables), default=1) or 1
-        padded = padded_tables(block_tables, width)  # [B, width], each row padded with 0
-        if (queries == 1).all():  # decode: one new token each, at its context length
-            rows, positions = np.arange(len(queries)), contexts_np
-        else:
-            rows = np.repeat(np.arange(len(queries)), queries)
-            firsts = np.cumsum(queries) - queries  # each sequence's first token in the step
-            positions = np.arange(int(queries.sum())) - np.repeat(firsts - contexts_np, queries)
-        slot_mapping = padded[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        starts = np.zeros(len(queries) + 1, dtype=np.int32)
-        np.cumsum(queries, out=starts[1:])
-        seq_lens = seq_lens_np.tolist()
-        tables, query_start_loc, lens, contexts = pack_int32(
-            [padded.ravel(), starts, seq_lens_np.astype(np.int32), contexts_np.astype(np.int32)], device)
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        slot_mapping: list[int] = []
+        for table, start, end in zip(block_tables, context_lens, seq_lens):
+            if end - start == 1:  # decode: one new token
+                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+                continue
+            for pos in range(start, end):
+                slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        padded = host_array((), torch.int32)  # [B, width], each row padded with 0
+        zeros = host_array((0,) * width, torch.int32)
+        for t in block_tables:
+            padded.extend(t)
+            padded.extend(zeros[: width - len(t)])
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        tables, query_start_loc, lens, contexts = pack_int32([padded, starts, seq_lens, context_lens], device)
         return cls(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
+            slot_mapping=host_tensor(slot_mapping).to(device, non_blocking=True),
             block_tables=tables.view(len(block_tables), width),
             query_start_loc=query_start_loc,
             seq_lens=lens,

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.host_arrays import padded_tables
-
 # Bytes each section starts on: Triton's pointer specialisation (16-byte alignment) never depends on
 # the layout, so a padded step compiles no variant the warm-up has not.
 ALIGN_BYTES = 16
@@ -124,7 +122,8 @@ class DecodeBuffers:
         h["gather"][:n, 1] = h["token_slots"][:n]
         width = max(len(t) for t in block_tables)
         assert width <= self.max_blocks, (width, self.max_blocks)
-        h["block_tables"][:n, :width] = torch.from_numpy(padded_tables(block_tables, width))
+        flat = [x for t in block_tables for x in t + [0] * (width - len(t))]
+        h["block_tables"][:n, :width] = torch.tensor(flat, dtype=torch.int32).view(n, width)
 
     def _pad(self, first: int, rows: int) -> None:
         """Rows first..rows-1 become padding: token 0 at position 0, no KV write, no adapter, one key."""

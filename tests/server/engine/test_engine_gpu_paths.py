@@ -231,7 +231,7 @@ def test_warmup_steps_reach_every_plan_class() -> None:
         for step in steps:
             slots = [s.slot for s in step.seqs for _ in range(s.query_len)]
             gather, tiles = lora_work(*runs(slots), GATHER_MAX_SEG_LEN)
-            classes |= {"gather"} if len(gather) else set()
+            classes |= {"gather"} if gather else set()
             classes |= {rows for rows in TILE_ROWS if tiles[rows]}
         assert classes == {"gather", *TILE_ROWS}
         assert any(s.seqs[0].context_len >= 2 * MIN_SPLIT_TOKENS for s in steps)  # the split decode
