@@ -50,10 +50,16 @@ class KvTables:
             self.blocks.grow(table, end)
 
     def writes_own_block(self, seq: Sequence, end: int) -> bool:
-        """Whether `seq`'s tokens up to `end` land in the last block it holds, its own in every group."""
+        """Whether `seq`'s tokens up to `end` land in the last block it holds, its own in every group.
+        Asked of every decoding sequence every step, so group 0 is read without building the table list."""
         start, size = seq.num_computed_tokens, self.blocks.block_size
-        return (end <= len(seq.block_table) * size and (end - 1) // size == start // size
-                and not any(self.blocks.is_shared(t[start // size]) for t in self.tables(seq)))
+        table, i = seq.block_table, start // size
+        if end > len(table) * size or (end - 1) // size != i:
+            return False
+        refs = self.blocks.ref_counts
+        if refs[table[i]] > 1:
+            return False
+        return len(self.windows) == 1 or not any(refs[t[i]] > 1 for t in self.tables(seq)[1:])
 
     def shared_written(self, seq: Sequence, end: int) -> list[tuple[int, int]]:
         """(group, position) of the shared blocks that `seq`'s tokens up to `end` land in: after a fork,

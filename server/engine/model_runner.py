@@ -78,6 +78,8 @@ class StepInputs:
     # A step prepared ahead (async scheduling) whose input ids are not known yet: the padded rows to stage
     # once they are (positions, slot mapping, block tables, token slots); see ModelRunner.fill_ahead.
     ahead_rows: tuple[list[int], list[int], list[list[int]], list[int]] | None = None
+    # Every row is a plain decode row (ModelRunner.prepare's runs): none has a grammar, so no mask to gather.
+    unconstrained: bool = False
 
 
 @dataclass
@@ -171,23 +173,41 @@ class ModelRunner:
         spec: dict[int, list[int]] | None = None
         row_logits: list[int] = []
         medusa_rows: dict[int, tuple[int, int]] | None = {} if self.medusa is not None else None
-        for i, (seq, n, slot, drafts) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots, all_drafts)):
-            start = seq.num_computed_tokens + (1 if ahead else 0)
-            if n == 1 and not (ahead or drafts) and medusa_rows is None:
-                p, group, ids = seq.params, seq.group, seq.token_ids
-                if (start + 1 == len(ids) and p.max_tokens and not (p.has_row_state or group.needs_fork)
-                        and group.prompt_logprobs is None and (slot < 0 or group.adapter_from <= start)):
-                    # The usual decode row, inline: what the general path below makes of it.
+        seqs, num_tokens, lora_slots = batch.seqs, batch.num_tokens, batch.lora_slots
+        plain_runs = not ahead and medusa_rows is None
+        plain_rows = 0
+        at, count = 0, len(seqs)
+        while at < count:
+            if plain_runs:
+                # A run of the usual decode rows (one token, its last; no drafts, forks, row state or prompt
+                # logprobs): inline, what the general path below makes of each, with the bookkeeping that
+                # only counts (one logit row and one sampling row each) extended once for the run.
+                first_seq, first_token, first_row = at, len(input_ids), len(rows)
+                while at < count and num_tokens[at] == 1 and not all_drafts[at]:
+                    seq = seqs[at]
+                    start, p, group, ids = seq.num_computed_tokens, seq.params, seq.group, seq.token_ids
+                    slot = lora_slots[at]
+                    if not (start + 1 == len(ids) and p.max_tokens and not (p.has_row_state or group.needs_fork)
+                            and group.prompt_logprobs is None and (slot < 0 or group.adapter_from <= start)):
+                        break
                     input_ids.append(ids[start])
                     positions.append(start)
-                    token_slots.append(slot)
-                    context_lens.append(start)
                     rows.append(SamplingRow(p, seq.index, start + 1 - seq.num_prompt_tokens))
-                    row_logits.append(len(logits_indices))
-                    row_starts.append(len(rows))
-                    logits_indices.append(len(input_ids) - 1)
-                    sampled.append(i)
+                    at += 1
+                if at > first_seq:
+                    k = at - first_seq
+                    plain_rows += k
+                    token_slots += lora_slots[first_seq:at]
+                    context_lens += positions[-k:]
+                    row_logits += range(len(logits_indices), len(logits_indices) + k)
+                    logits_indices += range(first_token, first_token + k)
+                    row_starts += range(first_row + 1, first_row + k + 1)
+                    sampled += range(first_seq, at)
                     continue
+            i = at  # the general path: this sequence's batch position
+            at += 1
+            seq, n, slot, drafts = seqs[i], num_tokens[i], lora_slots[i], all_drafts[i]
+            start = seq.num_computed_tokens + (1 if ahead else 0)
             first = len(input_ids)
             if ahead:
                 assert n == 1, "only decode rows are prepared ahead"
@@ -236,7 +256,8 @@ class ModelRunner:
         identity = len(row_logits) == num_sampled_logits  # one row per logit row, in order
         common = dict(num_logits=len(logits_indices), sampled_seqs=sampled, scored_seqs=scored, rows=rows,
                       row_starts=row_starts, prompt=prompt, num_sampled_logits=num_sampled_logits,
-                      row_logits=None if identity else row_logits, drafts=spec, medusa_rows=medusa_rows or None)
+                      row_logits=None if identity else row_logits, drafts=spec, medusa_rows=medusa_rows or None,
+                      unconstrained=plain_rows == len(rows))
         padded = self.padded
         # One token each, and no slot with embed_tokens/lm_head parts: a padded step's slots are a bound.
         if (padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows
@@ -299,7 +320,8 @@ class ModelRunner:
             if inputs.row_logits is not None:  # a request forks now: its n choices share one row
                 row_logits = row_logits.index_select(0, torch.tensor(inputs.row_logits, device=logits.device))
             mask = self.grammar_mask
-            bitmask = mask.gather([r.grammar for r in inputs.rows]) if mask is not None else None  # [rows, W] int32
+            bitmask = (mask.gather([r.grammar for r in inputs.rows])  # [rows, W] int32
+                       if mask is not None and not inputs.unconstrained else None)
             out = sample_rows(row_logits, inputs.rows, self.generator, mask, bitmask)
             if bitmask is not None:
                 _fail_costly_constraints(inputs.rows, out.tokens)

@@ -349,8 +349,10 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
     logits, so the same seed gives the same tokens whatever shares the batch,
     and a request resumed after preemption continues exactly.
     """
+    # Every row the argmax of its raw logits (the usual greedy batch): nothing per row to read beyond this.
+    plain = bitmask is None and all(row.params.plain_greedy for row in rows)
     ending = frozenset() if bitmask is None else _grammar_ending(rows, grammar_mask, bitmask)
-    processors = LogitsProcessors.build(rows, logits.device, ending)
+    processors = None if plain else LogitsProcessors.build(rows, logits.device, ending)
     if processors is None and bitmask is None:
         processed = logits  # [N, V]
         best, chosen = row_max(logits)  # [N] each; the first index of ties, as argmax
@@ -369,7 +371,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
     # Only a finite row can lose every token (a penalty overflow), and then it fails alone.
     usable = (finite & (best > float("-inf"))).tolist()
     tokens: list[int | SampleFailure] = chosen.tolist()
-    sampled = [i for i, row in enumerate(rows) if not row.params.greedy and usable[i]]
+    sampled = [] if plain else [i for i, row in enumerate(rows) if not row.params.greedy and usable[i]]
     if sampled:
         for i, token in zip(sampled, _draw(processed, rows, sampled, engine_generator)):
             tokens[i] = token
@@ -380,7 +382,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
                 tokens[i] = SampleFailure("produced non-finite logits", non_finite=True)
             elif not usable[i]:
                 tokens[i] = SampleFailure("the sampling parameters left no token to choose")
-    return SamplerOutput(tokens, _logprobs(logits, rows, tokens))
+    return SamplerOutput(tokens, [None] * len(rows) if plain else _logprobs(logits, rows, tokens))
 
 
 def _draw(processed: torch.Tensor, rows: Sequence[SamplingRow], sampled: list[int],

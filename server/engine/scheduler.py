@@ -433,6 +433,7 @@ class Scheduler:
         speculate = self._speculate()
         prompts: list[Sequence] = []
         running = SequenceStatus.RUNNING
+        writes_own_block, slot_of = self.kv.writes_own_block, self.lora_slot_of_seq.get
         for seq in list(self.running):  # decoding sequences first: no prompt chunk can take their tokens
             pending = len(seq.token_ids) - seq.num_computed_tokens
             if pending > 1:
@@ -442,6 +443,16 @@ class Scheduler:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
+            if (pending == 1 and not speculate and seq.grammar is None
+                    and writes_own_block(seq, seq.num_computed_tokens + 1)):
+                # The usual decode row, inline: one token into a block of its own (what the general path
+                # below does for it, at no per-sequence call).
+                batch.seqs.append(seq)
+                batch.num_tokens.append(1)
+                batch.lora_slots.append(slot_of(seq, -1))
+                batch.drafts.append(())
+                budget -= 1
+                continue
             n = min(pending, budget)
             drafts = self._drafts(seq, budget - 1) if n and speculate else ()
             n += len(drafts)

@@ -129,6 +129,11 @@ class SamplingParams:
         grammar matcher."""
         return self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
 
+    @cached_property
+    def plain_greedy(self) -> bool:
+        """Its token is the raw logits' argmax and nothing more: no modification, draw or logprobs."""
+        return self.greedy and not (self.logit_bias or self.has_row_state or self.logprobs is not None)
+
 
 def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
