@@ -7,11 +7,13 @@ slot count at --max-lora-rank, for adapters' draft LoRAs (server.engine.lora.dra
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from server.engine.config import ModelConfig, ModelConfigError
+from adapters.format import ModelShape
+from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.kv_cache import allocate_lora_slots
 from server.engine.lora.draft_slots import DraftLoraSlots
 from server.engine.model import CausalLM
@@ -44,3 +46,13 @@ def load_draft_model(model_dir: str, draft: ModelConfig, dtype: torch.dtype, dev
     weights = load_weights(model_dir, draft, dtype, device)
     layers = allocate_lora_slots(draft, max_loras, max_lora_rank, dtype, device)
     return CausalLM(draft, weights, layers, max_len, max_tokens), DraftLoraSlots(layers, max_loras)
+
+
+def draft_adapter_shape(config: EngineConfig) -> ModelShape | None:
+    """What an adapter's draft LoRA (adapters.draft_lora) must fit: the draft model's widths, read from its
+    config.json as the front end reads the target's; None without a draft model. The engine and every
+    fetch of a stored version read it here, so all check a draft LoRA against the same shape."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return ModelShape.from_hf_config(json.loads(Path(spec.model, "config.json").read_text()))

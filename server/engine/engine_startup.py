@@ -29,7 +29,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
-from server.engine.draft_model_loader import load_draft_model, read_draft_config
+from server.engine.draft_model_loader import draft_adapter_shape, load_draft_model, read_draft_config
 from server.engine.draft_model_proposer import DraftModelProposer
 from server.engine.flag_refusals import combination_refusal
 from server.engine.grammar import GrammarMask, Grammars
@@ -174,8 +174,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     return EngineParts(
         config=config, model_config=mcfg, device=device, bind_thread=bind_thread, dtype=dtype, tokenizer=tokenizer,
         eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg, config),
-        draft_adapter_shape=None if draft_cfg is None else _adapter_shape(draft_cfg, config), max_loras=max_loras,
-        model=model,
+        draft_adapter_shape=draft_adapter_shape(config), max_loras=max_loras, model=model,
         lora_slots=slots, kv_pool=kv_pool, max_model_len=max_model_len, blocks=blocks, host=host, scheduler=scheduler,
         kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
         dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,

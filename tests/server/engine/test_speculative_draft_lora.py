@@ -38,9 +38,9 @@ def self_drafted(tiny_adapters, tmp_path_factory) -> Path:
     return with_draft_dir(tiny_adapters["r8_all"], tiny_adapters["r8_all"], tmp_path_factory.mktemp("sd") / "r8_all")
 
 
-def record_drafts(llm: LLM) -> list[tuple]:
-    """Every proposal the draft model makes: (sequence, the position its drafts start at, the drafts)."""
-    proposer = llm.engine.scheduler.draft_model
+def record_drafts(engine) -> list[tuple]:
+    """Every proposal `engine`'s draft model makes: (sequence, the position its drafts start at, the drafts)."""
+    proposer = engine.scheduler.draft_model
     seen, propose = [], proposer.propose
 
     def recording(requests):
@@ -67,7 +67,7 @@ def run_mixed(tiny_model_dir, tiny_adapters, r8: Path) -> tuple[list, LLM, list[
     llm = LLM(tiny_model_dir, speculative_config=spec(tiny_model_dir), **OPTS)
     llm.add_adapter("r8_all", r8)
     llm.add_adapter("r4_qv", tiny_adapters["r4_qv"])
-    seen = record_drafts(llm)
+    seen = record_drafts(llm.engine)
     prompts = prompts_of(9, seed=11)
     names = [None, "r8_all", "r4_qv"] * 3
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts)

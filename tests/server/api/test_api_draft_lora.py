@@ -1,0 +1,73 @@
+"""An adapter uploaded with a draft LoRA of its own (POST /v1/adapters, the optional files
+draft_adapter_config.json and draft_adapter_model.safetensors): stored with it in the registry, counted in
+its size_bytes, and served: with the draft model the target itself and the draft LoRA the adapter itself,
+every greedy draft for its requests is accepted in batches mixed with base and another adapter's
+requests, whose texts are those the same requests get without speculation. A draft LoRA that does not fit
+the draft model, half of one, or one sent to a server without a draft model is a 400 naming why.
+Real redis, uvicorn and the openai client; in-process, to read the engine's proposer."""
+from __future__ import annotations
+
+import json
+
+from adapters.draft_lora import FORM_FILES
+from server.demo import make_adapter, make_base_model
+from tests.fixtures_server import api_redis_url, running_server, server_config
+from tests.server.api.test_api_medusa_heads import greedy_texts
+from tests.server.engine.test_speculative_draft_lora import record_drafts, rejected
+from tests.server.engine.test_speculative_medusa import prompts_of
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def upload_with_draft(server, key, name: str, adapter_dir, draft_dir=None, draft_files=FORM_FILES):
+    files = {f: (f, (adapter_dir / f).read_bytes()) for f in PEFT_FILES}
+    if draft_dir is not None:
+        files |= {form: (form, (draft_dir / f).read_bytes()) for form, f in zip(FORM_FILES, PEFT_FILES)
+                  if form in draft_files}
+    with server.http(key) as h:
+        return h.post("/v1/adapters", data={"name": name}, files=files)
+
+
+def test_an_uploaded_draft_lora_drafts_for_its_requests_and_texts_stay_the_plain_engines(
+        tmp_path, tiny_model_dir, tiny_adapters, redis_server):
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
+                           speculative_config=json.dumps(spec), engine_process="in-process")
+    r8 = tiny_adapters["r8_all"]
+    with running_server(config) as server:
+        _, key = server.new_tenant()
+        stored = upload_with_draft(server, key, "self-drafted", r8, r8)
+        assert stored.status_code == 201, stored.text
+        alone = upload_with_draft(server, key, "alone", r8)
+        assert stored.json()["size_bytes"] == 2 * alone.json()["size_bytes"], "the draft LoRA's bytes count"
+        assert upload_with_draft(server, key, "plain", tiny_adapters["r4_qv"]).status_code == 201
+        half = upload_with_draft(server, key, "half", r8, r8, draft_files=FORM_FILES[:1])
+        assert half.status_code == 400 and FORM_FILES[1] in half.json()["error"]["message"]
+        small = make_base_model(tmp_path / "small", "llama", hidden_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, intermediate_size=64, seed=7)
+        misfit = upload_with_draft(server, key, "misfit", r8, make_adapter(small, tmp_path / "small-lora"))
+        assert misfit.status_code == 400, misfit.text
+        assert "draft LoRA" in misfit.json()["error"]["message"]
+        version = stored.json()["version"]
+        assert server.state.registry.read_draft(version) == tuple((r8 / f).read_bytes() for f in PEFT_FILES)
+        engine = server.state.engine.engine
+        seen = record_drafts(engine)
+        jobs = list(zip(prompts_of(6, seed=4), [server.state.model_id, "self-drafted", "plain"] * 2))
+        drafted = greedy_texts(server.client(key), jobs)
+        assert engine.lora_slots.draft.has[engine.lora_slots.slot_of[version]], "its draft LoRA sits in its slot"
+        assert sum(1 for s, _, _ in seen if s.version_id == version) > 0
+        assert rejected(seen, version) == 0, "a draft of the adapter's own draft LoRA was rejected"
+        assert engine.stats().speculative.num_draft_tokens > 0
+        plain = greedy_texts(server.client(key), jobs, speculative=False)
+    assert drafted == plain
+
+
+def test_a_draft_lora_is_refused_by_a_server_without_a_draft_model(tmp_path, tiny_model_dir, tiny_adapters,
+                                                                  redis_server):
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server))
+    r8 = tiny_adapters["r8_all"]
+    with running_server(config) as server:
+        _, key = server.new_tenant()
+        refused = upload_with_draft(server, key, "self-drafted", r8, r8)
+        assert refused.status_code == 400 and "runs no draft model" in refused.json()["error"]["message"]
