@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 
 from adapters.draft_lora import FORM_FILES
+from adapters.sharing import OPERATOR_OWNER
 from server.demo import make_adapter, make_base_model
 from tests.fixtures_server import api_redis_url, running_server, server_config
+from tests.source_servers import FileServer
 from tests.server.api.test_api_medusa_heads import greedy_texts
-from tests.server.engine.test_speculative_draft_lora import record_drafts, rejected
+from tests.server.engine.test_speculative_draft_lora import record_drafts, rejected, with_draft_dir
 from tests.server.engine.test_speculative_medusa import prompts_of
 
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -71,3 +73,50 @@ def test_a_draft_lora_is_refused_by_a_server_without_a_draft_model(tmp_path, tin
         _, key = server.new_tenant()
         refused = upload_with_draft(server, key, "self-drafted", r8, r8)
         assert refused.status_code == 400 and "runs no draft model" in refused.json()["error"]["message"]
+
+
+def test_a_draft_folder_comes_from_local_http_and_operator_sources(tmp_path, tiny_model_dir, tiny_adapters,
+                                                                   redis_server):
+    """A local directory's and an http directory's `draft/` folder (/v1/load_lora_adapter, through the loader
+    process), --lora-modules and --adapter alike: stored with the version and served."""
+    r8 = tiny_adapters["r8_all"]
+    root = tmp_path / "root"
+    with_draft_dir(r8, r8, root / "self-drafted")
+    half = with_draft_dir(r8, r8, root / "half")
+    (half / "draft" / PEFT_FILES[1]).unlink()
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    with FileServer() as files:
+        for f in PEFT_FILES:
+            files.files[f"/dir/{f}"] = (r8 / f).read_bytes()
+            files.files[f"/dir/draft/{f}"] = (r8 / f).read_bytes()
+        config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
+                               speculative_config=json.dumps(spec), engine_process="in-process",
+                               adapter_sources=("local", "http"), adapter_local_root=str(root),
+                               adapter_http_hosts=("127.0.0.1",), adapter_allow_private_networks=True,
+                               lora_modules=(("operator", str(root / "self-drafted")),),
+                               adapters=(("default", "preloaded", str(root / "self-drafted")),))
+        with running_server(config) as server:
+            name, key = server.new_tenant()
+            with server.http(key) as h:
+                for lora_name, path in (("local", "self-drafted"), ("remote", files.url + "/dir/")):
+                    loaded = h.post("/v1/load_lora_adapter", json={"lora_name": lora_name, "lora_path": path})
+                    assert loaded.status_code == 200, loaded.text
+                missing = h.post("/v1/load_lora_adapter", json={"lora_name": "half", "lora_path": "half"})
+                assert missing.status_code == 400 and f"draft/ folder has no {PEFT_FILES[1]}" in missing.text
+            registry = server.state.registry
+            draft = tuple((r8 / f).read_bytes() for f in PEFT_FILES)
+            records = [registry.get(server.state.tenants.get(name).id, n) for n in ("local", "remote")]
+            records += [registry.get(OPERATOR_OWNER, "operator")]
+            records += registry.list(server.state.tenants.get("default").id)  # --adapter default/preloaded=DIR
+            assert len(records) == 4 and all(registry.read_draft(r.version) == draft for r in records)
+            engine = server.state.engine.engine
+            seen = record_drafts(engine)
+            jobs = list(zip(prompts_of(6, seed=6), [server.state.model_id, "remote", "operator"] * 2))
+            drafted = greedy_texts(server.client(key), jobs)
+            for r in records[:3]:
+                if r.version in engine.lora_slots.slot_of:
+                    assert engine.lora_slots.draft.has[engine.lora_slots.slot_of[r.version]]
+            assert rejected(seen, records[1].version) == 0 and rejected(seen, records[2].version) == 0
+            plain = greedy_texts(server.client(key), jobs, speculative=False)
+    assert drafted == plain
