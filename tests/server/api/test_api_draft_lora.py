@@ -44,6 +44,11 @@ def test_an_uploaded_draft_lora_drafts_for_its_requests_and_texts_stay_the_plain
         alone = upload_with_draft(server, key, "alone", r8)
         assert stored.json()["size_bytes"] == 2 * alone.json()["size_bytes"], "the draft LoRA's bytes count"
         assert upload_with_draft(server, key, "plain", tiny_adapters["r4_qv"]).status_code == 201
+        size = alone.json()["size_bytes"]
+        _, tight = server.new_tenant({"max_adapter_bytes": 2 * size - 1})  # room for the adapter, not its draft
+        assert upload_with_draft(server, tight, "alone", r8).status_code == 201
+        over = upload_with_draft(server, tight, "self-drafted", r8, r8)
+        assert over.status_code == 413 and f"({size} of them its draft LoRA)" in over.json()["error"]["message"]
         half = upload_with_draft(server, key, "half", r8, r8, draft_files=FORM_FILES[:1])
         assert half.status_code == 400 and FORM_FILES[1] in half.json()["error"]["message"]
         small = make_base_model(tmp_path / "small", "llama", hidden_size=32, num_layers=1, num_heads=2,
