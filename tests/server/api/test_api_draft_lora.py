@@ -125,3 +125,22 @@ def test_a_draft_folder_comes_from_local_http_and_operator_sources(tmp_path, tin
             assert rejected(seen, records[1].version) == 0 and rejected(seen, records[2].version) == 0
             plain = greedy_texts(server.client(key), jobs, speculative=False)
     assert drafted == plain
+
+
+def test_a_draft_lora_is_served_by_an_engine_core_in_its_own_process(tmp_path, tiny_model_dir, tiny_adapters,
+                                                                     redis_server):
+    """The core pages the version in itself (its registry fetch checks the draft LoRA against the draft model
+    read from the same --speculative-config): texts stay the plain engine's."""
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
+                           speculative_config=json.dumps(spec), engine_process="separate")
+    r8 = tiny_adapters["r8_all"]
+    with running_server(config) as server:
+        _, key = server.new_tenant()
+        assert upload_with_draft(server, key, "self-drafted", r8, r8).status_code == 201
+        jobs = list(zip(prompts_of(4, seed=7), [server.state.model_id, "self-drafted"] * 2))
+        drafted = greedy_texts(server.client(key), jobs)
+        assert server.state.engine.stats().speculative.num_accepted_tokens > 0
+        plain = greedy_texts(server.client(key), jobs, speculative=False)
+    assert drafted == plain
