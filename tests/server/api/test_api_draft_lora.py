@@ -21,6 +21,14 @@ from tests.server.engine.test_speculative_medusa import prompts_of
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
+def self_draft_config(tmp_path, tiny_model_dir, redis_server, **overrides):
+    """A server whose draft model is the target itself (every step speculates)."""
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    return server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
+                         speculative_config=json.dumps(spec), **overrides)
+
+
 def upload_with_draft(server, key, name: str, adapter_dir, draft_dir=None, draft_files=FORM_FILES):
     files = {f: (f, (adapter_dir / f).read_bytes()) for f in PEFT_FILES}
     if draft_dir is not None:
@@ -32,10 +40,7 @@ def upload_with_draft(server, key, name: str, adapter_dir, draft_dir=None, draft
 
 def test_an_uploaded_draft_lora_drafts_for_its_requests_and_texts_stay_the_plain_engines(
         tmp_path, tiny_model_dir, tiny_adapters, redis_server):
-    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
-            "disable_by_batch_size": 64}
-    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
-                           speculative_config=json.dumps(spec), engine_process="in-process")
+    config = self_draft_config(tmp_path, tiny_model_dir, redis_server, engine_process="in-process")
     r8 = tiny_adapters["r8_all"]
     with running_server(config) as server:
         _, key = server.new_tenant()
@@ -89,18 +94,15 @@ def test_a_draft_folder_comes_from_local_http_and_operator_sources(tmp_path, tin
     with_draft_dir(r8, r8, root / "self-drafted")
     half = with_draft_dir(r8, r8, root / "half")
     (half / "draft" / PEFT_FILES[1]).unlink()
-    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
-            "disable_by_batch_size": 64}
     with FileServer() as files:
         for f in PEFT_FILES:
             files.files[f"/dir/{f}"] = (r8 / f).read_bytes()
             files.files[f"/dir/draft/{f}"] = (r8 / f).read_bytes()
-        config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
-                               speculative_config=json.dumps(spec), engine_process="in-process",
-                               adapter_sources=("local", "http"), adapter_local_root=str(root),
-                               adapter_http_hosts=("127.0.0.1",), adapter_allow_private_networks=True,
-                               lora_modules=(("operator", str(root / "self-drafted")),),
-                               adapters=(("default", "preloaded", str(root / "self-drafted")),))
+        config = self_draft_config(tmp_path, tiny_model_dir, redis_server, engine_process="in-process",
+                                   adapter_sources=("local", "http"), adapter_local_root=str(root),
+                                   adapter_http_hosts=("127.0.0.1",), adapter_allow_private_networks=True,
+                                   lora_modules=(("operator", str(root / "self-drafted")),),
+                                   adapters=(("default", "preloaded", str(root / "self-drafted")),))
         with running_server(config) as server:
             name, key = server.new_tenant()
             with server.http(key) as h:
@@ -131,10 +133,7 @@ def test_a_draft_lora_is_served_by_an_engine_core_in_its_own_process(tmp_path, t
                                                                      redis_server):
     """The core pages the version in itself (its registry fetch checks the draft LoRA against the draft model
     read from the same --speculative-config): texts stay the plain engine's."""
-    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
-            "disable_by_batch_size": 64}
-    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
-                           speculative_config=json.dumps(spec), engine_process="separate")
+    config = self_draft_config(tmp_path, tiny_model_dir, redis_server, engine_process="separate")
     r8 = tiny_adapters["r8_all"]
     with running_server(config) as server:
         _, key = server.new_tenant()
