@@ -138,8 +138,11 @@ class AdapterRecord:
                 "size_bytes": self.size_bytes, "created_at": self.created_at, "base": self.base or None}
 
 
-# A version's optional Medusa heads files, by field prefix (their chunks are collected with the version's).
+# A version's optional parts' files, by field prefix (their chunks are collected with the version's): its
+# own Medusa heads (adapters.medusa_format) and its draft LoRA (adapters.draft_lora).
 MEDUSA_PARTS = ("medusa_config", "medusa_weights")
+DRAFT_PARTS = ("draft_config", "draft_weights")
+OPTIONAL_PARTS = {"medusa": MEDUSA_PARTS, "draft": DRAFT_PARTS}
 
 
 @dataclass(frozen=True)
@@ -153,14 +156,21 @@ class StoredVersion:
     retired_at: float | None
     # The adapter's own Medusa heads (adapters.medusa_format): their config's and weights' layouts, or None.
     medusa: tuple[ChunkedFile, ChunkedFile] | None = None
+    # Its draft LoRA (adapters.draft_lora): its config's and weights' layouts, or None.
+    draft: tuple[ChunkedFile, ChunkedFile] | None = None
+
+    def part(self, name: str) -> tuple[ChunkedFile, ChunkedFile] | None:
+        """An optional part's layouts by its OPTIONAL_PARTS name."""
+        return {"medusa": self.medusa, "draft": self.draft}[name]
 
     def fields(self) -> dict[str, str]:
         """The Redis hash of the record (without retired_at, which only scripts set)."""
         r, config, weights = self.record, self.config, self.weights
         heads = {}
-        for part, layout in zip(MEDUSA_PARTS, self.medusa or ()):
-            heads |= {f"{part}_sha256": layout.sha256, f"{part}_len": str(layout.length),
-                      f"{part}_chunks": json.dumps(list(layout.digests))}
+        for name, prefixes in OPTIONAL_PARTS.items():
+            for part, layout in zip(prefixes, self.part(name) or ()):
+                heads |= {f"{part}_sha256": layout.sha256, f"{part}_len": str(layout.length),
+                          f"{part}_chunks": json.dumps(list(layout.digests))}
         return heads | {"tenant": r.tenant, "name": r.name, "version": r.version,
                 "rank": str(r.rank), "target_modules": json.dumps(list(r.target_modules)),
                 "size_bytes": str(r.size_bytes), "created_at": repr(r.created_at), "base": r.base,
@@ -181,11 +191,12 @@ class StoredVersion:
         weights = ChunkedFile(f["weights_sha256"], int(f["weights_len"]),
                               tuple(json.loads(f["weights_chunks"])))
         retired = f.get("retired_at")
-        medusa = None
-        if f"{MEDUSA_PARTS[0]}_sha256" in f:
-            medusa = tuple(ChunkedFile(f[f"{p}_sha256"], int(f[f"{p}_len"]), tuple(json.loads(f[f"{p}_chunks"])))
-                           for p in MEDUSA_PARTS)
-        return cls(record, config, weights, None if retired is None else float(retired), medusa)
+        parts = {}
+        for name, prefixes in OPTIONAL_PARTS.items():
+            if f"{prefixes[0]}_sha256" in f:
+                parts[name] = tuple(ChunkedFile(f[f"{p}_sha256"], int(f[f"{p}_len"]),
+                                                tuple(json.loads(f[f"{p}_chunks"]))) for p in prefixes)
+        return cls(record, config, weights, None if retired is None else float(retired), **parts)
 
 
 def _text(value) -> str:

@@ -190,13 +190,16 @@ class LoraAdapter:
     target_modules: tuple[str, ...]                  # sorted: the modules targeted, as PEFT names them
     use_rslora: bool
     weights: Mapping[tuple[int, str], LoraWeights]   # (layer, one of PROJECTIONS) -> weights; fused ones split
-    size_bytes: int                                  # A, B (and DoRA magnitudes) as float32, and its medusa heads
+    size_bytes: int                                  # A, B (and DoRA magnitudes) as float32, its medusa heads and draft LoRA
     config: Mapping[str, Any]                        # the parsed adapter_config.json
     # Its parts of embed_tokens and lm_head (counted in size_bytes); keyword-only, so subclasses add fields.
     vocab: VocabWeights | None = field(default=None, kw_only=True)
     # Its own Medusa heads (a `medusa/` folder, adapters.medusa_format): its requests draft with them when
     # the server runs speculative method medusa; None: the base model's heads.
     medusa: HeadWeights | None = field(default=None, kw_only=True)
+    # Its own LoRA for the server's draft model (a `draft/` folder, adapters.draft_lora): its requests' drafts
+    # run with it when the server runs speculative method draft_model; None: the base draft model.
+    draft: LoraAdapter | None = field(default=None, kw_only=True)
 
     @property
     def use_dora(self) -> bool:

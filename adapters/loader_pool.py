@@ -27,6 +27,7 @@ import torch
 
 from adapters.format import (
     MAX_CONFIG_BYTES, AdapterFormatError, AdapterSummary, LoraAdapter, LoraWeights, ModelShape)
+from adapters.optional_parts import OPTIONAL_PARTS
 from adapters.loader_worker import receive, send, policy_to_json, serve
 from adapters.sources import SourceError, SourcePolicy
 from adapters.sources.s3_fetch import S3Keys
@@ -47,6 +48,7 @@ class LoadedAdapter:
     weights: bytes               # adapter_model.safetensors as fetched
     sha256: str                  # content hash of the fetched files (adapters.sources.AdapterFiles.sha256)
     medusa: tuple[bytes, bytes] | None = None  # its own Medusa heads files as fetched (AdapterFiles.medusa)
+    draft: tuple[bytes, bytes] | None = None  # its draft LoRA's files as fetched (AdapterFiles.draft)
 
 
 @dataclass
@@ -224,12 +226,15 @@ def _loaded(header: dict, blobs: list[bytes]) -> LoadedAdapter | None:
     """The loaded adapter of a successful reply, None for a refusal; ValueError for a malformed one."""
     if header.get("ok") is not True:
         return None
-    rank, modules, size, sha = (header.get(k) for k in ("rank", "target_modules", "size_bytes", "sha256"))
-    if not (len(blobs) in (2, 4) and isinstance(rank, int) and isinstance(size, int) and isinstance(sha, str)
-            and isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+    rank, modules, size, sha, parts = (header.get(k) for k in ("rank", "target_modules", "size_bytes", "sha256",
+                                                                 "parts"))
+    known = {p.name for p in OPTIONAL_PARTS}
+    if not (isinstance(parts, list) and all(p in known for p in parts) and len(set(parts)) == len(parts)
+            and len(blobs) == 2 + 2 * len(parts) and isinstance(rank, int) and isinstance(size, int)
+            and isinstance(sha, str) and isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
         raise ValueError("malformed loader reply")
-    return LoadedAdapter(AdapterSummary(rank, tuple(modules), size, blobs[0]), blobs[1], sha,
-                         (blobs[2], blobs[3]) if len(blobs) == 4 else None)
+    files = {p: (blobs[2 + 2 * i], blobs[3 + 2 * i]) for i, p in enumerate(parts)}
+    return LoadedAdapter(AdapterSummary(rank, tuple(modules), size, blobs[0]), blobs[1], sha, **files)
 
 
 def _parsed(header: dict, blobs: list[bytes]) -> LoraAdapter | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from adapters.file_bound import bounded_by_model
 from adapters.format import AdapterFormatError, ModelShape, inspect_adapter_bytes, load_adapter_bytes
+from adapters.optional_parts import OPTIONAL_PARTS
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
 from adapters.sources.clients import SourceClients
 from adapters.vocab_format import to_wire
@@ -78,9 +79,11 @@ def _fetch_job(job: dict, clients: SourceClients) -> tuple[dict, tuple[bytes, ..
     files = fetch_adapter(parse_reference(job["reference"]), policy, clients, keys)
     summary = inspect_adapter_bytes(files.config_json, files.weights, shape, rank_cap)
     load_adapter_bytes(summary.canonical_config_json, files.weights, shape, rank_cap)  # values too
+    # Its optional parts (heads, a draft LoRA) as fetched, unchecked here: named in the header, their files after.
+    parts = [p.name for p in OPTIONAL_PARTS if getattr(files, p.name) is not None]
     header = {"ok": True, "rank": summary.rank, "target_modules": list(summary.target_modules),
-              "size_bytes": summary.size_bytes, "sha256": files.sha256}
-    return header, (summary.canonical_config_json, files.weights, *(files.medusa or ()))  # heads: unchecked here
+              "size_bytes": summary.size_bytes, "sha256": files.sha256, "parts": parts}
+    return header, (summary.canonical_config_json, files.weights, *(b for p in parts for b in getattr(files, p)))
 
 
 def _parse_job(job: dict, blobs: list[bytes]) -> tuple[dict, tuple[bytes, ...]]:

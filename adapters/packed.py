@@ -81,6 +81,8 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
     flat = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
     scalings = torch.tensor([w.scaling for _, w in weights], dtype=torch.float32)
     magnitudes = torch.cat([torch.zeros(0)] + [w.magnitude for _, w in weights if w.magnitude is not None])
+    # Its draft LoRA packed alike: it enters the draft model's slot with the adapter (server.engine.lora.draft_slots).
+    draft = pack_adapter(adapter.draft, dtype, pin) if adapter.draft is not None else None
     vocab = adapter.vocab.cast(dtype, pin) if adapter.vocab is not None else None  # beside `flat`: a slot's
     # LoRA buffers do not hold them (server.engine.lora.vocab_parts does)
     if pin:
@@ -109,10 +111,12 @@ def pack_adapter(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> PackedL
         weights=MappingProxyType(views),
         size_bytes=(flat.numel() * flat.element_size() + magnitudes.numel() * magnitudes.element_size()
                     + (vocab.nbytes if vocab is not None else 0)
-                    + (adapter.medusa.nbytes if adapter.medusa is not None else 0)),
+                    + (adapter.medusa.nbytes if adapter.medusa is not None else 0)
+                    + (draft.size_bytes if draft is not None else 0)),
         config=adapter.config,
         vocab=vocab,
         medusa=adapter.medusa,
+        draft=draft,
         flat=flat,
         scalings=scalings,
         magnitudes=magnitudes,

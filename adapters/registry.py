@@ -127,10 +127,11 @@ class AdapterRegistry:
 
     def put(self, tenant_id: str, name: str, config_json: bytes, weights: bytes, *, summary,
             replace: bool = False, max_adapters: int | None = None, base: str = "",
-            medusa: tuple[bytes, bytes] | None = None) -> AdapterRecord:
+            medusa: tuple[bytes, bytes] | None = None, draft: tuple[bytes, bytes] | None = None) -> AdapterRecord:
         """Store a validated adapter; all-or-nothing (see the module docstring). `base`: the base
         model it was validated against (kept in its record); `medusa`: its own Medusa heads' config and
-        weights files, validated too (adapters.medusa_format), stored with it.
+        weights files, validated too (adapters.medusa_format), stored with it; `draft`: its draft LoRA's
+        (adapters.draft_lora), alike.
         Raises TenantAdaptersPurged if the tenant's adapters were purged meanwhile."""
         _validate_tenant_id(tenant_id)
         validate_name(name)
@@ -150,17 +151,18 @@ class AdapterRegistry:
         weights_layout, weights_chunks = split(weights, self._chunk_size)
         payloads = {**config_chunks, **weights_chunks}
         digests = config_layout.digests + weights_layout.digests
-        heads = None
-        if medusa is not None:
-            heads = tuple(split(data, self._chunk_size) for data in medusa)
-            for layout, chunks in heads:
-                payloads |= chunks
-                digests += layout.digests
+        parts = {}  # optional part -> its two files' layouts
+        for part, files in (("medusa", medusa), ("draft", draft)):
+            if files is not None:
+                split_files = [split(data, self._chunk_size) for data in files]
+                for layout, chunks in split_files:
+                    payloads |= chunks
+                    digests += layout.digests
+                parts[part] = tuple(layout for layout, _ in split_files)
         counts = Counter(digests)
         record = AdapterRecord(tenant_id, name, uuid.uuid4().hex, int(summary.rank),
                                tuple(summary.target_modules), int(summary.size_bytes), now, base)
-        fields = StoredVersion(record, config_layout, weights_layout, None,
-                               None if heads is None else (heads[0][0], heads[1][0])).fields()
+        fields = StoredVersion(record, config_layout, weights_layout, None, **parts).fields()
         upload_id = uuid.uuid4().hex
         staged: set[str] = set()
         try:
@@ -310,10 +312,19 @@ class AdapterRegistry:
     def read_medusa(self, version: str) -> tuple[bytes, bytes] | None:
         """A version's own Medusa heads (medusa_config.json, medusa_heads.safetensors), checked against the
         upload's sha256; None when it was stored without."""
+        return self._read_part(version, "medusa")
+
+    def read_draft(self, version: str) -> tuple[bytes, bytes] | None:
+        """A version's draft LoRA (adapter_config.json, adapter_model.safetensors for the draft model),
+        checked against the upload's sha256; None when it was stored without."""
+        return self._read_part(version, "draft")
+
+    def _read_part(self, version: str, part: str) -> tuple[bytes, bytes] | None:
         stored = self._load(version)
         if stored is None:
             raise AdapterNotFound(f"adapter version {version!r} not found")
-        return None if stored.medusa is None else self._read(version, stored.medusa)
+        layouts = stored.part(part)
+        return None if layouts is None else self._read(version, layouts)
 
     def _read(self, version: str, layouts) -> tuple[bytes, ...]:
         files = []

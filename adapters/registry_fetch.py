@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from adapters.draft_lora import draft_from_bytes, with_draft
 from adapters.format import LoraAdapter, ModelShape, load_adapter_bytes, with_heads
 from adapters.loader_pool import LoaderPool
 from adapters.medusa_format import MAX_ADAPTER_HEADS, check_heads
@@ -15,9 +16,12 @@ from adapters.registry import AdapterRegistry
 
 
 def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: int,
-                   pager: LoaderPool | None = None) -> Callable[[str], LoraAdapter]:
+                   pager: LoaderPool | None = None,
+                   draft_shape: ModelShape | None = None) -> Callable[[str], LoraAdapter]:
     """Runs on the engine's loader threads: read the version's files and validate them again, in
-    `pager`'s loader process when there is one (parsing and value checks take the interpreter)."""
+    `pager`'s loader process when there is one (parsing and value checks take the interpreter).
+    draft_shape: the draft model's, which a version's draft LoRA is checked against again (None: the
+    server runs no draft model, and a version stored with one is refused)."""
 
     def fetch(version: str) -> LoraAdapter:
         config_json, weights = registry.read_files(version)
@@ -26,9 +30,12 @@ def registry_fetch(registry: AdapterRegistry, shape: ModelShape, max_lora_rank: 
         else:
             adapter = load_adapter_bytes(config_json, weights, shape, max_lora_rank)
         heads = registry.read_medusa(version)  # its own Medusa heads, checked again as the upload was
-        if heads is None:
-            return adapter
-        return with_heads(adapter, check_heads(*heads, shape.hidden_size, shape.vocab_size or 0,
-                                                   max_heads=MAX_ADAPTER_HEADS))
+        if heads is not None:
+            adapter = with_heads(adapter, check_heads(*heads, shape.hidden_size, shape.vocab_size or 0,
+                                                      max_heads=MAX_ADAPTER_HEADS))
+        draft = registry.read_draft(version)  # its draft LoRA, alike
+        if draft is not None:
+            adapter = with_draft(adapter, draft_from_bytes(*draft, draft_shape, max_lora_rank))
+        return adapter
 
     return fetch

@@ -157,7 +157,7 @@ local vs = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ton
 for _, v in ipairs(vs) do
   local vk = ARGV[3] .. v
   for _, l in ipairs(redis.call('HMGET', vk, 'config_chunks', 'weights_chunks', 'medusa_config_chunks',
-                                'medusa_weights_chunks')) do
+                                'medusa_weights_chunks', 'draft_config_chunks', 'draft_weights_chunks')) do
     if l then
       for _, d in ipairs(cjson.decode(l)) do
         local ck = ARGV[4] .. d

@@ -15,6 +15,7 @@ from adapters.registry import AdapterRegistry
 from adapters.registry_fetch import registry_fetch
 from server.config import ENGINE_RESTART_WINDOW_S, ServerConfig
 from server.engine.config import EngineConfig
+from server.engine.draft_model_loader import draft_adapter_shape
 from server.engine.core.launch import CoreLaunch
 from server.engine.core.launcher import CoreStarter
 from server.engine.data_parallel.launch import attach_data_parallel, build_data_parallel
@@ -57,5 +58,5 @@ def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: s
     if config.engine_process == "separate":
         return RemoteEngineClient.build(core_launch(config, engine, redis_url, shape, pager is not None), starter,
                                         restarts=restart_policy(config))
-    return InProcessEngineClient.build(engine, registry_fetch(registry, shape, config.max_lora_rank, pager),
-                                       DoraScaleStore(client, prefix=config.redis_prefix))
+    fetch = registry_fetch(registry, shape, config.max_lora_rank, pager, draft_adapter_shape(engine))
+    return InProcessEngineClient.build(engine, fetch, DoraScaleStore(client, prefix=config.redis_prefix))

@@ -1,4 +1,4 @@
-"""The two PEFT files (and an adapter's own medusa/ heads beside them) out of a .tar, .tar.gz/.tgz or .zip held in memory, with every size bounded
+"""The two PEFT files (and an adapter's optional parts beside them: adapters.optional_parts) out of a .tar, .tar.gz/.tgz or .zip held in memory, with every size bounded
 (decompressed bytes, member count, each member) and only regular files read: links, devices and
 paths are never followed or written anywhere."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import zipfile
 import zlib
 from typing import IO
 
-from adapters import medusa_format
 from adapters.format import CONFIG_FILE, MAX_CONFIG_BYTES, PICKLE_FILE, WEIGHTS_FILE
+from adapters.optional_parts import OPTIONAL_PARTS, half_part
 from adapters.sources.errors import SourceError, too_large
 
 MAX_MEMBERS = 256
@@ -22,9 +22,9 @@ def _bad(what: str, why: str) -> SourceError:
     return SourceError(400, f"{what}: {why}", "invalid_source")
 
 
-def _pick(names: list[str], what: str) -> tuple[str, ...]:
-    """The shallowest directory holding both files: their names, then its `medusa/` folder's two files' where
-    it has that folder (an adapter's own Medusa heads, adapters.medusa_format)."""
+def _pick(names: list[str], what: str) -> list[str | None]:
+    """The shallowest directory holding both files: their names, then each optional part's two files
+    (adapters.optional_parts: its folder beside them), None for a part it does not have."""
     dirs = {}
     for name in names:
         d, base = posixpath.split(name.strip("/"))
@@ -37,13 +37,14 @@ def _pick(names: list[str], what: str) -> tuple[str, ...]:
                              f"safe_serialization=True")
         raise _bad(what, f"the archive holds no directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
     d = candidates[0]
-    heads_dir = posixpath.join(d, medusa_format.ADAPTER_DIR)
-    heads = tuple(posixpath.join(heads_dir, f) for f in (medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE))
-    present = set(heads) & set(names)
-    if present and present != set(heads):
-        missing = posixpath.basename((set(heads) - present).pop())
-        raise _bad(what, f"the adapter's {medusa_format.ADAPTER_DIR}/ folder has no {missing}")
-    return (posixpath.join(d, CONFIG_FILE), posixpath.join(d, WEIGHTS_FILE)) + (heads if present else ())
+    picked: list[str | None] = [posixpath.join(d, CONFIG_FILE), posixpath.join(d, WEIGHTS_FILE)]
+    for part in OPTIONAL_PARTS:
+        paths = [posixpath.join(d, part.folder, f) for f in part.files]
+        present = set(paths) & set(names)
+        if present and present != set(paths):
+            raise _bad(what, half_part(part, posixpath.basename((set(paths) - present).pop())))
+        picked += paths if present else [None, None]
+    return picked
 
 
 _READ_CHUNK = 1 << 20
@@ -72,7 +73,7 @@ def _read_bounded(f: IO[bytes], what: str, name: str, cap: int) -> bytes:
     return b"".join(chunks)
 
 
-def _from_tar(data: bytes, cap: int, what: str) -> list[bytes]:
+def _from_tar(data: bytes, cap: int, what: str) -> list[bytes | None]:
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
             members = {}
@@ -83,6 +84,9 @@ def _from_tar(data: bytes, cap: int, what: str) -> list[bytes]:
                     members[member.name.strip("/")] = member
             files = []
             for name in _pick(list(members), what):
+                if name is None:  # an optional part it does not have
+                    files.append(None)
+                    continue
                 _check_size(what, name, members[name].size, cap)
                 f = tf.extractfile(members[name])
                 assert f is not None  # a regular file
@@ -92,7 +96,7 @@ def _from_tar(data: bytes, cap: int, what: str) -> list[bytes]:
         raise _bad(what, f"not a readable tar archive ({e})") from None
 
 
-def _from_zip(data: bytes, cap: int, what: str) -> list[bytes]:
+def _from_zip(data: bytes, cap: int, what: str) -> list[bytes | None]:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as zf:
             infos = zf.infolist()
@@ -101,6 +105,9 @@ def _from_zip(data: bytes, cap: int, what: str) -> list[bytes]:
             regular = {i.filename.strip("/"): i for i in infos if not i.is_dir()}
             files = []
             for name in _pick(list(regular), what):
+                if name is None:
+                    files.append(None)
+                    continue
                 info = regular[name]
                 _check_size(what, name, info.file_size, cap)
                 if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
@@ -115,19 +122,19 @@ def _from_zip(data: bytes, cap: int, what: str) -> list[bytes]:
 
 def extract_adapter_files(data: bytes, name: str, cap: int, what: str) -> tuple[bytes, bytes]:
     """(adapter_config.json, adapter_model.safetensors) from an archive named `name`."""
-    config, weights, _ = extract_adapter_archive(data, name, cap, what)
+    config, weights, *_ = extract_adapter_archive(data, name, cap, what)
     return config, weights
 
 
-def extract_adapter_archive(data: bytes, name: str, cap: int,
-                            what: str) -> tuple[bytes, bytes, tuple[bytes, bytes] | None]:
-    """(adapter_config.json, adapter_model.safetensors, its medusa/ folder's (medusa_config.json,
-    medusa_heads.safetensors) or None) from an archive named `name`."""
+def extract_adapter_archive(data: bytes, name: str, cap: int, what: str) -> tuple:
+    """(adapter_config.json, adapter_model.safetensors, then each optional part's (config, weights) or None,
+    in OPTIONAL_PARTS' order: medusa, draft) from an archive named `name`."""
     files = _members(data, name, cap, what)
-    return files[0], files[1], (files[2], files[3]) if len(files) == 4 else None
+    pairs = [None if files[i] is None else (files[i], files[i + 1]) for i in range(2, len(files), 2)]
+    return files[0], files[1], *pairs
 
 
-def _members(data: bytes, name: str, cap: int, what: str) -> list[bytes]:
+def _members(data: bytes, name: str, cap: int, what: str) -> list[bytes | None]:
     lower = name.lower().split("?", 1)[0]
     if lower.endswith(".zip"):
         return _from_zip(data, cap, what)

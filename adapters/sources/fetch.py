@@ -1,7 +1,7 @@
-"""fetch_adapter: a reference's two PEFT files, from whichever allowed source it names, and the adapter's own
-Medusa heads (its `medusa/` folder, adapters.medusa_format) where the source is a local directory or an
-archive (whose members are listed): http and S3 directories are fetched by file name, the two PEFT files
-only, so they carry no heads (docs/speculative-decoding.md).
+"""fetch_adapter: a reference's two PEFT files, from whichever allowed source it names, and the adapter's
+optional parts beside them (adapters.optional_parts: its `medusa/` heads and `draft/` LoRA): a local
+directory's folders, an archive's members, and an http(s) or s3 directory's files fetched by their known
+names, a 404 meaning the part is absent.
 Blocking (network, disk): call it off the event loop."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import posixpath
 import ssl
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Callable
 
-from adapters import medusa_format
 from adapters.format import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE
+from adapters.optional_parts import OPTIONAL_PARTS, OptionalPart, half_part
 from adapters.sources.archive import extract_adapter_archive
 from adapters.sources.errors import SourceError, refused
 from adapters.sources.http_fetch import http_get
@@ -30,15 +30,50 @@ class AdapterFiles:
     weights: bytes
     # The adapter's own Medusa heads files (medusa_config.json, medusa_heads.safetensors), unchecked; None without.
     medusa: tuple[bytes, bytes] | None = None
+    # Its draft LoRA's files (its draft/ folder's adapter_config.json, adapter_model.safetensors), unchecked.
+    draft: tuple[bytes, bytes] | None = None
 
     @property
     def sha256(self) -> str:
-        """The content's identity: it changes exactly when any file does (heads included)."""
+        """The content's identity: it changes exactly when any file does (optional parts included)."""
         h = hashlib.sha256()
         for data in (self.config_json, self.weights, *(self.medusa or ())):
             h.update(len(data).to_bytes(8, "big"))
             h.update(data)
+        if self.draft is not None:  # tagged: the same bytes as heads or as a draft LoRA are other content
+            h.update(b"draft")
+            for data in self.draft:
+                h.update(len(data).to_bytes(8, "big"))
+                h.update(data)
         return h.hexdigest()
+
+
+def _optional_parts(get: Callable[[OptionalPart, str, int], bytes | None], what: str,
+                    file_cap: int) -> dict[str, tuple[bytes, bytes]]:
+    """Each optional part's two files by `get(part, file, cap)` (None: absent; the weights' cap is the
+    source's per-file one); both or neither, else a 400 naming the missing one. Keyed by AdapterFiles field."""
+    parts = {}
+    for part in OPTIONAL_PARTS:
+        files = [get(part, name, cap) for name, cap in zip(part.files, (part.config_cap, file_cap))]
+        if None in files and files != [None, None]:
+            raise _half(what, part, part.files[files.index(None)])
+        if files[0] is not None:
+            parts[part.name] = (files[0], files[1])
+    return parts
+
+
+def _half(what: str, part: OptionalPart, missing: str) -> SourceError:
+    return SourceError(400, f"{what}: {half_part(part, missing)}", "invalid_source")
+
+
+def _absent_on_404(fetch: Callable[[], bytes]) -> bytes | None:
+    """An optional file fetched by name: None where the source has no such file."""
+    try:
+        return fetch()
+    except SourceError as e:
+        if e.status == 404:
+            return None
+        raise
 
 
 def _archive_cap(policy: SourcePolicy) -> int:
@@ -52,7 +87,10 @@ def _from_s3(ref: SourceRef, policy: SourcePolicy, deadline: float, clients: S3C
         data = reader.get(ref.location, _archive_cap(policy))
         return AdapterFiles(*extract_adapter_archive(data, ref.location, policy.max_file_bytes, str(ref)))
     config = reader.get(posixpath.join(ref.location, CONFIG_FILE), MAX_CONFIG_BYTES)
-    return AdapterFiles(config, reader.get(posixpath.join(ref.location, WEIGHTS_FILE), policy.max_file_bytes))
+    weights = reader.get(posixpath.join(ref.location, WEIGHTS_FILE), policy.max_file_bytes)
+    parts = _optional_parts(lambda part, name, cap: _absent_on_404(
+        lambda: reader.get(posixpath.join(ref.location, part.folder, name), cap)), str(ref), policy.max_file_bytes)
+    return AdapterFiles(config, weights, **parts)
 
 
 def _from_http(ref: SourceRef, policy: SourcePolicy, deadline: float, tls: ssl.SSLContext) -> AdapterFiles:
@@ -63,8 +101,13 @@ def _from_http(ref: SourceRef, policy: SourcePolicy, deadline: float, tls: ssl.S
         return AdapterFiles(*extract_adapter_archive(data, ref.location, policy.max_file_bytes, ref.location))
     base = ref.location if ref.location.endswith("/") else ref.location + "/"
     config = http_get(base + CONFIG_FILE, policy, MAX_CONFIG_BYTES, deadline, base + CONFIG_FILE, tls)
-    return AdapterFiles(config, http_get(base + WEIGHTS_FILE, policy, policy.max_file_bytes, deadline,
-                                         base + WEIGHTS_FILE, tls))
+    weights = http_get(base + WEIGHTS_FILE, policy, policy.max_file_bytes, deadline, base + WEIGHTS_FILE, tls)
+
+    def optional(part: OptionalPart, name: str, cap: int) -> bytes | None:
+        url = f"{base}{part.folder}/{name}"
+        return _absent_on_404(lambda: http_get(url, policy, cap, deadline, url, tls))
+
+    return AdapterFiles(config, weights, **_optional_parts(optional, ref.location, policy.max_file_bytes))
 
 
 def _from_local(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
@@ -74,25 +117,18 @@ def _from_local(ref: SourceRef, policy: SourcePolicy) -> AdapterFiles:
     if path.is_file():
         data = read_local_file(path, root, _archive_cap(policy), ref.location)
         return AdapterFiles(*extract_adapter_archive(data, path.name, policy.max_file_bytes, ref.location))
-    return AdapterFiles(read_local_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES, ref.location),
-                        read_local_file(path / WEIGHTS_FILE, root, policy.max_file_bytes, ref.location),
-                        _local_heads(path, root, policy, ref.location))
+    config = read_local_file(path / CONFIG_FILE, root, MAX_CONFIG_BYTES, ref.location)
+    weights = read_local_file(path / WEIGHTS_FILE, root, policy.max_file_bytes, ref.location)
 
+    def optional(part: OptionalPart, name: str, cap: int) -> bytes | None:
+        folder = path / part.folder
+        if not folder.exists():
+            return None
+        if not (folder / name).is_file():  # the folder is the part: each of its files is needed
+            raise _half(ref.location, part, name)
+        return read_local_file(folder / name, root, cap, f"{ref.location}: {part.folder}")
 
-def _local_heads(path: Path, root: Path, policy: SourcePolicy, what: str) -> tuple[bytes, bytes] | None:
-    """A local directory's `medusa/` folder's two files (checked against the base by the store, as an
-    upload's are); None without the folder, a 400 naming the one missing."""
-    heads = path / medusa_format.ADAPTER_DIR
-    if not heads.exists():
-        return None
-    files = []
-    for name, cap in ((medusa_format.CONFIG_FILE, medusa_format.MAX_CONFIG_BYTES),
-                      (medusa_format.WEIGHTS_FILE, policy.max_file_bytes)):
-        if not (heads / name).is_file():
-            raise SourceError(400, f"{what}: the adapter's {medusa_format.ADAPTER_DIR}/ folder has no {name}",
-                              "invalid_source")
-        files.append(read_local_file(heads / name, root, cap, f"{what}: {medusa_format.ADAPTER_DIR}"))
-    return files[0], files[1]
+    return AdapterFiles(config, weights, **_optional_parts(optional, ref.location, policy.max_file_bytes))
 
 
 def fetch_adapter(ref: SourceRef, policy: SourcePolicy, clients: SourceClients | None = None,

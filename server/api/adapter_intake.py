@@ -12,7 +12,9 @@ from concurrent.futures import Future
 
 from starlette.concurrency import run_in_threadpool
 
-from adapters.format import AdapterSummary, LoraAdapter, inspect_adapter_bytes, load_adapter_bytes
+from adapters import draft_lora
+from adapters.draft_lora import draft_from_bytes
+from adapters.format import AdapterFormatError, AdapterSummary, LoraAdapter, inspect_adapter_bytes, load_adapter_bytes
 from adapters.medusa_format import MAX_ADAPTER_HEADS, HeadWeights, MedusaHeadsError, check_heads
 from adapters.registry import AdapterRecord
 from server.api.errors import APIError
@@ -23,33 +25,39 @@ from tenants import Quota
 async def store_adapter(state: ServerState, owner: str, quota: Quota | None, name: str, config_json: bytes,
                         weights: bytes, replace: bool, keep_identical: bool = False,
                         validated: AdapterSummary | None = None,
-                        medusa: tuple[bytes, bytes] | None = None) -> AdapterRecord:
+                        medusa: tuple[bytes, bytes] | None = None,
+                        draft: tuple[bytes, bytes] | None = None) -> AdapterRecord:
     """Validate and store; `quota` None: the operator's own adapter (no tenant's limits apply).
     `keep_identical`: if the name already holds exactly these bytes, keep that version (its id is
     what the KV cache and the tiers are keyed on) rather than make a new one. `validated`: a loader
     process already ran the full validation below on these bytes, against this server's model
     shape and rank cap (adapters.loader_pool), and `config_json` is its canonical config. `medusa`: the
-    adapter's own Medusa heads files (config, weights), checked against the base and stored with it."""
+    adapter's own Medusa heads files (config, weights), checked against the base and stored with it; `draft`:
+    its draft LoRA's files, checked against the draft model and stored with it."""
     heads_bytes = 0 if medusa is None else check_adapter_heads(state, medusa).nbytes
+    draft_bytes = 0 if draft is None else (await run_in_threadpool(check_adapter_draft, state, draft)).size_bytes
     if name == state.model_id:
         raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
                        param="name")
     shape = state.engine.info.adapter_shape
     rank_cap = state.config.max_lora_rank
     summary = validated or await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)
-    # Its own heads count as its bytes (float32 on the host, like the summary): the quota, the host tier's
+    # Its own heads and draft LoRA count as its bytes (float32, like the summary): the quota, the host tier's
     # budget and the record's size_bytes.
-    size = summary.size_bytes + heads_bytes
+    size = summary.size_bytes + heads_bytes + draft_bytes
     if quota is not None and quota.max_lora_rank is not None and summary.rank > quota.max_lora_rank:
         raise APIError(400, f"adapter rank {summary.rank} exceeds this tenant's max_lora_rank of "
                             f"{quota.max_lora_rank}", "max_lora_rank")
     if quota is not None and quota.max_adapter_bytes is not None and size > quota.max_adapter_bytes:
-        with_heads = f" ({heads_bytes} of them its medusa heads)" if heads_bytes else ""
+        parts = [f"{n} of them its {what}" for n, what in ((heads_bytes, "medusa heads"), (draft_bytes, "draft LoRA"))
+                 if n]
+        with_heads = f" ({', '.join(parts)})" if parts else ""
         raise APIError(413, f"adapter size {size} bytes (as float32){with_heads} exceeds this "
                             f"tenant's max_adapter_bytes of {quota.max_adapter_bytes}", "max_adapter_bytes")
     host_budget = state.engine.info.max_cpu_lora_bytes
-    # The host tier keeps adapters in the serving dtype, heads in float32; the summary counts float32.
-    host_bytes = summary.size_bytes * state.engine.info.dtype_bytes // 4 + heads_bytes
+    # The host tier keeps adapters (and draft LoRAs) in the serving dtype, heads in float32; the summary counts
+    # float32.
+    host_bytes = (summary.size_bytes + draft_bytes) * state.engine.info.dtype_bytes // 4 + heads_bytes
     if host_budget is not None and host_bytes > host_budget:
         # It could never be paged in: every request for it would fail.
         raise APIError(413, f"adapter size {host_bytes} bytes (in the serving dtype) exceeds the server's "
@@ -70,7 +78,7 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
     if keep_identical and old is not None:
         stored = await run_in_threadpool(state.registry.read_files, old.version)
         if (stored == (summary.canonical_config_json, weights) and old.base == state.base
-                and state.registry.read_medusa(old.version) == medusa):
+                and state.registry.read_medusa(old.version) == medusa and state.registry.read_draft(old.version) == draft):
             await _precompute(state, old.version, dora)  # stored against another base, maybe
             return old
     # The canonical config is stored: the user's patterns were resolved once, above, and a
@@ -79,7 +87,7 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
         lambda: state.registry.put(owner, name, summary.canonical_config_json, weights,
                                    summary=dataclasses.replace(summary, size_bytes=size),
                                    replace=replace, max_adapters=None if quota is None else quota.max_adapters,
-                                   base=state.base, medusa=medusa))
+                                   base=state.base, medusa=medusa, draft=draft))
     if old is not None and old.version != record.version:
         await state.engine.remove_adapter(old.version)  # other processes hear it via the registry's events
     # Waited for (a W A^T per DoRA module, on the engine's one precompute thread, off the event loop):
@@ -97,6 +105,15 @@ def check_adapter_heads(state: ServerState, medusa: tuple[bytes, bytes]) -> Head
                     max_heads=MAX_ADAPTER_HEADS)
     except MedusaHeadsError as e:
         raise APIError(400, str(e), "invalid_adapter", param="medusa_heads.safetensors") from None
+
+
+def check_adapter_draft(state: ServerState, draft: tuple[bytes, bytes]) -> LoraAdapter:
+    """400 naming the mismatch for a draft LoRA that does not fit the draft model (or the rank cap, or is DoRA),
+    or that a server without a draft model is given. Blocking: it parses the tensors."""
+    try:
+        return draft_from_bytes(*draft, state.engine.info.draft_adapter_shape, state.config.max_lora_rank)
+    except AdapterFormatError as e:
+        raise APIError(400, str(e), "invalid_adapter", param=draft_lora.FORM_FILES[1]) from None
 
 
 async def check_adapter_room(state: ServerState, owner: str, quota: Quota | None, name: str) -> None:

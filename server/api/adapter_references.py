@@ -48,15 +48,16 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
             # interpreter the engine thread runs on.
             loaded = await run_in_threadpool(pool.load, ref.source, policy, keys,
                                              state.engine.info.adapter_shape, state.config.max_lora_rank)
-            config_json, weights, validated, sha256, medusa = (loaded.summary.canonical_config_json, loaded.weights,
-                                                               loaded.summary, loaded.sha256, loaded.medusa)
+            config_json, weights, validated, sha256 = (loaded.summary.canonical_config_json, loaded.weights,
+                                                       loaded.summary, loaded.sha256)
+            parts = loaded
         else:
             bounded = bounded_by_model(policy, state.engine.info.adapter_shape, state.config.max_lora_rank)
             files = await run_in_threadpool(fetch_adapter, source, bounded, state.source_clients, keys)
-            config_json, weights, validated, sha256, medusa = (files.config_json, files.weights, None, files.sha256,
-                                                               files.medusa)
-        record = await store_adapter(state, owner, quota, ref.name, config_json, weights,
-                                     replace=True, keep_identical=True, validated=validated, medusa=medusa)
+            config_json, weights, validated, sha256 = files.config_json, files.weights, None, files.sha256
+            parts = files
+        record = await store_adapter(state, owner, quota, ref.name, config_json, weights, replace=True,
+                                     keep_identical=True, validated=validated, medusa=parts.medusa, draft=parts.draft)
         current = await run_in_threadpool(state.references.get, owner, ref.name)
         if current is None or current.registered_at != ref.registered_at:
             # Unloaded (or registered anew) while this fetch ran: what it fetched is not wanted.

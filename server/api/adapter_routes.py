@@ -54,7 +54,7 @@ async def store_upload(request: Request, state: ServerState, tenant: Tenant) -> 
         raise APIError(400, f"{warning} (refused: the server runs with --strict-adapter-base)",
                        "adapter_base_mismatch", param="base_model_name_or_path")
     record = await store_adapter(state, tenant.id, quota, upload.name, upload.config_json, upload.weights,
-                                 upload.replace, medusa=upload.medusa)
+                                 upload.replace, medusa=upload.medusa, draft=upload.draft)
     return JSONResponse({**_public(record), **({"warnings": [warning]} if warning else {})}, status_code=201)
 
 

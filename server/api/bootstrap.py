@@ -5,12 +5,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters import medusa_format
 from adapters.format import CONFIG_FILE, WEIGHTS_FILE, AdapterFormatError, inspect_adapter_bytes
+from adapters.optional_parts import OPTIONAL_PARTS, half_part
 from adapters.sharing import ALL, OPERATOR_OWNER
 from adapters.sources import fetch_adapter, parse_reference
 from adapters.sources.policy import operator_policy
-from server.api.adapter_intake import check_adapter_heads, dora_scales_of_files
+from server.api.adapter_intake import check_adapter_draft, check_adapter_heads, dora_scales_of_files
 from server.api.state import ServerState
 from server.credentials import ADMIN_TOKEN_FILE, DEMO_KEY_FILE, read_secret, write_secret
 from tenants import Tenant
@@ -40,39 +40,43 @@ class StartupInfo:
 
 
 def _put_dir(state: ServerState, tenant: Tenant, name: str, directory: str | Path) -> None:
-    """Store a PEFT directory (and its `medusa/` folder's heads) under the tenant unless the same adapter is
-    already there."""
+    """Store a PEFT directory (and its optional parts' folders: `medusa/` heads, a `draft/` LoRA) under the
+    tenant unless the same adapter is already there."""
     d = Path(directory)
     _put_files(state, tenant.id, name, (d / CONFIG_FILE).read_bytes(), (d / WEIGHTS_FILE).read_bytes(),
-               _dir_heads(d))
+               **_dir_parts(d))
 
 
-def _dir_heads(d: Path) -> tuple[bytes, bytes] | None:
-    heads = d / medusa_format.ADAPTER_DIR
-    if not heads.exists():
-        return None
-    names = (medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE)
-    for name in names:
-        if not (heads / name).is_file():
-            raise AdapterFormatError(f"{d}: the adapter's {medusa_format.ADAPTER_DIR}/ folder has no {name}")
-    return (heads / names[0]).read_bytes(), (heads / names[1]).read_bytes()
+def _dir_parts(d: Path) -> dict[str, tuple[bytes, bytes]]:
+    """The operator's directory's optional parts (adapters.optional_parts), by AdapterFiles field."""
+    parts = {}
+    for part in OPTIONAL_PARTS:
+        folder = d / part.folder
+        if not folder.exists():
+            continue
+        for name in part.files:
+            if not (folder / name).is_file():
+                raise AdapterFormatError(f"{d}: {half_part(part, name)}")
+        parts[part.name] = ((folder / part.files[0]).read_bytes(), (folder / part.files[1]).read_bytes())
+    return parts
 
 
 def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, weights: bytes,
-               medusa: tuple[bytes, bytes] | None = None) -> None:
-    """`medusa`: the adapter's own heads files (a local --lora-modules directory's `medusa/` folder)."""
-    heads_bytes = 0 if medusa is None else check_adapter_heads(state, medusa).nbytes
+               medusa: tuple[bytes, bytes] | None = None, draft: tuple[bytes, bytes] | None = None) -> None:
+    """`medusa`, `draft`: the adapter's own heads and draft LoRA files (a local directory's folders)."""
+    extra_bytes = 0 if medusa is None else check_adapter_heads(state, medusa).nbytes
+    extra_bytes += 0 if draft is None else check_adapter_draft(state, draft).size_bytes
     summary = inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
                                     state.config.max_lora_rank)
-    # What is stored is the canonical config (user patterns resolved once, here); heads count in its size.
+    # What is stored is the canonical config (user patterns resolved once, here); its parts count in its size.
     config_json = summary.canonical_config_json
-    summary = dataclasses.replace(summary, size_bytes=summary.size_bytes + heads_bytes)
+    summary = dataclasses.replace(summary, size_bytes=summary.size_bytes + extra_bytes)
     record = state.registry.get(owner, name)
     if (record is None or record.base != state.base
             or state.registry.read_files(record.version) != (config_json, weights)
-            or state.registry.read_medusa(record.version) != medusa):
+            or state.registry.read_medusa(record.version) != medusa or state.registry.read_draft(record.version) != draft):
         record = state.registry.put(owner, name, config_json, weights, summary=summary, replace=True,
-                                    base=state.base, medusa=medusa)
+                                    base=state.base, medusa=medusa, draft=draft)
     dora_scales_of_files(state, record.version, config_json, weights)  # the first request reloads them
 
 
@@ -84,7 +88,7 @@ def publish_lora_modules(state: ServerState) -> None:
     policy = operator_policy(state.sources)
     for name, path in wanted.items():
         files = fetch_adapter(parse_reference(path), policy, state.source_clients)
-        _put_files(state, OPERATOR_OWNER, name, files.config_json, files.weights, files.medusa)
+        _put_files(state, OPERATOR_OWNER, name, files.config_json, files.weights, files.medusa, files.draft)
         state.references.put(OPERATOR_OWNER, name, path, files.sha256)
         state.sharing.set_default(name, ALL)
     for name in set(state.sharing.all()) - set(wanted):

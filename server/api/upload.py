@@ -10,7 +10,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from adapters import medusa_format
+from adapters import draft_lora, medusa_format
 from adapters.format import CONFIG_FILE, MAX_CONFIG_BYTES, PICKLE_FILE, WEIGHTS_FILE
 from server.api.errors import APIError
 
@@ -26,6 +26,8 @@ class AdapterUpload:
     weights: bytes
     # Its own Medusa heads (the optional files medusa_config.json and medusa_heads.safetensors), unchecked.
     medusa: tuple[bytes, bytes] | None = None
+    # Its draft LoRA (the optional files draft_adapter_config.json and draft_adapter_model.safetensors), unchecked.
+    draft: tuple[bytes, bytes] | None = None
 
 
 def _too_large(cap: int) -> APIError:
@@ -51,7 +53,7 @@ async def read_adapter_upload(request: Request, cap: int) -> AdapterUpload:
             raise APIError(400, "invalid Content-Length", "invalid_upload")
         if int(length) > cap:
             raise _too_large(cap)
-    parser = MultiPartParser(request.headers, _capped(request, cap), max_files=4, max_fields=8,
+    parser = MultiPartParser(request.headers, _capped(request, cap), max_files=6, max_fields=8,
                              max_part_size=64 * 1024)
     try:
         form = await parser.parse()
@@ -80,14 +82,23 @@ async def read_adapter_upload(request: Request, cap: int) -> AdapterUpload:
             raise APIError(413, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes",
                            "request_too_large")
         weights = await files[WEIGHTS_FILE].read()
-        heads = [f for f in (medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE) if f in files]
-        if len(heads) == 1:
-            other = ({medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE} - set(heads)).pop()
-            raise APIError(400, f"medusa heads need both files: the form has {heads[0]} without {other}",
-                           "invalid_field", param=other)
-        medusa = None
-        if heads:
-            medusa = (await files[medusa_format.CONFIG_FILE].read(), await files[medusa_format.WEIGHTS_FILE].read())
-        return AdapterUpload(name, replace.lower() in ("true", "1"), config_json, weights, medusa)
+        medusa = await _optional_pair(files, (medusa_format.CONFIG_FILE, medusa_format.WEIGHTS_FILE), "medusa heads")
+        draft = await _optional_pair(files, draft_lora.FORM_FILES, "draft LoRA")
+        if draft is not None and len(draft[0]) > MAX_CONFIG_BYTES:
+            raise APIError(413, f"{draft_lora.FORM_FILES[0]} is larger than {MAX_CONFIG_BYTES} bytes",
+                           "request_too_large")
+        return AdapterUpload(name, replace.lower() in ("true", "1"), config_json, weights, medusa, draft)
     finally:
         await form.close()
+
+
+async def _optional_pair(files: dict[str, UploadFile], names: tuple[str, str], what: str) -> tuple[bytes, bytes] | None:
+    """An optional part's two form files (config, weights): both or neither, else a 400 naming the missing one."""
+    present = [f for f in names if f in files]
+    if len(present) == 1:
+        other = (set(names) - set(present)).pop()
+        raise APIError(400, f"{what}: the form has {present[0]} without {other} (both files or neither)",
+                       "invalid_field", param=other)
+    if not present:
+        return None
+    return await files[names[0]].read(), await files[names[1]].read()

@@ -42,7 +42,7 @@ class EngineTarget:
         """engine_kwargs: EngineConfig fields (device, dtype, max_loras, max_lora_rank, ...);
         prefix_caching: turn the engine's prefix cache on or off (None: the engine's default);
         adapter_source: loads the adapters not in adapter_dirs on demand (LLMEngine's)."""
-        from adapters.format import load_adapter_dir
+        from adapters.draft_lora import load_adapter_with_draft
         from server.engine import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs), adapter_source)
@@ -50,7 +50,8 @@ class EngineTarget:
             self.engine.set_prefix_cache_policy(prefix_caching)
         self.outputs: dict[int, list[int]] = {}  # request index -> its output token ids, once finished
         for name, path in adapter_dirs.items():
-            adapter = load_adapter_dir(path, self.engine.adapter_shape, self.engine.config.max_lora_rank)
+            adapter = load_adapter_with_draft(path, self.engine.adapter_shape, self.engine.draft_adapter_shape,
+                                              self.engine.config.max_lora_rank)
             self.engine.add_adapter(name, adapter)  # the name doubles as the version id: added once
 
     def _drain(self) -> None:

@@ -2,17 +2,20 @@
 
 Any architecture the engine serves (ModelConfig.from_dir refuses the rest), with the target's vocabulary:
 a draft token is an id the target scores, so different sizes are refused in one line naming both. Its
-weights are served as the checkpoint's floats in the target's dtype; its LoRA buffers are one slot of
-rank 1 that no step reads (the draft runs the base draft model for every adapter).
+weights are served as the checkpoint's floats in the target's dtype; its LoRA buffers are the target's
+slot count at --max-lora-rank, for adapters' draft LoRAs (server.engine.lora.draft_slots).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from server.engine.config import ModelConfig, ModelConfigError
+from adapters.format import ModelShape
+from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.kv_cache import allocate_lora_slots
+from server.engine.lora.draft_slots import DraftLoraSlots
 from server.engine.model import CausalLM
 from server.engine.weights import load_weights
 
@@ -37,7 +40,19 @@ def read_draft_config(model_dir: str, target: ModelConfig) -> ModelConfig:
 
 
 def load_draft_model(model_dir: str, draft: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-                     max_tokens: int) -> CausalLM:
-    """max_tokens: the most tokens one draft forward takes (its catch-up is cut to it)."""
+                     max_tokens: int, max_loras: int, max_lora_rank: int) -> tuple[CausalLM, DraftLoraSlots]:
+    """The draft model and its LoRA slots, one per target slot. max_tokens: the most tokens one draft
+    forward takes (its catch-up is cut to it)."""
     weights = load_weights(model_dir, draft, dtype, device)
-    return CausalLM(draft, weights, allocate_lora_slots(draft, 1, 1, dtype, device), max_len, max_tokens)
+    layers = allocate_lora_slots(draft, max_loras, max_lora_rank, dtype, device)
+    return CausalLM(draft, weights, layers, max_len, max_tokens), DraftLoraSlots(layers, max_loras)
+
+
+def draft_adapter_shape(config: EngineConfig) -> ModelShape | None:
+    """What an adapter's draft LoRA (adapters.draft_lora) must fit: the draft model's widths, read from its
+    config.json as the front end reads the target's; None without a draft model. The engine and every
+    fetch of a stored version read it here, so all check a draft LoRA against the same shape."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return ModelShape.from_hf_config(json.loads(Path(spec.model, "config.json").read_text()))

@@ -13,7 +13,10 @@ the target accepted past the ones the draft wrote itself), in forwards of at mos
 one-token passes over every speculating sequence: the last token gives the first draft, each draft
 the next. The last draft is never written; rejected positions are overwritten by later passes.
 
-The draft runs the base draft model for every sequence (an adapter's own draft LoRA is not served).
+A sequence whose adapter carries a draft LoRA (adapters.draft_lora) drafts with it: its rows take the
+draft model's slot matching its target slot (server.engine.lora.draft_slots), from the same activation
+point as its target rows; the others run the base draft model. A sequence keeps its adapter, so its
+draft KV is always its own adapter's.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import torch
 
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.kernel_ops import KernelOps
+from server.engine.lora.draft_slots import DraftLoraSlots
+from server.engine.lora.slots import token_slots
 from server.engine.model import CausalLM, StepContext
 from server.engine.sequence import Sequence
 
@@ -33,6 +38,10 @@ class DraftRequest:
 
     seq: Sequence
     k: int
+    slot: int  # its adapter's slot in the target (-1: the base model), this step's
+
+    def draft_slot(self, loras: DraftLoraSlots) -> int:
+        return loras.draft_slot(self.slot)
 
 
 @dataclass
@@ -44,12 +53,13 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: KernelOps,
-                 block_size: int, lora_scratch: torch.Tensor, device: torch.device) -> None:
+                 block_size: int, loras: DraftLoraSlots, lora_scratch: torch.Tensor, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops
         self.block_size = block_size
-        self.lora_scratch = lora_scratch  # the draft's LoRA buffers are never read: no adapter is applied
+        self.loras = loras  # adapters' draft LoRAs, in the slots their target slots give
+        self.lora_scratch = lora_scratch  # [3, max_tokens, max rank]: the shrink's output
         self.device = device
         self.max_tokens = model.workspace.max_tokens
         self.states: dict[Sequence, _DraftState] = {}
@@ -63,6 +73,7 @@ class DraftModelProposer:
         if not requests:
             return []
         states = [self._state(r.seq) for r in requests]
+        self.loras.slots.sync()  # draft LoRAs copied in this step (CUDA: on the slots' copy stream)
         self._catch_up(requests, states)
         drafts: list[list[int]] = [[] for _ in requests]
         live = list(range(len(requests)))  # requests still drafting
@@ -72,7 +83,7 @@ class DraftModelProposer:
             # Position of the token fed: the sequence's last one, then each draft in turn.
             positions = [len(requests[i].seq.token_ids) - 1 + j for i in live]
             tokens = [last[i] if j == 0 else drafts[i][-1] for i in live]
-            logits = self._forward([requests[i].seq for i in live], positions, [[t] for t in tokens], True)
+            logits = self._forward([requests[i] for i in live], positions, [[t] for t in tokens], True)
             for i, t in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[i].append(t)
         for r, state, d in zip(requests, states, drafts):
@@ -99,33 +110,36 @@ class DraftModelProposer:
 
     def _catch_up(self, requests: list[DraftRequest], states: list[_DraftState]) -> None:
         """Draft KV for every token before each sequence's last, in forwards of at most max_tokens."""
-        todo = [(r.seq, s.computed, len(r.seq.token_ids) - 1) for r, s in zip(requests, states)]
+        todo = [(r, s.computed, len(r.seq.token_ids) - 1) for r, s in zip(requests, states)]
         todo = [t for t in todo if t[1] < t[2]]
         while todo:
             room = self.max_tokens
-            seqs, starts, chunks, rest = [], [], [], []
-            for seq, start, end in todo:
+            reqs, starts, chunks, rest = [], [], [], []
+            for r, start, end in todo:
                 n = min(end - start, room)
                 if n > 0:
-                    seqs.append(seq)
+                    reqs.append(r)
                     starts.append(start)
-                    chunks.append(seq.token_ids[start : start + n])
+                    chunks.append(r.seq.token_ids[start : start + n])
                     room -= n
                 if start + n < end:
-                    rest.append((seq, start + n, end))
-            self._forward(seqs, starts, chunks, False)
+                    rest.append((r, start + n, end))
+            self._forward(reqs, starts, chunks, False)
             todo = rest
 
-    def _forward(self, seqs: list[Sequence], starts: list[int], chunks: list[list[int]],
+    def _forward(self, reqs: list[DraftRequest], starts: list[int], chunks: list[list[int]],
                  logits: bool) -> torch.Tensor:
-        """One forward of the draft: chunk i at positions starts[i].. of seqs[i]; the logits at each chunk's
-        last token when `logits`, else nothing (the KV is what it was for)."""
+        """One forward of the draft: chunk i at positions starts[i].. of reqs[i]'s sequence; the logits at each
+        chunk's last token when `logits`, else nothing (the KV is what it was for)."""
         dev = self.device
         lens = [len(c) for c in chunks]
-        attn = AttentionBatch.build([s.block_table for s in seqs], starts, lens, self.block_size, dev)
+        attn = AttentionBatch.build([r.seq.block_table for r in reqs], starts, lens, self.block_size, dev)
         positions = [p for start, n in zip(starts, lens) for p in range(start, start + n)]
+        slots = [s for r, start, n in zip(reqs, starts, lens)
+                 for s in token_slots(r.draft_slot(self.loras), start, n, r.seq.group.adapter_from)]
+        lora = LoraBatch.build(slots, dev, self.loras.slots.slot_ranks, self.loras.slots.rank_table)
         ctx = StepContext(ops=self.ops, positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-                          attn=attn, lora=LoraBatch.build([-1] * len(positions), dev), lora_scratch=self.lora_scratch)
+                          attn=attn, lora=lora, lora_scratch=self.lora_scratch)
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long).to(dev, non_blocking=True)
         ends = []
         if logits:

@@ -28,7 +28,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.context_len import choose_max_model_len, model_limit
 from server.engine.cuda_device import thread_binder
-from server.engine.draft_model_loader import load_draft_model, read_draft_config
+from server.engine.draft_model_loader import draft_adapter_shape, load_draft_model, read_draft_config
 from server.engine.draft_model_proposer import DraftModelProposer
 from server.engine.flag_refusals import combination_refusal
 from server.engine.grammar import GrammarMask, Grammars
@@ -77,6 +77,7 @@ class EngineParts:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     adapter_shape: ModelShape
+    draft_adapter_shape: ModelShape | None  # what an adapter's draft LoRA must fit; None: no draft model
     max_loras: int
     model: CausalLM
     lora_slots: LoraSlots
@@ -122,8 +123,10 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     slots = LoraSlots(lora_layers, max_loras, DoraScales.of_model(model),
                       dora_scale_store, paging, config.max_pinned_adapters_per_tenant, vocab=model.vocab_parts)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype, device=device)
-    draft_model = None if draft_cfg is None else load_draft_model(
-        spec.model, draft_cfg, dtype, device, max_len, max(config.max_num_batched_tokens, config.max_num_seqs))
+    draft_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    draft_model, draft_loras = (None, None) if draft_cfg is None else load_draft_model(
+        spec.model, draft_cfg, dtype, device, max_len, draft_tokens, max_loras, config.max_lora_rank)
+    slots.draft = draft_loras  # adapters' draft LoRAs load and leave with their slot
     # Unified: the pool sized now, as the KV pool is, from what is left; the adapter pages carved from it.
     memory = _unified_memory(config, mcfg, dtype, device, max_len, kv_dtype, paging, lora_layers) \
         if config.unified_memory else None
@@ -143,8 +146,9 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     kernels = _select_kernels(config, device, dtype)
     if draft_model is not None:  # its own pool, at the target's block ids (server.engine.draft_model_proposer)
         draft_kv = kv_pool_like(draft_cfg, kv_pool.blocks, config.block_size, kv_dtype, device)
-        scheduler.draft_model = DraftModelProposer(draft_model, draft_kv, kernels, config.block_size,
-                                                   torch.empty(3, 1, 1, dtype=dtype, device=device), device)
+        draft_scratch = torch.empty(3, draft_tokens, config.max_lora_rank, dtype=dtype, device=device)
+        scheduler.draft_model = DraftModelProposer(draft_model, draft_kv, kernels, config.block_size, draft_loras,
+                                                   draft_scratch, device)
     # Structured output: the grammar vocabulary is the tokenizer's, as wide as the logits at least.
     budget = MaskBudget(config.max_mask_fill_seconds, config.max_mask_seconds_per_request)
     grammars = Grammars(tokenizer, mcfg.vocab_size, eos_token_ids, mask_budget=budget)
@@ -170,7 +174,8 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     detokenizer = IncrementalDetokenizer(tokenizer)
     return EngineParts(
         config=config, model_config=mcfg, device=device, bind_thread=bind_thread, dtype=dtype, tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg, config), max_loras=max_loras, model=model,
+        eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg, config),
+        draft_adapter_shape=draft_adapter_shape(config), max_loras=max_loras, model=model,
         lora_slots=slots, kv_pool=kv_pool, max_model_len=max_model_len, blocks=blocks, host=host, scheduler=scheduler,
         kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
         dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,

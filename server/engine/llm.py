@@ -5,7 +5,7 @@ import itertools
 from pathlib import Path
 from typing import Sequence as Seq
 
-from adapters.format import load_adapter_dir
+from adapters.draft_lora import load_adapter_with_draft
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
 from server.engine.sequence import RequestOutput, SamplingParams
@@ -28,7 +28,8 @@ class LLM:
 
     def add_adapter(self, name: str, path: str | Path) -> str:
         """Load a PEFT LoRA directory under `name`; returns its version id."""
-        adapter = load_adapter_dir(path, self.engine.adapter_shape, self.engine.config.max_lora_rank)
+        adapter = load_adapter_with_draft(path, self.engine.adapter_shape, self.engine.draft_adapter_shape,
+                                          self.engine.config.max_lora_rank)
         version = f"{name}@{next(self._version_counter)}"
         self.engine.add_adapter(version, adapter)
         old = self._versions.get(name)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from adapters.draft_lora import NO_DRAFT_MODEL
 from adapters.format import LoraAdapter
 from adapters.host_tier import Fetch
 from server.engine.async_step import AsyncStats
@@ -39,6 +40,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.adapter_shape = parts.adapter_shape
+        self.draft_adapter_shape = parts.draft_adapter_shape
         self.max_loras = parts.max_loras
         self.model = parts.model
         self.lora_slots = parts.lora_slots
@@ -80,6 +82,8 @@ class LLMEngine:
                 heads.num_heads < spec.num_speculative_tokens:
             raise RequestError(f"the adapter's medusa heads num_heads {heads.num_heads} is fewer than "
                                f"num_speculative_tokens {spec.num_speculative_tokens}")
+        if getattr(adapter, "draft", None) is not None and self.draft_adapter_shape is None:
+            raise RequestError(NO_DRAFT_MODEL)
         self.host.add(version_id, adapter)
         self.scheduler.prefix_cache.restore(version_id)
 

@@ -508,7 +508,7 @@ class Scheduler:
         """The draft model's drafts for the sequences given room for them (placeholders until now), made
         once every preemption of the step is done, in one batch."""
         rows = [i for i, d in enumerate(batch.drafts) if d]
-        requests = [DraftRequest(batch.seqs[i], len(batch.drafts[i])) for i in rows]
+        requests = [DraftRequest(batch.seqs[i], len(batch.drafts[i]), batch.lora_slots[i]) for i in rows]
         for i, drafts in zip(rows, self.draft_model.propose(requests)):
             batch.drafts[i] = drafts
 

@@ -143,23 +143,23 @@ def test_a_local_directorys_medusa_folder_comes_with_its_files_bounded_and_insid
     assert heads.sha256 != without.sha256  # new heads: a new version
 
 
+def zipped(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
 def test_an_archives_medusa_folder_beside_the_picked_files_comes_with_them(tiny_adapters):
     files = _files(tiny_adapters["r4_qv"])
     heads = {"medusa_config.json": b"{}", "medusa_heads.safetensors": b"w"}
-
-    def zipped(members: dict[str, bytes]) -> bytes:
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-            for name, data in members.items():
-                zf.writestr(name, data)
-        return buf.getvalue()
-
     peft = {f"top/{f}": data for f, data in files.items()}
     decoys = {f"top/deeper/medusa/{f}": b"decoy" for f in heads}  # not beside the picked files
     assert extract_adapter_archive(zipped(peft | decoys), "a.zip", CAP, "a")[2] is None
     with_heads = peft | decoys | {f"top/medusa/{f}": data for f, data in heads.items()}
     assert extract_adapter_archive(zipped(with_heads), "a.zip", CAP, "a") == (
-        *files.values(), tuple(heads.values()))
+        *files.values(), tuple(heads.values()), None)
     half = peft | {"top/medusa/medusa_config.json": b"{}"}
     with pytest.raises(SourceError) as e:
         extract_adapter_archive(zipped(half), "a.zip", CAP, "a")

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from adapters.optional_parts import OPTIONAL_PARTS
 from adapters.sources import SourceError, SourcePolicy, fetch_adapter, parse_reference
 from adapters.sources.clients import SourceClients
 from tests.source_servers import FileServer
@@ -75,7 +76,9 @@ def test_https_fetch_verifies_the_host_it_pinned(pki, tiny_adapters, monkeypatch
         _serve(files, tiny_adapters["r4_qv"])
         got = fetch_adapter(parse_reference(f"{files.url}/a/"), POLICY, SourceClients())
         assert got.weights == (tiny_adapters["r4_qv"] / FILES[1]).read_bytes()
-        assert files.requests == [f"/a/{f}" for f in FILES]
+        # The PEFT files, then each optional part's by name (absent here: 404s).
+        optional = [f"/a/{p.folder}/{f}" for p in OPTIONAL_PARTS for f in p.files]
+        assert files.requests == [f"/a/{f}" for f in FILES] + optional
 
 
 def test_an_untrusted_or_misnamed_certificate_fails_before_a_byte_is_read(pki, tiny_adapters, monkeypatch):

@@ -237,6 +237,23 @@ def test_medusa_heads_are_stored_with_their_version_and_freed_with_it(reg, redis
         reg.read_medusa(rec.version)
 
 
+def test_a_draft_lora_is_stored_with_its_version_beside_heads_and_freed_with_it(reg, redis_client, clock):
+    heads = (b'{"num_heads": 2}', payload(21, 3000))
+    draft = (b'{"r": 8}', payload(22, 2000))
+    rec = reg.put("acme", "sql", CONFIG, payload(13, 500), summary=Summary(), medusa=heads, draft=draft)
+    only = reg.put("acme", "other", CONFIG, payload(14, 500), summary=Summary(), draft=draft)
+    assert reg.read_draft(rec.version) == draft and reg.read_medusa(rec.version) == heads
+    assert reg.read_draft(only.version) == draft and reg.read_medusa(only.version) is None
+    reg.delete("acme", "sql")
+    clock.now += GRACE * 2
+    assert reg.collect_garbage() == 1
+    assert reg.read_draft(only.version) == draft, "shared chunks stay while another version holds them"
+    reg.delete("acme", "other")
+    clock.now += GRACE * 2
+    assert reg.collect_garbage() == 1
+    assert keys(redis_client) == [], "the draft LoRA's chunks went with their version"
+
+
 # ---- quota ----
 
 def test_max_adapters_enforced(reg):

@@ -31,6 +31,7 @@ from server.engine.adapter_residency import take_load_times
 from server.engine.core.queue_items import CoreFatal, CoreReady, Flush
 from server.engine.core.busy_loop import EngineCore
 from server.engine.cpu_affinity import pin_process
+from server.engine.draft_model_loader import draft_adapter_shape
 from server.engine.core.commands import FetchingCommands
 from server.engine.core.input_socket import InputSocket
 from server.engine.core.launch import CoreLaunch
@@ -112,7 +113,8 @@ def _build_engine(launch: CoreLaunch, owned: contextlib.ExitStack) -> LLMEngine:
         pager = LoaderPool(1, launch.max_upload_bytes, cpus=launch.loader_cpus)
         owned.callback(pager.close)
     registry = AdapterRegistry(client, prefix=launch.redis_prefix, grace_seconds=launch.adapter_grace_seconds)
-    fetch = registry_fetch(registry, launch.adapter_shape, launch.max_lora_rank, pager)
+    fetch = registry_fetch(registry, launch.adapter_shape, launch.max_lora_rank, pager,
+                           draft_adapter_shape(launch.engine))
     engine = LLMEngine(launch.engine, fetch, DoraScaleStore(client, prefix=launch.redis_prefix))
     if pager is not None:
         pager.wait_ready()

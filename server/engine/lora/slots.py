@@ -72,6 +72,7 @@ from server.engine.lora.vocab_parts import VocabParts
 from server.engine.medusa_proposer import MedusaProposer
 
 if TYPE_CHECKING:
+    from server.engine.lora.draft_slots import DraftLoraSlots
     from server.engine.unified_memory import PageUnits
 
 
@@ -208,6 +209,8 @@ class LoraSlots:
         self.vocab = vocab
         # Adapters' own Medusa heads go with their slot too (server.engine.medusa_proposer; set by use_medusa).
         self.medusa: MedusaProposer | None = None
+        # Adapters' draft LoRAs go with their slot into the draft model's (server.engine.lora.draft_slots).
+        self.draft: DraftLoraSlots | None = None
         self.layers = layers  # per layer: group name -> buffers
         some = layers[0]["o"].a if layers else torch.empty(0, 0, 1, 0)
         self.paging = paging or LoraPaging.slots(max_loras, some.shape[2])
@@ -323,6 +326,14 @@ class LoraSlots:
         self.users[version] = self.users.get(version, 0) + 1
         return slot
 
+    def place(self, version: str, slot: int, adapter: PackedLoraAdapter) -> None:
+        """Load `version` into the free, unpaged `slot` chosen by the caller (the draft model's slots follow
+        the target's: server.engine.lora.draft_slots); it stays idle there until removed."""
+        assert not self.paging.paged and slot in self.free_slots and version not in self.slot_of
+        self.free_slots.remove(slot)
+        self._load(slot, (slot,), adapter)
+        self.slot_of[version] = slot
+
     def _page_room(self) -> int:
         """Pages a load can take without evicting: the free ones, or under --unified-memory as many as the
         pool's aligned groups of units nobody holds make."""
@@ -410,6 +421,8 @@ class LoraSlots:
             self.vocab.evict(slot)
         if self.medusa is not None:
             self.medusa.evict(slot)
+        if self.draft is not None:
+            self.draft.evict(slot)
         if self.slot_dora[slot]:
             for groups in self.layers:
                 for buffers in groups.values():
@@ -468,6 +481,8 @@ class LoraSlots:
             self.vocab.load(slot, adapter)
         if self.medusa is not None:
             self.medusa.load(slot, adapter.medusa)
+        if self.draft is not None:
+            self.draft.load(slot, adapter.draft)
         self.slot_ranks[slot] = adapter.rank
         self.rank_table[slot] = adapter.rank
         self.slot_pages[slot] = pages

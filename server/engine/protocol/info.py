@@ -40,6 +40,8 @@ class EngineInfo:
     # Heads an adapter's own Medusa heads must have: the server's num_speculative_tokens with method medusa,
     # else 1 (they are stored for a later medusa server).
     medusa_heads_needed: int = 1
+    # What an adapter's draft LoRA must fit (the draft model's widths); None: the server runs no draft model.
+    draft_adapter_shape: ModelShape | None = None
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -53,7 +55,8 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         async_scheduling=cfg.async_scheduling, base_weights=engine.model.base_weights(),
         model_config=engine.model_config,
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
-        medusa_heads_needed=_medusa_heads_needed(cfg.speculative_config))
+        medusa_heads_needed=_medusa_heads_needed(cfg.speculative_config),
+        draft_adapter_shape=engine.draft_adapter_shape)
 
 
 def _medusa_heads_needed(spec: SpeculativeConfig | None) -> int:
