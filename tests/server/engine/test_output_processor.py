@@ -160,3 +160,21 @@ def test_a_failed_adapter_load_fails_its_request(processor):
     batch.failed.append((seq, "no such version"))
     outs = processor.postprocess(batch, {0: SeqResult(done=True, tokens=[LO], logprobs=[None])})
     assert outs[0].finish_reason == "error" and "could not be loaded: no such version" in outs[0].error
+
+
+def test_a_stop_string_ends_one_choice_and_the_request_ends_with_the_last(processor):
+    add(processor, "r", SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=0, stop=["lo"]))
+    first = step(processor, LO, WOR)
+    assert [(o.index, o.text, o.finished, o.finish_reason) for o in first] == [(0, "", True, "stop"),
+                                                                               (1, " wor", False, None)]
+    assert "r" in processor.seqs  # choice 1 runs on; the engine still runs choice 0 too, unseen
+    second = step(processor, LD)  # choice 0's engine output is dropped
+    assert [(o.index, o.text, o.finished) for o in second] == [(1, " world", False)]
+    batch = processor.scheduler.schedule()  # choice 1 draws EOS; choice 0, still running in the engine, not
+    results = {i: SeqResult(done=True, tokens=[EOS if seq.index else DOT], logprobs=[None])
+               for i, seq in enumerate(batch.seqs)}
+    third = processor.texts.apply(processor.postprocess(batch, results))
+    assert [(o.index, o.text, o.finish_reason) for o in third] == [(1, " world", "stop")]
+    # Every choice ended here: the front end aborted the request, so choice 0 left the engine too.
+    assert not processor.seqs and not processor.scheduler.has_unfinished()
+    assert processor.texts.apply(processor.postprocess(processor.scheduler.schedule(), {})) == []
