@@ -4,6 +4,8 @@ This process binds a PULL socket for what the core sends it and connects a DEALE
 random client id) to the core's input socket; its Hello names the PULL address, so the core routes
 this client's outputs, replies and stats back here and nowhere else. One receiver thread decodes what
 arrives and hands each request's outputs to its stream's event loop, one wake-up per loop per message.
+The core's outputs are token ids: their text (detokenizing, stop strings, and the abort a stop string
+sends back) is made on that event loop with this front end's own tokenizer (server.engine.output_text).
 
 Death is noticed within a poll interval: a thread waits on the core process (kill -9 ends the wait
 at once), and the receiver treats HEARTBEAT_TIMEOUT_S without a message (the core pushes stats every
