@@ -2,7 +2,9 @@
 """Host-side time per engine step outside the model forward, at 16/64/256 running sequences.
 
 On a GPU this overhead (scheduling, block tables, adapter metadata, sampling
-bookkeeping, detokenisation), not the math, decides small-batch speed.
+bookkeeping), not the math, decides small-batch speed. The outputs' text
+(detokenizing, stop strings) is the front end's, in another process when the
+engine core runs in its own: timed apart ("front text"), outside the step.
 Prints a table and writes JSON.
 
 With --prefix-cache it measures the prefix cache's bookkeeping instead, where
@@ -28,32 +30,37 @@ from pathlib import Path
 from benchmarks.profile.step_phases import Timer, timed_phases
 from server.demo import ensure_demo
 from server.engine import LLM, SamplingParams
+from server.engine.output_text import OutputTexts
 
 
 def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int,
             clock=time.perf_counter) -> dict:
     engine = llm.engine
     rng = random.Random(seed)
+    texts = OutputTexts(engine.detokenizer, engine.abort_request)  # the front end's share
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [rng.randrange(3, 500) for _ in range(rng.randint(8, 32))]
         name = adapters[i % (len(adapters) + 1)] if i % (len(adapters) + 1) < len(adapters) else None
-        engine.add_request(f"b{num_seqs}-{i}", prompt, SamplingParams(max_tokens=steps + 40, temperature=0.0,
-                                                                      ignore_eos=True),
-                           llm._versions[name] if name else None)
+        engine.add_request(f"b{num_seqs}-{i}", prompt, params, llm._versions[name] if name else None)
+        texts.add(f"b{num_seqs}-{i}", params)
     while engine.stats().scheduler.running < num_seqs or any(
         s.num_pending_tokens > 1 for s in engine.scheduler.running
     ):
-        engine.step()  # until every sequence is decoding
-    per_step, overhead = [], []
+        texts.apply(engine.step())  # until every sequence is decoding
+    per_step, overhead, front = [], [], []
     with timed_phases(engine, clock) as timers:
         try:
             for _ in range(steps):
                 before = timers["forward"].total
                 t = clock()
-                engine.step()
+                outputs = engine.step()
                 dt = clock() - t
                 per_step.append(dt)
                 overhead.append(dt - (timers["forward"].total - before))
+                t = clock()
+                texts.apply(outputs)
+                front.append(clock() - t)
         finally:
             for rid in list(engine.seqs):
                 engine.abort_request(rid)
@@ -67,6 +74,7 @@ def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int,
         # Host time in the step outside the four host phases (results, copies, the step's own calls): the
         # mean overhead less their means.
         "remaining_ms_mean": 1000 * statistics.fmean(overhead) - sum(v for k, v in ms.items() if k != "forward"),
+        "front_end_text_ms_mean": 1000 * statistics.fmean(front),
     }
 
 
@@ -162,11 +170,12 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
     rows = [measure(llm, list(demo.adapters), int(n), args.steps, seed=int(n), clock=clock)
             for n in args.seqs.split(",")]
-    print(f"{'seqs':>5} {'step ms':>9} {'host ms':>9} {'sched':>7} {'prepare':>8} {'sample':>7} {'post':>7}")
+    print(f"{'seqs':>5} {'step ms':>9} {'host ms':>9} {'sched':>7} {'prepare':>8} {'sample':>7} {'post':>7} {'front text':>10}")
     for r in rows:
         b = r["breakdown_ms_mean"]
         print(f"{r['num_seqs']:>5} {r['step_ms_median']:>9.2f} {r['host_overhead_ms_median']:>9.2f} "
-              f"{b['schedule']:>7.2f} {b['prepare']:>8.2f} {b['sample']:>7.2f} {b['postprocess']:>7.2f}")
+              f"{b['schedule']:>7.2f} {b['prepare']:>8.2f} {b['sample']:>7.2f} {b['postprocess']:>7.2f} "
+              f"{r['front_end_text_ms_mean']:>10.2f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": "cpu", "model": "demo", "clock": "thread_cpu" if args.cpu_time else "wall",

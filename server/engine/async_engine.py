@@ -38,6 +38,7 @@ from server.engine.cpu_affinity import pin_thread
 from server.engine.engine_stats import EngineStats
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.llm_engine import LLMEngine
+from server.engine.output_text import RequestText
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.errors import EngineDeadError
 from server.engine.protocol.info import engine_info
@@ -64,7 +65,10 @@ class Sink:
     outputs (in the order their choices first arrived) and the error that ended it, if any."""
 
     loop: asyncio.AbstractEventLoop
-    unfinished: int = 1  # choices still running: the sink goes when the last one finishes
+    unfinished: int = 1  # choices still running in the engine: the sink goes when the last one finishes
+    # The outputs' text, made on the caller's loop as they arrive (not as they are read, so a stop string
+    # ends the request in the engine however slowly its consumer reads); None leaves them as they are.
+    text: RequestText | None = None
     pending: dict[int, RequestOutput] = field(default_factory=dict)
     error: BaseException | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -74,6 +78,10 @@ class Sink:
         if isinstance(item, BaseException):
             self.error = item
         elif self.error is None:
+            if self.text is not None:
+                item = self.text.apply(item)
+                if item is None:
+                    return  # its choice ended here already (a stop string): the engine's abort output
             self.pending[item.index] = item
         self.ready.set()
 
@@ -181,6 +189,7 @@ class AsyncEngine:
         self._sinks: dict[str, Sink] = {}  # touched by the loop thread only
         self._stats_lock = threading.Lock()
         self._stats = engine.stats()
+        self._detokenizer = engine.detokenizer  # the front end's, built here rather than in a first request
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -211,8 +220,8 @@ class AsyncEngine:
         """Add the request; raises RequestError (too long, unknown adapter...) before any output.
         Its `grammar` is compiled already (LLMEngine.add_request), so the loop never compiles."""
         loop = asyncio.get_running_loop()
-        n = request.params.n
-        sink = Sink(loop, n)
+        rid, n = request.request_id, request.params.n
+        sink = Sink(loop, n, text=RequestText(self._detokenizer, request.params, lambda: self._abort_quietly(rid)))
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request, sink, accepted))
         try:
@@ -233,6 +242,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe; a no-op for a request that already finished."""
         self._send(("abort", request_id))
+
+    def _abort_quietly(self, request_id: str) -> None:
+        """A stop string ended the request in the front end; a dead engine has ended it anyway."""
+        try:
+            self.abort(request_id)
+        except EngineDeadError:
+            pass
 
     # ---- adapters and stats (run on the loop thread) ----
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:

@@ -51,7 +51,7 @@ from server.engine.medusa_heads import MedusaHeads
 from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM
 from server.engine.model_runner import ModelRunner
-from server.engine.output_processor import IncrementalDetokenizer, OutputProcessor
+from server.engine.output_processor import OutputProcessor
 from server.engine.parallel.tp_leader import start_tensor_parallel
 from server.engine.scheduler import PREFETCH_WINDOW, Scheduler, SchedulerConfig, StepCost
 from server.engine.speculative_config import resolve_disable_by_batch_size
@@ -92,7 +92,6 @@ class EngineParts:
     warmup_seconds: float
     dora_precompute: DoraPrecompute
     overlap: AsyncScheduling | None  # None: every step synchronous
-    detokenizer: IncrementalDetokenizer
     output_processor: OutputProcessor
 
 
@@ -171,15 +170,14 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
     # (server.engine.async_step).
     overlap = AsyncScheduling(runner, scheduler, blocks, max_model_len,
                               bind_thread) if config.async_scheduling else None
-    detokenizer = IncrementalDetokenizer(tokenizer)
     return EngineParts(
         config=config, model_config=mcfg, device=device, bind_thread=bind_thread, dtype=dtype, tokenizer=tokenizer,
         eos_token_ids=eos_token_ids, adapter_shape=_adapter_shape(mcfg, config),
         draft_adapter_shape=draft_adapter_shape(config), max_loras=max_loras, model=model,
         lora_slots=slots, kv_pool=kv_pool, max_model_len=max_model_len, blocks=blocks, host=host, scheduler=scheduler,
         kernels=kernels, grammars=grammars, runner=runner, warmup_seconds=warmup_seconds,
-        dora_precompute=dora_precompute, overlap=overlap, detokenizer=detokenizer,
-        output_processor=OutputProcessor(scheduler, detokenizer, eos_token_ids, max_model_len))
+        dora_precompute=dora_precompute, overlap=overlap,
+        output_processor=OutputProcessor(scheduler, eos_token_ids, max_model_len))
 
 
 def _read_medusa_heads(config: EngineConfig, mcfg: ModelConfig) -> HeadWeights | None:

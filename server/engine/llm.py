@@ -8,6 +8,7 @@ from typing import Sequence as Seq
 from adapters.draft_lora import load_adapter_with_draft
 from server.engine.config import EngineConfig
 from server.engine.llm_engine import LLMEngine
+from server.engine.output_text import OutputTexts
 from server.engine.sequence import RequestOutput, SamplingParams
 
 
@@ -65,12 +66,14 @@ class LLM:
             if name is not None and name not in self._versions:
                 raise ValueError(f"unknown adapter {name!r}: add it with add_adapter first")
         ids = [f"req-{next(self._request_counter)}" for _ in range(n)]
+        texts = OutputTexts(self.engine.detokenizer, self.engine.abort_request)
         for rid, prompt, p, name in zip(ids, prompts, params_list, names):
             self.engine.add_request(rid, prompt, p, self._versions.get(name) if name else None)
+            texts.add(rid, p)
         final: dict[str, dict[int, RequestOutput]] = {rid: {} for rid in ids}
         unfinished = sum(p.n for p in params_list)
         while unfinished:
-            for out in self.engine.step():
+            for out in texts.apply(self.engine.step()):
                 if out.finished:
                     final[out.request_id][out.index] = out
                     unfinished -= 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from functools import cached_property
 
 from adapters.draft_lora import NO_DRAFT_MODEL
 from adapters.format import LoraAdapter
@@ -15,7 +16,7 @@ from server.engine.grammar import GrammarError
 from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.slots import PinLimitError
 from server.engine.model_runner import SeqResult
-from server.engine.output_processor import StopChecker
+from server.engine.output_text import IncrementalDetokenizer
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 
@@ -55,7 +56,6 @@ class LLMEngine:
         self.warmup_seconds = parts.warmup_seconds
         self.dora_precompute = parts.dora_precompute
         self.overlap = parts.overlap
-        self.detokenizer = parts.detokenizer
         self.output_processor = parts.output_processor
         self.step_fn = self.step_overlapped if self.overlap is not None else self.step_plain
         self.constrained_requests = 0
@@ -171,8 +171,6 @@ class LLMEngine:
         for index in range(params.n):  # choices 1.. wait, unscheduled, for choice 0's prefill
             seq = Sequence(request_id, ids, params, version_id, self.arrivals, tenant, priority, index, group,
                            cache_salt)
-            seq.detok_state = self.detokenizer.new_state(start=len(ids))
-            seq.stop = StopChecker(params.stop)
             if grammar is not None:
                 # One per choice: each goes its own way; its first mask is filled from now, off the step.
                 seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind,
@@ -183,6 +181,12 @@ class LLMEngine:
         if tenant_weight is not None:
             self.scheduler.waiting.set_weight(tenant, tenant_weight)
         self.scheduler.add(group.seqs[0])
+
+    @cached_property
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """For a front end in this process (the in-process client, the LLM API): built on first use, so
+        an engine core, whose outputs carry no text, never builds the vocabulary's byte table."""
+        return IncrementalDetokenizer(self.tokenizer)
 
     def validate(self, ids: list[int], params: SamplingParams, version_id: str | None) -> None:
         if not ids:

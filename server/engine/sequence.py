@@ -195,7 +195,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str
+    text: str  # "" from the engine; the front end's text (server.engine.output_text) fills it
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, when finish_reason is "error" (this request alone failed)
@@ -263,8 +263,7 @@ class Sequence:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "token_ids", "params", "version_id", "tenant", "priority", "arrival",
-        "status", "num_computed_tokens", "block_table", "finish_reason", "error", "text", "text_cut",
-        "detok_state", "stop", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
+        "status", "num_computed_tokens", "block_table", "finish_reason", "error", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
         "num_registered_blocks", "grammar", "_output_counts", "proposed", "group_tables",
     )
 
@@ -296,10 +295,6 @@ class Sequence:
         self.group_tables: list[list[int]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.text = ""
-        self.text_cut: int | None = None  # set when a stop string ended the text
-        self.detok_state = None  # IncrementalDetokenizer's DetokState, set by the engine
-        self.stop = None  # StopChecker, set by the engine
         self._num_prompt = len(self.prompt_token_ids)
         self.index = index
         if group is None:
@@ -351,8 +346,8 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def output(self, text: str | None = None) -> RequestOutput:
-        """This choice so far; `text` overrides the text (a streamed output holds back a possible stop string)."""
+    def output(self) -> RequestOutput:
+        """This choice so far, its text empty: the front end detokenizes (server.engine.output_text)."""
         error, group = self.error, self.group
         # Positional, in RequestOutput's field order: one is made per running sequence per step, and
         # keyword arguments cost twice the construction.
@@ -360,7 +355,7 @@ class Sequence:
             self.request_id,
             self.prompt_token_ids,
             self.token_ids[self._num_prompt :],
-            self.text if text is None else text,
+            "",
             self.status is SequenceStatus.FINISHED,
             self.finish_reason,
             error,

@@ -1,9 +1,9 @@
 """Cumulative RequestOutputs as deltas on the wire, and back.
 
-The engine's outputs are cumulative (every token and the whole text so far); the core's output
-thread sends each choice only what it gained (DeltaEncoder) and the front end's receiver rebuilds the
-cumulative output the in-process mode would have given (OutputAssembler), so a step costs the wire
-O(new tokens), not O(tokens so far).
+The engine's outputs are cumulative (every token so far; no text, which the front end makes:
+server.engine.output_text); the core's output thread sends each choice only what it gained
+(DeltaEncoder) and the front end's receiver rebuilds the cumulative output the in-process mode would
+have given (OutputAssembler), so a step costs the wire O(new tokens), not O(tokens so far).
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ class _Sent:
     """What the front end has of one choice."""
 
     tokens: int = 0
-    text: str = ""
     logprobs: int = 0
 
 
@@ -66,10 +65,6 @@ class DeltaEncoder:
         if req is None:
             return None
         sent = req.choices.setdefault(out.index, _Sent())
-        if out.text.startswith(sent.text):
-            text_from, text = len(sent.text), out.text[len(sent.text):]
-        else:  # a held-back tail was cut (a stop string found): resend the text whole
-            text_from, text = 0, out.text
         logprobs = None
         if out.logprobs is not None:
             logprobs = pack_logprobs(out.logprobs[sent.logprobs:])
@@ -78,10 +73,10 @@ class DeltaEncoder:
         if out.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             prompt_logprobs = pack_logprobs(out.prompt_logprobs[1:])
             req.prompt_logprobs_sent = True
-        delta = OutputDelta(out.request_id, out.index, int_bytes(out.token_ids[sent.tokens:]), text_from, text,
+        delta = OutputDelta(out.request_id, out.index, int_bytes(out.token_ids[sent.tokens:]),
                             out.finished, out.finish_reason, out.error, out.error_is_client, out.num_cached_tokens,
                             logprobs, prompt_logprobs)
-        sent.tokens, sent.text = len(out.token_ids), out.text
+        sent.tokens = len(out.token_ids)
         if out.finished:
             req.unfinished -= 1
             if req.unfinished == 0:
@@ -92,7 +87,6 @@ class DeltaEncoder:
 @dataclass
 class _Choice:
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
     logprobs: list[TokenLogprobs] | None = None
 
 
@@ -121,7 +115,6 @@ class OutputAssembler:
             return None
         choice = req.choices.setdefault(delta.index, _Choice())
         choice.tokens += ints(delta.token_ids)
-        choice.text = choice.text[:delta.text_from] + delta.text
         if delta.logprobs is not None:
             if choice.logprobs is None:
                 choice.logprobs = []
@@ -130,7 +123,7 @@ class OutputAssembler:
             req.prompt_logprobs = [None, *unpack_logprobs(delta.prompt_logprobs)]
         return RequestOutput(
             request_id=delta.request_id, prompt_token_ids=req.prompt_ids, token_ids=choice.tokens[:],
-            text=choice.text, finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
+            text="", finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
             error_is_client=delta.error_is_client,
             index=delta.index, logprobs=None if choice.logprobs is None else choice.logprobs[:],
             prompt_logprobs=req.prompt_logprobs, num_cached_tokens=delta.num_cached_tokens)

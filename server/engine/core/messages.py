@@ -67,9 +67,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
 
     request_id: str
     index: int
-    token_ids: bytes  # int32, the new tokens
-    text_from: int  # the text so far is the last one's [:text_from] + `text`
-    text: str
+    token_ids: bytes  # int32, the new tokens (no text: the front end detokenizes)
     finished: bool
     finish_reason: str | None
     error: str | None

@@ -4,6 +4,8 @@ This process binds a PULL socket for what the core sends it and connects a DEALE
 random client id) to the core's input socket; its Hello names the PULL address, so the core routes
 this client's outputs, replies and stats back here and nowhere else. One receiver thread decodes what
 arrives and hands each request's outputs to its stream's event loop, one wake-up per loop per message.
+The core's outputs are token ids: their text (detokenizing, stop strings, and the abort a stop string
+sends back) is made on that event loop with this front end's own tokenizer (server.engine.output_text).
 
 Death is noticed within a poll interval: a thread waits on the core process (kill -9 ends the wait
 at once), and the receiver treats HEARTBEAT_TIMEOUT_S without a message (the core pushes stats every
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -55,6 +58,7 @@ from server.engine.async_engine import RequestStream, Sink, dispatch
 from server.engine.engine_stats import EngineStats
 from server.engine.grammar import Grammars
 from server.engine.grammar_worker import GrammarCompileService
+from server.engine.output_text import IncrementalDetokenizer, RequestText
 from server.engine.protocol.client import EngineClient
 from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.request import EngineRequest
@@ -134,6 +138,7 @@ class RemoteEngineClient(EngineClient):
         client = cls(launch, workdir, starter, restarts)
         try:
             client._start_core(ready_timeout)
+            client.detokenizer  # noqa: B018 - built now, not in the first request's submit
         except BaseException:
             client.shutdown()
             raise
@@ -149,10 +154,21 @@ class RemoteEngineClient(EngineClient):
             client._connect(0, input_address)
             client._send(Hello(client._output_address))
             client._wait_ready(ready_timeout)
+            client.detokenizer  # noqa: B018 - built now, not in the first request's submit
         except BaseException:
             client.shutdown()
             raise
         return client
+
+    @functools.cached_property
+    def tokenizer(self):
+        """This front end's own copy of the model's tokenizer."""
+        return load_tokenizer(self._launch.engine.model)
+
+    @functools.cached_property
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """The core's outputs carry token ids only: their text is made here (server.engine.output_text)."""
+        return IncrementalDetokenizer(self.tokenizer)
 
     def _connect(self, number: int, address: str, proc: CoreHandle | None = None) -> None:
         """This client's DEALER to a core's input socket, replacing the last one."""
@@ -237,7 +253,7 @@ class RemoteEngineClient(EngineClient):
     async def submit(self, request: EngineRequest) -> RequestStream:
         loop = asyncio.get_running_loop()
         rid, n = request.request_id, request.params.n
-        sink = Sink(loop, n)
+        sink = Sink(loop, n, text=RequestText(self.detokenizer, request.params, lambda: self.abort(rid)))
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_alive()
@@ -314,7 +330,7 @@ class RemoteEngineClient(EngineClient):
     def grammar_compiler(self, timeout_ms: int, cpus: tuple[int, ...] | None = None) -> GrammarCompileService:
         """Compiled here, as in the in-process mode (deadline, tenant charges, the compile processes),
         for this front end's own copy of the vocabulary; the compiled grammar crosses serialised."""
-        self._grammars = Grammars(load_tokenizer(self._launch.engine.model), self.info.vocab_size,
+        self._grammars = Grammars(self.tokenizer, self.info.vocab_size,
                                   self.info.eos_token_ids)
         return GrammarCompileService(self._grammars, timeout_ms, cpus=cpus)
 

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from server.engine.output_processor import IncrementalDetokenizer
+from server.engine.output_text import IncrementalDetokenizer
 from server.engine.tokenizer_loader import bytes_to_unicode
 
 pytestmark = pytest.mark.unit

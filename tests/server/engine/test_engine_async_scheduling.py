@@ -13,6 +13,7 @@ import torch
 import server.engine.model_runner as model_runner
 from server.engine import LLM, SamplingParams
 from server.engine.async_step import overlappable
+from server.engine.output_text import OutputTexts
 from tests.engine_helpers import random_prompts
 
 VOCAB = 512
@@ -37,16 +38,20 @@ def trace(llm: LLM, requests, aborts: dict[int, list[str]] | None = None, max_st
     (id, prompt, params, adapter name) added up front; aborts: step number -> request ids aborted
     before it."""
     engine = llm.engine
+    texts = OutputTexts(engine.detokenizer, engine.abort_request)  # the front end, as the LLM API's
     for rid, prompt, params, name in requests:
         engine.add_request(rid, prompt, params, llm._versions[name] if name else None)
+        texts.add(rid, params)
     steps = []
     for k in range(max_steps):
         for rid in (aborts or {}).get(k, ()):
             engine.abort_request(rid)
         if not engine.has_unfinished_requests():
             return steps
-        steps.append([(o.request_id, o.index, o.token_ids, o.text, o.finished, o.finish_reason,
-                       [(e.token_id, e.logprob) for e in o.logprobs or ()]) for o in engine.step()])
+        outs = texts.apply(engine.step())
+        if outs:  # a step that only reported a stop string's abort (dropped by the front end) says nothing
+            steps.append([(o.request_id, o.index, o.token_ids, o.text, o.finished, o.finish_reason,
+                           [(e.token_id, e.logprob) for e in o.logprobs or ()]) for o in outs])
     raise AssertionError("the engine did not finish")
 
 

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from server.engine import LLM, SamplingParams
+from server.engine.output_text import OutputTexts
 from tests.engine_helpers import random_prompts
 
 pytestmark = pytest.mark.unit
@@ -108,7 +109,7 @@ def test_stream_text_is_incremental_and_multibyte_whole(llm):
 
 
 def test_window_detokenizer_agrees_with_byte_table(llm):
-    from server.engine.output_processor import IncrementalDetokenizer
+    from server.engine.output_text import IncrementalDetokenizer
 
     tok = llm.tokenizer
     window = IncrementalDetokenizer(tok)
@@ -127,14 +128,17 @@ def test_window_detokenizer_agrees_with_byte_table(llm):
 def test_streamed_outputs_grow_monotonically(llm):
     engine = llm.engine
     prompt = random_prompts(1, (8, 8), VOCAB, seed=28)[0]
-    engine.add_request("stream", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("stream", prompt, params)
+    front = OutputTexts(engine.detokenizer, engine.abort_request)  # the text is the front end's
+    front.add("stream", params)
     texts, last = [], None
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in front.apply(engine.step()):
             texts.append(out.text)
             last = out
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
-    assert last.finished and len(last.token_ids) == 12
+    assert last.finished and len(last.token_ids) == 12 and last.text
 
 
 # ---- n choices ----

@@ -18,6 +18,7 @@ from kernels import attention_ref, attention_triton
 from kernels.metadata import AttentionBatch
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 from server.engine.async_engine import AsyncEngine
+from server.engine.output_text import OutputTexts
 from server.engine.protocol import EngineDeadError, EngineRequest
 from server.engine.sampler import SamplingRow, sample_rows
 from tests.engine_helpers import drive, greedy, random_prompts
@@ -134,32 +135,57 @@ def test_non_finite_adapter_requests_fail_alone(engine, tiny_model_dir, tiny_ada
     assert engine.stats().kv_blocks.used == 0 and not engine.host.pins and not engine.lora_slots.users
 
 
-def test_postprocess_failure_fails_that_request_only(engine):
+def test_detokenizer_failure_fails_that_request_only(engine):
+    """Text is the front end's (server.engine.output_text): a detokenizer bug on one request's text ends
+    that request with finish_reason "error" before the token it failed on, and aborts it in the engine;
+    the other requests' texts and tokens are untouched."""
     prompts = random_prompts(3, (5, 9), VOCAB, seed=43)
     clean = run(engine, {f"c{i}": (p, greedy(5), None) for i, p in enumerate(prompts)})
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, greedy(5))
-    victim = engine.seqs["r1"].detok_state
     inner = engine.detokenizer
+    victim = []
 
     class Exploding:  # a detokenizer bug that hits one request's text only
         def new_state(self, start=0):
-            return inner.new_state(start)
+            state = inner.new_state(start)
+            if not victim:
+                victim.append(state)
+            return state
 
         def step(self, state, ids):
-            if state is victim and len(ids) > len(prompts[1]) + 2:
+            if state is victim[0] and len(ids) > 3:
                 raise UnicodeError("broken byte sequence")
             return inner.step(state, ids)
 
         def flush(self, state, ids):
             return inner.flush(state, ids)
 
-    engine.output_processor.detokenizer = Exploding()  # the post-processing half detokenizes
-    final = drive(engine, max_steps=200)
+    texts = OutputTexts(Exploding(), engine.abort_request)
+    for i, p in enumerate([prompts[1], prompts[0], prompts[2]]):  # r1's choice is made first: the victim
+        rid = f"r{(1, 0, 2)[i]}"
+        texts.add(rid, greedy(5))
+        engine.add_request(rid, p, greedy(5))
+    final = {}
+    for _ in range(200):
+        for out in texts.apply(engine.step()):
+            if out.finished:
+                final[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
     assert final["r1"].finish_reason == "error" and "UnicodeError: broken byte sequence" in final["r1"].error
     assert final["r1"].token_ids == clean["c1"].token_ids[:3]
-    assert final["r0"].token_ids == clean["c0"].token_ids and final["r2"].token_ids == clean["c2"].token_ids
-    assert engine.stats().kv_blocks.used == 0
+    assert final["r1"].text == inner_text(inner, clean["c1"].token_ids[:3])
+    for rid, cid in (("r0", "c0"), ("r2", "c2")):
+        assert final[rid].token_ids == clean[cid].token_ids
+        assert final[rid].text == inner_text(inner, clean[cid].token_ids) and final[rid].finish_reason == "length"
+    assert "r1" not in engine.seqs and engine.stats().kv_blocks.used == 0
+
+
+def inner_text(detokenizer, ids: list[int]) -> str:
+    state, seen, text = detokenizer.new_state(), [], ""
+    for token in ids:
+        seen.append(token)
+        text += detokenizer.step(state, seen)
+    return text + detokenizer.flush(state, seen)
 
 
 # ---- freed KV blocks never leak into another sequence ----
