@@ -85,13 +85,13 @@ def test_in_process_client(tiny_model_dir, case):
         client.shutdown()
 
 
-def test_engine_core_client(tiny_model_dir, redis_url, case):
+def test_engine_core_client(tiny_model_dir, redis_url, core_starter, case):
     prompt, params, text, token_ids, stop = case
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     client = RemoteEngineClient.build(CoreLaunch(
         _config(tiny_model_dir), input_address="", parent_pid=0, redis_url=redis_url, redis_prefix="lp-stop:",
         adapter_grace_seconds=600.0, adapter_shape=shape, max_lora_rank=32, pager=False,
-        max_upload_bytes=1 << 20, max_message_bytes=1 << 20), ready_timeout=120)
+        max_upload_bytes=1 << 20, max_message_bytes=1 << 20), core_starter, ready_timeout=120)
     try:
         _check(asyncio.run(_stream(client, prompt, params)), stop, text, token_ids)
     finally:
