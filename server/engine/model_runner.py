@@ -29,6 +29,7 @@ from kernels.attention_ref import storage
 from kernels.host_arrays import host_tensor
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
+from server.engine.draft_length import DraftLength
 from server.engine.grammar import GrammarMask
 from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
@@ -56,6 +57,15 @@ class SeqResult:
     proposed: list[int] | tuple[()] = ()  # Medusa drafts for the tokens after its last one
 
 
+@dataclass(frozen=True)
+class MedusaRow:
+    """A sequence whose next drafts the heads make this step: its first logit row, adapter slot, and its
+    adaptive k (None: it has not speculated yet, so the configured k)."""
+    row: int
+    slot: int
+    length: DraftLength | None
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor | None  # [T]; None for a padded decode step (its inputs are staged)
@@ -73,7 +83,7 @@ class StepInputs:
     row_logits: list[int] | None = None
     drafts: dict[int, list[int]] | None = None  # sampled index -> its drafts, when some sequence runs drafts
     # Medusa: sampled index -> (its first logit row, its adapter slot), for the sequences that may speculate
-    medusa_rows: dict[int, tuple[int, int]] | None = None
+    medusa_rows: dict[int, MedusaRow] | None = None
     prompt: _PromptPositions | None = None
     num_sampled_logits: int = 0  # the leading logit rows that sampling reads (prompt positions follow)
     padded: tuple[int, bool, bool] | None = None  # a padded decode step's (bucket, LoRA, DoRA) key (decode_graphs)
@@ -172,7 +182,7 @@ class ModelRunner:
         all_drafts = batch.drafts or [()] * len(batch.seqs)
         spec: dict[int, list[int]] | None = None
         row_logits: list[int] = []
-        medusa_rows: dict[int, tuple[int, int]] | None = {} if self.medusa is not None else None
+        medusa_rows: dict[int, MedusaRow] | None = {} if self.medusa is not None else None
         for i, (seq, n, slot, drafts) in enumerate(zip(batch.seqs, batch.num_tokens, batch.lora_slots, all_drafts)):
             start = seq.num_computed_tokens + (1 if ahead else 0)
             if n == 1 and not (ahead or drafts) and medusa_rows is None:
@@ -208,7 +218,7 @@ class ModelRunner:
                 prompt.add(i, seq, first, start, n)
             if (medusa_rows is not None and start + n == len(seq.token_ids) + len(drafts) and seq.params.max_tokens
                     and verifiable(seq)):
-                medusa_rows[len(sampled)] = (len(logits_indices), slot)
+                medusa_rows[len(sampled)] = MedusaRow(len(logits_indices), slot, batch.draft_lengths.get(seq))
             if drafts:
                 spec = spec or {}
                 spec[len(sampled)] = drafts
@@ -388,14 +398,22 @@ class ModelRunner:
         """Each speculating sequence's next Medusa drafts, from its row at the position it chose its last
         token at (its first row plus the drafts it accepted)."""
         sampled, drafts = inputs.sampled_seqs, inputs.drafts or {}
-        rows, slots, seqs = [], [], []
-        for s, (row, slot) in inputs.medusa_rows.items():
+        rows, slots, seqs, ks = [], [], [], []
+        for s, medusa in inputs.medusa_rows.items():
             result = results[sampled[s]]
-            rows.append(row + (len(result.tokens) - 1 if s in drafts else 0))
-            slots.append(slot)
-            seqs.append(sampled[s])
+            accepted = len(result.tokens) - 1 if s in drafts else 0
+            # As many heads as its adaptive k will take next step: each is a row through the whole lm_head.
+            k = self.medusa.k if medusa.length is None else medusa.length.k_after(len(drafts.get(s, ())), accepted)
+            if k:
+                rows.append(medusa.row + accepted)
+                slots.append(medusa.slot)
+                seqs.append(sampled[s])
+                ks.append(k)
+        if not rows:
+            return
         index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-        proposed = self.medusa.propose(hidden.index_select(0, index), slots, self.model.logits, self.ops)
+        proposed = self.medusa.propose(hidden.index_select(0, index), slots, self.model.logits, self.ops, max(ks))
+        proposed = [p[:k] for p, k in zip(proposed, ks)]
         for i, p in zip(seqs, proposed):
             results[i].proposed = p
 

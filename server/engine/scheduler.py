@@ -348,6 +348,8 @@ class ScheduledBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy), copy-on-write
     # Per sequence: the draft tokens run after its last token (speculative decoding); () for most.
     drafts: list[list[int] | tuple[()]] = field(default_factory=list)
+    # Medusa: each speculating sequence's adaptive k (read, not changed, to draft only what it will use)
+    draft_lengths: dict[Sequence, DraftLength] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -435,6 +437,8 @@ class Scheduler:
                     or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n, drafts)
+            if seq in self.draft_lengths:
+                batch.draft_lengths[seq] = self.draft_lengths[seq]
             budget -= n
         # The step's prompt work: while others decode, the cap in decode-token equivalents (server.engine.
         # step_cost), else the tokens left; split between tenants by fair share, whatever is left over
