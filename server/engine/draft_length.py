@@ -27,13 +27,18 @@ class DraftLength:
         return self.k
 
     def verified(self, drafted: int, accepted: int) -> None:
-        if accepted == drafted:
-            self.k = min(self.k_max, self.k + 1)
-        else:
-            self.k = accepted + 1
+        self.k, self.misses, self.rest = self._after(drafted, accepted)
+
+    def k_after(self, drafted: int, accepted: int) -> int:
+        """What next_k() will return once this step's outcome is in (drafted 0: the step verified none),
+        without changing anything: Medusa heads draft only that many for the next step."""
+        k, _, rest = self._after(drafted, accepted) if drafted else (self.k, self.misses, self.rest)
+        return 0 if rest else k
+
+    def _after(self, drafted: int, accepted: int) -> tuple[int, int, int]:
+        """(k, misses, rest) after a verify step of `drafted` drafts that accepted `accepted`."""
+        k = min(self.k_max, self.k + 1) if accepted == drafted else accepted + 1
         if accepted:
-            self.misses = 0
-            return
-        self.misses += 1
-        if self.k == 1:
-            self.rest = min(MAX_REST, 2 ** (self.misses - 1) - 1)
+            return k, 0, self.rest
+        misses = self.misses + 1
+        return k, misses, min(MAX_REST, 2 ** (misses - 1) - 1) if k == 1 else self.rest

@@ -33,17 +33,18 @@ class MedusaProposer:
     def heads_for(self, slot: int) -> MedusaHeads:
         return self.slot_heads.get(slot, self.base)
 
-    def propose(self, hidden: torch.Tensor, slots: list[int], logits, ops: KernelOps) -> list[list[int]]:
-        """hidden [S, H] (one row per sequence), slots [S] (-1: base) -> each row's k drafts. One matmul per
-        distinct set of heads in the step, and one copy to the host for all."""
+    def propose(self, hidden: torch.Tensor, slots: list[int], logits, ops: KernelOps, k: int) -> list[list[int]]:
+        """hidden [S, H] (one row per sequence), slots [S] (-1: base) -> each row's first k heads' drafts
+        (k <= the configured k). One matmul per distinct set of heads in the step, and one copy to the host
+        for all."""
         groups: dict[int, list[int]] = {}
         for r, slot in enumerate(slots):
             groups.setdefault(id(self.heads_for(slot)), []).append(r)
         if len(groups) == 1:  # the usual step: one set of heads, every row
-            return self.heads_for(slots[0]).propose(hidden, logits, ops, self.k).tolist()
-        out = torch.empty(len(slots), self.k, dtype=torch.long, device=hidden.device)
+            return self.heads_for(slots[0]).propose(hidden, logits, ops, k).tolist()
+        out = torch.empty(len(slots), k, dtype=torch.long, device=hidden.device)
         for rows in groups.values():
             heads = self.heads_for(slots[rows[0]])
             index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-            out.index_copy_(0, index, heads.propose(hidden.index_select(0, index), logits, ops, self.k))
+            out.index_copy_(0, index, heads.propose(hidden.index_select(0, index), logits, ops, k))
         return out.tolist()

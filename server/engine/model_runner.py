@@ -10,7 +10,9 @@ A sequence running drafts (speculative decoding) gets logits at its last token a
 sampling row per position as the plain engine would build it once the drafts before it are its output
 (the same output index, so a seeded row draws the same number; penalties see those drafts). Its
 result is the longest run of drafts equal to the target's own choices, then the target's choice at
-the first mismatch (or after the last draft).
+the first mismatch (or after the last draft). Such a step runs the lm_head in rounds, a position only
+once every draft before it was accepted (_verify_in_rounds): at batch 1 a rejected first draft costs
+one lm_head row, as a decode step does, not k + 1.
 
 With Medusa heads (server.engine.medusa_proposer), the step also keeps the last layer's output at the
 logit rows, and each sequence that may speculate gets its next drafts from its row at the position whose
@@ -27,6 +29,7 @@ from kernels.attention_ref import storage
 from kernels.host_arrays import host_tensor
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_graphs import PaddedDecode
+from server.engine.draft_length import DraftLength
 from server.engine.grammar import GrammarMask
 from server.engine.kernel_ops import KernelOps
 from server.engine.logprobs import gather_logprobs
@@ -54,6 +57,15 @@ class SeqResult:
     proposed: list[int] | tuple[()] = ()  # Medusa drafts for the tokens after its last one
 
 
+@dataclass(frozen=True)
+class MedusaRow:
+    """A sequence whose next drafts the heads make this step: its first logit row, adapter slot, and its
+    adaptive k (None: it has not speculated yet, so the configured k)."""
+    row: int
+    slot: int
+    length: DraftLength | None
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor | None  # [T]; None for a padded decode step (its inputs are staged)
@@ -71,7 +83,7 @@ class StepInputs:
     row_logits: list[int] | None = None
     drafts: dict[int, list[int]] | None = None  # sampled index -> its drafts, when some sequence runs drafts
     # Medusa: sampled index -> (its first logit row, its adapter slot), for the sequences that may speculate
-    medusa_rows: dict[int, tuple[int, int]] | None = None
+    medusa_rows: dict[int, MedusaRow] | None = None
     prompt: _PromptPositions | None = None
     num_sampled_logits: int = 0  # the leading logit rows that sampling reads (prompt positions follow)
     padded: tuple[int, bool, bool] | None = None  # a padded decode step's (bucket, LoRA, DoRA) key (decode_graphs)
@@ -172,7 +184,7 @@ class ModelRunner:
         all_drafts = batch.drafts or [()] * len(batch.seqs)
         spec: dict[int, list[int]] | None = None
         row_logits: list[int] = []
-        medusa_rows: dict[int, tuple[int, int]] | None = {} if self.medusa is not None else None
+        medusa_rows: dict[int, MedusaRow] | None = {} if self.medusa is not None else None
         seqs, num_tokens, lora_slots = batch.seqs, batch.num_tokens, batch.lora_slots
         plain_runs = not ahead and medusa_rows is None
         plain_rows = 0
@@ -226,7 +238,7 @@ class ModelRunner:
                 prompt.add(i, seq, first, start, n)
             if (medusa_rows is not None and start + n == len(seq.token_ids) + len(drafts) and seq.params.max_tokens
                     and verifiable(seq)):
-                medusa_rows[len(sampled)] = (len(logits_indices), slot)
+                medusa_rows[len(sampled)] = MedusaRow(len(logits_indices), slot, batch.draft_lengths.get(seq))
             if drafts:
                 spec = spec or {}
                 spec[len(sampled)] = drafts
@@ -308,14 +320,24 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> dict[int, SeqResult]:
         """The forward and sampling of a prepared step (run(), less the preparing): what run() returns."""
         hidden = None
-        if inputs.medusa_rows is not None:  # eager (use_medusa): the last layer's rows are kept for the heads
+        # Drafts, one row per logit row and no prompt logprobs: the lm_head runs a position only once
+        # every draft before it was accepted (_verify_in_rounds).
+        in_rounds = bool(inputs.drafts) and inputs.row_logits is None and inputs.prompt is None
+        if inputs.medusa_rows is not None or in_rounds:  # eager: the last layer's rows are kept
             hidden = self.model.hidden_rows(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
+        if in_rounds:
+            logits = None
+        elif hidden is not None:
             logits = self.model.logits(hidden, self.ops, inputs.ctx.lora, inputs.logits_indices)
         else:
             logits = self.forward(inputs)  # [S+Q, V]
         results = {i: SeqResult(True) for i in inputs.scored_seqs}
         sampled, starts = inputs.sampled_seqs, inputs.row_starts
-        if sampled:
+        if in_rounds:
+            results.update(self._verify_in_rounds(inputs, hidden))
+            if inputs.medusa_rows is not None:
+                self._propose(inputs, hidden, results)
+        elif sampled:
             row_logits = logits[: inputs.num_sampled_logits]  # [S', V]
             if inputs.row_logits is not None:  # a request forks now: its n choices share one row
                 row_logits = row_logits.index_select(0, torch.tensor(inputs.row_logits, device=logits.device))
@@ -350,18 +372,70 @@ class ModelRunner:
                 result.prompt_logprobs.append(entry)
         return results
 
+    def _verify_in_rounds(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, SeqResult]:
+        """A step with drafts, its lm_head and sampling in rounds: first every sequence's first row, then
+        each speculating sequence's next row only while its drafts keep matching the target's choices.
+
+        A row after a rejected draft is never used, so computing it was the verify's main waste on a CPU:
+        the lm_head is a [V, H] matmul whose cost grows with its rows (about 2.4x at 5 rows against 1),
+        where the layers' matmuls barely do. The choices are the ones one pass over every row makes:
+        speculating rows are greedy or seeded (scheduler.verifiable), drawn from their own logits and
+        output index; the other rows are all in the first round, in batch order, as before."""
+        drafts, starts, sampled = inputs.drafts, inputs.row_starts, inputs.sampled_seqs
+        tokens: list = [None] * len(inputs.rows)
+        logprobs: list = [None] * len(inputs.rows)
+        depth = {s: 0 for s in drafts}  # speculating sequence -> the position its next round samples
+        batch = [r for s in range(len(sampled)) for r in (range(starts[s], starts[s + 1]) if s not in drafts
+                                                           else (starts[s],))]
+        mask = self.grammar_mask
+        while batch:
+            index = host_tensor(batch).to(hidden.device, non_blocking=True)
+            logits = self.model.logits(hidden.index_select(0, index), self.ops, inputs.ctx.lora,
+                                       inputs.logits_indices.index_select(0, index))
+            rows = [inputs.rows[r] for r in batch]
+            bitmask = mask.gather([r.grammar for r in rows]) if mask is not None else None
+            out = sample_rows(logits, rows, self.generator, mask, bitmask)
+            if bitmask is not None:
+                _fail_costly_constraints(rows, out.tokens)
+            for r, token, logprob in zip(batch, out.tokens, out.logprobs):
+                tokens[r], logprobs[r] = token, logprob
+            batch = []
+            for s, j in list(depth.items()):
+                if j < len(drafts[s]) and tokens[starts[s] + j] == drafts[s][j]:
+                    depth[s] = j + 1
+                    batch.append(starts[s] + j + 1)
+                else:
+                    del depth[s]
+        results = {}
+        for s, i in enumerate(sampled):
+            a, b = starts[s], starts[s + 1]
+            if s in drafts:
+                b = a + _accepted(drafts[s], tokens[a:b]) + 1
+                results[i] = SeqResult(True, tokens[a:b], logprobs[a:b], drafted=len(drafts[s]))
+            else:
+                results[i] = SeqResult(True, tokens[a:b], logprobs[a:b])
+        return results
+
     def _propose(self, inputs: StepInputs, hidden: torch.Tensor, results: dict[int, SeqResult]) -> None:
         """Each speculating sequence's next Medusa drafts, from its row at the position it chose its last
         token at (its first row plus the drafts it accepted)."""
         sampled, drafts = inputs.sampled_seqs, inputs.drafts or {}
-        rows, slots, seqs = [], [], []
-        for s, (row, slot) in inputs.medusa_rows.items():
+        rows, slots, seqs, ks = [], [], [], []
+        for s, medusa in inputs.medusa_rows.items():
             result = results[sampled[s]]
-            rows.append(row + (len(result.tokens) - 1 if s in drafts else 0))
-            slots.append(slot)
-            seqs.append(sampled[s])
+            accepted = len(result.tokens) - 1 if s in drafts else 0
+            # As many heads as its adaptive k will take next step: each is a row through the whole lm_head.
+            k = self.medusa.k if medusa.length is None else medusa.length.k_after(len(drafts.get(s, ())), accepted)
+            if k:
+                rows.append(medusa.row + accepted)
+                slots.append(medusa.slot)
+                seqs.append(sampled[s])
+                ks.append(k)
+        if not rows:
+            return
         index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-        proposed = self.medusa.propose(hidden.index_select(0, index), slots, self.model.logits, self.ops)
+        proposed = self.medusa.propose(hidden.index_select(0, index), slots, self.model.logits, self.ops, max(ks))
+        proposed = [p[:k] for p, k in zip(proposed, ks)]
         for i, p in zip(seqs, proposed):
             results[i].proposed = p
 

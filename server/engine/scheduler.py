@@ -361,6 +361,8 @@ class ScheduledBatch:
     # work in StepCost units, what Scheduler.observe learns from once the step has run.
     decoding: int = 0
     prompt_work: float = 0.0
+    # Medusa: each speculating sequence's adaptive k (read, not changed, to draft only what it will use)
+    draft_lengths: dict[Sequence, DraftLength] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -460,6 +462,8 @@ class Scheduler:
                     or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n, drafts)
+            if seq in self.draft_lengths:
+                batch.draft_lengths[seq] = self.draft_lengths[seq]
             budget -= n
         # The step's prompt work: while others decode, the cap in decode-token equivalents (server.engine.
         # step_cost), else the tokens left; split between tenants by fair share, whatever is left over

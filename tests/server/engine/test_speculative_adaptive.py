@@ -41,6 +41,25 @@ def test_a_sequence_whose_drafts_keep_failing_rests_longer_each_time_and_recover
     assert d.next_k() == 2 and d.misses == 0
 
 
+def test_k_after_foretells_next_k_without_changing_the_length():
+    """Medusa drafts only the heads the next step takes: k_after(drafted, accepted) is what next_k()
+    returns once verified(drafted, accepted) (or no verify, drafted 0) has run."""
+    import copy
+    import random
+
+    rng = random.Random(0)
+    d = DraftLength(4)
+    for _ in range(300):
+        drafted = d.next_k()
+        accepted = rng.choice([0, 0, 0, drafted, rng.randint(0, drafted)]) if drafted else 0
+        before = copy.copy(d.__dict__)
+        foretold = d.k_after(drafted, accepted)
+        assert d.__dict__ == before
+        if drafted:
+            d.verified(drafted, accepted)
+        assert copy.copy(d).next_k() == foretold
+
+
 def test_disable_by_batch_size_defaults_by_device_and_is_overridable():
     auto = parse_speculative_config({**SPEC})
     assert auto.disable_by_batch_size is None
