@@ -37,8 +37,6 @@ def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool
             return f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet"
         if flags.speculative_config is not None:
             return f"--tensor-parallel-size {n} does not combine with --speculative-config yet"
-        if mcfg.layer_windows is not None and any(w is not None for w in mcfg.layer_windows):
-            return f"--tensor-parallel-size {n}: sliding-window attention ({mcfg.architecture}) is not sharded yet"
         quantization = "int4" if flags.quantization in GPTQ_QUANTIZATIONS else flags.quantization
         groups = _int4_group_size(flags, model_dir) if quantization == "int4" else None
         refusal = tp_refusal(mcfg, quantization, n, flags.fully_sharded_loras, flags.max_lora_rank, groups)

@@ -6,6 +6,16 @@ logits gathered); the embedding is replicated (a lookup needs no communication, 
 parallel one would add an all_reduce of [T, H] per step for memory the first slice does not need).
 Its KV cache holds its kv heads only. Per layer per step: two all_reduces of [T, H]; per step: one
 all_gather of [N, V / tp] logits.
+
+Every dense architecture the engine serves shards this way: what sets them apart is per head or per
+hidden row, so it needs no communication of its own. Qwen3's and Gemma 3's q/k norms are over one
+head's D; Gemma's sandwich norms (post_attention_layernorm on o, post_feedforward_layernorm on down) read
+the all_reduced [T, H]; its attention soft-cap is per score and its final soft-cap per logit (applied to
+each shard before the gather); its windowed layers and KV layer groups are per sequence and block, not
+per head, so a rank's pool is rank 0's blocks (shared across groups as rank 0's are) with its heads.
+Phi-3's checkpoint fuses qkv and gate_up as the engine does, and its adapters' fused lora_B rows are
+split into q/k/v and gate/up at intake (adapters.format), so its slots cut as Llama's. MoE layers (their
+experts) are not sharded.
 """
 from __future__ import annotations
 
@@ -14,7 +24,9 @@ from dataclasses import replace
 import torch
 
 from kernels.int4_weights import DEFAULT_GROUP_SIZE
+from server.engine.architectures import ARCHITECTURES
 from server.engine.config import ModelConfig
+from server.engine.kv_cache import kv_pool_like
 from server.engine.model import CausalLM, DecoderLayer, StepContext, Workspace
 from server.engine.parallel.collectives import Collectives
 from server.engine.parallel.sharded_lora import ShardedColumnLora, ShardedRowLora
@@ -22,8 +34,8 @@ from server.engine.parallel.tp_group import TpGroup
 from server.engine.parallel.tp_layers import RowParallelLinear, column_parallel
 from server.engine.parallel.tp_weights import fp8_refusal, int4_split_refusal, vocab_shard
 
-# The architectures this slice shards: Llama's layer (Mistral's and Qwen2's are the same projections).
-TP_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The architectures tensor parallelism shards: every dense one the engine serves (MoE experts are not cut).
+TP_ARCHS = tuple(arch for arch, support in ARCHITECTURES.items() if not support.moe)
 
 
 def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int, fully_sharded_loras: bool = False,
@@ -32,7 +44,7 @@ def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int, ful
     the int4 base's groups (--int4-group-size, or a GPTQ checkpoint's), with quantization "int4"."""
     if mcfg.architecture not in TP_ARCHS:
         return (f"--tensor-parallel-size {world_size}: architecture {mcfg.architecture} is not sharded yet "
-                f"(supported: {', '.join(TP_ARCHS)})")
+                f"(MoE experts are not cut; supported: {', '.join(TP_ARCHS)})")
     if quantization == "fp8":
         return fp8_refusal(world_size)
     for n, what in ((mcfg.num_heads, "num_attention_heads"), (mcfg.num_kv_heads, "num_key_value_heads"),
@@ -101,7 +113,20 @@ def _shard_layer(layer: DecoderLayer, local_cfg: ModelConfig, heads: tuple[tuple
 
 def shard_kv_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], local_cfg: ModelConfig,
                     tp: TpGroup) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The rank's pool: the same blocks, its kv heads only ([blocks, block_size, Hkv / tp, D] per layer)."""
+    """The rank's pool: the same blocks, its kv heads only ([blocks, block_size, Hkv / tp, D] per layer);
+    layers that share a pool tensor (KV layer groups, server.engine.kv_groups) share their shard."""
     lo = tp.rank * local_cfg.num_kv_heads
     hi = lo + local_cfg.num_kv_heads
-    return [(k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone()) for k, v in kv_caches]
+    shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for k, v in kv_caches:
+        if id(k) not in shards:
+            shards[id(k)] = (k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone())
+    return [shards[id(k)] for k, _ in kv_caches]
+
+
+def worker_kv_caches(local_cfg: ModelConfig, blocks: int, block_size: int, cache_dtype: torch.dtype,
+                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A worker's pool, laid out as rank 0's (allocate_kv_cache): per layer, its group place's tensors."""
+    caches = kv_pool_like(local_cfg, blocks, block_size, cache_dtype, device)
+    groups = local_cfg.kv_groups
+    return caches if groups is None else [caches[slot] for slot in groups.layer_slot]

@@ -76,5 +76,7 @@ def test_serve_refuses_before_the_engine_core_in_one_line(tmp_path, tiny_model_d
         _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), gemma)
     assert "\n" not in str(raised.value)
     _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), tiny_model_dir)
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 2: sliding-window attention"):
-        _check_flag_combinations(_server(tmp_path, tensor_parallel_size=2), gemma)
+    _check_flag_combinations(_server(tmp_path, tensor_parallel_size=2), gemma)  # windows and KV groups shard
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 does not divide num_attention_heads") as raised:
+        _check_flag_combinations(_server(tmp_path, tensor_parallel_size=3), gemma)
+    assert "\n" not in str(raised.value)
