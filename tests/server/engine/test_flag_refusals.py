@@ -43,6 +43,21 @@ def test_quantized_bases_under_tensor_parallel(tmp_path, tiny_model_dir, flags, 
     assert got == line if line is None else got.startswith(line)
 
 
+@pytest.mark.parametrize("spec, line", [
+    ('{"method": "ngram", "num_speculative_tokens": 3}', None),  # drafts on rank 0, a plain verify step
+    ('{"method": "medusa", "model": "heads", "num_speculative_tokens": 3}',
+     "--tensor-parallel-size 2 does not combine with --speculative-config method medusa yet (ngram does)"),
+    ('{"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}',
+     "--tensor-parallel-size 2 does not combine with --speculative-config method draft_model yet (ngram does)"),
+])
+def test_speculative_methods_under_tensor_parallel(tmp_path, tiny_model_dir, spec, line):
+    mcfg = ModelConfig.from_dir(tiny_model_dir)
+    assert combination_refusal(_server(tmp_path, tensor_parallel_size=2, speculative_config=spec), mcfg,
+                               False, tiny_model_dir) == line
+    engine = EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, speculative_config=spec)
+    assert combination_refusal(engine, mcfg, False, tiny_model_dir) == line
+
+
 def test_a_gptq_checkpoints_groups_decide(tmp_path, tiny_model_dir):
     """No --int4-group-size: the checkpoint's quantization_config groups are the ones that must split."""
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
