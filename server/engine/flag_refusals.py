@@ -34,8 +34,8 @@ def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool
     one; `model_dir`: its checkpoint, whose GPTQ groups a sharded int4 base keeps), or None: they run."""
     n = flags.tensor_parallel_size
     if n > 1:
-        if flags.lora_page_rows is not None:
-            return f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet"
+        if flags.lora_page_rows is not None and flags.fully_sharded_loras:  # A's rank rows cut by rank, not by page
+            return "--fully-sharded-loras does not combine with --lora-page-rows yet"
         spec = parse_speculative_config(flags.speculative_config)
         if spec is not None and spec.method != "ngram":  # ngram drafts on rank 0; its verify is a plain step
             return (f"--tensor-parallel-size {n} does not combine with --speculative-config method {spec.method} "

@@ -24,10 +24,10 @@ def _server(tmp_path, **kw) -> ServerConfig:
 
 def test_the_engine_and_the_server_config_give_the_same_line(tmp_path, tiny_model_dir):
     mcfg = ModelConfig.from_dir(tiny_model_dir)
-    flags = {"tensor_parallel_size": 2, "lora_page_rows": 16}
+    flags = {"tensor_parallel_size": 2, "lora_page_rows": 16, "fully_sharded_loras": True}
     engine = combination_refusal(EngineConfig(model=str(tiny_model_dir), **flags), mcfg, False, tiny_model_dir)
     assert engine == combination_refusal(_server(tmp_path, **flags), mcfg, False, tiny_model_dir)
-    assert engine == "--tensor-parallel-size 2 does not combine with --lora-page-rows yet"
+    assert engine == "--fully-sharded-loras does not combine with --lora-page-rows yet"
 
 
 @pytest.mark.parametrize("flags, line", [

@@ -16,7 +16,7 @@ from server.engine import LLM
 from server.engine.config import ModelConfigError
 from tests.engine_helpers import random_prompts
 from tests.gptq_writer import write_gptq_checkpoint
-from tests.server.engine.parallel.tp_serving import PARAMS, assert_tp_serves_as_tp1
+from tests.server.engine.parallel.tp_serving import PARAMS, assert_tp_matches_peft, assert_tp_serves_as_tp1
 
 KW = dict(device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256)
 NAMES = [None, "r8_all", "r16_rslora", "dora_r8_all", None, "r16_rslora"]
@@ -84,6 +84,16 @@ def test_tp2_dora_and_quantized_bases_match_tp1(tiny_model_dir, mixed_adapters, 
     assert {type(layer.qkv.weight).__name__, type(layer.o.weight).__name__} == {want}  # the shards stay quantized
 
 
+def test_tp2_paged_adapter_memory_matches_tp1_and_peft(tiny_model_dir, mixed_adapters, peft_oracle):
+    """--lora-page-rows 4 under TP = 2: ranks 8 and 16 in pages of 4, two slots' worth of pages for four
+    adapters (loads and evictions between steps, which the workers see in the shared pages), each rank
+    reading its columns of the pages through the step's page table."""
+    kw = {**KW, "max_loras": 2, "max_lora_rank": 16, "lora_page_rows": 4}
+    llm, tokens, logprobs = assert_tp_serves_as_tp1(tiny_model_dir, mixed_adapters, kw, DORA_NAMES, 8)
+    assert llm.engine.lora_slots.paging.paged and llm.engine.lora_slots.evictions > 0  # pages reused mid-run
+    assert_tp_matches_peft(tiny_model_dir, mixed_adapters, DORA_NAMES, 8, tokens, logprobs, peft_oracle)
+
+
 def test_tp2_serves_a_gptq_checkpoint_as_tp1(tiny_model_dir, mixed_adapters, tmp_path):
     """A GPTQ checkpoint's own int4 groups (32: o_proj's and down_proj's shards are whole groups), cut."""
     gptq, ref = tmp_path / "gptq", tmp_path / "ref"
@@ -116,7 +126,7 @@ def test_dead_worker_fails_the_step(tp_llm, tiny_adapters):
 @pytest.mark.parametrize("kw, line", [
     (dict(quantization="int4", int4_group_size=64), "int4 groups of 64 input channels do not split o_proj's 64"),
     (dict(tensor_parallel_size=3), "does not divide num_attention_heads"),
-    (dict(lora_page_rows=8), "does not combine with --lora-page-rows"),
+    (dict(lora_page_rows=8, fully_sharded_loras=True), "--fully-sharded-loras does not combine with --lora-page-rows"),
     (dict(fully_sharded_loras=True, max_lora_rank=9), "does not divide --max-lora-rank (9)"),
 ])
 def test_unsharded_setups_refused(tiny_model_dir, kw, line):
