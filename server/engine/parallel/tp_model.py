@@ -14,8 +14,8 @@ the all_reduced [T, H]; its attention soft-cap is per score and its final soft-c
 each shard before the gather); its windowed layers and KV layer groups are per sequence and block, not
 per head, so a rank's pool is rank 0's blocks (shared across groups as rank 0's are) with its heads.
 Phi-3's checkpoint fuses qkv and gate_up as the engine does, and its adapters' fused lora_B rows are
-split into q/k/v and gate/up at intake (adapters.format), so its slots cut as Llama's. MoE layers (their
-experts) are not sharded.
+split into q/k/v and gate/up at intake (adapters.format), so its slots cut as Llama's. MoE layers
+(Mixtral, Qwen3-MoE) cut every expert's intermediate columns the same way (server.engine.parallel.tp_moe).
 """
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ from server.engine.parallel.collectives import Collectives
 from server.engine.parallel.sharded_lora import ShardedColumnLora, ShardedRowLora
 from server.engine.parallel.tp_group import TpGroup
 from server.engine.parallel.tp_layers import RowParallelLinear, column_parallel
+from server.engine.parallel.tp_moe import TpMoeBlock
 from server.engine.parallel.tp_weights import fp8_refusal, int4_split_refusal, vocab_shard
 
-# The architectures tensor parallelism shards: every dense one the engine serves (MoE experts are not cut).
-TP_ARCHS = tuple(arch for arch, support in ARCHITECTURES.items() if not support.moe)
+# The architectures tensor parallelism shards: every one the engine serves.
+TP_ARCHS = tuple(ARCHITECTURES)
 
 
 def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int, fully_sharded_loras: bool = False,
@@ -44,11 +45,15 @@ def tp_refusal(mcfg: ModelConfig, quantization: str | None, world_size: int, ful
     the int4 base's groups (--int4-group-size, or a GPTQ checkpoint's), with quantization "int4"."""
     if mcfg.architecture not in TP_ARCHS:
         return (f"--tensor-parallel-size {world_size}: architecture {mcfg.architecture} is not sharded yet "
-                f"(MoE experts are not cut; supported: {', '.join(TP_ARCHS)})")
+                f"(supported: {', '.join(TP_ARCHS)})")
     if quantization == "fp8":
         return fp8_refusal(world_size)
+    if mcfg.is_moe and fully_sharded_loras:
+        return (f"--fully-sharded-loras does not combine with an MoE base ({mcfg.architecture}) yet: its experts' "
+                f"LoRA is sharded as the default mode's")
     for n, what in ((mcfg.num_heads, "num_attention_heads"), (mcfg.num_kv_heads, "num_key_value_heads"),
                     (mcfg.intermediate_size, "intermediate_size"),
+                    *(((mcfg.moe_intermediate_size, "moe_intermediate_size"),) if mcfg.is_moe else ()),
                     *(((mcfg.hidden_size, "hidden_size"), (max_lora_rank, "--max-lora-rank"))
                       if fully_sharded_loras else ())):
         if n % world_size:
@@ -71,8 +76,10 @@ class TpCausalLM(CausalLM):
         self.comm = comm
         q_span, kv_span = tp.span(cfg.num_heads, "num_attention_heads"), tp.span(cfg.num_kv_heads, "num_key_value_heads")
         i_span = tp.span(cfg.intermediate_size, "intermediate_size")
+        moe_span = tp.span(cfg.moe_intermediate_size, "moe_intermediate_size")
         self.local_cfg = replace(cfg, num_heads=q_span[1] - q_span[0], num_kv_heads=kv_span[1] - kv_span[0],
-                                 intermediate_size=i_span[1] - i_span[0])
+                                 intermediate_size=i_span[1] - i_span[0],
+                                 moe_intermediate_size=moe_span[1] - moe_span[0])
         d = cfg.head_dim
         heads = tuple((lo * d, hi * d) for lo, hi in (q_span, kv_span, kv_span))
         max_rank = full.layers[0].qkv.lora.a.shape[2]
@@ -80,6 +87,8 @@ class TpCausalLM(CausalLM):
                        if fully_sharded_loras else None)
         for layer in self.layers:
             _shard_layer(layer, self.local_cfg, heads, i_span, tp, comm, lora_shards)
+            if layer.moe is not None:
+                layer.moe = TpMoeBlock(layer.moe, self.local_cfg, moe_span, comm)
         ws = full.workspace
         self.workspace = Workspace.allocate(self.local_cfg, ws.max_tokens, ws.qkv.dtype, ws.qkv.device)
         # Rows of the lm_head: padded to a multiple of the world size with zero rows, trimmed after the gather.
@@ -99,13 +108,15 @@ def _shard_layer(layer: DecoderLayer, local_cfg: ModelConfig, heads: tuple[tuple
     """One decoder layer cut in place: q/k/v heads and gate/up columns kept, o and down over them.
     lora_shards: --fully-sharded-loras' (rank rows of A, output rows of a row layer's B), else None."""
     layer.cfg = local_cfg
-    qkv, gate_up = column_parallel(layer.qkv, heads), column_parallel(layer.gate_up, (i_span, i_span))
+    dense = layer.gate_up is not None  # an MoE layer's experts: tp_moe
+    qkv = column_parallel(layer.qkv, heads)
+    gate_up = column_parallel(layer.gate_up, (i_span, i_span)) if dense else None
     if lora_shards is None:
-        layer.qkv, layer.gate_up = qkv, gate_up
-        layer.o = RowParallelLinear(layer.o, heads[0], tp.rank, comm)
-        layer.down = RowParallelLinear(layer.down, i_span, tp.rank, comm)
+        layer.qkv, layer.o = qkv, RowParallelLinear(layer.o, heads[0], tp.rank, comm)
+        if dense:
+            layer.gate_up, layer.down = gate_up, RowParallelLinear(layer.down, i_span, tp.rank, comm)
         return
-    ranks, h_span = lora_shards
+    ranks, h_span = lora_shards  # MoE bases are refused with them (tp_refusal)
     layer.qkv, layer.gate_up = ShardedColumnLora(qkv, ranks, comm), ShardedColumnLora(gate_up, ranks, comm)
     layer.o = ShardedRowLora(layer.o, heads[0], h_span, tp.rank, comm)
     layer.down = ShardedRowLora(layer.down, i_span, h_span, tp.rank, comm)

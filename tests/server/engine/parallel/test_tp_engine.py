@@ -139,9 +139,9 @@ def test_fully_sharded_loras_needs_tensor_parallel(tiny_model_dir):
         LLM(tiny_model_dir, fully_sharded_loras=True, **KW)
 
 
-def test_moe_architecture_refused(tmp_path):
-    """MoE experts are not cut: a Mixtral base under TP is refused in one line naming why."""
+def test_moe_base_with_fully_sharded_loras_refused(tmp_path):
+    """An MoE base's expert LoRA is sharded as the default mode's only: the flag is refused, not ignored."""
     model_dir = make_moe_model(tmp_path / "mixtral", "mixtral")
-    with pytest.raises(ModelConfigError, match="architecture MixtralForCausalLM is not sharded yet "
-                                               r"\(MoE experts are not cut"):
-        LLM(model_dir, tensor_parallel_size=2, **KW)
+    with pytest.raises(ModelConfigError, match=re.escape(
+            "--fully-sharded-loras does not combine with an MoE base (MixtralForCausalLM) yet")):
+        LLM(model_dir, tensor_parallel_size=2, fully_sharded_loras=True, **{**KW, "max_lora_rank": 16})
