@@ -13,6 +13,7 @@ from typing import Protocol
 from server.engine.config import GPTQ_QUANTIZATIONS, ModelConfig
 from server.engine.gptq_checkpoint import checkpoint_quantization
 from server.engine.parallel.tp_model import tp_refusal
+from server.engine.speculative_config import parse_speculative_config
 from server.engine.unified_memory import unified_refusal
 
 
@@ -25,7 +26,7 @@ class EngineFlags(Protocol):
     unified_memory: bool
     quantization: str | None
     int4_group_size: int | None
-    speculative_config: object  # set (any form) or None
+    speculative_config: object  # its JSON text, a dict, a SpeculativeConfig, or None
 
 
 def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool, model_dir: str | Path) -> str | None:
@@ -33,12 +34,12 @@ def combination_refusal(flags: EngineFlags, mcfg: ModelConfig, draft_model: bool
     one; `model_dir`: its checkpoint, whose GPTQ groups a sharded int4 base keeps), or None: they run."""
     n = flags.tensor_parallel_size
     if n > 1:
-        if flags.lora_page_rows is not None:
-            return f"--tensor-parallel-size {n} does not combine with --lora-page-rows yet"
-        if flags.speculative_config is not None:
-            return f"--tensor-parallel-size {n} does not combine with --speculative-config yet"
-        if mcfg.layer_windows is not None and any(w is not None for w in mcfg.layer_windows):
-            return f"--tensor-parallel-size {n}: sliding-window attention ({mcfg.architecture}) is not sharded yet"
+        if flags.lora_page_rows is not None and flags.fully_sharded_loras:  # A's rank rows cut by rank, not by page
+            return "--fully-sharded-loras does not combine with --lora-page-rows yet"
+        spec = parse_speculative_config(flags.speculative_config)
+        if spec is not None and spec.method != "ngram":  # ngram drafts on rank 0; its verify is a plain step
+            return (f"--tensor-parallel-size {n} does not combine with --speculative-config method {spec.method} "
+                    f"yet (ngram does)")
         quantization = "int4" if flags.quantization in GPTQ_QUANTIZATIONS else flags.quantization
         groups = _int4_group_size(flags, model_dir) if quantization == "int4" else None
         refusal = tp_refusal(mcfg, quantization, n, flags.fully_sharded_loras, flags.max_lora_rank, groups)

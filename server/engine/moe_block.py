@@ -47,11 +47,15 @@ class MoeBlock:
         """x [T, H] (normed) -> the block's output [T, H], a new tensor."""
         batch = self.route(x, ctx)
         xs = x.index_select(0, batch.tokens)  # [P, H]
-        inter = self.cfg.moe_intermediate_size
-        gate, up = self._experts(xs, self.gate_up, self.gate_up_lora, batch, ctx).split([inter, inter], dim=-1)
+        gate, up = self.gate_and_up(xs, batch, ctx)
         down = self._experts(F.silu(gate) * up, self.down, self.down_lora, batch, ctx)  # [P, H]
         weighted = (down * batch.weights[:, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, batch.tokens, weighted)
+
+    def gate_and_up(self, xs: torch.Tensor, batch: ExpertBatch, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs' gate and up projections, [P, I] each (with their LoRA)."""
+        inter = self.cfg.moe_intermediate_size
+        return self._experts(xs, self.gate_up, self.gate_up_lora, batch, ctx).split([inter, inter], dim=-1)
 
     @staticmethod
     def _experts(xs: torch.Tensor, weight: torch.Tensor, lora: ExpertLoraBuffers, batch: ExpertBatch,

@@ -46,7 +46,7 @@ class TpLeaderRunner(ModelRunner):
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         ctx = inputs.ctx
         step = TpStep(inputs.input_ids, ctx.positions, ctx.attn, ctx.lora, inputs.logits_indices,
-                      tuple(self.pending_copies))
+                      tuple(self.pending_copies), ctx.group_attn)
         self.pending_copies = []
         data = tp_codec.encode(step)
         for pipe in self.pipes:
@@ -84,7 +84,7 @@ def start_tensor_parallel(config: EngineConfig, runner: ModelRunner, lora_layers
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     spec = TpWorkerSpec(config, world, f"tcp://127.0.0.1:{port}", DEFAULT_TIMEOUT_S, max_len, kv_blocks,
-                        torch.get_num_threads())
+                        runner.kv_caches[0][0].dtype, torch.get_num_threads())
     ctx = mp.get_context("spawn")
     workers, pipes = [], []
     for rank in range(1, world):

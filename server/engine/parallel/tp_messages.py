@@ -18,6 +18,8 @@ class TpStep:
     lora: LoraBatch
     logits_indices: torch.Tensor  # [N]
     block_copies: tuple[tuple[int, int], ...]  # copy-on-write (source, copy) blocks, before the forward
+    # Per KV layer group its tables' batch (StepContext.group_attn: attn first), () with one group.
+    group_attn: tuple[AttentionBatch, ...] = ()
 
 
 @dataclass(frozen=True)

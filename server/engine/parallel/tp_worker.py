@@ -20,7 +20,7 @@ from server.engine.parallel.collectives import Collectives
 from server.engine.parallel import tp_codec
 from server.engine.parallel.tp_group import join_gloo
 from server.engine.parallel.tp_messages import TpStep, TpStop
-from server.engine.parallel.tp_model import TpCausalLM
+from server.engine.parallel.tp_model import TpCausalLM, worker_kv_caches
 from server.engine.weights import served_model, served_weights
 
 
@@ -34,6 +34,7 @@ class TpWorkerSpec:
     timeout_s: float
     max_len: int  # the rope tables' positions (the engine's max_len at load)
     kv_blocks: int  # rank 0's pool: the same blocks, this rank's heads
+    kv_dtype: torch.dtype  # rank 0's pool's (--kv-cache-dtype)
     threads: int
 
 
@@ -49,9 +50,7 @@ def worker_main(rank: int, spec: TpWorkerSpec, lora_layers: list, steps: Connect
     comm = Collectives(tp)
     model = TpCausalLM(full, tp, comm, config.fully_sharded_loras)
     del full  # the shard is cut: the full projections go
-    local = model.local_cfg
-    shape = (spec.kv_blocks, config.block_size, local.num_kv_heads, local.head_dim)
-    kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(mcfg.num_layers)]
+    kv_caches = worker_kv_caches(model.local_cfg, spec.kv_blocks, config.block_size, spec.kv_dtype, device)
     ops = select_kernels(config.kernels, device, dtype)
     scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype)
     while True:
@@ -64,6 +63,7 @@ def worker_main(rank: int, spec: TpWorkerSpec, lora_layers: list, steps: Connect
         assert isinstance(msg, TpStep), type(msg)
         if msg.block_copies:
             copy_blocks(kv_caches, msg.block_copies, device)
-        ctx = StepContext(ops=ops, positions=msg.positions, attn=msg.attn, lora=msg.lora, lora_scratch=scratch)
+        ctx = StepContext(ops=ops, positions=msg.positions, attn=msg.attn, lora=msg.lora, lora_scratch=scratch,
+                          group_attn=msg.group_attn)
         model.forward(msg.input_ids, kv_caches, ctx, msg.logits_indices)
 

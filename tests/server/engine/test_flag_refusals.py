@@ -24,10 +24,10 @@ def _server(tmp_path, **kw) -> ServerConfig:
 
 def test_the_engine_and_the_server_config_give_the_same_line(tmp_path, tiny_model_dir):
     mcfg = ModelConfig.from_dir(tiny_model_dir)
-    flags = {"tensor_parallel_size": 2, "lora_page_rows": 16}
+    flags = {"tensor_parallel_size": 2, "lora_page_rows": 16, "fully_sharded_loras": True}
     engine = combination_refusal(EngineConfig(model=str(tiny_model_dir), **flags), mcfg, False, tiny_model_dir)
     assert engine == combination_refusal(_server(tmp_path, **flags), mcfg, False, tiny_model_dir)
-    assert engine == "--tensor-parallel-size 2 does not combine with --lora-page-rows yet"
+    assert engine == "--fully-sharded-loras does not combine with --lora-page-rows yet"
 
 
 @pytest.mark.parametrize("flags, line", [
@@ -41,6 +41,21 @@ def test_quantized_bases_under_tensor_parallel(tmp_path, tiny_model_dir, flags, 
     mcfg = ModelConfig.from_dir(tiny_model_dir)
     got = combination_refusal(_server(tmp_path, tensor_parallel_size=2, **flags), mcfg, False, tiny_model_dir)
     assert got == line if line is None else got.startswith(line)
+
+
+@pytest.mark.parametrize("spec, line", [
+    ('{"method": "ngram", "num_speculative_tokens": 3}', None),  # drafts on rank 0, a plain verify step
+    ('{"method": "medusa", "model": "heads", "num_speculative_tokens": 3}',
+     "--tensor-parallel-size 2 does not combine with --speculative-config method medusa yet (ngram does)"),
+    ('{"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}',
+     "--tensor-parallel-size 2 does not combine with --speculative-config method draft_model yet (ngram does)"),
+])
+def test_speculative_methods_under_tensor_parallel(tmp_path, tiny_model_dir, spec, line):
+    mcfg = ModelConfig.from_dir(tiny_model_dir)
+    assert combination_refusal(_server(tmp_path, tensor_parallel_size=2, speculative_config=spec), mcfg,
+                               False, tiny_model_dir) == line
+    engine = EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, speculative_config=spec)
+    assert combination_refusal(engine, mcfg, False, tiny_model_dir) == line
 
 
 def test_a_gptq_checkpoints_groups_decide(tmp_path, tiny_model_dir):
@@ -76,5 +91,7 @@ def test_serve_refuses_before_the_engine_core_in_one_line(tmp_path, tiny_model_d
         _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), gemma)
     assert "\n" not in str(raised.value)
     _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), tiny_model_dir)
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 2: sliding-window attention"):
-        _check_flag_combinations(_server(tmp_path, tensor_parallel_size=2), gemma)
+    _check_flag_combinations(_server(tmp_path, tensor_parallel_size=2), gemma)  # windows and KV groups shard
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 does not divide num_attention_heads") as raised:
+        _check_flag_combinations(_server(tmp_path, tensor_parallel_size=3), gemma)
+    assert "\n" not in str(raised.value)

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.unit
 def _step() -> TpStep:
     attn = AttentionBatch.build([[0, 1], [2, 3]], [0, 4], [3, 1], block_size=4, device="cpu")
     lora = LoraBatch.build([0, 0, 0, -1], device="cpu")
+    windowed = AttentionBatch.build([[4], [5, 6]], [0, 4], [3, 1], block_size=4, device="cpu")  # a second KV group's
     return TpStep(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 1, 2, 4]), attn, lora, torch.tensor([2, 3]),
-                  ((1, 3),))
+                  ((1, 3),), (attn, windowed))
 
 
 def _same(a, b) -> None:

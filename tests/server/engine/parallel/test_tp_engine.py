@@ -10,15 +10,16 @@ import signal
 
 import pytest
 
-from server.demo import make_adapter, make_base_model
-from server.engine import LLM, SamplingParams
+from benchmarks.engine.moe_models import make_moe_model
+from server.demo import make_adapter
+from server.engine import LLM
 from server.engine.config import ModelConfigError
 from tests.engine_helpers import random_prompts
 from tests.gptq_writer import write_gptq_checkpoint
+from tests.server.engine.parallel.tp_serving import PARAMS, assert_tp_matches_peft, assert_tp_serves_as_tp1
 
 KW = dict(device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256)
 NAMES = [None, "r8_all", "r16_rslora", "dora_r8_all", None, "r16_rslora"]
-PARAMS = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +42,6 @@ def arch_adapters(model_variant_dir, tmp_path_factory):
     return get
 
 
-def served(llm: LLM, adapters: dict, names: list, seed: int) -> tuple[list, list]:
-    for name, path in adapters.items():
-        llm.add_adapter(name, path)
-    prompts = random_prompts(len(names), (3, 30), 512, seed=seed)
-    outs = llm.generate(prompts, PARAMS, adapters=names)
-    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs]
-
-
 @pytest.fixture
 def tp_llm(tiny_model_dir):
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, **{**KW, "max_lora_rank": 16})
@@ -60,23 +53,8 @@ def tp_llm(tiny_model_dir):
                                                  ("qwen2", True)])  # qwen2: q/k/v biases, cut with their heads
 def test_tp2_engine_matches_tp1(arch, fully_sharded, arch_adapters):
     model_dir, adapters = arch_adapters(arch)
-    llm = assert_tp2_serves_as_tp1(model_dir, adapters, KW, NAMES, 4, fully_sharded_loras=fully_sharded)
+    llm, _, _ = assert_tp_serves_as_tp1(model_dir, adapters, KW, NAMES, 4, fully_sharded_loras=fully_sharded)
     assert llm.engine.runner.comm.calls["all_reduce"] > 0
-
-
-def assert_tp2_serves_as_tp1(model_dir, adapters: dict, kw: dict, names: list, seed: int, **tp_kw) -> LLM:
-    """TP = 2 (tp_kw on top of kw) and TP = 1 (kw) on a batch of `names`' rows: the same tokens, logprobs
-    within 1e-4. Returns the TP = 2 engine's LLM, shut down, for what its rank 0 kept."""
-    llm = LLM(model_dir, tensor_parallel_size=2, **kw, **tp_kw)
-    try:
-        tokens, logprobs = served(llm, adapters, names, seed)
-    finally:
-        llm.engine.shutdown()
-    want_tokens, want_logprobs = served(LLM(model_dir, **kw), adapters, names, seed)
-    assert tokens == want_tokens
-    for got, want in zip(logprobs, want_logprobs):
-        assert got == pytest.approx(want, abs=1e-4)
-    return llm
 
 
 DORA_NAMES = [None, "r8_all", "dora_r8_all", "dora_r16_pattern", None, "dora_r8_all", "r16_rslora"]
@@ -98,7 +76,7 @@ def mixed_adapters(tiny_adapters, tiny_dora_adapters) -> dict:
 def test_tp2_dora_and_quantized_bases_match_tp1(tiny_model_dir, mixed_adapters, quant, fully_sharded):
     """DoRA's per-column scales are the full rows' (whatever the shard), and a quantized base is TP = 1's
     quantized weights cut: TP = 2 serves TP = 1's tokens, logprobs within 1e-4."""
-    llm = assert_tp2_serves_as_tp1(tiny_model_dir, mixed_adapters, {**KW, **quant, "max_lora_rank": 16},
+    llm, _, _ = assert_tp_serves_as_tp1(tiny_model_dir, mixed_adapters, {**KW, **quant, "max_lora_rank": 16},
                                    DORA_NAMES, 5, fully_sharded_loras=fully_sharded)
     assert llm.engine.lora_slots.dora_cache.stats.computed >= 2  # rank 0 computed the DoRA scales
     layer = llm.engine.runner.model.layers[0]
@@ -106,12 +84,22 @@ def test_tp2_dora_and_quantized_bases_match_tp1(tiny_model_dir, mixed_adapters, 
     assert {type(layer.qkv.weight).__name__, type(layer.o.weight).__name__} == {want}  # the shards stay quantized
 
 
+def test_tp2_paged_adapter_memory_matches_tp1_and_peft(tiny_model_dir, mixed_adapters, peft_oracle):
+    """--lora-page-rows 4 under TP = 2: ranks 8 and 16 in pages of 4, two slots' worth of pages for four
+    adapters (loads and evictions between steps, which the workers see in the shared pages), each rank
+    reading its columns of the pages through the step's page table."""
+    kw = {**KW, "max_loras": 2, "max_lora_rank": 16, "lora_page_rows": 4}
+    llm, tokens, logprobs = assert_tp_serves_as_tp1(tiny_model_dir, mixed_adapters, kw, DORA_NAMES, 8)
+    assert llm.engine.lora_slots.paging.paged and llm.engine.lora_slots.evictions > 0  # pages reused mid-run
+    assert_tp_matches_peft(tiny_model_dir, mixed_adapters, DORA_NAMES, 8, tokens, logprobs, peft_oracle)
+
+
 def test_tp2_serves_a_gptq_checkpoint_as_tp1(tiny_model_dir, mixed_adapters, tmp_path):
     """A GPTQ checkpoint's own int4 groups (32: o_proj's and down_proj's shards are whole groups), cut."""
     gptq, ref = tmp_path / "gptq", tmp_path / "ref"
     gptq.mkdir(), ref.mkdir()
     write_gptq_checkpoint(tiny_model_dir, gptq, ref, 32, act_order=False)
-    llm = assert_tp2_serves_as_tp1(gptq, mixed_adapters, {**KW, "quantization": "gptq", "max_lora_rank": 16},
+    llm, _, _ = assert_tp_serves_as_tp1(gptq, mixed_adapters, {**KW, "quantization": "gptq", "max_lora_rank": 16},
                                    DORA_NAMES, 5)
     assert type(llm.engine.runner.model.layers[0].down.weight).__name__ == "Int4Weight"
 
@@ -138,7 +126,7 @@ def test_dead_worker_fails_the_step(tp_llm, tiny_adapters):
 @pytest.mark.parametrize("kw, line", [
     (dict(quantization="int4", int4_group_size=64), "int4 groups of 64 input channels do not split o_proj's 64"),
     (dict(tensor_parallel_size=3), "does not divide num_attention_heads"),
-    (dict(lora_page_rows=8), "does not combine with --lora-page-rows"),
+    (dict(lora_page_rows=8, fully_sharded_loras=True), "--fully-sharded-loras does not combine with --lora-page-rows"),
     (dict(fully_sharded_loras=True, max_lora_rank=9), "does not divide --max-lora-rank (9)"),
 ])
 def test_unsharded_setups_refused(tiny_model_dir, kw, line):
@@ -151,8 +139,9 @@ def test_fully_sharded_loras_needs_tensor_parallel(tiny_model_dir):
         LLM(tiny_model_dir, fully_sharded_loras=True, **KW)
 
 
-def test_unsharded_architecture_refused(tmp_path):
-    model_dir = make_base_model(tmp_path, "qwen3", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                                intermediate_size=128)
-    with pytest.raises(ModelConfigError, match="architecture Qwen3ForCausalLM is not sharded yet"):
-        LLM(model_dir, tensor_parallel_size=2, **KW)
+def test_moe_base_with_fully_sharded_loras_refused(tmp_path):
+    """An MoE base's expert LoRA is sharded as the default mode's only: the flag is refused, not ignored."""
+    model_dir = make_moe_model(tmp_path / "mixtral", "mixtral")
+    with pytest.raises(ModelConfigError, match=re.escape(
+            "--fully-sharded-loras does not combine with an MoE base (MixtralForCausalLM) yet")):
+        LLM(model_dir, tensor_parallel_size=2, fully_sharded_loras=True, **{**KW, "max_lora_rank": 16})

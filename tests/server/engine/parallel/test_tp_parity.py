@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from tests.engine_helpers import random_prompts
 from tests.server.engine.parallel.tp_ranks import TpJob, build_llm, generate, run_rank
+from tests.server.engine.parallel.tp_serving import peft_logprobs
 
 WORLD = 2
 TOKENS = 6
@@ -28,21 +28,6 @@ def run_tp(job: TpJob, world_size: int) -> list:
     for r in got:
         assert r.error is None, r.error
     return got
-
-
-def peft_logprobs(model_dir, adapter_dir, prompt: list[int], tokens: list[int]) -> list[float]:
-    """Each generated token's logprob under transformers (+ peft) in float32, teacher-forced."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logp = model(ids).logits[0].float().log_softmax(-1)
-    n = len(prompt)
-    return [logp[n - 1 + i, t].item() for i, t in enumerate(tokens)]
 
 
 @pytest.fixture(scope="module")
