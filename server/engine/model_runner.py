@@ -115,6 +115,10 @@ class _PromptPositions:
 
 
 class ModelRunner:
+    # Whether a verify step may run its layers and its lm_head rows as separate calls (_verify_in_rounds);
+    # a tensor-parallel leader's workers run each step as one whole forward, so it may not.
+    verifies_in_rounds = True
+
     def __init__(
         self,
         model: CausalLM,
@@ -322,7 +326,8 @@ class ModelRunner:
         hidden = None
         # Drafts, one row per logit row and no prompt logprobs: the lm_head runs a position only once
         # every draft before it was accepted (_verify_in_rounds).
-        in_rounds = bool(inputs.drafts) and inputs.row_logits is None and inputs.prompt is None
+        in_rounds = (self.verifies_in_rounds and bool(inputs.drafts) and inputs.row_logits is None
+                     and inputs.prompt is None)
         if inputs.medusa_rows is not None or in_rounds:  # eager: the last layer's rows are kept
             hidden = self.model.hidden_rows(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
         if in_rounds:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.engine.adapter_residency import adapter_tiers, held_versions, residency
 from server.engine.core.messages import Command, Reply
+from server.engine.core.queue_items import Call, Send
 
 if TYPE_CHECKING:
     from adapters.format import LoraAdapter

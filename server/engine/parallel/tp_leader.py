@@ -30,6 +30,10 @@ class TpLeaderRunner(ModelRunner):
     """The engine's runner (whose state it takes over) as rank 0: each forward is sent to the workers
     first, with the copy-on-write block copies made since the last one."""
 
+    # Every rank runs a step as one forward (its collectives in one order), so a verify step's lm_head
+    # rows cannot be split into rounds on rank 0 alone.
+    verifies_in_rounds = False
+
     def __init__(self, runner: ModelRunner, tp: TpGroup, workers: list[BaseProcess], pipes: list[Connection],
                  fully_sharded_loras: bool) -> None:  # adopts `runner`: no ModelRunner.__init__
         self.__dict__.update(runner.__dict__)
