@@ -45,7 +45,9 @@ With speculative decoding (server.engine.speculative_config), a decoding sequenc
 can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from its output index
 alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
 or a draft model's: server.engine.draft_model_proposer); they count against the token budget and get KV
-slots like any token. A draft model always makes the k asked for, so room for them is made first and the
+slots like any token; a draft model's work counts too (its catch-up over the tokens it has not seen and
+one token per draft), k shrinking to what the budget holds and no drafts when not one fits. A draft model
+always makes the k asked for, so room for them is made first and the
 drafts are made at the end of schedule(), in one batch over the sequences still in the step. The output processor rolls back what the
 model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
 speculates while disable_by_batch_size sequences run; a request may opt out (SamplingParams.speculative).
@@ -430,12 +432,13 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(pending, budget)
             drafts = self._drafts(seq, budget - 1) if n and speculate else ()
+            work = self._draft_work(seq, len(drafts))
             n += len(drafts)
             if n == 0 or (seq.grammar is not None and not _mask_ready(seq, seq.num_computed_tokens + n)) \
                     or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n, drafts)
-            budget -= n
+            budget -= n + work
         # The step's prompt work: while others decode, the cap in decode-token equivalents (server.engine.
         # step_cost), else the tokens left; split between tenants by fair share, whatever is left over
         # going to prompts that could use it.
@@ -520,15 +523,18 @@ class Scheduler:
         return False
 
     def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
-        """Drafts for decoding `seq`, at most `room` of them, none past what it may still generate (the
-        token after the drafts is the target's own); () where verifying would not be exact, or the
-        request opted out."""
+        """Drafts for decoding `seq`, none past what it may still generate (the token after the drafts is
+        the target's own), with the draft's own work (_draft_work) they cost within `room` tokens: k
+        shrinks to fit, and none are made when not even one fits; () where verifying would not be exact,
+        or the request opted out."""
         spec = self.config.speculative
         if spec is None or not verifiable(seq):
             return ()
         length = self.draft_lengths.get(seq)
         if length is None:
             length = self.draft_lengths[seq] = DraftLength(spec.num_speculative_tokens)
+        if self.draft_model is not None:  # each draft is verified and costs the draft a one-token pass
+            room = (room - self.draft_model.unseen(seq)) // 2
         k = min(length.next_k(), room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return ()
@@ -537,6 +543,13 @@ class Scheduler:
         if spec.method == "draft_model":
             return [0] * k  # placeholders: the draft model fills them in (_draft_with_model)
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
+
+    def _draft_work(self, seq: Sequence, k: int) -> int:
+        """Tokens the draft model runs to make `seq`'s k drafts: its catch-up over the tokens it has not
+        seen, then one pass per draft (each feeds one token); 0 without a draft model or drafts."""
+        if self.draft_model is None or not k:
+            return 0
+        return self.draft_model.unseen(seq) + k
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """`seq` verified `drafted` drafts and the target accepted `accepted` of them: counted, and its k
