@@ -1,0 +1,99 @@
+"""Speculative verify steps padded to (row bucket, k + 1) shapes and run from the persistent decode buffers
+(server.engine.decode_graphs), checked on the CPU against the eager verify path: greedy tokens identical
+and logprobs within 1e-4 (float32), for mixed batches of base rows and several adapters, rows with fewer
+drafts than the widest (padding tokens), and a bucket first run with one adapter active and later with
+more. On CUDA the same contexts are captured as graphs (the GPU test, skipped without one)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from server.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.unit
+
+VOCAB = 512
+TOL = 1e-4
+K = 3
+ADAPTERS = ("r4_qv", "r8_all", "r16_rslora")
+METHODS = {
+    "draft_model": lambda model_dir: {"method": "draft_model", "model": str(model_dir)},
+    "ngram": lambda model_dir: {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+}
+
+
+def make_llm(model_dir, adapters, method: str, padded: bool, device: str = "cpu", kernels: str = "torch") -> LLM:
+    spec = {**METHODS[method](model_dir), "num_speculative_tokens": K, "disable_by_batch_size": 64}
+    llm = LLM(model_dir, device=device, dtype="float32", max_loras=4, kv_cache_blocks=96, max_model_len=128,
+              max_num_batched_tokens=128, max_num_seqs=8, block_size=16, max_lora_rank=16, kernels=kernels,
+              speculative_config=spec)
+    for name in ADAPTERS:
+        llm.add_adapter(name, adapters[name])
+    if padded:
+        cfg = llm.engine.config
+        llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len,
+                                            tuple(range(2, K + 2)), cfg.max_num_seqs)
+    return llm
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    """Random prompts that repeat their own start: prompt lookup finds drafts, of varying counts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        head = [rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 12))]
+        out.append(head + head[: rng.randint(2, len(head))])
+    return out
+
+
+def run(llm: LLM, batch: list[list[int]], names: list[str | None]):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    return llm.generate(batch, params, adapters=names)
+
+
+def assert_close(outs, refs) -> None:
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.token_ids == ref.token_ids
+        for a, b in zip(out.logprobs, ref.logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= TOL
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_padded_verify_matches_the_eager_verify_path(tiny_model_dir, tiny_adapters, method):
+    padded = make_llm(tiny_model_dir, tiny_adapters, method, padded=True)
+    eager = make_llm(tiny_model_dir, tiny_adapters, method, padded=False)
+    # First one adapter and base rows, then three adapters in the same buckets (a different active count).
+    batches = [(prompts(3, seed=1), ["r8_all", None, "r8_all"]),
+               (prompts(5, seed=2), ["r4_qv", None, "r16_rslora", "r8_all", None]),
+               (prompts(2, seed=3), [None, None])]
+    for batch, names in batches:
+        assert_close(run(padded, batch, names), run(eager, batch, names))
+    runner = padded.engine.runner
+    assert runner.padded.verify_steps > 0, "no verify step ran padded: the test shows nothing"
+    assert eager.engine.runner.padded is None
+    counters = padded.engine.scheduler.spec_counters.snapshot()
+    assert counters.num_accepted_tokens > 0 and counters.num_drafts > 0
+
+
+def test_verify_shapes_share_token_buckets_and_stay_within_the_workspace(tiny_model_dir, tiny_adapters):
+    llm = make_llm(tiny_model_dir, tiny_adapters, "ngram", padded=True)
+    padded = llm.engine.runner.padded
+    assert padded.buckets == (1, 2, 4, 8)
+    assert padded.verify_widths == (2, 3, 4)
+    assert padded.sizes == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row bucket x width, decode's included
+    assert padded.verify_bucket(3, 4) == 4 and padded.verify_bucket(8, 4) == 8
+    assert padded.verify_bucket(3, 5) is None and padded.verify_bucket(9, 2) is None  # eager
+    assert {key[0] for key in padded.contexts} == set(padded.sizes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_captured_verify_graphs_match_the_eager_verify_path_on_cuda(tiny_model_dir, tiny_adapters):
+    padded = make_llm(tiny_model_dir, tiny_adapters, "draft_model", padded=True, device="cuda", kernels="triton")
+    padded.engine.runner.padded.capture()
+    eager = make_llm(tiny_model_dir, tiny_adapters, "draft_model", padded=False, device="cuda", kernels="triton")
+    batch, names = prompts(5, seed=2), ["r4_qv", None, "r16_rslora", "r8_all", None]
+    assert_close(run(padded, batch, names), run(eager, batch, names))
+    stats = padded.engine.runner.padded.stats()
+    assert stats.graphs == 3 * len(padded.engine.runner.padded.sizes) and stats.replays > 0
