@@ -5,14 +5,18 @@ drafts than the widest (padding tokens), and a bucket first run with one adapter
 more. On CUDA the same contexts are captured as graphs (the GPU test, skipped without one)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 
 from server.engine import LLM, SamplingParams
+from server.engine.engine_startup import verify_shapes
 
 pytestmark = pytest.mark.unit
+needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                  reason="Triton needs a GPU or the interpreter")
 
 VOCAB = 512
 TOL = 1e-4
@@ -24,17 +28,18 @@ METHODS = {
 }
 
 
-def make_llm(model_dir, adapters, method: str, padded: bool, device: str = "cpu", kernels: str = "torch") -> LLM:
+def make_llm(model_dir, adapters, method: str, padded: bool, device: str = "cpu", kernels: str = "torch",
+             **kw) -> LLM:
     spec = {**METHODS[method](model_dir), "num_speculative_tokens": K, "disable_by_batch_size": 64}
     llm = LLM(model_dir, device=device, dtype="float32", max_loras=4, kv_cache_blocks=96, max_model_len=128,
               max_num_batched_tokens=128, max_num_seqs=8, block_size=16, max_lora_rank=16, kernels=kernels,
-              speculative_config=spec)
+              speculative_config=spec, **kw)
     for name in ADAPTERS:
         llm.add_adapter(name, adapters[name])
     if padded:
         cfg = llm.engine.config
         llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len,
-                                            tuple(range(2, K + 2)), cfg.max_num_seqs)
+                                            *verify_shapes(cfg, torch.device(device), cfg.max_num_seqs))
     return llm
 
 
@@ -60,10 +65,13 @@ def assert_close(outs, refs) -> None:
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= TOL
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_padded_verify_matches_the_eager_verify_path(tiny_model_dir, tiny_adapters, method):
-    padded = make_llm(tiny_model_dir, tiny_adapters, method, padded=True)
-    eager = make_llm(tiny_model_dir, tiny_adapters, method, padded=False)
+# Triton (the interpreter on a CPU) with prompt lookup only: its rows have varying draft counts, so
+# padding inside rows; a draft model always drafts k.
+@pytest.mark.parametrize("method,kernels", [("draft_model", "torch"), ("ngram", "torch"),
+                                            pytest.param("ngram", "triton", marks=needs_triton)])
+def test_padded_verify_matches_the_eager_verify_path(tiny_model_dir, tiny_adapters, method, kernels):
+    padded = make_llm(tiny_model_dir, tiny_adapters, method, padded=True, kernels=kernels)
+    eager = make_llm(tiny_model_dir, tiny_adapters, method, padded=False, kernels=kernels)
     # First one adapter and base rows, then three adapters in the same buckets (a different active count).
     batches = [(prompts(3, seed=1), ["r8_all", None, "r8_all"]),
                (prompts(5, seed=2), ["r4_qv", None, "r16_rslora", "r8_all", None]),
@@ -89,11 +97,17 @@ def test_verify_shapes_share_token_buckets_and_stay_within_the_workspace(tiny_mo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_captured_verify_graphs_match_the_eager_verify_path_on_cuda(tiny_model_dir, tiny_adapters):
-    padded = make_llm(tiny_model_dir, tiny_adapters, "draft_model", padded=True, device="cuda", kernels="triton")
-    padded.engine.runner.padded.capture()
-    eager = make_llm(tiny_model_dir, tiny_adapters, "draft_model", padded=False, device="cuda", kernels="triton")
-    batch, names = prompts(5, seed=2), ["r4_qv", None, "r16_rslora", "r8_all", None]
-    assert_close(run(padded, batch, names), run(eager, batch, names))
-    stats = padded.engine.runner.padded.stats()
-    assert stats.graphs == 3 * len(padded.engine.runner.padded.sizes) and stats.replays > 0
+@pytest.mark.parametrize("method", list(METHODS))
+def test_captured_verify_graphs_match_the_eager_verify_path_on_cuda(tiny_model_dir, tiny_adapters, method):
+    """The engine captures the verify shapes at start (engine_startup.verify_shapes) and replays them."""
+    graphs = make_llm(tiny_model_dir, tiny_adapters, method, padded=False, device="cuda", kernels="triton")
+    eager = make_llm(tiny_model_dir, tiny_adapters, method, padded=False, device="cuda", kernels="triton",
+                     enforce_eager=True)
+    assert eager.engine.runner.padded is None
+    for batch, names in [(prompts(3, seed=1), ["r8_all", None, "r8_all"]),
+                         (prompts(5, seed=2), ["r4_qv", None, "r16_rslora", "r8_all", None])]:
+        assert_close(run(graphs, batch, names), run(eager, batch, names))
+    padded = graphs.engine.runner.padded
+    assert padded.verify_widths == tuple(range(2, K + 2)) and padded.verify_steps > 0
+    stats = padded.stats()
+    assert stats.graphs == 3 * len(padded.sizes) and stats.replays >= padded.verify_steps
