@@ -82,6 +82,18 @@ class DraftModelProposer:
             state.written = tuple(d[:-1])
         return drafts
 
+    def catch_up(self, seqs: list[Sequence], counts: list[int]) -> None:
+        """The next counts[i] tokens of each sequence's catch-up, without drafting, in one forward (their
+        sum within max_tokens): a catch-up longer than a step's token budget, spread over steps."""
+        starts, chunks = [], []
+        for seq, n in zip(seqs, counts):
+            state = self._state(seq)
+            end = min(state.computed + n, len(seq.token_ids) - 1)
+            starts.append(state.computed)
+            chunks.append(seq.token_ids[state.computed : end])
+            state.computed = state.written_from = end
+        self._forward(seqs, starts, chunks, False)
+
     def unseen(self, seq: Sequence) -> int:
         """Tokens before `seq`'s last one that the draft has not run yet: its next catch-up (the scheduler
         counts them, with the k one-token passes, against the step's token budget)."""

@@ -46,7 +46,8 @@ can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from i
 alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
 or a draft model's: server.engine.draft_model_proposer); they count against the token budget and get KV
 slots like any token; a draft model's work counts too (its catch-up over the tokens it has not seen and
-one token per draft), k shrinking to what the budget holds and no drafts when not one fits. A draft model
+one token per draft), k shrinking to what the budget holds; when not one draft fits, the catch-up runs
+as far as the budget holds, without drafts, so a long prompt's draft catches up over several steps. A draft model
 always makes the k asked for, so room for them is made first and the
 drafts are made at the end of schedule(), in one batch over the sequences still in the step. The output processor rolls back what the
 model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
@@ -419,6 +420,7 @@ class Scheduler:
             for seq in self.running:
                 self.release_behind_window(seq)
         speculate = self._speculate()
+        catch_ups: dict[Sequence, int] = {}  # draft catch-up run this step without drafts (_catch_up)
         prompts: list[Sequence] = []
         running = SequenceStatus.RUNNING
         for seq in list(self.running):  # decoding sequences first: no prompt chunk can take their tokens
@@ -433,12 +435,15 @@ class Scheduler:
             n = min(pending, budget)
             drafts = self._drafts(seq, budget - 1) if n and speculate else ()
             work = self._draft_work(seq, len(drafts))
+            catch_up = self._catch_up(seq, budget - n) if n and speculate and not drafts else 0
             n += len(drafts)
             if n == 0 or (seq.grammar is not None and not _mask_ready(seq, seq.num_computed_tokens + n)) \
                     or not self._make_room(seq, n, batch):
                 continue
             self._add_to_batch(batch, seq, n, drafts)
-            budget -= n + work
+            budget -= n + work + catch_up
+            if catch_up:
+                catch_ups[seq] = catch_up
         # The step's prompt work: while others decode, the cap in decode-token equivalents (server.engine.
         # step_cost), else the tokens left; split between tenants by fair share, whatever is left over
         # going to prompts that could use it.
@@ -462,12 +467,15 @@ class Scheduler:
         budget = self._admit(batch, budget, prefill, scan, admit=not batch.preempted)
         self._share_leftover(batch, budget, prefill)
         if self.draft_model is not None and speculate:
-            self._draft_with_model(batch)
+            self._draft_with_model(batch, catch_ups)
         return batch
 
-    def _draft_with_model(self, batch: ScheduledBatch) -> None:
+    def _draft_with_model(self, batch: ScheduledBatch, catch_ups: dict[Sequence, int]) -> None:
         """The draft model's drafts for the sequences given room for them (placeholders until now), made
-        once every preemption of the step is done, in one batch."""
+        once every preemption of the step is done, in one batch; before them, the catch-ups run alone."""
+        running = [s for s in batch.seqs if s in catch_ups and s.status is SequenceStatus.RUNNING]
+        if running:
+            self.draft_model.catch_up(running, [catch_ups[s] for s in running])
         rows = [i for i, d in enumerate(batch.drafts) if d]
         requests = [DraftRequest(batch.seqs[i], len(batch.drafts[i])) for i in rows]
         for i, drafts in zip(rows, self.draft_model.propose(requests)):
@@ -550,6 +558,15 @@ class Scheduler:
         if self.draft_model is None or not k:
             return 0
         return self.draft_model.unseen(seq) + k
+
+    def _catch_up(self, seq: Sequence, room: int) -> int:
+        """Tokens of a draft model's catch-up for `seq` to run this step without drafts: when its catch-up
+        leaves no room for one draft, as much of it as `room` holds (a prompt longer than the budget is
+        caught up over several steps, then drafts); 0 otherwise."""
+        if self.draft_model is None or room <= 0 or not verifiable(seq):
+            return 0
+        unseen = self.draft_model.unseen(seq)
+        return min(unseen, room) if unseen > room - 2 else 0
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """`seq` verified `drafted` drafts and the target accepted `accepted` of them: counted, and its k
