@@ -13,6 +13,7 @@ import torch
 
 from server.engine import LLM, SamplingParams
 from server.engine.engine_startup import verify_shapes
+from tests.server.engine.test_engine_padded_decode import LaunchLog, _forbid_host_sync
 
 pytestmark = pytest.mark.unit
 needs_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -69,9 +70,13 @@ def assert_close(outs, refs) -> None:
 # padding inside rows; a draft model always drafts k.
 @pytest.mark.parametrize("method,kernels", [("draft_model", "torch"), ("ngram", "torch"),
                                             pytest.param("ngram", "triton", marks=needs_triton)])
-def test_padded_verify_matches_the_eager_verify_path(tiny_model_dir, tiny_adapters, method, kernels):
+def test_padded_verify_matches_the_eager_verify_path(tiny_model_dir, tiny_adapters, monkeypatch, method, kernels):
+    """With the Triton kernels, also: every verify step of one shape launches the same (grids, scalar
+    arguments, metadata addresses: what a captured graph replays), whatever its rows, adapters and
+    context lengths."""
     padded = make_llm(tiny_model_dir, tiny_adapters, method, padded=True, kernels=kernels)
     eager = make_llm(tiny_model_dir, tiny_adapters, method, padded=False, kernels=kernels)
+    launches = _log_verify_launches(padded, LaunchLog(monkeypatch)) if kernels == "triton" else None
     # First one adapter and base rows, then three adapters in the same buckets (a different active count).
     batches = [(prompts(3, seed=1), ["r8_all", None, "r8_all"]),
                (prompts(5, seed=2), ["r4_qv", None, "r16_rslora", "r8_all", None]),
@@ -83,6 +88,60 @@ def test_padded_verify_matches_the_eager_verify_path(tiny_model_dir, tiny_adapte
     assert eager.engine.runner.padded is None
     counters = padded.engine.scheduler.spec_counters.snapshot()
     assert counters.num_accepted_tokens > 0 and counters.num_drafts > 0
+    if launches is not None:
+        assert any(len(steps) > 1 for steps in launches.values()), launches.keys()
+        for key, steps in launches.items():
+            assert all(step == steps[0] for step in steps), key
+
+
+def _log_verify_launches(llm: LLM, log: LaunchLog) -> dict[tuple, list[list[tuple]]]:
+    """(bucket, LoRA, DoRA) key -> the launches of each verify step run with it, from now on."""
+    padded = llm.engine.runner.padded
+    stage_verify, run_key = padded.stage_verify, padded.run
+    by_key: dict[tuple, list[list[tuple]]] = {}
+    verify: list[tuple] = []
+
+    def staged(*args):
+        verify.append(stage_verify(*args))
+        return verify[-1]
+
+    def ran(key):
+        log.take()
+        logits = run_key(key)
+        if verify and verify.pop() == key:
+            by_key.setdefault(key, []).append(log.take())
+        return logits
+
+    padded.stage_verify, padded.run = staged, ran
+    return by_key
+
+
+def test_padded_verify_forward_reads_nothing_back_to_the_host(tiny_model_dir, tiny_adapters, monkeypatch):
+    """No host sync inside a padded verify step's forward (what CUDA graph capture needs)."""
+    llm = make_llm(tiny_model_dir, tiny_adapters, "draft_model", padded=True)
+    padded = llm.engine.runner.padded
+    stage_verify, run_key = padded.stage_verify, padded.run
+    guarded = [False]
+    checked: list[tuple] = []
+
+    def staged(*args):
+        guarded[0] = True
+        return stage_verify(*args)
+
+    def ran(key):
+        try:
+            logits = run_key(key)
+        finally:
+            if guarded[0]:
+                checked.append(key)
+            guarded[0] = False
+        return logits
+
+    padded.stage_verify, padded.run = staged, ran
+    _forbid_host_sync(monkeypatch, allowed=lambda: not guarded[0])
+    outs = run(llm, prompts(3, seed=4), ["r8_all", None, "r16_rslora"])
+    monkeypatch.undo()
+    assert checked and all(len(o.token_ids) == 12 for o in outs)
 
 
 def test_verify_shapes_share_token_buckets_and_stay_within_the_workspace(tiny_model_dir, tiny_adapters):
