@@ -3,7 +3,8 @@
 
 For each engine shape (model widths x dtype x max_lora_rank) it runs the real
 forward pass (server.engine.model) on `meta` tensors over decode (1, 8, 256
-sequences), prefill, chunked-prefill and mixed steps at every rank class,
+sequences), prefill, chunked-prefill, mixed and speculative verify steps at every rank class, and
+every padded decode and verify context the engine captures as a CUDA graph (server.engine.decode_graphs),
 captures each Triton launch with the specialisation the JIT would apply
 (benchmarks.aot.aot), and compiles every distinct variant for both targets. It fails
 (exit 1) on a compile error, shared memory over the per-block limit, more than
@@ -34,8 +35,10 @@ import torch
 
 from benchmarks.aot import aot
 from benchmarks.aot.aot_shapes import DTYPES, MODELS, EngineShape, is_moe, meta_engine, meta_experts_step, scenarios
+from server.engine.decode_graphs import PaddedDecode
 from server.engine.kernel_choice import triton_ops
 from server.engine.kv_cache_dtype import KV_CACHE_DTYPES
+from server.engine.speculative_config import AUTO_DISABLE_BY_BATCH_SIZE
 from server.engine.warmup import step_inputs, warmup_steps
 
 TARGETS = (90, 80)
@@ -68,9 +71,26 @@ def capture_shape(shape: EngineShape) -> tuple[dict[str, list[aot.Launch]], list
         return launches
 
     by_scenario = {name: run(steps) for name, steps in scenarios(shape).items()}
+    by_scenario["padded decode and verify"] = padded_launches(shape, model, kv, scratch, page_table)
     warm = run(warmup_steps(shape.max_lora_rank, shape.max_num_batched_tokens, shape.max_model_len,
                             DTYPES[shape.dtype]))
     return by_scenario, warm
+
+
+def padded_launches(shape: EngineShape, model, kv, scratch: torch.Tensor,
+                    page_table: torch.Tensor | None) -> list[aot.Launch]:
+    """Every context the engine captures as a CUDA graph (server.engine.decode_graphs): decode buckets up
+    to 256 rows and verify shapes of k + 1 = 2..5 tokens up to 31 rows (a GPU's speculation cut-off, less
+    one), with and without LoRA and DoRA, run once each on meta."""
+    entries = shape.max_loras if page_table is None else page_table.shape[0]
+    rank_table = torch.zeros(entries, dtype=torch.int32, device="meta")
+    padded = PaddedDecode(model, kv, triton_ops(), scratch, entries, 256, shape.max_model_len, shape.block_size,
+                          torch.device("meta"), rank_table, None, page_table, (2, 3, 4, 5),
+                          AUTO_DISABLE_BY_BATCH_SIZE["cuda"] - 1)
+    with aot.capture() as launches:
+        for key in padded.contexts:
+            padded.run(key)
+    return launches
 
 
 def capture_and_specialise(shape: EngineShape) -> tuple[dict, dict[str, int], list[str]]:

@@ -182,8 +182,19 @@ def mixed_batch(chunk: int = 1793, decodes: int = 255) -> tuple[SyntheticSeq, ..
     return (SyntheticSeq(2000, chunk, 0), *(SyntheticSeq(50 + 13 * i, 1, _slot(i)) for i in range(decodes)))
 
 
+def verify_rows(rows: int, width: int, padded: bool) -> tuple[SyntheticSeq, ...]:
+    """A speculative verify step of `rows` sequences, each its last token and width - 1 drafts: eager, a
+    width-token query per sequence; padded (server.engine.decode_graphs), one one-token row per token, each
+    at its own position over its sequence's table."""
+    contexts = [(1000 + 250 * i, _slot(i)) for i in range(rows)]
+    if not padded:
+        return tuple(SyntheticSeq(c, width, slot) for c, slot in contexts)
+    return tuple(SyntheticSeq(c + j, 1, slot) for c, slot in contexts for j in range(width))
+
+
 def scenarios(shape: EngineShape) -> dict[str, list[SyntheticStep]]:
-    """Decode (1, 8, 256 sequences), prefill, chunked prefill and mixed steps, at every rank 8..64 and the max."""
+    """Decode (1, 8, 256 sequences), prefill, chunked prefill, mixed and speculative verify steps (eager and
+    padded, 1, 8 and 32 sequences of k + 1 = 5 tokens), at every rank 8..64 and the max."""
     mixes = {
         "decode-1": (SyntheticSeq(4095, 1, 0),),
         "decode-8": tuple(SyntheticSeq(1000 + 250 * i, 1, _slot(i)) for i in range(8)),
@@ -192,6 +203,8 @@ def scenarios(shape: EngineShape) -> dict[str, list[SyntheticStep]]:
                     SyntheticSeq(0, 40, -1), SyntheticSeq(0, 21, 3)),
         "chunked": (SyntheticSeq(3000, 1024, 1), SyntheticSeq(0, 20, 2)),
         "mixed": mixed_batch(),
+        **{f"verify-{rows}x5{'-padded' if padded else ''}": verify_rows(rows, 5, padded)
+           for rows in (1, 8, 32) for padded in (False, True)},
     }
     ranks = sorted({r for r in (8, 16, 32, 64) if r <= shape.max_lora_rank} | {shape.max_lora_rank})
     return {name: [SyntheticStep(seqs, r) for r in ranks] for name, seqs in mixes.items()}

@@ -12,6 +12,14 @@ launches and DoRA scales (a row's adapter is a DoRA one, kernels.dora_scale),
 and without (a base-model step launches none); which one runs is chosen on
 the host from the schedule, outside the forward.
 
+A speculative verify step (every row a decode row running its last token and up to k drafts, no
+prompt logprobs) runs the same way: padded to a (row bucket, k + 1) shape, every row widened to k + 1
+tokens with padding tokens, each token one row of the buffers with its own position and sequence
+length and its row's block table: causal attention of a row's token j over keys up to its own position
+is a one-token decode query, once the step's KV is written (vLLM's batch expansion). A (row bucket,
+width) shape is a bucket of row bucket x width token rows, so it shares the contexts (and graphs) of
+the token count, decode's included; shapes past the model's token workspace stay eager.
+
 On CUDA each (bucket, LoRA, DoRA) context is captured once as a CUDA graph during
 warm-up, largest first into one memory pool, and a decode step replays it:
 no kernel launch from the host at all. Prefill and mixed steps stay eager.
@@ -56,19 +64,30 @@ class PaddedDecode:
     def __init__(self, model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torch.Tensor,
                  num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
                  rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None,
-                 page_table: torch.Tensor | None = None) -> None:
+                 page_table: torch.Tensor | None = None, verify_widths: tuple[int, ...] = (),
+                 verify_rows: int = 0) -> None:
         """rank_table: LoraSlots.rank_table, each slot's own rank [L] int32 (None: full rank);
         slot_dora: LoraSlots.slot_dora, whether each slot holds a DoRA adapter (a live view);
-        page_table: LoraSlots.page_table when the adapter memory is paged (updated in place)."""
+        page_table: LoraSlots.page_table when the adapter memory is paged (updated in place);
+        verify_widths: the tokens per row of the verify steps to pad (k + 1 for each k a step may
+        verify), of up to verify_rows rows; () for none."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.buckets = decode_buckets(max_rows)
-        self.buffers = DecodeBuffers(self.buckets[-1], -(-max_model_len // block_size), device)
+        max_tokens = lora_scratch.shape[1]  # the model's token workspace: no padded step is larger
+        self.verify_buckets = decode_buckets(verify_rows) if verify_widths and verify_rows else ()
+        self.verify_widths = tuple(w for w in verify_widths if w >= 2 and self.verify_buckets
+                                   and self.verify_buckets[0] * w <= max_tokens)
+        sizes = set(self.buckets) | {r * w for r in self.verify_buckets for w in self.verify_widths
+                                     if r * w <= max_tokens}
+        self.sizes = tuple(sorted(sizes))  # token rows of every context
+        self.max_tokens = max_tokens
+        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
         buf = self.buffers
         self.slot_dora = slot_dora
         self.contexts: dict[tuple[int, bool, bool], StepContext] = {}
-        for rows in self.buckets:
+        for rows in self.sizes:
             attn = AttentionBatch.padded_decode(
                 buf.rows("slot_mapping", rows), buf.rows("block_tables", rows), buf.query_start_loc[: rows + 1],
                 buf.rows("seq_lens", rows), buf.rows("context_lens", rows), max_model_len)
@@ -81,6 +100,7 @@ class PaddedDecode:
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
         self.eager_steps = 0
+        self.verify_steps = 0  # verify steps staged padded
         self.capture_stats: CaptureStats | None = None
 
     def stats(self) -> DecodeGraphStats:
@@ -93,11 +113,31 @@ class PaddedDecode:
     def max_rows(self) -> int:
         return self.buckets[-1]
 
+    def verify_bucket(self, rows: int, width: int) -> int | None:
+        """The row bucket a verify step of `rows` rows of `width` tokens pads to; None: it runs eager."""
+        if width not in self.verify_widths or rows > self.verify_buckets[-1]:
+            return None
+        bucket = bucket_for(rows, self.verify_buckets)
+        return bucket if bucket * width <= self.max_tokens else None
+
     def stage(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
               block_tables: list[list[int]], token_slots: list[int]) -> tuple[int, bool, bool]:
-        """Write a step's rows and their padding, copy them to the device; returns the (bucket, LoRA,
-        DoRA) key the step runs with."""
-        rows = bucket_for(len(input_ids), self.buckets)
+        """Write a decode step's rows and their padding, copy them to the device; returns the (bucket,
+        LoRA, DoRA) key the step runs with."""
+        return self._stage(bucket_for(len(input_ids), self.buckets), input_ids, positions, slot_mapping,
+                           block_tables, token_slots)
+
+    def stage_verify(self, bucket: int, width: int, input_ids: list[int], positions: list[int],
+                     slot_mapping: list[int], block_tables: list[list[int]],
+                     token_slots: list[int]) -> tuple[int, bool, bool]:
+        """A verify step's tokens, row-major at `width` per row (verify_bucket()'s `bucket` rows at most),
+        a row's unused places given as padding tokens (token 0, position 0, slot -1, table [0], no
+        adapter): staged as one token row each, then padding rows up to bucket x width."""
+        self.verify_steps += 1
+        return self._stage(bucket * width, input_ids, positions, slot_mapping, block_tables, token_slots)
+
+    def _stage(self, rows: int, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+               block_tables: list[list[int]], token_slots: list[int]) -> tuple[int, bool, bool]:
         self.buffers.fill(rows, input_ids, positions, slot_mapping, block_tables, token_slots)
         self.buffers.copy_in(rows)
         dora = self.slot_dora is not None and any(s >= 0 and self.slot_dora[s] for s in token_slots)
@@ -128,8 +168,8 @@ class PaddedDecode:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        self.buffers.fill(self.max_rows, [], [], [], [], [])  # every row padding: writes no KV
-        self.buffers.copy_in(self.max_rows)
+        self.buffers.fill(self.sizes[-1], [], [], [], [], [])  # every row padding: writes no KV
+        self.buffers.copy_in(self.sizes[-1])
         side = torch.cuda.Stream(self.device)
         for key in sorted(self.contexts, reverse=True):
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -145,7 +185,7 @@ class PaddedDecode:
         torch.cuda.synchronize(self.device)
         stats = CaptureStats(len(self.graphs), time.perf_counter() - start,
                              free_before - torch.cuda.mem_get_info(self.device)[0])
-        log.info("captured %d decode CUDA graphs (buckets %s) in %.1f s, %.0f MiB", stats.graphs,
-                 ",".join(map(str, self.buckets)), stats.seconds, stats.bytes / (1 << 20))
+        log.info("captured %d decode and verify CUDA graphs (token rows %s) in %.1f s, %.0f MiB", stats.graphs,
+                 ",".join(map(str, self.sizes)), stats.seconds, stats.bytes / (1 << 20))
         self.capture_stats = stats
         return stats

@@ -93,18 +93,33 @@ class DraftModelProposer:
             state.written = tuple(d[:-1])
         return drafts
 
+    def catch_up(self, reqs: list[DraftRequest], counts: list[int]) -> None:
+        """The next counts[i] tokens of each request's sequence's catch-up (k unused), without drafting, in
+        one forward (their sum within max_tokens): a catch-up longer than a step's token budget, spread over
+        steps."""
+        starts, chunks = [], []
+        for req, n in zip(reqs, counts):
+            seq = req.seq
+            state = self._state(seq)
+            end = min(state.computed + n, len(seq.token_ids) - 1)
+            starts.append(state.computed)
+            chunks.append(seq.token_ids[state.computed : end])
+            state.computed = state.written_from = end
+        self._forward(reqs, starts, chunks, False)
+
+    def unseen(self, seq: Sequence) -> int:
+        """Tokens before `seq`'s last one that the draft has not run yet: its next catch-up (the scheduler
+        counts them, with the k one-token passes, against the step's token budget)."""
+        state = self.states.get(seq)
+        return len(seq.token_ids) - 1 - (0 if state is None else _seen(state, seq.token_ids))
+
     def _state(self, seq: Sequence) -> _DraftState:
         """`seq`'s draft state, its drafts the target accepted since counted as computed."""
         state = self.states.get(seq)
         if state is None:
             state = self.states[seq] = _DraftState(0)
             return state
-        tokens = seq.token_ids
-        m = 0
-        while (m < len(state.written) and state.written_from + m < len(tokens) - 1
-               and tokens[state.written_from + m] == state.written[m]):
-            m += 1
-        state.computed = state.written_from + m
+        state.computed = _seen(state, seq.token_ids)
         state.written = ()
         return state
 
@@ -150,3 +165,13 @@ class DraftModelProposer:
         rows = torch.tensor(ends, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model.hidden_rows(ids, self.kv_caches, ctx, rows)
         return self.model.logits(hidden, self.ops) if logits else hidden
+
+
+def _seen(state: _DraftState, tokens: list[int]) -> int:
+    """The leading positions whose draft KV is right: those computed, and the drafts written last step up
+    to the first the target did not accept."""
+    m = 0
+    while (m < len(state.written) and state.written_from + m < len(tokens) - 1
+           and tokens[state.written_from + m] == state.written[m]):
+        m += 1
+    return state.written_from + m

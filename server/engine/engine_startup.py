@@ -335,4 +335,14 @@ def _capture_decode_graphs(config: EngineConfig, device: torch.device, kernels: 
     if (device.type == "cuda" and kernels.name == "triton" and not config.enforce_eager
             and not runner.model.cfg.is_moe and runner.medusa is None and runner.kv_groups is None):
         rows = min(config.max_num_seqs, config.max_num_batched_tokens)
-        runner.use_padded_decode(max_loras, rows, max_model_len).capture()
+        runner.use_padded_decode(max_loras, rows, max_model_len, *verify_shapes(config, device, rows)).capture()
+
+
+def verify_shapes(config: EngineConfig, device: torch.device, rows: int) -> tuple[tuple[int, ...], int]:
+    """(tokens per row, most rows) of the verify steps padded like decode (server.engine.decode_graphs):
+    each k + 1 up to the configured k's (adaptive k shrinks it), of fewer sequences than the batch size at
+    which no step speculates; none without speculative decoding."""
+    spec = resolve_disable_by_batch_size(config.speculative_config, device.type)
+    if spec is None:
+        return (), 0
+    return tuple(range(2, spec.num_speculative_tokens + 2)), min(rows, spec.disable_by_batch_size - 1)

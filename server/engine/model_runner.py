@@ -18,6 +18,9 @@ With Medusa heads (server.engine.medusa_proposer), the step also keeps the last 
 logit rows, and each sequence that may speculate gets its next drafts from its row at the position whose
 token it chose last (SeqResult.proposed): after the sampled tokens come back, from one row per sequence,
 in one more small copy to the host. Such a runner runs every step eager (no padded decode buckets).
+
+Otherwise a verify step whose rows are all decode rows (the last token and its drafts) runs padded like a
+decode step, when the runner pads them (server.engine.decode_graphs: each token a one-token row).
 """
 from __future__ import annotations
 
@@ -161,13 +164,15 @@ class ModelRunner:
         self.medusa = proposer
         self.padded = None
 
-    def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int) -> PaddedDecode:
-        """Run decode-only steps of up to max_rows sequences padded to a bucket from now on."""
+    def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int,
+                          verify_widths: tuple[int, ...] = (), verify_rows: int = 0) -> PaddedDecode:
+        """Run decode-only steps of up to max_rows sequences padded to a bucket from now on, and verify
+        steps of up to verify_rows sequences of each of verify_widths tokens (decode_graphs)."""
         if self.kv_groups is not None:
             raise ValueError("padded decode holds one block table per row: not for a model with KV layer groups")
         self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
                                    max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora,
-                                   self.page_table)
+                                   self.page_table, verify_widths, verify_rows)
         return self.padded
 
     def prepare(self, batch: ScheduledBatch, ahead: bool = False) -> StepInputs:
@@ -275,9 +280,15 @@ class ModelRunner:
                       row_logits=None if identity else row_logits, drafts=spec, medusa_rows=medusa_rows or None,
                       unconstrained=plain_rows == len(rows))
         padded = self.padded
-        # One token each, and no slot with embed_tokens/lm_head parts: a padded step's slots are a bound.
-        if (padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows
-                and not (self.slot_vocab and any(s >= 0 and self.slot_vocab[s] for s in batch.lora_slots))):
+        # No slot with embed_tokens/lm_head parts: a padded step's slots are a bound.
+        vocab_parts = bool(self.slot_vocab) and any(s >= 0 and self.slot_vocab[s] for s in batch.lora_slots)
+        if padded is not None and spec and not (ahead or vocab_parts or prompt is not None):
+            staged_verify = self._stage_verify(batch, all_drafts, input_ids, positions, token_slots, logits_indices)
+            if staged_verify is not None:
+                key, indices = staged_verify
+                return StepInputs(None, None, indices, padded=key, **common)
+        # One token each.
+        if padded is not None and len(input_ids) == len(batch.seqs) <= padded.max_rows and not vocab_parts:
             bs = self.block_size
             tables = [s.block_table for s in batch.seqs]
             staged = (positions, [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], tables, token_slots)
@@ -305,6 +316,47 @@ class ModelRunner:
         )
         ids = None if ahead else host_tensor(input_ids).to(dev, non_blocking=True)
         return StepInputs(ids, ctx, host_tensor(logits_indices).to(dev, non_blocking=True), **common)
+
+    def _stage_verify(self, batch: ScheduledBatch, all_drafts, input_ids: list[int], positions: list[int],
+                      token_slots: list[int], logits_indices: list[int]
+                      ) -> tuple[tuple[int, bool, bool], torch.Tensor] | None:
+        """A verify step staged padded (every row its last token and its drafts, widened to the widest
+        row's count): its (bucket, LoRA, DoRA) key and the padded rows of its logits, in
+        logits_indices' order; None when it runs eager (a row that is not a decode row, or a shape
+        without a padded bucket)."""
+        padded = self.padded
+        counts = batch.num_tokens
+        if any(n != 1 + len(d) for n, d in zip(counts, all_drafts)):
+            return None  # a prompt chunk
+        width = max(counts)
+        bucket = padded.verify_bucket(len(counts), width)
+        if bucket is None:
+            return None
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        mapping: list[int] = []
+        tables: list[list[int]] = []
+        where: list[int] = []  # the padded row of each of the step's tokens
+        bs, first = self.block_size, 0
+        for seq, n in zip(batch.seqs, counts):
+            table = seq.block_table
+            where += range(len(ids), len(ids) + n)
+            ids += input_ids[first : first + n]
+            pos += positions[first : first + n]
+            slots += token_slots[first : first + n]
+            mapping += [table[p // bs] * bs + p % bs for p in positions[first : first + n]]
+            tables += [table] * n
+            pad = width - n  # padding tokens: no KV written, no adapter, one cached key read
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [-1] * pad
+            mapping += [-1] * pad
+            tables += [[0]] * pad
+            first += n
+        key = padded.stage_verify(bucket, width, ids, pos, mapping, tables, slots)
+        rows = host_tensor([where[i] for i in logits_indices]).to(self.device, non_blocking=True)
+        return key, rows
 
     def fill_ahead(self, inputs: StepInputs, input_ids: list[int]) -> StepInputs:
         """A step prepared ahead with its input ids [T], the previous step's sampled tokens: staged now, in

@@ -47,7 +47,10 @@ With speculative decoding (server.engine.speculative_config), a decoding sequenc
 can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from its output index
 alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
 or a draft model's: server.engine.draft_model_proposer); they count against the token budget and get KV
-slots like any token. A draft model always makes the k asked for, so room for them is made first and the
+slots like any token; a draft model's work counts too (its catch-up over the tokens it has not seen and
+one token per draft), k shrinking to what the budget holds; when not one draft fits, the catch-up runs
+as far as the budget holds, without drafts, so a long prompt's draft catches up over several steps. A draft model
+always makes the k asked for, so room for them is made first and the
 drafts are made at the end of schedule(), in one batch over the sequences still in the step. The output processor rolls back what the
 model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
 speculates while disable_by_batch_size sequences run; a request may opt out (SamplingParams.speculative).
@@ -433,6 +436,7 @@ class Scheduler:
             for seq in self.running:
                 self.release_behind_window(seq)
         speculate = self._speculate()
+        catch_ups: dict[Sequence, int] = {}  # draft catch-up run this step without drafts (_catch_up)
         prompts: list[Sequence] = []
         running = SequenceStatus.RUNNING
         writes_own_block, slot_of = self.kv.writes_own_block, self.lora_slot_of_seq.get
@@ -457,6 +461,8 @@ class Scheduler:
                 continue
             n = min(pending, budget)
             drafts = self._drafts(seq, budget - 1) if n and speculate else ()
+            work = self._draft_work(seq, len(drafts))
+            catch_up = self._catch_up(seq, budget - n) if n and speculate and not drafts else 0
             n += len(drafts)
             if n == 0 or (seq.grammar is not None and not _mask_ready(seq, seq.num_computed_tokens + n)) \
                     or not self._make_room(seq, n, batch):
@@ -464,7 +470,9 @@ class Scheduler:
             self._add_to_batch(batch, seq, n, drafts)
             if seq in self.draft_lengths:
                 batch.draft_lengths[seq] = self.draft_lengths[seq]
-            budget -= n
+            budget -= n + work + catch_up
+            if catch_up:
+                catch_ups[seq] = catch_up
         # The step's prompt work: while others decode, the cap in decode-token equivalents (server.engine.
         # step_cost), else the tokens left; split between tenants by fair share, whatever is left over
         # going to prompts that could use it.
@@ -488,7 +496,7 @@ class Scheduler:
         budget = self._admit(batch, budget, prefill, scan, admit=not batch.preempted)
         self._share_leftover(batch, budget, prefill)
         if self.draft_model is not None and speculate:
-            self._draft_with_model(batch)
+            self._draft_with_model(batch, catch_ups)
         if self.latency is not None:
             self._measure(batch, prefill.chunked)
         return batch
@@ -508,9 +516,13 @@ class Scheduler:
         if self.latency is not None:
             self.latency.observe(StepTiming(seconds, batch.decoding, batch.prompt_work))
 
-    def _draft_with_model(self, batch: ScheduledBatch) -> None:
+    def _draft_with_model(self, batch: ScheduledBatch, catch_ups: dict[Sequence, int]) -> None:
         """The draft model's drafts for the sequences given room for them (placeholders until now), made
-        once every preemption of the step is done, in one batch."""
+        once every preemption of the step is done, in one batch; before them, the catch-ups run alone."""
+        running = [DraftRequest(s, 0, slot) for s, slot in zip(batch.seqs, batch.lora_slots)
+                   if s in catch_ups and s.status is SequenceStatus.RUNNING]
+        if running:
+            self.draft_model.catch_up(running, [catch_ups[r.seq] for r in running])
         rows = [i for i, d in enumerate(batch.drafts) if d]
         requests = [DraftRequest(batch.seqs[i], len(batch.drafts[i]), batch.lora_slots[i]) for i in rows]
         for i, drafts in zip(rows, self.draft_model.propose(requests)):
@@ -566,15 +578,18 @@ class Scheduler:
         return False
 
     def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
-        """Drafts for decoding `seq`, at most `room` of them, none past what it may still generate (the
-        token after the drafts is the target's own); () where verifying would not be exact, or the
-        request opted out."""
+        """Drafts for decoding `seq`, none past what it may still generate (the token after the drafts is
+        the target's own), with the draft's own work (_draft_work) they cost within `room` tokens: k
+        shrinks to fit, and none are made when not even one fits; () where verifying would not be exact,
+        or the request opted out."""
         spec = self.config.speculative
         if spec is None or not verifiable(seq):
             return ()
         length = self.draft_lengths.get(seq)
         if length is None:
             length = self.draft_lengths[seq] = DraftLength(spec.num_speculative_tokens)
+        if self.draft_model is not None:  # each draft is verified and costs the draft a one-token pass
+            room = (room - self.draft_model.unseen(seq)) // 2
         k = min(length.next_k(), room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return ()
@@ -583,6 +598,22 @@ class Scheduler:
         if spec.method == "draft_model":
             return [0] * k  # placeholders: the draft model fills them in (_draft_with_model)
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
+
+    def _draft_work(self, seq: Sequence, k: int) -> int:
+        """Tokens the draft model runs to make `seq`'s k drafts: its catch-up over the tokens it has not
+        seen, then one pass per draft (each feeds one token); 0 without a draft model or drafts."""
+        if self.draft_model is None or not k:
+            return 0
+        return self.draft_model.unseen(seq) + k
+
+    def _catch_up(self, seq: Sequence, room: int) -> int:
+        """Tokens of a draft model's catch-up for `seq` to run this step without drafts: when its catch-up
+        leaves no room for one draft, as much of it as `room` holds (a prompt longer than the budget is
+        caught up over several steps, then drafts); 0 otherwise."""
+        if self.draft_model is None or room <= 0 or not verifiable(seq):
+            return 0
+        unseen = self.draft_model.unseen(seq)
+        return min(unseen, room) if unseen > room - 2 else 0
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """`seq` verified `drafted` drafts and the target accepted `accepted` of them: counted, and its k

@@ -205,3 +205,23 @@ def test_fp8_kv_attention_compiles_without_spills_e4m3_for_hopper_only(tmp_path:
         k = report["kernels"][name]
         assert k["sm_90"]["variants"] == 2 and k["sm_80"]["variants"] == 1, (name, k)  # e4m3: no sm_80
         assert k["sm_90"]["spill_bytes"] == k["sm_80"]["spill_bytes"] == 0, (name, k)
+
+
+def test_verify_steps_and_every_padded_context_are_in_the_check() -> None:
+    """Speculative verify steps as the engine runs them (eager: a 5-token query per sequence; padded: one
+    one-token row per token, server.engine.decode_graphs), and every padded decode and verify context the
+    engine captures as a CUDA graph, each at its own token count."""
+    from benchmarks.aot.aot_check import capture_shape
+    from benchmarks.aot.aot_shapes import EngineShape
+
+    by_scenario, _ = capture_shape(EngineShape("llama3.2-1b", "bf16", 64))
+    names = {name: {launch.name for launch in launches} for name, launches in by_scenario.items()}
+    for rows in (1, 8, 32):
+        assert "_paged_attention_kernel" in names[f"verify-{rows}x5"]
+        assert "_decode_kernel" in names[f"verify-{rows}x5-padded"]
+        assert "_paged_attention_kernel" not in names[f"verify-{rows}x5-padded"]
+    writes = [launch.grid[0] for launch in by_scenario["padded decode and verify"] if launch.name == "_write_kv_kernel"]
+    decode = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    verify = {rows * width for rows in (1, 2, 4, 8, 16, 24, 31) for width in (2, 3, 4, 5)}
+    assert sorted(set(writes)) == sorted(set(decode) | verify)  # 31 x 5 = 155 token rows among them
+    assert len(writes) == 3 * len(set(writes))  # without LoRA, with LoRA, with LoRA and DoRA
