@@ -21,12 +21,13 @@ before anything compiles it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from server.api.errors import APIError
+from server.api.token_id_lists import TOKEN_ID_MAX, TOKEN_ID_MIN, TokenIdField
 from server.api.tool_requests import (AssistantToolCalls, NamedToolChoice, ToolCallId, ToolChoiceField, Tools,
                                       parse_tool_choice)
 from server.engine import SamplingParams, StructuredOutputsParams
@@ -40,11 +41,12 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 4096
 MAX_NAME_CHARS = 256
+MAX_DETOKENIZE_IDS = 1 << 20
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 ModelId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
 # x-token-id: server.api.openapi publishes the served model's vocabulary as the bound.
-TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1, json_schema_extra={"x-token-id": True})]
+TokenId = Annotated[int, Field(ge=TOKEN_ID_MIN, le=TOKEN_ID_MAX, json_schema_extra={"x-token-id": True})]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
@@ -169,6 +171,8 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is a string, token ids, or a batch of either."""
+
+    TOKEN_ID_FIELDS: ClassVar[dict[str, TokenIdField]] = {"prompt": TokenIdField(batch=True)}
 
     prompt: (Annotated[str, StringConstraints(min_length=0)]
              | Annotated[list[TokenId], Field(min_length=1)]
@@ -349,8 +353,9 @@ class DetokenizeRequest(BaseModel):
     """POST /detokenize (vLLM's shape)."""
 
     model_config = ConfigDict(extra="forbid")
+    TOKEN_ID_FIELDS: ClassVar[dict[str, TokenIdField]] = {"tokens": TokenIdField(max_items=MAX_DETOKENIZE_IDS)}
     model: ModelId
-    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_IDS)]
 
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
