@@ -192,7 +192,10 @@ class ModelRunner:
                         break
                     input_ids.append(ids[start])
                     positions.append(start)
-                    rows.append(SamplingRow(p, seq.index, start + 1 - seq.num_prompt_tokens))
+                    row = seq.plain_row  # _plain_row(), inline
+                    if row is None:
+                        row = _plain_row(seq, start + 1 - seq.num_prompt_tokens)
+                    rows.append(row)
                     at += 1
                 if at > first_seq:
                     k = at - first_seq
@@ -243,8 +246,8 @@ class ModelRunner:
                     continue
                 if p.has_row_state or seq.group.needs_fork:
                     _add_rows(rows, seq)
-                else:  # the usual row, inline: nothing more to read
-                    rows.append(SamplingRow(p, seq.index, start + n - seq.num_prompt_tokens))
+                else:  # the usual row: nothing more to read
+                    rows.append(seq.plain_row or _plain_row(seq, start + n - seq.num_prompt_tokens))
                 row_logits += [len(logits_indices)] * (len(rows) - len(row_logits))
                 row_starts.append(len(rows))
                 logits_indices.append(len(input_ids) - 1)
@@ -405,6 +408,16 @@ def _accepted(drafts: list[int], chosen: list[int | SampleFailure]) -> int:
     while m < len(drafts) and chosen[m] == drafts[m]:
         m += 1
     return m
+
+
+def _plain_row(seq: Sequence, output_index: int) -> SamplingRow:
+    """The row of a sequence whose sampling reads only its params and choice (no row state, no fork), at
+    `output_index`. Without a seed nothing reads that index (only a seeded draw and min_tokens do), so the
+    row is kept on the sequence and reused every step: one row built per sequence, not per step."""
+    row = SamplingRow(seq.params, seq.index, output_index)
+    if seq.params.seed is None:
+        seq.plain_row = row
+    return row
 
 
 def _draft_row(seq: Sequence, before: list[int]) -> SamplingRow:
