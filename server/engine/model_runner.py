@@ -47,11 +47,22 @@ class SeqResult:
     """What one scheduled sequence got from the step."""
 
     done: bool  # all its tokens are computed (else it ran a prompt chunk)
-    tokens: list[int | SampleFailure] | tuple[()] = ()  # per choice: n when it forks now; () when scoring
-    logprobs: list[TokenLogprobs | None] | tuple[()] = ()  # aligned with tokens
+    # Per choice: n when it forks now; () when scoring. Read, never modified (TokenResults shares them).
+    tokens: list[int | SampleFailure] | tuple[int | SampleFailure, ...] = ()
+    logprobs: list[TokenLogprobs | None] | tuple[TokenLogprobs | None, ...] = ()  # aligned with tokens
     prompt_logprobs: list[TokenLogprobs] | None = None  # next prompt entries, in order
     drafted: int = 0  # drafts verified: then `tokens` is the run it emits (accepted drafts + the target's)
     proposed: list[int] | tuple[()] = ()  # Medusa drafts for the tokens after its last one
+
+
+class TokenResults(dict):
+    """token -> the result of a sequence that got that token and nothing more (no logprobs, prompt logprobs
+    or Medusa proposal): one made per distinct token and shared by every such sequence and step (nothing
+    modifies it), instead of one made per sequence per step. At most a vocabulary's worth."""
+
+    def __missing__(self, token: int | SampleFailure) -> SeqResult:
+        result = self[token] = SeqResult(True, (token,), (None,))
+        return result
 
 
 @dataclass
@@ -139,6 +150,7 @@ class ModelRunner:
         # once captured); None: every step eager, unpadded.
         self.padded: PaddedDecode | None = None
         self.medusa: MedusaProposer | None = None  # set by use_medusa()
+        self.token_results = TokenResults()
 
     def use_medusa(self, proposer: MedusaProposer) -> None:
         """Propose Medusa drafts every step from now on (every step eager: see the module's docstring)."""
@@ -330,8 +342,12 @@ class ModelRunner:
                 _fail_costly_constraints(inputs.rows, out.tokens)
             drafts = inputs.drafts or {}
             if not drafts and len(out.tokens) == len(sampled):  # one row each: row s is sequence s's
-                for i, token, logprob in zip(sampled, out.tokens, out.logprobs):
-                    results[i] = SeqResult(True, [token], [logprob])
+                if (hidden is None and inputs.prompt is None
+                        and out.logprobs.count(None) == len(sampled)):  # nothing else modifies a result
+                    results.update(zip(sampled, map(self.token_results.__getitem__, out.tokens)))
+                else:
+                    for i, token, logprob in zip(sampled, out.tokens, out.logprobs):
+                        results[i] = SeqResult(True, (token,), (logprob,))
             else:
                 for s, i in enumerate(sampled):
                     a, b = starts[s], starts[s + 1]
