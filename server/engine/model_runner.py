@@ -26,6 +26,7 @@ import torch
 from kernels.attention_ref import storage
 from kernels.host_arrays import host_tensor
 from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.padded_tables import PaddedTables
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.grammar import GrammarMask
 from server.engine.kernel_ops import KernelOps
@@ -151,6 +152,8 @@ class ModelRunner:
         self.padded: PaddedDecode | None = None
         self.medusa: MedusaProposer | None = None  # set by use_medusa()
         self.token_results = TokenResults()
+        # Each KV layer group's padded block tables, kept from step to step (kernels.padded_tables).
+        self.kept_tables = [PaddedTables() for _ in range(1 if self.kv_groups is None else self.kv_groups.num_groups)]
 
     def use_medusa(self, proposer: MedusaProposer) -> None:
         """Propose Medusa drafts every step from now on (every step eager: see the module's docstring)."""
@@ -285,13 +288,14 @@ class ModelRunner:
             if ahead:
                 return StepInputs(None, None, indices, ahead_rows=staged, **common)
             return StepInputs(None, None, indices, padded=padded.stage(input_ids, *staged), **common)
+        kept = self.kept_tables
         attn = AttentionBatch.build(
-            [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev
+            [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev, kept[0]
         )
         # The other KV layer groups' tables (server.engine.group_blocks), each its own AttentionBatch.
         groups = self.kv_groups
         group_attn = (attn, *(AttentionBatch.build([s.group_tables[g] for s in batch.seqs], context_lens,
-                                                   batch.num_tokens, self.block_size, dev)
+                                                   batch.num_tokens, self.block_size, dev, kept[g + 1])
                               for g in range(groups.num_groups - 1))) if groups is not None else ()
         ctx = StepContext(
             ops=self.ops,
