@@ -152,6 +152,7 @@ class ModelRunner:
         self.padded: PaddedDecode | None = None
         self.medusa: MedusaProposer | None = None  # set by use_medusa()
         self.token_results = TokenResults()
+        self.last_lora: tuple[list[int], LoraBatch] | None = None  # the last step's token slots and LoraBatch
         # Each KV layer group's padded block tables, kept from step to step (kernels.padded_tables).
         self.kept_tables = [PaddedTables() for _ in range(1 if self.kv_groups is None else self.kv_groups.num_groups)]
 
@@ -301,13 +302,29 @@ class ModelRunner:
             ops=self.ops,
             positions=host_tensor(positions).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora, self.page_table,
-                                 self.page_gathers and self.page_gathers.for_step(token_slots)),
+            lora=self._lora_batch(token_slots),
             lora_scratch=self.lora_scratch,
             group_attn=group_attn,
         )
         ids = None if ahead else host_tensor(input_ids).to(dev, non_blocking=True)
         return StepInputs(ids, ctx, host_tensor(logits_indices).to(dev, non_blocking=True), **common)
+
+    def _lora_batch(self, token_slots: list[int]) -> LoraBatch:
+        """The step's LoraBatch: the previous step's when its token slots are the same (decoding sequences
+        that stay, the usual step) and its slots' ranks and DoRA flags too, else built. A LoraBatch is read,
+        never written, by the step that uses it, and what its scratch holds derives from its own fields."""
+        gathers = self.page_gathers and self.page_gathers.for_step(token_slots)
+        last = self.last_lora
+        if gathers is None and last is not None and last[0] == token_slots:
+            lora = last[1]
+            active, ranks, dora = lora.active_slots, self.slot_ranks, self.slot_dora
+            if ((ranks is None or lora.rank_bound == max((ranks[s] for s in active), default=0))
+                    and lora.dora == (dora is not None and any(dora[s] for s in active))):
+                return lora
+        lora = LoraBatch.build(token_slots, self.device, self.slot_ranks, self.rank_table, self.slot_dora,
+                               self.page_table, gathers)
+        self.last_lora = (token_slots, lora) if gathers is None else None
+        return lora
 
     def fill_ahead(self, inputs: StepInputs, input_ids: list[int]) -> StepInputs:
         """A step prepared ahead with its input ids [T], the previous step's sampled tokens: staged now, in
