@@ -376,18 +376,24 @@ class AttentionBatch:
         """kept_tables: the padded tables of the previous step, updated where the rows changed (the engine's
         steps), instead of padded afresh."""
         assert len(block_tables) == len(context_lens) == len(query_lens)
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        slot_mapping: list[int] = []
-        for table, start, end in zip(block_tables, context_lens, seq_lens):
-            if end - start == 1:  # decode: one new token
-                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
-                continue
-            for pos in range(start, end):
-                slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        bs = block_size
+        if query_lens.count(1) == len(query_lens):  # decode only (the usual step): one new token each
+            seq_lens = [c + 1 for c in context_lens]
+            slot_mapping = [t[c // bs] * bs + c % bs for t, c in zip(block_tables, context_lens)]
+            starts = list(range(len(query_lens) + 1))
+        else:
+            seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+            slot_mapping: list[int] = []
+            for table, start, end in zip(block_tables, context_lens, seq_lens):
+                if end - start == 1:  # decode: one new token
+                    slot_mapping.append(table[start // bs] * bs + start % bs)
+                    continue
+                for pos in range(start, end):
+                    slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            starts = [0]
+            for q in query_lens:
+                starts.append(starts[-1] + q)
         padded, width = (kept_tables or PaddedTables()).update(block_tables)  # [B, width], each row padded with 0
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
         tables, query_start_loc, lens, contexts = pack_int32([padded, starts, seq_lens, context_lens], device)
         return cls(
             slot_mapping=host_tensor(slot_mapping).to(device, non_blocking=True),

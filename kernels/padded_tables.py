@@ -10,6 +10,8 @@ sequences): every row is compared.
 from __future__ import annotations
 
 from array import array
+from itertools import compress
+from operator import ne
 
 
 class PaddedTables:
@@ -32,10 +34,10 @@ class PaddedTables:
                 flat.extend(self.zeros[: width - len(t)])
             return flat, width
         rows, flat = self.rows, self.flat
-        for r, (t, kept) in enumerate(zip(tables, rows)):
-            if t != kept:
-                at = r * width
-                flat[at : at + len(t)] = array("i", t)
-                flat[at + len(t) : at + width] = self.zeros[: width - len(t)]
-                rows[r] = t[:]
+        for r in compress(range(len(rows)), map(ne, tables, rows)):  # the rows compared in C, a loop over the changed
+            t = tables[r]
+            at = r * width
+            flat[at : at + len(t)] = array("i", t)
+            flat[at + len(t) : at + width] = self.zeros[: width - len(t)]
+            rows[r] = t[:]
         return flat, width
