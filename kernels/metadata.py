@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.host_arrays import host_array, host_tensor
+from kernels.padded_tables import PaddedTables
 
 # A run of equal slots at most this long is decode-shaped: each token gathers its adapter's weights.
 GATHER_MAX_SEG_LEN = 4
@@ -370,25 +371,29 @@ class AttentionBatch:
         query_lens: list[int],
         block_size: int,
         device: torch.device | str = "cpu",
+        kept_tables: PaddedTables | None = None,
     ) -> "AttentionBatch":
+        """kept_tables: the padded tables of the previous step, updated where the rows changed (the engine's
+        steps), instead of padded afresh."""
         assert len(block_tables) == len(context_lens) == len(query_lens)
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        slot_mapping: list[int] = []
-        for table, start, end in zip(block_tables, context_lens, seq_lens):
-            if end - start == 1:  # decode: one new token
-                slot_mapping.append(table[start // block_size] * block_size + start % block_size)
-                continue
-            for pos in range(start, end):
-                slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-        width = max((len(t) for t in block_tables), default=1) or 1
-        padded = host_array((), torch.int32)  # [B, width], each row padded with 0
-        zeros = host_array((0,) * width, torch.int32)
-        for t in block_tables:
-            padded.extend(t)
-            padded.extend(zeros[: width - len(t)])
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
+        bs = block_size
+        if query_lens.count(1) == len(query_lens):  # decode only (the usual step): one new token each
+            seq_lens = [c + 1 for c in context_lens]
+            slot_mapping = [t[c // bs] * bs + c % bs for t, c in zip(block_tables, context_lens)]
+            starts = list(range(len(query_lens) + 1))
+        else:
+            seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+            slot_mapping: list[int] = []
+            for table, start, end in zip(block_tables, context_lens, seq_lens):
+                if end - start == 1:  # decode: one new token
+                    slot_mapping.append(table[start // bs] * bs + start % bs)
+                    continue
+                for pos in range(start, end):
+                    slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            starts = [0]
+            for q in query_lens:
+                starts.append(starts[-1] + q)
+        padded, width = (kept_tables or PaddedTables()).update(block_tables)  # [B, width], each row padded with 0
         tables, query_start_loc, lens, contexts = pack_int32([padded, starts, seq_lens, context_lens], device)
         return cls(
             slot_mapping=host_tensor(slot_mapping).to(device, non_blocking=True),

@@ -31,6 +31,7 @@ import torch
 from kernels.attention_ref import storage
 from kernels.host_arrays import host_tensor
 from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.padded_tables import PaddedTables
 from server.engine.decode_graphs import PaddedDecode
 from server.engine.draft_length import DraftLength
 from server.engine.grammar import GrammarMask
@@ -53,8 +54,9 @@ class SeqResult:
     """What one scheduled sequence got from the step."""
 
     done: bool  # all its tokens are computed (else it ran a prompt chunk)
-    tokens: list[int | SampleFailure] | tuple[()] = ()  # per choice: n when it forks now; () when scoring
-    logprobs: list[TokenLogprobs | None] | tuple[()] = ()  # aligned with tokens
+    # Per choice: n when it forks now; () when scoring. Read, never modified (TokenResults shares them).
+    tokens: list[int | SampleFailure] | tuple[int | SampleFailure, ...] = ()
+    logprobs: list[TokenLogprobs | None] | tuple[TokenLogprobs | None, ...] = ()  # aligned with tokens
     prompt_logprobs: list[TokenLogprobs] | None = None  # next prompt entries, in order
     drafted: int = 0  # drafts verified: then `tokens` is the run it emits (accepted drafts + the target's)
     proposed: list[int] | tuple[()] = ()  # Medusa drafts for the tokens after its last one
@@ -67,6 +69,16 @@ class MedusaRow:
     row: int
     slot: int
     length: DraftLength | None
+
+
+class TokenResults(dict):
+    """token -> the result of a sequence that got that token and nothing more (no logprobs, prompt logprobs
+    or Medusa proposal): one made per distinct token and shared by every such sequence and step (nothing
+    modifies it), instead of one made per sequence per step. At most a vocabulary's worth."""
+
+    def __missing__(self, token: int | SampleFailure) -> SeqResult:
+        result = self[token] = SeqResult(True, (token,), (None,))
+        return result
 
 
 @dataclass
@@ -158,6 +170,10 @@ class ModelRunner:
         # once captured); None: every step eager, unpadded.
         self.padded: PaddedDecode | None = None
         self.medusa: MedusaProposer | None = None  # set by use_medusa()
+        self.token_results = TokenResults()
+        self.last_lora: tuple[list[int], LoraBatch] | None = None  # the last step's token slots and LoraBatch
+        # Each KV layer group's padded block tables, kept from step to step (kernels.padded_tables).
+        self.kept_tables = [PaddedTables() for _ in range(1 if self.kv_groups is None else self.kv_groups.num_groups)]
 
     def use_medusa(self, proposer: MedusaProposer) -> None:
         """Propose Medusa drafts every step from now on (every step eager: see the module's docstring)."""
@@ -213,7 +229,10 @@ class ModelRunner:
                         break
                     input_ids.append(ids[start])
                     positions.append(start)
-                    rows.append(SamplingRow(p, seq.index, start + 1 - seq.num_prompt_tokens))
+                    row = seq.plain_row  # _plain_row(), inline
+                    if row is None:
+                        row = _plain_row(seq, start + 1 - seq.num_prompt_tokens)
+                    rows.append(row)
                     at += 1
                 if at > first_seq:
                     k = at - first_seq
@@ -264,8 +283,8 @@ class ModelRunner:
                     continue
                 if p.has_row_state or seq.group.needs_fork:
                     _add_rows(rows, seq)
-                else:  # the usual row, inline: nothing more to read
-                    rows.append(SamplingRow(p, seq.index, start + n - seq.num_prompt_tokens))
+                else:  # the usual row: nothing more to read
+                    rows.append(seq.plain_row or _plain_row(seq, start + n - seq.num_prompt_tokens))
                 row_logits += [len(logits_indices)] * (len(rows) - len(row_logits))
                 row_starts.append(len(rows))
                 logits_indices.append(len(input_ids) - 1)
@@ -297,20 +316,20 @@ class ModelRunner:
             if ahead:
                 return StepInputs(None, None, indices, ahead_rows=staged, **common)
             return StepInputs(None, None, indices, padded=padded.stage(input_ids, *staged), **common)
+        kept = self.kept_tables
         attn = AttentionBatch.build(
-            [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev
+            [s.block_table for s in batch.seqs], context_lens, batch.num_tokens, self.block_size, dev, kept[0]
         )
         # The other KV layer groups' tables (server.engine.group_blocks), each its own AttentionBatch.
         groups = self.kv_groups
         group_attn = (attn, *(AttentionBatch.build([s.group_tables[g] for s in batch.seqs], context_lens,
-                                                   batch.num_tokens, self.block_size, dev)
+                                                   batch.num_tokens, self.block_size, dev, kept[g + 1])
                               for g in range(groups.num_groups - 1))) if groups is not None else ()
         ctx = StepContext(
             ops=self.ops,
             positions=host_tensor(positions).to(dev, non_blocking=True),
             attn=attn,
-            lora=LoraBatch.build(token_slots, dev, self.slot_ranks, self.rank_table, self.slot_dora, self.page_table,
-                                 self.page_gathers and self.page_gathers.for_step(token_slots)),
+            lora=self._lora_batch(token_slots),
             lora_scratch=self.lora_scratch,
             group_attn=group_attn,
         )
@@ -357,6 +376,23 @@ class ModelRunner:
         key = padded.stage_verify(bucket, width, ids, pos, mapping, tables, slots)
         rows = host_tensor([where[i] for i in logits_indices]).to(self.device, non_blocking=True)
         return key, rows
+
+    def _lora_batch(self, token_slots: list[int]) -> LoraBatch:
+        """The step's LoraBatch: the previous step's when its token slots are the same (decoding sequences
+        that stay, the usual step) and its slots' ranks and DoRA flags too, else built. A LoraBatch is read,
+        never written, by the step that uses it, and what its scratch holds derives from its own fields."""
+        gathers = self.page_gathers and self.page_gathers.for_step(token_slots)
+        last = self.last_lora
+        if gathers is None and last is not None and last[0] == token_slots:
+            lora = last[1]
+            active, ranks, dora = lora.active_slots, self.slot_ranks, self.slot_dora
+            if ((ranks is None or lora.rank_bound == max((ranks[s] for s in active), default=0))
+                    and lora.dora == (dora is not None and any(dora[s] for s in active))):
+                return lora
+        lora = LoraBatch.build(token_slots, self.device, self.slot_ranks, self.rank_table, self.slot_dora,
+                               self.page_table, gathers)
+        self.last_lora = (token_slots, lora) if gathers is None else None
+        return lora
 
     def fill_ahead(self, inputs: StepInputs, input_ids: list[int]) -> StepInputs:
         """A step prepared ahead with its input ids [T], the previous step's sampled tokens: staged now, in
@@ -406,8 +442,12 @@ class ModelRunner:
                 _fail_costly_constraints(inputs.rows, out.tokens)
             drafts = inputs.drafts or {}
             if not drafts and len(out.tokens) == len(sampled):  # one row each: row s is sequence s's
-                for i, token, logprob in zip(sampled, out.tokens, out.logprobs):
-                    results[i] = SeqResult(True, [token], [logprob])
+                if (hidden is None and inputs.prompt is None
+                        and out.logprobs.count(None) == len(sampled)):  # nothing else modifies a result
+                    results.update(zip(sampled, map(self.token_results.__getitem__, out.tokens)))
+                else:
+                    for i, token, logprob in zip(sampled, out.tokens, out.logprobs):
+                        results[i] = SeqResult(True, (token,), (logprob,))
             else:
                 for s, i in enumerate(sampled):
                     a, b = starts[s], starts[s + 1]
@@ -536,6 +576,16 @@ def _accepted(drafts: list[int], chosen: list[int | SampleFailure]) -> int:
     while m < len(drafts) and chosen[m] == drafts[m]:
         m += 1
     return m
+
+
+def _plain_row(seq: Sequence, output_index: int) -> SamplingRow:
+    """The row of a sequence whose sampling reads only its params and choice (no row state, no fork), at
+    `output_index`. Without a seed nothing reads that index (only a seeded draw and min_tokens do), so the
+    row is kept on the sequence and reused every step: one row built per sequence, not per step."""
+    row = SamplingRow(seq.params, seq.index, output_index)
+    if seq.params.seed is None:
+        seq.plain_row = row
+    return row
 
 
 def _draft_row(seq: Sequence, before: list[int]) -> SamplingRow:

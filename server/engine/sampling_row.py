@@ -15,7 +15,9 @@ class SamplingRow(NamedTuple):
 
     params: SamplingParams
     choice: int  # the choice's index in its request (seeds a stream of its own)
-    output_index: int  # index in the choice's output of the token being chosen
+    # Index in the choice's output of the token being chosen; read only by a seeded draw and min_tokens (a
+    # row with neither is built once per sequence and keeps the index it was built at: Sequence.plain_row).
+    output_index: int
     # The choice's output so far as token -> count (server.engine.token_counts); read only with a penalty.
     output_counts: Mapping[int, int] = {}
     prompt_ids: torch.Tensor | None = None  # [P] CPU, distinct ones suffice; read only with a repetition penalty

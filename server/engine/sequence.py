@@ -265,6 +265,7 @@ class Sequence:
         "request_id", "prompt_token_ids", "token_ids", "params", "version_id", "tenant", "priority", "arrival",
         "status", "num_computed_tokens", "block_table", "finish_reason", "error", "_num_prompt", "index", "group", "logprobs", "cache_salt", "block_hashes",
         "num_registered_blocks", "grammar", "_output_counts", "proposed", "group_tables",
+        "plain_row",
     )
 
     def __init__(
@@ -317,6 +318,9 @@ class Sequence:
         # Medusa drafts for the tokens after its last one, from the step that chose it (or ()):
         # server.engine.medusa_heads.
         self.proposed: list[int] | tuple[()] = ()
+        # Its sampling row when the row reads nothing of it but its params and choice (no row state, no
+        # fork, no seed): built on its first such step and reused (server.engine.model_runner).
+        self.plain_row = None
 
     def output_counts(self) -> dict[int, int]:
         """How often each token occurs in the output so far (for the penalties), kept up to date
