@@ -413,9 +413,10 @@ class ModelRunner:
         """The forward and sampling of a prepared step (run(), less the preparing): what run() returns."""
         hidden = None
         # Drafts, one row per logit row and no prompt logprobs: the lm_head runs a position only once
-        # every draft before it was accepted (_verify_in_rounds).
-        in_rounds = (self.verifies_in_rounds and bool(inputs.drafts) and inputs.row_logits is None
-                     and inputs.prompt is None)
+        # every draft before it was accepted (_verify_in_rounds). Not a padded verify step: its forward is
+        # one staged launch (a graph on CUDA), lm_head included.
+        in_rounds = (self.verifies_in_rounds and bool(inputs.drafts) and inputs.padded is None
+                     and inputs.row_logits is None and inputs.prompt is None)
         if inputs.medusa_rows is not None or in_rounds:  # eager: the last layer's rows are kept
             hidden = self.model.hidden_rows(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
         if in_rounds:
