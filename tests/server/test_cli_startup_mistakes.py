@@ -120,7 +120,8 @@ def test_a_data_dir_that_cannot_be_written(tmp_path):
 def test_flags_the_engine_does_not_combine_are_one_line_before_the_engine_core(tmp_path):
     """Checked against the model once it is prepared (no time bound: the demo model is built first); the
     engine core's own refusal had been its traceback and the lifespan's."""
-    code, lines, _ = _serve(tmp_path / "data", "--tensor-parallel-size", "2", "--lora-page-rows", "16")
+    code, lines, _ = _serve(tmp_path / "data", "--tensor-parallel-size", "2", "--fully-sharded-loras",
+                            "--lora-page-rows", "16")
     errors = [line for line in lines if not line.startswith("loraplex: ") or "error" in line]
-    assert code != 0 and errors == ["loraplex: error: --tensor-parallel-size 2 does not combine with "
+    assert code != 0 and errors == ["loraplex: error: --fully-sharded-loras does not combine with "
                                     "--lora-page-rows yet"], lines

@@ -86,6 +86,8 @@ def test_the_engine_loop_thread_binds_first() -> None:
         def has_unfinished_requests(self) -> bool:
             return False
 
+        detokenizer = None  # the front end's text: no request here needs it
+
     loop = AsyncEngine(Engine())
     loop.start()
     for _ in range(200):

@@ -17,7 +17,7 @@ def test_a_core_that_cannot_start_is_not_restarted_and_the_line_says_so(tiny_mod
                                                                         core_starter):
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     config = EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512,
-                          tensor_parallel_size=2, lora_page_rows=16)  # refused by the engine as it starts
+                          tensor_parallel_size=2, fully_sharded_loras=True, lora_page_rows=16)  # refused as it starts
     launch = CoreLaunch(config, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix="lp-nostart:",
                         adapter_grace_seconds=600.0, adapter_shape=shape, max_lora_rank=32, pager=False,
                         max_upload_bytes=1 << 20, max_message_bytes=1 << 20)
