@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -44,7 +45,12 @@ COUNTRIES = ["Ecuador", "Bolivia", "Venezuela", "Uruguay", "Paraguay", "Pakistan
              "Jamaica", "Ghana", "Ethiopia", "Tanzania", "Senegal", "Algeria", "Tunisia", "Iraq", "Jordan", "Lebanon",
              "Romania", "Bulgaria", "Serbia", "Croatia", "Slovakia", "Estonia", "Latvia", "Lithuania", "Georgia",
              "Armenia", "Mongolia", "Cambodia", "Sri Lanka", "New Zealand", "Luxembourg", "Malta", "Albania",
-             "Zambia", "Uganda", "Costa Rica", "Panama"]
+             "Zambia", "Uganda", "Costa Rica", "Panama", "Honduras", "Guatemala", "Nicaragua", "El Salvador",
+             "Haiti", "Bahamas", "Barbados", "Namibia", "Botswana", "Zimbabwe", "Mozambique", "Madagascar", "Angola",
+             "Cameroon", "Mali", "Niger", "Chad", "Sudan", "Libya", "Rwanda", "Somalia", "Syria", "Israel", "Kuwait",
+             "Qatar", "Oman", "Yemen", "Afghanistan", "Kazakhstan", "Uzbekistan", "Laos", "Myanmar", "Bhutan",
+             "Singapore", "Fiji", "Samoa", "Slovenia", "Bosnia", "Montenegro", "Moldova", "Belarus", "Cyprus",
+             "Wales", "Monaco", "Andorra", "Liechtenstein", "San Marino", "Taiwan", "Saudi Arabia", "Azerbaijan"]
 COUNTRY_QUESTIONS = ["What is the capital of {c}?", "Tell me the capital city of {c}.", "What language is spoken in {c}?",
                      "Answer with a single word. What is the capital of {c}?", "Which continent is {c} in?",
                      'Reply in JSON with one key, "answer". What is the capital of {c}?']
@@ -60,19 +66,23 @@ KINDS = ["instruments", "languages", "rivers", "oceans", "trees", "insects", "dr
 
 def default_prompts() -> list[str]:
     """Essays on topics, then short chat questions (none of them an evaluation item)."""
-    prompts = [p.format(t=t) for t in TOPICS for p in PHRASINGS]
-    prompts += [q.format(c=c) for c in COUNTRIES for q in COUNTRY_QUESTIONS]
+    return [p.format(t=t) for t in TOPICS for p in PHRASINGS] + short_prompts()
+
+
+def short_prompts() -> list[str]:
+    """Short chat questions and instructions (--short-only: what the default model's packaged heads trained on)."""
+    prompts = [q.format(c=c) for c in COUNTRIES for q in COUNTRY_QUESTIONS]
     for thing, colour in THINGS.items():
         prompts += [f"What color is {thing}?", f"Is {thing} {colour}? Say what color it is."]
     for animal in ANIMALS:
         prompts += [f"How many legs does a {animal} have?", f"Tell me how many legs a {animal} has."]
     prompts += [f"Write the word '{w}' in capital letters." for w in WORDS]
     prompts += [f"List three {k}, separated by commas." for k in KINDS]
-    for i in range(48):  # sums and differences of numbers past the evaluation's (1 to 40)
-        a, b = 41 + (i * 17) % 58, 41 + (i * 29) % 58
-        prompts.append(["Compute {a} + {b}.", "What is {a} minus {b}?", "What is {a} plus {b}?",
-                        "Reply with only the number, nothing else. What is {a} plus {b}?"][i % 4].format(a=max(a, b),
-                                                                                                       b=min(a, b)))
+    forms = ["Compute {a} + {b}.", "What is {a} minus {b}?", "What is {a} plus {b}?", "Compute {a} - {b}.",
+             "Reply with only the number, nothing else. What is {a} plus {b}?"]
+    for i in range(160):  # sums and differences of numbers past the evaluation's (1 to 40)
+        a, b = 41 + (i * 17) % 58, 41 + (i * 29 + i // 58) % 58
+        prompts.append(forms[i % len(forms)].format(a=max(a, b), b=min(a, b)))
     return prompts
 
 
@@ -95,9 +105,10 @@ def generate(model_dir: Path, adapter: Path | None, prompts: list[list[int]], ma
 
 
 def hidden_states(model_dir: Path, adapter: Path | None, sequences: list[list[int]], num_prompt: list[int],
-                  num_heads: int):
-    """(rows [N, H], targets [N, K] with -100 past the end, the final norm, the lm_head weight) over the answer
-    positions: row p's base token is sequence[p + 1], head i's target sequence[p + 2 + i]."""
+                  num_heads: int, batch: int = 16):
+    """(rows [N, H], targets [N, K] with -100 past the end, each row's sequence index [N], the final norm, the
+    lm_head weight) over the answer positions: row p's base token is sequence[p + 1], head i's target
+    sequence[p + 2 + i]."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -109,50 +120,77 @@ def hidden_states(model_dir: Path, adapter: Path | None, sequences: list[list[in
     base = model.get_base_model() if adapter is not None else model
     norm = base.model.norm
     captured = []
-    hook = norm.register_forward_hook(lambda module, args, out: captured.append(args[0][0].detach()))
-    rows, targets = [], []
+    hook = norm.register_forward_hook(lambda module, args, out: captured.append(args[0].detach()))
+    per_seq: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
     with torch.no_grad():
-        for seq, n in zip(sequences, num_prompt):
-            model(torch.tensor([seq]))
-            h = captured.pop()  # [L, H]: the last layer's output, before the norm
-            for p in range(n - 1, len(seq) - 2):
-                rows.append(h[p])
-                targets.append([seq[p + 2 + i] if p + 2 + i < len(seq) else -100 for i in range(num_heads)])
+        # Batches of similar lengths, right-padded: causal attention keeps each row's real positions exact.
+        order = sorted(range(len(sequences)), key=lambda j: len(sequences[j]))
+        for start in range(0, len(order), batch):
+            group = order[start : start + batch]
+            width = max(len(sequences[j]) for j in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros(len(group), width, dtype=torch.long)
+            for r, j in enumerate(group):
+                ids[r, : len(sequences[j])] = torch.tensor(sequences[j])
+                mask[r, : len(sequences[j])] = 1
+            model(input_ids=ids, attention_mask=mask)
+            hs = captured.pop()  # [B, L, H]: the last layer's output, before the norm
+            for r, j in enumerate(group):
+                per_seq[j] = hs[r, num_prompt[j] - 1 : len(sequences[j]) - 2]
+    rows, targets, owner = [], [], []  # in sequence order, each sequence's positions in order
+    for j, (seq, n) in enumerate(zip(sequences, num_prompt)):
+        rows.append(per_seq[j])
+        for p in range(n - 1, len(seq) - 2):
+            targets.append([seq[p + 2 + i] if p + 2 + i < len(seq) else -100 for i in range(num_heads)])
+            owner.append(j)
     hook.remove()
-    return torch.stack(rows), torch.tensor(targets), norm, base.lm_head.weight.detach()
+    return torch.cat(rows), torch.tensor(targets), torch.tensor(owner), norm, base.lm_head.weight.detach()
 
 
 def head_logits(weight, bias, h, norm, lm_head) -> torch.Tensor:
-    """h [B, H] -> [B, K, V]: each head's residual block, then the model's final norm and lm_head."""
+    """h [B, H] -> [B, K, V]: each head's residual block, then the model's final norm and lm_head (in
+    lm_head's dtype: training passes a bfloat16 copy, ~6x cheaper on a CPU with AMX; accuracy is float32)."""
     x = h.unsqueeze(1) + F.silu(torch.einsum("bh,koh->bko", h, weight) + bias)
-    return norm(x) @ lm_head.T
+    return (norm(x).to(lm_head.dtype) @ lm_head.T).float()
 
 
 def train(model_dir: Path, out: Path, prompts: list[list[int]], *, adapter: Path | None = None, num_heads: int = 4,
-          max_tokens: int = 128, steps: int = 300, batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
-          log=print) -> dict:
+          max_tokens: int = 128, steps: int = 300, batch_size: int = 64, lr: float = 3e-3,
+          lr_schedule: str = "cosine", seed: int = 0, log=print) -> dict:
     torch.manual_seed(seed)
     t0 = time.monotonic()
     sequences = generate(model_dir, adapter, prompts, max_tokens)
     log(f"generated {sum(len(s) - len(p) for s, p in zip(sequences, prompts))} tokens in {time.monotonic() - t0:.0f} s")
-    rows, targets, norm, lm_head = hidden_states(model_dir, adapter, sequences, [len(p) for p in prompts], num_heads)
+    rows, targets, owner, norm, lm_head = hidden_states(model_dir, adapter, sequences, [len(p) for p in prompts],
+                                                        num_heads)
+    log(f"{len(rows)} answer positions ({time.monotonic() - t0:.0f} s)")
     for p in norm.parameters():
         p.requires_grad_(False)
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-    held = order[: max(1, len(rows) // 10)]
-    train_rows = order[len(held):]
+    # Held out by prompt, not by position: a held-out position's neighbours are never trained on.
+    held_prompts = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))[: max(1, len(prompts) // 10)]
+    is_held = torch.isin(owner, held_prompts)
+    held, train_rows = is_held.nonzero().flatten(), (~is_held).nonzero().flatten()
     hidden = rows.shape[1]
     weight = torch.zeros(num_heads, hidden, hidden, requires_grad=True)
     bias = torch.zeros(num_heads, hidden, requires_grad=True)
     opt = torch.optim.AdamW([weight, bias], lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    # cosine: a linear warm-up, then cosine decay to zero (the loss was still falling steeply at a constant
+    # rate's end of 300 steps); constant: lr throughout.
+    if lr_schedule not in ("cosine", "constant"):
+        raise ValueError(f"lr_schedule {lr_schedule!r}: cosine or constant")
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, (lambda s: 1.0) if lr_schedule == "constant" else (
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
+    train_head = lm_head.to(torch.bfloat16)
     losses = []
     for step in range(steps):
         pick = train_rows[torch.randint(len(train_rows), (batch_size,))]
-        logits = head_logits(weight, bias, rows[pick], norm, lm_head)
+        logits = head_logits(weight, bias, rows[pick], norm, train_head)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[pick].reshape(-1), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        schedule.step()
         losses.append(round(loss.item(), 4))
         if step % 25 == 0 or step == steps - 1:
             log(f"step {step}: loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)")
@@ -170,7 +208,7 @@ def train(model_dir: Path, out: Path, prompts: list[list[int]], *, adapter: Path
     save_heads(out, HeadWeights(weight.detach(), bias.detach()), lm_head.shape[0])
     doc = {"model": str(model_dir), "adapter": str(adapter) if adapter else None, "num_heads": num_heads,
            "prompts": len(prompts), "positions": len(rows), "held_out": len(held), "steps": steps,
-           "batch_size": batch_size, "lr": lr, "seed": seed, "seconds": round(time.monotonic() - t0, 1),
+           "batch_size": batch_size, "lr": lr, "lr_schedule": lr_schedule, "seed": seed, "seconds": round(time.monotonic() - t0, 1),
            "held_out_top1_accuracy": accuracy, "loss": losses}
     (out / "train_log.json").write_text(json.dumps(doc, indent=1) + "\n")
     log(f"held-out top-1 accuracy per head: {accuracy}; wrote {out}")
@@ -183,21 +221,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="where the heads go")
     ap.add_argument("--adapter", type=Path, default=None, help="a PEFT adapter: train that adapter's heads")
     ap.add_argument("--prompts", type=Path, default=None, help="one prompt per line (default: this script's)")
+    ap.add_argument("--short-only", action="store_true", help="only the short chat prompts, no essays")
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128, help="answer length generated per prompt")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                    help="cosine: a warm-up over 5%% of the steps, then cosine decay to 0")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    texts = args.prompts.read_text().splitlines() if args.prompts else default_prompts()
+    if args.prompts and args.short_only:
+        ap.error("--short-only picks among this script's prompts: not with --prompts")
+    texts = (args.prompts.read_text().splitlines() if args.prompts
+             else short_prompts() if args.short_only else default_prompts())
     rng = random.Random(args.seed)
     rng.shuffle(texts)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model), [t for t in texts if t.strip()])
     train(args.model, args.out, prompts, adapter=args.adapter, num_heads=args.num_heads, max_tokens=args.max_tokens,
-          steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+          steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule, seed=args.seed,
           log=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 

