@@ -450,13 +450,7 @@ class ModelRunner:
                     for i, token, logprob in zip(sampled, out.tokens, out.logprobs):
                         results[i] = SeqResult(True, (token,), (logprob,))
             else:
-                for s, i in enumerate(sampled):
-                    a, b = starts[s], starts[s + 1]
-                    if s in drafts:
-                        b = a + _accepted(drafts[s], out.tokens[a:b]) + 1
-                        results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b], drafted=len(drafts[s]))
-                    else:
-                        results[i] = SeqResult(True, out.tokens[a:b], out.logprobs[a:b])
+                results.update(_run_results(sampled, starts, drafts, out.tokens, out.logprobs))
             if hidden is not None:
                 self._propose(inputs, hidden, results)
         prompt = inputs.prompt
@@ -504,15 +498,7 @@ class ModelRunner:
                     batch.append(starts[s] + j + 1)
                 else:
                     del depth[s]
-        results = {}
-        for s, i in enumerate(sampled):
-            a, b = starts[s], starts[s + 1]
-            if s in drafts:
-                b = a + _accepted(drafts[s], tokens[a:b]) + 1
-                results[i] = SeqResult(True, tokens[a:b], logprobs[a:b], drafted=len(drafts[s]))
-            else:
-                results[i] = SeqResult(True, tokens[a:b], logprobs[a:b])
-        return results
+        return _run_results(sampled, starts, drafts, tokens, logprobs)
 
     def _propose(self, inputs: StepInputs, hidden: torch.Tensor, results: dict[int, SeqResult]) -> None:
         """Each speculating sequence's next Medusa drafts, from its row at the position it chose its last
@@ -569,6 +555,21 @@ def _fail_costly_constraints(rows: list[SamplingRow], tokens: list[int | SampleF
     for i, row in enumerate(rows):
         if row.grammar is not None and row.grammar.failure is not None:
             tokens[i] = SampleFailure(row.grammar.failure)
+
+
+def _run_results(sampled: list[int], starts: list[int], drafts: dict[int, list[int]], tokens: list,
+                 logprobs: list) -> dict[int, SeqResult]:
+    """Each sampled sequence's result from the step's row tokens: its rows' choices, or for a sequence
+    that ran drafts, its accepted drafts and the target's choice after them."""
+    results = {}
+    for s, i in enumerate(sampled):
+        a, b = starts[s], starts[s + 1]
+        if s in drafts:
+            b = a + _accepted(drafts[s], tokens[a:b]) + 1
+            results[i] = SeqResult(True, tokens[a:b], logprobs[a:b], drafted=len(drafts[s]))
+        else:
+            results[i] = SeqResult(True, tokens[a:b], logprobs[a:b])
+    return results
 
 
 def _accepted(drafts: list[int], chosen: list[int | SampleFailure]) -> int:
