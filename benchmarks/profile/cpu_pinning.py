@@ -23,10 +23,14 @@ def pin_thread(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def pin_cpus(cpus: tuple[int, ...] | None) -> None:
-    """Run the calling process on `cpus` (an attacker pool's initializer); None or empty: anywhere."""
+def pin_cpus(cpus: tuple[int, ...] | None, nice: int = 0) -> None:
+    """Run the calling process on `cpus` (an attacker pool's initializer); None or empty: anywhere. With
+    `nice` > 0, at that lower priority: client processes standing in for other machines then take only
+    the CPU the server leaves (a 2-core bench has no other machine to put them on)."""
     if cpus:
         os.sched_setaffinity(0, cpus)
+    if nice:
+        os.nice(nice)
 
 
 @contextlib.contextmanager

@@ -172,7 +172,8 @@ def _timed(target: Target, key: str, path: str, body: dict) -> tuple[float, int]
 
 def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
         log: Callable[[str], None] = lambda s: None, attacker_cpus: tuple[int, ...] | None = None,
-        profile: tuple[int, Path] | None = None, cold_adapters: list[str] | None = None) -> dict:
+        profile: tuple[int, Path] | None = None, cold_adapters: list[str] | None = None,
+        attacker_nice: int = 0) -> dict:
     """Run the baseline and each attack (or those named in `only`); returns the JSON report. The
     attacker's processes run on `attacker_cpus` (None: wherever the OS puts them). `cold_adapters`:
     local-directory adapter paths the server can load (--adapter-sources local), each a new one,
@@ -201,7 +202,8 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
 
     names = [n for n in attacks if only is None or n in only]
     phases = run_phases(target, keys["victim"], names, phase_s, max(len(a.tenants) for a in attacks.values()),
-                        start, attacker_cpus, log, profile, _victim_probes(target, keys["victim"], cold_adapters or []))
+                        start, attacker_cpus, log, profile, _victim_probes(target, keys["victim"], cold_adapters or []),
+                        attacker_nice)
     baseline = phases[0]
     summaries = {}
     for p in phases:

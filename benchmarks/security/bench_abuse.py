@@ -97,12 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()
         report = abuse.run(target, args.phase_s, args.only.split(",") if args.only else None,
                            log=lambda s: print(s, file=sys.stderr, flush=True), attacker_cpus=attacker_cpus,
-                           profile=(srv.proc.pid, Path(args.profile)) if args.profile else None, cold_adapters=cold)
+                           profile=(srv.proc.pid, Path(args.profile)) if args.profile else None, cold_adapters=cold,
+                           attacker_nice=args.attacker_nice)
         report["leases"] = _lease_health(httpx.get(srv.url + "/metrics", headers=admin).text)
     report["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": target.model,
                          "max_model_len": target.max_model_len, "max_logprob_entries": target.max_logprob_entries,
                          "serve_args": serve_args, "pinned": args.pin, "pinned_engine": args.pin_engine,
+                         "attacker_nice": args.attacker_nice,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))
     print(profile_text(report))

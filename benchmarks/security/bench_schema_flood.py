@@ -49,12 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()
         report = schema_flood.run(target, args.phase_s, args.loops, attacker_cpus, args.regex_groups, quota,
                                   log=lambda s: print(s, file=sys.stderr, flush=True),
-                                  profile=(srv.proc.pid, Path(args.profile)) if args.profile else None)
+                                  profile=(srv.proc.pid, Path(args.profile)) if args.profile else None,
+                                  attacker_nice=args.attacker_nice)
         engine = httpx.get(srv.url + "/admin/engine", headers=admin).json()["structured_output"]
     report["server_structured_output"] = engine
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": target.model,
                          "serve_args": args.serve_arg, "pinned": args.pin, "pinned_engine": args.pin_engine,
+                         "attacker_nice": args.attacker_nice,
                          "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
     print(abuse.table(report))
     print(profile_text(report))

@@ -75,6 +75,9 @@ def add_victim_server_args(p: argparse.ArgumentParser, work_dir: str, serve_arg_
                    help="sample the server with py-spy through each phase (raw stacks in DIR/<phase>.txt) and "
                         "report its CPU by category, with the kernel's per-thread CPU and wait for a core and "
                         "what other processes took of the server's CPUs (default: off)")
+    p.add_argument("--attacker-nice", type=int, default=0, metavar="N",
+                   help="run the attacker's processes at nice N (they stand in for other machines; with N > 0 "
+                        "they take only the CPU the server and the victim leave; default 0)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help=f"extra `loraplex serve` argument, repeatable (e.g. --serve-arg={serve_arg_example})")
 
@@ -244,7 +247,7 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
                attacker_cpus: tuple[int, ...] | None = None,
                log: Callable[[str], None] = lambda s: None,
                profile: tuple[int, Path] | None = None,
-               probe: Callable[[str], dict] | None = None) -> list[Phase]:
+               probe: Callable[[str], dict] | None = None, attacker_nice: int = 0) -> list[Phase]:
     """The baseline, then each named attack for phase_s seconds while the victim streams. `attack(name,
     pool)` starts the phase's request loops on the pool (each returns a LoopResult).
     With `profile` = (server pid, directory), py-spy samples the server through each phase into
@@ -257,7 +260,7 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
     background = [threading.Thread(target=_victim, args=(target, victim_key, lambda: current[0], stop)),
                   threading.Thread(target=_health, args=(target, lambda: current[0], stop))]
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=pin_cpus, initargs=(attacker_cpus,))
+                               initializer=pin_cpus, initargs=(attacker_cpus, attacker_nice))
     # Every attacker process starts now, not inside the first attack phase (a phase's probe would
     # otherwise run while its attack is still starting).
     list(pool.map(time.sleep, [0.2] * workers))
