@@ -209,7 +209,7 @@ class ModelRunner:
         all_drafts = batch.drafts or [()] * len(batch.seqs)
         spec: dict[int, list[int]] | None = None
         row_logits: list[int] = []
-        medusa_rows: dict[int, MedusaRow] | None = {} if self.medusa is not None else None
+        medusa_rows: dict[int, MedusaRow] | None = {} if self.medusa is not None and batch.propose else None
         seqs, num_tokens, lora_slots = batch.seqs, batch.num_tokens, batch.lora_slots
         plain_runs = not ahead and medusa_rows is None
         plain_rows = 0

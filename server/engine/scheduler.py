@@ -366,6 +366,10 @@ class ScheduledBatch:
     prompt_work: float = 0.0
     # Medusa: each speculating sequence's adaptive k (read, not changed, to draft only what it will use)
     draft_lengths: dict[Sequence, DraftLength] = field(default_factory=dict)
+    # Whether the next step may speculate (the running batch, as this step leaves it, is under
+    # disable_by_batch_size): only then do Medusa heads draft for it. Past the cut-off a step runs as a
+    # plain one (no kept hidden rows, no heads' lm_head rows for drafts nobody would verify).
+    propose: bool = False
 
     @property
     def empty(self) -> bool:
@@ -497,6 +501,7 @@ class Scheduler:
         self._share_leftover(batch, budget, prefill)
         if self.draft_model is not None and speculate:
             self._draft_with_model(batch, catch_ups)
+        batch.propose = self._next_may_speculate(batch)
         if self.latency is not None:
             self._measure(batch, prefill.chunked)
         return batch
@@ -565,6 +570,14 @@ class Scheduler:
             batch.num_tokens[i] = m
             budget -= m - n
             left -= prefill.cost.chunk(seq, start, m) - used
+
+    def _next_may_speculate(self, batch: ScheduledBatch) -> bool:
+        """Whether the step after `batch` may speculate: fewer than disable_by_batch_size sequences run as
+        this step leaves them (when requests end, the first step under the cut-off has no Medusa drafts)."""
+        spec = self.config.speculative
+        if spec is None:
+            return False
+        return len(self.running) < spec.disable_by_batch_size
 
     def _speculate(self) -> bool:
         """Whether this step proposes drafts: speculative decoding is on and the running batch is smaller

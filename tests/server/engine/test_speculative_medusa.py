@@ -61,10 +61,10 @@ def spec(heads: Path, k: int = 3) -> dict:
     return {"method": "medusa", "model": str(heads), "num_speculative_tokens": k}
 
 
-def pair(model_dir, adapters, heads: Path, **kw) -> tuple[LLM, LLM]:
+def pair(model_dir, adapters, heads: Path, extra: dict | None = None, **kw) -> tuple[LLM, LLM]:
     opts = dict(device="cpu", dtype="float32", max_loras=4, max_model_len=256, max_num_batched_tokens=64,
                 block_size=16, kernels="torch", **kw)
-    llms = LLM(model_dir, **opts), LLM(model_dir, speculative_config=spec(heads), **opts)
+    llms = LLM(model_dir, **opts), LLM(model_dir, speculative_config={**spec(heads), **(extra or {})}, **opts)
     for llm in llms:
         llm.add_adapter("r8_all", adapters["r8_all"])
         llm.add_adapter("r4_qv", adapters["r4_qv"])
@@ -104,19 +104,20 @@ def test_mixed_batch_matches_plain_engine_through_preemption_and_prefix_hits(tin
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(tiny_model_dir, tiny_adapters, trained_heads):
-    plain, medusa = pair(tiny_model_dir, tiny_adapters, trained_heads, kv_cache_blocks=128)
-    prompts = prompts_of(8, seed=5)
-    adapters = [None, "r8_all"] * 4
+    # 24 sequences speculating from their first decode step: past the CPU's batch cut-off (8) none would
+    # until most had ended.
+    plain, medusa = pair(tiny_model_dir, tiny_adapters, trained_heads, {"disable_by_batch_size": 32},
+                         kv_cache_blocks=128)
+    prompts = prompts_of(24, seed=5)
+    adapters = [None, "r8_all"] * 12
     free = plain.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), adapters=adapters)
     ps = []
-    for out in free:
-        ps.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[out.token_ids[9]]))
-        ps.append(SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                 stop=[out.text[len(out.text) // 2:][:3]]))
-        ps.append(SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
-    repeated = [p for p in prompts for _ in range(3)]
-    names = [n for n in adapters for _ in range(3)]
-    outs = [llm.generate(repeated, ps, adapters=names) for llm in (plain, medusa)]
+    for i, out in enumerate(free):  # each prompt ends by a stop id, a stop string or max_tokens
+        ps.append([SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[out.token_ids[9]]),
+                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                  stop=[out.text[len(out.text) // 2:][:3]]),
+                   SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)][i % 3])
+    outs = [llm.generate(prompts, ps, adapters=adapters) for llm in (plain, medusa)]
     assert_same(*outs)
     assert medusa.engine.output_processor.num_accepted_tokens > 0
 
@@ -298,3 +299,24 @@ def test_an_adapters_heads_that_do_not_fit_the_base_are_refused_naming_the_misma
     random_heads(d / ADAPTER_DIR, num_heads=2)
     with pytest.raises(Exception, match="num_heads 2 is fewer than num_speculative_tokens 3"):
         llm.add_adapter("few", d)
+
+
+def test_past_the_batch_cut_off_the_heads_do_not_run_and_outputs_stay_the_plain_engines(
+        tiny_model_dir, tiny_adapters, trained_heads):
+    """At disable_by_batch_size running sequences no step speculates, so none drafts for the next: the
+    heads' lm_head rows would be work for nothing (batch 32 measured 0.79x before, every step skipped)."""
+    opts = dict(device="cpu", dtype="float32", max_loras=4, max_model_len=256, block_size=16, kernels="torch")
+    plain = LLM(tiny_model_dir, **opts)
+    medusa = LLM(tiny_model_dir, speculative_config={**spec(trained_heads), "disable_by_batch_size": 2}, **opts)
+    calls = []
+    proposer = medusa.engine.runner.medusa
+    propose = proposer.propose
+    proposer.propose = lambda *a, **kw: calls.append(1) or propose(*a, **kw)
+    prompts = prompts_of(6, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert_same(plain.generate(prompts, params), medusa.generate(prompts, params))
+    assert calls == [] and medusa.engine.output_processor.num_draft_tokens == 0
+    assert medusa.engine.scheduler.spec_counters.skipped_steps > 0
+    # One sequence alone is under the cut-off: the heads draft for it again.
+    assert_same(plain.generate(prompts[:1], params), medusa.generate(prompts[:1], params))
+    assert calls and medusa.engine.output_processor.num_draft_tokens > 0
