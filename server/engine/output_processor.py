@@ -7,7 +7,8 @@ keeps the requests in flight.
 The outputs carry token ids (and logprobs), never text: detokenizing and stop strings are the front
 end's (server.engine.output_text, as vLLM V1's API process does them), off the engine's step. The
 stops here are those the tokens decide: a finished grammar, EOS, a stop token id, max_tokens, the
-model's length. A stop string the front end finds aborts the request back to the engine.
+model's length. A stop string the front end finds aborts its choice back to the engine
+(server.engine.choice_abort): the choice stops, the request's other choices running on.
 
 A sequence that verified drafts (speculative decoding) appends its run token by token, as the plain
 engine would over as many steps, so a stop (EOS, a stop id, max_tokens) inside the run ends it there;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.sampler import SampleFailure
 from server.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 
@@ -28,7 +30,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
-
 
 class OutputProcessor:
     """The engine's post-processing half: the requests in flight, and what each step makes of them."""
@@ -55,14 +56,32 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> None:
         """Abort every unfinished choice of the request; the next step reports them."""
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None:
             return
         for choice in seq.group.seqs:
-            if not choice.finished:
-                self.scheduler.finish(choice)
-                choice.finish_reason = "abort"
-                self.aborted.append(choice)
+            self._abort(choice)
+        self._ended(seq)
+
+    def abort_choice(self, abort: ChoiceAbort) -> None:
+        """The front end ended one choice (a stop string): it stops here too, its siblings running on. A
+        choice it does not name (another index, an unknown or ended request) is ignored."""
+        seq = self.seqs.get(abort.request_id)
+        if seq is None or not 0 <= abort.index < len(seq.group.seqs):
+            return
+        self._abort(seq.group.seqs[abort.index])
+        if seq.group.finished:
+            self._ended(seq)
+
+    def _abort(self, choice: Sequence) -> None:
+        if not choice.finished:
+            self.scheduler.finish(choice)
+            choice.finish_reason = "abort"
+            self.aborted.append(choice)
+
+    def _ended(self, seq: Sequence) -> None:
+        """`seq`'s request ended here."""
+        del self.seqs[seq.request_id]
 
     def postprocess(self, batch: ScheduledBatch, results: dict[int, SeqResult]) -> list[RequestOutput]:
         outputs = [seq.output() for seq in self.aborted]
@@ -136,6 +155,7 @@ class OutputProcessor:
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
         self.scheduler.waiting.charge_output(seq)
+        self.scheduler.num_generated_tokens += 1
         reason = self._finish_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)
@@ -149,8 +169,8 @@ class OutputProcessor:
             s.finish_reason, s.error = reason, error
             if not s.finished:
                 self.scheduler.finish(s)
-        if group.finished:
-            self.seqs.pop(seq.request_id, None)
+        if group.finished and seq.request_id in self.seqs:
+            self._ended(self.seqs[seq.request_id])
         return [s.output() for s in ended]
 
     def _fail(self, seq: Sequence, message: str) -> list[RequestOutput]:

@@ -35,7 +35,7 @@ def processor(tokenizer) -> OutputProcessor:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
                           HostTier(None, None))
     processor = OutputProcessor(scheduler, frozenset({EOS}), MAX_MODEL_LEN)
-    processor.texts = OutputTexts(IncrementalDetokenizer(tokenizer), processor.abort)  # the front end's
+    processor.texts = OutputTexts(IncrementalDetokenizer(tokenizer), processor.abort_choice)  # the front end's
     return processor
 
 
@@ -162,19 +162,18 @@ def test_a_failed_adapter_load_fails_its_request(processor):
     assert outs[0].finish_reason == "error" and "could not be loaded: no such version" in outs[0].error
 
 
-def test_a_stop_string_ends_one_choice_and_the_request_ends_with_the_last(processor):
+def test_a_stop_string_ends_its_choice_in_the_engine_and_the_other_runs_on(processor):
     add(processor, "r", SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=0, stop=["lo"]))
     first = step(processor, LO, WOR)
     assert [(o.index, o.text, o.finished, o.finish_reason) for o in first] == [(0, "", True, "stop"),
                                                                                (1, " wor", False, None)]
-    assert "r" in processor.seqs  # choice 1 runs on; the engine still runs choice 0 too, unseen
-    second = step(processor, LD)  # choice 0's engine output is dropped
+    choice0, choice1 = processor.seqs["r"].group.seqs  # choice 1 runs on
+    assert choice0.finished and not choice1.finished, "the front end aborted choice 0 alone"
+    assert processor.scheduler.running == [choice1]
+    second = step(processor, LD)  # one row: choice 1's (choice 0's abort output is dropped)
     assert [(o.index, o.text, o.finished) for o in second] == [(1, " world", False)]
-    batch = processor.scheduler.schedule()  # choice 1 draws EOS; choice 0, still running in the engine, not
-    results = {i: SeqResult(done=True, tokens=[EOS if seq.index else DOT], logprobs=[None])
-               for i, seq in enumerate(batch.seqs)}
-    third = processor.texts.apply(processor.postprocess(batch, results))
+    assert choice0.token_ids == PROMPT + [LO], "choice 0 ran no step past its stop"
+    third = step(processor, EOS)
     assert [(o.index, o.text, o.finish_reason) for o in third] == [(1, " world", "stop")]
-    # Every choice ended here: the front end aborted the request, so choice 0 left the engine too.
     assert not processor.seqs and not processor.scheduler.has_unfinished()
     assert processor.texts.apply(processor.postprocess(processor.scheduler.schedule(), {})) == []
