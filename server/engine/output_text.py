@@ -8,7 +8,7 @@ token's text is appended and the stop strings searched after it, as the engine o
 stop string ends the choice at the token that completed it (its text cut where the string starts,
 token ids and logprobs after that token dropped, so usage counts up to that token), and that choice is
 aborted back to the engine at once (server.engine.choice_abort: its other choices run on), which stops
-spending steps and KV on it.
+spending steps and KV on it and takes back the tokens it ran past the stop from the tenant's fair share.
 While a choice runs, a tail that could still grow into a stop string is held back, so it is never streamed.
 
 Incremental detokenisation (IncrementalDetokenizer): text grows as tokens arrive, multi-byte characters come out whole.

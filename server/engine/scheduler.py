@@ -216,6 +216,12 @@ class FairQueue:
         """Every choice's tokens count: n choices cost n times the decoding."""
         self.charge(seq.tenant, tokens * OUTPUT_TOKEN_COST)
 
+    def uncharge_output(self, tenant: str | None, tokens: int) -> None:
+        """Take back `tokens` output tokens charged to `tenant` that its client was never given (generated
+        past a stop string its front end found: server.engine.choice_abort); none when tokens <= 0."""
+        if tokens > 0:
+            self.charge(tenant, -tokens * OUTPUT_TOKEN_COST)
+
     def charge(self, tenant: str | None, cost: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
 

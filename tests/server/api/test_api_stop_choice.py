@@ -1,14 +1,15 @@
 """A stop string that ends one of a request's two choices early (n=2): the front end matches it and aborts
 that choice alone back to the engine (server.engine.choice_abort), which stops generating it while the other
 choice runs on; the texts are those the choices have without the stop string, cut where it starts; the
-tenant's usage counts the tokens the client was given (OpenAI's completion_tokens). Real redis and a real
-server, the engine in-process and in its own process."""
+tenant's usage counts the tokens the client was given (OpenAI's completion_tokens) and its fair share is
+charged for those alone. Real redis and a real server, the engine in-process and in its own process."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
+from server.engine.scheduler import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST
 from tests.fixtures_server import api_redis_url, running_server, server_config
 from tests.server.engine.test_engine_sampling import choose_stop
 
@@ -45,6 +46,8 @@ def test_a_choice_a_stop_string_ends_stops_in_the_engine_and_only_its_given_toke
         assert len(a.logprobs.tokens) == len(b.logprobs.tokens) == MAX_TOKENS
         stop = choose_stop(a.text, b.text)
         before = generated_when_idle(server, 2 * MAX_TOKENS)
+        counters = server.state.engine.engine.scheduler.waiting.counters if mode == "in-process" else None
+        charged = dict(counters) if counters is not None else None
         stopped, (a2, b2) = completion(client, model, stop=[stop])
         # The outputs are the free ones: choice 0 cut where the stop string starts, choice 1 whole.
         assert (a2.text, a2.finish_reason) == (a.text[:a.text.index(stop)], "stop")
@@ -59,3 +62,9 @@ def test_a_choice_a_stop_string_ends_stops_in_the_engine_and_only_its_given_toke
         assert stopped.usage.completion_tokens == kept + MAX_TOKENS
         usage = server.admin("GET", f"/admin/tenants/{name}/usage", params={"days": 1}).json()["total"]
         assert usage["requests"] == 2 and usage["completion_tokens"] == 2 * MAX_TOKENS + kept + MAX_TOKENS
+        if counters is not None:  # the fair share: the uncached prompt once, then the given tokens
+            (tenant,) = [t for t in counters if t is not None]
+            uncached = stopped.usage.prompt_tokens - stopped.usage.prompt_tokens_details.cached_tokens
+            expected = uncached * PROMPT_TOKEN_COST + (kept + MAX_TOKENS) * OUTPUT_TOKEN_COST
+            weight = server.state.engine.engine.scheduler.waiting.weights.get(tenant, 1.0)
+            assert counters[tenant] - charged[tenant] == pytest.approx(expected / weight)

@@ -7,12 +7,13 @@ import pytest
 
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.lora.slots import LoraSlots
 from server.engine.model_runner import SeqResult
 from server.engine.output_processor import OutputProcessor
 from server.engine.output_text import IncrementalDetokenizer, OutputTexts
 from server.engine.sampler import SampleFailure
-from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.scheduler import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from server.engine.tokenizer_loader import load_tokenizer
 
@@ -177,3 +178,34 @@ def test_a_stop_string_ends_its_choice_in_the_engine_and_the_other_runs_on(proce
     assert [(o.index, o.text, o.finish_reason) for o in third] == [(1, " world", "stop")]
     assert not processor.seqs and not processor.scheduler.has_unfinished()
     assert processor.texts.apply(processor.postprocess(processor.scheduler.schedule(), {})) == []
+
+
+def test_tokens_run_past_a_stop_string_are_taken_back_from_the_fair_share(processor):
+    """The engine ran a step more before the front end's abort came: that token is not charged."""
+    add(processor, "r", SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=0, stop=["lo"]))
+    counters = processor.scheduler.waiting.counters
+    early = engine_step(processor, LO, WOR)
+    late = engine_step(processor, LD)  # choice 0's "ld" too: its front end has not read "lo" yet
+    choice0 = processor.seqs["r"].group.seqs[0]
+    assert choice0.num_output_tokens == 2
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 4 * OUTPUT_TOKEN_COST
+    assert [o.finish_reason for o in processor.texts.apply(early)] == ["stop", None]  # ChoiceAbort(kept=1)
+    assert choice0.finished
+    # Choice 0's one token and choice 1's two: what the clients were given.
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 3 * OUTPUT_TOKEN_COST
+    assert [(o.index, o.text) for o in processor.texts.apply(late)] == [(1, " world")]
+
+
+def test_a_choice_abort_after_the_request_ended_in_the_engine_still_takes_its_tokens_back(processor):
+    add(processor, "r", SamplingParams(max_tokens=2, temperature=0.0, stop=["lo"]))
+    outs = engine_step(processor, LO) + engine_step(processor, WOR)  # "length" before the front end read "lo"
+    assert not processor.seqs and outs[-1].finish_reason == "length"
+    counters = processor.scheduler.waiting.counters
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 2 * OUTPUT_TOKEN_COST
+    texted = processor.texts.apply(outs)
+    assert [(o.text, o.finish_reason, o.token_ids) for o in texted] == [("", "stop", [LO])]
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 1 * OUTPUT_TOKEN_COST
+    processor.abort_choice(ChoiceAbort("r", 0, 0))  # told twice, or for an index it never had: nothing
+    processor.abort_choice(ChoiceAbort("r", 5, 0))
+    processor.abort_choice(ChoiceAbort("unknown", 0, 0))
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 1 * OUTPUT_TOKEN_COST
