@@ -37,7 +37,7 @@ def measure(llm: LLM, adapters: list[str], num_seqs: int, steps: int, seed: int,
             clock=time.perf_counter) -> dict:
     engine = llm.engine
     rng = random.Random(seed)
-    texts = OutputTexts(engine.detokenizer, engine.abort_request)  # the front end's share
+    texts = OutputTexts(engine.detokenizer, engine.abort_choice)  # the front end's share
     params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [rng.randrange(3, 500) for _ in range(rng.randint(8, 32))]

@@ -103,7 +103,7 @@ async def engine(request: Request) -> Response:
                   "max_lora_rank": info.max_lora_rank, "pages_used": s.slots.pages_used,
                   "pages_total": s.slots.pages_total, "pinned": s.slots.pinned, "hits": s.slots.hits,
                   "misses": s.slots.loads, "evictions": s.slots.evictions,
-                  "hit_rate": hit_rate(s.slots.hits, s.slots.loads)},
+                  "hit_rate": hit_rate(s.slots.hits, s.slots.loads), "draft_bytes": s.slots.draft_bytes},
         "host": {"adapters": s.host.adapters, "bytes": s.host.bytes_used, "budget_bytes": s.host.budget_bytes,
                  "loads_in_flight": s.host.loading, "parked": s.host.parked, "parked_bytes": s.host.parked_bytes,
                  "hits": s.host.hits, "misses": s.host.misses, "evictions": s.host.evictions,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from server.engine.adapter_residency import adapter_tiers, held_versions, residency, take_load_times
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.config import EngineConfig
 from server.engine.core.commands import nap
 from server.engine.cpu_affinity import pin_thread
@@ -220,8 +221,8 @@ class AsyncEngine:
         """Add the request; raises RequestError (too long, unknown adapter...) before any output.
         Its `grammar` is compiled already (LLMEngine.add_request), so the loop never compiles."""
         loop = asyncio.get_running_loop()
-        rid, n = request.request_id, request.params.n
-        sink = Sink(loop, n, text=RequestText(self._detokenizer, request.params, lambda: self._abort_quietly(rid)))
+        n = request.params.n
+        sink = Sink(loop, n, text=RequestText(self._detokenizer, request.params, self._abort_choice))
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", request, sink, accepted))
         try:
@@ -243,10 +244,10 @@ class AsyncEngine:
         """Thread-safe; a no-op for a request that already finished."""
         self._send(("abort", request_id))
 
-    def _abort_quietly(self, request_id: str) -> None:
-        """A stop string ended the request in the front end; a dead engine has ended it anyway."""
+    def _abort_choice(self, abort: ChoiceAbort) -> None:
+        """A stop string ended one choice in the front end; a dead engine has ended it anyway."""
         try:
-            self.abort(request_id)
+            self._send(("abort_choice", abort))
         except EngineDeadError:
             pass
 
@@ -335,6 +336,8 @@ class AsyncEngine:
                 accepted.set_result(None)
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])
+            elif kind == "abort_choice":
+                self.engine.abort_choice(cmd[1])
             elif kind == "call":
                 _, fn, done = cmd
                 try:

@@ -3,10 +3,12 @@
 Any architecture the engine serves (ModelConfig.from_dir refuses the rest), with the target's vocabulary:
 a draft token is an id the target scores, so different sizes are refused in one line naming both. Its
 weights are served as the checkpoint's floats in the target's dtype; its LoRA buffers are the target's
-slot count at --max-lora-rank, for adapters' draft LoRAs (server.engine.lora.draft_slots).
+slot count at --max-lora-rank, for adapters' draft LoRAs (server.engine.lora.draft_slots), holding no memory
+until the first draft LoRA loads.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from adapters.format import ModelShape
 from server.engine.config import EngineConfig, ModelConfig, ModelConfigError
 from server.engine.kv_cache import allocate_lora_slots
 from server.engine.lora.draft_slots import DraftLoraSlots
+from server.engine.lora.paging import LoraPaging
 from server.engine.model import CausalLM
+from server.engine.unified_buffer import unallocated
 from server.engine.weights import load_weights
 
 
@@ -44,7 +48,9 @@ def load_draft_model(model_dir: str, draft: ModelConfig, dtype: torch.dtype, dev
     """The draft model and its LoRA slots, one per target slot. max_tokens: the most tokens one draft
     forward takes (its catch-up is cut to it)."""
     weights = load_weights(model_dir, draft, dtype, device)
-    layers = allocate_lora_slots(draft, max_loras, max_lora_rank, dtype, device)
+    # Stand-ins until an adapter brings a draft LoRA; no DoRA scale rows (draft LoRAs are plain LoRA).
+    paging = dataclasses.replace(LoraPaging.slots(max_loras, max_lora_rank), dora_entries=0)
+    layers = allocate_lora_slots(draft, max_loras, max_lora_rank, dtype, device, paging, unallocated, unallocated)
     return CausalLM(draft, weights, layers, max_len, max_tokens), DraftLoraSlots(layers, max_loras)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.metadata import AttentionBatch
 from server.engine.kernel_ops import KernelOps
 from server.engine.lora.draft_slots import DraftLoraSlots
 from server.engine.lora.slots import token_slots
@@ -73,7 +73,7 @@ class DraftModelProposer:
         if not requests:
             return []
         states = [self._state(r.seq) for r in requests]
-        self.loras.slots.sync()  # draft LoRAs copied in this step (CUDA: on the slots' copy stream)
+        self.loras.sync()  # draft LoRAs copied in this step (CUDA: on the slots' copy stream)
         self._catch_up(requests, states)
         drafts: list[list[int]] = [[] for _ in requests]
         live = list(range(len(requests)))  # requests still drafting
@@ -152,7 +152,7 @@ class DraftModelProposer:
         positions = [p for start, n in zip(starts, lens) for p in range(start, start + n)]
         slots = [s for r, start, n in zip(reqs, starts, lens)
                  for s in token_slots(r.draft_slot(self.loras), start, n, r.seq.group.adapter_from)]
-        lora = LoraBatch.build(slots, dev, self.loras.slots.slot_ranks, self.loras.slots.rank_table)
+        lora = self.loras.lora_batch(slots, dev)
         ctx = StepContext(ops=self.ops, positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
                           attn=attn, lora=lora, lora_scratch=self.lora_scratch)
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long).to(dev, non_blocking=True)

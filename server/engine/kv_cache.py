@@ -185,13 +185,16 @@ def lora_page_bytes(mcfg: ModelConfig, page_rows: int, dtype: torch.dtype) -> in
 
 
 def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype, device,
-                        paging: LoraPaging | None = None, pages: Callable | None = None):
+                        paging: LoraPaging | None = None, pages: Callable | None = None,
+                        expert_zeros: Callable = torch.zeros):
     """Per layer, the slot buffers of each fused projection group: `max_loras` slots of max_rank rows, or
     the layout `paging` gives (entries, and pages of its page rows: server.engine.lora.paging). An MoE
     layer's experts: one group per fused expert weight, in slots (server.engine.lora.expert_buffers); the
     dense layers of an MoE model (Qwen3-MoE's) have the dense MLP's groups instead. pages: what makes A and
     B (`zeros(shape, dtype=, device=)`; None: torch.zeros): --unified-memory's stand-ins until the pool's
-    buffer is carved (server.engine.unified_buffer)."""
+    buffer is carved (server.engine.unified_buffer); expert_zeros: what makes the experts' (never the pool's:
+    they keep slots), stand-ins too for the draft model's slots until an adapter brings a draft LoRA
+    (server.engine.lora.draft_slots)."""
     paging = paging or LoraPaging.slots(max_loras, max_rank)
     h = mcfg.hidden_size
     zeros = pages or torch.zeros
@@ -202,8 +205,10 @@ def allocate_lora_slots(mcfg: ModelConfig, max_loras: int, max_rank: int, dtype,
                   for group, (in_f, outs) in _group_shapes(mcfg, sparse).items()}
         if sparse:
             e, i = mcfg.num_experts, mcfg.moe_intermediate_size
-            groups["experts_gate_up"] = ExpertLoraBuffers.allocate(e, h, 2 * i, max_loras, max_rank, dtype, device)
-            groups["experts_down"] = ExpertLoraBuffers.allocate(e, i, h, max_loras, max_rank, dtype, device)
+            groups["experts_gate_up"] = ExpertLoraBuffers.allocate(e, h, 2 * i, max_loras, max_rank, dtype, device,
+                                                                   expert_zeros)
+            groups["experts_down"] = ExpertLoraBuffers.allocate(e, i, h, max_loras, max_rank, dtype, device,
+                                                                expert_zeros)
         return groups
 
     return [layer(mcfg.is_sparse(i)) for i in range(mcfg.num_layers)]

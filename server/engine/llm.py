@@ -66,7 +66,7 @@ class LLM:
             if name is not None and name not in self._versions:
                 raise ValueError(f"unknown adapter {name!r}: add it with add_adapter first")
         ids = [f"req-{next(self._request_counter)}" for _ in range(n)]
-        texts = OutputTexts(self.engine.detokenizer, self.engine.abort_request)
+        texts = OutputTexts(self.engine.detokenizer, self.engine.abort_choice)
         for rid, prompt, p, name in zip(ids, prompts, params_list, names):
             self.engine.add_request(rid, prompt, p, self._versions.get(name) if name else None)
             texts.add(rid, p)

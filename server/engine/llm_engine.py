@@ -8,6 +8,7 @@ from adapters.draft_lora import NO_DRAFT_MODEL
 from adapters.format import LoraAdapter
 from adapters.host_tier import Fetch
 from server.engine.async_step import AsyncStats
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.config import EngineConfig
 from server.engine.decode_graphs import DecodeGraphStats
 from server.engine.engine_startup import build_engine_parts
@@ -209,6 +210,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort every unfinished choice of the request."""
         self.output_processor.abort(request_id)
+
+    def abort_choice(self, abort: ChoiceAbort) -> None:
+        """The front end ended one choice (a stop string): it stops, its siblings run on, and its tenant is
+        charged only the tokens its client was given (server.engine.choice_abort)."""
+        self.output_processor.abort_choice(abort)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.output_processor.aborted) or (

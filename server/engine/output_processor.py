@@ -7,7 +7,11 @@ keeps the requests in flight.
 The outputs carry token ids (and logprobs), never text: detokenizing and stop strings are the front
 end's (server.engine.output_text, as vLLM V1's API process does them), off the engine's step. The
 stops here are those the tokens decide: a finished grammar, EOS, a stop token id, max_tokens, the
-model's length. A stop string the front end finds aborts the request back to the engine.
+model's length. A stop string the front end finds aborts its choice back to the engine
+(server.engine.choice_abort): the choice stops, and the tokens it ran past the stop are taken back from
+its tenant's fair share, the request's other choices running on. A request that ended here before that
+abort arrived is remembered (its tenant and each choice's output tokens, the last ENDED_KEPT requests) so
+the late abort takes them back all the same.
 
 A sequence that verified drafts (speculative decoding) appends its run token by token, as the plain
 engine would over as many steps, so a stop (EOS, a stop id, max_tokens) inside the run ends it there;
@@ -17,8 +21,11 @@ per sequence and step, as without drafts.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.sampler import SampleFailure
 from server.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 
@@ -28,6 +35,19 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+
+# Requests ended here that a front end's ChoiceAbort may still reach (it left after a step's outputs, so
+# it trails them by a few steps): far more than end in that time.
+ENDED_KEPT = 4096
+
+
+@dataclass
+class _Ended:
+    """What a request that ended here ran: whose it was and each choice's output tokens (None once a
+    ChoiceAbort took back what it ran past its client's tokens)."""
+
+    tenant: str | None
+    outputs: list[int | None]
 
 
 class OutputProcessor:
@@ -39,6 +59,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.seqs: dict[str, Sequence] = {}  # request id -> its choice 0, until every choice finished
         self.aborted: list[Sequence] = []  # choices aborted since the last step: its outputs report them
+        self.ended: OrderedDict[str, _Ended] = OrderedDict()  # the last ENDED_KEPT requests ended here
+        self.taken_back: set[Sequence] = set()  # running requests' choices a ChoiceAbort uncharged already
 
     @property
     def num_draft_tokens(self) -> int:
@@ -55,14 +77,51 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> None:
         """Abort every unfinished choice of the request; the next step reports them."""
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None:
             return
         for choice in seq.group.seqs:
-            if not choice.finished:
-                self.scheduler.finish(choice)
-                choice.finish_reason = "abort"
-                self.aborted.append(choice)
+            self._abort(choice)
+        self._ended(seq)
+
+    def abort_choice(self, abort: ChoiceAbort) -> None:
+        """The front end ended one choice after `abort.kept` output tokens (a stop string): it stops here too,
+        its siblings running on, and the tokens it ran past them are taken back from its tenant's fair share.
+        A choice it does not name (another index, an unknown request) is ignored."""
+        kept = max(abort.kept, 0)  # never more taken back than the choice ran
+        seq = self.seqs.get(abort.request_id)
+        if seq is None:
+            ended = self.ended.get(abort.request_id)
+            if ended is not None and 0 <= abort.index < len(ended.outputs) and ended.outputs[abort.index]:
+                self.scheduler.waiting.uncharge_output(ended.tenant, ended.outputs[abort.index] - kept)
+                ended.outputs[abort.index] = None
+            return
+        if not 0 <= abort.index < len(seq.group.seqs):
+            return
+        choice = seq.group.seqs[abort.index]
+        if choice not in self.taken_back:
+            self.scheduler.waiting.uncharge_output(choice.tenant, choice.num_output_tokens - kept)
+            self.taken_back.add(choice)
+        self._abort(choice)
+        if seq.group.finished:
+            self._ended(seq)
+
+    def _abort(self, choice: Sequence) -> None:
+        if not choice.finished:
+            self.scheduler.finish(choice)
+            choice.finish_reason = "abort"
+            self.aborted.append(choice)
+
+    def _ended(self, seq: Sequence) -> None:
+        """`seq`'s request ended here: remembered for a ChoiceAbort still on its way."""
+        del self.seqs[seq.request_id]
+        outputs: list[int | None] = []
+        for choice in seq.group.seqs:
+            outputs.append(None if choice in self.taken_back else choice.num_output_tokens)
+            self.taken_back.discard(choice)
+        self.ended[seq.request_id] = _Ended(seq.tenant, outputs)
+        if len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
 
     def postprocess(self, batch: ScheduledBatch, results: dict[int, SeqResult]) -> list[RequestOutput]:
         outputs = [seq.output() for seq in self.aborted]
@@ -136,6 +195,7 @@ class OutputProcessor:
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
         self.scheduler.waiting.charge_output(seq)
+        self.scheduler.num_generated_tokens += 1
         reason = self._finish_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)
@@ -149,8 +209,8 @@ class OutputProcessor:
             s.finish_reason, s.error = reason, error
             if not s.finished:
                 self.scheduler.finish(s)
-        if group.finished:
-            self.seqs.pop(seq.request_id, None)
+        if group.finished and seq.request_id in self.seqs:
+            self._ended(self.seqs[seq.request_id])
         return [s.output() for s in ended]
 
     def _fail(self, seq: Sequence, message: str) -> list[RequestOutput]:

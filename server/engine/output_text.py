@@ -6,9 +6,10 @@ text here, one implementation: the in-process and engine-core clients' request s
 (server.engine.async_engine.Sink) and the LLM API (OutputTexts). Per choice (ChoiceText), each new
 token's text is appended and the stop strings searched after it, as the engine once did per token: a
 stop string ends the choice at the token that completed it (its text cut where the string starts,
-token ids and logprobs after that token dropped, so usage counts up to that token), and the request is
-then aborted back to the engine once none of its choices runs on here. While a choice runs, a tail that
-could still grow into a stop string is held back, so it is never streamed.
+token ids and logprobs after that token dropped, so usage counts up to that token), and that choice is
+aborted back to the engine at once (server.engine.choice_abort: its other choices run on), which stops
+spending steps and KV on it and takes back the tokens it ran past the stop from the tenant's fair share.
+While a choice runs, a tail that could still grow into a stop string is held back, so it is never streamed.
 
 Incremental detokenisation (IncrementalDetokenizer): text grows as tokens arrive, multi-byte characters come out whole.
 
@@ -29,6 +30,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.sequence import RequestOutput, SamplingParams
 from server.engine.tokenizer_loader import bytes_to_unicode
 
@@ -102,16 +104,15 @@ class ChoiceText:
 
 
 class RequestText:
-    """A request's choices' texts; `abort` ends the request in the engine once a stop string ended a
-    choice here and no other choice runs on."""
+    """A request's choices' texts; `abort_choice` ends a choice in the engine once it ended here (a stop
+    string, or its text failed) while the engine still ran it."""
 
-    __slots__ = ("choices", "abort", "stopped_here")
+    __slots__ = ("choices", "abort_choice")
 
     def __init__(self, detokenizer: IncrementalDetokenizer, params: SamplingParams,
-                 abort: Callable[[], None]) -> None:
+                 abort_choice: Callable[[ChoiceAbort], None]) -> None:
         self.choices = [ChoiceText(detokenizer, params) for _ in range(params.n)]
-        self.abort = abort
-        self.stopped_here = False
+        self.abort_choice = abort_choice
 
     def apply(self, out: RequestOutput) -> RequestOutput | None:
         choice = self.choices[out.index]
@@ -123,23 +124,21 @@ class RequestText:
             out = choice.failed(out, f"post-processing failed: {type(e).__name__}: {e}")
         if out is None:
             return None
-        if out.finished and not engine_finished:
-            self.stopped_here = True
-        if self.stopped_here and all(c.ended for c in self.choices):
-            self.abort()  # the engine still runs the choices a stop string ended here
+        if out.finished and not engine_finished:  # the engine still runs it: no more steps or KV for it
+            self.abort_choice(ChoiceAbort(out.request_id, out.index, len(out.token_ids)))
         return out
 
 
 class OutputTexts:
     """The LLM API's front end over an LLMEngine it steps itself: each request's text by request id."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, abort: Callable[[str], None]) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, abort_choice: Callable[[ChoiceAbort], None]) -> None:
         self.detokenizer = detokenizer
-        self._abort = abort
+        self._abort_choice = abort_choice  # LLMEngine.abort_choice
         self._requests: dict[str, RequestText] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
-        self._requests[request_id] = RequestText(self.detokenizer, params, lambda: self._abort(request_id))
+        self._requests[request_id] = RequestText(self.detokenizer, params, self._abort_choice)
 
     def apply(self, outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
         """The outputs with their text; an output after its choice ended here is dropped."""

@@ -216,6 +216,12 @@ class FairQueue:
         """Every choice's tokens count: n choices cost n times the decoding."""
         self.charge(seq.tenant, tokens * OUTPUT_TOKEN_COST)
 
+    def uncharge_output(self, tenant: str | None, tokens: int) -> None:
+        """Take back `tokens` output tokens charged to `tenant` that its client was never given (generated
+        past a stop string its front end found: server.engine.choice_abort); none when tokens <= 0."""
+        if tokens > 0:
+            self.charge(tenant, -tokens * OUTPUT_TOKEN_COST)
+
     def charge(self, tenant: str | None, cost: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
 
@@ -383,6 +389,9 @@ class SchedulerStats:
     preemptions: int  # since start
     running_adapters: frozenset[str]  # adapter versions of the running requests
     waiting_adapters: frozenset[str]  # adapter versions of the waiting requests
+    # Output tokens appended since start, every choice's: those a front end's stop string cut off too (the
+    # steps a ChoiceAbort saves show here: server.engine.choice_abort).
+    generated_tokens: int = 0
 
 
 class Scheduler:
@@ -403,6 +412,7 @@ class Scheduler:
         self.wanted: set[str] = set()
         self.head_blocked_steps = 0
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # the output processor counts them as it appends them
         # Seats in the running batch held for choices that fork once their choice 0's prompt is in.
         self.fork_seats = 0
         self.slot_load_seconds: deque[float] = deque(maxlen=4096)  # recent copies into a slot, drained by metrics
@@ -429,7 +439,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         running_adapters, waiting_adapters = self.adapters_in_use()
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, running_adapters,
-                              waiting_adapters)
+                              waiting_adapters, self.num_generated_tokens)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

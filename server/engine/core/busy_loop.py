@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.core.commands import reply_of
 from server.engine.core.messages import Accepted
 from server.engine.core.queue_items import AbortRequests, AddRequest, Call, Send, StepOutputs, Stop, Track
@@ -56,12 +57,14 @@ class EngineCore:
             except queue.Empty:
                 return
 
-    def _handle(self, item: AddRequest | AbortRequests | Call | Stop) -> None:
+    def _handle(self, item: AddRequest | AbortRequests | ChoiceAbort | Call | Stop) -> None:
         if isinstance(item, AddRequest):
             self._add(item)
         elif isinstance(item, AbortRequests):
             for request_id in item.request_ids:
                 self.engine.abort_request(request_id)
+        elif isinstance(item, ChoiceAbort):
+            self.engine.abort_choice(item)
         elif isinstance(item, Call):
             reply = reply_of(item.call_id, lambda: item.fn(self.engine))
             self._stats = self.engine.stats()  # the reply's snapshot shows the command done

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.core.queue_items import AbortRequests, AddRequest, Call, PeerHello, Send, Stop
 from server.engine.core.arrays import ints
 from server.engine.core.commands import FETCH_OPS, LOOP_OPS, NAP, SHUTDOWN, nap
-from server.engine.core.messages import Abort, Accepted, Command, FrontMessage, Hello, Submit
+from server.engine.core.messages import Abort, AbortChoice, Accepted, Command, FrontMessage, Hello, Submit
 
 if TYPE_CHECKING:
     from server.engine.core.commands import FetchingCommands
@@ -81,6 +82,8 @@ class InputSocket(threading.Thread):
             self._submit(owner, message)
         elif isinstance(message, Abort):
             self._inbox.put(AbortRequests(message.request_ids))
+        elif isinstance(message, AbortChoice):
+            self._inbox.put(ChoiceAbort(message.request_id, message.index, message.kept))
         elif isinstance(message, Command):
             self._command(owner, message)
 

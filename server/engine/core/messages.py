@@ -41,6 +41,14 @@ class Abort(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
+class AbortChoice(msgspec.Struct, tag="abort_choice"):
+    """A stop string ended one choice in the front end (server.engine.choice_abort)."""
+
+    request_id: str
+    index: int
+    kept: int  # its output tokens the client was given
+
+
 class Command(msgspec.Struct, tag="command"):
     call_id: int  # 0: no reply wanted
     op: str  # server.engine.core.commands.OPS
@@ -49,7 +57,7 @@ class Command(msgspec.Struct, tag="command"):
     seconds: float | None = None  # nap's
 
 
-FrontMessage = Union[Hello, Submit, Abort, Command]
+FrontMessage = Union[Hello, Submit, Abort, AbortChoice, Command]
 
 
 class Logprobs(msgspec.Struct, array_like=True):

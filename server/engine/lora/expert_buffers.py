@@ -7,6 +7,7 @@ as a dense module fills its slice of a LoraGroupBuffers.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,19 @@ class ExpertLoraBuffers:
 
     @classmethod
     def allocate(cls, num_experts: int, in_features: int, out_features: int, max_loras: int, max_rank: int,
-                 dtype, device) -> "ExpertLoraBuffers":
-        return cls(a=torch.zeros(num_experts, max_loras, max_rank, in_features, dtype=dtype, device=device),
-                   b=torch.zeros(num_experts, max_loras, max_rank, out_features, dtype=dtype, device=device),
+                 dtype, device, zeros: Callable = torch.zeros) -> "ExpertLoraBuffers":
+        """A and B^T made by `zeros(shape, dtype=, device=)` (a stand-in until the draft's slots are needed:
+        server.engine.lora.draft_slots)."""
+        return cls(a=zeros((num_experts, max_loras, max_rank, in_features), dtype=dtype, device=device),
+                   b=zeros((num_experts, max_loras, max_rank, out_features), dtype=dtype, device=device),
                    scaling=torch.zeros(num_experts, max_loras, dtype=torch.float32, device=device))
+
+    def repage(self, pages: int, zeros: Callable) -> None:
+        """A and B^T made by `zeros` in place of the ones allocated (experts keep slots: `pages` is the
+        slot count, as allocated)."""
+        assert pages == self.a.shape[1]
+        self.a = zeros(tuple(self.a.shape), dtype=self.a.dtype, device=self.a.device)
+        self.b = zeros(tuple(self.b.shape), dtype=self.b.dtype, device=self.b.device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.a, self.b, self.scaling

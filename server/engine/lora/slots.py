@@ -166,6 +166,7 @@ class SlotStats:
     pages_used: int = 0  # pages resident adapters hold (slots when not paged)
     pages_total: int = 0  # pages of the pool, the zero page excluded
     pinned: int = 0  # versions pinned on the device
+    draft_bytes: int = 0  # the draft model's LoRA slots' device bytes: 0 until a draft LoRA first loads
 
 
 class PinLimitError(ValueError):
@@ -278,7 +279,8 @@ class LoraSlots:
         paged = self.paging.paged
         total = self.paging.pages - 1 if paged else self.max_loras
         used = total - len(self.free_pages) if paged else self.num_resident
-        return SlotStats(self.num_resident, self.loads, self.hits, self.evictions, used, total, len(self.pinned))
+        return SlotStats(self.num_resident, self.loads, self.hits, self.evictions, used, total, len(self.pinned),
+                         self.draft.allocated_bytes if self.draft is not None else 0)
 
     def pages_for(self, adapter: PackedLoraAdapter) -> int:
         """Pages `adapter` holds on the device (1 when not paged: a slot)."""

@@ -46,14 +46,15 @@ import msgspec
 import psutil
 import zmq
 
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.core.arrays import int_bytes
 from server.engine.core.commands import NAP
 from server.engine.core.core_handle import CoreHandle
 from server.engine.core.deltas import OutputAssembler
 from server.engine.core.launch import CoreLaunch
 from server.engine.core.launcher import CoreStarter
-from server.engine.core.messages import (Abort, Accepted, Command, CoreMessage, Fatal, Hello, Outputs, Ready, Reply,
-                                         Stats, Submit)
+from server.engine.core.messages import (Abort, AbortChoice, Accepted, Command, CoreMessage, Fatal, Hello, Outputs,
+                                         Ready, Reply, Stats, Submit)
 from server.engine.async_engine import RequestStream, Sink, dispatch
 from server.engine.engine_stats import EngineStats
 from server.engine.grammar import Grammars
@@ -253,7 +254,7 @@ class RemoteEngineClient(EngineClient):
     async def submit(self, request: EngineRequest) -> RequestStream:
         loop = asyncio.get_running_loop()
         rid, n = request.request_id, request.params.n
-        sink = Sink(loop, n, text=RequestText(self.detokenizer, request.params, lambda: self.abort(rid)))
+        sink = Sink(loop, n, text=RequestText(self.detokenizer, request.params, self._abort_choice))
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._check_alive()
@@ -278,6 +279,14 @@ class RemoteEngineClient(EngineClient):
         if self._error is None and not self._stopping:
             try:
                 self._send(Abort([request_id]))
+            except EngineDeadError:
+                pass  # the core is gone: so is the request
+
+    def _abort_choice(self, abort: ChoiceAbort) -> None:
+        """A stop string ended one choice here (server.engine.choice_abort)."""
+        if self._error is None and not self._stopping:
+            try:
+                self._send(AbortChoice(abort.request_id, abort.index, abort.kept))
             except EngineDeadError:
                 pass  # the core is gone: so is the request
 

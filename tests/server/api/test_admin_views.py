@@ -19,7 +19,7 @@ ADMIN_VIEWS = ["/admin/tenants/{t}/usage", "/admin/tenants/{t}/refusals", "/admi
 # /admin/engine's sections read from EngineStats, key by key.
 STATS_SECTIONS = {
     "kv_blocks": ["total", "used"],
-    "slots": ["evictions", "hit_rate", "hits", "max_lora_rank", "misses", "pages_total", "pages_used", "pinned",
+    "slots": ["draft_bytes", "evictions", "hit_rate", "hits", "max_lora_rank", "misses", "pages_total", "pages_used", "pinned",
               "total", "used"],
     "host": ["adapters", "budget_bytes", "bytes", "evictions", "hit_rate", "hits", "load_failures", "loads_in_flight",
              "misses", "parked", "parked_bytes"],

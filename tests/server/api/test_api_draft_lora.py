@@ -38,6 +38,11 @@ def upload_with_draft(server, key, name: str, adapter_dir, draft_dir=None, draft
         return h.post("/v1/adapters", data={"name": name}, files=files)
 
 
+def draft_bytes(server) -> int:
+    """/admin/engine's bytes of the draft model's LoRA slots."""
+    return server.admin("GET", "/admin/engine").json()["slots"]["draft_bytes"]
+
+
 def test_an_uploaded_draft_lora_drafts_for_its_requests_and_texts_stay_the_plain_engines(
         tmp_path, tiny_model_dir, tiny_adapters, redis_server):
     config = self_draft_config(tmp_path, tiny_model_dir, redis_server, engine_process="in-process")
@@ -66,7 +71,12 @@ def test_an_uploaded_draft_lora_drafts_for_its_requests_and_texts_stay_the_plain
         engine = server.state.engine.engine
         seen = record_drafts(engine)
         jobs = list(zip(prompts_of(6, seed=4), [server.state.model_id, "self-drafted", "plain"] * 2))
+        no_draft = [job for job in jobs if job[1] != "self-drafted"]
+        assert greedy_texts(server.client(key), no_draft) == greedy_texts(server.client(key), no_draft,
+                                                                          speculative=False)
+        assert draft_bytes(server) == 0, "no adapter with a draft LoRA ran: the draft slots hold no memory"
         drafted = greedy_texts(server.client(key), jobs)
+        assert draft_bytes(server) > 0, "allocated when the first draft LoRA entered a slot"
         assert engine.lora_slots.draft.has[engine.lora_slots.slot_of[version]], "its draft LoRA sits in its slot"
         assert sum(1 for s, _, _ in seen if s.version_id == version) > 0
         assert rejected(seen, version) == 0, "a draft of the adapter's own draft LoRA was rejected"

@@ -38,7 +38,7 @@ def trace(llm: LLM, requests, aborts: dict[int, list[str]] | None = None, max_st
     (id, prompt, params, adapter name) added up front; aborts: step number -> request ids aborted
     before it."""
     engine = llm.engine
-    texts = OutputTexts(engine.detokenizer, engine.abort_request)  # the front end, as the LLM API's
+    texts = OutputTexts(engine.detokenizer, engine.abort_choice)  # the front end, as the LLM API's
     for rid, prompt, params, name in requests:
         engine.add_request(rid, prompt, params, llm._versions[name] if name else None)
         texts.add(rid, params)

@@ -130,7 +130,7 @@ def test_streamed_outputs_grow_monotonically(llm):
     prompt = random_prompts(1, (8, 8), VOCAB, seed=28)[0]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     engine.add_request("stream", prompt, params)
-    front = OutputTexts(engine.detokenizer, engine.abort_request)  # the text is the front end's
+    front = OutputTexts(engine.detokenizer, engine.abort_choice)  # the text is the front end's
     front.add("stream", params)
     texts, last = [], None
     while engine.has_unfinished_requests():
@@ -152,6 +152,42 @@ def test_greedy_choices_are_identical(llm):
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert all(c.token_ids == single.token_ids and c.text == single.text for c in out.choices)
     assert all(c.finished and c.finish_reason == "length" for c in out.choices)
+
+
+def choose_stop(first: str, second: str) -> str:
+    """A string that occurs early in `first` (not at its start) and nowhere in `second`."""
+    for start in range(1, len(first) - 3):
+        for length in (2, 3, 4):
+            stop = first[start:start + length]
+            if stop.strip() and stop not in second and first.index(stop) < len(first) // 3:
+                return stop
+    raise AssertionError(f"no stop string tells {first!r} from {second!r}")
+
+
+def test_a_stop_string_stops_its_choice_in_the_engine_while_the_other_runs_on(llm):
+    prompt = random_prompts(1, (12, 12), VOCAB, seed=33)[0]
+    free = llm.generate([prompt], SamplingParams(n=2, max_tokens=48, temperature=1.0, seed=8, ignore_eos=True))[0]
+    first, second = free.choices
+    stop = choose_stop(first.text, second.text)
+    engine = llm.engine
+    params = SamplingParams(n=2, max_tokens=48, temperature=1.0, seed=8, ignore_eos=True, stop=[stop])
+    engine.add_request("s", prompt, params)
+    choices = engine.output_processor.seqs["s"].group.seqs
+    front = OutputTexts(engine.detokenizer, engine.abort_choice)  # the front end, as the LLM API's
+    front.add("s", params)
+    generated = engine.stats().scheduler.generated_tokens
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in front.apply(engine.step()):
+            if out.finished:
+                final[out.index] = out
+    assert (final[0].text, final[0].finish_reason) == (first.text[:first.text.index(stop)], "stop")
+    assert (final[1].token_ids, final[1].text, final[1].finish_reason) == (second.token_ids, second.text, "length")
+    kept = len(final[0].token_ids)
+    assert final[0].token_ids == first.token_ids[:kept] and kept < 24
+    # Its abort reached the engine before the next step: choice 0 ran no token past the stop, choice 1 on.
+    assert choices[0].num_output_tokens == kept and choices[0].finish_reason == "abort"
+    assert engine.stats().scheduler.generated_tokens - generated == kept + 48
 
 
 def test_seeded_choices_are_distinct_and_reproducible(llm):

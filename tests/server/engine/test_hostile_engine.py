@@ -159,7 +159,7 @@ def test_detokenizer_failure_fails_that_request_only(engine):
         def flush(self, state, ids):
             return inner.flush(state, ids)
 
-    texts = OutputTexts(Exploding(), engine.abort_request)
+    texts = OutputTexts(Exploding(), engine.abort_choice)
     for i, p in enumerate([prompts[1], prompts[0], prompts[2]]):  # r1's choice is made first: the victim
         rid = f"r{(1, 0, 2)[i]}"
         texts.add(rid, greedy(5))

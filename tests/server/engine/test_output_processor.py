@@ -7,12 +7,13 @@ import pytest
 
 from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
+from server.engine.choice_abort import ChoiceAbort
 from server.engine.lora.slots import LoraSlots
 from server.engine.model_runner import SeqResult
 from server.engine.output_processor import OutputProcessor
 from server.engine.output_text import IncrementalDetokenizer, OutputTexts
 from server.engine.sampler import SampleFailure
-from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.scheduler import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, Scheduler, SchedulerConfig
 from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from server.engine.tokenizer_loader import load_tokenizer
 
@@ -35,7 +36,7 @@ def processor(tokenizer) -> OutputProcessor:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
                           HostTier(None, None))
     processor = OutputProcessor(scheduler, frozenset({EOS}), MAX_MODEL_LEN)
-    processor.texts = OutputTexts(IncrementalDetokenizer(tokenizer), processor.abort)  # the front end's
+    processor.texts = OutputTexts(IncrementalDetokenizer(tokenizer), processor.abort_choice)  # the front end's
     return processor
 
 
@@ -162,19 +163,49 @@ def test_a_failed_adapter_load_fails_its_request(processor):
     assert outs[0].finish_reason == "error" and "could not be loaded: no such version" in outs[0].error
 
 
-def test_a_stop_string_ends_one_choice_and_the_request_ends_with_the_last(processor):
+def test_a_stop_string_ends_its_choice_in_the_engine_and_the_other_runs_on(processor):
     add(processor, "r", SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=0, stop=["lo"]))
     first = step(processor, LO, WOR)
     assert [(o.index, o.text, o.finished, o.finish_reason) for o in first] == [(0, "", True, "stop"),
                                                                                (1, " wor", False, None)]
-    assert "r" in processor.seqs  # choice 1 runs on; the engine still runs choice 0 too, unseen
-    second = step(processor, LD)  # choice 0's engine output is dropped
+    choice0, choice1 = processor.seqs["r"].group.seqs  # choice 1 runs on
+    assert choice0.finished and not choice1.finished, "the front end aborted choice 0 alone"
+    assert processor.scheduler.running == [choice1]
+    second = step(processor, LD)  # one row: choice 1's (choice 0's abort output is dropped)
     assert [(o.index, o.text, o.finished) for o in second] == [(1, " world", False)]
-    batch = processor.scheduler.schedule()  # choice 1 draws EOS; choice 0, still running in the engine, not
-    results = {i: SeqResult(done=True, tokens=[EOS if seq.index else DOT], logprobs=[None])
-               for i, seq in enumerate(batch.seqs)}
-    third = processor.texts.apply(processor.postprocess(batch, results))
+    assert choice0.token_ids == PROMPT + [LO], "choice 0 ran no step past its stop"
+    third = step(processor, EOS)
     assert [(o.index, o.text, o.finish_reason) for o in third] == [(1, " world", "stop")]
-    # Every choice ended here: the front end aborted the request, so choice 0 left the engine too.
     assert not processor.seqs and not processor.scheduler.has_unfinished()
     assert processor.texts.apply(processor.postprocess(processor.scheduler.schedule(), {})) == []
+
+
+def test_tokens_run_past_a_stop_string_are_taken_back_from_the_fair_share(processor):
+    """The engine ran a step more before the front end's abort came: that token is not charged."""
+    add(processor, "r", SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=0, stop=["lo"]))
+    counters = processor.scheduler.waiting.counters
+    early = engine_step(processor, LO, WOR)
+    late = engine_step(processor, LD)  # choice 0's "ld" too: its front end has not read "lo" yet
+    choice0 = processor.seqs["r"].group.seqs[0]
+    assert choice0.num_output_tokens == 2
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 4 * OUTPUT_TOKEN_COST
+    assert [o.finish_reason for o in processor.texts.apply(early)] == ["stop", None]  # ChoiceAbort(kept=1)
+    assert choice0.finished
+    # Choice 0's one token and choice 1's two: what the clients were given.
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 3 * OUTPUT_TOKEN_COST
+    assert [(o.index, o.text) for o in processor.texts.apply(late)] == [(1, " world")]
+
+
+def test_a_choice_abort_after_the_request_ended_in_the_engine_still_takes_its_tokens_back(processor):
+    add(processor, "r", SamplingParams(max_tokens=2, temperature=0.0, stop=["lo"]))
+    outs = engine_step(processor, LO) + engine_step(processor, WOR)  # "length" before the front end read "lo"
+    assert not processor.seqs and outs[-1].finish_reason == "length"
+    counters = processor.scheduler.waiting.counters
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 2 * OUTPUT_TOKEN_COST
+    texted = processor.texts.apply(outs)
+    assert [(o.text, o.finish_reason, o.token_ids) for o in texted] == [("", "stop", [LO])]
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 1 * OUTPUT_TOKEN_COST
+    processor.abort_choice(ChoiceAbort("r", 0, 0))  # told twice, or for an index it never had: nothing
+    processor.abort_choice(ChoiceAbort("r", 5, 0))
+    processor.abort_choice(ChoiceAbort("unknown", 0, 0))
+    assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 1 * OUTPUT_TOKEN_COST

@@ -13,11 +13,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from adapters.draft_lora import ADAPTER_DIR, load_adapter_with_draft
 from adapters.format import AdapterFormatError
 from server.demo import make_base_model
 from server.engine import LLM, SamplingParams
+from server.engine.lora.slots import LoraGroupBuffers
 from tests.server.engine.test_speculative_draft_model import OPTS, spec
 from tests.server.engine.test_speculative_medusa import prompts_of
 from tests.server.engine.test_speculative_ngram import assert_same, generate_checked
@@ -91,6 +93,61 @@ def test_draft_lora_equal_to_the_adapter_has_every_greedy_draft_accepted(tiny_mo
     # Without its draft LoRA, the same adapter's drafts are rejected: the draft LoRA was what made them right.
     _, bare, bare_seen = run_mixed(tiny_model_dir, tiny_adapters, tiny_adapters["r8_all"])
     assert rejected(bare_seen, bare._versions["r8_all"]) > 0
+
+
+def ab_storages(layers: list[dict]) -> list[int]:
+    """Bytes each A and B tensor of `layers`' LoRA groups holds in its storage (a stand-in: one element's)."""
+    return [t.untyped_storage().nbytes() for groups in layers for g in groups.values() for t in (g.a, *g.b)]
+
+
+def test_draft_slots_hold_no_memory_until_a_draft_lora_loads(tiny_model_dir, tiny_adapters, self_drafted):
+    llm = LLM(tiny_model_dir, speculative_config=spec(tiny_model_dir), **OPTS)
+    llm.add_adapter("r4_qv", tiny_adapters["r4_qv"])
+    engine = llm.engine
+    draft = engine.lora_slots.draft
+    prompts = prompts_of(6, seed=5)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
+    without = generate_checked(llm, prompts, params, [None, "r4_qv"] * 3)
+    assert engine.stats().slots.draft_bytes == 0, "no adapter has a draft LoRA: the draft slots hold nothing"
+    assert set(ab_storages(draft.layers)) == {4}, "A and B are float32 stand-ins of one element"
+    llm.add_adapter("r8_all", self_drafted)
+    names = [None, "r8_all", "r4_qv"] * 2
+    mixed = generate_checked(llm, prompts, params, names)
+    # Allocated at the first draft LoRA: as many bytes as the target's slots (the draft is the same model).
+    target = sum(t.numel() * t.element_size() for groups in engine.lora_slots.layers for g in groups.values()
+                 for t in (g.a, *g.b))
+    assert engine.stats().slots.draft_bytes == target == sum(ab_storages(draft.layers))
+    plain = LLM(tiny_model_dir, **OPTS)
+    plain.add_adapter("r8_all", tiny_adapters["r8_all"])
+    plain.add_adapter("r4_qv", tiny_adapters["r4_qv"])
+    assert_same(generate_checked(plain, prompts, params, [None, "r4_qv"] * 3), without)
+    assert_same(generate_checked(plain, prompts, params, names), mixed)
+
+
+def test_without_memory_for_the_draft_slots_draft_loras_stay_off_and_outputs_do_not_change(
+        tiny_model_dir, tiny_adapters, self_drafted, monkeypatch, caplog):
+    llm = LLM(tiny_model_dir, speculative_config=spec(tiny_model_dir), **OPTS)
+    llm.add_adapter("r8_all", self_drafted)
+    draft = llm.engine.lora_slots.draft
+    real_repage = LoraGroupBuffers.repage
+
+    def out_of_memory(self, pages, zeros):
+        if zeros is torch.zeros:
+            raise torch.OutOfMemoryError("no room for the draft slots")
+        real_repage(self, pages, zeros)
+
+    monkeypatch.setattr(LoraGroupBuffers, "repage", out_of_memory)
+    seen = record_drafts(llm.engine)
+    prompts = prompts_of(3, seed=7)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
+    outs = generate_checked(llm, prompts, params, [None, "r8_all", None])
+    assert "draft LoRAs are not used" in caplog.text
+    assert llm.engine.stats().slots.draft_bytes == 0 and not any(draft.has)
+    assert set(ab_storages(draft.layers)) == {4}, "stand-ins again"
+    assert rejected(seen, llm._versions["r8_all"]) > 0, "its rows draft with the base draft model"
+    plain = LLM(tiny_model_dir, **OPTS)
+    plain.add_adapter("r8_all", tiny_adapters["r8_all"])
+    assert_same(generate_checked(plain, prompts, params, [None, "r8_all", None]), outs)
 
 
 def test_draft_lora_bytes_count_in_size_bytes(tiny_model_dir, tiny_adapters, self_drafted):
