@@ -202,15 +202,21 @@ async def read_json_object(request: Request, max_values: int = BASE_VALUES) -> d
     return await read_json_as(request, lambda body: body, max_values)
 
 
-async def read_json_as(request: Request, build: Callable[[dict], T], max_values: int = BASE_VALUES) -> T:
+async def read_json_as(request: Request, build: Callable[[dict], T], max_values: int = BASE_VALUES,
+                       screen: Callable[[bytearray], None] | None = None) -> T:
     """read_json_object, then `build` (a model's validation) on the object where it was parsed: a large
     body's validation runs on the worker thread too, not on the event loop (64 prompts of 2,046 ids
-    take ~10 ms to validate, holding the GIL, and every stream and /health waited for it)."""
+    take ~10 ms to validate, holding the GIL, and every stream and /health waited for it). `screen`
+    sees the raw body first, there too, and may refuse it before it is parsed."""
     counter = ValueCounter(max_values)
     raw = await read_capped(request, request.app.state.lp.config.max_request_bytes, counter)
-    if len(raw) <= INLINE_PARSE_BYTES:
+
+    def parsed() -> T:
+        if screen is not None:
+            screen(raw)
         return build(parse_json_object(raw, max_values, counter))
-    return await run_in_threadpool(lambda: build(parse_json_object(raw, max_values, counter)))
+
+    return parsed() if len(raw) <= INLINE_PARSE_BYTES else await run_in_threadpool(parsed)
 
 
 IGNORED_FIELDS_HEADER = "X-Loraplex-Ignored-Fields"
@@ -391,6 +397,7 @@ def parse_model(cls: type[M], body: dict, lenient_scope: Scope | None = None) ->
 
 
 async def read_model(request: Request, cls: type[M], max_values: int = BASE_VALUES,
-                     lenient_scope: Scope | None = None) -> M:
-    """The body read, parsed and validated into `cls` (parse_model): a large one all on a worker thread."""
-    return await read_json_as(request, lambda body: parse_model(cls, body, lenient_scope), max_values)
+                     lenient_scope: Scope | None = None, screen: Callable[[bytearray], None] | None = None) -> M:
+    """The body read, parsed and validated into `cls` (parse_model): a large one all on a worker thread,
+    after `screen` (read_json_as)."""
+    return await read_json_as(request, lambda body: parse_model(cls, body, lenient_scope), max_values, screen)
