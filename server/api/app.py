@@ -22,6 +22,7 @@ from server.api.errors import EXCEPTION_HANDLERS
 from server.api.housekeeping import run_upkeep
 from server.api.response_headers import ReplicaHeader, SecurityHeaders
 from server.api.state import ServerState
+from server.api.unread_body import CloseUnreadBody
 from server.config import ServerConfig
 from server.engine_mode import CoreStarter
 
@@ -87,7 +88,9 @@ def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | N
               *ops_routes.ROUTES, *admin_routes.ROUTES, *admin_adapter_routes.ROUTES, *adapter_pins.ROUTES,
               *admin_views.ROUTES, *shared_adapter_routes.ROUTES,
               *source_credential_routes.ROUTES, *openapi.ROUTES, *pages.ROUTES]
-    middleware = [Middleware(ReplicaHeader, replica=config.replica, front_end=config.front_end_index
+    # CloseUnreadBody outermost: every refusal, the admin throttle's included, closes on an unread body.
+    middleware = [Middleware(CloseUnreadBody),
+                  Middleware(ReplicaHeader, replica=config.replica, front_end=config.front_end_index
                              if config.api_server_count > 1 else None), Middleware(SecurityHeaders),
                   Middleware(AdminAuthThrottle), Middleware(IgnoredFieldsHeader)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS,

@@ -10,13 +10,12 @@ NaN/Infinity literals, nesting deeper than any OpenAI body, and lone UTF-16
 surrogates (valid JSON escapes that no UTF-8 encoder accepts, so they would
 fail later, wherever the string is encoded) are all a 400 that says which.
 
-The size of the document is bounded before it is built: a pre-scan (C-speed
-string searches, one Python step per string literal) counts the values outside
-strings and refuses a body with more than its endpoint can use (a completions
-body's token ids are at most `--max-batch-prompts` x `max_model_len`), so 16 MB
-of token ids is a 400 in milliseconds, not 8 million ints built and then
-refused. A large body is scanned and parsed on a worker thread, never on the
-event loop.
+The size of the document is bounded before it is built, and before it is all
+received: its values are counted as its bytes arrive (server.api.value_count), and a body
+with more than its endpoint can use (a completions body's token ids are at most
+`--max-batch-prompts` x `max_model_len`) is a 400 once the count passes that, the
+rest of the body never read. A large body is parsed on a worker thread, never on
+the event loop.
 
 Which top-level fields of a request body are read: OpenAI refuses an unrecognised request
 argument with a 400; so does loraplex, naming it in `param`. vLLM instead ignores unknown fields
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from json.decoder import scanstring
 from typing import Any, TypeVar
 
 import msgspec
@@ -51,22 +49,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api.errors import APIError
 from server.api.openai_requests import Unsupported
 from server.api.token_id_lists import put_back, stand_ins
+from server.api.value_count import ValueCounter, check_value_count
 
 # Far deeper than any OpenAI request (chat content parts sit at depth 4) and far
 # below the C parser's recursion limit, so a hostile body never recurses far.
 MAX_JSON_DEPTH = 32
 # A 64-bit integer has at most 20 digits; anything longer is no field we know.
 MAX_INT_DIGITS = 24
-# String literals (object keys included) in one body: 4,096 chat messages of a few fields each,
-# 1,024 logit_bias keys and 64 prompts stay far below it.
-MAX_STRINGS = 1 << 16
 # Values besides token ids that a body may carry (messages and their fields, logit_bias, stop ids).
 BASE_VALUES = 1 << 16
 # Bodies up to this size are parsed on the event loop: a thread hop would cost more than the parse.
 INLINE_PARSE_BYTES = 64 << 10
-SCAN_WINDOW_CHARS = 1 << 20
 _DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
-_BACKSLASH = ord("\\")
 _MISSING = object()
 _fast_decode = msgspec.json.Decoder().decode
 T = TypeVar("T")
@@ -78,10 +72,12 @@ def _too_large(cap: int) -> APIError:
                     "request_too_large")
 
 
-async def read_capped(request: Request, cap: int) -> bytearray:
-    """The whole body, refusing with 413 as soon as it is known to exceed `cap` bytes. Each chunk is
-    copied into one buffer as it arrives (sized by Content-Length where sent), never joined at the
-    end: joining 15 MB of chunks was one copy holding the GIL on the event loop."""
+async def read_capped(request: Request, cap: int, counter: ValueCounter | None = None) -> bytearray:
+    """The whole body, refusing with 413 as soon as it is known to exceed `cap` bytes, and with
+    `counter`'s 400 as soon as the bytes so far hold too many values: the rest is never received
+    (server.api.unread_body closes the connection). Each chunk is copied into one buffer as it
+    arrives (sized by Content-Length where sent), never joined at the end: joining 15 MB of chunks
+    was one copy holding the GIL on the event loop."""
     length = request.headers.get("content-length")
     expected = 0
     if length is not None:
@@ -98,6 +94,8 @@ async def read_capped(request: Request, cap: int) -> bytearray:
             raise _too_large(cap)
         body[received:end] = chunk  # in place while within the expected length, else appended
         received = end
+        if counter is not None:
+            counter.feed(body, received)
     del body[received:]  # a body shorter than its Content-Length (the server refuses it first)
     return body
 
@@ -144,64 +142,6 @@ def _check_tree(doc: Any) -> None:
         # where one Python step per value cost 70% of parsing a 64-prompt token batch
 
 
-def _too_many_values(cap: int, what: str) -> APIError:
-    return APIError(400, f"the body has more than {cap} {what}; no request to this endpoint needs that many "
-                         f"(token ids are bounded by max_model_len per prompt and --max-batch-prompts)",
-                    "too_many_values")
-
-
-def _count_outside_strings(raw: bytes | bytearray, max_values: int) -> bool:
-    """check_value_count on the undecoded body: a refused 15 MB body is never decoded. UTF-8 puts
-    no '"' or '\\' byte inside a multi-byte character, so a string's end is the next quote byte
-    unless a backslash precedes it; False where one does (an escaped quote) or a string never ends,
-    and the decoded text must be scanned instead."""
-    pos, values, strings, size = 0, 0, 0, len(raw)
-    while True:
-        quote = -1
-        # In windows: a C call holds the GIL throughout, and 16 MB of ids is refused after the first.
-        for lo in range(pos, size, SCAN_WINDOW_CHARS):
-            hi = min(size, lo + SCAN_WINDOW_CHARS)
-            quote = raw.find(b'"', lo, hi)
-            values += raw.count(b",", lo, hi if quote < 0 else quote)
-            if values > max_values:
-                raise _too_many_values(max_values, "values (array elements and object members)")
-            if quote >= 0:
-                break
-        if quote < 0:
-            return True
-        strings += 1
-        if strings > MAX_STRINGS:
-            raise _too_many_values(MAX_STRINGS, "strings")
-        end = raw.find(b'"', quote + 1)
-        if end < 0 or raw[end - 1] == _BACKSLASH:
-            return False
-        pos = end + 1
-
-
-def check_value_count(text: str, max_values: int) -> None:
-    """Refuse a document with more than `max_values` values outside strings (counted by their
-    separating commas) or more than MAX_STRINGS string literals, before any of them is built.
-    Strings are skipped with the JSON decoder's own C scanner, so a comma inside one never counts."""
-    pos, values, strings = 0, 0, 0
-    while True:
-        quote = text.find('"', pos)
-        end = len(text) if quote < 0 else quote
-        # In windows: a C call holds the GIL throughout, and 16 MB of ids is refused after the first.
-        for lo in range(pos, end, SCAN_WINDOW_CHARS):
-            values += text.count(",", lo, min(end, lo + SCAN_WINDOW_CHARS))
-            if values > max_values:
-                raise _too_many_values(max_values, "values (array elements and object members)")
-        if quote < 0:
-            return
-        strings += 1
-        if strings > MAX_STRINGS:
-            raise _too_many_values(MAX_STRINGS, "strings")
-        try:
-            _, pos = scanstring(text, quote + 1, True)
-        except json.JSONDecodeError as e:
-            raise APIError(400, f"the body is not valid JSON: {e}", "invalid_json") from None
-
-
 def _decoded(raw: bytes | bytearray) -> str:
     try:
         return raw.decode("utf-8")
@@ -221,14 +161,18 @@ def _loads(raw: bytes | bytearray, long_digits: bool) -> Any:
                        "invalid_json") from None
 
 
-def parse_json(raw: bytes | bytearray, max_values: int = BASE_VALUES) -> Any:
+def parse_json(raw: bytes | bytearray, max_values: int = BASE_VALUES, counter: ValueCounter | None = None) -> Any:
     """Parse a bounded JSON document; every malformed input is a 400 naming the problem.
 
     msgspec parses first (64 prompts of 2,046 ids: several times faster than json.loads, and it
     holds the GIL that much less); it accepts no document json.loads refuses and builds the same
     values from the ones both accept (big ints included; NaN, Infinity, lone surrogates and bad
-    UTF-8 it refuses). Anything it refuses is parsed again by json.loads, whose error the 400 names."""
-    if not _count_outside_strings(raw, max_values):
+    UTF-8 it refuses). Anything it refuses is parsed again by json.loads, whose error the 400 names.
+    `counter`: the body's values already counted as it arrived (read_capped)."""
+    if counter is None:
+        counter = ValueCounter(max_values)
+        counter.feed(raw, len(raw))
+    if not counter.complete:
         check_value_count(_decoded(raw), max_values)
     # The per-literal digit check only where a long digit run exists (json.loads's hook does it).
     long_digits = b"0" * (MAX_INT_DIGITS + 1) in raw.translate(_DIGITS_AS_ZERO)
@@ -244,8 +188,9 @@ def parse_json(raw: bytes | bytearray, max_values: int = BASE_VALUES) -> Any:
     return doc
 
 
-def parse_json_object(raw: bytes | bytearray, max_values: int = BASE_VALUES) -> dict:
-    body = parse_json(raw, max_values)
+def parse_json_object(raw: bytes | bytearray, max_values: int = BASE_VALUES,
+                      counter: ValueCounter | None = None) -> dict:
+    body = parse_json(raw, max_values, counter)
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", "invalid_json")
     return body
@@ -257,14 +202,21 @@ async def read_json_object(request: Request, max_values: int = BASE_VALUES) -> d
     return await read_json_as(request, lambda body: body, max_values)
 
 
-async def read_json_as(request: Request, build: Callable[[dict], T], max_values: int = BASE_VALUES) -> T:
+async def read_json_as(request: Request, build: Callable[[dict], T], max_values: int = BASE_VALUES,
+                       screen: Callable[[bytearray], None] | None = None) -> T:
     """read_json_object, then `build` (a model's validation) on the object where it was parsed: a large
     body's validation runs on the worker thread too, not on the event loop (64 prompts of 2,046 ids
-    take ~10 ms to validate, holding the GIL, and every stream and /health waited for it)."""
-    raw = await read_capped(request, request.app.state.lp.config.max_request_bytes)
-    if len(raw) <= INLINE_PARSE_BYTES:
-        return build(parse_json_object(raw, max_values))
-    return await run_in_threadpool(lambda: build(parse_json_object(raw, max_values)))
+    take ~10 ms to validate, holding the GIL, and every stream and /health waited for it). `screen`
+    sees the raw body first, there too, and may refuse it before it is parsed."""
+    counter = ValueCounter(max_values)
+    raw = await read_capped(request, request.app.state.lp.config.max_request_bytes, counter)
+
+    def parsed() -> T:
+        if screen is not None:
+            screen(raw)
+        return build(parse_json_object(raw, max_values, counter))
+
+    return parsed() if len(raw) <= INLINE_PARSE_BYTES else await run_in_threadpool(parsed)
 
 
 IGNORED_FIELDS_HEADER = "X-Loraplex-Ignored-Fields"
@@ -445,6 +397,7 @@ def parse_model(cls: type[M], body: dict, lenient_scope: Scope | None = None) ->
 
 
 async def read_model(request: Request, cls: type[M], max_values: int = BASE_VALUES,
-                     lenient_scope: Scope | None = None) -> M:
-    """The body read, parsed and validated into `cls` (parse_model): a large one all on a worker thread."""
-    return await read_json_as(request, lambda body: parse_model(cls, body, lenient_scope), max_values)
+                     lenient_scope: Scope | None = None, screen: Callable[[bytearray], None] | None = None) -> M:
+    """The body read, parsed and validated into `cls` (parse_model): a large one all on a worker thread,
+    after `screen` (read_json_as)."""
+    return await read_json_as(request, lambda body: parse_model(cls, body, lenient_scope), max_values, screen)

@@ -42,12 +42,13 @@ from server.api.adapter_references import resolve_adapter, resolve_lorax_adapter
 from server.api.auth import (cancel_admission, charged_compile, check_completion_cap, check_request_cost, gated,
                              keep_admission, require_tenant, state_of)
 from server.api.base_identity import unavailable_reason
-from server.api.body import BASE_VALUES, lenient_scope, read_model
+from server.api.body import BASE_VALUES, INLINE_PARSE_BYTES, lenient_scope, read_model
 from server.api.errors import APIError, to_api_error
 from server.api.logprob_format import CompletionLogprobs, chat_content, merge_blocks, prompt_logprobs
 from server.api.openai_requests import (ChatCompletionRequest, CompletionRequest, Constraint, constraint_of,
                                         max_tokens_for, sampling_params)
 from server.api.prompts import ChoiceToolCalls, ToolPlan, chat_inputs, plan_tools, request_constraint
+from server.api.raw_cost import cost_fields
 from server.api.state import ServerState
 from server.api.token_text import TokenText
 from server.engine import SamplingParams
@@ -612,6 +613,38 @@ def max_body_values(state: ServerState) -> int:
     return state.config.max_batch_prompts * state.engine.info.max_model_len + BASE_VALUES
 
 
+def _check_batch_size(state: ServerState, tenant: Tenant, req: CompletionRequest, prompts: int) -> None:
+    cap = state.config.max_batch_prompts
+    if prompts > cap:
+        raise APIError(400, f"'prompt' is a batch of {prompts} prompts; at most {cap} "
+                            f"(--max-batch-prompts)", "invalid_value", param="prompt")
+    check_completion_cap(req, tenant, prompts)
+
+
+def _checked_max_tokens(state: ServerState, tenant: Tenant, req, prompt_lens: list[int]) -> list[int]:
+    """Each prompt's completion limit, once the request's cost is within the tenant's and server's bounds."""
+    limit = state.engine.info.max_model_len
+    max_tokens = [max_tokens_for(req, tenant, n, limit) for n in prompt_lens]
+    check_request_cost(req, tenant, prompt_lens, max_tokens, state.config.max_logprob_entries)
+    return max_tokens
+
+
+def _refuse_costly_raw(state: ServerState, tenant: Tenant, raw: bytearray) -> None:
+    """The route's cost refusals on a large completions body's raw counts, where they are exact
+    (server.api.raw_cost), in the route's order and with its messages; nothing where they are not."""
+    found = cost_fields(raw) if len(raw) > INLINE_PARSE_BYTES else None
+    if found is None:
+        return
+    fields, lengths = found
+    req = CompletionRequest.model_construct(echo=fields.echo, logprobs=fields.logprobs,
+                                            prompt_logprobs=fields.prompt_logprobs, n=fields.n,
+                                            max_tokens=fields.max_tokens)
+    _check_batch_size(state, tenant, req, len(lengths))
+    for n in lengths:
+        state.prompts.check_token_count(n, "prompt")
+    _checked_max_tokens(state, tenant, req, lengths)
+
+
 def _render(body: dict) -> bytes:
     # JSONResponse's encoding, on a worker thread: a large logprobs body is megabytes of JSON.
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
@@ -639,7 +672,8 @@ async def _generate(request: Request, chat: bool) -> Response:
     # Admitted (rate, concurrency) before the body is read: an over-quota tenant's body is never parsed.
     async with gated(state, tenant) as gate:
         req = await read_model(request, ChatCompletionRequest if chat else CompletionRequest,
-                               max_body_values(state), lenient_scope(request))
+                               max_body_values(state), lenient_scope(request),
+                               None if chat else lambda raw: _refuse_costly_raw(state, tenant, raw))
         record = await _request_adapter(state, tenant, req)
         tools = plan_tools(req, state.config.tool_call_parser if state.config.enable_auto_tool_choice else None,
                            state.config.max_schema_bytes) if chat else None
@@ -647,16 +681,9 @@ async def _generate(request: Request, chat: bool) -> Response:
             prompts = [await state.prompts.encode_chat(*chat_inputs(req, tools, state.prompts.chat_template))]
         else:
             batch = req.prompts()
-            cap = state.config.max_batch_prompts
-            if len(batch) > cap:
-                raise APIError(400, f"'prompt' is a batch of {len(batch)} prompts; at most {cap} "
-                                    f"(--max-batch-prompts)", "invalid_value", param="prompt")
-            check_completion_cap(req, tenant, len(batch))
+            _check_batch_size(state, tenant, req, len(batch))
             prompts = await state.prompts.encode_batch(batch)
-        limit = state.engine.info.max_model_len
-        max_tokens = [max_tokens_for(req, tenant, len(ids), limit) for ids in prompts]
-        check_request_cost(req, tenant, [len(ids) for ids in prompts], max_tokens,
-                           state.config.max_logprob_entries)
+        max_tokens = _checked_max_tokens(state, tenant, req, [len(ids) for ids in prompts])
         await gate.hand_over()
         gens = await _start_all(state, tenant, req, prompts, max_tokens, record, arrived,
                                 "chat" if chat else "completions", tools)

@@ -146,6 +146,28 @@ def test_logprob_output_budget_is_a_400_naming_the_limit(server):
     assert _usage(server, key)["total"]["requests"] == 2  # the two prompts of the served batch only
 
 
+def test_a_large_over_budget_body_is_refused_from_its_raw_counts(server):
+    """Decided before validation (server.api.raw_cost): a bad temperature beside it is not what the
+    400 names, and the message is the budget check's own, exact to the entry."""
+    _, key = server.new_tenant()
+    model = server.state.model_id
+    body = {"model": model, "prompt": [[1234] * 500] * 60, "max_tokens": 2, "n": 2, "echo": True, "logprobs": 3,
+            "temperature": "hot"}
+    assert len(json.dumps(body, separators=(",", ":"))) > 64 << 10  # as httpx sends it
+    r = _post(server, key, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "max_logprob_entries", r.text
+    assert f"up to {60 * 2 * 502 * 4} logprob entries" in r.json()["error"]["message"]
+    # the route's earlier checks keep their order and messages: a batch too large, a prompt too long
+    limit = server.state.engine.info.max_model_len
+    r = _post(server, key, "/v1/completions", {**body, "prompt": [[1234] * 500] * 65})
+    assert r.status_code == 400 and "at most 64 (--max-batch-prompts)" in r.json()["error"]["message"], r.text
+    r = _post(server, key, "/v1/completions", {**body, "prompt": [[1234] * 500] * 59 + [[5] * (limit + 1)]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    # within every bound, the ordinary path validates it: the temperature is what is wrong
+    r = _post(server, key, "/v1/completions", {**body, "logprobs": None, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
 def test_max_tokens_per_request_bounds_prompts_times_n_times_max_tokens(server):
     _, key = server.new_tenant({"max_tokens_per_request": 10})
     model = server.state.model_id
