@@ -216,6 +216,16 @@ class FairQueue:
         """Every choice's tokens count: n choices cost n times the decoding."""
         self.charge(seq.tenant, tokens * OUTPUT_TOKEN_COST)
 
+    def charge_outputs(self, tokens: dict[str | None, int]) -> None:
+        """charge_output of one token, `tokens[tenant]` times for each tenant: the same additions (the
+        same float counters), with no call per token."""
+        counters = self.counters
+        for tenant, count in tokens.items():
+            cost, counter = OUTPUT_TOKEN_COST / self.weights.get(tenant, 1.0), counters.get(tenant, 0.0)
+            for _ in range(count):
+                counter += cost
+            counters[tenant] = counter
+
     def charge(self, tenant: str | None, cost: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
 
