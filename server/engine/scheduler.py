@@ -514,6 +514,9 @@ class Scheduler:
     def _measure(self, batch: ScheduledBatch, chunked: set[Sequence]) -> None:
         """The batch's decoding rows and prompt work (StepCost units, whether or not the step was capped), for
         observe()."""
+        if not chunked:  # the usual decode-only step: every row decodes
+            batch.decoding += len(batch.seqs)
+            return
         cost = self.config.step_cost
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq in chunked:
