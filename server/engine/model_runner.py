@@ -60,6 +60,9 @@ class SeqResult:
     prompt_logprobs: list[TokenLogprobs] | None = None  # next prompt entries, in order
     drafted: int = 0  # drafts verified: then `tokens` is the run it emits (accepted drafts + the target's)
     proposed: list[int] | tuple[()] = ()  # Medusa drafts for the tokens after its last one
+    # Its one token and nothing more (a TokenResults entry: an int token, no logprobs, prompt logprobs,
+    # drafts or proposal): post-processing appends it inline (server.engine.output_processor).
+    only_token: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class TokenResults(dict):
     modifies it), instead of one made per sequence per step. At most a vocabulary's worth."""
 
     def __missing__(self, token: int | SampleFailure) -> SeqResult:
-        result = self[token] = SeqResult(True, (token,), (None,))
+        result = self[token] = SeqResult(True, (token,), (None,), only_token=not isinstance(token, SampleFailure))
         return result
 
 
@@ -107,6 +110,15 @@ class StepInputs:
     ahead_rows: tuple[list[int], list[int], list[list[int]], list[int]] | None = None
     # Every row is a plain decode row (ModelRunner.prepare's runs): none has a grammar, so no mask to gather.
     unconstrained: bool = False
+
+
+@dataclass(frozen=True)
+class _PlainBatch:
+    """A step whose rows were all plain decode rows with kept SamplingRows (ModelRunner._kept_plain_rows)."""
+
+    seqs: list[Sequence]
+    lora_slots: list[int]
+    rows: list[SamplingRow]
 
 
 @dataclass
@@ -172,6 +184,7 @@ class ModelRunner:
         self.medusa: MedusaProposer | None = None  # set by use_medusa()
         self.token_results = TokenResults()
         self.last_lora: tuple[list[int], LoraBatch] | None = None  # the last step's token slots and LoraBatch
+        self.last_plain: _PlainBatch | None = None  # the last step, when its rows were all kept plain rows
         # Each KV layer group's padded block tables, kept from step to step (kernels.padded_tables).
         self.kept_tables = [PaddedTables() for _ in range(1 if self.kv_groups is None else self.kv_groups.num_groups)]
 
@@ -214,6 +227,14 @@ class ModelRunner:
         plain_runs = not ahead and medusa_rows is None
         plain_rows = 0
         at, count = 0, len(seqs)
+        kept = self._kept_plain_rows(batch) if plain_runs else None
+        if kept is not None:  # the last step's rows again (the usual step): nothing per row but its token
+            input_ids, positions, rows = kept
+            token_slots, context_lens = lora_slots[:], positions[:]
+            row_logits, logits_indices, sampled = list(range(count)), list(range(count)), list(range(count))
+            row_starts = list(range(count + 1))
+            plain_rows = at = count
+        seeded = False  # a plain row built for a seeded sequence: not kept, so not the next step's
         while at < count:
             if plain_runs:
                 # A run of the usual decode rows (one token, its last; no drafts, forks, row state or prompt
@@ -232,6 +253,7 @@ class ModelRunner:
                     row = seq.plain_row  # _plain_row(), inline
                     if row is None:
                         row = _plain_row(seq, start + 1 - seq.num_prompt_tokens)
+                        seeded = seeded or seq.plain_row is None
                     rows.append(row)
                     at += 1
                 if at > first_seq:
@@ -289,6 +311,9 @@ class ModelRunner:
                 row_starts.append(len(rows))
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(i)
+        if kept is None:
+            self.last_plain = (_PlainBatch(seqs[:], lora_slots[:], rows)
+                               if plain_runs and plain_rows == count and not seeded else None)
         dev = self.device
         num_sampled_logits = len(logits_indices)
         if prompt is not None:
@@ -335,6 +360,24 @@ class ModelRunner:
         )
         ids = None if ahead else host_tensor(input_ids).to(dev, non_blocking=True)
         return StepInputs(ids, ctx, host_tensor(logits_indices).to(dev, non_blocking=True), **common)
+
+    def _kept_plain_rows(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[SamplingRow]] | None:
+        """vLLM V1's persistent batch, for the usual step: when the last step's rows were all plain decode rows
+        with kept SamplingRows (Sequence.plain_row) and this step runs the same sequences in the same order
+        with the same adapter slots, each its one newest token, then every row is what the last step made
+        of it: its (input ids, positions, rows), with no per-row checks; else None. What makes a row plain
+        is fixed for a sequence while it runs (its params and group, an aLoRA's start behind it), but that
+        it runs its newest token and only that, which is checked."""
+        last = self.last_plain
+        seqs = batch.seqs
+        if (last is None or last.seqs != seqs or last.lora_slots != batch.lora_slots
+                or batch.num_tokens.count(1) != len(seqs) or any(batch.drafts)):
+            return None
+        ids = [seq.token_ids for seq in seqs]
+        positions = [seq.num_computed_tokens for seq in seqs]
+        if list(map(len, ids)) != [p + 1 for p in positions]:
+            return None
+        return [t[-1] for t in ids], positions, last.rows[:]
 
     def _stage_verify(self, batch: ScheduledBatch, all_drafts, input_ids: list[int], positions: list[int],
                       token_slots: list[int], logits_indices: list[int]

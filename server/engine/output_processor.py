@@ -128,11 +128,37 @@ class OutputProcessor:
         self.aborted.clear()
         for seq, error in batch.failed:
             outputs += self._fail(seq, f"adapter {seq.version_id} could not be loaded: {error}")
-        register, finished = self.scheduler.prefix_cache.register, SequenceStatus.FINISHED
+        cache, finished = self.scheduler.prefix_cache, SequenceStatus.FINISHED
+        register = cache.register
+        # A decode row fills its last block a token at a time: the cache is called only once one is full.
+        block_size = cache.block_size if cache.enabled else 0
+        charged: dict[str | None, int] = {}  # tenant -> output tokens of the plain rows, charged once
+        max_model_len, eos = self.max_model_len, self.eos_token_ids
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if seq.status is finished:
                 continue  # async scheduling: aborted, or ended by the step before, while this one ran
             result = results.get(i)
+            if result is not None and result.only_token and seq.grammar is None and seq.logprobs is None:
+                # The usual decode row, inline: what the general path below and _append_token make of it.
+                try:
+                    seq.proposed = ()
+                    seq.num_computed_tokens += n
+                    if block_size and seq.num_computed_tokens // block_size > seq.num_registered_blocks:
+                        register(seq)
+                    token, ids, p = result.tokens[0], seq.token_ids, seq.params
+                    ids.append(token)
+                    charged[seq.tenant] = charged.get(seq.tenant, 0) + 1
+                    # No stop possible (the usual token): below both lengths, not a stop id, not an EOS that
+                    # ends it; else _token_stop decides (min_tokens included).
+                    if (len(ids) - seq.num_prompt_tokens < p.max_tokens and len(ids) < max_model_len
+                            and token not in p.stop_token_ids and (p.ignore_eos or token not in eos)):
+                        outputs.append(seq.output())
+                    else:
+                        reason = self._token_stop(seq, token)
+                        outputs += [seq.output()] if reason is None else self._finish(seq, reason)
+                except Exception as e:  # noqa: BLE001 - one request's failure, never the engine's
+                    outputs += self._failed(seq, e)
+                continue
             if result is None:  # a prompt chunk
                 seq.num_computed_tokens += n
                 register(seq)
@@ -158,6 +184,9 @@ class OutputProcessor:
                     self._advance(outputs, choice, token, logprob)
             else:
                 self._advance(outputs, seq, result.tokens[0], result.logprobs[0])
+        if charged:
+            self.scheduler.waiting.charge_outputs(charged)
+            self.scheduler.num_generated_tokens += sum(charged.values())  # as _append_token counts each
         return outputs
 
     def _advance_run(self, outputs: list[RequestOutput], seq: Sequence, n: int, result: SeqResult) -> None:
@@ -184,8 +213,11 @@ class OutputProcessor:
         try:
             outputs.append(self._append_token(seq, token, logprob))
         except Exception as e:  # noqa: BLE001 - one request's failure, never the engine's
-            log.exception("post-processing request %s failed", seq.request_id)
-            outputs += self._fail(seq, f"post-processing failed: {type(e).__name__}: {e}")
+            outputs += self._failed(seq, e)
+
+    def _failed(self, seq: Sequence, e: Exception) -> list[RequestOutput]:
+        log.exception("post-processing request %s failed", seq.request_id)
+        return self._fail(seq, f"post-processing failed: {type(e).__name__}: {e}")
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> RequestOutput:
         if seq.grammar is not None and not seq.grammar.accept_token(token):
@@ -225,11 +257,15 @@ class OutputProcessor:
         return f"{source} {failure.reason}"
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
         if seq.grammar is not None and seq.grammar.is_terminated():
             # The constraint is complete (it ended on a stop token, even with ignore_eos), before
             # min_tokens too: its grammar allowed nothing else (vLLM's rule, vllm#54218).
             return "stop"
+        return self._token_stop(seq, token)
+
+    def _token_stop(self, seq: Sequence, token: int) -> str | None:
+        """The finish reason that `seq`'s newest token decides, a grammar aside."""
+        p = seq.params
         if p.min_tokens and seq.num_output_tokens < p.min_tokens:
             return None  # vLLM: no stop token ends a choice before min_tokens (the sampler masks them)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

@@ -350,9 +350,10 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
     and a request resumed after preemption continues exactly.
     """
     # Every row the argmax of its raw logits (the usual greedy batch): nothing per row to read beyond this.
-    plain = bitmask is None and all(row.params.plain_greedy for row in rows)
+    if bitmask is None and all(row.params.plain_greedy for row in rows):
+        return _plain_greedy(logits)
     ending = frozenset() if bitmask is None else _grammar_ending(rows, grammar_mask, bitmask)
-    processors = None if plain else LogitsProcessors.build(rows, logits.device, ending)
+    processors = LogitsProcessors.build(rows, logits.device, ending)
     if processors is None and bitmask is None:
         processed = logits  # [N, V]
         best, chosen = row_max(logits)  # [N] each; the first index of ties, as argmax
@@ -371,7 +372,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
     # Only a finite row can lose every token (a penalty overflow), and then it fails alone.
     usable = (finite & (best > float("-inf"))).tolist()
     tokens: list[int | SampleFailure] = chosen.tolist()
-    sampled = [] if plain else [i for i, row in enumerate(rows) if not row.params.greedy and usable[i]]
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy and usable[i]]
     if sampled:
         for i, token in zip(sampled, _draw(processed, rows, sampled, engine_generator)):
             tokens[i] = token
@@ -382,7 +383,22 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow], engine_genera
                 tokens[i] = SampleFailure("produced non-finite logits", non_finite=True)
             elif not usable[i]:
                 tokens[i] = SampleFailure("the sampling parameters left no token to choose")
-    return SamplerOutput(tokens, [None] * len(rows) if plain else _logprobs(logits, rows, tokens))
+    return SamplerOutput(tokens, _logprobs(logits, rows, tokens))
+
+
+def _plain_greedy(logits: torch.Tensor) -> SamplerOutput:
+    """sample_rows for a batch of plain greedy rows: each row's first argmax, or its failure where a logit
+    is not finite (NaN or +-inf, as the general path's max and min find them)."""
+    best, chosen = row_max(logits)
+    tokens: list[int | SampleFailure] = chosen.tolist()
+    # Every logit finite (the usual batch), told by one scalar: a NaN or +inf shows in its row's max, a -inf
+    # in the min. A sum that overflows only sends the batch to the exact per-row check.
+    if not torch.isfinite(best.sum() + logits.amin()):
+        finite = (torch.isfinite(best) & (logits.amin(dim=-1) > float("-inf"))).tolist()
+        for i, ok in enumerate(finite):
+            if not ok:
+                tokens[i] = SampleFailure("produced non-finite logits", non_finite=True)
+    return SamplerOutput(tokens, [None] * len(tokens))
 
 
 def _draw(processed: torch.Tensor, rows: Sequence[SamplingRow], sampled: list[int],

@@ -9,7 +9,7 @@ from adapters.host_tier import HostTier
 from server.engine.block_manager import BlockManager
 from server.engine.choice_abort import ChoiceAbort
 from server.engine.lora.slots import LoraSlots
-from server.engine.model_runner import SeqResult
+from server.engine.model_runner import SeqResult, TokenResults
 from server.engine.output_processor import OutputProcessor
 from server.engine.output_text import IncrementalDetokenizer, OutputTexts
 from server.engine.sampler import SampleFailure
@@ -209,3 +209,52 @@ def test_a_choice_abort_after_the_request_ended_in_the_engine_still_takes_its_to
     processor.abort_choice(ChoiceAbort("r", 5, 0))
     processor.abort_choice(ChoiceAbort("unknown", 0, 0))
     assert counters[None] == len(PROMPT) * PROMPT_TOKEN_COST + 1 * OUTPUT_TOKEN_COST
+
+
+def _run_plain_rows(processor: OutputProcessor, shared: bool) -> tuple[list, dict, list, list]:
+    """Requests of three tenants (one weighted) that end by EOS, a stop id, min_tokens, max_tokens and the
+    model's length, run to the end with each step's one-token results given as the runner gives a plain
+    row's (`shared`: TokenResults, which post-processing appends inline) or as a general SeqResult."""
+    processor.scheduler.waiting.set_weight("heavy", 3.0)
+    cases = {"eos": SamplingParams(max_tokens=9), "stop_id": SamplingParams(max_tokens=9, stop_token_ids=(DOT,)),
+             "min": SamplingParams(max_tokens=9, min_tokens=3), "max": SamplingParams(max_tokens=5, ignore_eos=True),
+             "len": SamplingParams(max_tokens=100, ignore_eos=True)}
+    seqs = []
+    for k, (rid, params) in enumerate(cases.items()):
+        group = SequenceGroup(rid, False, ())
+        seq = Sequence(rid, PROMPT, params, None, k, tenant=("heavy", "a", None)[k % 3], group=group)
+        processor.add(seq)
+        processor.scheduler.add(seq)
+        seqs.append(seq)
+    script = {"eos": [LO, WOR, EOS], "stop_id": [LO, DOT], "min": [EOS, EOS, EOS, LO]}
+
+    def pick(seq: Sequence) -> int:
+        k, row = seq.num_output_tokens, script.get(seq.request_id)
+        return row[min(k, len(row) - 1)] if row else (LD if k % 2 else LO)
+
+    made, steps = TokenResults(), []
+    while processor.scheduler.has_unfinished():
+        batch = processor.scheduler.schedule()
+        picks = [pick(s) for s in batch.seqs]
+        results = {i: made[t] if shared else SeqResult(done=True, tokens=[t], logprobs=[None])
+                   for i, t in enumerate(picks)}
+        outs = processor.postprocess(batch, results)
+        steps.append([(o.request_id, o.token_ids, o.finished, o.finish_reason) for o in outs])
+    return steps, dict(processor.scheduler.waiting.counters), [s.num_registered_blocks for s in seqs], \
+        [s.block_hashes for s in seqs]
+
+
+def test_a_plain_rows_token_is_appended_inline_as_the_general_path_does():
+    """The inline path for a row that got its token and nothing more (TokenResults) gives the general
+    path's outputs, finish reasons, fair-share counters and prefix-cache registrations, to the bit."""
+    def fresh() -> OutputProcessor:
+        blocks = BlockManager(num_blocks=32, block_size=4)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
+                              HostTier(None, None))
+        return OutputProcessor(scheduler, frozenset({EOS}), MAX_MODEL_LEN)
+
+    general, inline = _run_plain_rows(fresh(), shared=False), _run_plain_rows(fresh(), shared=True)
+    assert inline == general
+    steps, counters, registered, hashes = inline
+    assert {o[3] for outs in steps for o in outs if o[2]} == {"stop", "length"}
+    assert counters["heavy"] != counters["a"] and all(registered) and all(hashes)
