@@ -80,6 +80,10 @@ def test_tp2_dora_and_quantized_bases_match_tp1(tiny_model_dir, mixed_adapters, 
     llm, _, _ = assert_tp_serves_as_tp1(tiny_model_dir, mixed_adapters, {**KW, **quant, "max_lora_rank": 16},
                                    DORA_NAMES, 5, fully_sharded_loras=fully_sharded)
     assert llm.engine.lora_slots.dora_cache.stats.computed >= 2  # rank 0 computed the DoRA scales
+    comm = llm.engine.runner.comm
+    assert comm.bytes["all_reduce"] > 0 and comm.bytes["all_gather"] > 0
+    # Fully sharded: a gather of the shrink per column layer (2 a layer) beside the logits' one per step.
+    assert (2 * comm.calls["all_gather"] > comm.calls["all_reduce"]) == fully_sharded
     layer = llm.engine.runner.model.layers[0]
     want = {None: "Tensor", "int8": "Int8Weight", "int4": "Int4Weight"}[quant.get("quantization")]
     assert {type(layer.qkv.weight).__name__, type(layer.o.weight).__name__} == {want}  # the shards stay quantized
