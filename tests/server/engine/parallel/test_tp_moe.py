@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.engine.moe_models import MOE_MODELS
 from tests.server.engine.parallel.tp_serving import assert_tp_matches_peft, assert_tp_serves_as_tp1
 
 KW = dict(device="cpu", dtype="float32", max_loras=4, max_lora_rank=16, kv_cache_blocks=128, max_model_len=256)
@@ -14,7 +13,9 @@ NAMES = ["r8_all", None, "r4_qv", "r2_experts", "r8_all", "dora_r16", None, "r2_
 SEED = 9
 
 
-@pytest.mark.parametrize("model", sorted(MOE_MODELS))
+# One base: TpMoeBlock cuts Mixtral's and Qwen3-MoE's experts alike (both at TP = 1: test_engine_moe);
+# Qwen3-MoE's q/k norms and renormalised top-k add to what Mixtral would show.
+@pytest.mark.parametrize("model", ["qwen3_moe"])
 def test_tp2_serves_moe_as_tp1_and_peft(model, moe_model, peft_oracle):
     model_dir, adapters = moe_model(model)
     llm, tokens, logprobs = assert_tp_serves_as_tp1(model_dir, adapters, KW, NAMES, SEED)
