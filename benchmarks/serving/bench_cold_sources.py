@@ -14,6 +14,9 @@ lets this process use two cores, they are split between the victim's core and th
 - `server-core` (the layout before the engine core had a process of its own): the whole server (front
   end and engine core) and the victim's client on the victim's core; Redis and the loaders on the storm's.
 
+The victim's client runs in a process of its own (benchmarks.serving.victim_stream), so its clock never
+waits for the interpreter lock of this process, where moto and the storm's 32 client threads run.
+
     .venv/bin/python -m benchmarks.serving.bench_cold_sources [--model DIR] [--cold 100] [--rank 16] [--rounds 1]
         [--arms in-process,loaders] [--placement split|server-core] [--profile DIR] [--out F]
 
@@ -31,7 +34,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,12 +48,14 @@ from adapters.sources import SourcePolicy, fetch_adapter, parse_reference
 from benchmarks.profile import core_share, cpu_neighbours, thread_times
 from benchmarks.profile.cpu_pinning import children, pin_process, pin_thread, pinned, two_cores
 from benchmarks.profile.server_profile import Sampler, can_profile, profile_lines, summarize
+from benchmarks.serving.victim_stream import VictimProcess, stream
 from server.bench.metrics import percentile
 from server.bench.server_proc import ServerProcess, free_port, provision
 from server.bench.synth_adapters import ensure_adapters
 from server.demo import ensure_demo
 
 BUCKET = "bench"
+VICTIM_START_S = 1.0  # the victim's client process starts and streams before the storm does
 QUIET_STREAMS = 24  # ~740 gaps: a p99 of a few hundred is a handful of samples, and this machine is shared
 # The arms: flags of `loraplex serve`. "in-process" is the path before loader processes, with its
 # bound (4 fetches at once, no per-tenant bound); the others differ only in these flags.
@@ -71,7 +75,7 @@ class Placement:
     """Where one arm's parts run (cores as this process may use them)."""
     serve_flags: tuple[str, ...]  # the server's own placement flags
     server_cores: int | tuple[int, ...] | None  # the server process starts pinned here (None: not pinned)
-    client_core: int | None  # the victim's client thread
+    client_core: int | None  # the victim's client process
     pin_children_to: int | None  # Redis and the loader processes moved here once started (None: left)
 
 
@@ -84,32 +88,6 @@ def placement_of(name: str, cores: tuple[int, int] | None) -> Placement:
         return Placement(("--engine-cpus", str(victim), "--api-cpus", str(storm)), cores, storm, None)
     assert name == "server-core", name
     return Placement((), victim, victim, storm)
-
-
-def _stream(url: str, key: str, model: str, max_tokens: int) -> tuple[float, list[float]]:
-    """(time to first token, [its start, then the arrival time of every token]) of one streamed completion."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    start = time.perf_counter()
-    stamps = [start]
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600,
-                      headers={"Authorization": f"Bearer {key}"}) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.perf_counter())
-    return stamps[1] - start, stamps
-
-
-def _victim(url: str, key: str, model: str, core: int | None, stop: threading.Event,
-            stamps: list[list[float]], streams: int | None = None) -> None:
-    """Streams 32-token completions until `stop` (or `streams` of them), each one's token times kept."""
-    pin_thread(core)
-    while not stop.is_set() and (streams is None or len(stamps) < streams):
-        try:
-            stamps.append(_stream(url, key, model, 32)[1])
-        except httpx.HTTPStatusError:  # a 503 (Redis timed out on this loaded machine): the next stream
-            continue
 
 
 def _gaps(stamps: list[list[float]], lo: float = float("-inf"), hi: float = float("inf")) -> list[float]:
@@ -199,15 +177,16 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
         with httpx.Client(base_url=srv.url, headers=auth, timeout=60) as c:
             for i in range(cold + 1):
                 c.post("/v1/adapters", json={"name": f"a{i}", "source": f"s3://{BUCKET}/a{i}"}).raise_for_status()
-        _stream(srv.url, keys["steady"], base, 8)  # warm-up
-        warm_ttft = min(_stream(srv.url, keys["steady"], base, 1)[0] for _ in range(5))
-        cold_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
-        again_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
-        quiet: list[list[float]] = []
+        stream(srv.url, keys["steady"], base, 8)  # warm-up
+        warm_ttft = min(stream(srv.url, keys["steady"], base, 1)[0] for _ in range(5))
+        cold_ttft, _ = stream(srv.url, keys["cold"], "a0", 1)
+        again_ttft, _ = stream(srv.url, keys["cold"], "a0", 1)
         profiles: dict = {}
         pid = srv.proc.pid
         with _sampled(pid, profile_dir, "quiet", profiles):
-            _run_victim(srv.url, keys["steady"], base, client_core, quiet, streams=QUIET_STREAMS)
+            with VictimProcess(srv.url, keys["steady"], base, client_core, QUIET_STREAMS) as victim:
+                pass
+            quiet = victim.stamps
         tiers = [_tier_counts(srv.url, srv.admin_token)]
         with _sampled(pid, profile_dir, "storm", profiles):
             storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, client_core)
@@ -251,32 +230,21 @@ def _storm(url: str, keys: dict[str, str], base: str, cold: int, client_core: in
     """First uses of a1..a{cold} from 32 clients while the victim streams: (their TTFTs, the victim's
     streams' stamps, the storm's start, its end). A storm request that fails (a 503 when Redis timed out
     on this loaded machine) has no TTFT; their count is cold minus len(TTFTs)."""
-    during: list[list[float]] = []
-    stop = threading.Event()
-    victim = threading.Thread(target=_victim, args=(url, keys["steady"], base, client_core, stop, during))
-    victim.start()
-    time.sleep(0.5)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(32) as pool:
-        ttfts = [t for t in pool.map(lambda i: _storm_ttft(url, keys["cold"], f"a{i}"), range(1, cold + 1))
-                 if t is not None]
-    t1 = time.perf_counter()
-    stop.set()
-    victim.join()
-    return ttfts, during, t0, t1
+    with VictimProcess(url, keys["steady"], base, client_core) as victim:
+        time.sleep(VICTIM_START_S)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(32) as pool:
+            ttfts = [t for t in pool.map(lambda i: _storm_ttft(url, keys["cold"], f"a{i}"), range(1, cold + 1))
+                     if t is not None]
+        t1 = time.perf_counter()
+    return ttfts, victim.stamps, t0, t1
 
 
 def _storm_ttft(url: str, key: str, model: str) -> float | None:
     try:
-        return _stream(url, key, model, 1)[0]
+        return stream(url, key, model, 1)[0]
     except httpx.HTTPStatusError:
         return None
-
-
-def _run_victim(url: str, key: str, model: str, core: int | None, stamps: list[list[float]], streams: int) -> None:
-    t = threading.Thread(target=_victim, args=(url, key, model, core, threading.Event(), stamps, streams))
-    t.start()
-    t.join()
 
 
 def _parts(endpoint: str, model_dir: Path) -> dict:
