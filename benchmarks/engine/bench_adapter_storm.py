@@ -27,6 +27,7 @@ from pathlib import Path
 
 from adapters.format import load_adapter_dir
 from benchmarks.engine.bench_fair_steps import Victim, p99, report
+from benchmarks.profile.step_phases import PHASES, timed_phases
 from server.bench.synth_adapters import ensure_adapters
 from server.config import CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO
 from server.demo import ensure_demo
@@ -42,7 +43,7 @@ WARM_PROMPTS = 8
 @dataclass(frozen=True)
 class StepRecord:
     seconds: float
-    schedule_s: float
+    phases_s: dict[str, float]  # benchmarks.profile.step_phases' phases of the step (schedule holds the copies)
     slot_load_s: float
     slot_loads: int
     new_adapters: int  # storm sequences that started their prompt in the step
@@ -58,19 +59,16 @@ def build(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
 
 
 class _Recorder:
-    """Times `schedule` and reads what it put in the batch, installed on one engine's scheduler."""
+    """Reads what each `schedule` put in the batch, installed on one engine's scheduler."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.scheduler = engine.scheduler
         self.inner = self.scheduler.schedule
         self.scheduler.schedule = self._schedule
-        self.schedule_s = 0.0
         self.new_adapters = self.prompt_tokens = 0
 
     def _schedule(self):
-        start = time.perf_counter()
         batch = self.inner()
-        self.schedule_s = time.perf_counter() - start
         storm = [(s, n) for s, n in zip(batch.seqs, batch.num_tokens) if s.tenant == "storm"]
         self.new_adapters = sum(1 for s, _ in storm if s.num_computed_tokens == 0)
         self.prompt_tokens = sum(n for _, n in storm)
@@ -78,7 +76,16 @@ class _Recorder:
 
 
 def run_round(engine: LLMEngine, tag: str, adapters: list[str], args: argparse.Namespace) -> dict:
-    recorder = _Recorder(engine)
+    with timed_phases(engine) as timers:
+        recorder = _Recorder(engine)
+        try:
+            return _storm_round(engine, timers, recorder, tag, adapters, args)
+        finally:
+            engine.scheduler.schedule = recorder.inner
+
+
+def _storm_round(engine: LLMEngine, timers: dict, recorder: _Recorder, tag: str, adapters: list[str],
+                 args: argparse.Namespace) -> dict:
     scheduler = engine.scheduler
     victim = Victim(engine, tag)
     decode_only = victim.decode_alone(args.warm_steps)
@@ -99,9 +106,11 @@ def run_round(engine: LLMEngine, tag: str, adapters: list[str], args: argparse.N
             in_flight.add(rid)
             sent += 1
         loads, loads_s = scheduler.slot_loads, scheduler.slot_loads_s
+        before = {phase: t.total for phase, t in timers.items()}
         start = time.perf_counter()
         outputs = engine.step()
         seconds = time.perf_counter() - start
+        phases = {phase: t.total - before[phase] for phase, t in timers.items()}
         got = False
         for out in outputs:
             if out.request_id in in_flight:
@@ -112,16 +121,16 @@ def run_round(engine: LLMEngine, tag: str, adapters: list[str], args: argparse.N
             got = got or out.request_id == victim.request_id
             if out.request_id == victim.request_id and out.finished:
                 victim.next()
-        steps.append(StepRecord(seconds, recorder.schedule_s, scheduler.slot_loads_s - loads_s,
+        steps.append(StepRecord(seconds, phases, scheduler.slot_loads_s - loads_s,
                                 scheduler.slot_loads - loads, recorder.new_adapters, recorder.prompt_tokens, got))
     wall = time.perf_counter() - started
     engine.abort_request(victim.request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.scheduler.schedule = recorder.inner
     gaps = [s for s in steps if s.victim_token]
     slowest = sorted(gaps, key=lambda s: s.seconds)[-max(1, len(gaps) // 100):]
-    mean = lambda f, rows: statistics.fmean(f(s) for s in rows) if rows else 0.0  # noqa: E731
+    mean = lambda f, rows: statistics.fmean(f(s) for s in rows)  # noqa: E731
+    plain = [s for s in gaps if s.prompt_tokens == 0]  # steps of the storm in which only the victim ran
     base_p99 = p99(decode_only)
     return {
         "decode_only_p50_ms": statistics.median(decode_only) * 1e3, "decode_only_p99_ms": base_p99 * 1e3,
@@ -132,16 +141,24 @@ def run_round(engine: LLMEngine, tag: str, adapters: list[str], args: argparse.N
         "steps_without_victim_token": len(steps) - len(gaps),
         "slot_loads": sum(s.slot_loads for s in steps),
         "max_new_adapters_per_step": max(s.new_adapters for s in steps),
-        # the slowest 1% of the victim's gaps, split: copies into slots, the rest of schedule, the rest of the
-        # step (prepare, forward with the new adapters' prompt rows, sampling, postprocessing)
-        "slowest_1pct": {"steps": len(slowest), "step_ms": mean(lambda s: s.seconds, slowest) * 1e3,
-                         "slot_load_ms": mean(lambda s: s.slot_load_s, slowest) * 1e3,
-                         "schedule_other_ms": mean(lambda s: s.schedule_s - s.slot_load_s, slowest) * 1e3,
-                         "run_ms": mean(lambda s: s.seconds - s.schedule_s, slowest) * 1e3,
+        # the slowest 1% of the victim's gaps, and its decode-only steps' median, split: copies into slots, the
+        # rest of schedule, prepare (the batch, its LoRA groups), forward, sample, postprocess
+        "storm_free_steps": {"steps": len(plain), **(_split(plain) if plain else {})},  # the victim's alone
+        "slowest_1pct": {"steps": len(slowest), **_split(slowest),
                          "slot_loads": mean(lambda s: s.slot_loads, slowest),
                          "new_adapters": mean(lambda s: s.new_adapters, slowest),
                          "prompt_tokens": mean(lambda s: s.prompt_tokens, slowest)},
     }
+
+
+def _split(rows: list[StepRecord]) -> dict[str, float]:
+    """Mean milliseconds of `rows` in all and per part."""
+    mean = lambda f: statistics.fmean(f(s) for s in rows) * 1e3  # noqa: E731
+    out = {"step_ms": mean(lambda s: s.seconds), "slot_load_ms": mean(lambda s: s.slot_load_s),
+           "schedule_other_ms": mean(lambda s: s.phases_s["schedule"] - s.slot_load_s)}
+    for phase in PHASES[1:]:
+        out[f"{phase}_ms"] = mean(lambda s: s.phases_s[phase])
+    return out
 
 
 def main() -> None:

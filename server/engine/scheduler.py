@@ -21,8 +21,8 @@ decode steps instead of in one step that stalls every decoding stream for its
 whole duration (one tenant's 2,000-token prompt would otherwise hold up
 everyone's next token for seconds on a CPU). With a latency cap, the cap
 shrinks further to what keeps such a step within a ratio of a decode-only
-step's measured time (Scheduler.observe learns each step's), and a new adapter's copy into a
-device slot is charged against the same cap at its measured cost (server.engine.step_latency.load_units):
+step's measured time (Scheduler.observe learns each step's), and a new adapter's slot load is charged
+against the same cap at what a load was measured to add to a step (server.engine.step_latency.load_units):
 a storm of distinct adapters' first requests then loads about what the cap allows per step, at least one
 per tenant, instead of a slot load and a prefill per free slot in one step.
 
@@ -367,8 +367,7 @@ class ScheduledBatch:
     # work in StepCost units, what Scheduler.observe learns from once the step has run.
     decoding: int = 0
     prompt_work: float = 0.0
-    slot_loads: int = 0  # copies into adapter slots the step made, and their seconds
-    slot_load_seconds: float = 0.0
+    slot_loads: int = 0  # adapters the step copied into device slots
     # Medusa: each speculating sequence's adaptive k (read, not changed, to draft only what it will use)
     draft_lengths: dict[Sequence, DraftLength] = field(default_factory=dict)
 
@@ -407,7 +406,8 @@ class Scheduler:
         # Seats in the running batch held for choices that fork once their choice 0's prompt is in.
         self.fork_seats = 0
         self.slot_load_seconds: deque[float] = deque(maxlen=4096)  # recent copies into a slot, drained by metrics
-        self.slot_loads = 0  # copies into a slot since start, and their seconds: each step's share is its batch's
+        # Copies into a slot since start (each step's count goes to its batch) and their seconds (for benchmarks).
+        self.slot_loads = 0
         self.slot_loads_s = 0.0
         spec = config.speculative
         self.spec_counters = SpecDecodeCounters(spec.method if spec is not None else None)
@@ -489,7 +489,7 @@ class Scheduler:
         scan = list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON))
         demands = self._demands(prompts, scan, budget, cost, total, load)
         prefill = _PrefillShares(cost, self.waiting.shares(demands, total), total, load)
-        loads, loads_s = self.slot_loads, self.slot_loads_s
+        loads = self.slot_loads
         for seq in prompts:
             if budget == 0:
                 break
@@ -508,7 +508,7 @@ class Scheduler:
             self._draft_with_model(batch, catch_ups)
         if self.latency is not None:
             self._measure(batch, prefill.chunked)
-            batch.slot_loads, batch.slot_load_seconds = self.slot_loads - loads, self.slot_loads_s - loads_s
+            batch.slot_loads = self.slot_loads - loads
         return batch
 
     def _measure(self, batch: ScheduledBatch, chunked: set[Sequence]) -> None:
@@ -524,8 +524,7 @@ class Scheduler:
     def observe(self, seconds: float, batch: ScheduledBatch) -> None:
         """`batch` took `seconds` from schedule() to its outputs: the latency-aware cap's estimates learn it."""
         if self.latency is not None:
-            self.latency.observe(StepTiming(seconds, batch.decoding, batch.prompt_work, batch.slot_loads,
-                                            batch.slot_load_seconds))
+            self.latency.observe(StepTiming(seconds, batch.decoding, batch.prompt_work, batch.slot_loads))
 
     def _draft_with_model(self, batch: ScheduledBatch, catch_ups: dict[Sequence, int]) -> None:
         """The draft model's drafts for the sequences given room for them (placeholders until now), made

@@ -1,4 +1,4 @@
-"""A new adapter's copy into a device slot counts against the prefill cap while others decode (the
+"""A new adapter's slot load counts against the prefill cap while others decode (the
 latency-aware cap's measured load cost, server.engine.step_latency.load_units): a storm of distinct
 adapters' first requests is spread over steps, at least one per tenant and step, and every one of them
 completes while another tenant decodes every step. The Scheduler with real parts (tests/server/engine/test_scheduler.py's
@@ -61,21 +61,24 @@ def test_a_load_costlier_than_the_whole_cap_still_lets_one_adapter_in_per_step()
     assert [loads for _, loads in steps].count(1) == STORM
 
 
-def test_the_engine_feeds_each_steps_copies_to_the_estimate():
+def test_the_engine_feeds_each_steps_loads_to_the_estimate():
     s, _, steps = _storm(None)
     batch = next(b for b, loads in steps if loads)
-    assert batch.slot_loads >= 1 and batch.slot_load_seconds > 0
-    s.scheduler.observe(DECODE_S + UNIT_S * batch.prompt_work + batch.slot_load_seconds, batch)
+    assert batch.slot_loads >= 1
+    s.scheduler.observe(DECODE_S + UNIT_S * batch.prompt_work + LOAD_S * batch.slot_loads, batch)
     latency = s.scheduler.latency
-    assert latency.load_seconds == pytest.approx(batch.slot_load_seconds / batch.slot_loads)
-    assert latency.unit_seconds == pytest.approx(UNIT_S)  # the copies' time is not taken for prompt work
+    assert latency.load_seconds == pytest.approx(LOAD_S) and latency.load_units() == pytest.approx(20.0)
+    assert latency.unit_seconds == UNIT_S  # a step with loads does not teach the unit once one is known
 
 
-def test_a_loads_units_are_its_median_copy_time_over_a_units_time():
+def test_a_loads_units_are_what_it_added_to_a_step_beyond_its_prompt_work():
     latency = StepLatency(LatencyCap(ratio=1.25, floor=8))
     assert latency.load_units() == 0.0
     latency.observe(StepTiming(0.010, decoding=1, prompt_work=0))
-    # 20 units of prompt and two copies of 2 ms each: 4 ms of the step are the copies, 2 ms the prompt.
-    latency.observe(StepTiming(0.016, decoding=1, prompt_work=20, slot_loads=2, slot_load_seconds=0.004))
+    # Before a unit is known, a step with loads teaches the unit as any other: 20 units in 2 ms.
+    latency.observe(StepTiming(0.012, decoding=1, prompt_work=20, slot_loads=2))
+    assert latency.unit_seconds == pytest.approx(0.0001) and latency.load_seconds is None
+    # Then 20 units (2 ms) and two loads took 6 ms beyond the decode step: 2 ms a load, 20 units.
+    latency.observe(StepTiming(0.016, decoding=1, prompt_work=20, slot_loads=2))
     assert latency.unit_seconds == pytest.approx(0.0001) and latency.load_seconds == pytest.approx(0.002)
     assert latency.load_units() == pytest.approx(20.0)
