@@ -130,12 +130,12 @@ def victim_server(work: Path, model: str | None, serve_args: list[str],
                     if Path(f"/proc/{pid}/comm").read_text().strip() != "redis-server":
                         pin_process(pid, cpus[0])
         if sys.platform == "linux":
-            _settle(srv.proc.pid)
+            settle(srv.proc.pid)
         yield srv, Target(srv.url, srv.admin_token, card["id"], card["max_model_len"],
                           ServerConfig.max_logprob_entries), attacker_cpus
 
 
-def _settle(pid: int) -> None:
+def settle(pid: int) -> None:
     """Wait until the server's CPU is quiet (start-up work in the background would otherwise land in
     the baseline), at most SETTLE_TIMEOUT_S."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S

@@ -48,6 +48,7 @@ from adapters.sources import SourcePolicy, fetch_adapter, parse_reference
 from benchmarks.profile import core_share, cpu_neighbours, thread_times
 from benchmarks.profile.cpu_pinning import children, pin_process, pin_thread, pinned, two_cores
 from benchmarks.profile.server_profile import Sampler, can_profile, profile_lines, summarize
+from benchmarks.security.victim_harness import SETTLE_TIMEOUT_S, settle
 from benchmarks.serving.victim_stream import VictimProcess, stream
 from server.bench.metrics import percentile
 from server.bench.server_proc import ServerProcess, free_port, provision
@@ -177,6 +178,14 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
         with httpx.Client(base_url=srv.url, headers=auth, timeout=60) as c:
             for i in range(cold + 1):
                 c.post("/v1/adapters", json={"name": f"a{i}", "source": f"s3://{BUCKET}/a{i}"}).raise_for_status()
+        # Start-up work the server does in the background ends before the baseline: one constrained request
+        # waits for the grammar compile pool (its fork server imports xgrammar and torch), then the server's
+        # CPU settles (as the victim benches do).
+        httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {keys['steady']}"},
+                   timeout=SETTLE_TIMEOUT_S, json={"model": base, "prompt": "x", "max_tokens": 1,
+                                                   "guided_choice": ["warm"]}).raise_for_status()
+        if sys.platform == "linux":
+            settle(srv.proc.pid)
         stream(srv.url, keys["steady"], base, 8)  # warm-up
         warm_ttft = min(stream(srv.url, keys["steady"], base, 1)[0] for _ in range(5))
         cold_ttft, _ = stream(srv.url, keys["cold"], "a0", 1)
