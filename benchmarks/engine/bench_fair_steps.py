@@ -54,13 +54,14 @@ class Victim:
         self.started += 1
         self.engine.add_request(self.request_id, [7, 8, 9], self.params, tenant="victim")
 
-    def decode_alone(self, steps: int) -> list[float]:
-        """The seconds of `steps` steps in which only the victim runs (the decode-only baseline)."""
+    def decode_alone(self, steps: int, clock=time.perf_counter) -> list[float]:
+        """The seconds of `steps` steps in which only the victim runs (the decode-only baseline), by `clock`
+        (wall time, or time.thread_time for the step thread's CPU time)."""
         times = []
         for _ in range(steps):
-            start = time.perf_counter()
+            start = clock()
             self.engine.step()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         return times
 
 
@@ -117,12 +118,12 @@ def main() -> None:
 def report(rounds: dict[str, list[dict]], keys: tuple[str, ...], args) -> None:
     """Prints each setting's median over its rounds of `keys`, and writes every number to args.json (when set)."""
     width = max(map(len, rounds)) + 2
-    print(f"{'setting':<{width}}" + "".join(f"{k:>27}" for k in keys))
+    print(f"{'setting':<{width}}" + "".join(f"{k:>{len(k) + 2}}" for k in keys))
     summary = {}
     for name, runs in rounds.items():
         summary[name] = {k: statistics.median(run[k] for run in runs) for k, v in runs[0].items()
                          if isinstance(v, (int, float))}
-        print(f"{name:<{width}}" + "".join(f"{summary[name][k]:>27.3f}" for k in keys))
+        print(f"{name:<{width}}" + "".join(f"{summary[name][k]:>{len(k) + 2}.3f}" for k in keys))
     out = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "load_at_end": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()},
            "median_of_rounds": summary, "rounds": rounds}
