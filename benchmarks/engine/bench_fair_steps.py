@@ -40,16 +40,34 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+class Victim:
+    """The victim tenant's stream: one long greedy decode on the base model, the next started when one ends."""
+
+    def __init__(self, engine: LLMEngine, tag: str) -> None:
+        self.engine, self.tag, self.started = engine, tag, 0
+        self.params = SamplingParams(max_tokens=engine.max_model_len - 3, temperature=0.0, ignore_eos=True)
+        self.request_id = ""
+        self.next()
+
+    def next(self) -> None:
+        self.request_id = f"{self.tag}-victim-{self.started}"
+        self.started += 1
+        self.engine.add_request(self.request_id, [7, 8, 9], self.params, tenant="victim")
+
+    def decode_alone(self, steps: int, clock=time.perf_counter) -> list[float]:
+        """The seconds of `steps` steps in which only the victim runs (the decode-only baseline), by `clock`
+        (wall time, or time.thread_time for the step thread's CPU time)."""
+        times = []
+        for _ in range(steps):
+            start = clock()
+            self.engine.step()
+            times.append(clock() - start)
+        return times
+
+
 def run_round(engine: LLMEngine, tag: str, args) -> dict:
-    victims = iter(range(1_000_000))
-    victim = f"{tag}-victim-{next(victims)}"
-    params = SamplingParams(max_tokens=engine.max_model_len - 3, temperature=0.0, ignore_eos=True)
-    engine.add_request(victim, [7, 8, 9], params, tenant="victim")
-    decode_only: list[float] = []
-    for _ in range(args.warm_steps):
-        start = time.perf_counter()
-        engine.step()
-        decode_only.append(time.perf_counter() - start)
+    victim = Victim(engine, tag)
+    decode_only = victim.decode_alone(args.warm_steps)
     prompt = [5] * (engine.max_model_len - 2)
     engine.add_request(f"{tag}-long", prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20,
                                                              prompt_logprobs=20), tenant="attacker")
@@ -61,14 +79,13 @@ def run_round(engine: LLMEngine, tag: str, args) -> dict:
         outputs = engine.step()
         end = time.perf_counter()
         for out in outputs:
-            if out.request_id != victim:
+            if out.request_id != victim.request_id:
                 ttft = end - arrived if out.finished else ttft
                 continue
             gaps.append(end - start)
             if out.finished:  # a victim that reached max_model_len: the next one takes its place
-                victim = f"{tag}-victim-{next(victims)}"
-                engine.add_request(victim, [7, 8, 9], params, tenant="victim")
-    engine.abort_request(victim)
+                victim.next()
+    engine.abort_request(victim.request_id)
     while engine.has_unfinished_requests():
         engine.step()
     base = statistics.median(decode_only)
@@ -94,18 +111,24 @@ def main() -> None:
         order = list(settings) if r % 2 == 0 else list(reversed(settings))
         for name in order:
             rounds[name].append(run_round(engines[name], f"r{r}", args))
-    keys = ("decode_only_p99_ms", "victim_gap_p50_ms", "victim_gap_p99_ms", "p99_vs_decode_only_p99",
-            "long_prompt_ttft_s")
-    print(f"{'setting':<14}" + "".join(f"{k:>26}" for k in keys))
+    report(rounds, ("decode_only_p99_ms", "victim_gap_p50_ms", "victim_gap_p99_ms", "p99_vs_decode_only_p99",
+                    "long_prompt_ttft_s"), args)
+
+
+def report(rounds: dict[str, list[dict]], keys: tuple[str, ...], args) -> None:
+    """Prints each setting's median over its rounds of `keys`, and writes every number to args.json (when set)."""
+    width = max(map(len, rounds)) + 2
+    print(f"{'setting':<{width}}" + "".join(f"{k:>{len(k) + 2}}" for k in keys))
     summary = {}
     for name, runs in rounds.items():
-        summary[name] = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
-        print(f"{name:<14}" + "".join(f"{summary[name][k]:>26.3f}" for k in keys))
-    report = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-              "load_at_end": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()},
-              "median_of_rounds": summary, "rounds": rounds}
+        summary[name] = {k: statistics.median(run[k] for run in runs) for k, v in runs[0].items()
+                         if isinstance(v, (int, float))}
+        print(f"{name:<{width}}" + "".join(f"{summary[name][k]:>{len(k) + 2}.3f}" for k in keys))
+    out = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+           "load_at_end": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()},
+           "median_of_rounds": summary, "rounds": rounds}
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

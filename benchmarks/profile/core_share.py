@@ -21,6 +21,20 @@ class Snapshot:
     cpus: tuple[int, ...]              # the CPUs the root may run on
 
 
+# server.engine.core.process.PROCESS_NAME (its comm): importing that module would load torch into every
+# bench client process; tests/benchmarks/test_victim_harness_engine_core.py holds the two equal.
+ENGINE_CORE_PROCESS = "loraplex-core"
+
+
+def engine_core_pid(server: int) -> int | None:
+    """The engine-core process under `server` (--engine-process separate), None in-process."""
+    for pid in tree(server)[1:]:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_CORE_PROCESS:
+                return pid
+    return None
+
+
 def tree(root: int) -> list[int]:
     """`root` and its descendants, alive now."""
     parents: dict[int, list[int]] = {}

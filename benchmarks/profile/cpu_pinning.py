@@ -34,10 +34,12 @@ def pin_cpus(cpus: tuple[int, ...] | None, nice: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def pinned(core: int | None) -> Iterator[None]:
-    """The calling thread on `core` for the block (what it starts there inherits it), then back."""
+def pinned(cores: int | tuple[int, ...] | None) -> Iterator[None]:
+    """The calling thread on `cores` (one or several) for the block (what it starts there inherits it),
+    then back; None: left as it is."""
     before = os.sched_getaffinity(0)
-    pin_thread(core)
+    if cores is not None:
+        os.sched_setaffinity(0, {cores} if isinstance(cores, int) else set(cores))
     try:
         yield
     finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 ENGINE_THREAD = "loraplex-engine"
 ENGINE_STEP_FRAME = "LLMEngine.step ("
+SLOT_LOAD_FRAME = "Scheduler._acquire_slot ("
 API_FILE_MARK = "/server/api/"
 
 
@@ -81,28 +82,44 @@ def read_stacks(path: Path) -> list[tuple[list[str], int]]:
     return stacks
 
 
-def category(frames: list[str]) -> str:
+def category(frames: list[str], engine_core: int | None = None) -> str:
     """Who spent one sample: see the module docstring. `frames` is one raw stack, outermost first,
-    beginning with its process frame(s) and its thread frame."""
+    beginning with its process frame(s) and its thread frame. `engine_core`: the pid of the server's
+    engine-core process (--engine-process separate), whose samples are named as the engine thread's are
+    (its step loop is its main thread) or by their thread."""
     processes = [f for f in frames if f.startswith("process ")]
     code = [f for f in frames if not f.startswith(("process ", "thread ("))]
+    thread = next((f.split("): ", 1)[1] for f in frames if f.startswith("thread (") and "): " in f), "?")
+    if engine_core is not None and len(processes) > 1 and processes[-1].startswith(f"process {engine_core}:"):
+        if thread == "MainThread":
+            return "engine core: " + _step_part(code)
+        return "engine core: thread " + thread.rstrip("_0123456789 ")
     if len(processes) > 1:  # a process the server started
         for mark, name in (("/grammar_worker.py:", "child: grammar compile"),
                            ("/loader_worker.py:", "child: adapter loader")):
             if any(mark in f for f in code):
                 return name
         return "child: other"
-    thread = next((f.split("): ", 1)[1] for f in frames if f.startswith("thread (") and "): " in f), "?")
     if thread == ENGINE_THREAD:
-        for i, f in enumerate(code):
-            if f.startswith(ENGINE_STEP_FRAME):
-                below = code[i + 1] if i + 1 < len(code) else f
-                return "engine: " + below.split(" (", 1)[0]
-        return "engine: outside step"
+        return "engine: " + _step_part(code)
     api = [f for f in code if API_FILE_MARK in f]
     where = _file(api[-1]) if api else "framework (uvicorn, starlette, asyncio)"
     who = "event loop" if thread == "MainThread" else "thread " + thread.rstrip("_0123456789 ")
     return f"{who}: {where}"
+
+
+def _step_part(code: list[str]) -> str:
+    """The part of the step loop one sample of the engine's thread was in: a copy into an adapter slot
+    (what a storm of new adapters adds to a step), else the call below `LLMEngine.step` and its LLMEngine
+    wrappers (schedule, the runner, postprocessing), else what the loop did between steps."""
+    if any(f.startswith(SLOT_LOAD_FRAME) for f in code):
+        return "slot load (Scheduler._acquire_slot)"
+    for i, f in enumerate(code):
+        if f.startswith(ENGINE_STEP_FRAME):
+            below = next((g for g in code[i + 1:] if not g.startswith("LLMEngine.")), f)
+            return below.split(" (", 1)[0]
+    stats = next((f for f in code if f.startswith("LLMEngine.stats (")), None)
+    return "LLMEngine.stats (snapshot between steps)" if stats else "outside step"
 
 
 def _file(frame: str) -> str:
@@ -111,12 +128,13 @@ def _file(frame: str) -> str:
     return path[path.index(API_FILE_MARK) + len("/server/"):]
 
 
-def summarize(path: Path, wall_s: float, rate: int, top: int = 12) -> dict:
+def summarize(path: Path, wall_s: float, rate: int, top: int = 12, engine_core: int | None = None) -> dict:
     """The categories' CPU in one recorded phase: samples, CPU-seconds per wall-second (1.0 = one core
-    busy all the phase) and share of all samples, largest first; the rest folded into 'other'."""
+    busy all the phase) and share of all samples, largest first; the rest folded into 'other'.
+    `engine_core`: the engine-core process's pid (see category)."""
     counts: Counter = Counter()
     for frames, n in read_stacks(path):
-        counts[category(frames)] += n
+        counts[category(frames, engine_core)] += n
     total = sum(counts.values())
     ranked = counts.most_common()
     shown, rest = ranked[:top], sum(n for _, n in ranked[top:])

@@ -34,9 +34,6 @@ HEALTH_INTERVAL_S = 0.05
 QUIET_CORES = 0.25  # the server counts as settled once its tree uses less CPU than this over a second
 SETTLE_TIMEOUT_S = 300.0
 PROBE_DELAY_S = 2.0
-# server.engine.core.process.PROCESS_NAME (its comm): importing that module would load torch into every
-# attacker process; tests/benchmarks/test_victim_harness_engine_core.py holds the two equal.
-ENGINE_CORE_PROCESS = "loraplex-core"
 
 
 @dataclass(frozen=True)
@@ -133,12 +130,12 @@ def victim_server(work: Path, model: str | None, serve_args: list[str],
                     if Path(f"/proc/{pid}/comm").read_text().strip() != "redis-server":
                         pin_process(pid, cpus[0])
         if sys.platform == "linux":
-            _settle(srv.proc.pid)
+            settle(srv.proc.pid)
         yield srv, Target(srv.url, srv.admin_token, card["id"], card["max_model_len"],
                           ServerConfig.max_logprob_entries), attacker_cpus
 
 
-def _settle(pid: int) -> None:
+def settle(pid: int) -> None:
     """Wait until the server's CPU is quiet (start-up work in the background would otherwise land in
     the baseline), at most SETTLE_TIMEOUT_S."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
@@ -299,14 +296,14 @@ def _sampled(phase: Phase, profile: tuple[int, Path] | None) -> Iterator[None]:
         return
     pid, directory = profile
     out, start = directory / f"{phase.name}.txt", time.perf_counter()
-    core = _engine_core_pid(pid)
+    core = core_share.engine_core_pid(pid)
     with Sampler(pid, out) as sampler:
         kernel = [(time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid),
                    core and (thread_times.snapshot(core), core_share.snapshot(core)))]
         yield
         kernel.append((time.perf_counter(), thread_times.snapshot(pid), core_share.snapshot(pid),
                        core and (thread_times.snapshot(core), core_share.snapshot(core))))
-    phase.profile = summarize(out, time.perf_counter() - start, sampler.rate)
+    phase.profile = summarize(out, time.perf_counter() - start, sampler.rate, engine_core=core)
     (t0, threads0, share0, core0), (t1, threads1, share1, core1) = kernel
     names = thread_times.thread_names(out)
     phase.profile["kernel"] = {
@@ -317,15 +314,6 @@ def _sampled(phase: Phase, profile: tuple[int, Path] | None) -> Iterator[None]:
         phase.profile["kernel"]["engine_core"] = {
             **core_share.phase_share(core0[1], core1[1], t1 - t0, core),
             "threads": thread_times.phase_times(core0[0], core1[0], names, t1 - t0)}
-
-
-def _engine_core_pid(server: int) -> int | None:
-    """The engine-core process under `server` (--engine-process separate), None in-process."""
-    for pid in core_share.tree(server)[1:]:
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_CORE_PROCESS:
-                return pid
-    return None
 
 
 def profile_text(report: dict) -> str:

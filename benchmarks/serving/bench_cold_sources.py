@@ -4,16 +4,26 @@ another tenant's inter-token latency, with the loads in the server process and i
 side by side in one run. Prints a table and writes JSON.
 
 Each arm is a fresh `loraplex serve` (its own Redis, so every adapter is cold). Where the machine
-lets this process use two cores, the victim (the server process and the client streaming the other
-tenant's tokens) is pinned to one, and the storm (moto, the storm's clients, the server's child
-processes: Redis and the loaders) to the other.
+lets this process use two cores, they are split between the victim's core and the storm's core
+(moto and the storm's clients always on the storm's), by `--placement`:
+
+- `split` (the default; issue 35's layout, "engine core on its own core"): the server gets both cores
+  and places itself with `--engine-cpus <victim core> --api-cpus <storm core>`: the engine-core process
+  alone on the victim's core; its front end, Redis and loader processes on the storm's, with the victim's
+  client (a client stands in for another machine).
+- `server-core` (the layout before the engine core had a process of its own): the whole server (front
+  end and engine core) and the victim's client on the victim's core; Redis and the loaders on the storm's.
+
+The victim's client runs in a process of its own (benchmarks.serving.victim_stream), so its clock never
+waits for the interpreter lock of this process, where moto and the storm's 32 client threads run.
 
     .venv/bin/python -m benchmarks.serving.bench_cold_sources [--model DIR] [--cold 100] [--rank 16] [--rounds 1]
-        [--arms in-process,loaders] [--profile DIR] [--out F]
+        [--arms in-process,loaders] [--placement split|server-core] [--profile DIR] [--out F]
 
 With `--profile DIR`, py-spy samples the server and its child processes through each phase (the
 quiet baseline, the cold storm, the warm storm): raw stacks in DIR/<arm>-<round>/<phase>.txt, and the
-server's CPU by category in the table and the JSON.
+server's CPU by category in the table and the JSON; the engine-core process's samples are named by
+the part of its step loop (or its thread) they were in, and its threads' kernel times are listed apart.
 """
 from __future__ import annotations
 
@@ -24,9 +34,9 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -35,15 +45,18 @@ import httpx
 
 from adapters.format import ModelShape, inspect_adapter_bytes, load_adapter_bytes
 from adapters.sources import SourcePolicy, fetch_adapter, parse_reference
-from benchmarks.profile import cpu_neighbours, thread_times
+from benchmarks.profile import core_share, cpu_neighbours, thread_times
 from benchmarks.profile.cpu_pinning import children, pin_process, pin_thread, pinned, two_cores
 from benchmarks.profile.server_profile import Sampler, can_profile, profile_lines, summarize
+from benchmarks.security.victim_harness import SETTLE_TIMEOUT_S, settle
+from benchmarks.serving.victim_stream import VictimProcess, stream
 from server.bench.metrics import percentile
 from server.bench.server_proc import ServerProcess, free_port, provision
 from server.bench.synth_adapters import ensure_adapters
 from server.demo import ensure_demo
 
 BUCKET = "bench"
+VICTIM_START_S = 1.0  # the victim's client process starts and streams before the storm does
 QUIET_STREAMS = 24  # ~740 gaps: a p99 of a few hundred is a handful of samples, and this machine is shared
 # The arms: flags of `loraplex serve`. "in-process" is the path before loader processes, with its
 # bound (4 fetches at once, no per-tenant bound); the others differ only in these flags.
@@ -55,32 +68,27 @@ ARMS = {
     # storm's 11-token prompts, and their slot loads, per step instead of 8.
     "loaders-prefill-cap-32": ["--max-prefill-tokens-while-decoding", "32"],
 }
+PLACEMENTS = ("split", "server-core")  # see the module docstring
 
 
-def _stream(url: str, key: str, model: str, max_tokens: int) -> tuple[float, list[float]]:
-    """(time to first token, [its start, then the arrival time of every token]) of one streamed completion."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    start = time.perf_counter()
-    stamps = [start]
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600,
-                      headers={"Authorization": f"Bearer {key}"}) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.perf_counter())
-    return stamps[1] - start, stamps
+@dataclass(frozen=True)
+class Placement:
+    """Where one arm's parts run (cores as this process may use them)."""
+    serve_flags: tuple[str, ...]  # the server's own placement flags
+    server_cores: int | tuple[int, ...] | None  # the server process starts pinned here (None: not pinned)
+    client_core: int | None  # the victim's client process
+    pin_children_to: int | None  # Redis and the loader processes moved here once started (None: left)
 
 
-def _victim(url: str, key: str, model: str, core: int | None, stop: threading.Event,
-            stamps: list[list[float]], streams: int | None = None) -> None:
-    """Streams 32-token completions until `stop` (or `streams` of them), each one's token times kept."""
-    pin_thread(core)
-    while not stop.is_set() and (streams is None or len(stamps) < streams):
-        try:
-            stamps.append(_stream(url, key, model, 32)[1])
-        except httpx.HTTPStatusError:  # a 503 (Redis timed out on this loaded machine): the next stream
-            continue
+def placement_of(name: str, cores: tuple[int, int] | None) -> Placement:
+    """`name` of PLACEMENTS on (victim core, storm core); nothing pinned with one core."""
+    if cores is None:
+        return Placement((), None, None, None)
+    victim, storm = cores
+    if name == "split":  # the server places itself; the victim's client stands in for another machine
+        return Placement(("--engine-cpus", str(victim), "--api-cpus", str(storm)), cores, storm, None)
+    assert name == "server-core", name
+    return Placement((), victim, victim, storm)
 
 
 def _gaps(stamps: list[list[float]], lo: float = float("-inf"), hi: float = float("inf")) -> list[float]:
@@ -129,54 +137,73 @@ def _sampled(pid: int, directory: Path | None, phase: str, profiles: dict) -> It
         yield
         return
     out, start = directory / f"{phase}.txt", time.perf_counter()
+    core = core_share.engine_core_pid(pid)
     with Sampler(pid, out) as sampler:
         before, machine_before = thread_times.snapshot(pid), cpu_neighbours.snapshot()
+        core_before = core and thread_times.snapshot(core)
         yield
         after, wall = thread_times.snapshot(pid), time.perf_counter() - start
+        core_after = core and thread_times.snapshot(core)
         machine = cpu_neighbours.busiest(machine_before, cpu_neighbours.snapshot(), wall)
-    profiles[phase] = {**summarize(out, wall, sampler.rate),
-                       "threads": thread_times.phase_times(before, after, thread_times.thread_names(out), wall),
+    names = thread_times.thread_names(out)
+    profiles[phase] = {**summarize(out, wall, sampler.rate, engine_core=core),
+                       "threads": thread_times.phase_times(before, after, names, wall),
                        "machine": machine}
+    if core_before and core_after:  # the step loop is the engine-core process's main thread
+        profiles[phase]["engine_core_threads"] = thread_times.phase_times(core_before, core_after, names, wall)
 
 
 def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores: tuple[int, int] | None,
-         profile_dir: Path | None = None) -> dict:
-    victim_core, storm_core = cores if cores else (None, None)
+         placement: str, profile_dir: Path | None = None) -> dict:
+    where = placement_of(placement, cores)
+    flags = [*ARMS[name], *where.serve_flags]
     serve = ["--adapter-sources", "s3", "--adapter-s3-endpoint", endpoint, "--adapter-s3-buckets", BUCKET,
-             "--device", "cpu", "--max-lora-rank", "64", "--cpu-threads", "1", *ARMS[name]]
+             "--device", "cpu", "--max-lora-rank", "64", "--cpu-threads", "1", *flags]
+    client_core = where.client_core
     load_before = os.getloadavg()
     data = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
-    with pinned(victim_core):  # the server and its threads start on the victim's core
+    with pinned(where.server_cores):  # the server and its threads start there
         server = ServerProcess(data, data / "server.log", model_dir=model_dir, serve_args=serve)
         srv = server.__enter__()
     try:
         pinned_children = []
-        if storm_core is not None:
+        if where.pin_children_to is not None:
+            engine_core = core_share.engine_core_pid(srv.proc.pid)
             for pid in children(srv.proc.pid):  # Redis and the loader processes: the storm's side
-                pin_process(pid, storm_core)
-                pinned_children.append(pid)
+                if pid != engine_core:  # the engine core stays with the front end on the victim's core
+                    pin_process(pid, where.pin_children_to)
+                    pinned_children.append(pid)
         keys, base = provision(srv.url, srv.admin_token, ["steady", "cold"], {})
         auth = {"Authorization": f"Bearer {keys['cold']}"}
         with httpx.Client(base_url=srv.url, headers=auth, timeout=60) as c:
             for i in range(cold + 1):
                 c.post("/v1/adapters", json={"name": f"a{i}", "source": f"s3://{BUCKET}/a{i}"}).raise_for_status()
-        _stream(srv.url, keys["steady"], base, 8)  # warm-up
-        warm_ttft = min(_stream(srv.url, keys["steady"], base, 1)[0] for _ in range(5))
-        cold_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
-        again_ttft, _ = _stream(srv.url, keys["cold"], "a0", 1)
-        quiet: list[list[float]] = []
+        # Start-up work the server does in the background ends before the baseline: one constrained request
+        # waits for the grammar compile pool (its fork server imports xgrammar and torch), then the server's
+        # CPU settles (as the victim benches do).
+        httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {keys['steady']}"},
+                   timeout=SETTLE_TIMEOUT_S, json={"model": base, "prompt": "x", "max_tokens": 1,
+                                                   "guided_choice": ["warm"]}).raise_for_status()
+        if sys.platform == "linux":
+            settle(srv.proc.pid)
+        stream(srv.url, keys["steady"], base, 8)  # warm-up
+        warm_ttft = min(stream(srv.url, keys["steady"], base, 1)[0] for _ in range(5))
+        cold_ttft, _ = stream(srv.url, keys["cold"], "a0", 1)
+        again_ttft, _ = stream(srv.url, keys["cold"], "a0", 1)
         profiles: dict = {}
         pid = srv.proc.pid
         with _sampled(pid, profile_dir, "quiet", profiles):
-            _run_victim(srv.url, keys["steady"], base, victim_core, quiet, streams=QUIET_STREAMS)
+            with VictimProcess(srv.url, keys["steady"], base, client_core, QUIET_STREAMS) as victim:
+                pass
+            quiet = victim.stamps
         tiers = [_tier_counts(srv.url, srv.admin_token)]
         with _sampled(pid, profile_dir, "storm", profiles):
-            storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, victim_core)
+            storm, storm_stamps, t0, t1 = _storm(srv.url, keys, base, cold, client_core)
         tiers.append(_tier_counts(srv.url, srv.admin_token))
         # The same 100 first uses again, now fetched: what the storm's own requests cost the victim
         # (their prefills share its steps), whoever loads adapters.
         with _sampled(pid, profile_dir, "warm_storm", profiles):
-            warm, warm_stamps, w0, w1 = _storm(srv.url, keys, base, cold, victim_core)
+            warm, warm_stamps, w0, w1 = _storm(srv.url, keys, base, cold, client_core)
         tiers.append(_tier_counts(srv.url, srv.admin_token))
     finally:
         server.__exit__(None, None, None)
@@ -186,7 +213,8 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
     storm_gaps, warm_gaps = _gaps(storm_stamps, t0, t1), _gaps(warm_stamps, w0, w1)
     itl_quiet, itl_storm = percentile(quiet_gaps, 99), percentile(storm_gaps, 99)
     return {
-        "arm": name, "serve_flags": ARMS[name], "pinned_children": len(pinned_children),
+        "arm": name, "placement": placement if cores else None, "serve_flags": flags,
+        "pinned_children": len(pinned_children),
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "base_ttft_ms": _ms(warm_ttft), "cold_first_request_ttft_ms": _ms(cold_ttft),
         "same_adapter_again_ttft_ms": _ms(again_ttft),
@@ -206,37 +234,26 @@ def _arm(name: str, work: Path, model_dir: Path, endpoint: str, cold: int, cores
     }
 
 
-def _storm(url: str, keys: dict[str, str], base: str, cold: int, victim_core: int | None
+def _storm(url: str, keys: dict[str, str], base: str, cold: int, client_core: int | None
            ) -> tuple[list[float], list[float], float, float]:
     """First uses of a1..a{cold} from 32 clients while the victim streams: (their TTFTs, the victim's
     streams' stamps, the storm's start, its end). A storm request that fails (a 503 when Redis timed out
     on this loaded machine) has no TTFT; their count is cold minus len(TTFTs)."""
-    during: list[list[float]] = []
-    stop = threading.Event()
-    victim = threading.Thread(target=_victim, args=(url, keys["steady"], base, victim_core, stop, during))
-    victim.start()
-    time.sleep(0.5)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(32) as pool:
-        ttfts = [t for t in pool.map(lambda i: _storm_ttft(url, keys["cold"], f"a{i}"), range(1, cold + 1))
-                 if t is not None]
-    t1 = time.perf_counter()
-    stop.set()
-    victim.join()
-    return ttfts, during, t0, t1
+    with VictimProcess(url, keys["steady"], base, client_core) as victim:
+        time.sleep(VICTIM_START_S)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(32) as pool:
+            ttfts = [t for t in pool.map(lambda i: _storm_ttft(url, keys["cold"], f"a{i}"), range(1, cold + 1))
+                     if t is not None]
+        t1 = time.perf_counter()
+    return ttfts, victim.stamps, t0, t1
 
 
 def _storm_ttft(url: str, key: str, model: str) -> float | None:
     try:
-        return _stream(url, key, model, 1)[0]
+        return stream(url, key, model, 1)[0]
     except httpx.HTTPStatusError:
         return None
-
-
-def _run_victim(url: str, key: str, model: str, core: int | None, stamps: list[list[float]], streams: int) -> None:
-    t = threading.Thread(target=_victim, args=(url, key, model, core, threading.Event(), stamps, streams))
-    t.start()
-    t.join()
 
 
 def _parts(endpoint: str, model_dir: Path) -> dict:
@@ -265,6 +282,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="times each arm runs, interleaved (default 1)")
     ap.add_argument("--arms", default="in-process,loaders",
                     help=f"comma-separated, of {', '.join(ARMS)} (default in-process,loaders)")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="split",
+                    help="split (default): the server on both cores, its engine core alone on the victim's "
+                         "(--engine-cpus, --api-cpus); server-core: the whole server on the victim's core, Redis "
+                         "and the loaders on the storm's (the layout before the engine-core process)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="sample the server with py-spy through each phase (raw stacks in "
                          "DIR/<arm>-<round>/<phase>.txt) and report its CPU by category (default: off)")
@@ -300,7 +321,8 @@ def main() -> int:
             for name in arms:
                 print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
                 profile_dir = Path(args.profile) / f"{name}-{r + 1}" if args.profile else None
-                runs.append({"round": r + 1, **_arm(name, work, model_dir, endpoint, args.cold, cores, profile_dir)})
+                runs.append({"round": r + 1, **_arm(name, work, model_dir, endpoint, args.cold, cores,
+                                                    args.placement, profile_dir)})
                 # Kept as it goes: a later arm that fails on this shared machine loses only itself.
                 Path(args.out).write_text(json.dumps({"partial": True, "runs": runs}, indent=2))
     finally:
@@ -313,7 +335,8 @@ def main() -> int:
                          "itl_p99_ratios": ratios}
     result = {"machine": {"cpu_count": os.cpu_count(), "cores_used": len(os.sched_getaffinity(0)) if not cores
                           else 2, "victim_core": cores[0] if cores else None,
-                          "storm_core": cores[1] if cores else None},
+                          "storm_core": cores[1] if cores else None,
+                          "placement": args.placement if cores else None},
               "adapter": {"rank": args.rank, **parts}, "runs": runs, "summary": summary}
     print(f"\none adapter from S3: fetch {parts['fetch_ms']} ms, validation {parts['validate_ms']} ms "
           f"({parts['adapter_bytes']} bytes)")
@@ -346,6 +369,8 @@ def main() -> int:
         for phase, summary in run.get("server_profile", {}).items():
             label = f"{run['arm']} (round {run['round']}) {phase}"
             print("\n".join(profile_lines(label, summary) + thread_times.thread_lines(label, summary["threads"])
+                            + (thread_times.thread_lines(f"{label} (engine core)", summary["engine_core_threads"])
+                               if "engine_core_threads" in summary else [])
                             + cpu_neighbours.neighbour_lines(label, summary["machine"])))
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -21,7 +21,10 @@ decode steps instead of in one step that stalls every decoding stream for its
 whole duration (one tenant's 2,000-token prompt would otherwise hold up
 everyone's next token for seconds on a CPU). With a latency cap, the cap
 shrinks further to what keeps such a step within a ratio of a decode-only
-step's measured time (Scheduler.observe learns each step's).
+step's measured time (Scheduler.observe learns each step's), and a new adapter's slot load is charged
+against the same cap at what a load was measured to add to a step (server.engine.step_latency.load_units):
+a storm of distinct adapters' first requests then loads about what the cap allows per step, at least one
+per tenant, instead of a slot load and a prefill per free slot in one step.
 
 A request for n choices is admitted as its choice 0 alone; once that prompt
 is prefilled the other choices fork from it, sharing its blocks. A sequence
@@ -380,6 +383,7 @@ class ScheduledBatch:
     # work in StepCost units, what Scheduler.observe learns from once the step has run.
     decoding: int = 0
     prompt_work: float = 0.0
+    slot_loads: int = 0  # adapters the step copied into device slots
     # Medusa: each speculating sequence's adaptive k (read, not changed, to draft only what it will use)
     draft_lengths: dict[Sequence, DraftLength] = field(default_factory=dict)
     # Whether the next step may speculate (the running batch, as this step leaves it, is under
@@ -426,6 +430,9 @@ class Scheduler:
         # Seats in the running batch held for choices that fork once their choice 0's prompt is in.
         self.fork_seats = 0
         self.slot_load_seconds: deque[float] = deque(maxlen=4096)  # recent copies into a slot, drained by metrics
+        # Copies into a slot since start (each step's count goes to its batch) and their seconds (for benchmarks).
+        self.slot_loads = 0
+        self.slot_loads_s = 0.0
         spec = config.speculative
         self.spec_counters = SpecDecodeCounters(spec.method if spec is not None else None)
         self.draft_lengths: dict[Sequence, DraftLength] = {}  # per running sequence: its adaptive k
@@ -502,9 +509,11 @@ class Scheduler:
         # going to prompts that could use it.
         cost = self.config.step_cost if capped else PLAIN
         total = (cap if self.latency is None else self.latency.cap(cap)) if capped else budget
+        load = self.latency.load_units() if capped and self.latency is not None else 0.0  # one slot load's units
         scan = list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON))
-        prefill = _PrefillShares(cost, self.waiting.shares(self._demands(prompts, scan, budget, cost, total), total),
-                                 total)
+        demands = self._demands(prompts, scan, budget, cost, total, load)
+        prefill = _PrefillShares(cost, self.waiting.shares(demands, total), total, load)
+        loads = self.slot_loads
         for seq in prompts:
             if budget == 0:
                 break
@@ -524,6 +533,7 @@ class Scheduler:
         batch.propose = self._next_may_speculate(batch)
         if self.latency is not None:
             self._measure(batch, prefill.chunked)
+            batch.slot_loads = self.slot_loads - loads
         return batch
 
     def _measure(self, batch: ScheduledBatch, chunked: set[Sequence]) -> None:
@@ -542,7 +552,7 @@ class Scheduler:
     def observe(self, seconds: float, batch: ScheduledBatch) -> None:
         """`batch` took `seconds` from schedule() to its outputs: the latency-aware cap's estimates learn it."""
         if self.latency is not None:
-            self.latency.observe(StepTiming(seconds, batch.decoding, batch.prompt_work))
+            self.latency.observe(StepTiming(seconds, batch.decoding, batch.prompt_work, batch.slot_loads))
 
     def _draft_with_model(self, batch: ScheduledBatch, catch_ups: dict[Sequence, int]) -> None:
         """The draft model's drafts for the sequences given room for them (placeholders until now), made
@@ -557,9 +567,10 @@ class Scheduler:
             batch.drafts[i] = drafts
 
     def _demands(self, prompts: list[Sequence], scan: list[Sequence], budget: int, cost: StepCost,
-                 total: float) -> dict[str | None, float]:
+                 total: float, load: float) -> dict[str | None, float]:
         """Each tenant's prompt work this step could use: its running prompts' next chunks and the
-        prompts of its waiting requests that could start (adapter resident), up to `total`."""
+        prompts of its waiting requests that could start (adapter resident; `load` more where it must be
+        copied into a slot), up to `total`."""
         demands: dict[str | None, float] = {}
         for seq in prompts:
             if seq.status is SequenceStatus.RUNNING:
@@ -568,8 +579,10 @@ class Scheduler:
         if len(self.running) + self.fork_seats < self.config.max_num_seqs:
             for seq in scan:
                 have = demands.get(seq.tenant, 0.0)
-                if have < total and (seq.version_id is None or self.host.ready(seq.version_id)):
-                    demands[seq.tenant] = have + cost.chunk(seq, 0, min(len(seq.token_ids), budget))
+                version = seq.version_id
+                if have < total and (version is None or self.host.ready(version)):
+                    copy = load if version is not None and version not in self.lora_slots.slot_of else 0.0
+                    demands[seq.tenant] = have + copy + cost.chunk(seq, 0, min(len(seq.token_ids), budget))
         return {t: min(d, total) for t, d in demands.items()}
 
     def _share_leftover(self, batch: ScheduledBatch, budget: int, prefill: _PrefillShares) -> None:
@@ -698,7 +711,10 @@ class Scheduler:
         start = time.perf_counter()
         slot = self.lora_slots.acquire(version, self.host.get(version))
         if copying:
-            self.slot_load_seconds.append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.slot_load_seconds.append(seconds)
+            self.slot_loads += 1
+            self.slot_loads_s += seconds
         return slot
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
@@ -778,7 +794,9 @@ class Scheduler:
             hit = self.prefix_cache.lookup_tables(seq)
             tables = hit or [[] for _ in self.config.group_windows]
             start = len(tables[0]) * self.blocks.block_size
-            n = prefill.chunk(seq, start, min(len(seq.token_ids) - start, budget))
+            # A new adapter's copy into a slot is charged against its tenant's share, beside its prompt chunk.
+            load = prefill.slot_load if version is not None and version not in self.lora_slots.slot_of else 0.0
+            n = prefill.chunk(seq, start, min(len(seq.token_ids) - start, budget), load)
             if n == 0:
                 continue  # its tenant's share of the step is spent: it starts in a later step
             if not _mask_ready(seq, start + n):
@@ -810,7 +828,7 @@ class Scheduler:
             self.running.append(seq)
             self.fork_seats += joining - 1
             self._add_to_batch(batch, seq, n, ())
-            prefill.spend(seq, start, n)
+            prefill.spend(seq, start, n, load)
             budget -= n
         if not head_blocked:
             self.head_blocked_steps = 0
@@ -911,24 +929,30 @@ def _mask_ready(seq: Sequence, end: int) -> bool:
 
 
 class _PrefillShares:
-    """One step's prompt work per tenant: its fair share (cost units) and what it has spent."""
+    """One step's prompt work per tenant: its fair share (cost units) and what it has spent; `slot_load`:
+    what a new adapter's copy into a slot costs against it (0: not charged)."""
 
-    def __init__(self, cost: StepCost, shares: dict[str | None, float], total: float) -> None:
+    def __init__(self, cost: StepCost, shares: dict[str | None, float], total: float, slot_load: float = 0.0) -> None:
         self.cost = cost
+        self.slot_load = slot_load
         self.allowance = dict(shares)
         self.left = total  # the step's whole prompt budget, less what chunks spent
         self.fresh = set(shares)  # tenants with no chunk in the step yet
         self.chunked: set[Sequence] = set()
 
-    def chunk(self, seq: Sequence, start: int, most: int) -> int:
-        """Tokens of `seq` from `start` (<= `most`) its tenant's share still allows. A tenant's first chunk of
-        the step gets at least one token, even where one costs more than its share, so no prompt waits forever
-        while others decode (the cap is then passed by at most one token's cost per tenant)."""
-        n = self.cost.fit(seq, start, most, self.allowance.get(seq.tenant, 0.0))
-        return 1 if n == 0 and most > 0 and seq.tenant in self.fresh else n
+    def chunk(self, seq: Sequence, start: int, most: int, load: float = 0.0) -> int:
+        """Tokens of `seq` from `start` (<= `most`) its tenant's share still allows beside `load` (its adapter's
+        copy into a slot). A tenant's first chunk of the step gets at least one token, and its slot load, even
+        where they cost more than its share, so no prompt waits forever while others decode (the cap is then
+        passed by at most one token's cost, or one slot load, per tenant)."""
+        allowance = self.allowance.get(seq.tenant, 0.0)
+        n = self.cost.fit(seq, start, most, allowance - load)
+        if n == 0 and most > 0 and seq.tenant in self.fresh:
+            return max(1, self.cost.fit(seq, start, most, allowance))
+        return n
 
-    def spend(self, seq: Sequence, start: int, n: int) -> None:
-        spent = self.cost.chunk(seq, start, n)
+    def spend(self, seq: Sequence, start: int, n: int, load: float = 0.0) -> None:
+        spent = self.cost.chunk(seq, start, n) + load
         self.allowance[seq.tenant] = self.allowance.get(seq.tenant, 0.0) - spent
         self.left -= spent
         self.fresh.discard(seq.tenant)

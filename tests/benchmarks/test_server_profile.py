@@ -42,6 +42,24 @@ def test_child_processes_are_named_by_what_they_run():
     assert category(child[:3] + ["spin (x.py:1)"]) == "child: other"
 
 
+def test_engine_core_samples_are_named_by_the_part_of_the_step_loop_or_their_thread():
+    core = [SERVER, 'process 30:"python -m server.cli serve"']
+    step = core + ["thread (30): MainThread", "EngineCore.run (/repo/server/engine/core/busy_loop.py:45)",
+                   "LLMEngine.step (/repo/server/engine/llm_engine.py:221)",
+                   "LLMEngine.step_plain (/repo/server/engine/llm_engine.py:225)"]
+    assert category(step + ["Scheduler.schedule (/repo/server/engine/scheduler.py:500)"], 30) == \
+        "engine core: Scheduler.schedule"
+    assert category(step + ["Scheduler.schedule (/repo/server/engine/scheduler.py:500)",
+                            "Scheduler._acquire_slot (/repo/server/engine/scheduler.py:663)"], 30) == \
+        "engine core: slot load (Scheduler._acquire_slot)"
+    assert category(step[:4] + ["LLMEngine.stats (/repo/server/engine/llm_engine.py:260)"], 30) == \
+        "engine core: LLMEngine.stats (snapshot between steps)"
+    assert category(step[:4], 30) == "engine core: outside step"
+    page_in = core + ["thread (31): adapter-load_1", "send (/repo/adapters/loader_worker.py:35)"]
+    assert category(page_in, 30) == "engine core: thread adapter-load"
+    assert category(page_in) == "child: adapter loader"  # without its pid: any child running the loader's code
+
+
 @pytest.mark.skipif(can_profile() is not None, reason=f"cannot profile here: {can_profile()}")
 def test_a_recording_of_a_real_process_attributes_its_burning_threads(tmp_path: Path):
     api = tmp_path / "server" / "api"

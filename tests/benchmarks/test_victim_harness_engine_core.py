@@ -1,9 +1,9 @@
-"""The victim harness finds the engine-core process by the name the engine core gives itself."""
+"""The victim benches find the engine-core process by the name the engine core gives itself."""
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.security.victim_harness import ENGINE_CORE_PROCESS
+from benchmarks.profile.core_share import ENGINE_CORE_PROCESS
 from server.engine.core.process import PROCESS_NAME
 
 pytestmark = pytest.mark.unit
