@@ -76,8 +76,9 @@ def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: 
 
 def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tuple[int, ...] | None = None,
         regex_groups: int = 1000, attacker_quota: dict | None = None,
-        log: Callable[[str], None] = lambda s: None, profile: tuple[int, Path] | None = None) -> dict:
-    """The baseline and both flood phases; returns the JSON report."""
+        log: Callable[[str], None] = lambda s: None, profile: tuple[int, Path] | None = None,
+        trace: Path | None = None) -> dict:
+    """The baseline and both flood phases; returns the JSON report (`trace`: run_phases')."""
     tag = str(int(time.time() * 1000))[-8:]
     victim = new_tenant(target, f"victim-{tag}", {})
     attacker = new_tenant(target, f"flooder-{tag}", attacker_quota or {})
@@ -86,7 +87,8 @@ def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tu
         return [pool.submit(_flood_loop, target.url, attacker, target.model, name, i, phase_s, regex_groups)
                 for i in range(loops)]
 
-    phases = run_phases(target, victim, list(PHASES), phase_s, loops, start, attacker_cpus, log, profile)
+    phases = run_phases(target, victim, list(PHASES), phase_s, loops, start, attacker_cpus, log, profile,
+                        trace=trace)
     baseline = phases[0]
     summaries = {}
     for p in phases:

@@ -407,6 +407,7 @@ class Scheduler:
         self.draft_lengths: dict[Sequence, DraftLength] = {}  # per running sequence: its adaptive k
         self.draft_model: DraftModelProposer | None = None  # the draft_model method's (engine_startup sets it)
         self.latency = StepLatency(config.latency_cap) if config.latency_cap is not None else None
+        self.last_prompt_budget: float | None = None  # the last step's capped prompt work (None: uncapped)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -478,6 +479,7 @@ class Scheduler:
         # going to prompts that could use it.
         cost = self.config.step_cost if capped else PLAIN
         total = (cap if self.latency is None else self.latency.cap(cap)) if capped else budget
+        self.last_prompt_budget = total if capped else None
         scan = list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON))
         prefill = _PrefillShares(cost, self.waiting.shares(self._demands(prompts, scan, budget, cost, total), total),
                                  total)
