@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-VICTIM_PREFIX = "victim"  # the victim benches' tenant names (benchmarks.security.victim_harness.new_tenant)
+from collections import Counter
 
 
 def _ms(seconds: float) -> str:
@@ -31,19 +31,19 @@ def _p99(values: list[float]) -> float:
 
 
 def load_steps(trace: Path, start: float, end: float) -> list[dict]:
-    steps = []
-    for line in (trace / "steps.jsonl").read_text().splitlines():
-        s = json.loads(line)
-        if not start <= s["start"] <= end:
-            continue
+    """The steps that started between `start` and `end`, each with who it served: the victim is the tenant
+    (an id in the engine) with the most decoding rows, as the victim streams throughout."""
+    steps = [s for s in map(json.loads, (trace / "steps.jsonl").read_text().splitlines()) if start <= s["start"] <= end]
+    decoding = Counter(r["tenant"] for s in steps for r in s["rows"] if not r["prompt"])
+    victim = decoding.most_common(1)[0][0] if decoding else None
+    for s in steps:
         s["seconds"] = s["schedule_s"] + s["run_s"] + s["postprocess_s"]
         s["end"] = s["start"] + s["seconds"]
-        mine = [(r["tenant"] or "").startswith(VICTIM_PREFIX) for r in s["rows"]]
+        mine = [r["tenant"] == victim for r in s["rows"]]
         s["victim_decoded"] = any(m and not r["prompt"] for m, r in zip(mine, s["rows"]))
         s["victim_prompt"] = any(m and r["prompt"] for m, r in zip(mine, s["rows"]))
         s["others"] = [(r["start"], r["tokens"], r["logprob_rows"]) for m, r in zip(mine, s["rows"])
                        if not m and r["prompt"]]
-        steps.append(s)
     return steps
 
 

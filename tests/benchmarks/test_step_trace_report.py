@@ -14,8 +14,8 @@ pytestmark = pytest.mark.unit
 
 def test_a_gap_reads_as_its_steps_and_the_time_outside_them(tmp_path):
     trace = StepTrace(str(tmp_path / "steps.jsonl"))
-    decode = RowRecord("victim-1", 10, 1, False, 0)
-    chunk = RowRecord("open-1", 1800, 3, True, 3)
+    decode = RowRecord("v1", 10, 1, False, 0)  # the tenant with the most decoding rows: the victim
+    chunk = RowRecord("a1", 1800, 3, True, 3)
     trace.write(StepRecord(100.000, 0.0001, 0.0018, 0.0001, 16.0, (decode, chunk)))  # 2 ms
     trace.write(StepRecord(100.010, 0.0001, 0.0008, 0.0001, None, (decode,)))  # 1 ms
     trace.write(StepRecord(200.000, 0.0001, 0.0008, 0.0001, None, (decode,)))  # after the phase
