@@ -173,12 +173,12 @@ def _timed(target: Target, key: str, path: str, body: dict) -> tuple[float, int]
 def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
         log: Callable[[str], None] = lambda s: None, attacker_cpus: tuple[int, ...] | None = None,
         profile: tuple[int, Path] | None = None, cold_adapters: list[str] | None = None,
-        attacker_nice: int = 0) -> dict:
+        attacker_nice: int = 0, trace: Path | None = None) -> dict:
     """Run the baseline and each attack (or those named in `only`); returns the JSON report. The
     attacker's processes run on `attacker_cpus` (None: wherever the OS puts them). `cold_adapters`:
     local-directory adapter paths the server can load (--adapter-sources local), each a new one,
     for the victim's cold loads (the first in the baseline, the rest under slow_source; none: no
-    cold loads). slow_source needs the server to allow http sources on loopback."""
+    cold loads). slow_source needs the server to allow http sources on loopback. `trace`: run_phases'."""
     tag = str(int(time.time() * 1000))[-8:]
     keys = {"victim": new_tenant(target, f"victim-{tag}", {}),
             "open": new_tenant(target, f"open-{tag}", {}),
@@ -203,7 +203,7 @@ def run(target: Target, phase_s: float = 10.0, only: list[str] | None = None,
     names = [n for n in attacks if only is None or n in only]
     phases = run_phases(target, keys["victim"], names, phase_s, max(len(a.tenants) for a in attacks.values()),
                         start, attacker_cpus, log, profile, _victim_probes(target, keys["victim"], cold_adapters or []),
-                        attacker_nice)
+                        attacker_nice, trace)
     baseline = phases[0]
     summaries = {}
     for p in phases:

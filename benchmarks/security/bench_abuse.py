@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     root = work / "local-adapters"
     cold = _cold_adapters(model, root)
     serve_args = [*_source_serve_args(root, args.fetch_timeout, args.compile_deadline_ms), *args.serve_arg]
-    with victim_server(work, str(model), serve_args, args.pin, args.pin_engine) as (srv, target, attacker_cpus):
+    trace = Path(args.trace) if args.trace else None
+    with victim_server(work, str(model), serve_args, args.pin, args.pin_engine, trace) as (srv, target, attacker_cpus):
         target = dataclasses.replace(target, fetch_timeout_s=args.fetch_timeout,
                                      compile_deadline_s=args.compile_deadline_ms / 1000)
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         report = abuse.run(target, args.phase_s, args.only.split(",") if args.only else None,
                            log=lambda s: print(s, file=sys.stderr, flush=True), attacker_cpus=attacker_cpus,
                            profile=(srv.proc.pid, Path(args.profile)) if args.profile else None, cold_adapters=cold,
-                           attacker_nice=args.attacker_nice)
+                           attacker_nice=args.attacker_nice, trace=trace)
         report["leases"] = _lease_health(httpx.get(srv.url + "/metrics", headers=admin).text)
     report["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(),
                          "python": platform.python_version(), "model": target.model,

@@ -43,14 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_victim_server_args(parser, args)
-    with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin, args.pin_engine) as (srv, target, attacker_cpus):
+    trace = Path(args.trace) if args.trace else None
+    with victim_server(Path(args.work_dir), args.model, args.serve_arg, args.pin, args.pin_engine,
+                       trace) as (srv, target, attacker_cpus):
         admin = {"Authorization": f"Bearer {srv.admin_token}"}
         quota = {} if args.attacker_concurrency is None else {"max_concurrent_requests": args.attacker_concurrency}
         load_before = os.getloadavg()
         report = schema_flood.run(target, args.phase_s, args.loops, attacker_cpus, args.regex_groups, quota,
                                   log=lambda s: print(s, file=sys.stderr, flush=True),
                                   profile=(srv.proc.pid, Path(args.profile)) if args.profile else None,
-                                  attacker_nice=args.attacker_nice)
+                                  attacker_nice=args.attacker_nice, trace=trace)
         engine = httpx.get(srv.url + "/admin/engine", headers=admin).json()["structured_output"]
     report["server_structured_output"] = engine
     report["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

@@ -77,8 +77,8 @@ def _flood_loop(url: str, key: str, model: str, phase: str, loop: int, phase_s: 
 def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tuple[int, ...] | None = None,
         regex_groups: int = 1000, attacker_quota: dict | None = None,
         log: Callable[[str], None] = lambda s: None, profile: tuple[int, Path] | None = None,
-        attacker_nice: int = 0) -> dict:
-    """The baseline and both flood phases; returns the JSON report."""
+        attacker_nice: int = 0, trace: Path | None = None) -> dict:
+    """The baseline and both flood phases; returns the JSON report (`trace`: run_phases')."""
     tag = str(int(time.time() * 1000))[-8:]
     victim = new_tenant(target, f"victim-{tag}", {})
     attacker = new_tenant(target, f"flooder-{tag}", attacker_quota or {})
@@ -88,7 +88,7 @@ def run(target: Target, phase_s: float = 20.0, loops: int = 4, attacker_cpus: tu
                 for i in range(loops)]
 
     phases = run_phases(target, victim, list(PHASES), phase_s, loops, start, attacker_cpus, log, profile,
-                        attacker_nice=attacker_nice)
+                        attacker_nice=attacker_nice, trace=trace)
     baseline = phases[0]
     summaries = {}
     for p in phases:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -28,6 +29,7 @@ from benchmarks.profile.server_profile import ENGINE_THREAD, Sampler, can_profil
 from server.bench.metrics import percentile, ratio
 from server.bench.server_proc import ServerProcess
 from server.config import ServerConfig
+from server.engine.step_trace import TRACE_ENV
 
 VICTIM_TOKENS = 64
 HEALTH_INTERVAL_S = 0.05
@@ -75,6 +77,10 @@ def add_victim_server_args(p: argparse.ArgumentParser, work_dir: str, serve_arg_
     p.add_argument("--attacker-nice", type=int, default=0, metavar="N",
                    help="run the attacker's processes at nice N (they stand in for other machines; with N > 0 "
                         "they take only the CPU the server and the victim leave; default 0)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="the engine's per-step trace (LORAPLEX_STEP_TRACE, server.engine.step_trace) in DIR/steps.jsonl "
+                        "and each phase's victim gaps and requests, on the same clock, in DIR/<phase>-victim.json "
+                        "(default: off)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help=f"extra `loraplex serve` argument, repeatable (e.g. --serve-arg={serve_arg_example})")
 
@@ -89,12 +95,13 @@ def check_victim_server_args(p: argparse.ArgumentParser, args: argparse.Namespac
 
 @contextlib.contextmanager
 def victim_server(work: Path, model: str | None, serve_args: list[str],
-                  pin: bool, pin_engine: bool = False) -> Iterator[tuple[ServerProcess, Target, tuple[int, ...] | None]]:
+                  pin: bool, pin_engine: bool = False, trace: Path | None = None) -> Iterator[tuple[ServerProcess, Target, tuple[int, ...] | None]]:
     """`loraplex serve` on `model` (default: the demo model, built under `work`) with a fresh Redis under
     `work`: (the server, its Target, the attacker's CPUs). With `pin` (2+ CPUs) every thread of the server
     and what it starts later run on the first CPU, and this process (the victim and /health poller, and
     the attacker processes it starts) on the others. With `pin_engine` the server places itself
-    (server.cpu_placement): its engine on the first CPU, the rest of it with this process on the others."""
+    (server.cpu_placement): its engine on the first CPU, the rest of it with this process on the others.
+    With `trace`, the engine writes its step trace to trace/steps.jsonl (server.engine.step_trace)."""
     cpus = sorted(os.sched_getaffinity(0))
     assert not (pin or pin_engine) or len(cpus) >= 2, "pinning needs 2 or more CPUs"
     if model is None:
@@ -104,6 +111,9 @@ def victim_server(work: Path, model: str | None, serve_args: list[str],
     if pin_engine:
         serve_args = [*serve_args, "--engine-cpus", str(cpus[0]), "--api-cpus", ",".join(map(str, cpus[1:]))]
     shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        os.environ[TRACE_ENV] = str(trace / "steps.jsonl")  # the server's environment is a copy of this one
     with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
                        serve_args=["--device", "cpu", *serve_args]) as srv:
         if pin:
@@ -150,6 +160,8 @@ def settle(pid: int) -> None:
 class Phase:
     name: str
     gaps_s: list[float] = field(default_factory=list)
+    gap_ends: list[float] = field(default_factory=list)  # perf_counter at the end of each gap in gaps_s
+    victim_requests: list[tuple[float, float | None]] = field(default_factory=list)  # (sent, first token) each
     health_s: list[float] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
     victim_errors: int = 0
@@ -211,6 +223,7 @@ def _victim(target: Target, key: str, phase: Callable[[], Phase], stop: threadin
     with client(target, key) as c:
         while not stop.is_set():
             current, last = phase(), None
+            sent = time.perf_counter()
             try:
                 with c.stream("POST", "/v1/completions", json=body) as r:
                     if r.status_code != 200:
@@ -220,8 +233,11 @@ def _victim(target: Target, key: str, phase: Callable[[], Phase], stop: threadin
                         if not line.startswith("data: {"):
                             continue
                         now = time.perf_counter()
+                        if last is None and phase() is current:
+                            current.victim_requests.append((sent, now))
                         if last is not None and phase() is current:
                             current.gaps_s.append(now - last)
+                            current.gap_ends.append(now)
                         last = now
             except httpx.HTTPError:
                 current.victim_errors += 1
@@ -244,13 +260,16 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
                attacker_cpus: tuple[int, ...] | None = None,
                log: Callable[[str], None] = lambda s: None,
                profile: tuple[int, Path] | None = None,
-               probe: Callable[[str], dict] | None = None, attacker_nice: int = 0) -> list[Phase]:
+               probe: Callable[[str], dict] | None = None, attacker_nice: int = 0,
+               trace: Path | None = None) -> list[Phase]:
     """The baseline, then each named attack for phase_s seconds while the victim streams. `attack(name,
     pool)` starts the phase's request loops on the pool (each returns a LoopResult).
     With `profile` = (server pid, directory), py-spy samples the server through each phase into
     `<directory>/<phase>.txt` and the phase keeps the summary. With `probe`, `probe(phase name)` runs
     once in each phase (the baseline too), PROBE_DELAY_S into it (a quarter of shorter phases), once the
-    attack is under way; the phase keeps what it returns. Returns the phases, the baseline first."""
+    attack is under way; the phase keeps what it returns. With `trace`, each phase's victim gaps and requests
+    go to `<trace>/<phase>-victim.json` (perf_counter times, the engine's step trace's clock). Returns the
+    phases, the baseline first."""
     phases = [Phase("baseline")] + [Phase(n) for n in attacks]
     current = [phases[0]]
     stop = threading.Event()
@@ -268,7 +287,7 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
             log(f"phase {phase.name} ({phase_s:.0f} s)")
             with _sampled(phase, profile):
                 current[0] = phase
-                started = time.monotonic()
+                started, clock = time.monotonic(), time.perf_counter()
                 loops = [] if phase.name == "baseline" else attack(phase.name, pool)
                 if probe is not None:
                     time.sleep(min(PROBE_DELAY_S, phase_s / 4))
@@ -279,6 +298,10 @@ def run_phases(target: Target, victim_key: str, attacks: list[str], phase_s: flo
                     result = loop.result()
                     phase.statuses.update(result.statuses)
                     phase.attacker_longest_s = max(phase.attacker_longest_s or 0.0, result.longest_s)
+            if trace is not None:
+                (trace / f"{phase.name}-victim.json").write_text(json.dumps({
+                    "start": clock, "end": time.perf_counter(), "gaps": list(zip(phase.gap_ends, phase.gaps_s)),
+                    "requests": phase.victim_requests}))
             time.sleep(0.5)  # the attack's last requests drain before the next phase is measured
     finally:
         stop.set()

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -646,8 +647,13 @@ def _refuse_costly_raw(state: ServerState, tenant: Tenant, raw: bytearray) -> No
 
 
 def _render(body: dict) -> bytes:
-    # JSONResponse's encoding, on a worker thread: a large logprobs body is megabytes of JSON.
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    """The response body as compact UTF-8 JSON, on a worker thread. msgspec, not json.dumps: either is one C
+    call that holds the GIL throughout, and the event loop relaying every other stream waits for it; an
+    echo with top-20 logprobs over a 2,046-token prompt (1.2 MB) takes json.dumps ~23 ms, msgspec ~2 ms.
+    The same JSON values, each float exactly (spelled its own way: -3.75e-05 is -0.0000375), except that a
+    non-finite float, which no response holds (a request whose values go non-finite fails with an error), would
+    be written null where json.dumps failed."""
+    return msgspec.json.encode(body)
 
 
 async def _request_adapter(state: ServerState, tenant: Tenant, req) -> AdapterRecord | None:

@@ -20,6 +20,7 @@ from server.engine.model_runner import SeqResult
 from server.engine.output_text import IncrementalDetokenizer
 from server.engine.scheduler import ScheduledBatch
 from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
+from server.engine.step_trace import StepRecord, StepTrace, rows_of
 
 
 class RequestError(ValueError):
@@ -59,6 +60,7 @@ class LLMEngine:
         self.overlap = parts.overlap
         self.output_processor = parts.output_processor
         self.step_fn = self.step_overlapped if self.overlap is not None else self.step_plain
+        self.trace = StepTrace.from_env()  # LORAPLEX_STEP_TRACE: a diagnostic per-step record (plain steps)
         self.constrained_requests = 0
         self.arrivals = 0
         self.set_prefix_cache_policy(getattr(config, "enable_prefix_caching", True),
@@ -231,10 +233,25 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self._idle(batch):
             return []
+        if self.trace is not None:
+            return self._traced(start, batch)
         outputs = self.output_processor.postprocess(batch, self._run(batch))
         # The step as a decoding stream sees it, timed around work that already waited for its tokens (the
         # latency-aware prefill cap learns from it; overlapped steps are not timed: the static cap holds).
         self.scheduler.observe(time.perf_counter() - start, batch)
+        return outputs
+
+    def _traced(self, start: float, batch: ScheduledBatch) -> list[RequestOutput]:
+        """step_plain's run and post-processing, each timed into the step trace."""
+        scheduled = time.perf_counter()
+        rows = rows_of(batch)
+        results = self._run(batch)
+        ran = time.perf_counter()
+        outputs = self.output_processor.postprocess(batch, results)
+        end = time.perf_counter()
+        self.scheduler.observe(end - start, batch)
+        self.trace.write(StepRecord(start, scheduled - start, ran - scheduled, end - ran,
+                                    self.scheduler.last_prompt_budget, rows))
         return outputs
 
     def step_overlapped(self) -> list[RequestOutput]:
@@ -276,6 +293,8 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         if self.overlap is not None:
             self.overlap.shutdown()
         self.runner.shutdown()

@@ -12,7 +12,8 @@ blocks are freed and it is recomputed from its tokens when readmitted.
 Fair steps: the step's prompt work is split between the tenants that have
 some by weighted max-min fair share (FairQueue.shares), so many long prompts
 of one tenant share its part, not everyone's; what a share leaves unused goes
-to the chunks already in the step. While any running sequence is decoding,
+to the chunks already in the step. While any running sequence is decoding (or
+more than one tenant is present: Scheduler._shared),
 that work is capped by `max_prefill_tokens_while_decoding` (when set), counted
 in decode-token equivalents (StepCost, below: a late token of a long
 prompt attends over more positions, a prompt-logprob position runs the
@@ -88,7 +89,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from adapters.host_tier import HostTier
@@ -337,6 +338,10 @@ PREFETCH_WINDOW = 8
 # Waiting requests looked at per step (in fair-share order); the rest wait their turn, so a
 # queue of many thousands costs a step no more than this.
 SCAN_HORIZON = 1024
+# How long a tenant whose request just ended still counts as present for the prefill cap: a streaming
+# client's next request is a round trip away, and an uncapped step started meanwhile (a whole long prompt
+# at once) would hold that request's first token for as long.
+LINGER_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -409,8 +414,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
+        self.ended: dict[str | None, float] = {}  # tenant -> when its last request ended (within LINGER_S)
         self.blocks = blocks
         self.kv = KvTables(blocks, config.group_windows)  # every KV layer group's table of a sequence
         self.prefix_cache = (GroupedPrefixCache(blocks, config.kv_groups) if config.kv_groups
@@ -438,6 +446,7 @@ class Scheduler:
         self.draft_lengths: dict[Sequence, DraftLength] = {}  # per running sequence: its adaptive k
         self.draft_model: DraftModelProposer | None = None  # the draft_model method's (engine_startup sets it)
         self.latency = StepLatency(config.latency_cap) if config.latency_cap is not None else None
+        self.last_prompt_budget: float | None = None  # the last step's capped prompt work (None: uncapped)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -462,7 +471,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
-        capped = cap is not None and any(s.num_pending_tokens == 1 for s in self.running)
+        capped = cap is not None and (any(s.num_pending_tokens == 1 for s in self.running) or self._shared())
         if self.kv.windowed:
             for seq in self.running:
                 self.release_behind_window(seq)
@@ -510,6 +519,7 @@ class Scheduler:
         cost = self.config.step_cost if capped else PLAIN
         total = (cap if self.latency is None else self.latency.cap(cap)) if capped else budget
         load = self.latency.load_units() if capped and self.latency is not None else 0.0  # one slot load's units
+        self.last_prompt_budget = total if capped else None
         scan = list(itertools.islice(self.waiting.ordered(), SCAN_HORIZON))
         demands = self._demands(prompts, scan, budget, cost, total, load)
         prefill = _PrefillShares(cost, self.waiting.shares(demands, total), total, load)
@@ -535,6 +545,21 @@ class Scheduler:
             self._measure(batch, prefill.chunked)
             batch.slot_loads = self.slot_loads - loads
         return batch
+
+    def _shared(self) -> bool:
+        """Whether more than one tenant is present: running, waiting, or its last request ended within LINGER_S.
+        Then a step's prompt work is capped though nothing decodes, so one tenant's long prompt cannot hold
+        another's first token (its prompt waiting, or its next request on its way) for a whole uncapped step;
+        a tenant alone still takes the whole token budget."""
+        now = self.clock()
+        for tenant in [t for t, at in self.ended.items() if now - at > LINGER_S]:
+            del self.ended[tenant]
+        present = set(self.ended)
+        for tenant in itertools.chain((s.tenant for s in self.running), (t for t, q in self.waiting.queues.items() if q)):
+            present.add(tenant)
+            if len(present) > 1:
+                return True
+        return False
 
     def _measure(self, batch: ScheduledBatch, chunked: set[Sequence]) -> None:
         """The batch's decoding rows and prompt work (StepCost units, whether or not the step was capped), for
@@ -672,6 +697,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Return a finished (or aborted) sequence's blocks, adapter slot and host pin."""
+        self.ended[seq.tenant] = self.clock()
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._release(seq)

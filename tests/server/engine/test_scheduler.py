@@ -17,6 +17,7 @@ from adapters.format import LoraAdapter, LoraWeights
 from adapters.host_tier import HostTier
 from server.engine.block_manager import FREED, BlockManager
 from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
+from server.engine import scheduler as scheduler_module
 from server.engine.scheduler import PLAIN, ScheduledBatch, Scheduler, SchedulerConfig, StepCost
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.step_latency import LatencyCap
@@ -478,3 +479,29 @@ def test_an_explicit_cap_is_not_bounded_by_step_times():
     batch = s.step()
     s.scheduler.observe(1.0, batch)  # no latency cap: nothing learns, nothing changes
     assert s.scheduler.latency is None and _per_tenant(s.step()) == {"a": 16}
+
+
+def test_another_tenants_waiting_or_just_ended_request_caps_a_step_nothing_decodes_in():
+    # Nothing decodes, yet the victim's short prompt (waiting) or its next request (a round trip after its
+    # last ended) would wait for a whole uncapped step of the long prompt: the cap holds while two tenants
+    # are present; the long prompt alone takes the whole budget.
+    now = [0.0]
+    s = Steps(budget=64, cap=8, num_blocks=128)
+    s.scheduler.clock = lambda: now[0]
+    long = s.add(200, tenant="a", max_tokens=1)
+    s.add(3, tenant="victim", max_tokens=2)
+    first = s.step()
+    assert _per_tenant(first) == {"a": 5, "victim": 3}  # the cap of 8 split, a taking what the victim leaves
+    s.step()  # the victim's last token: it ends
+    assert s.scheduler.ended == {"victim": 0.0} and _per_tenant(s.step()) == {"a": 8}  # it may be back any moment
+    now[0] = scheduler_module.LINGER_S + 0.01
+    assert _per_tenant(s.step()) == {"a": 64}  # it did not come back: a alone, the whole budget
+    assert not s.scheduler.ended and long.num_computed_tokens == 5 + 8 + 8 + 64
+
+
+def test_one_tenants_own_requests_ending_never_cap_its_prompts():
+    s = Steps(budget=64, cap=8, num_blocks=128)
+    s.add(3, tenant="a", max_tokens=1)
+    s.step()  # its one token: it ends
+    s.add(100, tenant="a", max_tokens=1)
+    assert _per_tenant(s.step()) == {"a": 64}
