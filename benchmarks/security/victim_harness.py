@@ -29,7 +29,6 @@ from benchmarks.profile.server_profile import ENGINE_THREAD, Sampler, can_profil
 from server.bench.metrics import percentile, ratio
 from server.bench.server_proc import ServerProcess
 from server.config import ServerConfig
-from server.engine.step_trace import TRACE_ENV
 
 VICTIM_TOKENS = 64
 HEALTH_INTERVAL_S = 0.05
@@ -112,6 +111,10 @@ def victim_server(work: Path, model: str | None, serve_args: list[str],
         serve_args = [*serve_args, "--engine-cpus", str(cpus[0]), "--api-cpus", ",".join(map(str, cpus[1:]))]
     shutil.rmtree(work / "data", ignore_errors=True)  # a fresh Redis: no tenants of an earlier run
     if trace is not None:
+        # here, not at the top: the attacker processes import this module, and server.engine loads torch
+        # (seconds in each, longer than a rate window in the tests)
+        from server.engine.step_trace import TRACE_ENV
+
         trace.mkdir(parents=True, exist_ok=True)
         os.environ[TRACE_ENV] = str(trace / "steps.jsonl")  # the server's environment is a copy of this one
     with ServerProcess(work / "data", work / "server.log", model_dir=Path(model),
