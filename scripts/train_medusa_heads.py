@@ -215,6 +215,7 @@ def add_draft_vocab(model_dir: Path, out: Path, prompts: list[list[int]], *, ada
     rows, targets, _, norm, lm_head = hidden_states(model_dir, adapter, [sequences[j] for j in held],
                                                     [len(prompts[j]) for j in held], heads.num_heads)
     save_heads(out, HeadWeights(heads.weight, heads.bias, vocab), config["vocab_size"])
+    doc.pop("draft_vocab_source", None)  # a vocabulary set some other way, now replaced
     doc |= {"draft_vocab": len(vocab) if vocab is not None else None,
             "held_out_top1_accuracy_full_vocab": doc["held_out_top1_accuracy"],
             "held_out_top1_accuracy": accuracy(heads.weight, heads.bias, rows, targets, norm, lm_head, vocab)}

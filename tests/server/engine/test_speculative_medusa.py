@@ -189,6 +189,7 @@ def test_default_model_ships_heads_that_fit_it(tiny_model_dir, tmp_path):
 
     heads = read_heads_dir(MEDUSA_HEADS, 576, 49152, min_heads=4)  # SmolLM2-135M's hidden size and vocabulary
     assert heads.num_heads == 4 and (MEDUSA_HEADS / WEIGHTS_FILE).stat().st_size < 3_000_000  # float16
+    assert heads.draft_vocab is not None and len(heads.draft_vocab) == 8192  # a sixth of the lm_head per draft
     converted = tmp_path / "converted"
     converted.mkdir()
     (converted / "source.json").write_text(json.dumps({"sha256": MEDUSA_BASE_SHA256}))
