@@ -11,6 +11,12 @@ base model's hidden size and vocabulary they were trained for) and `medusa_heads
 (`heads.{i}.weight` [H, H], `heads.{i}.bias` [H], i < K). Whatever does not fit the base model is
 refused in one line naming the mismatch (MedusaHeadsError).
 
+The weights file may also hold `draft_vocab` [N] (integer token ids, distinct, most frequent first): the
+draft vocabulary (FR-Spec's reduced draft vocabulary). The heads then take their top-1 over those N rows of
+the lm_head alone, a copy of N rows in place of the whole vocabulary's (drafts need not be exact, the
+target verifies them): scripts/train_medusa_heads writes the ids its answers use most. Without it, the heads
+draft over the whole vocabulary.
+
 An adapter may carry heads of its own in a `medusa/` folder beside its PEFT files (the same two files):
 its requests draft with them (read_adapter_heads; at most MAX_ADAPTER_HEADS heads, so a tenant's upload
 is bounded by the base model's hidden size).
@@ -33,6 +39,7 @@ MAX_CONFIG_BYTES = 1 << 16
 ADAPTER_DIR = "medusa"  # an adapter's own heads: this folder beside its PEFT files
 MAX_ADAPTER_HEADS = 8  # heads an adapter may carry (Medusa-1 uses 4 or 5)
 _SAFETENSORS_HEADER_BYTES = 1 << 16  # a heads file's header, past its tensors' bytes
+DRAFT_VOCAB = "draft_vocab"  # the optional tensor of draft vocabulary ids in the weights file
 
 
 class MedusaHeadsError(ValueError):
@@ -48,10 +55,12 @@ class MedusaHeadsConfig:
 
 @dataclass(frozen=True)
 class HeadWeights:
-    """Checked head tensors, on the host: weight [K, H, H] (out, in), bias [K, H]."""
+    """Checked head tensors, on the host: weight [K, H, H] (out, in), bias [K, H]; draft_vocab [N] int64
+    token ids the heads draft among (None: the whole vocabulary)."""
 
     weight: torch.Tensor
     bias: torch.Tensor
+    draft_vocab: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -59,7 +68,7 @@ class HeadWeights:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes + self.bias.nbytes
+        return self.weight.nbytes + self.bias.nbytes + (self.draft_vocab.nbytes if self.draft_vocab is not None else 0)
 
 
 def parse_config(text: bytes | str) -> MedusaHeadsConfig:
@@ -83,9 +92,10 @@ def parse_config(text: bytes | str) -> MedusaHeadsConfig:
     return MedusaHeadsConfig(*numbers)
 
 
-def max_weights_bytes(num_heads: int, hidden_size: int) -> int:
-    """The most bytes a heads file of `num_heads` heads may take: theirs in float32 and a header."""
-    return num_heads * (hidden_size * hidden_size + hidden_size) * 4 + _SAFETENSORS_HEADER_BYTES
+def max_weights_bytes(num_heads: int, hidden_size: int, vocab_size: int) -> int:
+    """The most bytes a heads file of `num_heads` heads may take: theirs in float32, a draft vocabulary of
+    the whole vocabulary in int64, and a header."""
+    return num_heads * (hidden_size * hidden_size + hidden_size) * 4 + vocab_size * 8 + _SAFETENSORS_HEADER_BYTES
 
 
 def check_heads(config: bytes | str, weights: bytes, hidden_size: int, vocab_size: int,
@@ -97,7 +107,7 @@ def check_heads(config: bytes | str, weights: bytes, hidden_size: int, vocab_siz
     if max_heads is not None:
         if cfg.num_heads > max_heads:
             raise MedusaHeadsError(f"medusa heads num_heads {cfg.num_heads} is over the limit of {max_heads}")
-        bound = max_weights_bytes(max_heads, hidden_size)
+        bound = max_weights_bytes(max_heads, hidden_size, vocab_size)
         if len(weights) > bound:
             raise MedusaHeadsError(f"{WEIGHTS_FILE} is {len(weights)} bytes, over the limit of {bound} bytes for "
                                    f"{max_heads} heads of hidden_size {hidden_size}")
@@ -117,7 +127,7 @@ def check_heads(config: bytes | str, weights: bytes, hidden_size: int, vocab_siz
     expected = {f"heads.{i}.{part}": shape for i in range(cfg.num_heads)
                 for part, shape in (("weight", (hidden_size, hidden_size)), ("bias", (hidden_size,)))}
     for name in sorted(tensors):
-        if name not in expected:
+        if name not in expected and name != DRAFT_VOCAB:
             why = " (a head's own lm_head is not supported: heads share the base model's)" if "lm_head" in name else ""
             raise MedusaHeadsError(f"{WEIGHTS_FILE} tensor {name!r} is not a medusa head tensor{why}")
     for name, shape in expected.items():
@@ -129,8 +139,26 @@ def check_heads(config: bytes | str, weights: bytes, hidden_size: int, vocab_siz
         if not tensors[name].is_floating_point():
             raise MedusaHeadsError(f"{WEIGHTS_FILE} tensor {name!r} is {tensors[name].dtype}, not a float tensor")
     rng = range(cfg.num_heads)
+    vocab = tensors.get(DRAFT_VOCAB)
     return HeadWeights(torch.stack([tensors[f"heads.{i}.weight"].float() for i in rng]),
-                       torch.stack([tensors[f"heads.{i}.bias"].float() for i in rng]))
+                       torch.stack([tensors[f"heads.{i}.bias"].float() for i in rng]),
+                       None if vocab is None else _check_draft_vocab(vocab, vocab_size))
+
+
+def _check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A weights file's draft vocabulary: 1 to vocab_size distinct token ids of the base's vocabulary."""
+    where = f"{WEIGHTS_FILE} tensor {DRAFT_VOCAB!r}"
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+        raise MedusaHeadsError(f"{where} must be 1-D int32 or int64, got {ids.dtype} of shape {list(ids.shape)}")
+    if not 1 <= len(ids) <= vocab_size:
+        raise MedusaHeadsError(f"{where} has {len(ids)} ids: 1 to the base model's vocab_size {vocab_size}")
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise MedusaHeadsError(f"{where} holds id {bad}, outside the base model's vocab_size {vocab_size}")
+    if len(torch.unique(ids)) != len(ids):
+        raise MedusaHeadsError(f"{where} holds an id twice")
+    return ids.contiguous()
 
 
 def read_heads_dir(directory: str | Path, hidden_size: int, vocab_size: int, min_heads: int = 1) -> HeadWeights:
@@ -148,7 +176,8 @@ def read_adapter_heads(adapter_dir: str | Path, hidden_size: int, vocab_size: in
     d = Path(adapter_dir).expanduser() / ADAPTER_DIR
     if not d.exists():
         return None
-    bounds = ((CONFIG_FILE, MAX_CONFIG_BYTES), (WEIGHTS_FILE, max_weights_bytes(MAX_ADAPTER_HEADS, hidden_size)))
+    bounds = ((CONFIG_FILE, MAX_CONFIG_BYTES),
+              (WEIGHTS_FILE, max_weights_bytes(MAX_ADAPTER_HEADS, hidden_size, vocab_size)))
     for name, bound in bounds:
         if not (d / name).is_file():
             raise MedusaHeadsError(f"the adapter's {ADAPTER_DIR}/ folder has no {name}")
@@ -159,7 +188,8 @@ def read_adapter_heads(adapter_dir: str | Path, hidden_size: int, vocab_size: in
 
 
 def save_heads(directory: str | Path, weights: HeadWeights, vocab_size: int) -> None:
-    """Write a heads directory (scripts/train_medusa_heads), in float16: half the bytes, the same top-1."""
+    """Write a heads directory (scripts/train_medusa_heads), in float16 (half the bytes, the same top-1), with
+    its draft vocabulary (int32) if it has one."""
     from safetensors.torch import save_file
 
     d = Path(directory)
@@ -169,5 +199,7 @@ def save_heads(directory: str | Path, weights: HeadWeights, vocab_size: int) -> 
     for i in range(k):
         tensors[f"heads.{i}.weight"] = weights.weight[i].to(torch.float16).contiguous()
         tensors[f"heads.{i}.bias"] = weights.bias[i].to(torch.float16).contiguous()
+    if weights.draft_vocab is not None:
+        tensors[DRAFT_VOCAB] = weights.draft_vocab.to(torch.int32).contiguous()
     save_file(tensors, str(d / WEIGHTS_FILE))
     (d / CONFIG_FILE).write_text(json.dumps({"num_heads": k, "hidden_size": h, "vocab_size": vocab_size}) + "\n")

@@ -10,7 +10,10 @@ Prompts: the chat instructions this script writes (topics x phrasings, none of t
 or --prompts FILE (one per line), rendered with the tokenizer's chat template. Only the heads train (a
 residual block each, zero at the start, so each head starts as the model's own next-token guess); the
 final norm and lm_head stay the model's. Writes OUT/medusa_config.json, OUT/medusa_heads.safetensors
-(float16) and OUT/train_log.json (loss per step, each head's top-1 accuracy on held-out answers).
+(float16, with the draft vocabulary: the --draft-vocab ids the answers use most, which the heads draft
+among) and OUT/train_log.json (loss per step, each head's top-1 accuracy on held-out answers, over the
+draft vocabulary). --add-draft-vocab adds a draft vocabulary to heads already in OUT, trained on the same
+prompts and --max-tokens, without training.
 Deterministic for a given --seed; minutes on a CPU for SmolLM2-135M.
 """
 from __future__ import annotations
@@ -21,13 +24,17 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from server.engine import LLM, SamplingParams
-from adapters.medusa_format import HeadWeights, save_heads
+from adapters.medusa_format import HeadWeights, read_heads_dir, save_heads
+
+# Draft vocabulary ids by default: a sixth of SmolLM2's 49152, so each drafted head reads a sixth of the lm_head.
+DRAFT_VOCAB_SIZE = 8192
 
 TOPICS = ["the moon", "volcanoes", "bread", "bicycles", "the ocean", "honey bees", "rainbows", "libraries",
           "trains", "chess", "coffee", "winter", "the internet", "forests", "music", "electricity", "dinosaurs",
@@ -154,21 +161,83 @@ def head_logits(weight, bias, h, norm, lm_head) -> torch.Tensor:
     return (norm(x).to(lm_head.dtype) @ lm_head.T).float()
 
 
+def head_guesses(weight, bias, h, norm, lm_head, vocab: torch.Tensor | None) -> torch.Tensor:
+    """h [B, H] -> [B, K] each head's top-1 token id, over the draft vocabulary's ids (None: every id)."""
+    if vocab is None:
+        return head_logits(weight, bias, h, norm, lm_head).argmax(-1)
+    return vocab[head_logits(weight, bias, h, norm, lm_head[vocab]).argmax(-1)]
+
+
+def draft_vocab(sequences: list[list[int]], prompts: list[list[int]], vocab_size: int, size: int) -> torch.Tensor | None:
+    """The heads' draft vocabulary: the answers' tokens, most frequent first (ties by id), then the lowest ids
+    not among them up to `size` (a BPE vocabulary's early merges are its common tokens); None when `size`
+    is 0 or the whole vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = Counter(t for seq, p in zip(sequences, prompts) for t in seq[len(p):])
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    seen = set(ranked)
+    ranked += [t for t in range(vocab_size) if t not in seen][: size - len(ranked)]
+    return torch.tensor(ranked, dtype=torch.long)
+
+
+def held_out_prompts(num_prompts: int, seed: int) -> torch.Tensor:
+    """Held out by prompt, not by position: a held-out position's neighbours are never trained on."""
+    return torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed))[: max(1, num_prompts // 10)]
+
+
+def accuracy(weight, bias, rows, targets, norm, lm_head, vocab) -> list[float]:
+    """Each head's top-1 accuracy over rows (float32, over the draft vocabulary as serving drafts)."""
+    out = []
+    with torch.no_grad():
+        for i in range(weight.shape[0]):
+            chosen = torch.cat([head_guesses(weight[i : i + 1], bias[i : i + 1], rows[j : j + 256], norm, lm_head,
+                                             vocab)[:, 0] for j in range(0, len(rows), 256)])
+            want = targets[:, i]
+            valid = want != -100
+            out.append(round((chosen[valid] == want[valid]).float().mean().item(), 4))
+    return out
+
+
+def add_draft_vocab(model_dir: Path, out: Path, prompts: list[list[int]], *, adapter: Path | None = None,
+                    max_tokens: int = 128, draft_vocab_size: int = DRAFT_VOCAB_SIZE, seed: int = 0, log=print) -> dict:
+    """The heads in `out` (trained on these prompts, answers of max_tokens), given a draft vocabulary from
+    the same answers; their train_log.json gains the held-out accuracy over it."""
+    t0 = time.monotonic()
+    sequences = generate(model_dir, adapter, prompts, max_tokens)
+    log(f"generated {sum(len(s) - len(p) for s, p in zip(sequences, prompts))} tokens in {time.monotonic() - t0:.0f} s")
+    log_path = out / "train_log.json"
+    doc = json.loads(log_path.read_text())
+    config = json.loads((out / "medusa_config.json").read_text())
+    vocab = draft_vocab(sequences, prompts, config["vocab_size"], draft_vocab_size)
+    held = held_out_prompts(len(prompts), seed).tolist()
+    heads = read_heads_dir(out, config["hidden_size"], config["vocab_size"])
+    rows, targets, _, norm, lm_head = hidden_states(model_dir, adapter, [sequences[j] for j in held],
+                                                    [len(prompts[j]) for j in held], heads.num_heads)
+    save_heads(out, HeadWeights(heads.weight, heads.bias, vocab), config["vocab_size"])
+    doc.pop("draft_vocab_source", None)  # a vocabulary set some other way, now replaced
+    doc |= {"draft_vocab": len(vocab) if vocab is not None else None,
+            "held_out_top1_accuracy_full_vocab": doc["held_out_top1_accuracy"],
+            "held_out_top1_accuracy": accuracy(heads.weight, heads.bias, rows, targets, norm, lm_head, vocab)}
+    log_path.write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"held-out top-1 accuracy per head over the draft vocabulary: {doc['held_out_top1_accuracy']}; wrote {out}")
+    return doc
+
+
 def train(model_dir: Path, out: Path, prompts: list[list[int]], *, adapter: Path | None = None, num_heads: int = 4,
           max_tokens: int = 128, steps: int = 300, batch_size: int = 64, lr: float = 3e-3,
-          lr_schedule: str = "cosine", seed: int = 0, log=print) -> dict:
+          lr_schedule: str = "cosine", draft_vocab_size: int = DRAFT_VOCAB_SIZE, seed: int = 0, log=print) -> dict:
     torch.manual_seed(seed)
     t0 = time.monotonic()
     sequences = generate(model_dir, adapter, prompts, max_tokens)
     log(f"generated {sum(len(s) - len(p) for s, p in zip(sequences, prompts))} tokens in {time.monotonic() - t0:.0f} s")
     rows, targets, owner, norm, lm_head = hidden_states(model_dir, adapter, sequences, [len(p) for p in prompts],
                                                         num_heads)
+    vocab = draft_vocab(sequences, prompts, lm_head.shape[0], draft_vocab_size)
     log(f"{len(rows)} answer positions ({time.monotonic() - t0:.0f} s)")
     for p in norm.parameters():
         p.requires_grad_(False)
-    # Held out by prompt, not by position: a held-out position's neighbours are never trained on.
-    held_prompts = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))[: max(1, len(prompts) // 10)]
-    is_held = torch.isin(owner, held_prompts)
+    is_held = torch.isin(owner, held_out_prompts(len(prompts), seed))
     held, train_rows = is_held.nonzero().flatten(), (~is_held).nonzero().flatten()
     hidden = rows.shape[1]
     weight = torch.zeros(num_heads, hidden, hidden, requires_grad=True)
@@ -194,24 +263,15 @@ def train(model_dir: Path, out: Path, prompts: list[list[int]], *, adapter: Path
         losses.append(round(loss.item(), 4))
         if step % 25 == 0 or step == steps - 1:
             log(f"step {step}: loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)")
-    with torch.no_grad():
-        accuracy = []
-        for i in range(num_heads):
-            chosen, want = [], []
-            for start in range(0, len(held), 256):
-                idx = held[start : start + 256]
-                chosen.append(head_logits(weight[i : i + 1], bias[i : i + 1], rows[idx], norm, lm_head)[:, 0].argmax(-1))
-                want.append(targets[idx, i])
-            chosen, want = torch.cat(chosen), torch.cat(want)
-            valid = want != -100
-            accuracy.append(round((chosen[valid] == want[valid]).float().mean().item(), 4))
-    save_heads(out, HeadWeights(weight.detach(), bias.detach()), lm_head.shape[0])
+    weight, bias = weight.detach(), bias.detach()
+    top1 = accuracy(weight, bias, rows[held], targets[held], norm, lm_head, vocab)
+    save_heads(out, HeadWeights(weight, bias, vocab), lm_head.shape[0])
     doc = {"model": str(model_dir), "adapter": str(adapter) if adapter else None, "num_heads": num_heads,
            "prompts": len(prompts), "positions": len(rows), "held_out": len(held), "steps": steps,
            "batch_size": batch_size, "lr": lr, "lr_schedule": lr_schedule, "seed": seed, "seconds": round(time.monotonic() - t0, 1),
-           "held_out_top1_accuracy": accuracy, "loss": losses}
+           "draft_vocab": len(vocab) if vocab is not None else None, "held_out_top1_accuracy": top1, "loss": losses}
     (out / "train_log.json").write_text(json.dumps(doc, indent=1) + "\n")
-    log(f"held-out top-1 accuracy per head: {accuracy}; wrote {out}")
+    log(f"held-out top-1 accuracy per head: {top1}; wrote {out}")
     return doc
 
 
@@ -229,20 +289,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                     help="cosine: a warm-up over 5%% of the steps, then cosine decay to 0")
+    ap.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB_SIZE,
+                    help="ids in the heads' draft vocabulary (0: the whole vocabulary)")
+    ap.add_argument("--add-draft-vocab", action="store_true",
+                    help="no training: add a draft vocabulary to the heads in OUT (same prompts and --max-tokens)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
     if args.prompts and args.short_only:
         ap.error("--short-only picks among this script's prompts: not with --prompts")
+    training_only = [f"--{k.replace('_', '-')}" for k in ("num_heads", "steps", "batch_size", "lr", "lr_schedule")
+                     if getattr(args, k) != ap.get_default(k)]
+    if args.add_draft_vocab and training_only:
+        ap.error(f"--add-draft-vocab trains nothing: not with {training_only[0]}")
     texts = (args.prompts.read_text().splitlines() if args.prompts
              else short_prompts() if args.short_only else default_prompts())
     rng = random.Random(args.seed)
     rng.shuffle(texts)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model), [t for t in texts if t.strip()])
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.add_draft_vocab:
+        add_draft_vocab(args.model, args.out, prompts, adapter=args.adapter, max_tokens=args.max_tokens,
+                        draft_vocab_size=args.draft_vocab, seed=args.seed, log=log)
+        return 0
     train(args.model, args.out, prompts, adapter=args.adapter, num_heads=args.num_heads, max_tokens=args.max_tokens,
-          steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule, seed=args.seed,
-          log=lambda line: print(line, file=sys.stderr, flush=True))
+          steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule,
+          draft_vocab_size=args.draft_vocab, seed=args.seed, log=log)
     return 0
 
 

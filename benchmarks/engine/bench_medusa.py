@@ -8,7 +8,9 @@ question in the chat template, greedy, up to --max-tokens. Paired rounds: per it
 the engine with heads run one after the other (the order alternating), one request at a time; decode
 tok/s is (tokens - 1) / (time from the first token to the last), summed over items. With --adapter every
 request runs that PEFT adapter and the heads should be the ones trained on it. The outputs must be the
-same tokens (the check is part of the run); prints a table and writes JSON with the acceptance counts.
+same tokens (the check is part of the run); prints a table and writes JSON with the acceptance counts and
+each engine's thread CPU time per step by part (StepProfile: CPU time, so the other work on a shared
+machine counts less than in wall time).
 """
 from __future__ import annotations
 
@@ -22,6 +24,46 @@ from pathlib import Path
 from benchmarks.profile.cpu_model import cpu_model
 from server.default_model import MEDUSA_HEADS
 from server.engine import LLM, SamplingParams
+
+
+class StepProfile:
+    """Thread CPU ms per engine step, by part: the layers (`hidden_rows`), every full lm_head call
+    (`logits`: the plain step's row, the verify's rounds, heads without a draft vocabulary), the heads'
+    draft-vocabulary rows (`row_logits`) and the heads' whole drafting (`_propose`, their lm_head rows
+    included). The engine's matmuls run on the stepping thread (one intra-op thread on a shared 2-core
+    machine), so its CPU time is theirs."""
+
+    PARTS = (("layers", "model", "hidden_rows"), ("lm_head", "model", "logits"),
+             ("draft_vocab_rows", "model", "row_logits"), ("heads", "runner", "_propose"))
+
+    def __init__(self, llm: LLM) -> None:
+        self.ns = {name: 0 for name, _, _ in self.PARTS} | {"step": 0}
+        self.steps = 0
+        self.active = False
+        runner = llm.engine.runner
+        for name, owner, method in self.PARTS:
+            target = runner.model if owner == "model" else runner
+            setattr(target, method, self._timed(name, getattr(target, method)))
+        llm.engine.step = self._timed("step", llm.engine.step, count=True)
+
+    def _timed(self, name: str, fn, count: bool = False):
+        def timed(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            start = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns[name] += time.thread_time_ns() - start
+                self.steps += count
+        return timed
+
+    def summary(self) -> dict:
+        """Steps (each request's prompt step included), and per part its CPU ms per step and CPU seconds in all
+        (the totals compare across engines: the same tokens)."""
+        return {"steps": self.steps,
+                "per_step_ms": {name: round(ns / 1e6 / max(1, self.steps), 2) for name, ns in self.ns.items()},
+                "total_s": {name: round(ns / 1e9, 2) for name, ns in self.ns.items()}}
 
 
 class HeadAgreement:
@@ -108,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     processor = medusa.engine.output_processor
     drafted0, accepted0 = processor.num_draft_tokens, processor.num_accepted_tokens
     agreement = HeadAgreement(k)
+    profiles = {"plain": StepProfile(plain), "medusa": StepProfile(medusa)}
+    for profile in profiles.values():
+        profile.active = True
     totals, mismatches = decode_run(plain, medusa, prompts, params, name, agreement)
     drafted, accepted = processor.num_draft_tokens - drafted0, processor.num_accepted_tokens - accepted0
     plain_tps, medusa_tps = (totals[m][0] / totals[m][1] for m in ("plain", "medusa"))
@@ -126,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         # far apart means the heads are served differently from how they were trained, or on other text.
         "serving_top1_agreement": agreement.rates(),
         "training_held_out_top1_accuracy": training_accuracy(heads),
+        "step_cpu_ms": {key: profile.summary() for key, profile in profiles.items()},
     }
     print(f"{'engine':<8} {'decode tok/s':>12}\n{'plain':<8} {plain_tps:>12.1f}\n{'medusa':<8} {medusa_tps:>12.1f}\n"
           f"ratio {doc['ratio']:.2f}x; drafts accepted {accepted}/{drafted}; mismatched outputs {mismatches}\n"
           f"top-1 per head: serving {doc['serving_top1_agreement']}, "
-          f"training (held out) {doc['training_held_out_top1_accuracy']}")
+          f"training (held out) {doc['training_held_out_top1_accuracy']}\n"
+          f"thread CPU ms per step: {doc['step_cpu_ms']}")
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if mismatches else 0

@@ -158,7 +158,7 @@ def build_engine_parts(config: EngineConfig, adapter_source: Fetch | None,
                          model.vocab_parts.slot_has if model.vocab_parts is not None else None)
     if medusa_heads is not None:
         k = config.speculative_config.num_speculative_tokens
-        runner.use_medusa(MedusaProposer(MedusaHeads(medusa_heads, dtype, device), k))
+        runner.use_medusa(MedusaProposer(MedusaHeads(medusa_heads, dtype, device, model), k, model))
         slots.medusa = runner.medusa  # adapters' own heads load and leave with their slot
     warmup_seconds = _warm_up(config, model, kv_caches, kernels, scratch, max_model_len, device, slots.page_table)
     # DoRA scales at adapter intake; on a CPU engine with a store, the base identity they are keyed by now.

@@ -7,16 +7,22 @@ computed with its adapter applied, so the heads see the adapter's effect.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from adapters.medusa_format import HeadWeights
 from server.engine.kernel_ops import KernelOps
 from server.engine.medusa_heads import MedusaHeads
 
+if TYPE_CHECKING:  # the model imports the LoRA slots, which import this
+    from server.engine.model import Model
+
 
 class MedusaProposer:
-    def __init__(self, base: MedusaHeads, num_speculative_tokens: int) -> None:
+    def __init__(self, base: MedusaHeads, num_speculative_tokens: int, model: Model) -> None:
         self.base = base
+        self.model = model  # its final norm and lm_head turn the heads' rows into drafts
         self.k = num_speculative_tokens
         self.slot_heads: dict[int, MedusaHeads] = {}  # adapter slot -> its own heads, while resident
 
@@ -25,7 +31,7 @@ class MedusaProposer:
         if weights is None:
             self.slot_heads.pop(slot, None)
         else:
-            self.slot_heads[slot] = MedusaHeads(weights, self.base.weight.dtype, self.base.weight.device)
+            self.slot_heads[slot] = MedusaHeads(weights, self.base.weight.dtype, self.base.weight.device, self.model)
 
     def evict(self, slot: int) -> None:
         self.slot_heads.pop(slot, None)
@@ -33,7 +39,7 @@ class MedusaProposer:
     def heads_for(self, slot: int) -> MedusaHeads:
         return self.slot_heads.get(slot, self.base)
 
-    def propose(self, hidden: torch.Tensor, slots: list[int], logits, ops: KernelOps, k: int) -> list[list[int]]:
+    def propose(self, hidden: torch.Tensor, slots: list[int], ops: KernelOps, k: int) -> list[list[int]]:
         """hidden [S, H] (one row per sequence), slots [S] (-1: base) -> each row's first k heads' drafts
         (k <= the configured k). One matmul per distinct set of heads in the step, and one copy to the host
         for all."""
@@ -41,10 +47,10 @@ class MedusaProposer:
         for r, slot in enumerate(slots):
             groups.setdefault(id(self.heads_for(slot)), []).append(r)
         if len(groups) == 1:  # the usual step: one set of heads, every row
-            return self.heads_for(slots[0]).propose(hidden, logits, ops, k).tolist()
+            return self.heads_for(slots[0]).propose(hidden, self.model, ops, k).tolist()
         out = torch.empty(len(slots), k, dtype=torch.long, device=hidden.device)
         for rows in groups.values():
             heads = self.heads_for(slots[rows[0]])
             index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-            out.index_copy_(0, index, heads.propose(hidden.index_select(0, index), logits, ops, k))
+            out.index_copy_(0, index, heads.propose(hidden.index_select(0, index), self.model, ops, k))
         return out.tolist()

@@ -458,6 +458,20 @@ class CausalLM:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         return logits.float()
 
+    def lm_head_rows(self, ids: torch.Tensor):
+        """A copy of the lm_head's rows `ids` [N] (a Medusa draft vocabulary's), stored as the lm_head is:
+        a float [N, H] or an Int8Weight of N rows."""
+        if isinstance(self.lm_head, Int8Weight):
+            return Int8Weight(self.lm_head.qweight.index_select(0, ids).contiguous(),
+                              self.lm_head.scale.index_select(0, ids).contiguous())
+        return self.lm_head.index_select(0, ids).contiguous()
+
+    def row_logits(self, h: torch.Tensor, ops: KernelOps, rows) -> torch.Tensor:
+        """[N, H] last-layer rows -> [N, R] logits over lm_head_rows()' R rows: the final norm and those
+        rows alone, for a draft's top-1 (no adapter vocab parts; a softcap keeps the order, so none)."""
+        h = self.norm(h)
+        return ops.int8_linear(h, rows) if isinstance(rows, Int8Weight) else ops.linear(h, rows)
+
 
 def _stored_tensors(weight) -> list[torch.Tensor]:
     """A float weight itself, or a quantized one's tensors (Int8Weight, Int4Weight, Fp8Weight fields)."""

@@ -551,7 +551,8 @@ class ModelRunner:
         for s, medusa in inputs.medusa_rows.items():
             result = results[sampled[s]]
             accepted = len(result.tokens) - 1 if s in drafts else 0
-            # As many heads as its adaptive k will take next step: each is a row through the whole lm_head.
+            # As many heads as its adaptive k will take next step: each is a row through the lm_head
+            # (its draft vocabulary's rows, if the heads have one).
             k = self.medusa.k if medusa.length is None else medusa.length.k_after(len(drafts.get(s, ())), accepted)
             if k:
                 rows.append(medusa.row + accepted)
@@ -561,7 +562,7 @@ class ModelRunner:
         if not rows:
             return
         index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-        proposed = self.medusa.propose(hidden.index_select(0, index), slots, self.model.logits, self.ops, max(ks))
+        proposed = self.medusa.propose(hidden.index_select(0, index), slots, self.ops, max(ks))
         proposed = [p[:k] for p, k in zip(proposed, ks)]
         for i, p in zip(seqs, proposed):
             results[i].proposed = p

@@ -35,14 +35,18 @@ def random_heads(directory: Path, num_heads: int = 4, scale: float = 0.5, seed: 
     return directory
 
 
+DRAFT_VOCAB = 256  # the trained base heads draft among half the tiny vocabulary; an adapter's own, among all
+
+
 @pytest.fixture(scope="module")
 def trained_heads(tiny_model_dir, tmp_path_factory) -> Path:
     """Heads trained by the project's script on the tiny model's own greedy answers (200 steps: a constant
-    rate fits the tiny model far enough for accepted runs, where the cosine decay stops short)."""
+    rate fits the tiny model far enough for accepted runs, where the cosine decay stops short), with a
+    draft vocabulary of DRAFT_VOCAB ids."""
     trainer = script_module("train_medusa_heads")
     out = tmp_path_factory.mktemp("trained-heads")
     trainer.train(tiny_model_dir, out, prompts_of(48, seed=0), num_heads=4, max_tokens=48, steps=200,
-                  lr_schedule="constant", log=lambda line: None)
+                  lr_schedule="constant", draft_vocab_size=DRAFT_VOCAB, log=lambda line: None)
     return out
 
 
@@ -157,6 +161,13 @@ def _rewrite(directory: Path, config: dict | None = None, tensors: dict | None =
     (dict(tensors={"heads.0.lm_head.weight": torch.zeros(512, 64)}),
      "medusa_heads.safetensors tensor 'heads.0.lm_head.weight' is not a medusa head tensor (a head's own lm_head"),
     (dict(config={"base": "x"}), "medusa_config.json key 'base' is not supported"),
+    (dict(tensors={"draft_vocab": torch.tensor([1.0, 2.0])}),
+     "medusa_heads.safetensors tensor 'draft_vocab' must be 1-D int32 or int64, got torch.float32 of shape [2]"),
+    (dict(tensors={"draft_vocab": torch.tensor([3, 512], dtype=torch.int32)}),
+     "medusa_heads.safetensors tensor 'draft_vocab' holds id 512, outside the base model's vocab_size 512"),
+    (dict(tensors={"draft_vocab": torch.tensor([3, 7, 3])}), "medusa_heads.safetensors tensor 'draft_vocab' holds an id twice"),
+    (dict(tensors={"draft_vocab": torch.arange(513)}),
+     "medusa_heads.safetensors tensor 'draft_vocab' has 513 ids: 1 to the base model's vocab_size 512"),
 ])
 def test_heads_that_do_not_fit_the_base_are_refused_in_one_line(tmp_path, edit, message):
     heads = _rewrite(random_heads(tmp_path / "heads"), **edit)
@@ -179,6 +190,7 @@ def test_default_model_ships_heads_that_fit_it(tiny_model_dir, tmp_path):
 
     heads = read_heads_dir(MEDUSA_HEADS, 576, 49152, min_heads=4)  # SmolLM2-135M's hidden size and vocabulary
     assert heads.num_heads == 4 and (MEDUSA_HEADS / WEIGHTS_FILE).stat().st_size < 3_000_000  # float16
+    assert heads.draft_vocab is not None and len(heads.draft_vocab) == 8192  # a sixth of the lm_head per draft
     converted = tmp_path / "converted"
     converted.mkdir()
     (converted / "source.json").write_text(json.dumps({"sha256": MEDUSA_BASE_SHA256}))
@@ -244,8 +256,11 @@ def test_served_drafts_are_the_heads_training_guesses(tiny_model_dir, tiny_adapt
     rows, _, _, norm, lm_head = trainer.hidden_states(tiny_model_dir, peft_dir, [list(s.token_ids) for s in seqs],
                                                       [len(p) for p in prompts], 4)
     heads = read_heads_dir(own_heads_adapter / ADAPTER_DIR if adapter == "own_heads" else trained_heads, HIDDEN, VOCAB)
+    # The base heads draft among their draft vocabulary, the adapter's own (none) among the whole vocabulary.
+    assert (heads.draft_vocab is None) == (adapter == "own_heads")
+    assert heads.draft_vocab is None or len(heads.draft_vocab) == DRAFT_VOCAB
     with torch.no_grad():
-        guesses = trainer.head_logits(heads.weight, heads.bias, rows, norm, lm_head).argmax(-1)
+        guesses = trainer.head_guesses(heads.weight, heads.bias, rows, norm, lm_head, heads.draft_vocab)
     first = 0  # the script's rows: each sequence's positions from its last prompt token on, in order
     runs = full = 0
     for seq, prompt, log in zip(seqs, prompts, held):
@@ -320,3 +335,32 @@ def test_past_the_batch_cut_off_the_heads_do_not_run_and_outputs_stay_the_plain_
     # One sequence alone is under the cut-off: the heads draft for it again.
     assert_same(plain.generate(prompts[:1], params), medusa.generate(prompts[:1], params))
     assert calls and medusa.engine.output_processor.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("int8_lm_head", [False, True], ids=["float", "int8"])
+def test_heads_with_a_draft_vocabulary_draft_only_its_ids_and_outputs_stay_the_plain_engines(
+        tiny_model_dir, tmp_path, int8_lm_head):
+    """The heads' top-1 over their draft vocabulary's lm_head rows (a float copy, or an int8 lm_head's rows
+    as int8): every draft is one of its ids, exactly the head's best among them, and the target verifies them
+    as any drafts."""
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:64]
+    g = torch.Generator().manual_seed(0)
+    heads = HeadWeights(torch.randn(3, HIDDEN, HIDDEN, generator=g) * 0.5 / HIDDEN ** 0.5,
+                        torch.randn(3, HIDDEN, generator=g) * 0.5, ids)
+    save_heads(tmp_path / "heads", heads, VOCAB)
+    opts = dict(device="cpu", dtype="float32", kernels="torch", max_model_len=256,
+                **(dict(quantization="int8", quantize_lm_head=True) if int8_lm_head else {}))
+    plain, medusa = LLM(tiny_model_dir, **opts), LLM(tiny_model_dir, speculative_config=spec(tmp_path / "heads"), **opts)
+    runner = medusa.engine.runner
+    loaded = runner.medusa.base
+    assert loaded.vocab.tolist() == ids.tolist()
+    h = torch.randn(5, HIDDEN, generator=g)
+    full = runner.model.logits(
+        (torch.nn.functional.silu(h @ heads.weight[0].T + heads.bias[0]) + h), runner.ops)  # head 0, every id
+    want = ids[full[:, ids].argmax(-1)]
+    assert loaded.propose(h, runner.model, runner.ops, 1)[:, 0].tolist() == want.tolist()
+    prompts = prompts_of(6, seed=4)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = [llm.generate(prompts, params) for llm in (plain, medusa)]
+    assert_same(*outs)
+    assert medusa.engine.output_processor.num_draft_tokens > 0
