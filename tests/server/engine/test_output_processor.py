@@ -12,7 +12,7 @@ from server.engine.model_runner import SeqResult
 from server.engine.output_processor import OutputProcessor
 from server.engine.output_text import IncrementalDetokenizer, OutputTexts
 from server.engine.sampler import SampleFailure
-from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.scheduler import Scheduler, SchedulerLimits
 from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from server.engine.tokenizer_loader import load_tokenizer
 
@@ -32,7 +32,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture
 def processor(tokenizer) -> OutputProcessor:
     blocks = BlockManager(num_blocks=32, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
+    scheduler = Scheduler(SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
                           HostTier(None, None))
     processor = OutputProcessor(scheduler, frozenset({EOS}), MAX_MODEL_LEN)
     processor.texts = OutputTexts(IncrementalDetokenizer(tokenizer), processor.abort)  # the front end's
