@@ -32,14 +32,10 @@ import torch
 
 from kernels.cpu_linear import cpu_flags
 from kernels.int4_avx2 import avx2_int4_linear_or_none
+# The group rule has no torch in it (server.engine.config checks it); importable from here as before.
+from kernels.int4_groups import DEFAULT_GROUP_SIZE, GROUP_MULTIPLE, check_group_size  # noqa: F401
 
 QMAX = 15  # 4 bits, unsigned
-# Round-to-nearest's group: GGUF's block. Without GPTQ's or AWQ's calibration, 128 rounds too coarsely:
-# on the default model 72% teacher-forced top-1 agreement against 100% at 32 (eval-quantized.md).
-DEFAULT_GROUP_SIZE = 32
-# A group is whole 8-value words in the kernels (kernels.int4_avx2 unpacks 8 nibbles at a time), and the
-# Triton kernel's K tile (a power of two >= 8) must lie within one group: group sizes are multiples of 32.
-GROUP_MULTIPLE = 32
 
 
 @dataclass(frozen=True)
@@ -68,14 +64,6 @@ class Int4Weight:
     def nbytes(self) -> int:
         """Bytes this weight keeps on its device: the packed values, scales and offsets."""
         return self.qweight.nbytes + self.scale.nbytes + self.offset.nbytes
-
-
-def check_group_size(group_size: int, n_in: int) -> None:
-    """Raises ValueError naming the rule when `group_size` cannot serve a projection of n_in inputs."""
-    if n_in % 16:  # two per byte, and the CPU kernel widens 16 at a time (every real model's widths are)
-        raise ValueError(f"int4 needs input widths that are multiples of 16, got {n_in}")
-    if group_size <= 0 or group_size % GROUP_MULTIPLE:
-        raise ValueError(f"int4 group size must be a positive multiple of {GROUP_MULTIPLE}, got {group_size}")
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO, DATA_PARALLEL_ROUTINGS,
-                           ENGINE_PROCESSES, MAX_LORA_RANK, MAX_NUM_BATCHED_TOKENS, TOOL_CALL_PARSERS, ConfigError,
-                           ServerConfig)
+from server.config import DATA_PARALLEL_ROUTINGS, ENGINE_PROCESSES, TOOL_CALL_PARSERS, ConfigError, ServerConfig
 from server.default_model import DefaultModelMissing, announce as announce_default_model
+from server.engine.config import (AUTO_PREFILL_CAP, CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO, MAX_LORA_RANK,
+                                  MAX_NUM_BATCHED_TOKENS)
 from server.gguf_reader import GGUFError
 from server.starting_responder import StartingResponder
 from server.startup_checks import check_before_model
@@ -472,13 +472,13 @@ def prepare_model(config: ServerConfig) -> None:
 
     if config.model is None:
         announce_default_model(say)  # before the imports below: seconds of silence otherwise
-    from server.engine.config import GPTQ_QUANTIZATIONS, ModelConfigError
+    from server.engine.config import ModelConfigError
     from server.engine.gptq_checkpoint import check_checkpoint
     from server.model_source import resolve_model
 
     resolved = resolve_model(config.model, config.data_dir, say)
     try:
-        check_checkpoint(resolved.model_dir, require_gptq=config.quantization in GPTQ_QUANTIZATIONS)
+        check_checkpoint(resolved.model_dir, require_gptq=config.engine.quantization.require_gptq_checkpoint)
     except ModelConfigError as e:
         raise ConfigError(f"--model: {e}") from None
     _check_speculative_model(config, resolved.model_dir)
@@ -492,14 +492,13 @@ def _check_flag_combinations(config: ServerConfig, model_dir: Path) -> None:
     as an engine core's traceback and restarts."""
     from server.engine.config import ModelConfig, ModelConfigError
     from server.engine.flag_refusals import combination_refusal
-    from server.engine.speculative_config import parse_speculative_config
 
     try:
         mcfg = ModelConfig.from_dir(model_dir)
     except ModelConfigError as e:
         raise ConfigError(f"--model: {e}") from None
-    spec = parse_speculative_config(config.speculative_config)
-    refusal = combination_refusal(config, mcfg, spec is not None and spec.method == "draft_model", model_dir)
+    spec = config.engine.speculative_config
+    refusal = combination_refusal(config.engine, mcfg, spec is not None and spec.method == "draft_model", model_dir)
     if refusal is not None:
         raise ConfigError(refusal)
 
@@ -523,9 +522,8 @@ def _check_speculative_model(config: ServerConfig, model_dir: Path) -> None:
     from server.engine.draft_model_loader import read_draft_config
     from adapters.medusa_format import MedusaHeadsError, read_heads_dir
     from server.default_model import NoPackagedHeads, medusa_heads_dir
-    from server.engine.speculative_config import parse_speculative_config
 
-    spec = parse_speculative_config(config.speculative_config)
+    spec = config.engine.speculative_config
     if spec is None or spec.method == "ngram":
         return
     mcfg = ModelConfig.from_dir(model_dir)

@@ -7,12 +7,14 @@ import re
 import secrets
 import socket
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from server.chat_templates import resolve_chat_template
 from server.credentials import ADMIN_TOKEN_FILE, load_or_create_secret
+# The engine's settings: torch-free (server.engine.config imports no torch).
+from server.engine.config import AUTO_PREFILL_CAP, EngineConfig, setting_names
 
 if TYPE_CHECKING:
     from server.cpu_placement import CpuPlacement
@@ -23,25 +25,21 @@ _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _REPLICA_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 DEMO_MODEL_NAME = "loraplex-demo"
-AUTO_PREFILL_CAP = "auto"
 # --engine-process: an engine-core process of its own (server.engine.core, the default), or the engine's
 # step loop on a thread here (the LLM API's way, and tests that read the engine's objects).
 ENGINE_PROCESSES = ("in-process", "separate")
 DATA_PARALLEL_ROUTINGS = ("affinity", "round-robin")
 ENGINE_RESTART_WINDOW_S = 60.0  # --engine-restart-limit counts the restarts within this window
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # --tool-call-parser: server.api.tool_parsers
-# On a 2-core CPU a 256-token chunk of the demo model's prompt keeps a decoding stream's worst gap under a
-# second where one 2,048-token step stalled it for ~6 s (docs/benchmarks/abuse.md).
-CPU_PREFILL_CAP = 256
-# ... and under it, a step with prompt work costs at most this times a decode-only step, from the engine's
-# measured step times (server.engine.step_latency), as Sarathi-Serve sizes its token budget from the TBT SLO.
-CPU_PREFILL_STEP_RATIO = 1.25
 DEMO_MODEL_FLAG = "demo"  # --model demo: the built-in random-weight model
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # no --model: server.default_model
-# server.engine.config's bounds, repeated: checked here so a start-up mistake is one line before the model
-# loads, and named in --help, without importing torch.
-MAX_LORA_RANK = 512
-MAX_NUM_BATCHED_TOKENS = 65536
+# Where the CLI's defaults differ from the engine's (docs/cli.md): 8 adapter slots rather than sized from
+# memory, a 1 GiB host tier rather than unbounded, and the prefill cap by device type rather than off.
+SERVE_ENGINE_DEFAULTS: Mapping[str, Any] = {"max_loras": 8, "max_cpu_lora_bytes": 1 << 30,
+                                            "max_prefill_tokens_while_decoding": AUTO_PREFILL_CAP}
+# Engine settings the CLI words otherwise: the flag each is given by (the rest: --name-with-dashes).
+_FLAG_OF_SETTING = {"max_mask_fill_seconds": "--max-grammar-mask-ms",
+                    "max_mask_seconds_per_request": "--max-grammar-mask-seconds", "cpu_affinity": "--engine-cpus"}
 
 
 class ConfigError(ValueError):
@@ -127,33 +125,13 @@ class ServerConfig:
     model: str | None = None              # None: the default real model; "demo": the demo model under data_dir
     served_model_name: str | None = None
     redis_url: str | None = None          # None: an embedded redis-server under data_dir
+    # The engine's settings (server.engine.config), the CLI's defaults where they differ from the engine's;
+    # its model is set at start, when --model is resolved to a checkpoint directory (ServerConfig.engine_for).
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig.of(**SERVE_ENGINE_DEFAULTS))
     host: str = "127.0.0.1"
     port: int = 8000
-    device: str = "auto"
-    dtype: str = "auto"
     adapters: tuple[tuple[str | None, str, str], ...] = ()  # --adapter: (tenant or None: the default owner, name, dir)
-    max_loras: int | None = 8  # None: --max-loras auto (server.engine.lora.slot_budget)
-    max_lora_rank: int = 64
-    lora_page_rows: int | None = None  # --lora-page-rows: adapter memory in pages of rank rows; None: slots
-    unified_memory: bool = False  # --unified-memory: KV blocks and adapter pages from one pool
     pin_adapters: tuple[tuple[str | None, str], ...] = ()  # --pin-adapter: (tenant or None: the default owner, name)
-    max_pinned_adapters_per_tenant: int = 4
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # --max-prefill-tokens-while-decoding: an int, None (off), or "auto" (CPU_PREFILL_CAP on a CPU, off
-    # on a GPU, where a long prompt's step costs the others milliseconds, not seconds).
-    max_prefill_tokens_while_decoding: int | str | None = AUTO_PREFILL_CAP
-    kv_cache_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_cpu_lora_bytes: int = 1 << 30     # host-tier budget: parsed adapters kept in host memory, by bytes
-    max_lora_vocab_bytes: int | None = None  # --max-lora-vocab-bytes: an adapter's embed_tokens/lm_head parts
-    kernels: str = "auto"
-    enforce_eager: bool = False           # --enforce-eager: no CUDA graphs
-    async_scheduling: bool = False        # --async-scheduling: prepare decode step N+1 while N runs
-    speculative_config: str | None = None  # --speculative-config: JSON (server.engine.speculative_config)
-    tensor_parallel_size: int = 1         # --tensor-parallel-size: ranks over gloo (server.engine.parallel)
-    fully_sharded_loras: bool = False     # --fully-sharded-loras: A split by rank rows under TP
     # --engine-process: the engine in an engine-core process of its own (server.engine.core), or in this
     # process's step-loop thread; ENGINE_PROCESSES.
     engine_process: str = "separate"
@@ -172,14 +150,9 @@ class ServerConfig:
     # --data-parallel-size of them) to attach to.
     front_end_index: int = 0
     engine_addresses: tuple[str, ...] = ()
-    cpu_threads: int | str = "auto"       # --cpu-threads: torch threads on a CPU device (server.engine.cpu_threads)
     # --engine-cpus / --api-cpus resolved (server.cpu_placement): the cores of each side, applied by
     # `loraplex serve`; None: nothing pinned (one core, or a ServerConfig built in code, e.g. by tests).
     cpu_placement: "CpuPlacement | None" = None
-    quantization: str | None = None       # --quantization: the base projections' weights (None: float)
-    quantize_lm_head: bool = False        # --quantize-lm-head: the lm_head in int8 too (needs --quantization int8)
-    int4_group_size: int | None = None    # --int4-group-size (needs --quantization int4; None: 32)
-    kv_cache_dtype: str = "auto"          # --kv-cache-dtype: what the KV pool stores (auto: the model dtype)
     max_upload_bytes: int = 512 << 20     # hard cap on an adapter upload body
     max_request_bytes: int = 16 << 20     # hard cap on a JSON request body (--max-request-bytes)
     max_batch_prompts: int = 64           # prompts in one /v1/completions batch (--max-batch-prompts)
@@ -189,27 +162,21 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     max_grammar_compile_ms: int = 5000    # a structured-output constraint's compile deadline (killed past it)
     max_schema_bytes: int = 64 << 10      # largest structured-output constraint (schema, regex, grammar)
-    max_grammar_mask_ms: int = 1000       # CPU time one token's grammar mask may take (server.engine.mask_lane)
-    max_grammar_mask_seconds: float = 60.0  # a request's grammar masks together (all its choices)
     compile_seconds_per_minute: float = 30.0  # one tenant's compile-process seconds per rate window (0: no limit)
     tool_call_parser: str = "hermes"      # --tool-call-parser: how tool_choice auto reads the model's calls
     enable_auto_tool_choice: bool = True  # --[no-]enable-auto-tool-choice: off, tool_choice auto is a 400 (vLLM's default)
     chat_template: str | None = None      # --chat-template: a file, template text or shipped name (chat_template_text)
-    enable_prefix_caching: bool = True    # --enable-prefix-caching / --no-enable-prefix-caching
-    share_base_prefix_cache: bool = False  # --share-base-prefix-cache (a cross-tenant timing channel)
     metrics_token: str | None = None      # bearer token for /metrics besides the admin token
     metrics_public: bool = False          # /metrics without credentials (--metrics-public)
     redis_prefix: str = "lp:"
     adapter_grace_seconds: float = 600.0
     rate_window_seconds: float = 60.0     # the requests/tokens-per-minute window
     demo_tenant: bool = True              # create the `demo` tenant and a key on start
-    seed: int = 0
     replica_name: str | None = None       # --replica-name; None: hostname:port (see `replica`)
     lease_ttl: float = 10.0               # --lease-ttl: a silent replica's concurrency slots come back after this
     usage_settle_interval: float = 2.0    # --usage-settle-interval: running requests' usage recorded this often
     auth_failure_limit: int = 30          # --auth-failure-limit: failed key checks per window, per address and key id
     auth_failure_window_seconds: float = 60.0
-    max_cpu_loras: int | None = None      # vLLM's --max-cpu-loras: host room for N adapters of max rank
     lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: operator adapters shared with tenants
     adapter_sources: tuple[str, ...] = ()  # --adapter-sources: kinds tenants may register by reference
     adapter_local_root: str | None = None  # --adapter-local-root
@@ -234,33 +201,17 @@ class ServerConfig:
             raise ConfigError("the admin token must be at least 16 characters")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens",
-                     "max_upload_bytes", "max_request_bytes", "max_batch_prompts", "max_logprob_entries",
-                     "max_grammar_compile_ms", "max_schema_bytes", "max_grammar_mask_ms"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+        if not isinstance(self.engine, EngineConfig):
+            raise ConfigError(f"engine must be an EngineConfig, got {self.engine!r}")
+        for name in ("max_upload_bytes", "max_request_bytes", "max_batch_prompts", "max_logprob_entries",
+                     "max_grammar_compile_ms", "max_schema_bytes"):
+            if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.max_lora_rank > MAX_LORA_RANK:
-            raise ConfigError(f"--max-lora-rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}: "
-                              f"pass --max-lora-rank {MAX_LORA_RANK} or less")
-        rows = self.lora_page_rows
-        # server.engine.lora.paging.check_page_rows' rule; not imported: server.engine loads torch.
-        if rows is not None and (rows < 1 or rows & (rows - 1) or self.max_lora_rank % rows):
-            raise ConfigError(f"--lora-page-rows must be a power of two dividing --max-lora-rank "
-                              f"({self.max_lora_rank}), got {rows}")
-        if self.unified_memory and rows is None:
-            raise ConfigError("--unified-memory needs --lora-page-rows: adapter pages are what shares the pool "
-                              "with the KV blocks")
-        if self.max_pinned_adapters_per_tenant < 0:
-            raise ConfigError("--max-pinned-adapters-per-tenant must be >= 0")
+        pin_limit = self.engine.lora.max_pinned_adapters_per_tenant
         owners = Counter(tenant for tenant, _ in set(self.pin_adapters))
-        if owners and max(owners.values()) > self.max_pinned_adapters_per_tenant:
+        if owners and max(owners.values()) > pin_limit:
             raise ConfigError(f"--pin-adapter names more adapters of one tenant than "
-                              f"--max-pinned-adapters-per-tenant ({self.max_pinned_adapters_per_tenant})")
-        if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
-            raise ConfigError(f"--max-num-batched-tokens must be at most {MAX_NUM_BATCHED_TOKENS}, got "
-                              f"{self.max_num_batched_tokens}")
-        if not self.max_grammar_mask_seconds > 0:
-            raise ConfigError(f"--max-grammar-mask-seconds must be > 0, got {self.max_grammar_mask_seconds}")
+                              f"--max-pinned-adapters-per-tenant ({pin_limit})")
         if not self.compile_seconds_per_minute >= 0:
             raise ConfigError(f"--compile-seconds-per-minute must be >= 0, got {self.compile_seconds_per_minute}")
         if self.engine_process not in ENGINE_PROCESSES:
@@ -276,9 +227,6 @@ class ServerConfig:
         self._check_data_parallel()
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout}")
-        cap = self.max_prefill_tokens_while_decoding
-        if cap != AUTO_PREFILL_CAP and cap is not None and (not isinstance(cap, int) or cap < 1):
-            raise ConfigError(f"--max-prefill-tokens-while-decoding must be >= 1, auto or off, got {cap!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
@@ -293,54 +241,6 @@ class ServerConfig:
             raise ConfigError("--auth-failure-limit must be >= 1 (and its window > 0 s)")
         if not self.rate_window_seconds > 0:
             raise ConfigError("rate_window_seconds must be > 0")
-        if self.max_cpu_lora_bytes < 0:
-            raise ConfigError("--max-cpu-lora-bytes must be >= 0")
-        if self.max_lora_vocab_bytes is not None and self.max_lora_vocab_bytes < 0:
-            raise ConfigError("--max-lora-vocab-bytes must be >= 0")
-        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
-            raise ConfigError("--kv-cache-blocks must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError("--max-model-len must be >= 2")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
-        # Imported here: server.engine's package import pulls in torch, which `loraplex --help` avoids.
-        from server.engine.config import check_quantization_name
-        from server.engine.kv_cache_dtype import check_kv_cache_dtype_name
-        from server.engine.cpu_threads import CpuThreadsError, parse_cpu_threads
-
-        try:
-            check_quantization_name(self.quantization)
-        except ValueError as e:
-            raise ConfigError(f"--quantization: {e}") from None
-        if self.quantize_lm_head and self.quantization != "int8":
-            raise ConfigError("--quantize-lm-head needs --quantization int8")
-        if self.int4_group_size is not None and self.quantization != "int4":
-            raise ConfigError("--int4-group-size needs --quantization int4")
-        if self.int4_group_size is not None and (self.int4_group_size <= 0 or self.int4_group_size % 32):
-            raise ConfigError(f"--int4-group-size must be a positive multiple of 32, got {self.int4_group_size}")
-        try:
-            check_kv_cache_dtype_name(self.kv_cache_dtype)
-        except ValueError as e:
-            raise ConfigError(f"--kv-cache-dtype: {e}") from None
-        from server.engine.speculative_config import parse_speculative_config
-
-        try:
-            parse_speculative_config(self.speculative_config)
-        except ValueError as e:
-            raise ConfigError(f"--speculative-config: {e}") from None
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.fully_sharded_loras and self.tensor_parallel_size == 1:
-            raise ConfigError("--fully-sharded-loras needs --tensor-parallel-size > 1")
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ConfigError("--speculative-config does not combine with --async-scheduling yet")
-
-        try:
-            object.__setattr__(self, "cpu_threads", parse_cpu_threads(self.cpu_threads))
-        except CpuThreadsError as e:
-            raise ConfigError(f"--cpu-threads: {e}") from None
-        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
-            raise ConfigError("--max-cpu-loras must be >= 1")
         if len({n for n, _ in self.lora_modules}) != len(self.lora_modules):
             raise ConfigError("--lora-modules names must be unique")
         if not 0 <= self.adapter_load_workers <= 64:
@@ -376,9 +276,9 @@ class ServerConfig:
         if self.engine_process != "separate":
             raise ConfigError(f"--data-parallel-size {dp} needs --engine-process separate (each engine core is a "
                               f"process of its own; got --engine-process {self.engine_process})")
-        if self.tensor_parallel_size > 1:
+        if self.engine.parallel.tensor_parallel_size > 1:
             raise ConfigError(f"--data-parallel-size {dp} does not combine with --tensor-parallel-size "
-                              f"{self.tensor_parallel_size} yet")
+                              f"{self.engine.parallel.tensor_parallel_size} yet")
         if self.cpu_placement is not None and len(self.cpu_placement.engine) < dp:
             raise ConfigError(f"--data-parallel-size {dp} needs at least {dp} engine cores, one per engine-core "
                               f"process; the engine side has {len(self.cpu_placement.engine)} (--engine-cpus)")
@@ -415,16 +315,22 @@ class ServerConfig:
         host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip(".-") or "localhost"
         return f"{host[:100]}:{self.port}"
 
-    def prefill_cap_for(self, device_type: str) -> int | None:
-        """--max-prefill-tokens-while-decoding for the engine on this device type."""
-        if self.max_prefill_tokens_while_decoding == AUTO_PREFILL_CAP:
-            return CPU_PREFILL_CAP if device_type == "cpu" else None
-        return self.max_prefill_tokens_while_decoding
+    def engine_for(self, model_dir: str | Path) -> EngineConfig:
+        """The engine's config on the checkpoint --model resolved to (the rest resolves as the engine starts:
+        the prefill cap's auto by device type, --max-cpu-loras in bytes of the loaded model)."""
+        return replace(self.engine, model=str(model_dir))
 
-    def prefill_step_ratio_for(self, device_type: str) -> float | None:
-        """The latency-aware bound under that cap: `auto` on a CPU only; an explicit N or off is taken as given."""
-        auto = self.max_prefill_tokens_while_decoding == AUTO_PREFILL_CAP
-        return CPU_PREFILL_STEP_RATIO if auto and device_type == "cpu" else None
+    @classmethod
+    def of(cls, **flat: Any) -> ServerConfig:
+        """From flat names, as tests and code build one: ServerConfig's own fields, and the engine's settings
+        (max_loras=2, device="cpu", ...) over the CLI's defaults."""
+        own, engine = _split_settings(flat)
+        return cls(**own, engine=engine_config_of(engine))
+
+    def with_settings(self, **flat: Any) -> ServerConfig:
+        """This config with some of its own fields or the engine's settings (flat names) changed."""
+        own, engine = _split_settings(flat)
+        return replace(self, **own, engine=engine_config_of(engine, self.engine))
 
     def chat_template_text(self) -> str | None:
         """The chat template the server renders with (None: the tokenizer's own); server.chat_templates."""
@@ -450,59 +356,35 @@ class ServerConfig:
                                           lambda: "lpadm-" + secrets.token_urlsafe(32))
         _refuse_restart_flags_in_process(args)
         _refuse_routing_without_data_parallel(args)
+        placement = _cpu_placement(args)
         return cls(
             data_dir=data_dir, admin_token=token, admin_token_generated=generated,
             model=args.model, served_model_name=args.served_model_name,
             redis_url=redis_url_of(args, env),
-            host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+            engine=_engine_of_args(args, placement),
+            host=args.host, port=args.port,
             adapters=tuple(parse_adapter_flag(a) for a in args.adapter or ()),
-            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            lora_page_rows=getattr(args, "lora_page_rows", None),
-            unified_memory=getattr(args, "unified_memory", False),
             pin_adapters=tuple(parse_pin_flag(a) for a in getattr(args, "pin_adapter", None) or ()),
-            max_pinned_adapters_per_tenant=getattr(args, "max_pinned_adapters_per_tenant", 4),
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_prefill_tokens_while_decoding=getattr(args, "max_prefill_tokens_while_decoding", AUTO_PREFILL_CAP),
-            kv_cache_blocks=args.kv_cache_blocks,
-            gpu_memory_utilization=args.gpu_memory_utilization or 0.9,
-            max_cpu_lora_bytes=args.max_cpu_lora_bytes if args.max_cpu_lora_bytes is not None else 1 << 30,
-            max_lora_vocab_bytes=getattr(args, "max_lora_vocab_bytes", None),
-            kernels=args.kernels, enforce_eager=getattr(args, "enforce_eager", False),
-            async_scheduling=getattr(args, "async_scheduling", False),
-            speculative_config=getattr(args, "speculative_config", None),
-            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-            fully_sharded_loras=getattr(args, "fully_sharded_loras", False),
             engine_process=getattr(args, "engine_process", "separate"),
             engine_restart=_given(args, "engine_restart", True),
             engine_restart_limit=_given(args, "engine_restart_limit", 3),
             api_server_count=getattr(args, "api_server_count", 1),
             data_parallel_size=getattr(args, "data_parallel_size", 1),
             data_parallel_routing=_given(args, "data_parallel_routing", "affinity"),
-            cpu_threads=getattr(args, "cpu_threads", "auto"),
-            cpu_placement=_cpu_placement(args),
-            quantization=getattr(args, "quantization", None),
-            quantize_lm_head=getattr(args, "quantize_lm_head", False),
-            int4_group_size=getattr(args, "int4_group_size", None),
-            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+            cpu_placement=placement,
             max_request_bytes=args.max_request_bytes, max_batch_prompts=args.max_batch_prompts,
             max_logprob_entries=getattr(args, "max_logprob_entries", 1 << 16),
             shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
             max_grammar_compile_ms=args.max_grammar_compile_ms, max_schema_bytes=args.max_schema_bytes,
             compile_seconds_per_minute=getattr(args, "compile_seconds_per_minute", 30.0),
-            max_grammar_mask_ms=getattr(args, "max_grammar_mask_ms", 1000),
-            max_grammar_mask_seconds=getattr(args, "max_grammar_mask_seconds", 60.0),
             tool_call_parser=getattr(args, "tool_call_parser", "hermes"),
             enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", True),
             chat_template=getattr(args, "chat_template", None),
-            enable_prefix_caching=args.enable_prefix_caching,
-            share_base_prefix_cache=args.share_base_prefix_cache,
             metrics_token=args.metrics_token or env.get("LORAPLEX_METRICS_TOKEN") or None,
             metrics_public=args.metrics_public,
             replica_name=getattr(args, "replica_name", None) or None,
             lease_ttl=args.lease_ttl, usage_settle_interval=args.usage_settle_interval,
             auth_failure_limit=args.auth_failure_limit,
-            max_cpu_loras=getattr(args, "max_cpu_loras", None),
             lora_modules=tuple(_lora_modules(args, _model_id(args.served_model_name, args.model))),
             adapter_sources=tuple(_csv(getattr(args, "adapter_sources", None))),
             adapter_local_root=getattr(args, "adapter_local_root", None),
@@ -517,6 +399,47 @@ class ServerConfig:
                                          if getattr(args, "source_credentials_key_file", None) else None),
             lenient_request_fields=getattr(args, "lenient_request_fields", False),
             strict_adapter_base=getattr(args, "strict_adapter_base", False))
+
+
+def _engine_of_args(args, placement: CpuPlacement | None) -> EngineConfig:
+    """The engine's settings from `serve`'s flags: each flag named as its setting, over the CLI's defaults,
+    with the units and words converted here, once: --max-grammar-mask-ms in seconds, --engine-cpus as the
+    engine's affinity."""
+    # Settings without a flag of their name are not in `args`; --model is the server's (resolved at start).
+    names = set(setting_names()) - {"model"}
+    flat = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    for name in ("max_loras", "max_prefill_tokens_while_decoding"):  # None given: auto slots; the cap off
+        if hasattr(args, name) and getattr(args, name) is None:
+            flat[name] = None
+    flat["max_mask_fill_seconds"] = getattr(args, "max_grammar_mask_ms", 1000) / 1000
+    flat["max_mask_seconds_per_request"] = getattr(args, "max_grammar_mask_seconds", 60.0)
+    if placement is not None:
+        flat["cpu_affinity"] = placement.engine
+    return engine_config_of(flat)
+
+
+def engine_config_of(flat: Mapping[str, Any], base: EngineConfig | None = None) -> EngineConfig:
+    """`base` (None: the CLI's defaults) with these settings, its refusals worded as the flags that give each
+    setting (ConfigError). --max-cpu-loras takes the place of the byte budget (both given: refused)."""
+    if flat.get("max_cpu_loras") is not None and "max_cpu_lora_bytes" not in flat:
+        flat = {**flat, "max_cpu_lora_bytes": None}
+    try:
+        return (base or EngineConfig.of(**SERVE_ENGINE_DEFAULTS)).with_settings(**flat)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(flag_worded(str(e))) from None
+
+
+def _split_settings(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """ServerConfig's own fields, and the rest (engine settings, by flat name)."""
+    own = {f.name for f in fields(ServerConfig)}
+    return ({k: v for k, v in flat.items() if k in own}, {k: v for k, v in flat.items() if k not in own})
+
+
+def flag_worded(message: str) -> str:
+    """An engine config's refusal with each setting named as the `serve` flag that gives it."""
+    names = sorted(set(setting_names()) - {"model"}, key=len, reverse=True)  # "model" is a word there too
+    pattern = re.compile(r"(?<![-\w])(" + "|".join(names) + r")\b")
+    return pattern.sub(lambda m: _FLAG_OF_SETTING.get(m.group(1), "--" + m.group(1).replace("_", "-")), message)
 
 
 def _given(args, name: str, default):

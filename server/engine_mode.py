@@ -1,6 +1,6 @@
 """--engine-process: the engine client the server's state holds, in this process or an engine core's.
 
-Outside server/api, like server.engine_settings: the HTTP side gets an EngineClient and never
+Outside server/api: the HTTP side gets an EngineClient and never
 imports either implementation (tests/server/api/test_engine_boundary.py); the app holds the
 CoreStarter it is handed (or makes one) as an opaque object from here.
 """
@@ -31,7 +31,7 @@ def core_launch(config: ServerConfig, engine: EngineConfig, redis_url: str, shap
     return CoreLaunch(
         engine, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix=config.redis_prefix,
         adapter_grace_seconds=config.adapter_grace_seconds, adapter_shape=shape,
-        max_lora_rank=config.max_lora_rank, pager=pager, max_upload_bytes=config.max_upload_bytes,
+        pager=pager, max_upload_bytes=config.max_upload_bytes,
         loader_cpus=config.cpu_placement.api if config.cpu_placement is not None else None)
 
 
@@ -58,5 +58,5 @@ def build_engine_client(config: ServerConfig, engine: EngineConfig, redis_url: s
     if config.engine_process == "separate":
         return RemoteEngineClient.build(core_launch(config, engine, redis_url, shape, pager is not None), starter,
                                         restarts=restart_policy(config))
-    fetch = registry_fetch(registry, shape, config.max_lora_rank, pager, draft_adapter_shape(engine))
+    fetch = registry_fetch(registry, shape, config.engine.lora.max_lora_rank, pager, draft_adapter_shape(engine))
     return InProcessEngineClient.build(engine, fetch, DoraScaleStore(client, prefix=config.redis_prefix))

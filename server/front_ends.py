@@ -58,7 +58,6 @@ from server.engine.core.messages import Command
 from server.engine.data_parallel.launch import placed_configs
 from server.engine.protocol.remote import SHUTDOWN_WAIT_S, RestartPolicy
 from server.engine_mode import core_launch, restart_policy
-from server.engine_settings import engine_config
 from server.model_source import resolve_model
 from server.starting_responder import StartingResponder
 
@@ -151,7 +150,7 @@ def _launches(config: ServerConfig, redis_url: str, workdir: str) -> list[CoreLa
     of the engine's cores (server.engine.data_parallel.core_split)."""
     model_dir = str(resolve_model(config.model, Path(config.data_dir), log.info).model_dir)
     shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    engine = engine_config(config, model_dir, shape)
+    engine = config.engine_for(model_dir)
     engines = placed_configs(engine, config.data_parallel_size) if config.data_parallel_size > 1 else [engine]
     return [msgspec.structs.replace(core_launch(config, one, redis_url, shape, config.uses_loader_processes),
                                     input_address=f"ipc://{workdir}/core-{i}", parent_pid=os.getpid())

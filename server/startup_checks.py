@@ -14,10 +14,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Mapping
 
-from server.config import (MAX_LORA_RANK, ConfigError, data_dir_of, parse_adapter_flag, parse_lora_module,
-                           redis_url_of)
+from server.config import ConfigError, data_dir_of, parse_adapter_flag, parse_lora_module, redis_url_of
 from server.data_dir_lock import hold_data_dir
 from server.embedded_redis import DATA_SUBDIR
+from server.engine.config import MAX_LORA_RANK
 
 _CONFIG_FILE = "adapter_config.json"
 _MAX_CONFIG_BYTES = 1 << 20  # adapters.format.MAX_CONFIG_BYTES: that module imports torch

@@ -159,14 +159,14 @@ def server_config(model_dir: Path, data_dir: Path, redis_url: str | None, **over
     """The servers run `serve`'s default --engine-process unless $LORAPLEX_TEST_ENGINE_PROCESS names one
     (in-process or separate); a test that reads the in-process engine's objects (`.engine.engine`) asks
     for engine_process="in-process" itself, saying why."""
-    base = ServerConfig(data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url,
-                        port=free_port(), device="cpu", kv_cache_blocks=64,
-                        max_model_len=512, max_loras=4, max_lora_rank=32,
-                        max_num_batched_tokens=512, max_num_seqs=16)
+    base = ServerConfig.of(data_dir=data_dir, admin_token=ADMIN_TOKEN, model=str(model_dir), redis_url=redis_url,
+                           port=free_port(), device="cpu", kv_cache_blocks=64,
+                           max_model_len=512, max_loras=4, max_lora_rank=32,
+                           max_num_batched_tokens=512, max_num_seqs=16)
     mode = os.environ.get("LORAPLEX_TEST_ENGINE_PROCESS")
     if mode:
         base = replace(base, engine_process=mode)
-    return replace(base, **overrides)
+    return base.with_settings(**overrides)  # the server's fields and the engine's settings, by flat name
 
 
 def api_redis_url(redis_server: EmbeddedRedis, flush: bool = True) -> str:

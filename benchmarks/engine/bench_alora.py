@@ -128,7 +128,7 @@ def main() -> None:
     out.write_text(json.dumps({
         "model": "smol135 shape (random weights)", "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
-        "invocation_len": len(INVOCATION), "rank": args.rank, "block_size": llm.engine.config.block_size,
+        "invocation_len": len(INVOCATION), "rank": args.rank, "block_size": llm.engine.config.cache.block_size,
         "load_average_before": load_before, "load_average_after": load_after,
         "rounds": rounds, "median": med, "median_speedup_second_ttft": med["speedup"],
     }, indent=2) + "\n")

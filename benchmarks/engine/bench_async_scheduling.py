@@ -35,7 +35,7 @@ from server.engine import EngineConfig, LLMEngine, SamplingParams
 def build_engine(model_dir: Path, adapters: dict[str, Path], async_scheduling: bool, args) -> LLMEngine:
     from adapters.format import load_adapter_dir
 
-    engine = LLMEngine(EngineConfig(
+    engine = LLMEngine(EngineConfig.of(
         model=str(model_dir), device=args.device, dtype=args.dtype, max_loras=max(1, len(adapters)),
         max_lora_rank=args.rank, max_num_seqs=args.seqs, max_num_batched_tokens=4096, max_model_len=512,
         kv_cache_blocks=args.seqs * (512 // 16) + 8, cpu_threads=args.cpu_threads,

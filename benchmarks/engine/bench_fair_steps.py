@@ -23,13 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from server.config import CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO
 from server.demo import ensure_demo
 from server.engine import EngineConfig, LLMEngine, SamplingParams
+from server.engine.config import CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO
 
 
 def build(model_dir: Path, ratio: float | None, args) -> LLMEngine:
-    return LLMEngine(EngineConfig(
+    return LLMEngine(EngineConfig.of(
         model=str(model_dir), device="cpu", max_num_seqs=8, max_num_batched_tokens=2048,
         max_prefill_tokens_while_decoding=CPU_PREFILL_CAP, max_prefill_step_ratio=ratio,
         cpu_threads=args.cpu_threads))

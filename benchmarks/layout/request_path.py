@@ -19,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -52,9 +51,9 @@ def measure(workdir: Path) -> dict[str, int]:
     model = make_base_model(workdir / "model", "llama")
     redis_server = EmbeddedRedis.start(workdir / "redis")
     admin = secrets.token_hex(16)
-    config = replace(ServerConfig(data_dir=workdir / "data", admin_token=admin, model=str(model),
-                                  redis_url=redis_server.url, port=free_port(), device="cpu"),
-                     kv_cache_blocks=64, max_model_len=512, max_num_seqs=16)
+    config = ServerConfig.of(data_dir=workdir / "data", admin_token=admin, model=str(model),
+                             redis_url=redis_server.url, port=free_port(), device="cpu",
+                             kv_cache_blocks=64, max_model_len=512, max_num_seqs=16)
     recorder = CallRecorder()
     threading.setprofile(recorder)  # every thread the server starts from here on
     server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=config.port,

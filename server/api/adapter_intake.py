@@ -40,7 +40,7 @@ async def store_adapter(state: ServerState, owner: str, quota: Quota | None, nam
         raise APIError(400, f"an adapter cannot be named like the base model {state.model_id!r}", "invalid_field",
                        param="name")
     shape = state.engine.info.adapter_shape
-    rank_cap = state.config.max_lora_rank
+    rank_cap = state.config.engine.lora.max_lora_rank
     summary = validated or await run_in_threadpool(inspect_adapter_bytes, config_json, weights, shape, rank_cap)
     # Its own heads and draft LoRA count as its bytes (float32, like the summary): the quota, the host tier's
     # budget and the record's size_bytes.
@@ -111,7 +111,8 @@ def check_adapter_draft(state: ServerState, draft: tuple[bytes, bytes]) -> LoraA
     """400 naming the mismatch for a draft LoRA that does not fit the draft model (or the rank cap, or is DoRA),
     or that a server without a draft model is given. Blocking: it parses the tensors."""
     try:
-        return draft_from_bytes(*draft, state.engine.info.draft_adapter_shape, state.config.max_lora_rank)
+        return draft_from_bytes(*draft, state.engine.info.draft_adapter_shape,
+                                state.config.engine.lora.max_lora_rank)
     except AdapterFormatError as e:
         raise APIError(400, str(e), "invalid_adapter", param=draft_lora.FORM_FILES[1]) from None
 
@@ -153,5 +154,6 @@ def dora_scales_of_files(state: ServerState, version: str, config_json: bytes, w
     """Blocking dora_scales for stored files (start-up preloads): only a DoRA config's files are parsed."""
     if not json.loads(config_json).get("use_dora", False):
         return "lora"
-    adapter = load_adapter_bytes(config_json, weights, state.engine.info.adapter_shape, state.config.max_lora_rank)
+    adapter = load_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
+                                 state.config.engine.lora.max_lora_rank)
     return dora_scales(state, version, adapter).result()

@@ -32,7 +32,7 @@ async def pin_named(state: ServerState, tenant_id: str, name: str) -> str:
     if record is None:
         raise not_found(f"adapter {name!r}")
     if not await state.engine.pin_adapter(record.version, tenant_id):
-        limit = state.config.max_pinned_adapters_per_tenant
+        limit = state.config.engine.lora.max_pinned_adapters_per_tenant
         raise APIError(409, f"the tenant already pins {limit} adapters, the limit "
                             f"max_pinned_adapters_per_tenant ({limit}): unpin one first", "pin_limit",
                        param="max_pinned_adapters_per_tenant")

@@ -47,12 +47,12 @@ async def fetch_and_store(state: ServerState, owner: str, quota: Quota | None,
             # Fetch and full validation in a loader process: the CPU a cold load costs stays off the
             # interpreter the engine thread runs on.
             loaded = await run_in_threadpool(pool.load, ref.source, policy, keys,
-                                             state.engine.info.adapter_shape, state.config.max_lora_rank)
+                                             state.engine.info.adapter_shape, state.config.engine.lora.max_lora_rank)
             config_json, weights, validated, sha256 = (loaded.summary.canonical_config_json, loaded.weights,
                                                        loaded.summary, loaded.sha256)
             parts = loaded
         else:
-            bounded = bounded_by_model(policy, state.engine.info.adapter_shape, state.config.max_lora_rank)
+            bounded = bounded_by_model(policy, state.engine.info.adapter_shape, state.config.engine.lora.max_lora_rank)
             files = await run_in_threadpool(fetch_adapter, source, bounded, state.source_clients, keys)
             config_json, weights, validated, sha256 = files.config_json, files.weights, None, files.sha256
             parts = files
@@ -164,7 +164,8 @@ async def _claim_unrecorded_base(state: ServerState, record: AdapterRecord) -> A
     use, and that base recorded on it; one that does not fit is a 400 naming it, not a failed load."""
     def check() -> None:
         config_json, weights = state.registry.read_files(record.version)
-        inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape, state.config.max_lora_rank)
+        inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
+                              state.config.engine.lora.max_lora_rank)
 
     try:
         await run_in_threadpool(check)

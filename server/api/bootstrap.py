@@ -67,7 +67,7 @@ def _put_files(state: ServerState, owner: str, name: str, config_json: bytes, we
     extra_bytes = 0 if medusa is None else check_adapter_heads(state, medusa).nbytes
     extra_bytes += 0 if draft is None else check_adapter_draft(state, draft).size_bytes
     summary = inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
-                                    state.config.max_lora_rank)
+                                    state.config.engine.lora.max_lora_rank)
     # What is stored is the canonical config (user patterns resolved once, here); its parts count in its size.
     config_json = summary.canonical_config_json
     summary = dataclasses.replace(summary, size_bytes=summary.size_bytes + extra_bytes)

@@ -33,7 +33,6 @@ from server.embedded_redis.server import EmbeddedRedis
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.protocol import EngineClient
 from server.engine_mode import CoreStarter, build_engine_client
-from server.engine_settings import engine_config
 from server.model_source import resolve_model
 from tenants import AuthThrottle, Limiter, RefusalLog, TenantStore, UsageLog
 from tenants.limits import CompileBudget
@@ -121,8 +120,8 @@ class ServerState:
                                        grace_seconds=config.adapter_grace_seconds)
             hf_config = json.loads((Path(model_dir) / "config.json").read_text())
             shape = dataclasses.replace(ModelShape.from_hf_config(hf_config),
-                                        max_vocab_bytes=config.max_lora_vocab_bytes)
-            engine = build_engine_client(config, engine_config(config, model_dir, shape), url, shape, registry,
+                                        max_vocab_bytes=config.engine.lora.max_lora_vocab_bytes)
+            engine = build_engine_client(config, config.engine_for(model_dir), url, shape, registry,
                                          pager, client, starter)
             retirements = RetirementListener(client, registry.events_channel, engine.remove_adapter_nowait,
                                              held=lambda: _held_versions(engine),

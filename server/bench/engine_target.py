@@ -45,13 +45,13 @@ class EngineTarget:
         from adapters.draft_lora import load_adapter_with_draft
         from server.engine import EngineConfig, LLMEngine
 
-        self.engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs), adapter_source)
+        self.engine = LLMEngine(EngineConfig.of(model=str(model_dir), **engine_kwargs), adapter_source)
         if prefix_caching is not None:
             self.engine.set_prefix_cache_policy(prefix_caching)
         self.outputs: dict[int, list[int]] = {}  # request index -> its output token ids, once finished
         for name, path in adapter_dirs.items():
             adapter = load_adapter_with_draft(path, self.engine.adapter_shape, self.engine.draft_adapter_shape,
-                                              self.engine.config.max_lora_rank)
+                                              self.engine.config.lora.max_lora_rank)
             self.engine.add_adapter(name, adapter)  # the name doubles as the version id: added once
 
     def _drain(self) -> None:

@@ -72,10 +72,10 @@ def kv_cache_blocks(cfg, model_dir: Path) -> int | None:
     """cfg.kv_cache_bytes as whole blocks of this model at the bench's dtype; None: the engine's default."""
     if cfg.kv_cache_bytes is None:
         return None
-    from server.engine.config import EngineConfig, ModelConfig
+    from server.engine.config import CacheConfig, ModelConfig
     from server.engine.kv_cache import kv_bytes_per_block
 
-    per_block = kv_bytes_per_block(ModelConfig.from_dir(model_dir), EngineConfig.block_size, getattr(torch, cfg.dtype))
+    per_block = kv_bytes_per_block(ModelConfig.from_dir(model_dir), CacheConfig.block_size, getattr(torch, cfg.dtype))
     return max(1, cfg.kv_cache_bytes // per_block)
 
 

@@ -296,7 +296,7 @@ class AsyncEngine:
         engine = self.engine
         try:
             engine.bind_thread()  # this thread's kernels and streams go to the engine's CUDA device
-            pin_thread(engine.config.cpu_affinity)  # the step loop (and threads it starts) on the engine's cores
+            pin_thread(engine.config.device.cpu_affinity)  # the step loop (and threads it starts) on the engine's cores
             while not self._stopping.is_set():
                 # Cleared before draining: a command sent after the drain sets it again,
                 # so the wait below cannot sleep through it.

@@ -23,5 +23,5 @@ def bind(device: torch.device) -> None:
 def thread_binder(device: torch.device) -> Callable[[], None]:
     """A no-argument callable for a thread's start (the engine loop, a loader pool's initializer)."""
     if device.type == "cuda" and device.index is None:
-        raise ValueError("bind threads to an explicit device index (EngineConfig.resolve_device gives one)")
+        raise ValueError("bind threads to an explicit device index (DeviceConfig.resolve_device gives one)")
     return lambda: bind(device)

@@ -90,23 +90,23 @@ def num_kv_blocks(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
     dtype: the activations'; cache_dtype: what the pool stores (dtype when None): a byte budget holds
     4x the float32 blocks in fp8. draft: a draft model (speculative decoding) whose pool has as many
     blocks: the budget pays for both."""
-    if cfg.kv_cache_blocks is not None:
+    if cfg.cache.kv_cache_blocks is not None:
         # Blocks of every layer's KV: as many bytes in blocks of one KV layer group's layers.
-        return cfg.kv_cache_blocks * mcfg.num_layers // pool_layers(mcfg)
-    per_block = pool_block_bytes(mcfg, cfg.block_size, cache_dtype or dtype)
+        return cfg.cache.kv_cache_blocks * mcfg.num_layers // pool_layers(mcfg)
+    per_block = pool_block_bytes(mcfg, cfg.cache.block_size, cache_dtype or dtype)
     if draft is not None:
-        per_block += kv_bytes_per_block(draft, cfg.block_size, cache_dtype or dtype)
+        per_block += kv_bytes_per_block(draft, cfg.cache.block_size, cache_dtype or dtype)
     if device.type == "cuda":
         # Freed tensors (the unfused projections) stay in PyTorch's cache, invisible to mem_get_info.
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        reserve = activation_bytes(mcfg, cfg.max_num_batched_tokens, cfg.max_num_seqs, dtype)
-        budget = kv_pool_bytes(free, total, cfg.gpu_memory_utilization, reserve)
-    elif cfg.cpu_kv_cache_bytes is not None:
-        budget = cfg.cpu_kv_cache_bytes
+        reserve = activation_bytes(mcfg, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs, dtype)
+        budget = kv_pool_bytes(free, total, cfg.cache.gpu_memory_utilization, reserve)
+    elif cfg.cache.cpu_kv_cache_bytes is not None:
+        budget = cfg.cache.cpu_kv_cache_bytes
     else:
-        blocks_per_seq = held_blocks(mcfg, max_len, cfg.block_size, cfg.max_num_batched_tokens)
-        budget = cpu_kv_budget_bytes(physical_memory_bytes(), per_block, cfg.max_num_seqs, blocks_per_seq)
+        blocks_per_seq = held_blocks(mcfg, max_len, cfg.cache.block_size, cfg.scheduler.max_num_batched_tokens)
+        budget = cpu_kv_budget_bytes(physical_memory_bytes(), per_block, cfg.scheduler.max_num_seqs, blocks_per_seq)
     return max(1, int(budget // per_block))
 
 
@@ -136,15 +136,15 @@ def allocate_kv_cache(mcfg: ModelConfig, cfg: EngineConfig, max_len: int, dtype,
     cache_dtype = cache_dtype or dtype
     if unified is not None:  # refused for a model with KV layer groups (server.engine.unified_memory)
         blocks = unified.pool.units
-        caches = unified.kv_caches(mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim, cache_dtype)
+        caches = unified.kv_caches(mcfg.num_layers, cfg.cache.block_size, mcfg.num_kv_heads, mcfg.head_dim, cache_dtype)
     else:
         blocks = num_kv_blocks(mcfg, cfg, dtype, device, max_len, cache_dtype, draft)
-        caches = kv_pool_like(mcfg, blocks, cfg.block_size, cache_dtype, device)
+        caches = kv_pool_like(mcfg, blocks, cfg.cache.block_size, cache_dtype, device)
         groups = mcfg.kv_groups
         if groups is not None:  # one tensor per place in a group, shared by that place's layer of every group
             caches = [caches[slot] for slot in groups.layer_slot]
-    info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.block_size,
-                      blocks * pool_block_bytes(mcfg, cfg.block_size, cache_dtype),
+    info = KvPoolInfo(kv_cache_dtype_label(cache_dtype), blocks, cfg.cache.block_size,
+                      blocks * pool_block_bytes(mcfg, cfg.cache.block_size, cache_dtype),
                       unified=None if unified is None else unified.pool, groups=mcfg.num_layers // pool_layers(mcfg))
     return caches, info
 

@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = {
-    "auto": None,
-    "fp8": torch.float8_e4m3fn,  # vLLM's alias for fp8_e4m3
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+# check_kv_cache_dtype_name: importable from here as before (the names live with the cache config, torch-free).
+from server.engine.config.cache import KV_CACHE_DTYPE_NAMES, check_kv_cache_dtype_name
+
+# Each name's torch dtype (None: auto, the activation dtype).
+KV_CACHE_DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in KV_CACHE_DTYPE_NAMES.items()}
 # Triton converts fp8e4nv from this compute capability on.
 E4M3_MIN_CAPABILITY = (8, 9)
-
-
-def check_kv_cache_dtype_name(name: str) -> None:
-    """Raises ValueError, naming the supported values, for a name loraplex does not serve."""
-    if name not in KV_CACHE_DTYPES:
-        why = (" (int8 KV is not implemented: fp8 runs on the CPU too)" if name == "int8" else "")
-        raise ValueError(f"kv_cache_dtype {name!r} is not supported{why}; supported: {', '.join(KV_CACHE_DTYPES)}")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,

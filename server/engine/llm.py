@@ -21,7 +21,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self.engine = LLMEngine(EngineConfig.of(str(model), **kwargs))  # each flat setting to its section
         self.tokenizer = self.engine.tokenizer
         self._versions: dict[str, str] = {}  # adapter name -> version id
         self._version_counter = itertools.count(1)
@@ -30,7 +30,7 @@ class LLM:
     def add_adapter(self, name: str, path: str | Path) -> str:
         """Load a PEFT LoRA directory under `name`; returns its version id."""
         adapter = load_adapter_with_draft(path, self.engine.adapter_shape, self.engine.draft_adapter_shape,
-                                          self.engine.config.max_lora_rank)
+                                          self.engine.config.lora.max_lora_rank)
         version = f"{name}@{next(self._version_counter)}"
         self.engine.add_adapter(version, adapter)
         old = self._versions.get(name)

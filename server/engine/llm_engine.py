@@ -63,8 +63,8 @@ class LLMEngine:
         self.trace = StepTrace.from_env()  # LORAPLEX_STEP_TRACE: a diagnostic per-step record (plain steps)
         self.constrained_requests = 0
         self.arrivals = 0
-        self.set_prefix_cache_policy(getattr(config, "enable_prefix_caching", True),
-                                     getattr(config, "share_base_prefix_cache", False))
+        self.set_prefix_cache_policy(config.cache.enable_prefix_caching,
+                                     config.cache.share_base_prefix_cache)
 
     @property
     def seqs(self) -> dict[str, Sequence]:
@@ -74,11 +74,11 @@ class LLMEngine:
     # ---- adapters (keyed by immutable version id) ----
     def add_adapter(self, version_id: str, adapter: LoraAdapter) -> None:
         """Preload an adapter version into the host tier; it stays until removed."""
-        if adapter.rank > self.config.max_lora_rank:
-            raise RequestError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.max_lora_rank}")
-        if getattr(adapter, "vocab", None) is not None and self.config.tensor_parallel_size > 1:
+        if adapter.rank > self.config.lora.max_lora_rank:
+            raise RequestError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.lora.max_lora_rank}")
+        if getattr(adapter, "vocab", None) is not None and self.config.parallel.tensor_parallel_size > 1:
             raise RequestError(f"adapters with parts of embed_tokens or lm_head are not served with "
-                               f"--tensor-parallel-size {self.config.tensor_parallel_size} yet")
+                               f"--tensor-parallel-size {self.config.parallel.tensor_parallel_size} yet")
         heads = getattr(adapter, "medusa", None)
         spec = self.config.speculative_config
         if heads is not None and spec is not None and spec.method == "medusa" and \
@@ -204,8 +204,8 @@ class LLMEngine:
             )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
-        if params.n > self.config.max_num_seqs:
-            raise RequestError(f"n ({params.n}) exceeds max_num_seqs {self.config.max_num_seqs}")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise RequestError(f"n ({params.n}) exceeds max_num_seqs {self.config.scheduler.max_num_seqs}")
         if version_id is not None and not self.host.can_serve(version_id):
             raise RequestError(f"adapter {version_id!r} is not loaded")
 

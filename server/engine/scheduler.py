@@ -36,10 +36,10 @@ A constrained sequence whose next token's grammar mask is still being filled (of
 server.engine.mask_lane's threads) sits out the steps until it is ready; prompt chunks that sample
 nothing need no mask.
 
-With every layer of the model windowed (SchedulerConfig.kv_window), a running sequence's blocks
+With every layer of the model windowed (SchedulerLimits.kv_window), a running sequence's blocks
 wholly behind its window are returned to the pool before each step (BlockManager.release_before), so
 a long conversation holds about its window's blocks, not its length's. With windowed layers interleaved
-with global ones (SchedulerConfig.kv_groups), a sequence has a block table per layer group and only the
+with global ones (SchedulerLimits.kv_groups), a sequence has a block table per layer group and only the
 windowed groups' are released (server.engine.group_blocks).
 
 An admitted sequence starts with the longest run of its full blocks found in
@@ -75,7 +75,7 @@ logprobs are asked for also runs the lm_head and a log-softmax over the vocabula
 prompt, and with prompt logprobs, a 256-token chunk costs several times 256 ordinary tokens, and every
 decoding stream waits for it. Counted here from the model's shape (multiply-adds relative to one
 token's projections and MLP), so the cap bounds a step's work, not only its token count; the relative
-costs stay deterministic. With SchedulerConfig.latency_cap (`auto` on a CPU) the cap itself is bounded
+costs stay deterministic. With SchedulerLimits.latency_cap (`auto` on a CPU) the cap itself is bounded
 further from the engine's measured step times (server.engine.step_latency: what a unit costs in seconds).
 
 Speculative decoding's counters since start (SpecDecodeCounters, SpecDecodeStats), vLLM's `spec_decode`
@@ -345,7 +345,7 @@ LINGER_S = 0.25
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_prefill_tokens_while_decoding: int | None = None  # None: prompts may take the whole token budget
@@ -384,7 +384,7 @@ class ScheduledBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, copy), copy-on-write
     # Per sequence: the draft tokens run after its last token (speculative decoding); () for most.
     drafts: list[list[int] | tuple[()]] = field(default_factory=list)
-    # With the latency-aware cap (SchedulerConfig.latency_cap): the step's decoding rows and its prompt
+    # With the latency-aware cap (SchedulerLimits.latency_cap): the step's decoding rows and its prompt
     # work in StepCost units, what Scheduler.observe learns from once the step has run.
     decoding: int = 0
     prompt_work: float = 0.0
@@ -414,7 +414,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier,
+    def __init__(self, config: SchedulerLimits, blocks: BlockManager, lora_slots: LoraSlots, host: HostTier,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock

@@ -63,12 +63,14 @@ def served_weights(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype,
                    device: torch.device) -> CheckpointTensors | dict[str, torch.Tensor | Int4Weight]:
     """load_weights with `config`'s checkpoint and quantization (the engine's, and each tensor-parallel
     worker's: the same served model, which it then cuts to its shard)."""
-    return load_weights(config.model, mcfg, dtype, device, config.quantization, config.int4_group_size,
-                        config.require_gptq_checkpoint)
+    quant = config.quantization
+    return load_weights(config.model, mcfg, dtype, device, quant.quantization, quant.int4_group_size,
+                        quant.require_gptq_checkpoint)
 
 
 def served_model(config: EngineConfig, mcfg: ModelConfig, weights, lora_layers: list, max_len: int) -> CausalLM:
     """The model `config` serves (quantization, lm_head) from served_weights' `weights`, over
     `lora_layers`' slots; it frees the unfused projections as it fuses them."""
-    return CausalLM(mcfg, weights, lora_layers, max_len, config.max_num_batched_tokens, config.quantization,
-                    config.quantize_lm_head, config.int4_group_size or DEFAULT_GROUP_SIZE)
+    quant = config.quantization
+    return CausalLM(mcfg, weights, lora_layers, max_len, config.scheduler.max_num_batched_tokens, quant.quantization,
+                    quant.quantize_lm_head, quant.int4_group_size or DEFAULT_GROUP_SIZE)

@@ -79,7 +79,8 @@ def test_a_stored_poisonous_adapter_fails_only_its_own_requests(api_server, tiny
     _, victim_key = api_server.new_tenant()
     state = api_server.state
     config, weights = _files(tampered_adapter(tiny_adapters["r8_all"], tmp_path / "nan", lora_b=nan_like))
-    summary = inspect_adapter_bytes(config, weights, state.engine.info.adapter_shape, state.config.max_lora_rank)
+    summary = inspect_adapter_bytes(config, weights, state.engine.info.adapter_shape,
+                                    state.config.engine.lora.max_lora_rank)
     state.registry.put(state.tenants.get(name).id, "poison", config, weights, summary=summary)
     body = {"model": "poison", "prompt": "hello", "max_tokens": 8, "temperature": 0}
     model = state.model_id
@@ -128,7 +129,7 @@ def test_adapter_larger_than_the_host_budget(tiny_model_dir, tiny_adapters, redi
         state = server.state
         config_json, weights = _files(tiny_adapters["r8_all"])
         summary = inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
-                                        state.config.max_lora_rank)
+                                        state.config.engine.lora.max_lora_rank)
         state.registry.put(state.tenants.get(name).id, "big", config_json, weights, summary=summary)
         misses = state.engine.stats().host.misses
         with server.http(key) as h:

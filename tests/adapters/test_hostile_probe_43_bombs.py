@@ -52,7 +52,7 @@ def test_a_zip_of_zeros_is_refused_without_the_loader_growing_past_its_cap(bomb_
     server, root = bomb_server
     assert (root / "zeros.zip").stat().st_size < 600 << 10
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
-    largest = max_weights_file_bytes(shape, server.config.max_lora_rank)
+    largest = max_weights_file_bytes(shape, server.config.engine.lora.max_lora_rank)
     [pid] = server.state.loaders.pids()
     before = _kib(pid, "VmRSS")
     _, key = server.new_tenant()

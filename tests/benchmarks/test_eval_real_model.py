@@ -63,8 +63,8 @@ def smol_with_adapters(request, redis_server):
     if not (SHIPPED_ADAPTERS / "french").is_dir():
         pytest.skip(f"no demo adapters in {SHIPPED_ADAPTERS}; scripts/train_demo_adapters.py makes them")
     data_dir = request.config.cache.mkdir("loraplex-default-model")  # shares test_default_model's conversion
-    config = ServerConfig(data_dir=data_dir, admin_token=ADMIN_TOKEN, redis_url=api_redis_url(redis_server),
-                          port=free_port(), device="cpu", dtype="float32", max_lora_rank=8, max_loras=4)
+    config = ServerConfig.of(data_dir=data_dir, admin_token=ADMIN_TOKEN, redis_url=api_redis_url(redis_server),
+                             port=free_port(), device="cpu", dtype="float32", max_lora_rank=8, max_loras=4)
     with running_server(config, timeout=600) as handle:
         yield handle
 

@@ -1,12 +1,8 @@
-"""A `loraplex serve` command line parsed into its ServerConfig, and a small adapter shape for
-engine_config: the config tests' common steps."""
+"""A `loraplex serve` command line parsed into its ServerConfig: the config tests' common step."""
 from __future__ import annotations
 
-from adapters.format import ModelShape
 from server.cli import build_parser
 from server.config import ServerConfig
-
-SMALL_SHAPE = ModelShape(num_layers=1, hidden_size=8, q_size=8, kv_size=8, intermediate_size=8, vocab_size=8)
 
 
 def serve_config(tmp_path, *flags: str) -> ServerConfig:

@@ -49,8 +49,8 @@ def smol_server(request, redis_server):
         pytest.skip(str(e))
     assert is_gguf(gguf)
     data_dir = request.config.cache.mkdir("loraplex-default-model")  # keeps the conversion between runs
-    config = ServerConfig(data_dir=data_dir, admin_token=ADMIN_TOKEN, redis_url=api_redis_url(redis_server),
-                          port=free_port(), device="cpu", max_lora_rank=8)
+    config = ServerConfig.of(data_dir=data_dir, admin_token=ADMIN_TOKEN, redis_url=api_redis_url(redis_server),
+                             port=free_port(), device="cpu", max_lora_rank=8)
     with running_server(config, timeout=600) as handle:
         yield handle
 

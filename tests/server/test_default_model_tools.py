@@ -24,8 +24,9 @@ class AddArgs(BaseModel):
 def chat(request, redis_server):
     from langchain_openai import ChatOpenAI
 
-    config = ServerConfig(data_dir=default_model_data_dir(request), admin_token=ADMIN_TOKEN, redis_url=api_redis_url(redis_server),
-                          port=free_port(), device="cpu", max_lora_rank=8, max_model_len=2048)
+    config = ServerConfig.of(data_dir=default_model_data_dir(request), admin_token=ADMIN_TOKEN,
+                             redis_url=api_redis_url(redis_server), port=free_port(), device="cpu", max_lora_rank=8,
+                             max_model_len=2048)
     with running_server(config, timeout=600) as server:
         info = server.app.state.startup
         yield ChatOpenAI(model=info.model_id, base_url=f"{server.url}/v1", api_key=info.demo_key, temperature=0,

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.format import ModelShape
 from server.config import ConfigError
-from server.engine_settings import engine_config
 from tests.server.serve_config import serve_config
 
 pytestmark = pytest.mark.unit
@@ -16,12 +14,11 @@ def test_flags_reach_the_engine(tmp_path):
     config = serve_config(tmp_path, "--max-lora-rank", "128", "--lora-page-rows", "8", "--pin-adapter", "acme/sql",
                      "--pin-adapter", "chat", "--max-pinned-adapters-per-tenant", "2")
     assert config.pin_adapters == (("acme", "sql"), (None, "chat"))
-    shape = ModelShape(num_layers=1, hidden_size=8, q_size=8, kv_size=8, intermediate_size=8, vocab_size=8)
-    engine = engine_config(config, "demo", shape)
-    assert engine.lora_page_rows == 8 and engine.max_pinned_adapters_per_tenant == 2
-    assert serve_config(tmp_path).lora_page_rows is None  # off by default: slots
+    lora = config.engine_for("demo").lora
+    assert lora.lora_page_rows == 8 and lora.max_pinned_adapters_per_tenant == 2
+    assert serve_config(tmp_path).engine.lora.lora_page_rows is None  # off by default: slots
     unified = serve_config(tmp_path, "--lora-page-rows", "8", "--unified-memory")
-    assert engine_config(unified, "demo", shape).unified_memory and not engine.unified_memory
+    assert unified.engine_for("demo").lora.unified_memory and not lora.unified_memory
 
 
 @pytest.mark.parametrize("flags, names", [

@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 
 from server.config import ConfigError
-from server.engine_settings import engine_config
-from tests.server.serve_config import SMALL_SHAPE, serve_config
+from tests.server.serve_config import serve_config
 
 pytestmark = pytest.mark.unit
 
 
 def test_flag_reaches_the_engine(tmp_path):
     config = serve_config(tmp_path, "--tensor-parallel-size", "2")
-    assert engine_config(config, "demo", SMALL_SHAPE).tensor_parallel_size == 2
-    assert engine_config(serve_config(tmp_path), "demo", SMALL_SHAPE).tensor_parallel_size == 1
+    assert config.engine_for("demo").parallel.tensor_parallel_size == 2
+    assert serve_config(tmp_path).engine_for("demo").parallel.tensor_parallel_size == 1
 
 
 @pytest.mark.parametrize("flags, line", [
@@ -28,4 +27,4 @@ def test_invalid_values_refused_naming_the_flag(tmp_path, flags, line):
 
 def test_fully_sharded_loras_reaches_the_engine(tmp_path):
     config = serve_config(tmp_path, "--tensor-parallel-size", "2", "--fully-sharded-loras")
-    assert engine_config(config, "demo", SMALL_SHAPE).fully_sharded_loras
+    assert config.engine_for("demo").parallel.fully_sharded_loras

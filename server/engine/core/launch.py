@@ -20,10 +20,9 @@ class CoreLaunch(msgspec.Struct):
     redis_prefix: str
     adapter_grace_seconds: float
     adapter_shape: ModelShape
-    max_lora_rank: int
     pager: bool  # parse stored versions in a loader process (as the in-process mode does with loaders)
     max_upload_bytes: int
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # The front end's cores (server.cpu_placement): the core's own loader process runs there, while the
-    # core moves itself onto engine.cpu_affinity. None: not pinned.
+    # core moves itself onto engine.device.cpu_affinity. None: not pinned.
     loader_cpus: tuple[int, ...] | None = None

@@ -70,7 +70,7 @@ def core_main(raw_launch: bytes) -> int:
 
 
 def run_core(launch: CoreLaunch, pid: int) -> int:
-    pin_process(pid, launch.engine.cpu_affinity)  # before any thread starts: they all inherit the engine's cores
+    pin_process(pid, launch.engine.device.cpu_affinity)  # before any thread starts: they all inherit the engine's cores
     ctx = zmq.Context()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -113,7 +113,7 @@ def _build_engine(launch: CoreLaunch, owned: contextlib.ExitStack) -> LLMEngine:
         pager = LoaderPool(1, launch.max_upload_bytes, cpus=launch.loader_cpus)
         owned.callback(pager.close)
     registry = AdapterRegistry(client, prefix=launch.redis_prefix, grace_seconds=launch.adapter_grace_seconds)
-    fetch = registry_fetch(registry, launch.adapter_shape, launch.max_lora_rank, pager,
+    fetch = registry_fetch(registry, launch.adapter_shape, launch.engine.lora.max_lora_rank, pager,
                            draft_adapter_shape(launch.engine))
     engine = LLMEngine(launch.engine, fetch, DoraScaleStore(client, prefix=launch.redis_prefix))
     if pager is not None:

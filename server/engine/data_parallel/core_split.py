@@ -8,8 +8,6 @@ do not each start a thread per core of the machine.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from server.cpu_list import Cpus, allowed_cpus, format_cpu_list
 from server.engine.config import AUTO, EngineConfig
 
@@ -35,12 +33,13 @@ def core_configs(engine: EngineConfig, n: int) -> list[EngineConfig]:
     """The N cores' configs from the one the flags built; on a CUDA device, core i on cuda:i."""
     import torch
 
-    if engine.device.startswith("cuda") or (engine.device == "auto" and torch.cuda.is_available()):
+    if engine.device.device.startswith("cuda") or (engine.device.device == "auto" and torch.cuda.is_available()):
         if torch.cuda.device_count() < n:
             raise DataParallelSplitError(f"--data-parallel-size {n} needs {n} CUDA devices, one per engine core; "
                                          f"{torch.cuda.device_count()} are visible")
-        return [dataclasses.replace(engine, device=f"cuda:{i}") for i in range(n)]
-    if engine.cpu_affinity is None:
-        threads = engine.cpu_threads if engine.cpu_threads != AUTO else max(1, len(allowed_cpus()) // n)
-        return [dataclasses.replace(engine, cpu_threads=threads) for _ in range(n)]
-    return [dataclasses.replace(engine, cpu_affinity=group) for group in split_cores(engine.cpu_affinity, n)]
+        return [engine.with_settings(device=f"cuda:{i}") for i in range(n)]
+    if engine.device.cpu_affinity is None:
+        threads = engine.device.cpu_threads
+        threads = threads if threads != AUTO else max(1, len(allowed_cpus()) // n)
+        return [engine.with_settings(cpu_threads=threads) for _ in range(n)]
+    return [engine.with_settings(cpu_affinity=group) for group in split_cores(engine.device.cpu_affinity, n)]

@@ -24,8 +24,9 @@ def placed_configs(engine: EngineConfig, n: int) -> list[EngineConfig]:
     """The N cores' configs (core_split), each core's place logged."""
     configs = core_configs(engine, n)
     for i, one in enumerate(configs):
-        where = f"cores {format_cpu_list(one.cpu_affinity)}" if one.cpu_affinity is not None else one.device
-        log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.resolve_cpu_threads())
+        cores = one.device.cpu_affinity
+        where = f"cores {format_cpu_list(cores)}" if cores is not None else one.device.device
+        log.info("data parallel: engine core %d on %s (torch threads %s)", i, where, one.device.resolve_cpu_threads())
     return configs
 
 

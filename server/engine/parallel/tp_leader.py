@@ -76,7 +76,7 @@ class TpLeaderRunner(ModelRunner):
 def start_tensor_parallel(config: EngineConfig, runner: ModelRunner, lora_layers: list, max_len: int,
                           kv_blocks: int) -> TpLeaderRunner:
     """Spawns ranks 1..N-1, joins the group as rank 0 and shards `runner` in place of the engine's."""
-    world = config.tensor_parallel_size
+    world = config.parallel.tensor_parallel_size
     if dist.is_initialized():
         raise RuntimeError("--tensor-parallel-size: this process is in a torch.distributed group already "
                            "(one tensor-parallel engine per process)")
@@ -101,4 +101,4 @@ def start_tensor_parallel(config: EngineConfig, runner: ModelRunner, lora_layers
         pipes.append(send)
     tp = join_gloo(0, world, spec.init_method, spec.timeout_s)
     log.info("tensor parallel: %d ranks over gloo (workers %s)", world, [w.pid for w in workers])
-    return TpLeaderRunner(runner, tp, workers, pipes, config.fully_sharded_loras)
+    return TpLeaderRunner(runner, tp, workers, pipes, config.parallel.fully_sharded_loras)

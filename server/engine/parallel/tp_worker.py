@@ -45,14 +45,14 @@ def worker_main(rank: int, spec: TpWorkerSpec, lora_layers: list, steps: Connect
     config = spec.config
     device = torch.device("cpu")
     mcfg = ModelConfig.from_dir(config.model)
-    dtype = config.resolve_dtype(mcfg, device)
+    dtype = config.device.resolve_dtype(mcfg, device)
     full = served_model(config, mcfg, served_weights(config, mcfg, dtype, device), lora_layers, spec.max_len)
     comm = Collectives(tp)
-    model = TpCausalLM(full, tp, comm, config.fully_sharded_loras)
+    model = TpCausalLM(full, tp, comm, config.parallel.fully_sharded_loras)
     del full  # the shard is cut: the full projections go
-    kv_caches = worker_kv_caches(model.local_cfg, spec.kv_blocks, config.block_size, spec.kv_dtype, device)
-    ops = select_kernels(config.kernels, device, dtype)
-    scratch = torch.empty(3, config.max_num_batched_tokens, config.max_lora_rank, dtype=dtype)
+    kv_caches = worker_kv_caches(model.local_cfg, spec.kv_blocks, config.cache.block_size, spec.kv_dtype, device)
+    ops = select_kernels(config.device.kernels, device, dtype)
+    scratch = torch.empty(3, config.scheduler.max_num_batched_tokens, config.lora.max_lora_rank, dtype=dtype)
     while True:
         try:
             msg = tp_codec.decode(steps.recv_bytes())

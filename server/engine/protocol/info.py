@@ -48,11 +48,11 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     cfg = engine.config
     return EngineInfo(
         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-        adapter_shape=engine.adapter_shape, max_loras=engine.max_loras, max_lora_rank=cfg.max_lora_rank,
-        max_num_seqs=cfg.max_num_seqs, max_cpu_lora_bytes=cfg.max_cpu_lora_bytes, device=str(engine.device),
+        adapter_shape=engine.adapter_shape, max_loras=engine.max_loras, max_lora_rank=cfg.lora.max_lora_rank,
+        max_num_seqs=cfg.scheduler.max_num_seqs, max_cpu_lora_bytes=engine.host.budget_bytes, device=str(engine.device),
         dtype=str(engine.dtype).removeprefix("torch."), dtype_bytes=engine.dtype.itemsize, kv_pool=engine.kv_pool,
-        requested_kv_cache_dtype=cfg.kv_cache_dtype, block_size=cfg.block_size,
-        async_scheduling=cfg.async_scheduling, base_weights=engine.model.base_weights(),
+        requested_kv_cache_dtype=cfg.cache.kv_cache_dtype, block_size=cfg.cache.block_size,
+        async_scheduling=cfg.scheduler.async_scheduling, base_weights=engine.model.base_weights(),
         model_config=engine.model_config,
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         medusa_heads_needed=_medusa_heads_needed(cfg.speculative_config),

@@ -234,7 +234,8 @@ def test_console_pages_through_200_tenants_and_2000_adapters(api_server, page, t
     state = api_server.state
     config_json = (tiny_adapters["r4_qv"] / "adapter_config.json").read_bytes()
     weights = (tiny_adapters["r4_qv"] / "adapter_model.safetensors").read_bytes()
-    summary = inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape, state.config.max_lora_rank)
+    summary = inspect_adapter_bytes(config_json, weights, state.engine.info.adapter_shape,
+                                    state.config.engine.lora.max_lora_rank)
     for t in range(200):  # straight into the stores: the point here is the console, not uploads
         tenant = state.tenants.create(f"scale-{t:03d}")
         for a in range(10):

@@ -68,7 +68,7 @@ def test_host_budget_is_respected_over_http(tiny_model_dir, tiny_adapters, redis
         for name in ("r4_qv", "r8_all", "r16_rslora"):
             sizes[name] = probe.upload(key, name.replace("_", "-"), tiny_adapters[name]).json()["size_bytes"]
     budget = sizes["r16_rslora"] + sizes["r4_qv"]  # never all three at once
-    with running_server(replace(config, port=free_port(), max_cpu_lora_bytes=budget)) as s:
+    with running_server(config.with_settings(port=free_port(), max_cpu_lora_bytes=budget)) as s:
         client = s.client(key)
         for _ in range(2):
             for name in ("r4-qv", "r8-all", "r16-rslora"):

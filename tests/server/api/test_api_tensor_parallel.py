@@ -3,8 +3,6 @@ worker and serves, over HTTP, the text the one-process engine generates: base ro
 DoRA one (its scales computed at upload against the full weights, kept in Redis)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from server.engine import LLM, SamplingParams
@@ -16,8 +14,8 @@ PROMPTS = ([5, 17, 99, 23, 41], [7, 8, 300, 12])
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory, tiny_model_dir, tiny_adapters, tiny_dora_adapters, redis_server):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("tp-data"), api_redis_url(redis_server))
-    config = replace(config, engine_process="separate", tensor_parallel_size=2, redis_prefix="lp-tp:",
-                     served_model_name="tiny-base")
+    config = config.with_settings(engine_process="separate", tensor_parallel_size=2, redis_prefix="lp-tp:",
+                                  served_model_name="tiny-base")
     with running_server(config) as handle:
         _, key = handle.new_tenant()
         assert handle.upload(key, "r8_all", tiny_adapters["r8_all"]).status_code == 201

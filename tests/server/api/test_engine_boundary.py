@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 API_DIR = ROOT_DIR / "server" / "api"
 # Engine modules the front end may import: the protocol, request parameters, and tokenizing and grammar
 # compiling (front-end work). The engine's config and its client (in-process or an engine core's) are
-# built outside it (server.engine_settings, server.engine_mode).
+# built outside it (server.config, server.engine_mode).
 ALLOWED_MODULES = {
     "server.engine.protocol",
     "server.engine.structured_outputs", "server.engine.tokenizer_loader",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,7 +36,7 @@ def gateway_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path_factory
         sizes = [probe.upload(key, n.replace("_", "-"), tiny_adapters[n]).json()["size_bytes"] for n in NAMES]
         tenant_id = probe.admin("GET", f"/admin/tenants/{name}").json()["id"]
     budget = sum(sorted(sizes)[-2:])
-    with running_server(replace(config, port=free_port(), max_cpu_lora_bytes=budget)) as server:
+    with running_server(config.with_settings(port=free_port(), max_cpu_lora_bytes=budget)) as server:
         yield server, key, tenant_id, sum(sizes)
 
 

@@ -113,8 +113,8 @@ def test_200_adapters_8_slots_32_host_budget_from_redis(tiny_model_dir, tiny_ada
     ranks = [4, 8, 16]
     dirs = {f"a{i:03d}": write_adapter(template, tmp_path / f"a{i:03d}", ranks[i % 3], seed=1000 + i)
             for i in range(200)}
-    engine_cfg = EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=8, max_lora_rank=16,
-                              kv_cache_blocks=128, max_model_len=256, max_num_seqs=16)
+    engine_cfg = EngineConfig.of(model=str(tiny_model_dir), device="cpu", max_loras=8, max_lora_rank=16,
+                                 kv_cache_blocks=128, max_model_len=256, max_num_seqs=16)
     registry = AdapterRegistry(redis_client)
     shape = model_shape(tiny_model_dir)
     versions, sizes = {}, {}
@@ -130,7 +130,7 @@ def test_200_adapters_8_slots_32_host_budget_from_redis(tiny_model_dir, tiny_ada
         return load_adapter_bytes(cfg, w, shape, 16)
 
     engine = LLMEngine(
-        EngineConfig(**{**engine_cfg.__dict__, "max_cpu_lora_bytes": budget}), adapter_source=fetch
+        engine_cfg.with_settings(max_cpu_lora_bytes=budget), adapter_source=fetch
     )
     rng = random.Random(7)
     names = [f"a{int(200 * rng.random() ** 2):03d}" for _ in range(150)] + [None] * 10  # skewed popularity
@@ -161,8 +161,8 @@ def test_slow_load_does_not_stall_resident_adapters(tiny_model_dir, tiny_adapter
         gate.wait(10)  # a deliberately slow registry read
         return load_adapter_dir(tiny_adapters["r16_rslora"], shape_src["shape"], 64)
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=4, kv_cache_blocks=64,
-                                    max_model_len=256), adapter_source=fetch)
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", max_loras=4, kv_cache_blocks=64,
+                                       max_model_len=256), adapter_source=fetch)
     shape_src["shape"] = engine.adapter_shape
     engine.add_adapter("fast@1", load_adapter_dir(tiny_adapters["r8_all"], engine.adapter_shape, 64))
     engine.add_request("slow", [5, 6, 7, 8], greedy(4), "slow@1")
@@ -186,7 +186,7 @@ def test_failed_load_errors_that_request_only(tiny_model_dir):
     def fetch(version: str):
         raise KeyError(f"no such version {version}")
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256),
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256),
                        adapter_source=fetch)
     engine.add_request("bad", [5, 6, 7], greedy(3), "gone@1")
     engine.add_request("ok", [5, 6, 7], greedy(3))
@@ -197,7 +197,7 @@ def test_failed_load_errors_that_request_only(tiny_model_dir):
 
 
 def test_remove_while_in_use_finishes_then_frees_every_tier(tiny_model_dir, tiny_adapters, peft_oracle):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256))
     engine.add_adapter("v1", load_adapter_dir(tiny_adapters["r8_all"], engine.adapter_shape, 64))
     prompt = [5, 6, 7, 8, 9]
     engine.add_request("r", prompt, greedy(6), "v1")
@@ -227,8 +227,8 @@ def tokens_while_backlogged(engine: LLMEngine, tenants=("A", "B")) -> dict[str, 
 
 @pytest.mark.parametrize("weights, expected_ratio", [((1.0, 1.0), 1.0), ((2.0, 1.0), 2.0)])
 def test_fair_share_between_a_flooding_and_a_light_tenant(tiny_model_dir, weights, expected_ratio):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=128,
-                                    max_model_len=256, max_num_seqs=4))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=128,
+                                       max_model_len=256, max_num_seqs=4))
     prompts = random_prompts(220, (8, 8), VOCAB, seed=9)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     # A floods first (10x the requests of B), then B arrives.
@@ -244,8 +244,8 @@ def test_fair_share_between_a_flooding_and_a_light_tenant(tiny_model_dir, weight
 
 
 def test_priority_orders_within_a_tenant(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64,
-                                    max_model_len=256, max_num_seqs=1))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64,
+                                       max_model_len=256, max_num_seqs=1))
     for i, prio in enumerate([5, 0, 9, -1]):
         engine.add_request(f"p{prio}", [5, 6, 7 + i], greedy(2), tenant="T", priority=prio)
     assert list(drive(engine)) == ["p-1", "p0", "p5", "p9"]
@@ -260,7 +260,7 @@ def test_requests_for_a_loading_adapter_share_one_load(tiny_model_dir, tiny_adap
         gate.wait(10)
         return load_adapter_dir(tiny_adapters["r8_all"], shape["s"], 64)
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256),
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256),
                        adapter_source=fetch)
     shape["s"] = engine.adapter_shape
     for i in range(5):
@@ -278,8 +278,8 @@ def test_requests_for_a_loading_adapter_share_one_load(tiny_model_dir, tiny_adap
 def test_thousands_of_waiting_requests_are_scanned_within_a_horizon(tiny_model_dir):
     from server.engine.scheduler import SCAN_HORIZON
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64,
-                                    max_model_len=256, max_num_seqs=4))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64,
+                                       max_model_len=256, max_num_seqs=4))
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for i in range(3000):  # 1000 tenants, and one literally named "None" beside the None tenant
         engine.add_request(f"w{i}", [5, 6, 7], params, tenant=None if i % 1000 == 0 else f"t{i % 1000}")
@@ -314,8 +314,8 @@ class Source:
         return load_adapter_dir(self.dirs[version], self.shape, 64)
 
     def engine(self, model_dir: Path, **kw) -> LLMEngine:
-        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256,
-                                        **kw), adapter_source=self)
+        engine = LLMEngine(EngineConfig.of(model=str(model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256,
+                                           **kw), adapter_source=self)
         self.shape = engine.adapter_shape
         return engine
 
@@ -418,7 +418,7 @@ def test_parked_and_in_flight_loads_stay_within_the_prefetch_window(tiny_model_d
 
 
 def test_removed_adapter_without_a_source_fails_its_waiting_request(tiny_model_dir, tiny_adapters):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256))
     engine.add_adapter("v1", load_adapter_dir(tiny_adapters["r8_all"], engine.adapter_shape, 64))
     engine.add_request("r", [5, 6, 7], greedy(3), "v1")
     engine.remove_adapter("v1")  # before the request was admitted: nothing can bring v1 back

@@ -53,11 +53,11 @@ def test_an_empty_mask_is_an_error():
 
 
 def test_engine_config_defaults_to_auto_and_normalises_text(tiny_model_dir):
-    assert EngineConfig(model=str(tiny_model_dir)).cpu_threads == "auto"
-    assert EngineConfig(model=str(tiny_model_dir), cpu_threads="3").cpu_threads == 3
-    assert EngineConfig(model=str(tiny_model_dir), cpu_threads=None).resolve_cpu_threads() is None
+    assert EngineConfig.of(model=str(tiny_model_dir)).device.cpu_threads == "auto"
+    assert EngineConfig.of(model=str(tiny_model_dir), cpu_threads="3").device.cpu_threads == 3
+    assert EngineConfig.of(model=str(tiny_model_dir), cpu_threads=None).device.resolve_cpu_threads() is None
     with pytest.raises(ValueError):
-        EngineConfig(model=str(tiny_model_dir), cpu_threads=0)
+        EngineConfig.of(model=str(tiny_model_dir), cpu_threads=0)
 
 
 def test_cli_flag_reaches_the_server_config(tmp_path):
@@ -65,7 +65,7 @@ def test_cli_flag_reaches_the_server_config(tmp_path):
     assert parser.parse_args(["serve"]).cpu_threads == "auto"
     args = parser.parse_args(["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16,
                               "--cpu-threads", "3"])
-    assert ServerConfig.from_args(args, env={}).cpu_threads == 3
+    assert ServerConfig.from_args(args, env={}).engine.device.cpu_threads == 3
     args = parser.parse_args(["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16,
                               "--cpu-threads", "lots"])
     with pytest.raises(ConfigError, match="--cpu-threads"):
@@ -74,8 +74,8 @@ def test_cli_flag_reaches_the_server_config(tmp_path):
 
 def test_the_engine_sets_torch_threads(tiny_model_dir):
     def engine(threads):
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256,
-                                      cpu_threads=threads))
+        return LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=256,
+                                         cpu_threads=threads))
 
     before = torch.get_num_threads()
     try:

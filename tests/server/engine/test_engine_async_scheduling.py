@@ -29,7 +29,7 @@ def make_llm(model_dir, adapters, async_scheduling: bool, padded: bool = False, 
         llm.add_adapter(name, adapters[name])
     if padded:
         cfg = llm.engine.config
-        llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len)
+        llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len)
     return llm
 
 
@@ -255,9 +255,9 @@ def test_async_scheduling_flag_reaches_the_engine(tmp_path):
     assert parser.parse_args(["serve"]).async_scheduling is False
     args = parser.parse_args(["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16,
                               "--async-scheduling"])
-    assert ServerConfig.from_args(args, env={}).async_scheduling is True
+    assert ServerConfig.from_args(args, env={}).engine.scheduler.async_scheduling is True
     with pytest.raises(ValueError, match="async_scheduling must be true or false"):
-        EngineConfig(model="m", async_scheduling="yes")
+        EngineConfig.of(model="m", async_scheduling="yes")
 
 
 @pytest.mark.parametrize("seed", range(1, 9))

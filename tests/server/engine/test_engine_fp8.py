@@ -12,7 +12,7 @@ import torch
 from kernels.fp8_weights import (FP8_MAX, Fp8Weight, dequantize_fp8, fp8_linear_ref, quantize_activations,
                                  quantize_fp8, scaled_mm_linear)
 from server.engine import LLM, SamplingParams
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, QuantizationConfig
 from tests.engine_helpers import GREEDY, random_prompts
 
 pytestmark = pytest.mark.unit
@@ -79,16 +79,16 @@ def test_scaled_mm_equals_its_float32_semantics(dtype, tol, bias):
 # ---- refusals ----
 
 def test_fp8_is_refused_off_ada_and_hopper(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), quantization="fp8")
+    config = EngineConfig.of(model=str(tiny_model_dir), quantization="fp8")
     with pytest.raises(ValueError, match=r"needs an NVIDIA GPU of compute capability >= 8.9.*not cpu.*int8"):
-        config.check_quantization(torch.device("cpu"))
+        config.quantization.check_device(torch.device("cpu"))
     gpu = torch.device("cuda", 0)
     with pytest.raises(ValueError, match="cuda:0 has 8.0"):
-        config.check_quantization(gpu, torch.bfloat16, capability=(8, 0))
+        config.quantization.check_device(gpu, torch.bfloat16, capability=(8, 0))
     with pytest.raises(ValueError, match="pass --dtype bfloat16"):
-        config.check_quantization(gpu, torch.float16, capability=(9, 0))
-    config.check_quantization(gpu, torch.bfloat16, capability=(9, 0))
-    config.check_quantization(gpu, torch.bfloat16, capability=(8, 9))
+        config.quantization.check_device(gpu, torch.float16, capability=(9, 0))
+    config.quantization.check_device(gpu, torch.bfloat16, capability=(9, 0))
+    config.quantization.check_device(gpu, torch.bfloat16, capability=(8, 9))
 
 
 def test_an_fp8_engine_on_the_cpu_fails_at_start_with_the_reason(tiny_model_dir):
@@ -98,14 +98,14 @@ def test_an_fp8_engine_on_the_cpu_fails_at_start_with_the_reason(tiny_model_dir)
 
 def test_unknown_quantizations_name_what_is_supported(tiny_model_dir):
     with pytest.raises(ValueError, match="supported: int8, int4, fp8 or none"):
-        EngineConfig(model=str(tiny_model_dir), quantization="nf4")
+        EngineConfig.of(model=str(tiny_model_dir), quantization="nf4")
 
 
 # ---- the model path, refusal lifted on the CPU ----
 
 @pytest.fixture()
 def fp8_llm(tiny_model_dir, tiny_adapters, monkeypatch):
-    monkeypatch.setattr(EngineConfig, "check_quantization", lambda self, *a, **k: None)
+    monkeypatch.setattr(QuantizationConfig, "check_device", lambda self, *a, **k: None)
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_loras=4, kv_cache_blocks=128, max_model_len=256,
               quantization="fp8")
     for name, path in tiny_adapters.items():

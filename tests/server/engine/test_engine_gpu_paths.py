@@ -44,19 +44,19 @@ class FakeCuda:
 
 def test_cuda_index_is_resolved_and_checked(monkeypatch) -> None:
     FakeCuda(monkeypatch)
-    assert EngineConfig(model="m", device="cuda:3").resolve_device() == torch.device("cuda", 3)
-    assert EngineConfig(model="m", device="cuda").resolve_device() == torch.device("cuda", 2)
-    assert EngineConfig(model="m", device="auto").resolve_device() == torch.device("cuda", 2)
-    assert EngineConfig(model="m", device="cpu").resolve_device() == torch.device("cpu")
+    assert EngineConfig.of(model="m", device="cuda:3").device.resolve_device() == torch.device("cuda", 3)
+    assert EngineConfig.of(model="m", device="cuda").device.resolve_device() == torch.device("cuda", 2)
+    assert EngineConfig.of(model="m", device="auto").device.resolve_device() == torch.device("cuda", 2)
+    assert EngineConfig.of(model="m", device="cpu").device.resolve_device() == torch.device("cpu")
     with pytest.raises(ValueError, match="cuda:7 does not exist"):
-        EngineConfig(model="m", device="cuda:7").resolve_device()
+        EngineConfig.of(model="m", device="cuda:7").device.resolve_device()
 
 
 def test_cuda_without_cuda_is_refused() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="needs CUDA"):
-        EngineConfig(model="m", device="cuda:1").resolve_device()
+        EngineConfig.of(model="m", device="cuda:1").device.resolve_device()
 
 
 def test_every_thread_binds_the_engine_device(monkeypatch) -> None:
@@ -134,7 +134,7 @@ def test_kv_sizing_empties_the_allocator_cache_first(monkeypatch) -> None:
         return 30 * gib, 80 * gib
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    cfg = EngineConfig(model="m", gpu_memory_utilization=0.9, max_num_batched_tokens=2048, max_num_seqs=256)
+    cfg = EngineConfig.of(model="m", gpu_memory_utilization=0.9, max_num_batched_tokens=2048, max_num_seqs=256)
     blocks = kv.num_kv_blocks(LLAMA3_8B, cfg, torch.bfloat16, torch.device("cuda", 1), max_len=8192)
     assert events == ["empty_cache", "mem_get_info(cuda:1)"]
     budget = int(80 * gib * 0.9) - 50 * gib - kv.activation_bytes(LLAMA3_8B, 2048, 256, torch.bfloat16)
@@ -152,9 +152,9 @@ def test_building_the_model_frees_the_unfused_projections() -> None:
 
 
 def test_token_budget_is_bounded() -> None:
-    EngineConfig(model="m", max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    EngineConfig.of(model="m", max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be <="):
-        EngineConfig(model="m", max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS + 1)
+        EngineConfig.of(model="m", max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS + 1)
 
 
 def _shape(model_dir):
@@ -251,9 +251,9 @@ def test_warmup_steps_run_through_the_triton_kernels(tiny_model_dir, kernel_devi
     if kernel_device.type != "cpu":
         pytest.skip("runs on the GPU at engine start instead")
     ops = select_kernels("triton", kernel_device)
-    scratch = torch.zeros(3, 128, engine.config.max_lora_rank)
+    scratch = torch.zeros(3, 128, engine.config.lora.max_lora_rank)
     kv_caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in engine.runner.kv_caches]
-    for step in warmup_steps(engine.config.max_lora_rank, 128, 600, torch.float32):
+    for step in warmup_steps(engine.config.lora.max_lora_rank, 128, 600, torch.float32):
         ids, ctx, rows = step_inputs(step, ops=ops, block_size=16, lora_scratch=scratch, device="cpu")
         logits = engine.model.forward(ids, kv_caches, ctx, rows)
         assert logits.shape == (1, engine.model_config.vocab_size) and torch.isfinite(logits).all()

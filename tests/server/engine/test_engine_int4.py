@@ -248,22 +248,23 @@ def test_an_act_order_gptq_checkpoint_is_refused_in_int4(tiny_model_dir, tmp_pat
 
 
 def test_int4_is_served_on_the_cpu_and_the_gpu(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), quantization="int4")
+    config = EngineConfig.of(model=str(tiny_model_dir), quantization="int4")
     for device in (torch.device("cuda", 0), CPU):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            config.check_quantization(device, dtype, capability=(8, 0))
+            config.quantization.check_device(device, dtype, capability=(8, 0))
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization 'int8'"):
-        EngineConfig(model=str(tiny_model_dir), quantization="int4", quantize_lm_head=True)
+        EngineConfig.of(model=str(tiny_model_dir), quantization="int4", quantize_lm_head=True)
 
 
 def test_cli_flags_reach_the_server_config(tmp_path):
     parser = build_parser()
     base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
-    config = ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int4"]), env={})
-    assert config.quantization == "int4" and config.int4_group_size is None
+    config = ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int4"]), env={}).engine
+    assert config.quantization.quantization == "int4" and config.quantization.int4_group_size is None
     grouped = base + ["--quantization", "int4", "--int4-group-size", "32"]
-    assert ServerConfig.from_args(parser.parse_args(grouped), env={}).int4_group_size == 32
-    for argv, message in ((base + ["--int4-group-size", "32"], "--int4-group-size needs --quantization int4"),
+    quant = ServerConfig.from_args(parser.parse_args(grouped), env={}).engine.quantization
+    assert quant.int4_group_size == 32
+    for argv, message in ((base + ["--int4-group-size", "32"], "--int4-group-size needs --quantization 'int4'"),
                           (base + ["--quantization", "int4", "--int4-group-size", "48"], "multiple of 32, got 48")):
         with pytest.raises(ConfigError, match=message):
             ServerConfig.from_args(parser.parse_args(argv), env={})
@@ -271,9 +272,9 @@ def test_cli_flags_reach_the_server_config(tmp_path):
 
 def test_a_group_size_is_honoured_or_refused(tiny_model_dir, gptq_dirs):
     with pytest.raises(ValueError, match="int4_group_size needs quantization 'int4'"):
-        EngineConfig(model=str(tiny_model_dir), quantization="int8", int4_group_size=64)
+        EngineConfig.of(model=str(tiny_model_dir), quantization="int8", int4_group_size=64)
     with pytest.raises(ValueError, match="multiple of 32, got 40"):
-        EngineConfig(model=str(tiny_model_dir), quantization="int4", int4_group_size=40)
+        EngineConfig.of(model=str(tiny_model_dir), quantization="int4", int4_group_size=40)
     llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=64, quantization="int4",
               int4_group_size=64)
     assert {w.group_size for w in stored_projections(llm)} == {64}
@@ -308,12 +309,13 @@ def test_a_server_started_with_int4_serves_the_quantized_model(tmp_path, tiny_mo
 @pytest.mark.parametrize("name", ["gptq", "gptq_marlin"])
 def test_vllms_gptq_names_serve_a_gptq_checkpoint_in_int4_and_refuse_a_float_one(name, gptq_dirs, tiny_model_dir,
                                                                                   tmp_path):
-    config = EngineConfig(model=str(gptq_dirs[0]), quantization=name)
-    assert config.quantization == "int4" and config.require_gptq_checkpoint
+    config = EngineConfig.of(model=str(gptq_dirs[0]), quantization=name)
+    assert config.quantization.quantization == "int4" and config.quantization.require_gptq_checkpoint
     llm = LLM(gptq_dirs[0], device="cpu", kv_cache_blocks=16, max_model_len=64, quantization=name)
     assert {w.group_size for w in stored_projections(llm)} == {32}  # the checkpoint's own groups
     with pytest.raises(ModelConfigError, match="--quantization gptq serves a GPTQ checkpoint's own 4-bit weights"):
         LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=64, quantization=name)
     parser = build_parser()
     argv = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16, "--quantization", name]
-    assert ServerConfig.from_args(parser.parse_args(argv), env={}).quantization == name
+    quant = ServerConfig.from_args(parser.parse_args(argv), env={}).engine.quantization  # vLLM's name, read as int4
+    assert quant.quantization == "int4" and quant.require_gptq_checkpoint

@@ -217,13 +217,13 @@ def test_preemption_and_prefix_hits_match_quantized_peft(tiny_model_dir, tiny_ad
 
 def test_quantize_lm_head_needs_int8(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization 'int8'"):
-        EngineConfig(model=str(tiny_model_dir), quantize_lm_head=True)
+        EngineConfig.of(model=str(tiny_model_dir), quantize_lm_head=True)
     parser = build_parser()
     base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16, "--quantize-lm-head"]
-    with pytest.raises(ConfigError, match="--quantize-lm-head needs --quantization int8"):
+    with pytest.raises(ConfigError, match="--quantize-lm-head needs --quantization 'int8'"):
         ServerConfig.from_args(parser.parse_args(base), env={})
-    config = ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={})
-    assert config.quantize_lm_head and config.quantization == "int8"
+    config = ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={}).engine
+    assert config.quantization.quantize_lm_head and config.quantization.quantization == "int8"
 
 
 def test_the_quantized_model_differs_from_the_float_one(llm, tiny_model_dir, peft_oracle):
@@ -263,15 +263,15 @@ def max_logprob_gap(model_dir, adapter_dirs, prompts, names, outs) -> float:
 ])
 def test_unsupported_quantizations_are_refused(tiny_model_dir, value, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model=str(tiny_model_dir), quantization=value)
+        EngineConfig.of(model=str(tiny_model_dir), quantization=value)
 
 
 def test_int8_is_served_on_the_cpu_and_the_gpu(tiny_model_dir):
     """On a GPU through kernels.int8_triton (tests/kernels/test_int8_triton.py); fp8 alone has a device rule."""
-    config = EngineConfig(model=str(tiny_model_dir), quantization="int8")
+    config = EngineConfig.of(model=str(tiny_model_dir), quantization="int8")
     for device in (torch.device("cuda", 0), torch.device("cpu")):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            config.check_quantization(device, dtype, capability=(8, 0))
+            config.quantization.check_device(device, dtype, capability=(8, 0))
 
 
 def test_cli_flag_reaches_the_server_config(tmp_path):
@@ -280,9 +280,10 @@ def test_cli_flag_reaches_the_server_config(tmp_path):
                  if a.dest == "quantization")
     assert "default: none" in serve.help and serve.default is None
     base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
-    assert ServerConfig.from_args(parser.parse_args(base), env={}).quantization is None
-    assert ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={}).quantization == "int8"
-    with pytest.raises(ConfigError, match="--quantization: quantization 'int3' is not supported"):
+    assert ServerConfig.from_args(parser.parse_args(base), env={}).engine.quantization.quantization is None
+    int8 = ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int8"]), env={}).engine
+    assert int8.quantization.quantization == "int8"
+    with pytest.raises(ConfigError, match="--quantization 'int3' is not supported"):
         ServerConfig.from_args(parser.parse_args(base + ["--quantization", "int3"]), env={})
 
 

@@ -96,7 +96,7 @@ def test_upload_and_engine_check_adapters_against_one_shape(model, moe_model):
     """The server checks an upload against ModelShape.from_hf_config, the engine loads against its own."""
     model_dir, _ = moe_model(model)
     shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    engine_shape = _adapter_shape(ModelConfig.from_dir(model_dir), EngineConfig(model=str(model_dir)))
+    engine_shape = _adapter_shape(ModelConfig.from_dir(model_dir), EngineConfig.of(model=str(model_dir)))
     assert shape == engine_shape and shape.num_experts == 4
     assert shape.moe_intermediate_size == 48
 

@@ -58,7 +58,7 @@ def test_layers_are_dense_or_sparse_as_transformers_builds_them(dense_moe):
     cfg = ModelConfig.from_dir(model_dir)
     assert cfg.dense_layers == (0, 2, 3, 4) and [cfg.is_sparse(i) for i in (1, 5)] == [True, True]
     shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-    assert shape == _adapter_shape(cfg, EngineConfig(model=str(model_dir)))
+    assert shape == _adapter_shape(cfg, EngineConfig.of(model=str(model_dir)))
     adapter = load_adapter_dir(adapters["linear_mlp"], shape, 64)
     assert {layer for layer, proj in adapter.weights if proj == "gate_proj"} == {0, 2, 3, 4}
     assert {layer for layer, proj in adapter.weights if proj.startswith("experts.")} == {1, 5}

@@ -41,7 +41,7 @@ def make_llm(model_dir, adapters, kernels: str = "torch", padded: bool = True, *
         llm.add_adapter(name, adapters[name])
     if padded:
         cfg = llm.engine.config
-        llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len)
+        llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len)
     return llm
 
 
@@ -109,7 +109,7 @@ def test_padding_rows_write_no_kv(tiny_model_dir, tiny_adapters):
     _decode_ready(llm, ["r8_all", None, "r4_qv"])  # 3 rows padded to 4
     caches = llm.engine.runner.kv_caches
     before = [(k.clone(), v.clone()) for k, v in caches]
-    bs = llm.engine.config.block_size
+    bs = llm.engine.config.cache.block_size
     written = {s.block_table[s.num_computed_tokens // bs] * bs + s.num_computed_tokens % bs
                for s in llm.engine.scheduler.running}
     llm.engine.step()
@@ -277,9 +277,9 @@ def test_enforce_eager_flag_reaches_the_engine(tiny_model_dir, tmp_path):
     parser = build_parser()
     assert parser.parse_args(["serve"]).enforce_eager is False
     args = parser.parse_args(["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16, "--enforce-eager"])
-    assert ServerConfig.from_args(args, env={}).enforce_eager is True
+    assert ServerConfig.from_args(args, env={}).engine.device.enforce_eager is True
     with pytest.raises(ValueError, match="enforce_eager must be true or false"):
-        EngineConfig(model="m", enforce_eager="yes")
+        EngineConfig.of(model="m", enforce_eager="yes")
     # A CPU device has no CUDA graphs: eager and unpadded whatever the flag says, and it says so.
     for eager in (True, False):
         llm = LLM(tiny_model_dir, device="cpu", kv_cache_blocks=16, max_model_len=64, enforce_eager=eager)

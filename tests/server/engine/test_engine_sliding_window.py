@@ -78,7 +78,7 @@ def window_bound(engine, window: int | None):
     """drive(check=...): the pool's invariants, and with a window no running sequence's windowed table
     holds more than its window, the step's chunk and a partial block at each end, while a global group's
     holds every position."""
-    budget = engine.config.max_num_batched_tokens
+    budget = engine.config.scheduler.max_num_batched_tokens
 
     def check(eng) -> None:
         check_blocks(eng)

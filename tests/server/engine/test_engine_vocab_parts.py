@@ -122,7 +122,8 @@ def test_padded_decode_leaves_steps_with_parts_unpadded(served, peft_oracle):
     for name, path in adapters.items():
         llm.add_adapter(name, path)
     cfg = llm.engine.config
-    padded = llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len)
+    padded = llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs,
+                                                 cfg.scheduler.max_model_len)
     runs = []
     run = padded.run
     padded.run = lambda key: runs.append(key) or run(key)

@@ -18,14 +18,19 @@ _GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_
            "layer_types": ["sliding_attention", "full_attention"] * 2}
 
 
-def _server(tmp_path, **kw) -> ServerConfig:
-    return ServerConfig(data_dir=tmp_path, admin_token="x" * 16, **kw)
+def _serve_config(tmp_path, **kw) -> ServerConfig:
+    return ServerConfig.of(data_dir=tmp_path, admin_token="x" * 16, **kw)
+
+
+def _server(tmp_path, **kw) -> EngineConfig:
+    """The engine config a server built from these settings holds."""
+    return _serve_config(tmp_path, **kw).engine
 
 
 def test_the_engine_and_the_server_config_give_the_same_line(tmp_path, tiny_model_dir):
     mcfg = ModelConfig.from_dir(tiny_model_dir)
     flags = {"tensor_parallel_size": 2, "lora_page_rows": 16, "fully_sharded_loras": True}
-    engine = combination_refusal(EngineConfig(model=str(tiny_model_dir), **flags), mcfg, False, tiny_model_dir)
+    engine = combination_refusal(EngineConfig.of(model=str(tiny_model_dir), **flags), mcfg, False, tiny_model_dir)
     assert engine == combination_refusal(_server(tmp_path, **flags), mcfg, False, tiny_model_dir)
     assert engine == "--fully-sharded-loras does not combine with --lora-page-rows yet"
 
@@ -54,7 +59,7 @@ def test_speculative_methods_under_tensor_parallel(tmp_path, tiny_model_dir, spe
     mcfg = ModelConfig.from_dir(tiny_model_dir)
     assert combination_refusal(_server(tmp_path, tensor_parallel_size=2, speculative_config=spec), mcfg,
                                False, tiny_model_dir) == line
-    engine = EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, speculative_config=spec)
+    engine = EngineConfig.of(model=str(tiny_model_dir), tensor_parallel_size=2, speculative_config=spec)
     assert combination_refusal(engine, mcfg, False, tiny_model_dir) == line
 
 
@@ -88,10 +93,10 @@ def test_serve_refuses_before_the_engine_core_in_one_line(tmp_path, tiny_model_d
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     (gemma / "config.json").write_text(json.dumps({**cfg, **_GEMMA2}))
     with pytest.raises(ConfigError, match="--unified-memory does not serve a model with KV layer groups") as raised:
-        _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), gemma)
+        _check_flag_combinations(_serve_config(tmp_path, unified_memory=True, lora_page_rows=16), gemma)
     assert "\n" not in str(raised.value)
-    _check_flag_combinations(_server(tmp_path, unified_memory=True, lora_page_rows=16), tiny_model_dir)
-    _check_flag_combinations(_server(tmp_path, tensor_parallel_size=2), gemma)  # windows and KV groups shard
+    _check_flag_combinations(_serve_config(tmp_path, unified_memory=True, lora_page_rows=16), tiny_model_dir)
+    _check_flag_combinations(_serve_config(tmp_path, tensor_parallel_size=2), gemma)  # windows and KV groups shard
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 does not divide num_attention_heads") as raised:
-        _check_flag_combinations(_server(tmp_path, tensor_parallel_size=3), gemma)
+        _check_flag_combinations(_serve_config(tmp_path, tensor_parallel_size=3), gemma)
     assert "\n" not in str(raised.value)

@@ -30,7 +30,7 @@ VOCAB = 512
 
 def make_engine(model_dir, **kw) -> LLMEngine:
     cfg = dict(model=str(model_dir), device="cpu", max_loras=4, kv_cache_blocks=64, max_model_len=256)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+    return LLMEngine(EngineConfig.of(**{**cfg, **kw}))
 
 
 def broken(adapter: LoraAdapter, a_value: float | None = None, scaling: float | None = None) -> LoraAdapter:

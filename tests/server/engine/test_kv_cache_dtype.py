@@ -220,7 +220,7 @@ def test_the_same_bytes_hold_four_times_the_blocks(tiny_model_dir):
                                             ("", "supported")])
 def test_unsupported_names_are_refused(tiny_model_dir, value, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model=str(tiny_model_dir), kv_cache_dtype=value)
+        EngineConfig.of(model=str(tiny_model_dir), kv_cache_dtype=value)
 
 
 def test_e4m3_needs_ada_or_hopper_on_a_gpu():
@@ -239,10 +239,10 @@ def test_cli_flag_reaches_the_server_config(tmp_path):
                 if a.dest == "kv_cache_dtype")
     assert "auto (default)" in flag.help and flag.default == "auto"
     base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
-    assert ServerConfig.from_args(parser.parse_args(base), env={}).kv_cache_dtype == "auto"
+    assert ServerConfig.from_args(parser.parse_args(base), env={}).engine.cache.kv_cache_dtype == "auto"
     args = parser.parse_args(base + ["--kv-cache-dtype", "fp8_e5m2"])
-    assert ServerConfig.from_args(args, env={}).kv_cache_dtype == "fp8_e5m2"
-    with pytest.raises(ConfigError, match="--kv-cache-dtype: kv_cache_dtype 'int8' is not supported"):
+    assert ServerConfig.from_args(args, env={}).engine.cache.kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(ConfigError, match="--kv-cache-dtype 'int8' is not supported"):
         ServerConfig.from_args(parser.parse_args(base + ["--kv-cache-dtype", "int8"]), env={})
 
 

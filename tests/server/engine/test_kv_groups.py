@@ -63,9 +63,9 @@ def test_the_pool_has_the_bytes_kv_cache_blocks_asks_for_in_group_blocks(tiny_mo
                                   "num_hidden_layers": 4, "sliding_window": 20, "head_dim": 16,
                                   "hidden_activation": "gelu_pytorch_tanh",
                                   "layer_types": ["sliding_attention", "full_attention"] * 2})
-    config = EngineConfig(model=str(tiny_model_dir), kv_cache_blocks=10, device="cpu")
+    config = EngineConfig.of(model=str(tiny_model_dir), kv_cache_blocks=10, device="cpu")
     caches, info = allocate_kv_cache(mcfg, config, 256, torch.float32, torch.device("cpu"))
-    assert info.blocks == 20 and info.bytes == 10 * kv_bytes_per_block(mcfg, config.block_size, torch.float32)
-    assert info.tokens == 10 * config.block_size
+    assert info.blocks == 20 and info.bytes == 10 * kv_bytes_per_block(mcfg, config.cache.block_size, torch.float32)
+    assert info.tokens == 10 * config.cache.block_size
     assert len(caches) == 4 and caches[0] is caches[1] and caches[2] is caches[3] and caches[0] is not caches[2]
     assert caches[0][0].shape[0] == 20

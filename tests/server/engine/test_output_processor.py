@@ -13,7 +13,7 @@ from server.engine.model_runner import SeqResult, TokenResults
 from server.engine.output_processor import OutputProcessor
 from server.engine.output_text import IncrementalDetokenizer, OutputTexts
 from server.engine.sampler import SampleFailure
-from server.engine.scheduler import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, Scheduler, SchedulerConfig
+from server.engine.scheduler import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, Scheduler, SchedulerLimits
 from server.engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceGroup
 from server.engine.tokenizer_loader import load_tokenizer
 
@@ -33,7 +33,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture
 def processor(tokenizer) -> OutputProcessor:
     blocks = BlockManager(num_blocks=32, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
+    scheduler = Scheduler(SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
                           HostTier(None, None))
     processor = OutputProcessor(scheduler, frozenset({EOS}), MAX_MODEL_LEN)
     processor.texts = OutputTexts(IncrementalDetokenizer(tokenizer), processor.abort_choice)  # the front end's
@@ -249,7 +249,7 @@ def test_a_plain_rows_token_is_appended_inline_as_the_general_path_does():
     path's outputs, finish reasons, fair-share counters and prefix-cache registrations, to the bit."""
     def fresh() -> OutputProcessor:
         blocks = BlockManager(num_blocks=32, block_size=4)
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
+        scheduler = Scheduler(SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=64), blocks, LoraSlots([], 1),
                               HostTier(None, None))
         return OutputProcessor(scheduler, frozenset({EOS}), MAX_MODEL_LEN)
 

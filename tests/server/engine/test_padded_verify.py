@@ -39,8 +39,8 @@ def make_llm(model_dir, adapters, method: str, padded: bool, device: str = "cpu"
         llm.add_adapter(name, adapters[name])
     if padded:
         cfg = llm.engine.config
-        llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len,
-                                            *verify_shapes(cfg, torch.device(device), cfg.max_num_seqs))
+        llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len,
+                                            *verify_shapes(cfg, torch.device(device), cfg.scheduler.max_num_seqs))
     return llm
 
 

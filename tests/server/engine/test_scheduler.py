@@ -18,7 +18,7 @@ from adapters.host_tier import HostTier
 from server.engine.block_manager import FREED, BlockManager
 from server.engine.lora.slots import LoraGroupBuffers, LoraSlots
 from server.engine import scheduler as scheduler_module
-from server.engine.scheduler import PLAIN, ScheduledBatch, Scheduler, SchedulerConfig, StepCost
+from server.engine.scheduler import PLAIN, ScheduledBatch, Scheduler, SchedulerLimits, StepCost
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.step_latency import LatencyCap
 from tests.server.engine.sequences import request
@@ -44,7 +44,7 @@ class Steps:
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, max_loras: int = 2,
                  cap: int | None = None, versions: tuple[str, ...] = (), step_cost: StepCost = PLAIN,
                  kv_window: int | None = None, latency_cap: LatencyCap | None = None) -> None:
-        self.config = SchedulerConfig(max_num_seqs, budget, cap, step_cost=step_cost, kv_window=kv_window,
+        self.config = SchedulerLimits(max_num_seqs, budget, cap, step_cost=step_cost, kv_window=kv_window,
                                       latency_cap=latency_cap)
         self.blocks = BlockManager(num_blocks, BLOCK)
         layers = [{"o": LoraGroupBuffers.allocate(WIDTH, (WIDTH,), max_loras, RANK, torch.float32, "cpu")}]

@@ -152,7 +152,7 @@ def test_without_memory_for_the_draft_slots_draft_loras_stay_off_and_outputs_do_
 
 def test_draft_lora_bytes_count_in_size_bytes(tiny_model_dir, tiny_adapters, self_drafted):
     llm = LLM(tiny_model_dir, speculative_config=spec(tiny_model_dir), **OPTS)
-    shape, rank = llm.engine.adapter_shape, llm.engine.config.max_lora_rank
+    shape, rank = llm.engine.adapter_shape, llm.engine.config.lora.max_lora_rank
     alone = load_adapter_with_draft(tiny_adapters["r8_all"], shape, llm.engine.draft_adapter_shape, rank)
     drafted = load_adapter_with_draft(self_drafted, shape, llm.engine.draft_adapter_shape, rank)
     assert drafted.draft is not None and drafted.size_bytes == 2 * alone.size_bytes

@@ -145,7 +145,7 @@ def test_the_serve_flag_is_parsed_and_refuses_other_methods_in_one_line(tmp_path
                                           "--admin-token", "x" * 16, "--speculative-config", value])
         return ServerConfig.from_args(args, env={})
 
-    assert config('{"method": "ngram", "num_speculative_tokens": 2}').speculative_config is not None
+    assert config('{"method": "ngram", "num_speculative_tokens": 2}').engine.speculative_config is not None
     with pytest.raises(ConfigError) as e:
         config('{"method": "eagle", "num_speculative_tokens": 2}')
     assert str(e.value) == "--speculative-config: speculative method 'eagle' is not supported; supported: ngram, medusa, draft_model"

@@ -68,5 +68,5 @@ def test_a_ratio_at_or_below_one_is_refused():
 
 def test_the_engine_refuses_a_ratio_without_a_cap_to_bound():
     with pytest.raises(ValueError, match="max_prefill_step_ratio"):
-        EngineConfig("m", max_prefill_step_ratio=1.25)
-    assert EngineConfig("m", max_prefill_tokens_while_decoding=256, max_prefill_step_ratio=1.25)
+        EngineConfig.of("m", max_prefill_step_ratio=1.25)
+    assert EngineConfig.of("m", max_prefill_tokens_while_decoding=256, max_prefill_step_ratio=1.25)

@@ -23,7 +23,7 @@ MAX_TOKENS = 24
 
 
 def _config(model_dir) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512)
+    return EngineConfig.of(model=str(model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_engine_core_client(tiny_model_dir, redis_url, core_starter, case):
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     client = RemoteEngineClient.build(CoreLaunch(
         _config(tiny_model_dir), input_address="", parent_pid=0, redis_url=redis_url, redis_prefix="lp-stop:",
-        adapter_grace_seconds=600.0, adapter_shape=shape, max_lora_rank=32, pager=False,
+        adapter_grace_seconds=600.0, adapter_shape=shape, pager=False,
         max_upload_bytes=1 << 20, max_message_bytes=1 << 20), core_starter, ready_timeout=120)
     try:
         _check(asyncio.run(_stream(client, prompt, params)), stop, text, token_ids)

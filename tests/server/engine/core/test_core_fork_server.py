@@ -56,11 +56,11 @@ from server.engine.core.launcher import CoreStarter
 
 model = Path(sys.argv[1])
 launch = CoreLaunch(
-    EngineConfig(model=str(model), device="cpu", kv_cache_blocks=64, max_model_len=512, tensor_parallel_size=2,
-                 fully_sharded_loras=True, lora_page_rows=16),
+    EngineConfig.of(model=str(model), device="cpu", kv_cache_blocks=64, max_model_len=512, tensor_parallel_size=2,
+                    fully_sharded_loras=True, lora_page_rows=16),
     input_address="ipc://" + sys.argv[2], parent_pid=os.getpid(), redis_url="redis://127.0.0.1:1",
     redis_prefix="lp-bound:", adapter_grace_seconds=600.0,
-    adapter_shape=ModelShape.from_hf_config(json.loads((model / "config.json").read_text())), max_lora_rank=32,
+    adapter_shape=ModelShape.from_hf_config(json.loads((model / "config.json").read_text())),
     pager=False, max_upload_bytes=1 << 20)
 me = psutil.Process()
 

@@ -26,10 +26,10 @@ LIMIT = 1 << 20
 @pytest.fixture
 def core(tiny_model_dir, redis_url, core_starter):
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
-    config = EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512)
+    config = EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512)
     client = RemoteEngineClient.build(CoreLaunch(
         config, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix="lp-bounds:",
-        adapter_grace_seconds=600.0, adapter_shape=shape, max_lora_rank=32, pager=False,
+        adapter_grace_seconds=600.0, adapter_shape=shape, pager=False,
         max_upload_bytes=1 << 20, max_message_bytes=LIMIT), core_starter, ready_timeout=120)
     try:
         yield client

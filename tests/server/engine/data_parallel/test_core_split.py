@@ -43,10 +43,11 @@ def test_engine_cores_are_cut_into_contiguous_groups():
 
 
 def test_each_core_is_pinned_to_its_group_with_a_thread_per_core():
-    configs = core_configs(EngineConfig(model="m", device="cpu", cpu_affinity=(0, 1, 2, 3)), 2)
-    assert [c.cpu_affinity for c in configs] == [(0, 1), (2, 3)]
-    assert [c.resolve_cpu_threads() for c in configs] == [2, 2]
-    assert [c.cpu_threads for c in core_configs(EngineConfig(model="m", device="cpu", cpu_threads=3), 2)] == [3, 3]
+    configs = core_configs(EngineConfig.of(model="m", device="cpu", cpu_affinity=(0, 1, 2, 3)), 2)
+    assert [c.device.cpu_affinity for c in configs] == [(0, 1), (2, 3)]
+    assert [c.device.resolve_cpu_threads() for c in configs] == [2, 2]
+    configs = core_configs(EngineConfig.of(model="m", device="cpu", cpu_threads=3), 2)
+    assert [c.device.cpu_threads for c in configs] == [3, 3]
 
 
 def test_snapshots_add_up():

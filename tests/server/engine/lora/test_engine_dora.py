@@ -194,7 +194,8 @@ def test_padded_decode_with_dora_rows(tiny_model_dir, adapter_dirs, reference):
     adapter is a DoRA one, the LoRA one otherwise."""
     llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), max_num_seqs=8, max_lora_rank=16)
     cfg = llm.engine.config
-    keys = staged_keys(llm.engine.runner.use_padded_decode(cfg.max_loras, cfg.max_num_seqs, cfg.max_model_len))
+    keys = staged_keys(llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs,
+                                                           cfg.scheduler.max_model_len))
     p = params(4)
     for names in (["dora_r8_all", None, "r4_qv", "dora_r16_rslora", "dora_r4_qv"], ["r8_all", None]):
         prompts = random_prompts(len(names), (5, 20), VOCAB, seed=86)
@@ -267,7 +268,7 @@ def stored(tiny_model_dir, adapter_dirs, redis_client):
     def engine(model_dir=tiny_model_dir, **kw):
         opts = dict(model=str(model_dir), device="cpu", dtype="float32", max_loras=1, max_lora_rank=16,
                     kv_cache_blocks=64, max_model_len=256, max_cpu_lora_bytes=max(sizes.values()))
-        return LLMEngine(EngineConfig(**{**opts, **kw}), fetch, DoraScaleStore(redis_client))
+        return LLMEngine(EngineConfig.of(**{**opts, **kw}), fetch, DoraScaleStore(redis_client))
 
     return SimpleNamespace(registry=registry, versions=versions, engine=engine, store=DoraScaleStore(redis_client),
                            redis=redis_client)
@@ -402,8 +403,8 @@ def test_without_a_store_nothing_is_precomputed(stored, monkeypatch, tiny_model_
     engine whose host tier has no loader hook (CUDA: scales computed in the slot), even with a store."""
     identities = []
     monkeypatch.setattr(dora_scale_cache, "served_weights_identity", lambda w: identities.append(1) or "x")
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_loras=1,
-                                    max_lora_rank=16, kv_cache_blocks=64, max_model_len=256))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", dtype="float32", max_loras=1,
+                                       max_lora_rank=16, kv_cache_blocks=64, max_model_len=256))
     version = stored.versions["dora_r8_all"]
     adapter = load_adapter_bytes(*stored.registry.read_files(version), engine.adapter_shape, 16)
     assert engine.dora_precompute.submit(version, adapter).result() == "off"

@@ -48,7 +48,7 @@ def skewed_requests(engine: LLMEngine, dirs: dict[str, Path], n: int, lengths: t
     """`dirs`' adapters added to `engine`; n requests' adapters, the first ones more often, and 4 base-model
     ones, shuffled, and their prompts of `lengths` tokens."""
     for name, d in dirs.items():
-        engine.add_adapter(name, load_adapter_dir(d, engine.adapter_shape, engine.config.max_lora_rank))
+        engine.add_adapter(name, load_adapter_dir(d, engine.adapter_shape, engine.config.lora.max_lora_rank))
     rng = random.Random(seed)
     names = [f"a{int(len(dirs) * rng.random() ** 1.5):02d}" for _ in range(n)] + [None] * 4
     rng.shuffle(names)
@@ -82,8 +82,8 @@ def test_mixed_ranks_through_page_churn_match_peft(tiny_model_dir, tiny_adapters
     """12 adapters of ranks 2..16 in two rank-16 slots' worth of pages (8 pages of 4 rows): they load,
     are evicted and come back into other pages, every step checked."""
     dirs = mixed_rank_adapters(tiny_adapters, tmp_path, seed=50)
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=2, max_lora_rank=16,
-                                    lora_page_rows=4, kv_cache_blocks=128, max_model_len=256, max_num_seqs=6))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", max_loras=2, max_lora_rank=16,
+                                       lora_page_rows=4, kv_cache_blocks=128, max_model_len=256, max_num_seqs=6))
     assert engine.lora_slots.paging.pages == 9 and engine.lora_slots.max_loras == 4
     names, prompts = skewed_requests(engine, dirs, 40, (4, 12), seed=3, prompt_seed=9)
     moved = churn_matches_peft(engine, tiny_model_dir, dirs, names, prompts, 4)
@@ -112,7 +112,8 @@ def test_padded_decode_through_the_page_table(tiny_model_dir, adapter_dirs, refe
     llm = make_llm(tiny_model_dir, adapter_dirs, (*LORA, *DORA), max_num_seqs=8, max_lora_rank=16,
                    lora_page_rows=8)
     cfg, slots = llm.engine.config, llm.engine.lora_slots
-    keys = staged_keys(llm.engine.runner.use_padded_decode(slots.max_loras, cfg.max_num_seqs, cfg.max_model_len))
+    keys = staged_keys(llm.engine.runner.use_padded_decode(slots.max_loras, cfg.scheduler.max_num_seqs,
+                                                           cfg.scheduler.max_model_len))
     p = params(4)
     names = ["dora_r8_all", None, "r4_qv", "dora_r16_rslora", "dora_r4_qv", "r8_all"]
     prompts = random_prompts(len(names), (5, 20), VOCAB, seed=86)

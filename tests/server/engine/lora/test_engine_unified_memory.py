@@ -25,7 +25,7 @@ def unified_engine(model_dir, kv_cache_blocks: int, **kw) -> LLMEngine:
     """Rank rows in pages of 4 (a page is 4 KV blocks of the tiny model), 2 rank-16 slots' worth of pages."""
     cfg = dict(model=str(model_dir), device="cpu", max_loras=2, max_lora_rank=16, lora_page_rows=4,
                kv_cache_blocks=kv_cache_blocks, max_num_seqs=6, max_model_len=128, unified_memory=True) | kw
-    return LLMEngine(EngineConfig(**cfg))
+    return LLMEngine(EngineConfig.of(**cfg))
 
 
 def check_split(engine: LLMEngine) -> None:
@@ -156,7 +156,7 @@ def test_an_adapter_load_preempts_only_newer_requests_when_kv_fills_the_pool(tin
 
 
 def test_refusals_are_one_line():
-    assert "lora_page_rows" in str(pytest.raises(ValueError, EngineConfig, model="m", unified_memory=True).value)
+    assert "lora_page_rows" in str(pytest.raises(ValueError, EngineConfig.of, model="m", unified_memory=True).value)
     assert "--tensor-parallel-size 2" in unified_refusal(2, False, False)
     assert "draft model" in unified_refusal(1, True, False)
     assert "KV layer groups" in unified_refusal(1, False, True)

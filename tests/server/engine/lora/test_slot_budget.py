@@ -67,7 +67,7 @@ def test_an_engine_on_the_cpu_keeps_8_slots_when_unset(tiny_model_dir) -> None:
     from server.engine import LLM
 
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_blocks=16, max_model_len=64)
-    assert llm.engine.config.max_loras is None and llm.engine.max_loras == llm.engine.lora_slots.max_loras == 8
+    assert llm.engine.config.lora.max_loras is None and llm.engine.max_loras == llm.engine.lora_slots.max_loras == 8
 
 
 def test_max_loras_auto_on_the_command_line(tmp_path) -> None:
@@ -76,8 +76,11 @@ def test_max_loras_auto_on_the_command_line(tmp_path) -> None:
 
     parser = build_parser()
     base = ["serve", "--data-dir", str(tmp_path), "--admin-token", "x" * 16]
-    assert ServerConfig.from_args(parser.parse_args(base), env={}).max_loras == 8  # the default is unchanged
-    assert ServerConfig.from_args(parser.parse_args([*base, "--max-loras", "auto"]), env={}).max_loras is None
-    assert ServerConfig.from_args(parser.parse_args([*base, "--max-loras", "12"]), env={}).max_loras == 12
+    def max_loras(*flags: str) -> int | None:
+        return ServerConfig.from_args(parser.parse_args([*base, *flags]), env={}).engine.lora.max_loras
+
+    assert max_loras() == 8  # the default is unchanged
+    assert max_loras("--max-loras", "auto") is None
+    assert max_loras("--max-loras", "12") == 12
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--max-loras", "0"])

@@ -12,8 +12,8 @@ STEPS = 200
 
 
 def engine_with_storm_adapters(tiny_model_dir, tiny_adapters, max_loras: int) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=max_loras,
-                                    kv_cache_blocks=512, max_model_len=256, max_num_seqs=32))
+    engine = LLMEngine(EngineConfig.of(model=str(tiny_model_dir), device="cpu", max_loras=max_loras,
+                                       kv_cache_blocks=512, max_model_len=256, max_num_seqs=32))
     packed = load_adapter_dir(tiny_adapters["r8_all"], engine.adapter_shape, 64)
     for i in range(STORM_ADAPTERS):  # distinct versions: each needs a slot of its own
         engine.add_adapter(f"s{i}@1", packed)
