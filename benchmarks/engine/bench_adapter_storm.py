@@ -30,7 +30,7 @@ from adapters.format import load_adapter_dir
 from benchmarks.engine.bench_fair_steps import Victim, p99, report
 from benchmarks.profile.step_phases import PHASES, timed_phases
 from server.bench.synth_adapters import ensure_adapters
-from server.config import CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO
+from server.engine.config import CPU_PREFILL_CAP, CPU_PREFILL_STEP_RATIO
 from server.demo import ensure_demo
 from server.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -54,8 +54,8 @@ class StepRecord:
 
 
 def build(model_dir: Path, args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(model_dir), device="cpu", max_loras=args.max_loras, max_lora_rank=64,
+    return LLMEngine(EngineConfig.of(
+        str(model_dir), device="cpu", max_loras=args.max_loras, max_lora_rank=64,
         max_prefill_tokens_while_decoding=CPU_PREFILL_CAP, max_prefill_step_ratio=CPU_PREFILL_STEP_RATIO,
         cpu_threads=args.cpu_threads))
 

@@ -17,7 +17,7 @@ STORM_TOKENS = 3
 
 
 def test_a_storm_of_new_adapters_completes_exactly_while_another_tenant_decodes(tiny_model_dir, tiny_adapters):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_loras=2, max_lora_rank=32,
+    engine = LLMEngine(EngineConfig.of(str(tiny_model_dir), device="cpu", max_loras=2, max_lora_rank=32,
                                     max_prefill_tokens_while_decoding=256, max_prefill_step_ratio=1.25))
     storm = []  # (request id, adapter name, version, prompt)
     for name, path in tiny_adapters.items():
