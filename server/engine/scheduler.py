@@ -540,7 +540,9 @@ class Scheduler:
         self._share_leftover(batch, budget, prefill)
         if self.draft_model is not None and speculate:
             self._draft_with_model(batch, catch_ups)
-        batch.propose = self._next_may_speculate(batch)
+        # The next step may speculate when the batch, as this step leaves it, is under the cut-off (when
+        # requests end, the first step under it has no Medusa drafts).
+        batch.propose = self._under_cut_off()
         if self.latency is not None:
             self._measure(batch, prefill.chunked)
             batch.slot_loads = self.slot_loads - loads
@@ -632,23 +634,18 @@ class Scheduler:
             budget -= m - n
             left -= prefill.cost.chunk(seq, start, m) - used
 
-    def _next_may_speculate(self, batch: ScheduledBatch) -> bool:
-        """Whether the step after `batch` may speculate: fewer than disable_by_batch_size sequences run as
-        this step leaves them (when requests end, the first step under the cut-off has no Medusa drafts)."""
+    def _under_cut_off(self) -> bool:
+        """Speculative decoding is on and the running batch is smaller than its disable_by_batch_size (past
+        it, verifying costs the batch more than drafts save)."""
         spec = self.config.speculative
-        if spec is None:
-            return False
-        return len(self.running) < spec.disable_by_batch_size
+        return spec is not None and len(self.running) < spec.disable_by_batch_size
 
     def _speculate(self) -> bool:
-        """Whether this step proposes drafts: speculative decoding is on and the running batch is smaller
-        than its disable_by_batch_size (past it, verifying costs the batch more than drafts save)."""
-        spec = self.config.speculative
-        if spec is None:
-            return False
-        if len(self.running) < spec.disable_by_batch_size:
+        """Whether this step proposes drafts (_under_cut_off); a step past the cut-off is counted skipped."""
+        if self._under_cut_off():
             return True
-        self.spec_counters.skipped_steps += 1
+        if self.config.speculative is not None:
+            self.spec_counters.skipped_steps += 1
         return False
 
     def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
