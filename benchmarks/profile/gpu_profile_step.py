@@ -4,7 +4,8 @@ per step, capture seconds and memory, and whether graphed and eager runs give th
 Builds the Llama-3-8B-shaped random model in tmpfs and rank-16 adapters on all seven projections,
 then, for each engine (graphs on: decode steps padded to a bucket replay a graph captured at start-up;
 graphs off: --enforce-eager), for each point of --seqs x --adapters:
-- token identity: greedy generation of --identity-tokens tokens per request, token ids kept;
+- token identity: greedy generation of --identity-tokens tokens per request, token ids kept; with
+  adapters, once more with every third row on the base model (base rows mixed into a LoRA batch);
 - steady decode: every request prefilled, then the median wall time of --steps decode steps
   (synchronized), and for the graphed engine the median time of the bucket's graph replay alone
   (no host work at all: the device's time for the forward);
@@ -76,6 +77,9 @@ def run_point(llm: LLM, names: list[str], seqs: int, adapters: int, args) -> tup
     prompts = prompts_for(seqs, args.prompt_len)
     greedy = SamplingParams(max_tokens=args.identity_tokens, temperature=0.0, ignore_eos=True)
     tokens = [o.token_ids for o in llm.generate(prompts, greedy, adapters=chosen)]
+    if adapters:  # base rows mixed in: every third row has no adapter, in the same captured graphs
+        mixed = [None if i % 3 == 2 else name for i, name in enumerate(chosen)]
+        tokens += [o.token_ids for o in llm.generate(prompts, greedy, adapters=mixed)]
     params = SamplingParams(max_tokens=args.steps * 3 + 40, temperature=0.0, ignore_eos=True)
     for i, (prompt, name) in enumerate(zip(prompts, chosen)):
         eng.add_request(f"p{i}", prompt, params, llm._versions[name] if name else None)
