@@ -129,17 +129,12 @@ def paged_attention(
     if decode is not None:
         _decode_attention(q, k_cache, v_cache, decode, scale, out, softcap)
     block_size = k_cache.shape[1]
-    tables = None
     start = 0
     for b, (qlen, slen) in enumerate(zip(batch.query_lens_host, batch.seq_lens_host)):
         if qlen == 1 and decode is not None:
             start += 1
             continue  # done above, batched
-        tables = tables if tables is not None else batch.block_tables.tolist()
-        nblocks = (slen + block_size - 1) // block_size
-        # From the block of the first query's first key: those before it may be released.
-        first = 0 if window is None else max(0, slen - qlen + 1 - window) // block_size
-        blocks = torch.tensor(tables[b][first:nblocks], dtype=torch.long, device=q.device)
+        first, blocks = _sequence_blocks(batch, block_size, q.device, window, decode is not None)[b]
         lo = first * block_size  # position of the first key read
         k = k_cache.index_select(0, blocks).flatten(0, 1)[: slen - lo].float().transpose(0, 1)  # [Hkv, slen-lo, D]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[: slen - lo].float().transpose(0, 1)
@@ -187,6 +182,30 @@ def _valid(pos: torch.Tensor, lens: torch.Tensor, window: int | None) -> torch.T
     pos = pos if pos.dim() == 2 else pos[None, :]
     valid = pos < lens[:, None]
     return valid if window is None else valid & (pos >= (lens - window)[:, None])
+
+
+def _sequence_blocks(batch: AttentionBatch, block_size: int, device, window: int | None,
+                     batched_decode: bool) -> list[tuple[int, torch.Tensor] | None]:
+    """Each sequence's (first block read, the blocks it reads [n] int64 on the device), from the block of
+    its first query's first key (those before it may be released); None for a decode row the batched
+    decode plan covers (batched_decode).
+
+    Built once per step and cached on the batch (all layers of one window share it): one read of the tables
+    back to the host and one small copy per sequence, not one per layer; so later calls copy nothing between
+    host and device (the kernel bench captures them in a CUDA graph).
+    """
+    key = ("sequence_blocks", block_size, window, batched_decode)
+    if key not in batch.scratch:
+        out: list[tuple[int, torch.Tensor] | None] = []
+        for row, qlen, slen in zip(batch.block_tables.tolist(), batch.query_lens_host, batch.seq_lens_host):
+            if qlen == 1 and batched_decode:
+                out.append(None)
+                continue
+            first = 0 if window is None else max(0, slen - qlen + 1 - window) // block_size
+            nblocks = -(-slen // block_size)
+            out.append((first, torch.tensor(row[first:nblocks], dtype=torch.long, device=device)))
+        batch.scratch[key] = out
+    return batch.scratch[key]
 
 
 def _decode_plan(batch: AttentionBatch, block_size: int, device, window: int | None = None) -> tuple | None:

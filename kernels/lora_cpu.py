@@ -104,7 +104,7 @@ def _apply_block(x, w: SlotWeights, scaling, slice_offsets, blk: _Block, r: int,
     """
     rows = slice(blk.start, blk.start + blk.rows)
     a = w.a_rows(blk.slots).float()  # [G, K, in]: every slice's rank rows
-    hs = w.split_slices(_grouped_mm(x[rows].float(), a.transpose(1, 2), blk.offs))  # [n, S, r]
+    hs = w.split_slices(_grouped_mm(x[rows].float(), a.transpose(1, 2), blk.offs, blk.ends))  # [n, S, r]
     hs = _rounded(hs * scaling.t().index_select(0, blk.row_slots)[:, :, None], h_dtype)
     spans = [(off, off + b.shape[1]) for b, off in zip(w.lora_b, slice_offsets)]
     for start, n, s in blk.runs:
@@ -118,17 +118,21 @@ def _apply_block(x, w: SlotWeights, scaling, slice_offsets, blk: _Block, r: int,
                 dst.copy_(dst.float().addmm_(hs_run[:, i], b.float()))  # rounded once
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of a up to offs[0] times b[0], then up to offs[1] times b[1], ...: a [n, k], b [G, k, m] -> [n, m].
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ends: tuple[int, ...]) -> torch.Tensor:
+    """Rows of a up to offs[0] times b[0], then up to offs[1] times b[1], ...: a [n, k], b [G, k, m] -> [n, m];
+    ends: offs on the host.
 
-    torch._grouped_mm takes operands whose strides and start are multiples of 16 bytes (ranks and
-    widths that are multiples of 4 in float32); others (an odd rank) take a matmul per group.
+    On a CPU, torch._grouped_mm, which takes operands whose strides and start are multiples of 16 bytes
+    (ranks and widths that are multiples of 4 in float32); others (an odd rank), and every CUDA call, take
+    a matmul per group over the host ends. On CUDA torch._grouped_mm computes bf16 alone and its fallback
+    for float32 reads offs back to the host (offs.cpu()) per call: a sync, which also kept the kernel bench
+    from capturing the torch rows of prefill-sized runs in a CUDA graph.
     """
-    if all(_aligned(t) for t in (a, b)):
+    if a.device.type == "cpu" and all(_aligned(t) for t in (a, b)):
         return torch._grouped_mm(a, b, offs=offs)
     out = a.new_empty(a.shape[0], b.shape[-1])
     start = 0
-    for g, end in enumerate(offs.tolist()):
+    for g, end in enumerate(ends):
         torch.mm(a[start:end], b[g], out=out[start:end])
         start = end
     return out
@@ -196,6 +200,7 @@ class _Block(NamedTuple):
     rows: int  # token rows, all in runs of SEGMENT_MIN_RUN or more
     slots: torch.Tensor  # [G] int64, each run's slot
     offs: torch.Tensor  # [G] int32, each run's end row, counted from start (torch._grouped_mm's offsets)
+    ends: tuple[int, ...]  # offs on the host
     row_slots: torch.Tensor  # [rows] int64, each row's slot
     runs: list[tuple[int, int, int]]  # (start, length, slot) of each run
 
@@ -217,7 +222,7 @@ def _long_blocks(batch: LoraBatch) -> list[_Block]:
             ends = torch.tensor(lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             rows = int(ends[-1])
             blocks.append(_Block(start, rows, torch.tensor(slots, device=device), ends.to(device),
-                                 batch.token_slots[start : start + rows].long(), runs))
+                                 tuple(ends.tolist()), batch.token_slots[start : start + rows].long(), runs))
         batch.scratch["cpu_long_blocks"] = blocks
     return batch.scratch["cpu_long_blocks"]
 

@@ -109,8 +109,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     s_q.add_argument("--kv-cache-dtype", type=_names, default=("auto",), metavar="auto,fp8_e4m3,fp8_e5m2",
                      help="loraplex serve's --kv-cache-dtype, likewise (default auto)")
     st.add_argument("--enforce-eager", action="store_true",
-                    help="no CUDA graphs, where the engine has them (default off; an engine without graphs "
-                         "runs eager anyway)")
+                    help="no decode CUDA graphs: the engine's and `loraplex serve`'s --enforce-eager (default "
+                         "off; a CPU runs eager anyway)")
     s = p.add_argument_group("systems")
     s.add_argument("--target", choices=("http", "engine"), default=None,
                    help="http: a `loraplex serve` child (default); engine: in-process LLMEngine "

@@ -11,6 +11,7 @@ from typing import Callable
 
 from adapters.host_tier import Fetch
 from server.bench.metrics import ClosedLoopRun, RequestRecord
+from server.bench.step_kinds import StepSample
 from server.bench.workload import BenchRequest
 
 
@@ -92,8 +93,11 @@ class EngineTarget:
                         on_step: Callable[[float], None] | None = None) -> ClosedLoopRun:
         """Keep `concurrency` requests of the trace (in order) in flight, sending the next as one
         finishes, until stop_s seconds; then abort what runs. A request's arrival is when it was sent.
-        on_step(t), if given, runs after each step with its time (a bench sampling the engine's state)."""
+        on_step(t), if given, runs after each step with its time (a bench sampling the engine's state).
+        Each step that ran a batch is sampled with its kind (graphed or eager) and wall time."""
         records: list[RequestRecord] = []
+        steps: list[StepSample] = []
+        counts = self.engine.step_counts()
         running: dict[str, RequestRecord] = {}
         nxt, held_until, exhausted = 0, stop_s, False
         t0 = time.perf_counter()
@@ -113,8 +117,13 @@ class EngineTarget:
                 exhausted, held_until = True, now  # a slot no request can refill: the steady state ends
             if not running:
                 break
+            start = time.perf_counter() - t0
             outputs = self.engine.step()
             t = time.perf_counter() - t0
+            after = self.engine.step_counts()
+            if after.steps > counts.steps:
+                steps.append(StepSample(t, t - start, after.graphed > counts.graphed))
+            counts = after
             if on_step is not None:
                 on_step(t)
             for out in outputs:
@@ -124,4 +133,4 @@ class EngineTarget:
             self.engine.abort_request(rid)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        return ClosedLoopRun(records, min(held_until, stop_s), exhausted)
+        return ClosedLoopRun(records, min(held_until, stop_s), exhausted, steps)

@@ -22,16 +22,13 @@ def environment(cfg) -> dict:
     import peft
     import transformers
 
-    from server.bench.model_setup import engine_has
-
     gpu = torch.cuda.get_device_name(0) if cfg.device.startswith("cuda") and torch.cuda.is_available() else None
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "peft": peft.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cpu_threads": cfg.threads(), "affinity_cores": len(os.sched_getaffinity(0)),
             "kv_cache_bytes": cfg.kv_cache_bytes,
-            # Whether this engine has CUDA graphs to turn off, and whether the run asked to.
-            "engine_has_enforce_eager": engine_has("enforce_eager"), "enforce_eager": cfg.enforce_eager,
+            "enforce_eager": cfg.enforce_eager,  # CUDA graphs turned off (server.engine.config.DeviceConfig)
             "device_name": gpu or f"CPU ({os.cpu_count()} cores)",
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 

@@ -13,6 +13,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+from server.bench.step_kinds import StepSample
 
 @dataclass
 class RequestRecord:
@@ -51,6 +52,8 @@ class ClosedLoopRun:
     records: list[RequestRecord]
     held_until_s: float
     trace_exhausted: bool
+    # The engine target's steps (server.bench.step_kinds); none from an HTTP client, which cannot see them.
+    steps: list[StepSample] = field(default_factory=list)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

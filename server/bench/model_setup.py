@@ -2,7 +2,6 @@
 adapter slots. Shared by every workload (mixed, prefix, steady) and by the peer runner."""
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -92,30 +91,13 @@ def lora_slots(max_loras: int | None, n_used: int, churn: bool = False) -> int:
     return slots
 
 
-def engine_has(field_name: str) -> bool:
-    """Whether this checkout's EngineConfig has the field (flags another branch may add, e.g.
-    enforce_eager): the bench passes such a flag only where the engine takes it."""
-    from server.engine.config import EngineConfig
-
-    return field_name in {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-def engine_flags(cfg) -> dict:
-    """EngineConfig keyword arguments for the bench's optional engine flags, those the engine has."""
-    out = {}
-    if cfg.enforce_eager and engine_has("enforce_eager"):
-        out["enforce_eager"] = True  # an engine without the field has no graphs: eager already
-    return out
-
-
 def serve_args(cfg, n_used: int, kv_blocks: int | None = None, *, slots: int | None = None,
                rank: int | None = None, variant=None) -> list[str]:
     """`loraplex serve` flags for a bench run (cfg: a BenchConfig) over n_used adapters; variant: the
     server.bench.variants.EngineVariant to serve (cfg's first when None)."""
     max_loras = slots or lora_slots(cfg.max_loras, n_used)
     kv = ["--kv-cache-blocks", str(kv_blocks)] if kv_blocks is not None else []
-    # The serve flag that mirrors the engine's enforce_eager, where this checkout's engine has one.
-    eager = ["--enforce-eager"] if engine_flags(cfg).get("enforce_eager") else []
+    eager = ["--enforce-eager"] if cfg.enforce_eager else []
     return ["--device", cfg.device.split(":")[0], "--dtype", cfg.dtype, "--max-loras", str(max_loras),
             "--max-lora-rank", str(rank or cfg.rank), "--max-num-seqs", str(cfg.max_num_seqs),
             "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), *kv, *eager,
@@ -128,5 +110,6 @@ def engine_kwargs(cfg, model_dir: Path, slots: int, rank: int | None = None, var
     as in serve_args."""
     return dict(device=cfg.device, dtype=cfg.dtype, max_loras=slots, max_lora_rank=rank or cfg.rank,
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                kv_cache_blocks=kv_cache_blocks(cfg, model_dir), cpu_threads=cfg.threads(), **engine_flags(cfg),
+                kv_cache_blocks=kv_cache_blocks(cfg, model_dir), cpu_threads=cfg.threads(),
+                enforce_eager=cfg.enforce_eager,
                 **(variant or cfg.variants[0]).engine_kwargs())

@@ -20,7 +20,7 @@ import torch
 from server.bench.artifacts import save_figure, write_json
 from server.bench.environment import environment
 from server.bench.metrics import percentile, ratio, summarize
-from server.bench.model_setup import engine_flags, lora_slots, point_adapters, resolve_model
+from server.bench.model_setup import lora_slots, point_adapters, resolve_model
 from server.bench.workload import adapters_used, generate_conversations
 
 CACHE_RUNS = (("cache_off", False), ("cache_on", True))
@@ -29,7 +29,8 @@ CACHE_RUNS = (("cache_off", False), ("cache_on", True))
 def _engine_kwargs(cfg, n_used: int) -> dict:
     return dict(device=cfg.device, dtype=cfg.dtype, max_loras=lora_slots(cfg.max_loras, n_used),
                 max_lora_rank=cfg.rank, max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, cpu_threads=cfg.threads(), **engine_flags(cfg))
+                max_num_batched_tokens=cfg.max_num_batched_tokens, cpu_threads=cfg.threads(),
+                enforce_eager=cfg.enforce_eager)
 
 
 def _run_once(cfg, model_dir: Path, reqs, named: dict[str, Path], cache: bool) -> tuple[dict, dict[int, list[int]]]:

@@ -80,7 +80,7 @@ class BenchConfig:
     churn: tuple[int, int] | None = None  # (adapters, slots): a case with more adapters than slots
     peft_check: int = 0                   # per adapter case, this many trace requests checked on token ids
     device_bandwidth_gbps: float | None = None  # HBM GB/s for the bounds; None: known devices' (bandwidth.py)
-    enforce_eager: bool = False           # no CUDA graphs, where the engine has them (feature-detected)
+    enforce_eager: bool = False           # no decode CUDA graphs (DeviceConfig.enforce_eager; serve --enforce-eager)
     # Engine variants (server.bench.variants): each combination serves every point; the first is the reference.
     quantization: tuple[str, ...] = (NO_QUANTIZATION,)
     kv_cache_dtype: tuple[str, ...] = (AUTO_KV,)

@@ -36,6 +36,7 @@ from server.bench.metrics import ratio, window_summary
 from server.bench.model_setup import (engine_kwargs, kv_cache_blocks, lora_slots, point_adapters, resolve_model,
                                       serve_args)
 from server.bench.rounds import combine_rounds, round_order, spread
+from server.bench.step_kinds import step_kinds
 from server.bench.workload import BenchRequest, adapters_used, check_same_trace, generate_workload, trace_totals
 
 
@@ -82,7 +83,9 @@ def _measure(run, cfg, case: Case, concurrency: int, target: str, state: dict) -
             "machine": state, "loraplex": window, "requests_sent": len(run.records), "completed": len(done),
             "short_outputs": sum(r.output_tokens < r.expected_tokens for r in done),
             "errors": sorted({r.error for r in run.records if r.error})[:5],
-            "trace_exhausted": run.trace_exhausted, "window_short": window["window_s"] < cfg.steady_s}
+            "trace_exhausted": run.trace_exhausted, "window_short": window["window_s"] < cfg.steady_s,
+            # The window's engine steps by kind (server.bench.step_kinds); None over HTTP, which cannot see them.
+            "steps": step_kinds(run.steps, cfg.warmup_s, run.held_until_s) if target == "engine" else None}
 
 
 def _engine_runs(cfg, model_dir: Path, case: Case, trace, named, log, check: int) -> tuple[list[dict], dict | None]:
@@ -231,13 +234,24 @@ def _f(x, spec: str = ".2f", scale: float = 1.0) -> str:
     return "-" if x is None else format(x * scale, spec)
 
 
+def _graphed(steps: dict | None) -> str:
+    """'graphed/steps time%': e.g. 310/480 52% (the graphed steps took 52% of the steps' wall time)."""
+    if not steps or not steps["steps"]:
+        return "-"
+    total = steps["graphed_s"] + steps["eager_s"]
+    return f"{steps['graphed']}/{steps['steps']} {steps['graphed_s'] / total if total else 0:.0%}"
+
+
 def format_steady_table(doc: dict) -> str:
     head = (f"{'case':<22} {'tgt':<6} {'conc':>4} {'tok/s':>9} {'spread':>7} {'x base':>7} {'bound':>6} "
-            f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'ITL p50':>7} {'p90':>6} {'p99':>6} {'win s':>6}   (ms)")
+            f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'ITL p50':>7} {'p90':>6} {'p99':>6} {'win s':>6} "
+            f"{'graphed':>15}   (ms)")
     c = doc["config"]
     lines = [f"steady state: {c['warmup_s']:g} s warm-up, then a {c['steady_s']:g} s window; each row the median "
              f"of {c['repeats']} round(s), spread = (max - min) / median of their tok/s; x base paired by round; "
-             f"bound: with the base step at the device bandwidth, else bytes-only (a base step at its HBM floor)",
+             f"bound: with the base step at the device bandwidth, else bytes-only (a base step at its HBM floor); "
+             f"graphed: the window's engine steps that replayed a decode CUDA graph / all, and their share of its "
+             f"step time",
              head, "-" * len(head)]
     for row in doc["rows"]:
         w, sp, rb, b = row["loraplex"], row.get("loraplex_tok_s_spread"), row.get("ratio_vs_base"), row["bounds"]
@@ -247,7 +261,8 @@ def format_steady_table(doc: dict) -> str:
             f"{_f(sp and sp['rel_range'], '.0%'):>7} {_f(rb and rb['median']):>7} {_f(b.get('bound')):>6} "
             f"{_f(t['p50'], '.0f', 1e3):>8} {_f(t['p90'], '.0f', 1e3):>7} {_f(t['p99'], '.0f', 1e3):>7} "
             f"{_f(i['p50'], '.1f', 1e3):>7} {_f(i['p90'], '.1f', 1e3):>6} {_f(i['p99'], '.1f', 1e3):>6} "
-            f"{_f(w['window_s'], '.1f'):>6}" + ("  SHORT WINDOW" if row.get("window_short") else ""))
+            f"{_f(w['window_s'], '.1f'):>6} {_graphed(row.get('steps')):>15}"
+            + ("  SHORT WINDOW" if row.get("window_short") else ""))
         if row["num_adapters"]:
             lines.append(f"{'':<22} bound: {b['distinct_per_step']:.1f} distinct x {b['adapter_bytes'] / 1e6:.1f} MB "
                          f"= {b['extra_bytes'] / 1e6:.1f} MB/step beside {b['base_weight_bytes'] / 1e6:.1f} MB of base weights; "

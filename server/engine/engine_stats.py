@@ -61,6 +61,15 @@ FLAT_NAMES = {
 
 
 @dataclass(frozen=True)
+class StepCounts:
+    """Two running counters, cheap to read around every step (stats() snapshots every subsystem): a bench splits
+    its window's steps into graphed and eager with them (server.bench.step_kinds)."""
+
+    steps: int  # steps that ran a batch on the device: plain ones and those launched under async scheduling
+    graphed: int  # of those, decode steps that replayed a CUDA graph (server.engine.decode_graphs)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     scheduler: SchedulerStats
     kv_blocks: KvBlockStats

@@ -12,7 +12,7 @@ from server.engine.choice_abort import ChoiceAbort
 from server.engine.config import EngineConfig
 from server.engine.decode_graphs import DecodeGraphStats
 from server.engine.engine_startup import build_engine_parts
-from server.engine.engine_stats import EngineStats
+from server.engine.engine_stats import EngineStats, StepCounts
 from server.engine.grammar import GrammarError
 from server.engine.lora.dora_scale_cache import ScaleStore
 from server.engine.lora.slots import PinLimitError
@@ -63,6 +63,7 @@ class LLMEngine:
         self.trace = StepTrace.from_env()  # LORAPLEX_STEP_TRACE: a diagnostic per-step record (plain steps)
         self.constrained_requests = 0
         self.arrivals = 0
+        self.plain_steps = 0  # batches run by _run (the overlapped ones: self.overlap's num_launched)
         self.set_prefix_cache_policy(config.cache.enable_prefix_caching,
                                      config.cache.share_base_prefix_cache)
 
@@ -275,7 +276,16 @@ class LLMEngine:
         return False
 
     def _run(self, batch: ScheduledBatch) -> dict[int, SeqResult]:
-        return self.runner.run(batch) if not batch.empty else {}
+        if batch.empty:
+            return {}
+        self.plain_steps += 1
+        return self.runner.run(batch)
+
+    def step_counts(self) -> StepCounts:
+        """Steps run so far and how many replayed a decode graph: two counters, no snapshot (EngineStats)."""
+        padded = self.runner.padded
+        launched = self.overlap.num_launched if self.overlap is not None else 0
+        return StepCounts(self.plain_steps + launched, padded.replays if padded is not None else 0)
 
     def stats(self) -> EngineStats:
         padded = self.runner.padded

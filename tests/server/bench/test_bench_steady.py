@@ -67,6 +67,19 @@ def test_window_counts_only_what_happened_inside_it():
     assert empty["throughput_tok_s"] is None and empty["output_tokens"] == 0
 
 
+def test_step_kinds_count_the_steps_that_ended_in_the_window():
+    from server.bench.step_kinds import StepSample, step_kinds
+
+    samples = [StepSample(0.9, 0.02, False),   # warm-up
+               StepSample(1.0, 0.025, False), StepSample(1.01, 0.01, True), StepSample(1.02, 0.01, True),
+               StepSample(3.0, 0.03, True)]    # after the window
+    kinds = step_kinds(samples, 1.0, 3.0)
+    assert (kinds["steps"], kinds["graphed"], kinds["eager"]) == (3, 2, 1)
+    assert kinds["graphed_s"] == pytest.approx(0.02) and kinds["eager_s"] == pytest.approx(0.025)
+    assert kinds["graphed_ms_mean"] == pytest.approx(10.0) and kinds["eager_ms_mean"] == pytest.approx(25.0)
+    assert step_kinds([], 1.0, 3.0)["eager_ms_mean"] is None
+
+
 def test_bound_for_64_rank16_adapters_on_llama3_8b():
     from server.bench import bandwidth
     from server.bench.gpu_model import LLAMA3_8B
@@ -152,6 +165,15 @@ def _check_row(row, rounds: int) -> None:
     assert row["short_outputs"] == 0 and row["errors"] == []
     assert row["loraplex_tok_s_spread"]["n"] == rounds
     assert row["machine"]["gpu_clocks"] is None and len(row["machine"]["load_avg"]) == 3  # CPU: no clocks
+    steps = row["steps"]
+    if row["target"] == "http":
+        assert steps is None  # the client cannot see the engine's steps
+        return
+    # The window's engine steps, by kind: on a CPU none replays a CUDA graph.
+    assert steps["steps"] > 0 and steps["graphed"] + steps["eager"] == steps["steps"]
+    assert steps["graphed"] == 0 and steps["graphed_s"] == 0.0 and steps["graphed_ms_mean"] is None
+    assert 0 < steps["eager_s"] <= w["window_s"]
+    assert steps["eager_ms_mean"] == pytest.approx(1e3 * steps["eager_s"] / steps["eager"])
 
 
 def test_steady_engine_rounds_bounds_and_token_ids(tiny_model_dir, tmp_path):
@@ -174,6 +196,7 @@ def test_steady_engine_rounds_bounds_and_token_ids(tiny_model_dir, tmp_path):
     assert doc["trace"]["requests"] == 4000
     table = format_table(doc)
     assert "token ids = peft (r4-2-uniform): 4/4" in table and "bound:" in table
+    assert f" 0/{rows['base']['steps']['steps']} 0%" in table  # the graphed column
 
     short = run_bench(_steady(tiny_model_dir, tmp_path, num_requests=30, adapter_counts=(0,), steady_s=30.0),
                       None, log=lambda m: None)
