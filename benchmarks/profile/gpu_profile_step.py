@@ -178,14 +178,23 @@ def replay_check(llm: LLM, batches: list[list[Request]], graphed: list[Generated
 
 
 def compare(llm: LLM, requests: list[Request], graphed: list[Generated], eager: list[Generated]) -> dict:
-    """Graphed against unpadded eager tokens, each divergence's margin from `llm` (the eager engine)."""
+    """Graphed against unpadded eager tokens, each divergence's margin from `llm` (the eager engine); the
+    largest margins listed, with each engine's own logprob of its token there (from its decode step)."""
     found = divergences([g.tokens for g in graphed], [e.tokens for e in eager])
     margins = teacher_forced_margins(llm, requests, graphed, found)
     verdict = point_verdict(len(requests), found, margins)
-    listed = [{**asdict(m.divergence), "adapter": requests[m.divergence.request].adapter, "top_token": m.top_token,
-               "top_logprob": m.top_logprob, "graphed_logprob": m.graphed_logprob, "gap": m.gap,
-               "verdict": m.verdict()} for m in sorted(margins, key=lambda m: -m.gap)[:LISTED]]
+    listed = []
+    for m in sorted(margins, key=lambda m: -m.gap)[:LISTED]:
+        d = m.divergence
+        listed.append({**asdict(d), "adapter": requests[d.request].adapter, "top_token": m.top_token,
+                       "top_logprob": m.top_logprob, "graphed_logprob": m.graphed_logprob, "gap": m.gap,
+                       "verdict": m.verdict(), "graphed_own_logprob": _own(graphed[d.request], d.position),
+                       "eager_own_logprob": _own(eager[d.request], d.position)})
     return {**asdict(verdict), "divergences": listed}
+
+
+def _own(g: Generated, position: int) -> float | None:
+    return g.logprobs[position] if position < len(g.logprobs) else None
 
 
 def open_engine(model: Path, adapter_dirs: list[Path], graphs: bool, args) -> tuple[LLM, dict[str, str], dict]:

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 # the graphed engine's token within this many nats of its own top token. bf16 keeps 8 significant bits
 # (unit roundoff 2^-8 = 0.004 relative), so two engines that reduce the same 4096-wide (14336 for down)
 # products in different orders or kernels differ by a few such roundings at every layer, and the logits
-# themselves are rounded to bf16: one ulp of a logit in [4, 8) is 2^-5 = 0.031. A logprob gap is a logit
-# gap (one shared normalizer), so 0.05 is about 1.5 ulps of a logit of that size: two tokens closer than
-# that may swap under either engine; a real bug (a wrong adapter, stale inputs) moves logits by far more.
+# themselves are rounded to bf16. The random Llama-3-8B-shaped model (server/bench/gpu_model.py: every
+# weight scaled by 1/sqrt(fan-in)) has unit-variance logits, its top ones over 128256 tokens near 4.5,
+# where one bf16 ulp is 2^-5 = 0.031. A logprob gap is a logit gap (one shared normalizer), so 0.05 is
+# about 1.5 ulps there: two tokens closer than that may swap under either engine (and on this model the
+# top two are that close at roughly one position in five); a real bug (a wrong adapter, stale inputs)
+# moves the logits by far more, at many positions.
 NEAR_TIE_NATS = 0.05
 
 IDENTICAL, ROUNDING, MISMATCH = "identical", "rounding", "MISMATCH"

@@ -56,6 +56,7 @@ def test_a_divergence_is_classed_by_the_teacher_forced_margin(tiny_model_dir, ti
     ref = hf_logprobs("r8_all", list(requests[1].prompt) + tokens)[len(requests[1].prompt) + 1]
     assert d["gap"] == pytest.approx(float(ref.max() - ref[alt]), abs=1e-4)
     assert c["max_margin"] == d["gap"]
+    assert (d["graphed_own_logprob"], d["eager_own_logprob"]) == (eager[1].logprobs[2], eager[1].logprobs[2])
     assert c["verdict"] == d["verdict"] == (ROUNDING if d["gap"] <= NEAR_TIE_NATS else MISMATCH)
 
 
