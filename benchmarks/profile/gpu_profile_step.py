@@ -42,7 +42,8 @@ import torch
 
 from benchmarks.profile.kernel_classes import CLASSES, kernel_report
 from benchmarks.profile.token_divergence import (MISMATCH, NEAR_TIE_NATS, Divergence, Generated, Margin,
-                                                 divergences, not_bit_identical, point_verdict)
+                                                 divergences, logprob_drift, not_bit_identical,
+                                                 point_verdict)
 from server.bench.gpu_model import make_llama3_8b_shaped
 from server.bench.synth_adapters import write_adapter
 from server.engine import LLM, SamplingParams
@@ -173,8 +174,9 @@ def replay_check(llm: LLM, batches: list[list[Request]], graphed: list[Generated
     with padded.graphs_off():
         again = generate(llm, batches, tokens)
     differ = not_bit_identical(graphed, again)
-    return {"compared": len(graphed), "bit_identical": len(graphed) - len(differ),
-            "differing_requests": differ[:LISTED]}
+    same_tokens = sum(g.tokens == a.tokens for g, a in zip(graphed, again))
+    return {"compared": len(graphed), "bit_identical": len(graphed) - len(differ), "same_tokens": same_tokens,
+            "max_logprob_drift": logprob_drift(graphed, again), "differing_requests": differ[:LISTED]}
 
 
 def compare(llm: LLM, requests: list[Request], graphed: list[Generated], eager: list[Generated]) -> dict:

@@ -93,6 +93,17 @@ def not_bit_identical(a: Sequence[Generated], b: Sequence[Generated]) -> list[in
     return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
 
 
+def logprob_drift(a: Sequence[Generated], b: Sequence[Generated]) -> float:
+    """The largest |logprob difference| of one token under both runs, over each request's positions before
+    its tokens first differ: how far apart the runs' numbers are where they agree on the tokens."""
+    drift = 0.0
+    for x, y in zip(a, b):
+        at = first_divergence(x.tokens, y.tokens)
+        agreed = min(len(x.logprobs), len(y.logprobs)) if at is None else at
+        drift = max([drift] + [abs(p - q) for p, q in zip(x.logprobs[:agreed], y.logprobs[:agreed])])
+    return drift
+
+
 def point_verdict(compared: int, found: Sequence[Divergence], margins: Sequence[Margin],
                   tol: float = NEAR_TIE_NATS) -> PointVerdict:
     """A point's verdict over `compared` requests: identical, rounding when every divergence has a margin

@@ -77,7 +77,10 @@ def test_the_replay_check_catches_a_graph_that_differs_from_its_launches(tiny_mo
     graphed = gps.generate(plain, batches, 3)
     assert padded.replays == 2  # the two decode steps replayed it (the first token is the prefill's)
     check = gps.replay_check(plain, batches, graphed, 3)
-    assert check == {"compared": 3, "bit_identical": 0, "differing_requests": [0, 1, 2]}
+    assert {k: check[k] for k in ("compared", "bit_identical", "differing_requests")} == \
+        {"compared": 3, "bit_identical": 0, "differing_requests": [0, 1, 2]}
+    # the zero logits' token 0 from the first decode step on; the prefill's token and logprob agree
+    assert (check["same_tokens"], check["max_logprob_drift"]) == (0, 0.0)
     assert padded.replays == 2 and padded.graphs  # graphs_off ran eagerly and gave the graph back
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks.profile.token_divergence import (IDENTICAL, MISMATCH, NEAR_TIE_NATS, ROUNDING, Divergence,
                                                  Generated, Margin, divergences, first_divergence,
-                                                 not_bit_identical, point_verdict)
+                                                 logprob_drift, not_bit_identical, point_verdict)
 
 pytestmark = pytest.mark.unit
 
@@ -31,6 +31,13 @@ def test_bit_identity_compares_tokens_and_logprobs_exactly():
     assert not_bit_identical(a, list(a)) == []
     b = [Generated((1, 2), (-0.5, -1.25 + 2 ** -40)), Generated((4,), (-2.0,))]  # one ulp-level change
     assert not_bit_identical(a, b) == [0, 1]
+
+
+def test_logprob_drift_is_taken_where_the_tokens_agree():
+    a = [Generated((1, 2, 3), (-0.5, -1.0, -2.0)), Generated((4, 5), (-0.1, -0.2))]
+    assert logprob_drift(a, a) == 0.0
+    b = [Generated((1, 2, 9), (-0.5, -1.25, -7.0)), Generated((4, 5), (-0.1, -0.3))]  # position 2 differs: not taken
+    assert logprob_drift(a, b) == pytest.approx(0.25)
 
 
 def _margin(request: int, gap: float) -> Margin:
