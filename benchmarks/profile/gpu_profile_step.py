@@ -274,14 +274,15 @@ def print_tables(report: dict) -> None:
     print(f"capture: {graphed['cuda_graphs']} graphs in {graphed['capture_seconds']:.1f} s, "
           f"{graphed['capture_mib']:.0f} MiB")
     print(f"{'seqs':>5} {'adapters':>8} {'eager ms':>9} {'graphed ms':>10} {'replay ms':>9} "
-          f"{'launches eager/graphed':>23} {'replay=own launches':>19} {'same':>6} {'max margin':>10} verdict")
+          f"{'launches eager/graphed':>23} {'replay=own launches':>19} {'same':>7} {'max margin':>10} verdict")
     for g, e in zip(graphed["points"], eager["points"]):
         c = report["comparison"][f"{g['seqs']}x{g['adapters']}"]
         pe = g["padded_eager"]
         margin = "" if c["max_margin"] is None else f"{c['max_margin']:.4f}"
+        replayed = "skipped" if "skipped" in pe else f"{pe['bit_identical']:>9}/{pe['compared']:<9}"
         print(f"{g['seqs']:>5} {g['adapters']:>8} {e['step_ms']:>9.2f} {g['step_ms']:>10.2f} "
               f"{g.get('replay_ms', float('nan')):>9.2f} {e['host_launches']:>11.0f}/{g['host_launches']:<11.0f} "
-              f"{pe['bit_identical']:>9}/{pe['compared']:<9} {c['identical']:>3}/{c['compared']:<3} {margin:>10} "
+              f"{replayed:>19} {c['identical']:>3}/{c['compared']:<3} {margin:>10} "
               f"{c['verdict']}")
     print("device ms per step by class, eager / graphed (graphed: kernels inside replays, if the profiler saw them)")
     print(f"{'seqs':>5} {'adapters':>8} " + " ".join(f"{c:>16}" for c in CLASSES))

@@ -3,6 +3,8 @@ teacher-forced margin against transformers + peft, the graphed/eager comparison,
 graph that leaves other logits than its launches, and the final tables."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -117,3 +119,38 @@ def test_steady_point_runs_its_steps_and_profile(tiny_model_dir, tiny_adapters, 
     assert point["step_ms"] > 0 and point["device_kernels"] == 0
     assert [c["us_per_step"] for c in point["device_time"]["classes"]] == [0.0] * 6
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_main_end_to_end_on_the_cpu(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The whole script's wiring, CUDA stood in for by the CPU and the tiny model: two engines, every
+    point's line, the JSON and the tables; the graphed engine pads its decode steps (no graphs to capture
+    on a CPU, so its replay check is skipped) and gives the eager engine's tokens."""
+    for name, value in (("synchronize", lambda *a: None), ("empty_cache", lambda: None),
+                        ("get_device_name", lambda *a: "cpu")):
+        monkeypatch.setattr(torch.cuda, name, value)
+    real = gps.LLM
+
+    def on_cpu(model, **kw) -> LLM:
+        llm = real(model, **{**kw, "device": "cpu", "dtype": "float32", "kv_cache_blocks": 64, "max_model_len": 128,
+                             "kernels": "torch"})
+        if not kw["enforce_eager"]:
+            cfg = llm.engine.config
+            llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs,
+                                                cfg.scheduler.max_model_len)
+        return llm
+
+    monkeypatch.setattr(gps, "LLM", on_cpu)
+    monkeypatch.setattr(gps, "make_llama3_8b_shaped", lambda *a, **kw: tiny_model_dir)
+    out = tmp_path / "profile.json"
+    rc = gps.main(["--seqs", "3", "--adapters", "0", "2", "--steps", "2", "--identity-tokens", "3", "--prompt-len",
+                   "8", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [(p["seqs"], p["adapters"]) for p in doc["eager"]["points"]] == [(3, 0), (3, 2)]
+    assert doc["tokens_identical"] == {"3x0": True, "3x2": True}
+    assert doc["comparison"]["3x2"]["compared"] == 6  # with adapters, the mixed-base generation too
+    assert doc["graphed"]["points"][1]["padded_eager"]["skipped"] == "no captured graphs"
+    assert printed.count('"graphs": true') == printed.count('"graphs": false') == 2
+    rows = [line.split() for line in printed.splitlines()]
+    assert ["3", "2"] in [r[:2] for r in rows if r[-1:] == ["identical"]]  # the main table's row and verdict
