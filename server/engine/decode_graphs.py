@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +154,16 @@ class PaddedDecode:
             return graph[1]
         self.eager_steps += 1
         return self._forward(key)
+
+    @contextmanager
+    def graphs_off(self) -> Iterator[None]:
+        """Inside, every step runs the same padded contexts and kernels eagerly, the captured graphs kept
+        for after: a replay checked against the launches it captured (benchmarks.profile.gpu_profile_step)."""
+        kept, self.graphs = self.graphs, {}
+        try:
+            yield
+        finally:
+            self.graphs = kept
 
     def _forward(self, key: tuple[int, bool, bool]) -> torch.Tensor:
         rows = key[0]

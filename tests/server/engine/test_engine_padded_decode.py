@@ -120,6 +120,35 @@ def test_padding_rows_write_no_kv(tiny_model_dir, tiny_adapters):
             assert set(changed) == written
 
 
+class _CountingGraph:
+    """Stands for a captured CUDA graph on the CPU: counts its replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_graphs_off_runs_the_padded_contexts_eagerly_and_keeps_the_graphs(tiny_model_dir, tiny_adapters):
+    llm = make_llm(tiny_model_dir, tiny_adapters)
+    padded = llm.engine.runner.padded
+    graph = _CountingGraph()
+    key = (4, True, False)  # 3 rows with an adapter pad to bucket 4
+    padded.graphs[key] = (graph, torch.zeros(4, VOCAB))  # its logits: what a replay leaves in its output
+    _decode_ready(llm, ["r8_all", None, "r4_qv"])
+    with padded.graphs_off():
+        assert padded.graphs == {}
+        llm.engine.step()
+    assert (graph.replays, padded.replays, padded.eager_steps) == (0, 0, 1)
+    assert padded.graphs[key][0] is graph
+    llm.engine.step()  # the graph is back: replayed
+    assert (graph.replays, padded.replays, padded.eager_steps) == (1, 1, 1)
+    with pytest.raises(RuntimeError), padded.graphs_off():
+        raise RuntimeError("a failed check inside")
+    assert padded.graphs[key][0] is graph
+
+
 class LaunchLog:
     """Every Triton launch: (kernel, grid, non-tensor arguments, tensor shapes and strides, and the
     addresses of integer tensors: the step's metadata, which a replayed graph reads where it was)."""
