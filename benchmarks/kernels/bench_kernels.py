@@ -141,6 +141,12 @@ def time_per_call(calls: list, device: torch.device, warmup: int, iters: int) ->
     if device.type == "cuda":
         import triton.testing
 
+        # do_bench_cudagraph times on a fresh side stream that does not wait for the default one, where the
+        # pool's generation and the checked call on argument set 0 may still be queued: the rotation then adds
+        # to that set's y too, and the checked output read y0 + 2 delta. Seen on the H200 at gate_up rank 64,
+        # 64 tokens x 64 adapters, padded: twice the next padded row's pool to generate, and a torch reference
+        # that reads no host value (nothing drained the queue), so both Triton rows read 2.25 off it.
+        torch.cuda.synchronize()
         try:
             ms = triton.testing.do_bench_cudagraph(rotation, rep=max(20, iters), return_mode="median")
             return ms / len(calls), "cudagraph"
