@@ -75,6 +75,18 @@ def _tile_rows(idx_ptr, start, offs_m, row_ok, INDEXED: tl.constexpr):
 
 
 @triton.jit
+def _rank_end(ranks_ptr, slot, R, INDEXED: tl.constexpr):
+    """The rank a segmented program goes to: min(R, slot_ranks[slot]) when INDEXED (a padded step's slots are
+    all taken at the buffers' rank, so the slot's own bounds the bytes, as in the gathered kernels), else R
+    (an eager step's R is already its active adapters' highest)."""
+    if INDEXED:
+        end = tl.minimum(R, tl.load(ranks_ptr + slot))
+    else:
+        end = R
+    return end
+
+
+@triton.jit
 def _k_split(K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """(split, rank tile, first feature, end feature) of a split-K shrink program: grid axis 2 is
     (split, rank tile), so the split count is the grid's and no argument carries it; each split takes
@@ -88,7 +100,7 @@ def _k_split(K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "stride_sl"])
 def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr, idx_ptr, table_ptr,
+    x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr, idx_ptr, ranks_ptr, table_ptr,
     K, R, stride_tl,
     stride_xt, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
@@ -99,7 +111,8 @@ def _sgmv_shrink_kernel(
 ):
     """Semantics: program (tile, slice i, rank tile) writes out[i, rows, ranks] = scaling[i, slot] *
     x[rows] @ lora_a[i, slot, ranks].T for the tile's rows (< BLOCK_M; INDEXED: through order) and ranks
-    (< R); a tile of slot -1 writes nothing. SPLIT: program
+    (< R; INDEXED: < min(R, slot_ranks[slot]), those columns of out past it never written, as in
+    _bgmv_shrink_kernel); a tile of slot -1 writes nothing. SPLIT: program
     (tile, slice i, split j x rank tiles + rank tile) writes the same over split j's features only
     (_k_split), unrounded, into the partial out[j, i, rows, ranks].
     Shape: grid (tiles, S, splits x cdiv(R, BLOCK_R)), splits 1 unless SPLIT; K = in features; out
@@ -120,8 +133,11 @@ def _sgmv_shrink_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < length
     rows = _tile_rows(idx_ptr, start, offs_m, row_ok, INDEXED)  # [BM] int64
+    rank_end = _rank_end(ranks_ptr, slot, R, INDEXED)
+    if r_tile * BLOCK_R >= rank_end:  # a rank tile past the slot's own rank: nothing to read
+        return
     ranks = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    rank_ok = ranks < R
+    rank_ok = ranks < rank_end
     a_rows = a_ptr + sl * stride_as + _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, stride_al, stride_ar,
                                                  PAGED, PAGE)  # [BR]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -197,7 +213,7 @@ def _bgmv_shrink_kernel(
 
 @triton.jit(do_not_specialize=["R", "nb0", "nb1", "num_splits"])
 def _sgmv_expand_kernel(
-    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr, idx_ptr, table_ptr,
+    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr, idx_ptr, ranks_ptr, table_ptr,
     R, num_splits, stride_tl,
     n0, n1, n2, off0, off1, off2, nb0, nb1,
     sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
@@ -208,8 +224,9 @@ def _sgmv_expand_kernel(
 ):
     """Semantics: program (tile, column tile c) adds h[i, rows, :R] @ b_i[slot, cols, :R].T onto
     y[rows, off_i + cols], where (i, cols) is column tile c of the slices taken in order (nb0 tiles
-    of slice 0, nb1 of slice 1, the rest of slice 2); rank is looped over in BLOCK_R steps; rows as in
-    _sgmv_shrink_kernel (INDEXED: through order; a tile of slot -1 adds nothing). SPLIT:
+    of slice 0, nb1 of slice 1, the rest of slice 2); rank is looped over in BLOCK_R steps (INDEXED: up to
+    min(R, slot_ranks[slot])); rows as in _sgmv_shrink_kernel (INDEXED: through order; a tile of slot -1
+    adds nothing). SPLIT:
     h[i, rows] is the sum of the shrink's partials p[j, i, rows] over j = 0 .. num_splits - 1, added
     in that order in fp32 (deterministic), then taken to b's dtype for the product unless UPCAST.
     Shape: grid (tiles, total column tiles); h [S, T, R], or SPLIT: p [num_splits, S, >= T, R] float32
@@ -235,9 +252,10 @@ def _sgmv_expand_kernel(
     sbl = _pick_slice(sl, sbl0, sbl1, sbl2)
     sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    rank_end = _rank_end(ranks_ptr, slot, R, INDEXED)
+    for r0 in range(0, rank_end, BLOCK_R):
         ranks = r0 + tl.arange(0, BLOCK_R)
-        rank_ok = ranks < R
+        rank_ok = ranks < rank_end
         h = tl.load(h_base + ranks[None, :] * stride_hr, mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
         if SPLIT:
             for j in range(1, num_splits):  # in split order: the same sum on every run

@@ -330,7 +330,8 @@ class LoraBatch:
         plan = LoraLaunchPlan(gather=gather, tiles={h: empty for h in TILE_ROWS})
         if tiled_plan is not None:
             tiles, order = tiled_plan
-            assert TILE in TILE_ROWS and tiles.shape == (max_tiles(rows, num_slots), 4) and order.shape == (rows,), (tiles.shape, rows)
+            assert TILE in TILE_ROWS and tiles.shape == (max_tiles(rows, num_slots), TILE_FIELDS), (tiles.shape, rows)
+            assert order.shape == (rows,), (order.shape, rows)
             plan = LoraLaunchPlan(gather=gather.new_zeros(0, 2), tiles={h: tiles if h == TILE else empty
                                                                        for h in TILE_ROWS}, order=order)
         return cls(
@@ -350,13 +351,14 @@ class LoraBatch:
 
     @classmethod
     def padded_tiled(cls, token_slots: list[int], rows: int, num_slots: int, device: torch.device | str,
-                     page_table: torch.Tensor | None = None) -> "LoraBatch":
+                     page_table: torch.Tensor | None = None, slot_rank_table: torch.Tensor | None = None
+                     ) -> "LoraBatch":
         """A padded decode batch of `rows` rows (those past token_slots: padding) on the tiled plan
         (kernels.sorted_tiles), in tensors of its own: for warm-up, tests and benchmarks (the engine refills
-        persistent buffers instead)."""
+        persistent buffers instead). page_table, slot_rank_table: as padded_decode's."""
         padded = host_tensor([*token_slots, *[-1] * (rows - len(token_slots))], torch.int32).to(device)
         gather = torch.stack([torch.arange(rows, dtype=torch.int32, device=device), padded], 1)
-        return cls.padded_decode(padded, gather, num_slots, page_table=page_table,
+        return cls.padded_decode(padded, gather, num_slots, slot_rank_table, page_table=page_table,
                                  tiled_plan=device_tables(sorted_tiles(token_slots, rows, num_slots), device))
 
 

@@ -34,7 +34,9 @@ it must read; few sequences run split-context (the `splits` column).
 (LoraBatch.padded_decode: every row gathered, a long run of one adapter included) instead of as an
 eager step (runs longer than 4 tokens tiled), and adds the same Triton rows on the padded step's tiled
 plan (`triton-tiled`, `triton-tiled-nosplit`, ...: rows sorted by slot into 16-row tiles of the
-segmented kernels, kernels.sorted_tiles; kernels.metadata.PADDED_LORA_FORM picks the engine's form).
+segmented kernels, kernels.sorted_tiles; kernels.metadata.PADDED_LORA_FORM picks the engine's form),
+its table sized for max(--adapters) slots as an engine with that many slots sizes it (unused tiles are
+programs that exit at once, and fewer programs' worth of split-K).
 """
 from __future__ import annotations
 
@@ -198,15 +200,17 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def lora_batch(slots: list[int], num_slots: int, padded: bool, device, tiled: bool = False):
+def lora_batch(slots: list[int], num_slots: int, padded: bool, device, tiled: bool = False,
+               table_slots: int = 0):
     """The step's LoraBatch: eager (LoraBatch.build), or a padded decode batch as the engine's graphed
-    decode step builds it: every row gathered, or (tiled) rows sorted by slot into tiles (kernels.sorted_tiles)."""
+    decode step builds it: every row gathered, or (tiled) rows sorted by slot into tiles (kernels.sorted_tiles)
+    in a table sized for max(num_slots, table_slots) slots, as an engine of that many slots sizes it."""
     from kernels.metadata import LoraBatch
 
     if not padded:
         return LoraBatch.build(slots, device)
     if tiled:
-        return LoraBatch.padded_tiled(slots, len(slots), num_slots, device)
+        return LoraBatch.padded_tiled(slots, len(slots), max(num_slots, table_slots), device)
     rows = torch.tensor(slots, dtype=torch.int32)
     gather = torch.stack([torch.arange(len(slots), dtype=torch.int32), rows], 1).to(device)
     return LoraBatch.padded_decode(rows.to(device), gather, num_slots)
@@ -239,7 +243,8 @@ def lora_impls(split_k: list[str], padded: bool = False) -> dict[str, LoraImpl]:
 
 
 def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype, copy_gbps, warmup, iters,
-               impls: dict, padded: bool = False) -> list[Result]:
+               impls: dict, padded: bool = False, table_slots: int = 0) -> list[Result]:
+    """table_slots: the engine's slot count that a padded step's tiled table is sized for (lora_batch)."""
     from kernels import lora_triton
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -248,8 +253,8 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
     nslices = len(widths)
     slots = token_slots(cfg)
     padded = padded and cfg.decode
-    batches = {tiled: lora_batch(slots, num_slots, padded, device, tiled) for tiled in ((False, True) if padded
-                                                                                       else (False,))}
+    batches = {tiled: lora_batch(slots, num_slots, padded, device, tiled, table_slots)
+               for tiled in ((False, True) if padded else (False,))}
     elt = torch.finfo(dtype).bits // 8
     moved = bytes_moved(cfg, hidden, widths, elt)
     allocated = elt * (cfg.tokens * hidden + num_slots * cfg.rank * (nslices * hidden + sum(widths))
@@ -423,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                     if a > t:
                         continue
                     results += run_config(Config(name, rank, t, a), hidden, widths, device, dtype,
-                                          copy_gbps, warmup, iters, impls, args.padded_decode)
+                                          copy_gbps, warmup, iters, impls, args.padded_decode, max(adapters))
     attention: list[AttentionResult] = []
     if args.attention:
         heads, seqs, contexts = ATTENTION_HEADS, args.seqs, args.contexts

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import metadata
 from server.bench.gpu_model import make_llama3_8b_shaped
 from server.bench.synth_adapters import write_adapter
 from server.engine import LLM, SamplingParams
@@ -138,14 +139,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="greedy tokens per request compared between graphed and eager (default 16)")
     p.add_argument("--model-dir", default="/dev/shm/loraplex-warmup-8b", help="where the random model is built")
     p.add_argument("--json", default="docs/benchmarks/gpu-profile-step.json", help="output file")
+    p.add_argument("--padded-lora-form", choices=["gathered", "tiled"], default=metadata.PADDED_LORA_FORM,
+                   help="the padded decode steps' LoRA plan (kernels.metadata.PADDED_LORA_FORM, default "
+                        f"{metadata.PADDED_LORA_FORM}): run once with each to compare them (docs/engine.md)")
     args = p.parse_args(argv)
+    metadata.PADDED_LORA_FORM = args.padded_lora_form  # read when the engine builds its padded steps
     model = make_llama3_8b_shaped(args.model_dir, num_layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         dirs = [write_adapter(model, Path(tmp) / f"a{i}", r=16, seed=i) for i in range(max(args.adapters))]
         graphed, graphed_tokens = run_engine(model, dirs, True, args)
         eager, eager_tokens = run_engine(model, dirs, False, args)
     identical = {f"{s}x{a}": graphed_tokens[s, a] == eager_tokens[s, a] for s, a in graphed_tokens}
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "graphed": graphed,
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "padded_lora_form": args.padded_lora_form, "graphed": graphed,
               "eager": eager, "tokens_identical": identical}
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"capture: {graphed['cuda_graphs']} graphs in {graphed['capture_seconds']:.1f} s, "

@@ -4,8 +4,8 @@ into tiles of the segmented kernels, which read each tile's rows through the sor
 The plan on the host (every adapter row once, tiles of one slot and at most TILE rows, a table of the
 bucket's size); the kernels against kernels.lora_ref and the dense per-adapter oracle under
 TRITON_INTERPRET=1 (real launches with a GPU) for unsorted, repeated, -1, all-one and all-different slots at
-mixed ranks, split-K or not; and the same grids and scalar arguments for two batches of one bucket (what a
-captured CUDA graph replays)."""
+mixed ranks, split-K or not; no rank row read past a slot's own rank; and the same grids and scalar
+arguments for two batches of one bucket (what a captured CUDA graph replays)."""
 from __future__ import annotations
 
 import random
@@ -157,3 +157,40 @@ def test_two_batches_of_one_bucket_launch_the_same(splits, monkeypatch) -> None:
     assert all(grid[0] == max_tiles(rows, NUM_SLOTS) == 2 + 6 for _, grid, *_ in seen[0])
     shrink_kw = dict(seen[0][0][2])
     assert shrink_kw["INDEXED"] and shrink_kw["BLOCK_M"] == TILE and shrink_kw["SPLIT"] == (splits is None)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_indexed_tiles_stop_at_each_slots_own_rank(splits: int, kernel_device) -> None:
+    """With the slots' rank table (as the engine's padded steps pass it), the tiled kernels read no rank row
+    past a slot's own, as the gathered ones: rows there hold NaN here (the slot pool keeps them zero) and
+    the result is still the reference's; a free slot (rank 0) in a row's place reads nothing at all."""
+    slots = [1, 0, 2, 1, -1, 1, 0, 3]
+    ranks = [4, 20, 8, 0]
+    g = torch.Generator().manual_seed(2)
+    max_rank, hidden, outs = 32, 300, (24, 8)
+    a = torch.randn(len(outs), len(ranks), max_rank, hidden, generator=g)
+    b = tuple(torch.randn(len(ranks), n, max_rank, generator=g) for n in outs)
+    for s, r in enumerate(ranks):
+        a[:, s, r:] = 0
+        for bi in b:
+            bi[s, :, r:] = 0
+    scaling = torch.rand(len(outs), len(ranks), generator=g)
+    x = torch.randn(len(slots), hidden, generator=g)
+    want = torch.ones(len(slots), sum(outs))
+    h_ref = torch.zeros(len(outs), len(slots), max_rank)
+    ref_batch = LoraBatch.build(slots)
+    lora_ref.lora_shrink(x, a, ref_batch, scaling, h_ref)
+    lora_ref.lora_expand(h_ref, b, ref_batch, want, (0, outs[0]))
+    poisoned_a, poisoned_b = a.clone(), tuple(bi.clone() for bi in b)
+    for s, r in enumerate(ranks):
+        poisoned_a[:, s, r:] = float("nan")
+        for bi in poisoned_b:
+            bi[s, :, r:] = float("nan")
+    dev = kernel_device
+    table = torch.tensor(ranks, dtype=torch.int32, device=dev)
+    batch = LoraBatch.padded_tiled(slots, len(slots), len(ranks), dev, slot_rank_table=table)
+    y = torch.ones(len(slots), sum(outs), device=dev)
+    h = torch.zeros(len(outs), len(slots), max_rank, device=dev)
+    lora_triton.lora_apply(x.to(dev), poisoned_a.to(dev), tuple(bi.to(dev) for bi in poisoned_b), scaling.to(dev),
+                           (0, outs[0]), batch, h, y, splits=splits)
+    torch.testing.assert_close(y.cpu(), want, **TOL[torch.float32])
