@@ -5,6 +5,9 @@ both sides and batches the adapters. Slot buffers hold every loaded adapter at t
 rows beyond an adapter's own rank are zero (the slot is zero-filled before reuse), so only the first
 `batch.rank_bound` rank columns carry anything. Paged buffers (batch.page_table set) are read as
 kernels.lora_pages.dense_a / dense_b see them: each slot's pages, in table order, are its rank rows.
+Every Triton plan of a step computes these semantics (kernels.lora_triton): gathered tokens, segmented
+tiles, and a padded decode step's tiled plan (kernels.sorted_tiles: rows sorted by slot, read through
+the order), whose batch's token_slots and active_slots (every slot that may occur) give the same rows here.
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ tokens each takes, so one call may launch both:
   16-row minimum the way `tl.dot` does.
 - segmented (SGMV, longer runs): one program per (tile of a run, ...), one
   launch per tile height; the adapter's weights are loaded once per tile and
-  multiplied with `tl.dot`.
+  multiplied with `tl.dot`. A padded decode step's tiled plan (kernels.sorted_tiles,
+  plan.order set) runs them INDEXED: rows sorted by slot, each tile's rows read
+  through the order, in a table of fixed size per bucket (graph replay).
 
 The `lora` entry (lora_apply) may split each shrink's K over programs
 (kernels.metadata.shrink_splits): fp32 partials that the expand sums in a
@@ -125,6 +127,15 @@ def shrink_segmented(x: torch.Tensor, lora_a: torch.Tensor, batch: LoraBatch, sc
     _shrink(x, lora_a, batch, scaling, out, batch.plan_for("segmented"))
 
 
+def _indexed(plan: LoraLaunchPlan, rows: int, batch: LoraBatch, weights: torch.Tensor, axis: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A segmented launch's (idx_ptr, ranks_ptr): a padded decode step's tiled plan (INDEXED) reads its
+    sorted row order and the slots' own ranks (slot_ranks); otherwise stand-ins the kernels never read."""
+    if plan.order is None:
+        return plan.tiles[rows], plan.tiles[rows]
+    return plan.order, slot_ranks(batch, num_slots(batch, weights, axis))
+
+
 def _dst(out: torch.Tensor, split: SplitK | None) -> tuple[torch.Tensor, int, tuple[int, ...]]:
     """A shrink launch's destination, split count and (slice, row, rank, split) strides."""
     if split is None:
@@ -160,9 +171,10 @@ def _shrink(x, lora_a, batch: LoraBatch, scaling, out, plan: LoraLaunchPlan, spl
     for rows in TILE_ROWS:
         if plan.num_tiles(rows):
             _sgmv_shrink_kernel[(plan.num_tiles(rows), num_slices, splits * r_blocks)](
-                x, lora_a, scaling, dst, plan.tiles[rows], table[0], hidden, rank, table[1], *common, *dst_strides,
-                BLOCK_M=rows, BLOCK_R=block_r, BLOCK_K=tiles.shrink_k, UPCAST=_upcast(x.dtype, lora_a.dtype),
-                SPLIT=tile_split is not None, **paging,
+                x, lora_a, scaling, dst, plan.tiles[rows], *_indexed(plan, rows, batch, lora_a, 1), table[0], hidden,
+                rank, table[1], *common, *dst_strides, BLOCK_M=rows, BLOCK_R=block_r, BLOCK_K=tiles.shrink_k,
+                UPCAST=_upcast(x.dtype, lora_a.dtype), SPLIT=tile_split is not None, INDEXED=plan.order is not None,
+                **paging,
             )
 
 
@@ -339,7 +351,8 @@ def _expand(h, lora_b, batch: LoraBatch, y, slice_offsets, plan: LoraLaunchPlan,
         for rows in TILE_ROWS:
             if plan.num_tiles(rows):
                 _sgmv_expand_kernel[(plan.num_tiles(rows), total)](
-                    src, y, *tensors, plan.tiles[rows], table[0], rank, splits, table[1], *ints, nb0, nb1, *strides,
-                    *src_strides, *y.stride(), BLOCK_M=rows, BLOCK_N=tiles.expand_n, BLOCK_R=block_r, UPCAST=upcast,
-                    SPLIT=tile_split is not None, **paging,
+                    src, y, *tensors, plan.tiles[rows], *_indexed(plan, rows, batch, lora_b[0], 0), table[0], rank,
+                    splits, table[1], *ints, nb0, nb1, *strides, *src_strides, *y.stride(), BLOCK_M=rows,
+                    BLOCK_N=tiles.expand_n, BLOCK_R=block_r, UPCAST=upcast, SPLIT=tile_split is not None,
+                    INDEXED=plan.order is not None, **paging,
                 )

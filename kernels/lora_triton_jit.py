@@ -4,8 +4,10 @@ Argument conventions shared by all four:
 - x [T, in], out / h [S, T, R], y [T, >= off_i + n_i]: token rows, addressed in int64;
 - lora_a [S, L, R, in], b_i [L, n_i, R], scaling [S, L] float32: slot buffers at max rank;
 - gather [n, 2] int32 (token, slot) and tiles [n, 4] int32 (first token, rows, slot, 0):
-  the step's plan (kernels.metadata), one program (row of the grid's axis 0) per entry; a
-  gathered entry of slot -1 (a padded decode batch's base-model and padding rows) exits at once;
+  the step's plan (kernels.metadata), one program (row of the grid's axis 0) per entry; an
+  entry of slot -1 (a padded decode batch's base-model and padding rows, its unused tiles) exits at once;
+- INDEXED (the segmented kernels): a tile's row m is token row order[first + m] (order [rows] int32,
+  idx_ptr: a padded decode step's rows sorted by slot, kernels.sorted_tiles), not first + m;
 - R: the effective rank (columns past it are not computed); never specialised on, it changes
   from step to step. Nor is stride_sl (the slice count, scalings being stored slot-major), so one
   variant serves every projection group. The gathered kernels also read each slot's own rank
@@ -54,6 +56,37 @@ def _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, stride_l, stride_r, P
 
 
 @triton.jit
+def _tile(tiles_ptr, tile):
+    """(first token or order index, rows, slot) of a segmented program's tile, as int64 / int32 / int64."""
+    start = tl.load(tiles_ptr + tile * 4).to(tl.int64)
+    length = tl.load(tiles_ptr + tile * 4 + 1)
+    slot = tl.load(tiles_ptr + tile * 4 + 2).to(tl.int64)
+    return start, length, slot
+
+
+@triton.jit
+def _tile_rows(idx_ptr, start, offs_m, row_ok, INDEXED: tl.constexpr):
+    """[BM] int64 token rows of a tile: order[start + m] when INDEXED (masked rows read row 0), else start + m."""
+    if INDEXED:
+        rows = tl.load(idx_ptr + start + offs_m, mask=row_ok, other=0).to(tl.int64)
+    else:
+        rows = start + offs_m
+    return rows
+
+
+@triton.jit
+def _rank_end(ranks_ptr, slot, R, INDEXED: tl.constexpr):
+    """The rank a segmented program goes to: min(R, slot_ranks[slot]) when INDEXED (a padded step's slots are
+    all taken at the buffers' rank, so the slot's own bounds the bytes, as in the gathered kernels), else R
+    (an eager step's R is already its active adapters' highest)."""
+    if INDEXED:
+        end = tl.minimum(R, tl.load(ranks_ptr + slot))
+    else:
+        end = R
+    return end
+
+
+@triton.jit
 def _k_split(K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """(split, rank tile, first feature, end feature) of a split-K shrink program: grid axis 2 is
     (split, rank tile), so the split count is the grid's and no argument carries it; each split takes
@@ -67,17 +100,19 @@ def _k_split(K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "stride_sl"])
 def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr, table_ptr,
+    x_ptr, a_ptr, scaling_ptr, out_ptr, tiles_ptr, idx_ptr, ranks_ptr, table_ptr,
     K, R, stride_tl,
     stride_xt, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_ss, stride_sl,
     stride_os, stride_ot, stride_or, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    SPLIT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, INDEXED: tl.constexpr,
 ):
     """Semantics: program (tile, slice i, rank tile) writes out[i, rows, ranks] = scaling[i, slot] *
-    x[rows] @ lora_a[i, slot, ranks].T for the tile's rows (< BLOCK_M) and ranks (< R). SPLIT: program
+    x[rows] @ lora_a[i, slot, ranks].T for the tile's rows (< BLOCK_M; INDEXED: through order) and ranks
+    (< R; INDEXED: < min(R, slot_ranks[slot]), those columns of out past it never written, as in
+    _bgmv_shrink_kernel); a tile of slot -1 writes nothing. SPLIT: program
     (tile, slice i, split j x rank tiles + rank tile) writes the same over split j's features only
     (_k_split), unrounded, into the partial out[j, i, rows, ranks].
     Shape: grid (tiles, S, splits x cdiv(R, BLOCK_R)), splits 1 unless SPLIT; K = in features; out
@@ -85,9 +120,9 @@ def _sgmv_shrink_kernel(
     unless SPLIT)."""
     tile = tl.program_id(0)
     sl = tl.program_id(1).to(tl.int64)
-    start = tl.load(tiles_ptr + tile * 4).to(tl.int64)
-    length = tl.load(tiles_ptr + tile * 4 + 1)
-    slot = tl.load(tiles_ptr + tile * 4 + 2).to(tl.int64)
+    start, length, slot = _tile(tiles_ptr, tile)
+    if slot < 0:  # an unused entry of a padded decode step's fixed-size table: no work
+        return
     r_tile = tl.program_id(2)
     k_lo = 0
     k_hi = K
@@ -96,10 +131,13 @@ def _sgmv_shrink_kernel(
         split, r_tile, k_lo, k_hi = _k_split(K, R, BLOCK_R, BLOCK_K)
         out_base = out_ptr + split.to(tl.int64) * stride_op
     offs_m = tl.arange(0, BLOCK_M)
-    rows = start + offs_m  # [BM] int64
     row_ok = offs_m < length
+    rows = _tile_rows(idx_ptr, start, offs_m, row_ok, INDEXED)  # [BM] int64
+    rank_end = _rank_end(ranks_ptr, slot, R, INDEXED)
+    if r_tile * BLOCK_R >= rank_end:  # a rank tile past the slot's own rank: nothing to read
+        return
     ranks = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    rank_ok = ranks < R
+    rank_ok = ranks < rank_end
     a_rows = a_ptr + sl * stride_as + _rank_rows(table_ptr, stride_tl, slot, ranks, rank_ok, stride_al, stride_ar,
                                                  PAGED, PAGE)  # [BR]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -175,18 +213,20 @@ def _bgmv_shrink_kernel(
 
 @triton.jit(do_not_specialize=["R", "nb0", "nb1", "num_splits"])
 def _sgmv_expand_kernel(
-    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr, table_ptr,
+    h_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, tiles_ptr, idx_ptr, ranks_ptr, table_ptr,
     R, num_splits, stride_tl,
     n0, n1, n2, off0, off1, off2, nb0, nb1,
     sbl0, sbn0, sbr0, sbl1, sbn1, sbr1, sbl2, sbn2, sbr2,
     stride_hs, stride_ht, stride_hr, stride_hp,
     stride_yt, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    SPLIT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, INDEXED: tl.constexpr,
 ):
     """Semantics: program (tile, column tile c) adds h[i, rows, :R] @ b_i[slot, cols, :R].T onto
     y[rows, off_i + cols], where (i, cols) is column tile c of the slices taken in order (nb0 tiles
-    of slice 0, nb1 of slice 1, the rest of slice 2); rank is looped over in BLOCK_R steps. SPLIT:
+    of slice 0, nb1 of slice 1, the rest of slice 2); rank is looped over in BLOCK_R steps (INDEXED: up to
+    min(R, slot_ranks[slot])); rows as in _sgmv_shrink_kernel (INDEXED: through order; a tile of slot -1
+    adds nothing). SPLIT:
     h[i, rows] is the sum of the shrink's partials p[j, i, rows] over j = 0 .. num_splits - 1, added
     in that order in fp32 (deterministic), then taken to b's dtype for the product unless UPCAST.
     Shape: grid (tiles, total column tiles); h [S, T, R], or SPLIT: p [num_splits, S, >= T, R] float32
@@ -199,12 +239,12 @@ def _sgmv_expand_kernel(
         b_ptr = b1_ptr
     else:
         b_ptr = b2_ptr
-    start = tl.load(tiles_ptr + tile * 4).to(tl.int64)
-    length = tl.load(tiles_ptr + tile * 4 + 1)
-    slot = tl.load(tiles_ptr + tile * 4 + 2).to(tl.int64)
+    start, length, slot = _tile(tiles_ptr, tile)
+    if slot < 0:  # an unused entry of a padded decode step's fixed-size table: no work
+        return
     offs_m = tl.arange(0, BLOCK_M)
-    rows = start + offs_m  # [BM] int64
     row_ok = offs_m < length
+    rows = _tile_rows(idx_ptr, start, offs_m, row_ok, INDEXED)  # [BM] int64
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < _pick_slice(sl, n0, n1, n2)
     h_base = h_ptr + sl.to(tl.int64) * stride_hs + rows[:, None] * stride_ht
@@ -212,9 +252,10 @@ def _sgmv_expand_kernel(
     sbl = _pick_slice(sl, sbl0, sbl1, sbl2)
     sbr = _pick_slice(sl, sbr0, sbr1, sbr2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    rank_end = _rank_end(ranks_ptr, slot, R, INDEXED)
+    for r0 in range(0, rank_end, BLOCK_R):
         ranks = r0 + tl.arange(0, BLOCK_R)
-        rank_ok = ranks < R
+        rank_ok = ranks < rank_end
         h = tl.load(h_base + ranks[None, :] * stride_hr, mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
         if SPLIT:
             for j in range(1, num_splits):  # in split order: the same sum on every run

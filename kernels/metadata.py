@@ -26,6 +26,7 @@ import torch
 
 from kernels.host_arrays import host_array, host_tensor
 from kernels.padded_tables import PaddedTables
+from kernels.sorted_tiles import TILE, device_tables, max_tiles, sorted_tiles
 
 # A run of equal slots at most this long is decode-shaped: each token gathers its adapter's weights.
 GATHER_MAX_SEG_LEN = 4
@@ -46,6 +47,9 @@ class LoraLaunchPlan:
 
     gather: torch.Tensor  # [num_gather, 2] int32 (token, slot)
     tiles: dict[int, torch.Tensor]  # tile height -> [n, 4] int32 (first token, rows, slot, 0)
+    # [rows] int32 or None: a tile's row m is token row order[first + m] (a padded decode step's tiled
+    # plan, kernels.sorted_tiles; its unused tiles have slot -1); None: token row first + m.
+    order: torch.Tensor | None = None
 
     @property
     def num_gather(self) -> int:
@@ -105,6 +109,10 @@ MAX_SHRINK_SPLITS = 8
 # Whether tiled runs (the segmented kernels: prefill, and an eager step's long run of one adapter)
 # split too, not only gathered tokens. Untimed on a GPU yet: the lever if their split is slower.
 SPLIT_TILES = True
+# Which LoRA form a padded decode step (server.engine.decode_graphs) runs: "gathered" (a program per row,
+# kernels.lora_triton_jit's _bgmv_*) or "tiled" (rows sorted by slot into tiles of the segmented kernels,
+# kernels.sorted_tiles). Gathered until a GPU times them (docs/engine.md, "Kernels", says what to compare).
+PADDED_LORA_FORM = "gathered"
 
 
 def shrink_splits(in_features: int, programs: int) -> int:
@@ -302,7 +310,8 @@ class LoraBatch:
     @classmethod
     def padded_decode(cls, token_slots: torch.Tensor, gather: torch.Tensor, num_slots: int,
                       slot_rank_table: torch.Tensor | None = None, dora: bool = False,
-                      page_table: torch.Tensor | None = None) -> "LoraBatch":
+                      page_table: torch.Tensor | None = None,
+                      tiled_plan: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LoraBatch":
         """A padded decode batch over persistent buffers that each step refills in place.
 
         token_slots: [B] int32 view, -1 for base-model and padding rows; gather: [B, 2] int32 view of
@@ -312,10 +321,19 @@ class LoraBatch:
         slot_rank_table: [L] int32, each slot's own rank, updated in place as adapters come and go.
         dora: apply the slots' DoRA scales (kernels.dora_scale), for a step in which a DoRA slot may occur.
         page_table: [L, pages per slot] int32 when the buffers are paged, updated in place (None: not paged).
+        tiled_plan: (tiles [sorted_tiles.max_tiles(B, num_slots), 4], order [B]) int32 views: the tiled
+        plan (kernels.sorted_tiles) instead of the gathered one, refilled in place like `gather`.
         """
         rows = token_slots.shape[0]
         assert gather.shape == (rows, 2), (gather.shape, rows)
         empty = gather.new_zeros(0, 4)
+        plan = LoraLaunchPlan(gather=gather, tiles={h: empty for h in TILE_ROWS})
+        if tiled_plan is not None:
+            tiles, order = tiled_plan
+            assert TILE in TILE_ROWS and tiles.shape == (max_tiles(rows, num_slots), TILE_FIELDS), (tiles.shape, rows)
+            assert order.shape == (rows,), (order.shape, rows)
+            plan = LoraLaunchPlan(gather=gather.new_zeros(0, 2), tiles={h: tiles if h == TILE else empty
+                                                                       for h in TILE_ROWS}, order=order)
         return cls(
             token_slots=token_slots,
             seg_starts=gather[:, 0],
@@ -323,13 +341,25 @@ class LoraBatch:
             seg_slots=token_slots,
             max_seg_len=1,
             active_slots=tuple(range(num_slots)),
-            plan=LoraLaunchPlan(gather=gather, tiles={h: empty for h in TILE_ROWS}),
+            plan=plan,
             runs_host=((), (), ()),  # unknown on the host: the kernels take the padded path
             padded=True,
             slot_rank_table=slot_rank_table,
             dora=dora,
             page_table=page_table,
         )
+
+    @classmethod
+    def padded_tiled(cls, token_slots: list[int], rows: int, num_slots: int, device: torch.device | str,
+                     page_table: torch.Tensor | None = None, slot_rank_table: torch.Tensor | None = None
+                     ) -> "LoraBatch":
+        """A padded decode batch of `rows` rows (those past token_slots: padding) on the tiled plan
+        (kernels.sorted_tiles), in tensors of its own: for warm-up, tests and benchmarks (the engine refills
+        persistent buffers instead). page_table, slot_rank_table: as padded_decode's."""
+        padded = host_tensor([*token_slots, *[-1] * (rows - len(token_slots))], torch.int32).to(device)
+        gather = torch.stack([torch.arange(rows, dtype=torch.int32, device=device), padded], 1)
+        return cls.padded_decode(padded, gather, num_slots, slot_rank_table, page_table=page_table,
+                                 tiled_plan=device_tables(sorted_tiles(token_slots, rows, num_slots), device))
 
 
 @dataclass(frozen=True)

@@ -71,22 +71,28 @@ def capture_shape(shape: EngineShape) -> tuple[dict[str, list[aot.Launch]], list
         return launches
 
     by_scenario = {name: run(steps) for name, steps in scenarios(shape).items()}
-    by_scenario["padded decode and verify"] = padded_launches(shape, model, kv, scratch, page_table)
+    by_scenario["padded decode and verify"] = padded_launches(shape, model, kv, scratch, page_table, "gathered")
+    by_scenario["padded decode and verify, tiled LoRA"] = padded_launches(shape, model, kv, scratch, page_table,
+                                                                          "tiled")
+    # The warm-up of an engine whose padded steps run the tiled plan: the gathered one's steps and one of
+    # that plan, which launches nothing but its own (INDEXED) LoRA variants, so each form's warm-up is held
+    # to its own padded launches.
     warm = run(warmup_steps(shape.max_lora_rank, shape.max_num_batched_tokens, shape.max_model_len,
-                            DTYPES[shape.dtype]))
+                            DTYPES[shape.dtype], padded_form="tiled"))
     return by_scenario, warm
 
 
-def padded_launches(shape: EngineShape, model, kv, scratch: torch.Tensor,
-                    page_table: torch.Tensor | None) -> list[aot.Launch]:
+def padded_launches(shape: EngineShape, model, kv, scratch: torch.Tensor, page_table: torch.Tensor | None,
+                    lora_form: str) -> list[aot.Launch]:
     """Every context the engine captures as a CUDA graph (server.engine.decode_graphs): decode buckets up
     to 256 rows and verify shapes of k + 1 = 2..5 tokens up to 31 rows (a GPU's speculation cut-off, less
-    one), with and without LoRA and DoRA, run once each on meta."""
+    one), with and without LoRA and DoRA, run once each on meta, their LoRA on the `lora_form` plan
+    (kernels.metadata.PADDED_LORA_FORM: both are checked, whichever the engine runs)."""
     entries = shape.max_loras if page_table is None else page_table.shape[0]
     rank_table = torch.zeros(entries, dtype=torch.int32, device="meta")
     padded = PaddedDecode(model, kv, triton_ops(), scratch, entries, 256, shape.max_model_len, shape.block_size,
                           torch.device("meta"), rank_table, None, page_table, (2, 3, 4, 5),
-                          AUTO_DISABLE_BY_BATCH_SIZE["cuda"] - 1)
+                          AUTO_DISABLE_BY_BATCH_SIZE["cuda"] - 1, lora_form)
     with aot.capture() as launches:
         for key in padded.contexts:
             padded.run(key)

@@ -32,7 +32,11 @@ it must read; few sequences run split-context (the `splits` column).
 `triton-nosplit`: the unsplit kernels, as before split-K), or a number (row `triton-split<N>`: forced).
 --padded-decode runs the decode-shaped rows as the engine's graphed decode step does
 (LoraBatch.padded_decode: every row gathered, a long run of one adapter included) instead of as an
-eager step (runs longer than 4 tokens tiled).
+eager step (runs longer than 4 tokens tiled), and adds the same Triton rows on the padded step's tiled
+plan (`triton-tiled`, `triton-tiled-nosplit`, ...: rows sorted by slot into 16-row tiles of the
+segmented kernels, kernels.sorted_tiles; kernels.metadata.PADDED_LORA_FORM picks the engine's form),
+its table sized for max(--adapters) slots as an engine with that many slots sizes it (unused tiles are
+programs that exit at once, and fewer programs' worth of split-K).
 """
 from __future__ import annotations
 
@@ -85,7 +89,7 @@ class Result:
     tokens: int
     adapters: int
     shape: str  # decode | prefill
-    impl: str  # triton | torch
+    impl: str  # torch | triton | triton-nosplit | triton-split<N> | triton-tiled... (--padded-decode)
     median_ms: float
     bytes_moved: int
     gb_per_s: float
@@ -202,36 +206,51 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def lora_batch(slots: list[int], num_slots: int, padded: bool, device):
+def lora_batch(slots: list[int], num_slots: int, padded: bool, device, tiled: bool = False,
+               table_slots: int = 0):
     """The step's LoraBatch: eager (LoraBatch.build), or a padded decode batch as the engine's graphed
-    decode step builds it (every row gathered)."""
+    decode step builds it: every row gathered, or (tiled) rows sorted by slot into tiles (kernels.sorted_tiles)
+    in a table sized for max(num_slots, table_slots) slots, as an engine of that many slots sizes it."""
     from kernels.metadata import LoraBatch
 
     if not padded:
         return LoraBatch.build(slots, device)
+    if tiled:
+        return LoraBatch.padded_tiled(slots, len(slots), max(num_slots, table_slots), device)
     rows = torch.tensor(slots, dtype=torch.int32)
     gather = torch.stack([torch.arange(len(slots), dtype=torch.int32), rows], 1).to(device)
     return LoraBatch.padded_decode(rows.to(device), gather, num_slots)
 
 
-def lora_impls(split_k: list[str]) -> dict:
-    """impl name -> (the `lora` entry, splits argument): torch, then a Triton row per --split-k value."""
+@dataclass(frozen=True)
+class LoraImpl:
+    apply: object  # the `lora` entry
+    splits: int | None  # its splits argument (None: the launch plan's)
+    tiled: bool = False  # a padded decode row's tiled plan instead of its gathered one
+
+
+def lora_impls(split_k: list[str], padded: bool = False) -> dict[str, LoraImpl]:
+    """impl name -> LoraImpl: torch, then a Triton row per --split-k value, and with --padded-decode the
+    same again on the tiled plan (`triton-tiled...`; decode rows only)."""
     from kernels import lora_triton
     from server.engine.kernel_choice import torch_ops
 
-    impls = {"torch": (torch_ops().lora.apply, None)}
-    for value in split_k:
-        if value == "plan":
-            impls["triton"] = (lora_triton.lora_apply, None)
-        elif value == "off":
-            impls["triton-nosplit"] = (lora_triton.lora_apply, 1)
-        else:
-            impls[f"triton-split{value}"] = (lora_triton.lora_apply, int(value))
+    impls = {"torch": LoraImpl(torch_ops().lora.apply, None)}
+    for tiled in (False, True) if padded else (False,):
+        prefix = "triton-tiled" if tiled else "triton"
+        for value in split_k:
+            if value == "plan":
+                impls[prefix] = LoraImpl(lora_triton.lora_apply, None, tiled)
+            elif value == "off":
+                impls[f"{prefix}-nosplit"] = LoraImpl(lora_triton.lora_apply, 1, tiled)
+            else:
+                impls[f"{prefix}-split{value}"] = LoraImpl(lora_triton.lora_apply, int(value), tiled)
     return impls
 
 
 def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype, copy_gbps, warmup, iters,
-               impls: dict, padded: bool = False) -> list[Result]:
+               impls: dict, padded: bool = False, table_slots: int = 0) -> list[Result]:
+    """table_slots: the engine's slot count that a padded step's tiled table is sized for (lora_batch)."""
     from kernels import lora_triton
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -240,7 +259,8 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
     nslices = len(widths)
     slots = token_slots(cfg)
     padded = padded and cfg.decode
-    batch = lora_batch(slots, num_slots, padded, device)
+    batches = {tiled: lora_batch(slots, num_slots, padded, device, tiled, table_slots)
+               for tiled in ((False, True) if padded else (False,))}
     elt = torch.finfo(dtype).bits // 8
     moved = bytes_moved(cfg, hidden, widths, elt)
     allocated = elt * (cfg.tokens * hidden + num_slots * cfg.rank * (nslices * hidden + sum(widths))
@@ -261,7 +281,10 @@ def run_config(cfg: Config, hidden: int, widths: tuple[int, ...], device, dtype,
 
     outputs = {}
     results = []
-    for impl, (lora, splits) in impls.items():
+    for impl, chosen in impls.items():
+        if chosen.tiled not in batches:
+            continue  # a tiled row of an eager (prefill-shaped) configuration: no such plan
+        lora, splits, batch = chosen.apply, chosen.splits, batches[chosen.tiled]
         kw = {} if impl == "torch" else {"splits": splits}
         calls = []
         for n, (x, lora_a, lora_b, y0) in enumerate(pool):
@@ -338,14 +361,14 @@ def print_attention(results: list[AttentionResult]) -> None:
 
 def print_table(results: list[Result], copy_gbps: float, device_name: str) -> None:
     print(f"device: {device_name}; device-to-device copy: {copy_gbps:.0f} GB/s")
-    head = (f"{'proj':8} {'rank':>4} {'tok':>4} {'adap':>4} {'shape':8} {'impl':15} {'split':>5} {'ms':>9} "
+    head = (f"{'proj':8} {'rank':>4} {'tok':>4} {'adap':>4} {'shape':8} {'impl':20} {'split':>5} {'ms':>9} "
             f"{'GB/s':>8} {'%copy':>6} {'x torch':>7} {'err':>8} {'timing':>9} {'pool':>4}")
     print(head)
     print("-" * len(head))
     torch_ms = {(r.projection, r.rank, r.tokens, r.adapters): r.median_ms for r in results if r.impl == "torch"}
     for r in results:
         speedup = torch_ms[(r.projection, r.rank, r.tokens, r.adapters)] / r.median_ms
-        print(f"{r.projection:8} {r.rank:>4} {r.tokens:>4} {r.adapters:>4} {r.shape:8} {r.impl:15} {r.splits:>5} "
+        print(f"{r.projection:8} {r.rank:>4} {r.tokens:>4} {r.adapters:>4} {r.shape:8} {r.impl:20} {r.splits:>5} "
               f"{r.median_ms:>9.4f} {r.gb_per_s:>8.1f} {r.pct_of_copy:>6.1f} {speedup:>7.2f} {r.max_rel_err:>8.2g} "
               f"{r.timing:>9} {r.pool:>4}")
 
@@ -367,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Triton rows: plan (the launch plan's split count), off (unsplit), N (forced: 2, 4 "
                              "or 8); default: plan off")
     parser.add_argument("--padded-decode", action="store_true",
-                        help="decode-shaped rows as the engine's graphed decode step (every row gathered); "
-                             "default off (an eager step's plan)")
+                        help="decode-shaped rows as the engine's graphed decode step (every row gathered), "
+                             "plus triton-tiled rows on its tiled plan; default off (an eager step's plan)")
     parser.add_argument("--warmup", type=int, help="untimed calls per config (default 10; 1 with --smoke)")
     parser.add_argument("--iters", type=int, help="timed calls per config (default 50; 3 with --smoke)")
     args = parser.parse_args(argv)
@@ -400,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warmup takes 0 or more and --iters 1 or more, got {warmup} and {iters}")
     copy_gbps = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20), iters=20 if cuda else 5)
     ops = {"torch": torch_ops(), "triton": triton_ops()}
-    impls = lora_impls(args.split_k)
+    impls = lora_impls(args.split_k, args.padded_decode)
 
     results: list[Result] = []
     for name in names:
@@ -411,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                     if a > t:
                         continue
                     results += run_config(Config(name, rank, t, a), hidden, widths, device, dtype,
-                                          copy_gbps, warmup, iters, impls, args.padded_decode)
+                                          copy_gbps, warmup, iters, impls, args.padded_decode, max(adapters))
     attention: list[AttentionResult] = []
     if args.attention:
         heads, seqs, contexts = ATTENTION_HEADS, args.seqs, args.contexts

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_arrays import host_tensor
+from kernels.sorted_tiles import FIELDS, max_tiles, sorted_tiles
+
 # Bytes each section starts on: Triton's pointer specialisation (16-byte alignment) never depends on
 # the layout, so a padded step compiles no variant the warm-up has not.
 ALIGN_BYTES = 16
@@ -63,18 +66,23 @@ class DecodeBuffers:
     input_ids, positions [B] int64; slot_mapping [B] int64; seq_lens, context_lens [B] int32;
     token_slots [B] int32; gather [B, 2] int32 (row, slot): the LoRA work list; block_tables [B, W]
     int32, W = the blocks of one max_model_len sequence. Constants, never refilled: query_start_loc
-    [B+1] int32 = 0..B and logits_rows [B] int64 = 0..B-1.
+    [B+1] int32 = 0..B and logits_rows [B] int64 = 0..B-1. With tiled_slots (the tiled LoRA plan over
+    that many slots, kernels.sorted_tiles): lora_tiles [max_tiles(B, tiled_slots), 4] and lora_order [B]
+    int32, a step of bucket b writing the first max_tiles(b, tiled_slots) tiles and b order entries.
     """
 
-    def __init__(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device, tiled_slots: int | None = None) -> None:
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         self.device = device
+        self.tiled_slots = tiled_slots
         b = max_rows
+        tiled = [] if tiled_slots is None else [("lora_tiles", torch.int32, (max_tiles(b, tiled_slots), FIELDS)),
+                                                ("lora_order", torch.int32, (b,))]
         spec = [("input_ids", torch.int64, (b,)), ("positions", torch.int64, (b,)),
                 ("slot_mapping", torch.int64, (b,)), ("seq_lens", torch.int32, (b,)),
                 ("context_lens", torch.int32, (b,)), ("token_slots", torch.int32, (b,)),
-                ("gather", torch.int32, (b, 2)),
+                ("gather", torch.int32, (b, 2)), *tiled,
                 ("block_tables", torch.int32, (b, max_blocks))]  # last: a step copies only its rows
         sections, offset = [], 0
         for name, dtype, shape in spec:
@@ -91,6 +99,7 @@ class DecodeBuffers:
         self.dev = {s.name: self._view(self.device_bytes, s) for s in sections}
         self.host["gather"][:, 0] = torch.arange(b, dtype=torch.int32)  # constant: program i takes row i
         self._pad(0, b)
+        self._sort(b, [])
         self.copy_in(b)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(b, dtype=torch.int64, device=device)
@@ -111,6 +120,7 @@ class DecodeBuffers:
         if self.copied is not None:
             self.copied.synchronize()  # done long ago when the last step sampled (its logits synchronized)
         self._pad(n, rows)
+        self._sort(rows, token_slots)
         if not n:
             return
         h = self.host
@@ -124,6 +134,15 @@ class DecodeBuffers:
         assert width <= self.max_blocks, (width, self.max_blocks)
         flat = [x for t in block_tables for x in t + [0] * (width - len(t))]
         h["block_tables"][:n, :width] = torch.tensor(flat, dtype=torch.int32).view(n, width)
+
+    def _sort(self, rows: int, token_slots: list[int]) -> None:
+        """The tiled LoRA plan of a step of `rows` rows (kernels.sorted_tiles), when there is one."""
+        if self.tiled_slots is None:
+            return
+        plan = sorted_tiles(token_slots, rows, self.tiled_slots)
+        tiles = host_tensor(plan.tiles, torch.int32)
+        self.host["lora_tiles"][: tiles.shape[0] // FIELDS] = tiles.view(-1, FIELDS)
+        self.host["lora_order"][:rows] = host_tensor(plan.order, torch.int32)
 
     def _pad(self, first: int, rows: int) -> None:
         """Rows first..rows-1 become padding: token 0 at position 0, no KV write, no adapter, one key."""
@@ -148,3 +167,7 @@ class DecodeBuffers:
     def rows(self, name: str, rows: int) -> torch.Tensor:
         """The device view of input `name` for a bucket of `rows` rows."""
         return self.dev[name][:rows]
+
+    def tiled_plan(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device views of the tiled LoRA plan (lora_tiles, lora_order) for a bucket of `rows` rows."""
+        return self.dev["lora_tiles"][: max_tiles(rows, self.tiled_slots)], self.dev["lora_order"][:rows]

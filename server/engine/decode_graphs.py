@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import metadata
 from kernels.metadata import AttentionBatch, LoraBatch
 from server.engine.decode_buffers import DecodeBuffers, bucket_for, decode_buckets
 from server.engine.kernel_ops import KernelOps
@@ -67,12 +68,17 @@ class PaddedDecode:
                  num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
                  rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None,
                  page_table: torch.Tensor | None = None, verify_widths: tuple[int, ...] = (),
-                 verify_rows: int = 0) -> None:
+                 verify_rows: int = 0, lora_form: str | None = None) -> None:
         """rank_table: LoraSlots.rank_table, each slot's own rank [L] int32 (None: full rank);
         slot_dora: LoraSlots.slot_dora, whether each slot holds a DoRA adapter (a live view);
         page_table: LoraSlots.page_table when the adapter memory is paged (updated in place);
         verify_widths: the tokens per row of the verify steps to pad (k + 1 for each k a step may
-        verify), of up to verify_rows rows; () for none."""
+        verify), of up to verify_rows rows; () for none; lora_form: the LoRA plan of the steps,
+        "gathered" or "tiled" (kernels.sorted_tiles); None: kernels.metadata.PADDED_LORA_FORM."""
+        self.lora_form = metadata.PADDED_LORA_FORM if lora_form is None else lora_form
+        if self.lora_form not in ("gathered", "tiled"):
+            raise ValueError(f"lora_form must be gathered or tiled, got {self.lora_form!r}")
+        tiled = self.lora_form == "tiled"
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -85,7 +91,8 @@ class PaddedDecode:
                                      if r * w <= max_tokens}
         self.sizes = tuple(sorted(sizes))  # token rows of every context
         self.max_tokens = max_tokens
-        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
+        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device,
+                                     num_slots if tiled else None)
         buf = self.buffers
         self.slot_dora = slot_dora
         self.contexts: dict[tuple[int, bool, bool], StepContext] = {}
@@ -97,7 +104,8 @@ class PaddedDecode:
                 self.contexts[rows, lora, dora] = StepContext(
                     ops=ops, positions=buf.rows("positions", rows), attn=attn,
                     lora=LoraBatch.padded_decode(buf.rows("token_slots", rows), buf.rows("gather", rows),
-                                                 num_slots if lora else 0, rank_table, dora, page_table),
+                                                 num_slots if lora else 0, rank_table, dora, page_table,
+                                                 buf.tiled_plan(rows) if tiled and lora else None),
                     lora_scratch=lora_scratch)
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import metadata
 from kernels.lora_tiles import lora_tiles
 from kernels.metadata import GATHER_MAX_SEG_LEN, MIN_SPLIT_TOKENS, TILE_ROWS, AttentionBatch, LoraBatch
 from server.engine.kernel_ops import KernelOps
@@ -47,10 +48,15 @@ class SyntheticSeq:
 class SyntheticStep:
     seqs: tuple[SyntheticSeq, ...]
     rank: int  # the active adapters' highest rank (bounds the LoRA kernels' rank loop)
+    # Its LoRA as a padded decode step's tiled plan (kernels.sorted_tiles: the INDEXED segmented kernels,
+    # every slot at full rank), not the eager plan; one-token sequences only.
+    sorted_tiles: bool = False
 
     def __post_init__(self) -> None:
         if not self.seqs or any(s.query_len < 1 or s.context_len < 0 for s in self.seqs):
             raise ValueError(f"a synthetic step needs sequences with >= 1 query token, got {self.seqs}")
+        if self.sorted_tiles and any(s.query_len != 1 for s in self.seqs):
+            raise ValueError(f"a padded decode step's sequences have one query token each, got {self.seqs}")
 
 
 def rank_classes(max_lora_rank: int, dtype: torch.dtype) -> list[int]:
@@ -61,8 +67,12 @@ def rank_classes(max_lora_rank: int, dtype: torch.dtype) -> list[int]:
 
 
 def warmup_steps(max_lora_rank: int, max_num_batched_tokens: int, max_model_len: int,
-                 dtype: torch.dtype) -> list[SyntheticStep]:
-    """Steps that reach every kernel variant an engine of this configuration can launch."""
+                 dtype: torch.dtype, padded_form: str = "gathered") -> list[SyntheticStep]:
+    """Steps that reach every kernel variant an engine of this configuration can launch; padded_form: its
+    padded decode steps' LoRA form (kernels.metadata.PADDED_LORA_FORM), "tiled" adding a step of that plan
+    (the gathered one's variants are the eager decode tokens')."""
+    if padded_form not in ("gathered", "tiled"):
+        raise ValueError(f"padded_form must be gathered or tiled, got {padded_form!r}")
     budget = max_num_batched_tokens - 3  # room for the three decode tokens below
     short = min(TILE_ROWS[0], budget)
     long = min(TILE_ROWS[-1], budget - short)
@@ -76,6 +86,9 @@ def warmup_steps(max_lora_rank: int, max_num_batched_tokens: int, max_model_len:
     long_context = min(max_model_len - 1, 4 * MIN_SPLIT_TOKENS)
     if long_context >= 2 * MIN_SPLIT_TOKENS:  # shorter contexts are never split
         steps.append(SyntheticStep((SyntheticSeq(long_context, 1, 0),), rank_classes(max_lora_rank, dtype)[0]))
+    if padded_form == "tiled":
+        steps.append(SyntheticStep((SyntheticSeq(context, 1, 0), SyntheticSeq(context, 1, -1)), max_lora_rank,
+                                   sorted_tiles=True))
     return steps
 
 
@@ -99,11 +112,15 @@ def step_inputs(step: SyntheticStep, *, ops: KernelOps, block_size: int, lora_sc
                                 block_size, device)
     attn = dataclasses.replace(attn, slot_mapping=torch.full_like(attn.slot_mapping, -1))  # write no KV
     slots = max(token_slots) + 1
+    if step.sorted_tiles:
+        lora = LoraBatch.padded_tiled(token_slots, len(token_slots), slots, device, page_table)
+    else:
+        lora = LoraBatch.build(token_slots, device, [step.rank] * slots, page_table=page_table)
     ctx = StepContext(
         ops=ops,
         positions=torch.tensor(positions, dtype=torch.long).to(device),
         attn=attn,
-        lora=LoraBatch.build(token_slots, device, [step.rank] * slots, page_table=page_table),
+        lora=lora,
         lora_scratch=lora_scratch,
     )
     ids = torch.zeros(len(token_slots), dtype=torch.long, device=device)
@@ -117,7 +134,8 @@ def warm_up(model: CausalLM, kv_caches: list, ops: KernelOps, lora_scratch: torc
     if ops.name != "triton" or device.type != "cuda":
         return 0.0  # the reference ops compile nothing; the interpreter compiles nothing either
     start = time.perf_counter()
-    for step in warmup_steps(max_lora_rank, max_num_batched_tokens, max_model_len, lora_scratch.dtype):
+    for step in warmup_steps(max_lora_rank, max_num_batched_tokens, max_model_len, lora_scratch.dtype,
+                             metadata.PADDED_LORA_FORM):
         ids, ctx, rows = step_inputs(step, ops=ops, block_size=block_size, lora_scratch=lora_scratch, device=device,
                                      page_table=page_table)
         model.forward(ids, kv_caches, ctx, rows)

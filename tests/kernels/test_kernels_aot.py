@@ -225,3 +225,10 @@ def test_verify_steps_and_every_padded_context_are_in_the_check() -> None:
     verify = {rows * width for rows in (1, 2, 4, 8, 16, 24, 31) for width in (2, 3, 4, 5)}
     assert sorted(set(writes)) == sorted(set(decode) | verify)  # 31 x 5 = 155 token rows among them
     assert len(writes) == 3 * len(set(writes))  # without LoRA, with LoRA, with LoRA and DoRA
+    # The same contexts on the tiled LoRA plan (kernels.metadata.PADDED_LORA_FORM): the INDEXED segmented
+    # kernels, at a 16-row tile, and no gathered one.
+    tiled = [launch for launch in by_scenario["padded decode and verify, tiled LoRA"] if "mv_" in launch.name]
+    assert {launch.name for launch in tiled} == {"_sgmv_shrink_kernel", "_sgmv_expand_kernel"}
+    assert all(launch.kwargs["INDEXED"] and launch.kwargs["BLOCK_M"] == 16 for launch in tiled)
+    assert not any(launch.kwargs["INDEXED"] for launch in by_scenario["padded decode and verify"]
+                   if launch.name.startswith("_sgmv"))

@@ -213,7 +213,8 @@ def test_empty_batch_is_a_no_op(kernel_device) -> None:
 
 def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
     """python -m benchmarks.kernels.bench_kernels --smoke: end to end under the interpreter, Triton matching torch,
-    with the launch plan's split count (unsplit at this K) and 4 splits forced, decode rows as padded batches.
+    with the launch plan's split count (unsplit at this K) and 4 splits forced, decode rows as padded batches
+    (gathered, and tiled: kernels.sorted_tiles).
     One timed call per config, no warm-up: the interpreter's times mean nothing, its results are the test."""
     root = ROOT_DIR
     out = tmp_path / "kernels.json"
@@ -225,11 +226,12 @@ def test_bench_smoke_runs_and_agrees(tmp_path: Path) -> None:
     assert "triton" in done.stdout and "%copy" in done.stdout
     report = json.loads(out.read_text())
     rows = report["results"]
-    assert {r["impl"] for r in rows} == {"torch", "triton", "triton-split4"}
     assert {r["shape"] for r in rows} == {"decode", "prefill"}
     decode = [r for r in rows if r["shape"] == "decode"]
     assert {r["batch"] for r in decode} == {"padded"} and {r["batch"] for r in rows if r not in decode} == {"eager"}
-    assert {(r["impl"], r["splits"]) for r in decode} == {("torch", 1), ("triton", 1), ("triton-split4", 4)}
+    assert {(r["impl"], r["splits"]) for r in decode} == {("torch", 1), ("triton", 1), ("triton-split4", 4),
+                                                          ("triton-tiled", 1), ("triton-tiled-split4", 4)}
+    assert {r["impl"] for r in rows if r not in decode} == {"torch", "triton", "triton-split4"}  # tiled: padded only
     assert all(r["median_ms"] > 0 and r["bytes_moved"] > 0 for r in rows)
     assert report["copy_gb_per_s"] > 0
     attention = report["attention"]

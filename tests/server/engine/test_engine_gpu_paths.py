@@ -25,7 +25,7 @@ from server.engine.kernel_choice import select_kernels
 from server.engine.kv_cache import allocate_lora_slots
 from server.engine.lora.slots import LoraSlots
 from server.engine.model import CausalLM
-from server.engine.warmup import rank_classes, step_inputs, warmup_steps
+from server.engine.warmup import SyntheticSeq, SyntheticStep, rank_classes, step_inputs, warmup_steps
 
 LLAMA3_8B = ModelConfig.from_dict(MODELS["llama3-8b"])
 
@@ -258,3 +258,28 @@ def test_warmup_steps_run_through_the_triton_kernels(tiny_model_dir, kernel_devi
         logits = engine.model.forward(ids, kv_caches, ctx, rows)
         assert logits.shape == (1, engine.model_config.vocab_size) and torch.isfinite(logits).all()
     assert all(not k.any() and not v.any() for k, v in kv_caches)  # synthetic steps write no KV
+
+
+def test_an_engine_on_the_tiled_padded_plan_warms_it_up(tiny_model_dir, kernel_device) -> None:
+    """kernels.metadata.PADDED_LORA_FORM "tiled": one more warm-up step, a padded decode batch on the tiled
+    plan (the INDEXED segmented kernels, benchmarks/aot/aot_check.py holds both forms to it); a valid
+    forward pass (here under the interpreter)."""
+    gathered = warmup_steps(16, 128, 600, torch.float32)
+    tiled = warmup_steps(16, 128, 600, torch.float32, padded_form="tiled")
+    assert tiled[:-1] == gathered and tiled[-1].sorted_tiles and not any(s.sorted_tiles for s in gathered)
+    with pytest.raises(ValueError, match="padded_form must be gathered or tiled"):
+        warmup_steps(16, 128, 600, torch.float32, padded_form="sorted")
+    with pytest.raises(ValueError, match="one query token each"):
+        SyntheticStep((SyntheticSeq(8, 1, 0), SyntheticSeq(0, 2, 0)), 16, sorted_tiles=True)
+    if kernel_device.type != "cpu":
+        pytest.skip("runs on the GPU at engine start instead")
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_blocks=40, max_model_len=600,
+              max_num_batched_tokens=128)
+    engine = llm.engine
+    scratch = torch.zeros(3, 128, engine.config.lora.max_lora_rank)
+    kv_caches = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in engine.runner.kv_caches]
+    ids, ctx, rows = step_inputs(tiled[-1], ops=select_kernels("triton", kernel_device), block_size=16,
+                                 lora_scratch=scratch, device="cpu")
+    assert ctx.lora.padded and ctx.lora.plan.order is not None and ctx.lora.plan.num_gather == 0
+    logits = engine.model.forward(ids, kv_caches, ctx, rows)
+    assert logits.shape == (1, engine.model_config.vocab_size) and torch.isfinite(logits).all()

@@ -12,6 +12,7 @@ import torch
 
 from kernels import attention_decode, attention_triton, lora_triton_jit, metadata
 from server.engine import LLM, SamplingParams
+from kernels.sorted_tiles import max_tiles
 from server.engine.decode_buffers import bucket_for, decode_buckets
 from tests.engine_helpers import random_prompts
 
@@ -58,12 +59,22 @@ def _generate(llm: LLM, prompts, names, max_tokens: int = 4):
     return llm.generate(prompts, params, adapters=names)
 
 
-@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=needs_triton),
-                                     pytest.param("triton-split-k", marks=needs_triton)])
+def _lora_form(monkeypatch, form: str) -> None:
+    """The padded decode steps' LoRA plan (kernels.metadata.PADDED_LORA_FORM): gathered or tiled."""
+    monkeypatch.setattr(metadata, "PADDED_LORA_FORM", form)
+
+
+LORA_FORMS = pytest.mark.parametrize("form", ["gathered", "tiled"])
+
+
+@pytest.mark.parametrize("kernels", ["torch", *(pytest.param(k, marks=needs_triton) for k in (
+    "triton", "triton-split-k", "triton-tiled", "triton-split-k-tiled"))])
 def test_padded_decode_matches_peft_and_the_unpadded_path(tiny_model_dir, tiny_adapters, hf_logprobs, kernels,
                                                          monkeypatch):
     # 5 sequences pad to bucket 8, then fewer as none finish early: mixed ranks, a base row, a repeated
-    # adapter, adapters in non-adjacent slots.
+    # adapter, adapters in non-adjacent slots. -tiled: the padded steps' LoRA on the tiled plan.
+    _lora_form(monkeypatch, "tiled" if kernels.endswith("-tiled") else "gathered")
+    kernels = kernels.removesuffix("-tiled")
     _split_k(monkeypatch, kernels == "triton-split-k")
     kernels = kernels.removesuffix("-split-k")
     names = ["r8_all", None, "r4_qv", "r16_rslora", "r8_all"]
@@ -208,12 +219,14 @@ def _partials(llm: LLM, key) -> dict:
 
 
 @needs_triton
+@LORA_FORMS
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split-k"])
-def test_two_batches_of_one_bucket_launch_the_same(tiny_model_dir, tiny_adapters, monkeypatch, split):
+def test_two_batches_of_one_bucket_launch_the_same(tiny_model_dir, tiny_adapters, monkeypatch, split, form):
     """Different rows, adapters, ranks and context lengths padded to one bucket: the same grids and
-    scalar arguments (what a captured graph replays), and work lists at the bucket's length; split-K
-    writes its partials into the same buffers on every step."""
+    scalar arguments (what a captured graph replays), and work lists at the bucket's length (tiled: the
+    bucket's table of tiles); split-K writes its partials into the same buffers on every step."""
     _split_k(monkeypatch, split)
+    _lora_form(monkeypatch, form)
     llm = make_llm(tiny_model_dir, tiny_adapters, "triton", max_model_len=600, kv_cache_blocks=120)
     log = LaunchLog(monkeypatch)
     _decode_ready(llm, ["r4_qv", None, "r4_qv"], seed=1)
@@ -226,21 +239,28 @@ def test_two_batches_of_one_bucket_launch_the_same(tiny_model_dir, tiny_adapters
     assert _partials(llm, key_b) == partials and len(partials) == (4 if split else 0)  # qkv, o, gate_up, down
     layers = llm.engine.model_config.num_layers
     names = [n for n, *_ in a]
-    assert names.count("lora_shrink_gathered") == names.count("lora_expand_gathered") == 4 * layers
-    assert all(grid[0] == 4 for n, grid, *_ in a if n.startswith("lora") or n == "decode_attention")
-    shrinks = [(grid, dict(kw)) for n, grid, _, kw in a if n == "lora_shrink_gathered"]
-    assert all(kw["SPLIT"] == split for _, kw in shrinks)
+    kind = "segmented" if form == "tiled" else "gathered"
+    assert names.count(f"lora_shrink_{kind}") == names.count(f"lora_expand_{kind}") == 4 * layers
+    assert len([n for n in names if n.startswith("lora")]) == 8 * layers
+    entries = max_tiles(4, llm.engine.config.lora.max_loras) if form == "tiled" else 4  # 1 + 4 tiles
+    assert all(grid[0] == entries for n, grid, *_ in a if n.startswith("lora"))
+    assert all(grid[0] == 4 for n, grid, *_ in a if n == "decode_attention")
+    shrinks = [(grid, dict(kw)) for n, grid, _, kw in a if n == f"lora_shrink_{kind}"]
+    assert all(kw["SPLIT"] == split and kw.get("INDEXED", True) for _, kw in shrinks)
     assert sorted({grid[2] for grid, _ in shrinks}) == ([4, 8] if split else [1])  # splits x one rank tile
 
 
 @needs_triton
+@LORA_FORMS
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split-k"])
-def test_launches_per_decode_step_are_pinned(tiny_model_dir, tiny_adapters, monkeypatch, split):
+def test_launches_per_decode_step_are_pinned(tiny_model_dir, tiny_adapters, monkeypatch, split, form):
     """Per layer: one KV write, one decode attention (plus its split combine when the bucket splits
-    contexts), and per fused projection (qkv, o, gate_up, down) one gathered shrink and one gathered
-    expand for all its slices and all the step's adapters, split-K or not (the splits are programs of
-    one launch); no LoRA launch in a base-model step."""
+    contexts), and per fused projection (qkv, o, gate_up, down) one shrink and one expand (gathered, or
+    segmented on the tiled plan) for all its slices and all the step's adapters, split-K or not (the
+    splits are programs of one launch); no LoRA launch in a base-model step."""
     _split_k(monkeypatch, split)
+    _lora_form(monkeypatch, form)
+    kind = "segmented" if form == "tiled" else "gathered"
     llm = make_llm(tiny_model_dir, tiny_adapters, "triton", max_model_len=600, kv_cache_blocks=120)
     layers = llm.engine.model_config.num_layers
     log = LaunchLog(monkeypatch)
@@ -256,7 +276,7 @@ def test_launches_per_decode_step_are_pinned(tiny_model_dir, tiny_adapters, monk
         fused = 4 if lora else 0
         assert counts == {"write_kv": layers, "decode_attention": layers,
                           **({"combine_splits": layers} if split else {}),
-                          **({"lora_shrink_gathered": fused * layers, "lora_expand_gathered": fused * layers}
+                          **({f"lora_shrink_{kind}": fused * layers, f"lora_expand_{kind}": fused * layers}
                              if lora else {})}
 
 
@@ -279,10 +299,15 @@ def _forbid_host_sync(monkeypatch, allowed=lambda: False) -> None:
         monkeypatch.setattr(torch, name, refuse(f"torch.{name}", getattr(torch, name)))
 
 
-@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=needs_triton),
+                                     pytest.param("triton-tiled", marks=needs_triton)])
 @pytest.mark.parametrize("names", [["r8_all", None, "r4_qv"], [None, None]], ids=["adapters", "base"])
 def test_padded_forward_reads_nothing_back_to_the_host(tiny_model_dir, tiny_adapters, monkeypatch, kernels, names):
+    form = "tiled" if kernels == "triton-tiled" else "gathered"
+    _lora_form(monkeypatch, form)
+    kernels = kernels.removesuffix("-tiled")
     llm = make_llm(tiny_model_dir, tiny_adapters, kernels, max_model_len=600, kv_cache_blocks=120)
+    assert llm.engine.runner.padded.lora_form == form
     _decode_ready(llm, names)
     runner = llm.engine.runner
     inputs = runner.prepare(llm.engine.scheduler.schedule())
