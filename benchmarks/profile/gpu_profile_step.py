@@ -40,14 +40,11 @@ from pathlib import Path
 
 import torch
 
-<<<<<<< HEAD
 from benchmarks.profile.kernel_classes import CLASSES, kernel_report
 from benchmarks.profile.token_divergence import (MISMATCH, NEAR_TIE_NATS, Divergence, Generated, Margin,
                                                  divergences, logprob_drift, not_bit_identical,
                                                  point_verdict)
-=======
 from kernels import metadata
->>>>>>> l-tiled
 from server.bench.gpu_model import make_llama3_8b_shaped
 from server.bench.synth_adapters import write_adapter
 from server.engine import LLM, SamplingParams
@@ -316,17 +313,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="the padded decode steps' LoRA plan (kernels.metadata.PADDED_LORA_FORM, default "
                         f"{metadata.PADDED_LORA_FORM}): run once with each to compare them (docs/engine.md)")
     args = p.parse_args(argv)
-<<<<<<< HEAD
     out = Path(args.json)
-=======
     metadata.PADDED_LORA_FORM = args.padded_lora_form  # read when the engine builds its padded steps
->>>>>>> l-tiled
     model = make_llama3_8b_shaped(args.model_dir, num_layers=args.layers)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "near_tie_nats": NEAR_TIE_NATS,
+              "padded_lora_form": args.padded_lora_form,
               "graphed": {}, "eager": {}, "comparison": {}, "tokens_identical": {}}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = [write_adapter(model, Path(tmp) / f"a{i}", r=16, seed=i) for i in range(max(args.adapters))]
-<<<<<<< HEAD
         graphed_tokens = run_graphed(model, dirs, args, report, out)
         run_eager(model, dirs, args, report, out, graphed_tokens)
     print_tables(report)
@@ -337,25 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     if mismatches:
         print(f"MISMATCH: graphed and eager tokens differ by more than {NEAR_TIE_NATS} nats at {', '.join(mismatches)}")
     return 1 if bugs or mismatches else 0
-=======
-        graphed, graphed_tokens = run_engine(model, dirs, True, args)
-        eager, eager_tokens = run_engine(model, dirs, False, args)
-    identical = {f"{s}x{a}": graphed_tokens[s, a] == eager_tokens[s, a] for s, a in graphed_tokens}
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "padded_lora_form": args.padded_lora_form, "graphed": graphed,
-              "eager": eager, "tokens_identical": identical}
-    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"capture: {graphed['cuda_graphs']} graphs in {graphed['capture_seconds']:.1f} s, "
-          f"{graphed['capture_mib']:.0f} MiB")
-    print(f"{'seqs':>5} {'adapters':>8} {'eager ms':>9} {'graphed ms':>10} {'replay ms':>9} "
-          f"{'launches eager/graphed':>23} {'same tokens':>11}")
-    for g, e in zip(graphed["points"], eager["points"]):
-        key = f"{g['seqs']}x{g['adapters']}"
-        print(f"{g['seqs']:>5} {g['adapters']:>8} {e['step_ms']:>9.2f} {g['step_ms']:>10.2f} "
-              f"{g.get('replay_ms', float('nan')):>9.2f} {e['host_launches']:>11.0f}/{g['host_launches']:<11.0f} "
-              f"{str(identical[key]):>11}")
-    return 0 if all(identical.values()) else 1
->>>>>>> l-tiled
 
 
 if __name__ == "__main__":
