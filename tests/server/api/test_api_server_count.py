@@ -83,6 +83,7 @@ def _recorded(base: str, key: str, expected: tuple[int, int, int]) -> tuple[int,
 
 @dataclass(frozen=True)
 class Serving:
+    """A running `serve` (the parent process) and its data directory's credentials."""
     proc: subprocess.Popen
     base: str
     err: Path
@@ -104,7 +105,7 @@ def served_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_front_end(served_dir) -> dict[tuple[str, str], str]:
-    """The reference: the demo's greedy texts from one front end with the engine in-process, on the data
+    """The reference: the demo's greedy texts from one front end (serve's defaults otherwise), on the data
     directory (demo model, demo key) the two-front-end server then serves."""
     proc, base, _ = _serve(served_dir)
     try:
