@@ -135,7 +135,9 @@ def core_starter() -> Iterator[CoreStarter]:
 @contextlib.contextmanager
 def running_server(config: ServerConfig, timeout: float = 120.0,
                    starter: CoreStarter | None = None) -> Iterator[ServerHandle]:
-    """`starter`: the engine cores' (None: the app's own, closed with it)."""
+    """`starter`: the engine cores' (None: the app's own, closed with it). Pass the session's `core_starter`
+    unless the test needs a fork server of its own: an own starter starts a fork server that imports torch
+    and the engine again (3.4 CPU-s a server on a 2-core dev machine), a shared one only forks."""
     app = create_app(config, starter=starter)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", lifespan="on"))

@@ -97,13 +97,13 @@ def files():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server, files):
+def server(tmp_path_factory, tiny_model_dir, redis_server, files, core_starter):
     config = server_config(
         tiny_model_dir, tmp_path_factory.mktemp("loader-data"), api_redis_url(redis_server),
         max_upload_bytes=2 << 20, adapter_sources=("http",), adapter_http_hosts=("127.0.0.1",),
         adapter_allow_private_networks=True, adapter_fetch_timeout=4.0,
         adapter_load_workers=2, adapter_loads_per_tenant=1)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -40,13 +40,13 @@ def local_root(tmp_path_factory, tiny_adapters):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server, local_root):
+def server(tmp_path_factory, tiny_model_dir, redis_server, local_root, core_starter):
     config = server_config(
         tiny_model_dir, tmp_path_factory.mktemp("fair-loader-data"), api_redis_url(redis_server),
         max_upload_bytes=2 << 20, adapter_sources=("http", "local"), adapter_local_root=str(local_root),
         adapter_http_hosts=("127.0.0.1",), adapter_allow_private_networks=True,
         adapter_fetch_timeout=FETCH_TIMEOUT, adapter_load_workers=2, adapter_loads_per_tenant=2)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -116,11 +116,11 @@ def test_catastrophic_target_regex_cannot_stall_the_server(api_server, tiny_adap
     victim.assert_completed(victim_reference)
 
 
-def test_adapter_larger_than_the_host_budget(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+def test_adapter_larger_than_the_host_budget(tiny_model_dir, tiny_adapters, redis_server, tmp_path, core_starter):
     r4_bytes = 4 * 4 * 2 * (64 + 64 + 64 + 32)  # rank 4, q and v, 2 layers, as float32
     config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), port=free_port(),
                            max_cpu_lora_bytes=r4_bytes)
-    with running_server(replace(config)) as server:
+    with running_server(replace(config), starter=core_starter) as server:
         name, key = server.new_tenant()
         assert server.upload(key, "small", tiny_adapters["r4_qv"]).status_code == 201
         r = server.upload(key, "big", tiny_adapters["r8_all"])

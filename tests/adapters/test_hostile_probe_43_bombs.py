@@ -38,13 +38,13 @@ def _zip_of_zeros(path, config_json: bytes) -> None:
 
 
 @pytest.fixture(scope="module")
-def bomb_server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server):
+def bomb_server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server, core_starter):
     root = tmp_path_factory.mktemp("bomb-root")
     _zip_of_zeros(root / "zeros.zip", (tiny_adapters["r4_qv"] / "adapter_config.json").read_bytes())
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("bomb-data"), api_redis_url(redis_server),
                            adapter_sources=("local",), adapter_local_root=str(root), max_upload_bytes=600 << 20,
                            adapter_load_workers=1)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle, root
 
 
@@ -72,9 +72,9 @@ def own_redis(tmp_path):
         yield server
 
 
-def test_health_answers_within_a_second_while_redis_is_frozen(tiny_model_dir, own_redis, tmp_path):
+def test_health_answers_within_a_second_while_redis_is_frozen(tiny_model_dir, own_redis, tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path / "data", own_redis.url_for(1))
-    with running_server(config) as server, httpx.Client(base_url=server.url, timeout=10) as h:
+    with running_server(config, starter=core_starter) as server, httpx.Client(base_url=server.url, timeout=10) as h:
         assert h.get("/health").status_code == 200
         with own_redis.pause_supervision():
             os.kill(own_redis.pid, signal.SIGSTOP)

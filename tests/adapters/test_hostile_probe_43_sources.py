@@ -30,7 +30,7 @@ def canary():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server):
+def server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server, core_starter):
     root = tmp_path_factory.mktemp("probe43-root")
     for name, d in tiny_adapters.items():
         (root / name).mkdir()
@@ -40,7 +40,7 @@ def server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server):
         tiny_model_dir, tmp_path_factory.mktemp("probe43-data"), api_redis_url(redis_server),
         adapter_sources=("s3", "http", "https", "local"), adapter_local_root=str(root),
         adapter_s3_endpoint="http://127.0.0.1:9", adapter_s3_buckets=(BUCKET,), adapter_fetch_timeout=3.0)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -35,10 +35,10 @@ def _policy(**kw) -> SourcePolicy:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("dns-data"), api_redis_url(redis_server),
                            adapter_sources=("http", "https"), adapter_fetch_timeout=3.0)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

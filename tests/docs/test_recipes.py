@@ -30,11 +30,11 @@ def recipe(name: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def recipe_server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[ServerHandle]:
+def recipe_server(tmp_path_factory, tiny_model_dir, redis_server, core_starter) -> Iterator[ServerHandle]:
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("recipe-data"),
                            api_redis_url(redis_server, flush=False), redis_prefix="lp-recipes:",
                            metrics_token=METRICS_TOKEN, max_model_len=256)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -26,10 +26,10 @@ def _wrong_secret(key: str, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, redis_server, tmp_path_factory):
+def server(tiny_model_dir, redis_server, tmp_path_factory, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("auth"), api_redis_url(redis_server),
                            auth_failure_limit=LIMIT)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

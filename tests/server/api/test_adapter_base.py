@@ -37,10 +37,10 @@ def _declaring(tmp_path, adapter_dir, base_name: str):
 
 
 def test_a_model_change_leaves_the_old_bases_adapters_listed_unavailable(
-        tmp_path, redis_server, tiny_model_dir, other_model_dir, tiny_adapters):
+        tmp_path, redis_server, tiny_model_dir, other_model_dir, tiny_adapters, core_starter):
     url, data = api_redis_url(redis_server), tmp_path / "data"
     first_config = server_config(tiny_model_dir, data, url)
-    with running_server(first_config) as first:
+    with running_server(first_config, starter=core_starter) as first:
         tenant, key = first.new_tenant()
         up = first.upload(key, "sql", tiny_adapters["r4_qv"])
         assert up.status_code == 201 and up.json()["base"] == first.state.base, up.text
@@ -48,7 +48,7 @@ def test_a_model_change_leaves_the_old_bases_adapters_listed_unavailable(
         first_base = first.state.base
     second_config = server_config(other_model_dir, data, api_redis_url(redis_server, flush=False),
                                   strict_adapter_base=True)
-    with running_server(second_config) as second:
+    with running_server(second_config, starter=core_starter) as second:
         served = second.state.base
         assert served != first_base and served.startswith(f"{second.state.model_id}@")
         with second.http(key) as h:
@@ -83,11 +83,11 @@ def test_a_model_change_leaves_the_old_bases_adapters_listed_unavailable(
 
 
 def test_versions_stored_before_bases_were_recorded(tmp_path, redis_server, tiny_model_dir, other_model_dir,
-                                                   tiny_adapters):
+                                                   tiny_adapters, core_starter):
     """An older loraplex stored no base: a version is validated against the served base on its first use
     and the base recorded; one that does not fit is a 400 naming it, not a 503."""
     url, data = api_redis_url(redis_server), tmp_path / "data"
-    with running_server(server_config(tiny_model_dir, data, url)) as first:
+    with running_server(server_config(tiny_model_dir, data, url), starter=core_starter) as first:
         tenant, key = first.new_tenant()
         tenant_id = first.admin("GET", f"/admin/tenants/{tenant}").json()["id"]
         for name in ("kept", "moved"):
@@ -100,7 +100,8 @@ def test_versions_stored_before_bases_were_recorded(tmp_path, redis_server, tiny
             r = h.post("/v1/completions", json={"model": "kept", "prompt": PROMPT, "max_tokens": 4})
             assert r.status_code == 200, r.text
             assert h.get("/v1/adapters/kept").json()["base"] == first.state.base
-    with running_server(server_config(other_model_dir, data, api_redis_url(redis_server, flush=False))) as second:
+    with running_server(server_config(other_model_dir, data, api_redis_url(redis_server, flush=False)),
+                        starter=core_starter) as second:
         with second.http(key) as h:
             assert h.get("/v1/adapters/kept").json()["available"] is False
             r = h.post("/v1/completions", json={"model": "moved", "prompt": PROMPT, "max_tokens": 4})

@@ -16,11 +16,11 @@ from tests.fixtures_server import ServerHandle, api_redis_url, running_server, s
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[ServerHandle]:
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter) -> Iterator[ServerHandle]:
     # A minute's window, as in production: a charge must not leave the window while a test reads it.
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("abuse-data"), api_redis_url(redis_server),
                            rate_window_seconds=60.0)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

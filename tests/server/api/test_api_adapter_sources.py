@@ -71,14 +71,14 @@ def local_root(tmp_path_factory, tiny_adapters):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server, s3_endpoint, files, local_root):
+def server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server, s3_endpoint, files, local_root, core_starter):
     config = server_config(
         tiny_model_dir, tmp_path_factory.mktemp("sources-data"), api_redis_url(redis_server),
         max_upload_bytes=MAX_FILE, adapter_sources=("s3", "http", "local"), adapter_local_root=str(local_root),
         adapter_s3_endpoint=s3_endpoint, adapter_s3_buckets=(BUCKET,), adapter_http_hosts=("127.0.0.1",),
         adapter_allow_private_networks=True, adapter_fetch_timeout=5.0, max_cpu_loras=8,
         lora_modules=(("shared-sql", str(tiny_adapters["r16_rslora"])),))
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

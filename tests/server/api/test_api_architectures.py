@@ -11,13 +11,14 @@ PROMPT = "Once upon a time"
 
 
 @pytest.mark.parametrize("model", sorted(ARCH_MODELS))
-def test_completions_match_peft(model, arch_model, tmp_path, redis_server, peft_oracle):
+def test_completions_match_peft(model, arch_model, tmp_path, redis_server, peft_oracle, core_starter):
     from transformers import AutoTokenizer
 
     model_dir, adapters = arch_model(model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(PROMPT).input_ids
-    with running_server(server_config(model_dir, tmp_path / "data", api_redis_url(redis_server))) as server:
+    with running_server(server_config(model_dir, tmp_path / "data", api_redis_url(redis_server)),
+                        starter=core_starter) as server:
         _, key = server.new_tenant()
         assert server.upload(key, "a", adapters["dora_r16"]).status_code == 201
         client = server.client(key)

@@ -18,10 +18,10 @@ VOCAB = 512
 
 
 @pytest.fixture(scope="module")
-def async_server(tmp_path_factory, tiny_model_dir, redis_server):
+def async_server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("async-data"), api_redis_url(redis_server),
                            async_scheduling=True)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

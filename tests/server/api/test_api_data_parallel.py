@@ -45,18 +45,19 @@ def _uploaded(handle, adapters, name: str | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_core_outputs(model, redis_server, tmp_path_factory):
+def one_core_outputs(model, redis_server, tmp_path_factory, core_starter):
     """The mixed requests' outputs from one engine core (before the DP server: each flushes the API db)."""
     model_dir, adapters = model
-    with running_server(_config(model_dir, tmp_path_factory.mktemp("one-data"), redis_server)) as one:
+    with running_server(_config(model_dir, tmp_path_factory.mktemp("one-data"), redis_server),
+                        starter=core_starter) as one:
         return _mixed(one, _uploaded(one, adapters))
 
 
 @pytest.fixture(scope="module")
-def dp_server(model, redis_server, tmp_path_factory, one_core_outputs):
+def dp_server(model, redis_server, tmp_path_factory, one_core_outputs, core_starter):
     model_dir, adapters = model
     with running_server(_config(model_dir, tmp_path_factory.mktemp("dp-data"), redis_server,
-                                data_parallel_size=2)) as handle:
+                                data_parallel_size=2), starter=core_starter) as handle:
         yield handle, _uploaded(handle, adapters, name="acme")
 
 

@@ -21,10 +21,10 @@ VICTIM = ("r8-all", "r16-rslora", None, "r32-pattern")  # None: the base model
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path_factory):
+def dp_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path_factory, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("dp-queue"), api_redis_url(redis_server),
                            engine_process="separate", data_parallel_size=2, max_num_seqs=1, max_loras=2)
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         name, key = server.new_tenant()
         for n in NAMES:
             assert server.upload(key, n.replace("_", "-"), tiny_adapters[n]).status_code == 201

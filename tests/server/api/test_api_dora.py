@@ -74,19 +74,19 @@ def test_a_dora_upload_is_served_as_peft_serves_it(api_server, tiny_model_dir, t
 
 
 def test_a_preloaded_dora_adapter_is_reloaded_at_its_first_request(tiny_model_dir, tiny_dora_adapters, peft_oracle,
-                                                                   tmp_path):
+                                                                   tmp_path, core_starter):
     """--adapter: the scales are computed at start-up, before serving; a restart finds them in Redis and
     computes nothing; the first request reads them and serves as PEFT does."""
     path = tiny_dora_adapters["dora_r8_all"]
     with EmbeddedRedis.start(tmp_path / "redis") as redis_server:
         config = server_config(tiny_model_dir, tmp_path / "data", redis_server.url_for(1),
                                adapters=(("acme", "pre", str(path)),))
-        with running_server(config) as server:
+        with running_server(config, starter=core_starter) as server:
             started = _scale_counts(server)
             assert (started["computed"], started["precomputed"], started["stored"]) == (1, 1, 1)
             version = server.state.registry.get(server.state.tenants.get("acme").id, "pre").version
             assert _stored_bases(server, version) == [_served_base(server)]
-        with running_server(replace(config, port=free_port())) as server:
+        with running_server(replace(config, port=free_port()), starter=core_starter) as server:
             assert _scale_counts(server)["computed"] == 0  # found in Redis at start-up
             _, key = server.state.tenants.create_key("acme")
             completion = server.client(key).completions.create(model="pre", prompt=PROMPT, max_tokens=6,

@@ -44,10 +44,10 @@ def draft_bytes(server) -> int:
 
 
 def test_an_uploaded_draft_lora_drafts_for_its_requests_and_texts_stay_the_plain_engines(
-        tmp_path, tiny_model_dir, tiny_adapters, redis_server):
+        tmp_path, tiny_model_dir, tiny_adapters, redis_server, core_starter):
     config = self_draft_config(tmp_path, tiny_model_dir, redis_server, engine_process="in-process")
     r8 = tiny_adapters["r8_all"]
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         _, key = server.new_tenant()
         stored = upload_with_draft(server, key, "self-drafted", r8, r8)
         assert stored.status_code == 201, stored.text
@@ -86,17 +86,17 @@ def test_an_uploaded_draft_lora_drafts_for_its_requests_and_texts_stay_the_plain
 
 
 def test_a_draft_lora_is_refused_by_a_server_without_a_draft_model(tmp_path, tiny_model_dir, tiny_adapters,
-                                                                  redis_server):
+                                                                  redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server))
     r8 = tiny_adapters["r8_all"]
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         _, key = server.new_tenant()
         refused = upload_with_draft(server, key, "self-drafted", r8, r8)
         assert refused.status_code == 400 and "runs no draft model" in refused.json()["error"]["message"]
 
 
 def test_a_draft_folder_comes_from_local_http_and_operator_sources(tmp_path, tiny_model_dir, tiny_adapters,
-                                                                   redis_server):
+                                                                   redis_server, core_starter):
     """A local directory's and an http directory's `draft/` folder (/v1/load_lora_adapter, through the loader
     process), --lora-modules and --adapter alike: stored with the version and served."""
     r8 = tiny_adapters["r8_all"]
@@ -113,7 +113,7 @@ def test_a_draft_folder_comes_from_local_http_and_operator_sources(tmp_path, tin
                                    adapter_http_hosts=("127.0.0.1",), adapter_allow_private_networks=True,
                                    lora_modules=(("operator", str(root / "self-drafted")),),
                                    adapters=(("default", "preloaded", str(root / "self-drafted")),))
-        with running_server(config) as server:
+        with running_server(config, starter=core_starter) as server:
             name, key = server.new_tenant()
             with server.http(key) as h:
                 for lora_name, path in (("local", "self-drafted"), ("remote", files.url + "/dir/")):
@@ -140,12 +140,12 @@ def test_a_draft_folder_comes_from_local_http_and_operator_sources(tmp_path, tin
 
 
 def test_a_draft_lora_is_served_by_an_engine_core_in_its_own_process(tmp_path, tiny_model_dir, tiny_adapters,
-                                                                     redis_server):
+                                                                     redis_server, core_starter):
     """The core pages the version in itself (its registry fetch checks the draft LoRA against the draft model
     read from the same --speculative-config): texts stay the plain engine's."""
     config = self_draft_config(tmp_path, tiny_model_dir, redis_server, engine_process="separate")
     r8 = tiny_adapters["r8_all"]
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         _, key = server.new_tenant()
         assert upload_with_draft(server, key, "self-drafted", r8, r8).status_code == 201
         jobs = list(zip(prompts_of(4, seed=7), [server.state.model_id, "self-drafted"] * 2))

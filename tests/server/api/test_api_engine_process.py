@@ -27,7 +27,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 @pytest.fixture(scope="module")
-def both_servers(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server):
+def both_servers(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server, core_starter):
     """(in-process, separate) servers on one Redis database, under their own key prefixes, each with a
     tenant that uploaded the same adapters."""
     url = api_redis_url(redis_server)
@@ -37,7 +37,7 @@ def both_servers(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server):
         for mode in ("in-process", "separate"):
             config = replace(base, engine_process=mode, redis_prefix=f"lp-{mode}:", port=_port(),
                              data_dir=tmp_path_factory.mktemp(f"data-{mode}"))
-            handle = stack.enter_context(running_server(config))
+            handle = stack.enter_context(running_server(config, starter=core_starter))
             _, key = handle.new_tenant()
             for name in ADAPTERS:
                 assert handle.upload(key, name, tiny_adapters[name]).status_code == 201

@@ -46,12 +46,12 @@ def _greedy(handle, key: str, model: str) -> list:
         return out
 
 
-def test_kill_9_of_the_core_restarts_it_and_settles_the_stream(long_model, redis_server, tmp_path):
+def test_kill_9_of_the_core_restarts_it_and_settles_the_stream(long_model, redis_server, tmp_path, core_starter):
     model_dir, adapter_dir = long_model
     config = server_config(model_dir, tmp_path / "data", api_redis_url(redis_server), engine_process="separate",
                            engine_restart_limit=1, kv_cache_blocks=520, max_model_len=8192,
                            usage_settle_interval=0.2)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         _, key = handle.new_tenant()
         assert handle.upload(key, "ad", adapter_dir).status_code == 201
         base = handle.state.model_id

@@ -44,10 +44,10 @@ PATHOLOGICAL = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("grammar-budget"), api_redis_url(redis_server),
                            max_grammar_compile_ms=COMPILE_MS, max_schema_bytes=SCHEMA_BYTES)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -27,19 +27,19 @@ SLOW_FILL_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("grammar-masks"), api_redis_url(redis_server),
                            max_mask_seconds_per_request=0.002)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 
 @pytest.fixture(scope="module")
-def in_process_server(tmp_path_factory, tiny_model_dir, redis_server):
+def in_process_server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     """In-process: the slow-mask test slows this engine's mask lane, out of reach in an engine core."""
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("grammar-masks-ip"), api_redis_url(redis_server),
                            max_mask_seconds_per_request=0.002, engine_process="in-process")
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

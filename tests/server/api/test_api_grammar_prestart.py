@@ -11,9 +11,9 @@ from tests.fixtures_server import api_redis_url, running_server, server_config
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("grammar-prestart"), api_redis_url(redis_server))
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

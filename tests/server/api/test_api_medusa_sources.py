@@ -30,7 +30,7 @@ def _adapter_dir(root, name, adapter_dir, heads=None):
 
 
 def test_a_local_sources_medusa_folder_is_fetched_checked_and_drafts_for_its_requests(
-        tmp_path, tiny_model_dir, tiny_adapters, redis_server):
+        tmp_path, tiny_model_dir, tiny_adapters, redis_server, core_starter):
     root = tmp_path / "root"
     own = random_heads(tmp_path / "own", seed=1)
     _adapter_dir(root, "with-heads", tiny_adapters["r8_all"], own)
@@ -45,7 +45,7 @@ def test_a_local_sources_medusa_folder_is_fetched_checked_and_drafts_for_its_req
                            adapter_sources=("local",), adapter_local_root=str(root),
                            lora_modules=(("operator", str(root / "operator")),),
                            adapters=(("default", "preloaded", str(root / "with-heads")),))
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         name, key = server.new_tenant()
         registry = server.state.registry
         [operator] = registry.list(OPERATOR_OWNER)
@@ -77,7 +77,7 @@ def test_a_local_sources_medusa_folder_is_fetched_checked_and_drafts_for_its_req
 
 
 def test_medusa_heads_count_in_size_bytes_and_against_max_adapter_bytes(tmp_path, tiny_model_dir, tiny_adapters,
-                                                                         redis_server):
+                                                                         redis_server, core_starter):
     root = tmp_path / "root"
     own = random_heads(tmp_path / "own", seed=1)
     directory = _adapter_dir(root, "with-heads", tiny_adapters["r8_all"], own)
@@ -87,7 +87,7 @@ def test_medusa_heads_count_in_size_bytes_and_against_max_adapter_bytes(tmp_path
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
                            speculative_config=json.dumps(spec), adapter_sources=("local",),
                            adapter_local_root=str(root), adapter_load_workers=0)  # fetched in the server process
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         name, key = server.new_tenant()
         plain = upload_with_heads(server, key, "plain", tiny_adapters["r8_all"])
         assert plain.status_code == 201, plain.text

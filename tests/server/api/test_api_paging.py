@@ -25,10 +25,10 @@ def metric(text: str, name: str, tier: str | None = None) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(label)))
 
 
-def test_delete_in_use_on_another_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+def test_delete_in_use_on_another_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path / "a", api_redis_url(redis_server))
-    with running_server(config) as a, running_server(replace(config, port=free_port(),
-                                                             data_dir=tmp_path / "b")) as b:
+    with running_server(config, starter=core_starter) as a, \
+            running_server(replace(config, port=free_port(), data_dir=tmp_path / "b"), starter=core_starter) as b:
         _, key = a.new_tenant()
         version = a.upload(key, "ad", tiny_adapters["r8_all"]).json()["version"]
         warm = b.client(key).completions.create(model="ad", prompt="hi", max_tokens=2, temperature=0)
@@ -60,15 +60,15 @@ def test_delete_in_use_on_another_server(tiny_model_dir, tiny_adapters, redis_se
         assert metric(text, "loraplex_adapter_load_seconds_count") == 1
 
 
-def test_host_budget_is_respected_over_http(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+def test_host_budget_is_respected_over_http(tiny_model_dir, tiny_adapters, redis_server, tmp_path, core_starter):
     sizes = {}
     config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), max_loras=1)
-    with running_server(config) as probe:
+    with running_server(config, starter=core_starter) as probe:
         _, key = probe.new_tenant()
         for name in ("r4_qv", "r8_all", "r16_rslora"):
             sizes[name] = probe.upload(key, name.replace("_", "-"), tiny_adapters[name]).json()["size_bytes"]
     budget = sizes["r16_rslora"] + sizes["r4_qv"]  # never all three at once
-    with running_server(config.with_settings(port=free_port(), max_cpu_lora_bytes=budget)) as s:
+    with running_server(config.with_settings(port=free_port(), max_cpu_lora_bytes=budget), starter=core_starter) as s:
         client = s.client(key)
         for _ in range(2):
             for name in ("r4-qv", "r8-all", "r16-rslora"):
@@ -79,9 +79,10 @@ def test_host_budget_is_respected_over_http(tiny_model_dir, tiny_adapters, redis
         assert stats.host.evictions >= 2 and stats.slots.evictions >= 2
 
 
-def test_idle_server_frees_retired_versions_after_grace(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+def test_idle_server_frees_retired_versions_after_grace(tiny_model_dir, tiny_adapters, redis_server, tmp_path,
+                                                        core_starter):
     config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), adapter_grace_seconds=1.0)
-    with running_server(config) as s:
+    with running_server(config, starter=core_starter) as s:
         _, key = s.new_tenant()
         assert s.upload(key, "gone", tiny_adapters["r4_qv"]).status_code == 201
         prefix = config.redis_prefix
@@ -94,9 +95,9 @@ def test_idle_server_frees_retired_versions_after_grace(tiny_model_dir, tiny_ada
                  and not list(redis.scan_iter(f"{prefix}ad:ver:*")), timeout=10)
 
 
-def test_engine_crash_fails_requests_with_503_and_health_says_so(tiny_model_dir, redis_server, tmp_path):
+def test_engine_crash_fails_requests_with_503_and_health_says_so(tiny_model_dir, redis_server, tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), engine_restart=False)
-    with running_server(config) as s:
+    with running_server(config, starter=core_starter) as s:
         _, key = s.new_tenant()
         with s.http(key) as h:
             assert h.get("/health").status_code == 200

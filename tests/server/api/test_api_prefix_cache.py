@@ -62,10 +62,10 @@ def test_chat_reports_cached_tokens(api_server):
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
-def test_caching_can_be_turned_off(tiny_model_dir, redis_server, tmp_path):
+def test_caching_can_be_turned_off(tiny_model_dir, redis_server, tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server, flush=False),
                            enable_prefix_caching=False)
-    with running_server(replace(config, port=free_port())) as server:
+    with running_server(replace(config, port=free_port()), starter=core_starter) as server:
         _, key = server.new_tenant()
         model = server.state.model_id
         assert _complete(server, key, model)[1] == 0
@@ -73,10 +73,10 @@ def test_caching_can_be_turned_off(tiny_model_dir, redis_server, tmp_path):
         assert server.admin("GET", "/admin/engine").json()["prefix_cache"]["enabled"] is False
 
 
-def test_share_base_tells_no_tenant_what_another_sent(tiny_model_dir, redis_server, tmp_path):
+def test_share_base_tells_no_tenant_what_another_sent(tiny_model_dir, redis_server, tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server, flush=False),
                            share_base_prefix_cache=True)
-    with running_server(replace(config, port=free_port())) as server:
+    with running_server(replace(config, port=free_port()), starter=core_starter) as server:
         engine, model = server.state.engine, server.state.model_id
         _, a = server.new_tenant()
         _, b = server.new_tenant()

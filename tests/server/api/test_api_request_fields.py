@@ -16,12 +16,12 @@ HEADER = "x-loraplex-ignored-fields"
 
 
 @pytest.fixture(scope="module")
-def lenient_server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[ServerHandle]:
+def lenient_server(tmp_path_factory, tiny_model_dir, redis_server, core_starter) -> Iterator[ServerHandle]:
     # Its own key prefix in the shared db: the strict module server keeps its tenants.
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("lenient-data"),
                            api_redis_url(redis_server, flush=False), redis_prefix="lp-lenient:",
                            lenient_request_fields=True)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -44,12 +44,12 @@ def store(tiny_adapters):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server, store):
+def server(tmp_path_factory, tiny_model_dir, redis_server, store, core_starter):
     url, _, _ = store
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("srccred"), api_redis_url(redis_server),
                            adapter_sources=("s3",), adapter_s3_endpoint=url, adapter_s3_buckets=(BUCKET,),
                            adapter_fetch_timeout=10.0)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

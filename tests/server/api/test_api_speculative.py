@@ -16,12 +16,12 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, 
         "disable_by_batch_size": 64}
 
 
-def test_opt_out_and_the_spec_decode_counters(tmp_path, tiny_model_dir, redis_server):
+def test_opt_out_and_the_spec_decode_counters(tmp_path, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
                            speculative_config=json.dumps(SPEC))
     prompt = repetitive_prompts(1, seed=21)[0]
     body = {"ignore_eos": True, "logit_bias": {str(t): b for t, b in looping(prompt).items()}}
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         _, key = server.new_tenant()
         client, model = server.client(key), server.state.model_id
 

@@ -41,9 +41,9 @@ def completion(client, model: str, **kw):
 
 @pytest.mark.parametrize("mode", ["in-process", "separate"])
 def test_a_choice_a_stop_string_ends_stops_in_the_engine_and_only_its_given_tokens_count(
-        mode, tmp_path, tiny_model_dir, redis_server):
+        mode, tmp_path, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server), engine_process=mode)
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         name, key = server.new_tenant()
         client, model = server.client(key), server.state.model_id
         _, (a, b) = completion(client, model)

@@ -47,9 +47,10 @@ def _tokens(raw: bytes) -> tuple[int, str | None]:
 
 @pytest.mark.parametrize("mode", ["in-process", "separate"])
 def test_a_client_that_stops_reading_blocks_neither_the_engine_nor_other_streams(mode, tiny_model_dir,
-                                                                                   redis_server, tmp_path):
+                                                                                   redis_server, tmp_path,
+                                                                                   core_starter):
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server), engine_process=mode)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         _, stalled_key = handle.new_tenant()
         _, other_key = handle.new_tenant()
         model = handle.state.model_id

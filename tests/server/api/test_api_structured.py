@@ -46,10 +46,10 @@ FORMS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("structured-data"), api_redis_url(redis_server),
                            max_grammar_compile_ms=1000, max_schema_bytes=200_000)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

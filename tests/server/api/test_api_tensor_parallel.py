@@ -12,11 +12,11 @@ PROMPTS = ([5, 17, 99, 23, 41], [7, 8, 300, 12])
 
 
 @pytest.fixture(scope="module")
-def tp_server(tmp_path_factory, tiny_model_dir, tiny_adapters, tiny_dora_adapters, redis_server):
+def tp_server(tmp_path_factory, tiny_model_dir, tiny_adapters, tiny_dora_adapters, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("tp-data"), api_redis_url(redis_server))
     config = config.with_settings(engine_process="separate", tensor_parallel_size=2, redis_prefix="lp-tp:",
                                   served_model_name="tiny-base")
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         _, key = handle.new_tenant()
         assert handle.upload(key, "r8_all", tiny_adapters["r8_all"]).status_code == 201
         assert handle.upload(key, "dora_r8_all", tiny_dora_adapters["dora_r8_all"]).status_code == 201

@@ -49,12 +49,12 @@ def long_model(tmp_path):
     return model, make_adapter(model, tmp_path / "adapter", r=8, lora_alpha=16, seed=22)
 
 
-def test_killed_worker_fails_the_core_which_restarts(long_model, redis_server, tmp_path):
+def test_killed_worker_fails_the_core_which_restarts(long_model, redis_server, tmp_path, core_starter):
     model_dir, adapter_dir = long_model
     config = server_config(model_dir, tmp_path / "data", api_redis_url(redis_server), engine_process="separate",
                            tensor_parallel_size=2, engine_restart_limit=2, kv_cache_blocks=520, max_model_len=8192,
                            served_model_name="tiny-base")
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         _, key = handle.new_tenant()
         assert handle.upload(key, "r8_all", adapter_dir).status_code == 201
         before = {m: _greedy(handle, key, m) for m in ("tiny-base", "r8_all")}

@@ -40,11 +40,11 @@ SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0][
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("tools-data"), api_redis_url(redis_server),
                            max_schema_bytes=4096, max_model_len=1024, kv_cache_blocks=256,
                            max_num_batched_tokens=1024)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 
@@ -167,13 +167,13 @@ def test_auto_reads_hermes_calls_and_streams_them_the_same(server, client, model
 LLAMA3_CALL = r'\{"name": "add", "parameters": \{"a": [1-9], "b": [1-9]\}\}'
 
 
-def test_auto_reads_llama3_json_calls_with_that_parser(tmp_path_factory, tiny_model_dir, redis_server):
+def test_auto_reads_llama3_json_calls_with_that_parser(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     # Beside the module's server on the same Redis db: not flushed, under a prefix of its own.
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("tools-llama3"),
                            api_redis_url(redis_server, flush=False), redis_prefix="lp-llama3:",
                            max_model_len=1024, kv_cache_blocks=256, max_num_batched_tokens=1024,
                            tool_call_parser="llama3_json")
-    with running_server(config) as llama3:
+    with running_server(config, starter=core_starter) as llama3:
         _, key = llama3.new_tenant()
         client = llama3.client(key)
         kw = dict(tool_choice="auto", extra_body={"guided_regex": LLAMA3_CALL + "; " + LLAMA3_CALL})

@@ -11,11 +11,11 @@ from tests.fixtures_server import api_redis_url, running_server, server_config
 
 
 @pytest.fixture(scope="module")
-def unified_server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server):
+def unified_server(tmp_path_factory, tiny_model_dir, tiny_adapters, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("unified-data"), api_redis_url(redis_server),
                            lora_page_rows=8, unified_memory=True,
                            adapters=(("acme", "first", str(tiny_adapters["r8_all"])),))
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

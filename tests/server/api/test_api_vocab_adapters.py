@@ -18,10 +18,10 @@ COPY_BYTES = 4 * 512 * 64  # one full embedding of the tiny model, float32
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("vocab-api"), api_redis_url(redis_server),
                            max_lora_vocab_bytes=COPY_BYTES + 16384)  # one copy and a LoRA
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -95,11 +95,11 @@ def test_without_tools_smollm2_tools_renders_as_smollm2s_own(tiny_model_dir, mes
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("template-data"), api_redis_url(redis_server),
                            chat_template="smollm2-tools", enable_auto_tool_choice=False, max_model_len=1024,
                            kv_cache_blocks=256, max_num_batched_tokens=1024)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

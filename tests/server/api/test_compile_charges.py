@@ -18,10 +18,10 @@ PATHOLOGICAL = "(a|b)?" * 1000
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server):
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter):
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("compile-charge-data"), api_redis_url(redis_server),
                            max_grammar_compile_ms=DEADLINE_MS, compile_seconds_per_minute=2.5)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

@@ -27,16 +27,17 @@ NAMES = ("r4_qv", "r8_all", "r16_rslora", "r32_pattern")
 
 
 @pytest.fixture(scope="module")
-def gateway_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path_factory):
+def gateway_server(tiny_model_dir, tiny_adapters, redis_server, tmp_path_factory, core_starter):
     # In-process: the residency test compares the series with the engine's own slot and host tables.
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("gateway"), api_redis_url(redis_server),
                            max_loras=2, max_num_seqs=2, engine_process="in-process")
-    with running_server(config) as probe:  # the stored sizes, for a host budget of two adapters
+    with running_server(config, starter=core_starter) as probe:  # the stored sizes, for a host budget of two adapters
         name, key = probe.new_tenant()
         sizes = [probe.upload(key, n.replace("_", "-"), tiny_adapters[n]).json()["size_bytes"] for n in NAMES]
         tenant_id = probe.admin("GET", f"/admin/tenants/{name}").json()["id"]
     budget = sum(sorted(sizes)[-2:])
-    with running_server(config.with_settings(port=free_port(), max_cpu_lora_bytes=budget)) as server:
+    with running_server(config.with_settings(port=free_port(), max_cpu_lora_bytes=budget),
+                        starter=core_starter) as server:
         yield server, key, tenant_id, sum(sizes)
 
 

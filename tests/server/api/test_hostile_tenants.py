@@ -23,9 +23,10 @@ from tests.repo import ROOT_DIR as ROOT
 
 
 
-def test_a_new_tenant_with_an_old_name_starts_empty(tiny_model_dir, tiny_adapters, redis_server, tmp_path):
+def test_a_new_tenant_with_an_old_name_starts_empty(tiny_model_dir, tiny_adapters, redis_server, tmp_path,
+                                                    core_starter):
     config = server_config(tiny_model_dir, tmp_path, api_redis_url(redis_server), adapter_grace_seconds=0.0)
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         state = server.state
         name, key = server.new_tenant(name="acme")
         r = server.upload(key, "secret-sauce", tiny_adapters["r8_all"])
@@ -56,7 +57,7 @@ def test_a_new_tenant_with_an_old_name_starts_empty(tiny_model_dir, tiny_adapter
         assert not state.tenants.pending_purges()
 
 
-def test_metrics_need_a_credential(tiny_model_dir, redis_server, tmp_path, api_server):
+def test_metrics_need_a_credential(tiny_model_dir, redis_server, tmp_path, api_server, core_starter):
     name, key = api_server.new_tenant()
     api_server.client(key).completions.create(model=api_server.state.model_id, prompt="hi", max_tokens=1)
     with api_server.http() as h:
@@ -71,11 +72,11 @@ def test_metrics_need_a_credential(tiny_model_dir, redis_server, tmp_path, api_s
     metrics_token = "prometheus-scrape-token-0123456789"
     config = server_config(tiny_model_dir, tmp_path / "m", api_redis_url(redis_server, flush=False),
                            metrics_token=metrics_token)
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         with server.http(metrics_token) as h:
             assert h.get("/metrics").status_code == 200
             assert h.get("/admin/tenants").status_code == 401  # only /metrics
-    with running_server(replace(config, port=free_port(), metrics_public=True)) as server:
+    with running_server(replace(config, port=free_port(), metrics_public=True), starter=core_starter) as server:
         with server.http() as h:
             assert h.get("/metrics").status_code == 200
 
@@ -84,7 +85,7 @@ def _serve_args(data_dir: Path, *extra: str) -> Namespace:
     return build_parser().parse_args(["serve", "--data-dir", str(data_dir), *extra])
 
 
-def test_generated_credentials_are_kept_and_reused(tiny_model_dir, redis_server, tmp_path, monkeypatch):
+def test_generated_credentials_are_kept_and_reused(tiny_model_dir, redis_server, tmp_path, monkeypatch, core_starter):
     monkeypatch.delenv("LORAPLEX_ADMIN_TOKEN", raising=False)
     first = ServerConfig.from_args(_serve_args(tmp_path))
     second = ServerConfig.from_args(_serve_args(tmp_path))
@@ -101,7 +102,7 @@ def test_generated_credentials_are_kept_and_reused(tiny_model_dir, redis_server,
     config = server_config(tiny_model_dir, tmp_path, url, demo_tenant=True)
     keys = []
     for _ in range(3):
-        with running_server(replace(config, port=free_port())) as server:
+        with running_server(replace(config, port=free_port()), starter=core_starter) as server:
             info = server.app.state.startup
             keys.append(info.demo_key)
             assert server.client(info.demo_key).models.list().data
@@ -110,10 +111,10 @@ def test_generated_credentials_are_kept_and_reused(tiny_model_dir, redis_server,
     key_file = tmp_path / DEMO_KEY_FILE
     assert key_file.read_text().strip() == keys[0] and key_file.stat().st_mode & 0o077 == 0
     # A revoked demo key is replaced by a working one at the next start.
-    with running_server(replace(config, port=free_port())) as server:
+    with running_server(replace(config, port=free_port()), starter=core_starter) as server:
         key_id = listed[0]["id"]
         assert server.admin("DELETE", f"/admin/tenants/demo/keys/{key_id}").status_code == 200
-    with running_server(replace(config, port=free_port())) as server:
+    with running_server(replace(config, port=free_port()), starter=core_starter) as server:
         fresh = server.app.state.startup.demo_key
         assert fresh != keys[0] and server.client(fresh).models.list().data
 

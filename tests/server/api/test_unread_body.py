@@ -16,10 +16,10 @@ IDS_CHUNK = b"1234," * 13_107  # 64 KiB of token ids
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir, redis_server) -> Iterator[ServerHandle]:
+def server(tmp_path_factory, tiny_model_dir, redis_server, core_starter) -> Iterator[ServerHandle]:
     config = server_config(tiny_model_dir, tmp_path_factory.mktemp("unread-body-data"), api_redis_url(redis_server),
                            rate_window_seconds=60.0)
-    with running_server(config) as handle:
+    with running_server(config, starter=core_starter) as handle:
         yield handle
 
 

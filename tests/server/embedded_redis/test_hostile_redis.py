@@ -33,9 +33,9 @@ def _health(server) -> httpx.Response:
         return h.get("/health")
 
 
-def test_redis_outage_answers_503_and_recovers(tiny_model_dir, tiny_adapters, own_redis, tmp_path):
+def test_redis_outage_answers_503_and_recovers(tiny_model_dir, tiny_adapters, own_redis, tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path / "data", own_redis.url_for(1))
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         name, key = server.new_tenant({"max_concurrent_requests": 4})
         assert server.upload(key, "ad", tiny_adapters["r8_all"]).status_code == 201
         model = server.state.model_id
@@ -80,10 +80,10 @@ def test_redis_outage_answers_503_and_recovers(tiny_model_dir, tiny_adapters, ow
 
 
 def test_adapter_events_missed_while_unsubscribed_are_resynchronised(tiny_model_dir, tiny_adapters,
-                                                                      own_redis, tmp_path):
+                                                                      own_redis, tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path / "a", own_redis.url_for(1))
-    with running_server(config) as a, running_server(replace(config, port=free_port(),
-                                                             data_dir=tmp_path / "b")) as b:
+    with running_server(config, starter=core_starter) as a, \
+            running_server(replace(config, port=free_port(), data_dir=tmp_path / "b"), starter=core_starter) as b:
         _, key = a.new_tenant()
         version = a.upload(key, "ad", tiny_adapters["r4_qv"]).json()["version"]
         assert b.client(key).completions.create(model="ad", prompt="hi", max_tokens=2).usage

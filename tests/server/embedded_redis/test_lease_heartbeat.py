@@ -60,11 +60,11 @@ def _hold_stream(url: str, key: str, model: str, stop: threading.Event, tokens: 
 
 
 def test_many_running_requests_keep_their_leases_with_redis_a_round_trip_away(tiny_model_dir, distant_redis_url,
-                                                                                 tmp_path):
+                                                                                 tmp_path, core_starter):
     config = server_config(tiny_model_dir, tmp_path, distant_redis_url, lease_ttl=LEASE_TTL,
                            usage_settle_interval=0.1, kv_cache_blocks=2560,
                            max_num_seqs=STREAMS + 8)  # a probe wrongly admitted runs at once
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         model = server.state.model_id
         name, key = server.new_tenant({"max_concurrent_requests": STREAMS})
         stop = threading.Event()

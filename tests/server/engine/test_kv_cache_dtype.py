@@ -246,12 +246,12 @@ def test_cli_flag_reaches_the_server_config(tmp_path):
         ServerConfig.from_args(parser.parse_args(base + ["--kv-cache-dtype", "int8"]), env={})
 
 
-def test_the_admin_view_shows_the_pool_dtype_and_capacity(tmp_path, tiny_model_dir, redis_server):
+def test_the_admin_view_shows_the_pool_dtype_and_capacity(tmp_path, tiny_model_dir, redis_server, core_starter):
     from tests.fixtures_server import api_redis_url, running_server, server_config
 
     config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
                            kv_cache_dtype="fp8_e5m2", kv_cache_blocks=40)
-    with running_server(config) as server:
+    with running_server(config, starter=core_starter) as server:
         _, key = server.new_tenant()
         r = server.client(key).completions.create(model=server.state.model_id, prompt=[5, 6, 7], max_tokens=3,
                                                    temperature=0, extra_body={"ignore_eos": True})
