@@ -9,7 +9,7 @@ Semantics:
     rms_norm(x, w, eps, plus_one):          out = rms_norm_ref.rms_norm(x, w, eps, plus_one)
     add_rms_norm(x, r, w, eps, plus_one):   r += x (in place, rounded to r's dtype); out = rms_norm(r, ...)
 Shape: x, r [T, H] (rows any stride, last dim contiguous); w [H]; out [T, H]: x's dtype with plus_one,
-    else torch.result_type(w, x) (as `weight * h.to(x.dtype)` gives).
+    else w and x's promoted dtype (as `weight * h.to(x.dtype)` gives).
 
 Reference (runnable):
     r = residual.clone(); r += x
@@ -91,7 +91,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("x and residual need a contiguous last dimension")
     act = x.dtype if residual is None else residual.dtype
-    dtype = act if plus_one else torch.result_type(weight, torch.empty((), dtype=act))
+    dtype = act if plus_one else torch.promote_types(weight.dtype, act)
     if out is None:
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != dtype or out.stride(1) != 1:
