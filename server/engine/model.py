@@ -294,12 +294,15 @@ class DecoderLayer:
         return [lin for lin in (self.qkv, self.o, self.gate_up, self.down) if lin is not None]
 
     def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext,
-                 rope: tuple[torch.Tensor, torch.Tensor], ws: Workspace) -> torch.Tensor:
-        """Adds the layer onto the residual h [T, H] in place and returns it. rope: the step's rotary
-        tables (RotaryEmbedding.tables), shared by all layers; ws: the model's activation buffers."""
+                 rope: tuple[torch.Tensor, torch.Tensor], ws: Workspace,
+                 pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Adds pending (the previous layer's return, [T, H]) and this layer onto the residual h [T, H] in
+        place, all but the layer's last addend (its MLP's output), which it returns for the next layer's
+        input norm to add in the same launch (or the caller to add after the last layer). rope: the step's
+        rotary tables (RotaryEmbedding.tables), shared by all layers; ws: the model's activation buffers."""
         cfg = self.cfg
         t = h.shape[0]
-        x = self.input_norm.rows(h, ctx.ops)
+        x = self.input_norm.rows(h, ctx.ops) if pending is None else self.input_norm.add_rows(pending, h, ctx.ops)
         q, k, v = self.qkv(x, ctx, ws.qkv[:t]).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -322,13 +325,11 @@ class DecoderLayer:
         else:
             x = self.pre_mlp_norm.add_rows(self.post_norm.rows(o, ctx.ops), h, ctx.ops)
         if self.moe is not None:
-            h += self.moe(x, ctx)
-            return h
+            return self.moe(x, ctx)
         gate, up = self.gate_up(x, ctx, ws.gate_up[:t]).split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
         act = torch.mul(self.act(gate), up, out=ws.act[:t])
         down = self.down(act, ctx, ws.down[:t])
-        h += down if self.post_mlp_norm is None else self.post_mlp_norm.rows(down, ctx.ops)
-        return h
+        return down if self.post_mlp_norm is None else self.post_mlp_norm.rows(down, ctx.ops)
 
 
 class CausalLM:
@@ -436,8 +437,10 @@ class CausalLM:
             self.vocab_parts.embed(h, input_ids, ctx.lora, vocab, self.embed_scale)
         rope = self.rope.tables(ctx.positions)
         local = self.local_rope.tables(ctx.positions) if self.local_rope is not None else None
+        pending = None  # a layer's MLP output, added by the next layer's input norm in its launch
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, kv, ctx, local if layer.local else rope, self.workspace)
+            pending = layer(h, kv, ctx, local if layer.local else rope, self.workspace, pending)
+        h += pending
         return h.index_select(0, logits_indices)
 
     @torch.inference_mode()
