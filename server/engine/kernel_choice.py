@@ -51,7 +51,7 @@ def select_kernels(kind: str, device: torch.device, dtype: torch.dtype = torch.f
 
 def triton_ops() -> KernelOps:
     """Triton kernels; tensors on CUDA, or on CPU under TRITON_INTERPRET=1. Imported only when chosen."""
-    from kernels import attention_triton, int4_triton, int8_triton
+    from kernels import attention_triton, int4_triton, int8_triton, rms_norm_triton
     from server.engine.lora.backends.triton_backend import TritonLoraBackend
 
     return KernelOps(
@@ -62,4 +62,6 @@ def triton_ops() -> KernelOps:
         paged_attention=attention_triton.paged_attention,
         int8_linear=int8_triton.int8_linear,  # reads the int8 weight in place (kernels.int8_triton)
         int4_linear=int4_triton.int4_triton_linear,  # unpacks the int4 weight in registers (kernels.int4_triton)
+        rms_norm=rms_norm_triton.rms_norm,  # one launch a norm, not 6-8 (kernels.rms_norm_triton)
+        add_rms_norm=rms_norm_triton.add_rms_norm,  # and the residual add before it in the same launch
     )

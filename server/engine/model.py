@@ -31,6 +31,7 @@ from kernels.fp8_weights import Fp8Weight, quantize_fp8
 from kernels.int4_weights import DEFAULT_GROUP_SIZE, Int4Weight, cat_int4, quantize_int4
 from kernels.int8_weights import Int8Weight, quantize_int8
 from kernels.metadata import AttentionBatch, LoraBatch
+from kernels.rms_norm_ref import rms_norm
 from server.engine.config import ModelConfig
 from server.engine.host_memory import return_freed_memory
 from server.engine.kernel_ops import KernelOps
@@ -176,15 +177,9 @@ class StepContext:
     group_attn: tuple[AttentionBatch, ...] = ()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers' LlamaRMSNorm, so float32 matches bit for bit.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 class RMSNorm:
-    """Llama's RMSNorm, or Gemma's (plus_one): gain 1 + w, applied in float32 before the cast back."""
+    """Llama's RMSNorm, or Gemma's (plus_one): gain 1 + w, applied in float32 before the cast back
+    (kernels.rms_norm_ref: the same order of operations as transformers', so float32 matches bit for bit)."""
 
     def __init__(self, weight: torch.Tensor, eps: float, plus_one: bool) -> None:
         self.weight = 1.0 + weight.float() if plus_one else weight  # as Gemma computes it, once
@@ -192,10 +187,16 @@ class RMSNorm:
         self.plus_one = plus_one
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.plus_one:
-            return rms_norm(x, self.weight, self.eps)
-        h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        """Any shape normed over its last dim, in torch (the q/k norms' per-head rows)."""
+        return rms_norm(x, self.weight, self.eps, self.plus_one)
+
+    def rows(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """[T, H] rows normed by the step's kernels (one launch with Triton's)."""
+        return ops.rms_norm(x, self.weight, self.eps, self.plus_one)
+
+    def add_rows(self, x: torch.Tensor, residual: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """residual += x in place, then its rows normed: one launch with Triton's kernels."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.plus_one)
 
 
 class LoraLinear:
@@ -293,12 +294,15 @@ class DecoderLayer:
         return [lin for lin in (self.qkv, self.o, self.gate_up, self.down) if lin is not None]
 
     def __call__(self, h: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext,
-                 rope: tuple[torch.Tensor, torch.Tensor], ws: Workspace) -> torch.Tensor:
-        """Adds the layer onto the residual h [T, H] in place and returns it. rope: the step's rotary
-        tables (RotaryEmbedding.tables), shared by all layers; ws: the model's activation buffers."""
+                 rope: tuple[torch.Tensor, torch.Tensor], ws: Workspace,
+                 pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Adds pending (the previous layer's return, [T, H]) and this layer onto the residual h [T, H] in
+        place, all but the layer's last addend (its MLP's output), which it returns for the next layer's
+        input norm to add in the same launch (or the caller to add after the last layer). rope: the step's
+        rotary tables (RotaryEmbedding.tables), shared by all layers; ws: the model's activation buffers."""
         cfg = self.cfg
         t = h.shape[0]
-        x = self.input_norm(h)
+        x = self.input_norm.rows(h, ctx.ops) if pending is None else self.input_norm.add_rows(pending, h, ctx.ops)
         q, k, v = self.qkv(x, ctx, ws.qkv[:t]).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q, k = q.reshape(t, cfg.num_heads, cfg.head_dim), k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -317,19 +321,15 @@ class DecoderLayer:
             ctx.ops.paged_attention(q, k_cache, v_cache, batch, self.scale, attn, cfg.attn_softcap, self.window)
         o = self.o(attn.view(t, cfg.q_size), ctx, ws.o[:t])
         if self.pre_mlp_norm is None:
-            h += o
-            x = self.post_norm(h)
+            x = self.post_norm.add_rows(o, h, ctx.ops)  # h += o, then normed: one launch with Triton's
         else:
-            h += self.post_norm(o)
-            x = self.pre_mlp_norm(h)
+            x = self.pre_mlp_norm.add_rows(self.post_norm.rows(o, ctx.ops), h, ctx.ops)
         if self.moe is not None:
-            h += self.moe(x, ctx)
-            return h
+            return self.moe(x, ctx)
         gate, up = self.gate_up(x, ctx, ws.gate_up[:t]).split([cfg.intermediate_size, cfg.intermediate_size], dim=-1)
         act = torch.mul(self.act(gate), up, out=ws.act[:t])
         down = self.down(act, ctx, ws.down[:t])
-        h += down if self.post_mlp_norm is None else self.post_mlp_norm(down)
-        return h
+        return down if self.post_mlp_norm is None else self.post_mlp_norm.rows(down, ctx.ops)
 
 
 class CausalLM:
@@ -437,8 +437,10 @@ class CausalLM:
             self.vocab_parts.embed(h, input_ids, ctx.lora, vocab, self.embed_scale)
         rope = self.rope.tables(ctx.positions)
         local = self.local_rope.tables(ctx.positions) if self.local_rope is not None else None
+        pending = None  # a layer's MLP output, added by the next layer's input norm in its launch
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, kv, ctx, local if layer.local else rope, self.workspace)
+            pending = layer(h, kv, ctx, local if layer.local else rope, self.workspace, pending)
+        h += pending
         return h.index_select(0, logits_indices)
 
     @torch.inference_mode()
@@ -446,7 +448,7 @@ class CausalLM:
                ) -> torch.Tensor:
         """[N, H] last-layer rows -> [N, V] float32 logits: the final norm and the lm_head; with the step's
         LoRA batch and the rows' indices, adapters' own lm_head parts too (VocabParts)."""
-        h = self.norm(h)
+        h = self.norm.rows(h, ops)
         if isinstance(self.lm_head, Int8Weight):  # a fresh [N, V]: no scratch, the kernels read int8 in place
             logits = ops.int8_linear(h, self.lm_head)  # [N, V]
         else:
@@ -469,7 +471,7 @@ class CausalLM:
     def row_logits(self, h: torch.Tensor, ops: KernelOps, rows) -> torch.Tensor:
         """[N, H] last-layer rows -> [N, R] logits over lm_head_rows()' R rows: the final norm and those
         rows alone, for a draft's top-1 (no adapter vocab parts; a softcap keeps the order, so none)."""
-        h = self.norm(h)
+        h = self.norm.rows(h, ops)
         return ops.int8_linear(h, rows) if isinstance(rows, Int8Weight) else ops.linear(h, rows)
 
 

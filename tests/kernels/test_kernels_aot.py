@@ -165,7 +165,8 @@ def test_capture_records_launches_without_running_them() -> None:
 def test_every_kernel_is_found_and_an_unlaunched_one_is_reported() -> None:
     kernels = {"_sgmv_shrink_kernel", "_bgmv_shrink_kernel", "_sgmv_expand_kernel", "_bgmv_expand_kernel",
                "_write_kv_kernel", "_paged_attention_kernel", "_decode_kernel", "_combine_splits_kernel",
-               "_int8_linear_kernel", "_int4_linear_kernel", "_expert_shrink_kernel", "_expert_expand_kernel"}
+               "_int8_linear_kernel", "_int4_linear_kernel", "_expert_shrink_kernel", "_expert_expand_kernel",
+               "_rms_norm_kernel"}
     assert set(aot.all_kernels()) == kernels
     assert aot.unlaunched(kernels) == []
     assert aot.unlaunched(kernels - {"_combine_splits_kernel"}) == ["_combine_splits_kernel"]
@@ -232,3 +233,7 @@ def test_verify_steps_and_every_padded_context_are_in_the_check() -> None:
     assert all(launch.kwargs["INDEXED"] and launch.kwargs["BLOCK_M"] == 16 for launch in tiled)
     assert not any(launch.kwargs["INDEXED"] for launch in by_scenario["padded decode and verify"]
                    if launch.name.startswith("_sgmv"))
+    # The one layer's input norm, its residual add fused with the MLP's norm, the final norm: one launch each.
+    norms = [launch for launch in by_scenario["padded decode and verify"] if launch.name == "_rms_norm_kernel"]
+    assert len(norms) == 3 * len(writes)
+    assert sorted(launch.grid[0] for launch in norms[::3]) == sorted(writes)  # one program per token row
