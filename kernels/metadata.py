@@ -26,6 +26,7 @@ import torch
 
 from kernels.host_arrays import host_array, host_tensor
 from kernels.padded_tables import PaddedTables
+from kernels.sorted_tiles import FIELDS as TILE_FIELDS  # per tile: (first token, rows, slot, unused)
 from kernels.sorted_tiles import TILE, device_tables, max_tiles, sorted_tiles
 
 # A run of equal slots at most this long is decode-shaped: each token gathers its adapter's weights.
@@ -35,9 +36,8 @@ GATHER_MAX_SEG_LEN = 4
 TILE_ROWS = (16, 64)
 # int32 entries per 16 bytes: every packed section starts at a multiple of this.
 ALIGN = 4
-# Entries per gathered token (token, slot) and per tile (first token, rows, slot, unused).
+# Entries per gathered token (token, slot); per tile, TILE_FIELDS (kernels.sorted_tiles, the one definition).
 GATHER_FIELDS = 2
-TILE_FIELDS = 4
 _ZEROS = host_array((0,) * ALIGN, torch.int32)  # a section's padding
 
 
