@@ -240,20 +240,18 @@ class AdminAuthThrottle:
             await error.response()(scope, receive, send)
             return
 
-        status: list[int] = []
-
         async def watch(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
+            # A failure is counted before its 401 is sent: counted after, a client's next guess could be
+            # checked before this one was counted, and a guess or more would go free.
+            if message["type"] == "http.response.start" and message["status"] == 401:
+                state.metrics.auth_failures.labels("invalid").inc()
+                try:
+                    await run_in_threadpool(state.auth_throttle.failed, address, None)
+                except redis.RedisError as exc:
+                    log.warning("admin auth failure not counted (%s)", exc)
             await send(message)
 
         await self.app(scope, receive, watch)
-        if status and status[0] == 401:
-            state.metrics.auth_failures.labels("invalid").inc()
-            try:
-                await run_in_threadpool(state.auth_throttle.failed, address, None)
-            except redis.RedisError as exc:
-                log.warning("admin auth failure not counted (%s)", exc)
 
 
 async def cancel_admission(state: ServerState, admission: Admission) -> None:
@@ -474,6 +472,7 @@ class Settlements:
         # The longest a running request's lease went unrenewed (s): from its grant or the heartbeat
         # before, to the heartbeat that renewed it. A lease lapses past the limiter's lease time.
         self.longest_beat_gap = 0.0
+        self.beats = 0  # heartbeats that renewed at least one lease
         self._last_beat: float | None = None
 
     @property
@@ -509,6 +508,9 @@ class Settlements:
     def beat(self) -> None:
         """One heartbeat of every running request's lease (blocking; raises RedisError)."""
         running = list(self._running.values())
+        # Read before the renewal is sent: read after, a thread that waits for the GIL once the reply is in
+        # (a loaded host) would count that wait as a gap, though the leases were renewed before it.
+        now = time.monotonic()
         if running:
             lost = [a for a in self._limiter.renew([r.admission for r in running]) if a.slot_id in self._running]
             if lost:
@@ -516,8 +518,7 @@ class Settlements:
                 self.leases_lost += len(lost)
                 log.warning("%d running requests lost their concurrency leases (unheard for %.0f s)",
                             len(lost), self._limiter.lease_seconds)
-        now = time.monotonic()
-        if running:
+            self.beats += 1
             # The lease renewed last longest ago: granted, or renewed by the previous heartbeat.
             oldest = min(r.opened for r in running)
             since = oldest if self._last_beat is None else max(self._last_beat, oldest)
