@@ -10,7 +10,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from server.api.state import ServerState
 from server.config import ServerConfig
 from server.embedded_redis.server import EmbeddedRedis, free_port
 from server.engine.core.launcher import CoreStarter
+from server.engine.scheduler import SchedulerStats
 from server.engine.tokenizer_loader import load_tokenizer
 
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
@@ -85,6 +86,25 @@ class ServerHandle:
         finally:
             release.set()
             thread.join(5)
+
+    @contextlib.contextmanager
+    def engine_paused_once(self, ready: Callable[[SchedulerStats], bool], what: str,
+                           timeout_s: float = 60) -> Iterator[SchedulerStats]:
+        """engine_paused() as soon as `ready(the scheduler's stats)` holds while paused; yields those stats.
+        Checked unpaused first, then again paused: under load a request could finish (or start) between a
+        check and the pause. Fails with `what` after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert time.monotonic() < deadline, what
+            if not ready(self.state.engine.stats().scheduler):
+                time.sleep(0.02)
+                continue
+            with self.engine_paused():
+                stats = self.state.engine.stats().scheduler
+                if ready(stats):
+                    yield stats
+                    return
+            time.sleep(0.2)  # the naps queued behind the pause run out before the loop steps again
 
     @contextlib.contextmanager
     def engine_throttled(self, pause_s: float = 0.02) -> Iterator[None]:

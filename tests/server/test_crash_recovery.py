@@ -20,6 +20,7 @@ from tenants import TenantStore, UsageLog
 from tests.fixtures_server import api_redis_url, running_server, server_config
 
 LEASE_TTL = 3.0
+TOKENS = 300  # the recorded-as-it-runs test's stream: long enough to still run when it looks
 
 
 def _stream(url: str, key: str, model: str, max_tokens: int, into: list, **extra) -> threading.Thread:
@@ -116,14 +117,17 @@ def test_running_requests_usage_is_recorded_as_they_run_and_stays_exact(tiny_mod
         name, key = server.new_tenant()
         model = server.state.model_id
         events: list = []
-        with server.engine_throttled(0.05), server.http(key) as h:
-            stream = _stream(server.url, key, model, 120, events)
-            _wait(lambda: len(events) >= 3)
-            # Recorded while it runs: the request, its prompt and some of its tokens.
-            _wait(lambda: h.get("/v1/usage").json()["total"]["completion_tokens"] > 0)
-            mid = h.get("/v1/usage").json()["total"]
-            assert stream.is_alive() and events[-1][0] != "end"
-            assert mid["requests"] == 1 and mid["prompt_tokens"] == 3 and 0 < mid["completion_tokens"] < 120
+        with server.http(key) as h:
+            with server.engine_throttled(0.05):
+                stream = _stream(server.url, key, model, TOKENS, events)
+                _wait(lambda: len(events) >= 3)
+                # Recorded while it runs: the request, its prompt and some of its tokens. Looked at paused: a
+                # loaded machine that starved the throttle's thread once let the stream end before the look.
+                _wait(lambda: h.get("/v1/usage").json()["total"]["completion_tokens"] > 0)
+                with server.engine_paused():
+                    mid = h.get("/v1/usage").json()["total"]
+                    assert server.state.engine.stats().scheduler.running == 1
+            assert mid["requests"] == 1 and mid["prompt_tokens"] == 3 and 0 < mid["completion_tokens"] < TOKENS
             stream.join(60)
         assert events[-1] == ("end", None)
         # Normal requests, streaming or not, across many settle rounds: exact, nothing counted twice.
@@ -132,7 +136,7 @@ def test_running_requests_usage_is_recorded_as_they_run_and_stays_exact(tiny_mod
             total = h.get("/v1/usage").json()["total"]
         assert total["requests"] == 2
         assert total["prompt_tokens"] == 3 + out.usage.prompt_tokens
-        assert total["completion_tokens"] == 120 + out.usage.completion_tokens
+        assert total["completion_tokens"] == TOKENS + out.usage.completion_tokens
         assert server.state.settlements.running == 0
 
 

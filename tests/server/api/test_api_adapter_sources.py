@@ -338,21 +338,10 @@ def test_vllm_router_metrics_match_the_engine(server, tiny_adapters):
 
     with server.engine_throttled(0.05), ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(generate, m) for m in names + ["shared-sql"]]
-        deadline = time.monotonic() + 60
-        families = None
-        while families is None:
-            assert time.monotonic() < deadline, ("the requests never reached the engine",
-                                                 [f.exception() for f in futures if f.done()])
-            sched = server.state.engine.stats().scheduler
-            if not (sched.running >= 1 and sched.running + sched.waiting == 5):
-                time.sleep(0.02)
-                continue
-            # Checked again while paused (between steps: the engine's published state holds still): a loaded
-            # machine that starved the throttle's thread once let a request finish between check and scrape.
-            with server.engine_paused():
-                stats = server.state.engine.stats()
-                if stats.scheduler.running >= 1 and stats.scheduler.running + stats.scheduler.waiting == 5:
-                    families = _families(server.admin("GET", "/metrics").text)
+        with server.engine_paused_once(lambda s: s.running >= 1 and s.running + s.waiting == 5,
+                                       "the requests never reached the engine"):
+            stats = server.state.engine.stats()
+            families = _families(server.admin("GET", "/metrics").text)
         for f in futures:
             f.result(60)
     model = server.state.model_id

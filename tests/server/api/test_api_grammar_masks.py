@@ -114,7 +114,9 @@ def test_a_victims_stream_keeps_its_pace_while_another_tenant_attacks(server):
         for t in threads:
             t.join(120)
     times = [t for t, e in events if isinstance(e, dict) and e.get("choices")]
-    assert len(times) >= 300 // 2  # tokens come in chunks of one or more
+    # Tokens come in chunks of one or more (a reader that falls behind gets what it has not taken in one: 74
+    # chunks for the 300 tokens on a loaded machine); what is checked is the longest wait between chunks.
+    assert len(times) >= 20
     gap = max(b - a for a, b in zip(times, times[1:]))
     assert gap < MAX_VICTIM_GAP_S, f"the victim's stream stalled {gap:.2f} s"
     assert outcomes and set(outcomes) == {400}, outcomes

@@ -6,6 +6,7 @@ max_concurrent_requests. Real server, real redis-server; a proxy in its own proc
 away, so 64 running requests cost the old keeper ~2.6 s a round against a 2 s lease."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -43,20 +44,28 @@ def distant_redis_url(redis_server) -> Iterator[str]:
         proxy.wait(10)
 
 
-def _hold_stream(url: str, key: str, model: str, stop: threading.Event, tokens: list, index: int) -> None:
-    """A long streaming completion, read until `stop`; tokens[index] counts its tokens so far."""
+async def _hold_streams(url: str, key: str, model: str, stop: threading.Event, tokens: list) -> None:
+    """len(tokens) long streaming completions, read until `stop`; tokens[i] counts stream i's tokens so far.
+    One thread for all of them: a thread per stream (64 beside the in-process server's) made the server's
+    heartbeat thread wait seconds for the GIL on a loaded machine, a gap no deployment has."""
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "temperature": 0,
             "stream": True, "logprobs": 0}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {key}"}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if stop.is_set():
-                return
-            if line.startswith("data: {"):
-                choices = json.loads(line[6:])["choices"]
-                if choices and choices[0]["logprobs"]:
-                    tokens[index] += len(choices[0]["logprobs"]["tokens"])
+
+    async def one(client: httpx.AsyncClient, index: int) -> None:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if stop.is_set():
+                    return
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:])["choices"]
+                    if choices and choices[0]["logprobs"]:
+                        tokens[index] += len(choices[0]["logprobs"]["tokens"])
+
+    limits = httpx.Limits(max_connections=len(tokens), max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        await asyncio.gather(*(one(client, i) for i in range(len(tokens))))
 
 
 def test_many_running_requests_keep_their_leases_with_redis_a_round_trip_away(tiny_model_dir, distant_redis_url,
@@ -73,8 +82,8 @@ def test_many_running_requests_keep_their_leases_with_redis_a_round_trip_away(ti
         # 500 tokens must outlast the streams' start and the probe window: an engine core steps 2-3 times per
         # pause (engine_throttled), so 0.1 s gives it 15-25 s, in-process 50 s.
         with server.engine_throttled(0.1):
-            threads = [threading.Thread(target=_hold_stream, args=(server.url, key, model, stop, tokens, i),
-                                        daemon=True) for i in range(STREAMS)]
+            threads = [threading.Thread(target=asyncio.run, args=(_hold_streams(server.url, key, model, stop, tokens),),
+                                        daemon=True)]
             for thread in threads:
                 thread.start()
             deadline = time.monotonic() + 60
