@@ -12,7 +12,9 @@ the base heads); --vs-base-heads adds a third engine to the same rounds, the ada
 heads (so drafting with the base heads), the order rotating over the three. The outputs must be the
 same tokens (the check is part of the run); prints a table and writes JSON with the acceptance counts and
 each engine's thread CPU time per step by part (StepProfile: CPU time, so the other work on a shared
-machine counts less than in wall time).
+machine counts less than in wall time). --k-sweep adds, to the same rounds, one engine per k from 1 to the
+heads' count that drafts exactly k every step (no adaptive k, no rests): what each verified position costs
+a step on this machine against what it earns, the profile behind the adaptive engine's ratio.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from adapters.medusa_format import ADAPTER_DIR
 from benchmarks.profile.cpu_model import cpu_model
 from server.default_model import MEDUSA_HEADS
 from server.engine import LLM, SamplingParams
+from server.engine.draft_length import DraftLength
 
 
 class StepProfile:
@@ -70,6 +73,31 @@ class StepProfile:
         return {"steps": self.steps,
                 "per_step_ms": {name: round(ns / 1e6 / max(1, self.steps), 2) for name, ns in self.ns.items()},
                 "total_s": {name: round(ns / 1e9, 2) for name, ns in self.ns.items()}}
+
+
+class FixedLength(DraftLength):
+    """k drafts every step, whatever the last one accepted (a --k-sweep engine's sequences)."""
+
+    def next_k(self) -> int:
+        return self.k_max
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def k_after(self, drafted: int, accepted: int) -> int:
+        return self.k_max
+
+
+class FixedLengths(dict):
+    """A scheduler's per-sequence draft lengths, each a FixedLength of the k the scheduler gave it."""
+
+    def __setitem__(self, seq, length: DraftLength) -> None:
+        super().__setitem__(seq, FixedLength(length.k_max))
+
+
+def fixed_k(llm: LLM) -> LLM:
+    llm.engine.scheduler.draft_lengths = FixedLengths()
+    return llm
 
 
 class HeadAgreement:
@@ -126,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vs-base-heads", action="store_true",
                     help="with an --adapter that has heads: also its requests drafting with the base heads")
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: every head)")
+    ap.add_argument("--k-sweep", action="store_true",
+                    help="also engines drafting exactly 1, 2, ... k tokens every step, in the same rounds")
     ap.add_argument("--items", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/loraplex-bench-medusa"))
@@ -152,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"method": "medusa", "num_speculative_tokens": k, **({"model": str(args.heads)} if args.heads else {})}
     engines = {"plain": LLM(model, **opts), "medusa": LLM(model, speculative_config=spec, **opts)}
     drafting = {"medusa": own_heads if own_heads is not None and own_heads.is_dir() else heads}
+    sweep = [f"medusa_fixed_k{j}" for j in range(1, k + 1)] if args.k_sweep else []
+    for j, key in enumerate(sweep, 1):
+        engines[key] = fixed_k(LLM(model, speculative_config=spec | {"num_speculative_tokens": j}, **opts))
+        drafting[key] = drafting["medusa"]
     if args.vs_base_heads:
         engines["medusa_base_heads"] = LLM(model, speculative_config=spec, **opts)
         drafting["medusa_base_heads"] = heads
@@ -195,17 +229,22 @@ def main(argv: list[str] | None = None) -> int:
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
                 "serving_top1_agreement": agreements[key].rates(),
                 "training_held_out_top1_accuracy": training_accuracy(heads_dir)}
+        if key in sweep:
+            doc.setdefault("k_sweep", {})[key] = part | {"steps": profiles[key].steps,
+                                                         "step_cpu_ms": profiles[key].summary()["per_step_ms"]}
+            continue
         if key == "medusa":  # at the top level, as before there was a second
             doc |= {"medusa_decode_tok_s": part.pop("decode_tok_s")} | part
         else:
             doc[key] = part | {"heads": "packaged (server/assets/smollm2-medusa)" if heads_dir == MEDUSA_HEADS
                                else str(heads_dir)}
     doc["step_cpu_ms"] = {key: profile.summary() for key, profile in profiles.items()}
-    print(f"{'engine':<18} {'decode tok/s':>12} {'ratio':>6} {'accepted':>10}")
-    print(f"{'plain':<18} {tps['plain']:>12.1f}")
+    steps = {key: (profile.steps, profile.summary()["per_step_ms"]["step"]) for key, profile in profiles.items()}
+    print(f"{'engine':<18} {'decode tok/s':>12} {'ratio':>6} {'steps':>6} {'step CPU ms':>11} {'accepted':>10}")
+    print(f"{'plain':<18} {tps['plain']:>12.1f} {'':>6} {steps['plain'][0]:>6} {steps['plain'][1]:>11.1f}")
     for key in drafting:
-        part = doc if key == "medusa" else doc[key]
-        print(f"{key:<18} {tps[key]:>12.1f} {part['ratio']:>5.2f}x "
+        part = doc if key == "medusa" else doc["k_sweep"][key] if key in sweep else doc[key]
+        print(f"{key:<18} {tps[key]:>12.1f} {part['ratio']:>5.2f}x {steps[key][0]:>6} {steps[key][1]:>11.1f} "
               f"{part['num_accepted_tokens']:>4}/{part['num_draft_tokens']:<5}  top-1 per head: serving "
               f"{part['serving_top1_agreement']}, training (held out) {part['training_held_out_top1_accuracy']}")
     print(f"mismatched outputs {mismatches}\nthread CPU ms per step: {doc['step_cpu_ms']}")
