@@ -37,8 +37,8 @@ def _families(server) -> dict:
 
 def _wait_for(server, what: str, ready) -> None:
     deadline = time.monotonic() + 60
-    while not ready(server.state.engine.stats().scheduler):
-        assert time.monotonic() < deadline, what
+    while not ready(stats := server.state.engine.stats().scheduler):
+        assert time.monotonic() < deadline, (what, stats, server.state.engine.routed)
         time.sleep(0.02)
 
 
@@ -55,14 +55,16 @@ def test_the_merged_running_and_waiting_lists_differ_when_requests_wait(dp_serve
                 assert sample.labels == {"model_name": model}, name
 
     def generate(model: str) -> None:
-        client.completions.create(model=model, prompt="hello there", max_tokens=120, temperature=0,
+        # Long enough to overlap: each request's adapter loads into its core as it arrives, and 120 tokens had
+        # two finished before the last two arrived (seen: at most one waiting).
+        client.completions.create(model=model, prompt="hello there", max_tokens=360, temperature=0,
                                   extra_body={"ignore_eos": True})
 
     with server.engine_throttled(0.05), ThreadPoolExecutor(len(NAMES)) as pool:
         futures = [pool.submit(generate, n.replace("_", "-")) for n in NAMES]
-        # Between steps on both cores: the published state holds still.
-        with server.engine_paused_once(lambda s: s.running == 2 and s.waiting == 2,
-                                       "two requests never ran (one a core) while two waited"):
+        _wait_for(server, "two requests never ran (one a core) while two waited",
+                  lambda s: s.running == 2 and s.waiting == 2)
+        with server.engine_paused():  # between steps on both cores: the published state holds still
             cores = [c.snapshot.stats.scheduler for c in server.state.engine.engine_cores()]
             [lora] = [s.labels for s in _families(server)["vllm:lora_requests_info"].samples]
         for f in futures:
@@ -95,12 +97,11 @@ def test_a_flooding_tenant_does_not_starve_another_on_either_core(dp_server, tin
     start = sum(server.state.engine.routed)
     with server.engine_throttled(0.05), ThreadPoolExecutor(FLOOD + len(VICTIM)) as pool:
         flooding = [pool.submit(run, flood, "r4-qv", 200, "flood") for _ in range(FLOOD)]
-        # Every flood request in the engine before the victim's are sent, so the routed counts taken
-        # here see only the victim's after it (with >= FLOOD - 4 waiting, two could still be on the way).
-        _wait_for(server, "the flood never filled both cores' seats with the rest waiting",
-                  lambda s: s.running == 2 and s.waiting == FLOOD - 2)
-        # A core publishes a request it holds before the front end's submit returns and counts it routed.
-        _wait_for(server, "the flood was never all counted routed",
+        # Every flood request in a core before the victim's are sent, so the routed counts taken here see
+        # only the victim's after it. Counted routed once the core holds it: waiting for the cores' stats to
+        # show it instead (two running, the rest waiting) failed on a loaded machine, where a starved throttle
+        # thread let the whole flood finish between two looks.
+        _wait_for(server, "the flood was never all routed",
                   lambda _: sum(server.state.engine.routed) - start == FLOOD)
         before = list(server.state.engine.routed)
         with lock:
