@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             doc[key] = part | {"heads": "packaged (server/assets/smollm2-medusa)" if heads_dir == MEDUSA_HEADS
                                else str(heads_dir)}
     doc["step_cpu_ms"] = {key: profile.summary() for key, profile in profiles.items()}
-    steps = {key: (profile.steps, profile.summary()["per_step_ms"]["step"]) for key, profile in profiles.items()}
+    steps = {key: (summary["steps"], summary["per_step_ms"]["step"]) for key, summary in doc["step_cpu_ms"].items()}
     print(f"{'engine':<18} {'decode tok/s':>12} {'ratio':>6} {'steps':>6} {'step CPU ms':>11} {'accepted':>10}")
     print(f"{'plain':<18} {tps['plain']:>12.1f} {'':>6} {steps['plain'][0]:>6} {steps['plain'][1]:>11.1f}")
     for key in drafting:

@@ -82,10 +82,9 @@ def test_many_running_requests_keep_their_leases_with_redis_a_round_trip_away(ti
         # 500 tokens must outlast the streams' start and the probe window: an engine core steps 2-3 times per
         # pause (engine_throttled), so 0.1 s gives it 15-25 s, in-process 50 s.
         with server.engine_throttled(0.1):
-            threads = [threading.Thread(target=asyncio.run, args=(_hold_streams(server.url, key, model, stop, tokens),),
-                                        daemon=True)]
-            for thread in threads:
-                thread.start()
+            holder = threading.Thread(target=asyncio.run, args=(_hold_streams(server.url, key, model, stop, tokens),),
+                                      daemon=True)
+            holder.start()
             deadline = time.monotonic() + 60
             while min(tokens) == 0:
                 assert time.monotonic() < deadline, f"streams never all started: {tokens}"
@@ -103,8 +102,7 @@ def test_many_running_requests_keep_their_leases_with_redis_a_round_trip_away(ti
             still_running = server.state.settlements.running
             beats = server.state.settlements.beats - beats_before
             stop.set()
-            for thread in threads:
-                thread.join(60)
+            holder.join(60)
         deadline = time.monotonic() + 30
         while server.state.settlements.running:
             assert time.monotonic() < deadline, "the streams' requests were never settled"
