@@ -9,7 +9,8 @@ sends back) is made on that event loop with this front end's own tokenizer (serv
 
 Death is noticed within a poll interval: a thread waits on the core process (kill -9 ends the wait
 at once), and the receiver treats HEARTBEAT_TIMEOUT_S without a message (the core pushes stats every
-0.25 s from its output thread, whatever its step loop does) as a hung core, which it kills. Then every
+0.25 s from its output thread, whatever its step loop does) as a hung core, which it kills; time the
+receiver itself was held up does not count (server.engine.protocol.core_silence). Then every
 open stream ends with EngineDeadError (the HTTP side's SSE error event), every waiting call raises it,
 and submit() raises it (a 503 with Retry-After) until a new core is ready: with a RestartPolicy
 (--engine-restart) a fresh core is started on a fresh input socket (the receiver's PULL socket stays;
@@ -61,6 +62,7 @@ from server.engine.grammar import Grammars
 from server.engine.grammar_worker import GrammarCompileService
 from server.engine.output_text import IncrementalDetokenizer, RequestText
 from server.engine.protocol.client import EngineClient
+from server.engine.protocol.core_silence import CoreSilence
 from server.engine.protocol.errors import EngineDeadError, RequestError
 from server.engine.protocol.request import EngineRequest
 from server.engine.protocol.residency import AdapterTiers, LoadTimes
@@ -72,8 +74,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 3.0  # 12 missed stats pushes: the core's output thread is stuck or gone
+# 40 missed stats pushes: the core's output thread is stuck or gone. Not less: a C call that holds the
+# core's GIL (a Triton compile mid-serving) may take seconds, and a false death fails every request in flight.
+HEARTBEAT_TIMEOUT_S = 10.0
 POLL_MS = 100
+STALL_S = 1.0  # the receiver's poll returned this late: it was held up itself, and the gap does not count
 SHUTDOWN_WAIT_S = 10.0
 REHELLO_S = 0.5
 
@@ -90,7 +95,7 @@ class _Core:
 
 class RemoteEngineClient(EngineClient):
     def __init__(self, launch: CoreLaunch, workdir: str, starter: CoreStarter | None,
-                 restarts: RestartPolicy | None = None) -> None:
+                 restarts: RestartPolicy | None = None, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self._launch = launch
         self._starter = starter  # None: attached, the core is another process's to start
         self._attached = starter is None
@@ -126,17 +131,18 @@ class RemoteEngineClient(EngineClient):
         self.gave_up = False  # the core died and is not being restarted (no policy, or its limit reached)
         self.restarts = 0
         self._served = False  # a core was ready once
-        self._last_heard = time.monotonic()
+        self._silence = CoreSilence(heartbeat_timeout_s, STALL_S)
         self._core: _Core | None = None
 
     @classmethod
     def build(cls, launch_without_address: CoreLaunch, starter: CoreStarter, ready_timeout: float | None = None,
-              restarts: RestartPolicy | None = None) -> "RemoteEngineClient":
+              restarts: RestartPolicy | None = None,
+              heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> "RemoteEngineClient":
         """Blocking: starts the core with `starter` (and restarts it with it) and waits until its engine
         is built (weights loaded, pools sized)."""
         workdir = tempfile.mkdtemp(prefix="loraplex-core-")
         launch = msgspec.structs.replace(launch_without_address, parent_pid=os.getpid())
-        client = cls(launch, workdir, starter, restarts)
+        client = cls(launch, workdir, starter, restarts, heartbeat_timeout_s)
         try:
             client._start_core(ready_timeout)
             client.detokenizer  # noqa: B018 - built now, not in the first request's submit
@@ -182,7 +188,7 @@ class RemoteEngineClient(EngineClient):
             old, self._core = self._core, _Core(number, proc, push)
             if old is not None:
                 old.push.close(linger=0)
-        self._last_heard = time.monotonic()
+        self._silence.heard()
         if proc is None and number == 0:
             threading.Thread(target=self._receive, name="core-receiver", daemon=True).start()
 
@@ -410,15 +416,15 @@ class RemoteEngineClient(EngineClient):
                         continue
                     if core.proc is None and self._core_pid is not None and not psutil.pid_exists(self._core_pid):
                         self._die(core, f"the engine core (pid {self._core_pid}) exited")
-                    elif time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
+                    elif self._silence.quiet():
                         if core.proc is not None:
                             core.proc.kill()  # first: a restart must not find it still running
-                        self._die(core, f"the engine core sent nothing for {HEARTBEAT_TIMEOUT_S:g} s")
+                        self._die(core, f"the engine core sent nothing for {self._silence.timeout_s:g} s")
                     continue
                 message = self._decoder.decode(self._pull.recv(copy=False).buffer)
             except zmq.ZMQError:
                 return  # the context was destroyed: shut down
-            self._last_heard = time.monotonic()
+            self._silence.heard()
             self._handle(message)
 
     def _handle(self, message) -> None:

@@ -4,8 +4,6 @@ not a known message, failing its checks, several frames) is counted and dropped,
 serving its real front end."""
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 
 import msgspec
@@ -13,35 +11,18 @@ import psutil
 import pytest
 import zmq
 
-from adapters.format import ModelShape
-from server.engine.config import EngineConfig
-from server.engine.core.launch import CoreLaunch
-from server.engine.protocol.remote import RemoteEngineClient
-from server.engine.protocol.request import EngineRequest
-from server.engine.sequence import SamplingParams
+from tests.remote_core import greedy_ids, tiny_core
 
 LIMIT = 1 << 20
 
 
 @pytest.fixture
 def core(tiny_model_dir, redis_url, core_starter):
-    shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
-    config = EngineConfig.of(model=str(tiny_model_dir), device="cpu", kv_cache_blocks=64, max_model_len=512)
-    client = RemoteEngineClient.build(CoreLaunch(
-        config, input_address="", parent_pid=0, redis_url=redis_url, redis_prefix="lp-bounds:",
-        adapter_grace_seconds=600.0, adapter_shape=shape, pager=False,
-        max_upload_bytes=1 << 20, max_message_bytes=LIMIT), core_starter, ready_timeout=120)
+    client = tiny_core(tiny_model_dir, redis_url, "lp-bounds:", core_starter, max_message_bytes=LIMIT)
     try:
         yield client
     finally:
         client.shutdown()
-
-
-def _generate(client: RemoteEngineClient, request_id: str) -> list[int]:
-    async def run() -> list[int]:
-        stream = await client.submit(EngineRequest(request_id, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0)))
-        return [out async for out in stream][-1].token_ids
-    return asyncio.run(run())
 
 
 def _wait(cond, timeout: float = 5.0) -> None:
@@ -52,7 +33,7 @@ def _wait(cond, timeout: float = 5.0) -> None:
 
 
 def test_malformed_and_oversized_messages_are_refused_and_the_core_serves_on(core):
-    expected = _generate(core, "before")
+    expected = greedy_ids(core, "before")
     rss = psutil.Process(core.core_pid).memory_info().rss
     ctx = zmq.Context()
     intruder = ctx.socket(zmq.DEALER)
@@ -83,4 +64,4 @@ def test_malformed_and_oversized_messages_are_refused_and_the_core_serves_on(cor
         ctx.destroy(linger=0)
     assert psutil.Process(core.core_pid).memory_info().rss - rss < 16 << 20
     assert core.is_healthy
-    assert _generate(core, "after") == expected
+    assert greedy_ids(core, "after") == expected
