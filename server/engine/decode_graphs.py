@@ -20,6 +20,9 @@ is a one-token decode query, once the step's KV is written (vLLM's batch expansi
 width) shape is a bucket of row bucket x width token rows, so it shares the contexts (and graphs) of
 the token count, decode's included; shapes past the model's token workspace stay eager.
 
+With Medusa heads the step also keeps the last layer's rows (before the final norm) in its output, which
+the heads read after the step (server.engine.medusa_proposer): a captured graph's outputs are both.
+
 On CUDA each (bucket, LoRA, DoRA) context is captured once as a CUDA graph during
 warm-up, largest first into one memory pool, and a decode step replays it:
 no kernel launch from the host at all. Prefill and mixed steps stay eager.
@@ -34,6 +37,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -61,6 +65,13 @@ class DecodeGraphStats:
     capture_bytes: int = 0
 
 
+class PaddedOut(NamedTuple):
+    """What a padded step leaves, every row of its bucket, padding included."""
+
+    logits: torch.Tensor  # [bucket, V] float32
+    hidden: torch.Tensor | None  # [bucket, H] the last layer's rows (keep_hidden), else None
+
+
 class PaddedDecode:
     """Runs decode-only steps padded to a bucket; `capture()` turns each bucket into a CUDA graph."""
 
@@ -68,18 +79,20 @@ class PaddedDecode:
                  num_slots: int, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
                  rank_table: torch.Tensor | None = None, slot_dora: list[bool] | None = None,
                  page_table: torch.Tensor | None = None, verify_widths: tuple[int, ...] = (),
-                 verify_rows: int = 0, lora_form: str | None = None) -> None:
+                 verify_rows: int = 0, lora_form: str | None = None, keep_hidden: bool = False) -> None:
         """rank_table: LoraSlots.rank_table, each slot's own rank [L] int32 (None: full rank);
         slot_dora: LoraSlots.slot_dora, whether each slot holds a DoRA adapter (a live view);
         page_table: LoraSlots.page_table when the adapter memory is paged (updated in place);
         verify_widths: the tokens per row of the verify steps to pad (k + 1 for each k a step may
         verify), of up to verify_rows rows; () for none; lora_form: the LoRA plan of the steps,
-        "gathered" or "tiled" (kernels.sorted_tiles); None: kernels.metadata.PADDED_LORA_FORM."""
+        "gathered" or "tiled" (kernels.sorted_tiles); None: kernels.metadata.PADDED_LORA_FORM;
+        keep_hidden: the step's output keeps the last layer's rows too (Medusa heads read them)."""
         self.lora_form = metadata.PADDED_LORA_FORM if lora_form is None else lora_form
         if self.lora_form not in ("gathered", "tiled"):
             raise ValueError(f"lora_form must be gathered or tiled, got {self.lora_form!r}")
         tiled = self.lora_form == "tiled"
         self.model = model
+        self.keep_hidden = keep_hidden
         self.kv_caches = kv_caches
         self.device = device
         self.buckets = decode_buckets(max_rows)
@@ -107,7 +120,7 @@ class PaddedDecode:
                                                  num_slots if lora else 0, rank_table, dora, page_table,
                                                  buf.tiled_plan(rows) if tiled and lora else None),
                     lora_scratch=lora_scratch)
-        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, PaddedOut]] = {}
         self.replays = 0
         self.eager_steps = 0
         self.verify_steps = 0  # verify steps staged padded
@@ -153,8 +166,8 @@ class PaddedDecode:
         dora = self.slot_dora is not None and any(s >= 0 and self.slot_dora[s] for s in token_slots)
         return rows, any(s >= 0 for s in token_slots), dora
 
-    def run(self, key: tuple[int, bool, bool]) -> torch.Tensor:
-        """Logits [bucket, V] of every row of the staged step, padding included."""
+    def run(self, key: tuple[int, bool, bool]) -> PaddedOut:
+        """The staged step's output: every row of its bucket, padding included."""
         graph = self.graphs.get(key)
         if graph is not None:
             graph[0].replay()
@@ -173,10 +186,13 @@ class PaddedDecode:
         finally:
             self.graphs = kept
 
-    def _forward(self, key: tuple[int, bool, bool]) -> torch.Tensor:
-        rows = key[0]
-        return self.model.forward(self.buffers.rows("input_ids", rows), self.kv_caches, self.contexts[key],
-                                  self.buffers.logits_rows[:rows])
+    def _forward(self, key: tuple[int, bool, bool]) -> PaddedOut:
+        rows, ctx = key[0], self.contexts[key]
+        input_ids, every = self.buffers.rows("input_ids", rows), self.buffers.logits_rows[:rows]
+        if not self.keep_hidden:
+            return PaddedOut(self.model.forward(input_ids, self.kv_caches, ctx, every), None)
+        hidden = self.model.hidden_rows(input_ids, self.kv_caches, ctx, every)  # [bucket, H]
+        return PaddedOut(self.model.logits(hidden, ctx.ops, ctx.lora, every), hidden)
 
     def capture(self) -> CaptureStats:
         """Capture every (bucket, LoRA, DoRA) context as a CUDA graph, largest bucket first into one pool

@@ -342,10 +342,10 @@ def _capture_decode_graphs(config: EngineConfig, device: torch.device, kernels: 
     kernels, unless enforce_eager). Not with the torch kernels: their padded LoRA gathers every row's
     weights (kernels.lora_cpu), which a graph would keep for good (~1 GB at Llama-3-8B widths, 256 rows)."""
     # Not for an MoE model: its routing sizes each expert's matmul on the host, step by step. Not with
-    # Medusa heads: their drafts are made eagerly after each step (server.engine.medusa_proposer). Not
-    # with KV layer groups (server.engine.kv_groups): the padded buffers hold one block table per row.
+    # KV layer groups (server.engine.kv_groups): the padded buffers hold one block table per row. With
+    # Medusa heads the graphs keep the last layer's rows, and the heads run eagerly after each step.
     if (device.type == "cuda" and kernels.name == "triton" and not config.device.enforce_eager
-            and not runner.model.cfg.is_moe and runner.medusa is None and runner.kv_groups is None):
+            and not runner.model.cfg.is_moe and runner.kv_groups is None):
         rows = min(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
         runner.use_padded_decode(max_loras, rows, max_model_len, *verify_shapes(config, device, rows)).capture()
 

@@ -17,10 +17,11 @@ one lm_head row, as a decode step does, not k + 1.
 With Medusa heads (server.engine.medusa_proposer), the step also keeps the last layer's output at the
 logit rows, and each sequence that may speculate gets its next drafts from its row at the position whose
 token it chose last (SeqResult.proposed): after the sampled tokens come back, from one row per sequence,
-in one more small copy to the host. Such a runner runs every step eager (no padded decode buckets).
+in one more small copy to the host.
 
-Otherwise a verify step whose rows are all decode rows (the last token and its drafts) runs padded like a
-decode step, when the runner pads them (server.engine.decode_graphs: each token a one-token row).
+A verify step whose rows are all decode rows (the last token and its drafts) runs padded like a decode
+step, when the runner pads them (server.engine.decode_graphs: each token a one-token row); with Medusa
+heads the padded step keeps the last layer's rows for them.
 """
 from __future__ import annotations
 
@@ -189,9 +190,10 @@ class ModelRunner:
         self.kept_tables = [PaddedTables() for _ in range(1 if self.kv_groups is None else self.kv_groups.num_groups)]
 
     def use_medusa(self, proposer: MedusaProposer) -> None:
-        """Propose Medusa drafts every step from now on (every step eager: see the module's docstring)."""
+        """Propose Medusa drafts every step from now on (before use_padded_decode(): its steps keep the rows
+        the heads read)."""
+        assert self.padded is None, "use_medusa() before use_padded_decode()"
         self.medusa = proposer
-        self.padded = None
 
     def use_padded_decode(self, num_slots: int, max_rows: int, max_model_len: int,
                           verify_widths: tuple[int, ...] = (), verify_rows: int = 0) -> PaddedDecode:
@@ -201,7 +203,8 @@ class ModelRunner:
             raise ValueError("padded decode holds one block table per row: not for a model with KV layer groups")
         self.padded = PaddedDecode(self.model, self.kv_caches, self.ops, self.lora_scratch, num_slots, max_rows,
                                    max_model_len, self.block_size, self.device, self.rank_table, self.slot_dora,
-                                   self.page_table, verify_widths, verify_rows)
+                                   self.page_table, verify_widths, verify_rows,
+                                   keep_hidden=self.medusa is not None)
         return self.padded
 
     def prepare(self, batch: ScheduledBatch, ahead: bool = False) -> StepInputs:
@@ -460,12 +463,12 @@ class ModelRunner:
         # one staged launch (a graph on CUDA), lm_head included.
         in_rounds = (self.verifies_in_rounds and bool(inputs.drafts) and inputs.padded is None
                      and inputs.row_logits is None and inputs.prompt is None)
-        if inputs.medusa_rows is not None or in_rounds:  # eager: the last layer's rows are kept
+        if inputs.padded is not None:
+            logits, hidden = self._run_padded(inputs)  # [S+Q, V], and [S+Q, H] for Medusa rows
+        elif inputs.medusa_rows is not None or in_rounds:  # eager: the last layer's rows are kept
             hidden = self.model.hidden_rows(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
-        if in_rounds:
-            logits = None
-        elif hidden is not None:
-            logits = self.model.logits(hidden, self.ops, inputs.ctx.lora, inputs.logits_indices)
+            logits = None if in_rounds else self.model.logits(hidden, self.ops, inputs.ctx.lora,
+                                                              inputs.logits_indices)
         else:
             logits = self.forward(inputs)  # [S+Q, V]
         results = {i: SeqResult(True) for i in inputs.scored_seqs}
@@ -568,13 +571,19 @@ class ModelRunner:
             results[i].proposed = p
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [S+Q, V] of the step's sampled and prompt-logprob rows."""
-        if inputs.padded is None:
-            return self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
-        logits = self.padded.run(inputs.padded)  # [bucket, V]: every row, padding included
-        if inputs.logits_indices is None:
-            return logits[: inputs.num_logits]
-        return logits.index_select(0, inputs.logits_indices)
+        """Logits [S+Q, V] of an eager step's sampled and prompt-logprob rows."""
+        return self.model.forward(inputs.input_ids, self.kv_caches, inputs.ctx, inputs.logits_indices)
+
+    def _run_padded(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A padded step's logits [S+Q, V] and, when it has Medusa rows, the last layer's rows [S+Q, H],
+        each in logits_indices' order."""
+        out = self.padded.run(inputs.padded)  # every row of the bucket, padding included
+        index = inputs.logits_indices
+
+        def pick(rows: torch.Tensor) -> torch.Tensor:
+            return rows[: inputs.num_logits] if index is None else rows.index_select(0, index)
+        hidden = out.hidden if inputs.medusa_rows is not None else None
+        return pick(out.logits), None if hidden is None else pick(hidden)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         copy_blocks(self.kv_caches, copies, self.device)

@@ -14,6 +14,7 @@ from kernels import attention_decode, attention_triton, lora_triton_jit, metadat
 from server.engine import LLM, SamplingParams
 from kernels.sorted_tiles import max_tiles
 from server.engine.decode_buffers import bucket_for, decode_buckets
+from server.engine.decode_graphs import PaddedOut
 from tests.engine_helpers import random_prompts
 
 VOCAB = 512
@@ -158,7 +159,7 @@ def test_graphs_off_runs_the_padded_contexts_eagerly_and_keeps_the_graphs(tiny_m
     padded = llm.engine.runner.padded
     graph = _CountingGraph()
     key = (4, True, False)  # 3 rows with an adapter pad to bucket 4
-    padded.graphs[key] = (graph, torch.zeros(4, VOCAB))  # its logits: what a replay leaves in its output
+    padded.graphs[key] = (graph, PaddedOut(torch.zeros(4, VOCAB), None))  # what a replay leaves in its output
     _decode_ready(llm, ["r8_all", None, "r4_qv"])
     with padded.graphs_off():
         assert padded.graphs == {}
@@ -327,7 +328,7 @@ def test_padded_forward_reads_nothing_back_to_the_host(tiny_model_dir, tiny_adap
     log = LaunchLog(monkeypatch) if kernels == "triton" else None
     # The interpreter runs a Triton kernel on numpy copies: only the kernels' own launches may read.
     _forbid_host_sync(monkeypatch, allowed=lambda: log is not None and log.inside)
-    logits = runner.padded.run(inputs.padded)
+    logits = runner.padded.run(inputs.padded).logits
     monkeypatch.undo()
     assert logits.shape == (bucket_for(len(names), decode_buckets(8)), VOCAB) and torch.isfinite(logits).all()
     with pytest.raises(HostSyncForbidden):  # the guard works: the unpadded path reads host values

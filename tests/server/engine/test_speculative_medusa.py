@@ -18,6 +18,7 @@ import torch
 from server.engine import LLM, SamplingParams
 from adapters.medusa_format import (ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE, HeadWeights, MedusaHeadsError, read_heads_dir,
                                     save_heads)
+from server.engine.engine_startup import verify_shapes
 from server.engine.speculative_config import parse_speculative_config
 from tests.scripts.script_module import script_module
 from tests.server.engine.test_speculative_ngram import assert_same, generate_checked, mixed_params
@@ -66,13 +67,16 @@ def spec(heads: Path, k: int = 3) -> dict:
 
 
 def pair(model_dir, adapters, heads: Path, extra: dict | None = None, **kw) -> tuple[LLM, LLM]:
+    return engine(model_dir, adapters, None, **kw), engine(model_dir, adapters, {**spec(heads), **(extra or {})}, **kw)
+
+
+def engine(model_dir, adapters, speculative_config: dict | None, **kw) -> LLM:
     opts = dict(device="cpu", dtype="float32", max_loras=4, max_model_len=256, max_num_batched_tokens=64,
-                block_size=16, kernels="torch", **kw)
-    llms = LLM(model_dir, **opts), LLM(model_dir, speculative_config={**spec(heads), **(extra or {})}, **opts)
-    for llm in llms:
-        llm.add_adapter("r8_all", adapters["r8_all"])
-        llm.add_adapter("r4_qv", adapters["r4_qv"])
-    return llms
+                block_size=16, kernels="torch") | kw
+    llm = LLM(model_dir, speculative_config=speculative_config, **opts)
+    llm.add_adapter("r8_all", adapters["r8_all"])
+    llm.add_adapter("r4_qv", adapters["r4_qv"])
+    return llm
 
 
 def prompts_of(n: int, seed: int) -> list[list[int]]:
@@ -292,6 +296,49 @@ def test_an_adapters_own_heads_draft_for_its_requests_and_outputs_stay_the_plain
     medusa.remove_adapter("r8_all")
     medusa.generate([[5, 6, 7]], SamplingParams(max_tokens=2), adapters=["r4_qv"])  # frees the slot
     assert not proposer.slot_heads
+
+
+def test_padded_steps_keep_the_rows_the_heads_read(tiny_model_dir, tiny_adapters, trained_heads, own_heads_adapter):
+    """Decode and verify steps padded to their buckets (on CUDA, replayed graphs: server.engine.decode_graphs)
+    keep the last layer's rows for the heads: the same drafts (the counters equal), tokens and logprobs (within
+    1e-4) as eager steps, for base rows, an adapter with heads of its own and one without."""
+    llms = [engine(tiny_model_dir, tiny_adapters, spec(trained_heads), kv_cache_blocks=64) for _ in range(2)]
+    eager, padded = llms
+    cfg = padded.engine.config
+    runner = padded.engine.runner
+    runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len,
+                             *verify_shapes(cfg, torch.device("cpu"), cfg.scheduler.max_num_seqs))
+    _same_greedy_run(llms, own_heads_adapter)
+    steps = runner.padded
+    assert eager.engine.runner.padded is None
+    assert steps.verify_steps > 0 and steps.eager_steps > steps.verify_steps, "no padded verify or decode step ran"
+
+
+def _same_greedy_run(llms: list[LLM], own_heads_adapter) -> None:
+    for llm in llms:
+        llm.add_adapter("r8_all", own_heads_adapter)
+    prompts = prompts_of(6, seed=11)
+    names = [None, "r8_all", "r4_qv", "r8_all", None, "r4_qv"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = [llm.generate(prompts, params, adapters=names) for llm in llms]
+    for out, ref in zip(*outs, strict=True):
+        assert out.token_ids == ref.token_ids
+        for a, b in zip(out.logprobs, ref.logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-4
+    counters = [llm.engine.scheduler.spec_counters.snapshot() for llm in llms]
+    assert counters[0] == counters[1] and counters[0].num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_captured_graphs_keep_the_rows_the_heads_read_on_cuda(tiny_model_dir, tiny_adapters, trained_heads,
+                                                             own_heads_adapter):
+    """The engine captures its decode and verify graphs with Medusa heads too, and replays them."""
+    graphs, eager = (engine(tiny_model_dir, tiny_adapters, spec(trained_heads), kv_cache_blocks=64, device="cuda",
+                            kernels="triton", enforce_eager=enforce) for enforce in (False, True))
+    assert eager.engine.runner.padded is None and graphs.engine.runner.padded.keep_hidden
+    _same_greedy_run([eager, graphs], own_heads_adapter)
+    padded = graphs.engine.runner.padded
+    assert padded.verify_steps > 0 and padded.stats().replays > padded.verify_steps
 
 
 def test_an_adapters_heads_that_do_not_fit_the_base_are_refused_naming_the_mismatch(tiny_model_dir, tiny_adapters,
