@@ -97,15 +97,18 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=12, help="requests per batch-1 case")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cpu-threads", type=int, default=1)
+    ap.add_argument("--cpu-threads", type=int, default=1, help="torch threads (--device cpu)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the engine's GPU path (Triton kernels, decode and verify graphs)")
     ap.add_argument("--json", default="bench-out/speculative-cpu.json")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else default_model()
     spec = json.loads(args.spec)
     if args.draft_self is not None:
         spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": args.draft_self}
-    opts = dict(device="cpu", dtype="float32", max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024,
-                cpu_threads=args.cpu_threads)
+    opts = dict(device=args.device, dtype="float32", max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024)
+    if args.device == "cpu":
+        opts["cpu_threads"] = args.cpu_threads
     plain, specd = LLM(model_dir, **opts), LLM(model_dir, speculative_config=spec, **opts)
     cases = [(w, int(b)) for w, b in (c.split(":") for c in args.cases.split(","))]
     load_before = os.getloadavg()
@@ -147,8 +150,9 @@ def main() -> None:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "model": str(model_dir.name), "speculative_config": spec, "device": "cpu", "cpu": cpu_model(),
-        "cpu_threads": args.cpu_threads, "torch": torch.__version__, "machine": platform.machine(),
+        "model": str(model_dir.name), "speculative_config": spec, "device": args.device, "cpu": cpu_model(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "cpu_threads": args.cpu_threads if args.device == "cpu" else None, "torch": torch.__version__, "machine": platform.machine(),
         "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "max_tokens": args.max_tokens, "rounds": args.rounds, "cases": results,
     }, indent=2) + "\n")
