@@ -12,6 +12,7 @@ from benchmarks.profile import gpu_profile_step as gps
 from benchmarks.profile.kernel_classes import kernel_report
 from benchmarks.profile.token_divergence import MISMATCH, NEAR_TIE_NATS, ROUNDING, Generated
 from server.engine import LLM
+from server.engine.decode_graphs import PaddedOut
 from tests.engine_helpers import random_prompts
 
 VOCAB = 512
@@ -75,7 +76,7 @@ def test_the_replay_check_catches_a_graph_that_differs_from_its_launches(tiny_mo
     assert gps.replay_check(plain, batches, [], 3) == {"compared": 0, "bit_identical": 0,
                                                        "skipped": "no captured graphs"}
     padded = plain.engine.runner.padded
-    padded.graphs[4, True, False] = (_ZeroLogitsGraph(), torch.zeros(4, VOCAB))
+    padded.graphs[4, True, False] = (_ZeroLogitsGraph(), PaddedOut(torch.zeros(4, VOCAB), None))
     graphed = gps.generate(plain, batches, 3)
     assert padded.replays == 2  # the two decode steps replayed it (the first token is the prefill's)
     check = gps.replay_check(plain, batches, graphed, 3)
