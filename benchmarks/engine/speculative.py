@@ -152,7 +152,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "model": str(model_dir.name), "speculative_config": spec, "device": args.device, "cpu": cpu_model(),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-        "cpu_threads": args.cpu_threads if args.device == "cpu" else None, "torch": torch.__version__, "machine": platform.machine(),
+        "cpu_threads": args.cpu_threads if args.device == "cpu" else None, "torch": torch.__version__,
+        "machine": platform.machine(),
         "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         "max_tokens": args.max_tokens, "rounds": args.rounds, "cases": results,
     }, indent=2) + "\n")

@@ -38,10 +38,15 @@ def make_llm(model_dir, adapters, method: str, padded: bool, device: str = "cpu"
     for name in ADAPTERS:
         llm.add_adapter(name, adapters[name])
     if padded:
-        cfg = llm.engine.config
-        llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len,
-                                            *verify_shapes(cfg, torch.device(device), cfg.scheduler.max_num_seqs))
+        pad_steps(llm, device)
     return llm
+
+
+def pad_steps(llm: LLM, device: str = "cpu") -> None:
+    """Decode and verify steps padded from now on, as the engine pads them on CUDA (engine_startup.verify_shapes)."""
+    cfg = llm.engine.config
+    llm.engine.runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len,
+                                        *verify_shapes(cfg, torch.device(device), cfg.scheduler.max_num_seqs))
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

@@ -18,9 +18,9 @@ import torch
 from server.engine import LLM, SamplingParams
 from adapters.medusa_format import (ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE, HeadWeights, MedusaHeadsError, read_heads_dir,
                                     save_heads)
-from server.engine.engine_startup import verify_shapes
 from server.engine.speculative_config import parse_speculative_config
 from tests.scripts.script_module import script_module
+from tests.server.engine.test_padded_verify import assert_close, pad_steps
 from tests.server.engine.test_speculative_ngram import assert_same, generate_checked, mixed_params
 
 pytestmark = pytest.mark.unit
@@ -304,12 +304,9 @@ def test_padded_steps_keep_the_rows_the_heads_read(tiny_model_dir, tiny_adapters
     1e-4) as eager steps, for base rows, an adapter with heads of its own and one without."""
     llms = [engine(tiny_model_dir, tiny_adapters, spec(trained_heads), kv_cache_blocks=64) for _ in range(2)]
     eager, padded = llms
-    cfg = padded.engine.config
-    runner = padded.engine.runner
-    runner.use_padded_decode(cfg.lora.max_loras, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len,
-                             *verify_shapes(cfg, torch.device("cpu"), cfg.scheduler.max_num_seqs))
+    pad_steps(padded)
     _same_greedy_run(llms, own_heads_adapter)
-    steps = runner.padded
+    steps = padded.engine.runner.padded
     assert eager.engine.runner.padded is None
     assert steps.verify_steps > 0 and steps.eager_steps > steps.verify_steps, "no padded verify or decode step ran"
 
@@ -320,11 +317,7 @@ def _same_greedy_run(llms: list[LLM], own_heads_adapter) -> None:
     prompts = prompts_of(6, seed=11)
     names = [None, "r8_all", "r4_qv", "r8_all", None, "r4_qv"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-    outs = [llm.generate(prompts, params, adapters=names) for llm in llms]
-    for out, ref in zip(*outs, strict=True):
-        assert out.token_ids == ref.token_ids
-        for a, b in zip(out.logprobs, ref.logprobs, strict=True):
-            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-4
+    assert_close(*(llm.generate(prompts, params, adapters=names) for llm in llms))  # tokens; logprobs within 1e-4
     counters = [llm.engine.scheduler.spec_counters.snapshot() for llm in llms]
     assert counters[0] == counters[1] and counters[0].num_accepted_tokens > 0
 

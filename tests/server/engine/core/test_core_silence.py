@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from server.engine.core.messages import STATS_INTERVAL_S
 from server.engine.protocol.core_silence import CoreSilence
 from server.engine.protocol.remote import RemoteEngineClient, RestartPolicy
 from tests.remote_core import greedy_ids, tiny_core
@@ -63,7 +64,7 @@ def core(tiny_model_dir, redis_server, core_starter):
 
 
 def _still_serving(client: RemoteEngineClient, pid: int, expected: list[int], request_id: str) -> None:
-    time.sleep(3 * 0.25)  # the core's next pushes arrive; a death would have been declared by now
+    time.sleep(3 * STATS_INTERVAL_S)  # the core's next pushes arrive; a death would have been declared by now
     assert client.is_healthy and client.error is None, client.error
     assert client.restarts == 0 and client.core_pid == pid
     assert greedy_ids(client, request_id) == expected
