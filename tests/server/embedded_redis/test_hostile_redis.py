@@ -13,6 +13,8 @@ import pytest
 from server.embedded_redis.server import EmbeddedRedis, free_port
 from tests.fixtures_server import running_server, server_config
 
+TOKENS = 300  # the stream in flight: long enough to still run when the engine is paused after its first token
+
 
 def wait_for(cond, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
@@ -39,7 +41,7 @@ def test_redis_outage_answers_503_and_recovers(tiny_model_dir, tiny_adapters, ow
         name, key = server.new_tenant({"max_concurrent_requests": 4})
         assert server.upload(key, "ad", tiny_adapters["r8_all"]).status_code == 201
         model = server.state.model_id
-        body = {"model": "ad", "prompt": [5] * 10, "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+        body = {"model": "ad", "prompt": [5] * 10, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         subscriptions = server.state.retirements.subscriptions
         with server.engine_throttled(), httpx.Client(base_url=server.url, timeout=60,
@@ -48,7 +50,10 @@ def test_redis_outage_answers_503_and_recovers(tiny_model_dir, tiny_adapters, ow
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
                 with own_redis.pause_supervision():
-                    own_redis.kill()
+                    # Paused while Redis goes: under load a throttled 40-token stream ran free and settled first.
+                    with server.engine_paused():
+                        assert server.state.engine.stats().scheduler.running == 1, "the stream ended too soon"
+                        own_redis.kill()
                     # Everything that needs Redis is a 503 with Retry-After, not a 500.
                     for method, path, token in [("POST", "/v1/completions", key), ("GET", "/v1/models", key),
                                                 ("GET", "/v1/usage", key), ("GET", "/v1/adapters", key),
@@ -62,7 +67,7 @@ def test_redis_outage_answers_503_and_recovers(tiny_model_dir, tiny_adapters, ow
                     assert health.status_code == 503 and health.json()["redis"] is False
                     # The stream in flight needs no Redis: it finishes, and settles later.
                     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-                    assert events[-1]["usage"]["completion_tokens"] == 40
+                    assert events[-1]["usage"]["completion_tokens"] == TOKENS
                     wait_for(lambda: server.state.settlements.pending == 1)
         # Redis is back (same data, from its AOF): everything recovers on its own.
         own_redis.wait_until_up()
@@ -75,7 +80,7 @@ def test_redis_outage_answers_503_and_recovers(tiny_model_dir, tiny_adapters, ow
         assert out.usage.completion_tokens == 3
         with server.http(key) as h:
             usage = h.get("/v1/usage").json()
-        assert usage["total"]["requests"] == 2 and usage["total"]["completion_tokens"] == 43
+        assert usage["total"]["requests"] == 2 and usage["total"]["completion_tokens"] == TOKENS + 3
         wait_for(lambda: server.state.retirements.subscriptions > subscriptions)
 
 
