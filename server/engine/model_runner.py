@@ -10,7 +10,13 @@ A sequence running drafts (speculative decoding) gets logits at its last token a
 sampling row per position as the plain engine would build it once the drafts before it are its output
 (the same output index, so a seeded row draws the same number; penalties see those drafts). Its
 result is the longest run of drafts equal to the target's own choices, then the target's choice at
-the first mismatch (or after the last draft). Such a step runs the lm_head in rounds, a position only
+the first mismatch (or after the last draft). A greedy or seeded row so emits the plain engine's tokens.
+An unseeded row draws each position from the engine's generator, independently: a draft d is then
+accepted with the target's probability p(d), and at the first rejection the token drawn is p's draw
+given that it is not d, which is rejection sampling's residual for a draft that is one token (ngram's,
+Medusa's top-1, a draft model's greedy one: max(p - onehot(d), 0), normalised). Every emitted token
+is so distributed as the target's, with every sampling parameter applied per position (Leviathan et
+al. 2023; vLLM's rejection sampler for drafts without probabilities). Such a step runs the lm_head in rounds, a position only
 once every draft before it was accepted (_verify_in_rounds): at batch 1 a rejected first draft costs
 one lm_head row, as a decode step does, not k + 1.
 
@@ -516,9 +522,10 @@ class ModelRunner:
 
         A row after a rejected draft is never used, so computing it was the verify's main waste on a CPU:
         the lm_head is a [V, H] matmul whose cost grows with its rows (about 2.4x at 5 rows against 1),
-        where the layers' matmuls barely do. The choices are the ones one pass over every row makes:
-        speculating rows are greedy or seeded (scheduler.verifiable), drawn from their own logits and
-        output index; the other rows are all in the first round, in batch order, as before."""
+        where the layers' matmuls barely do. A greedy or seeded row's choices are the ones one pass over
+        every row makes (drawn from its own logits and output index); an unseeded row's draws are
+        independent per position either way, so its tokens keep the same distribution. The other rows
+        are all in the first round, in batch order, as before."""
         drafts, starts, sampled = inputs.drafts, inputs.row_starts, inputs.sampled_seqs
         tokens: list = [None] * len(inputs.rows)
         logprobs: list = [None] * len(inputs.rows)

@@ -47,9 +47,8 @@ the prefix cache (server.engine.block_manager) and computes only the rest, in
 chunks as usual. Cached blocks nobody holds count as free: taking one costs a
 block like allocating one does, so the cache never crowds out running work.
 
-With speculative decoding (server.engine.speculative_config), a decoding sequence whose next tokens
-can be verified exactly (greedy, or seeded: sampler.py draws a seeded row from its output index
-alone; no grammar) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
+With speculative decoding (server.engine.speculative_config), a decoding sequence (no grammar, not
+forking now: verifiable) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
 or a draft model's: server.engine.draft_model_proposer); they count against the token budget and get KV
 slots like any token; a draft model's work counts too (its catch-up over the tokens it has not seen and
 one token per draft), k shrinking to what the budget holds; when not one draft fits, the catch-up runs
@@ -931,13 +930,10 @@ class Scheduler:
 
 
 def verifiable(seq: Sequence) -> bool:
-    """Whether `seq` takes drafts for its next tokens: it did not opt out, and verifying them is exact:
-    greedy or seeded (sampler.py draws a seeded row from its output index alone), no grammar, not forking
-    now."""
-    if not seq.params.speculative or seq.grammar is not None or seq.group.needs_fork:
-        return False
-    # An unseeded draw takes the engine's generator in batch order: not per position.
-    return seq.params.greedy or seq.params.seed is not None
+    """Whether `seq` takes drafts for its next tokens: it did not opt out, no grammar, not forking now.
+    Every sampling mode verifies exactly (server.engine.model_runner): greedy and seeded rows choose the
+    plain engine's tokens, unseeded ones keep the target's distribution (rejection sampling)."""
+    return seq.params.speculative and seq.grammar is None and not seq.group.needs_fork
 
 
 def _mask_ready(seq: Sequence, end: int) -> bool:
