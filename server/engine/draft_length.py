@@ -26,6 +26,10 @@ class DraftLength:
             return 0
         return self.k
 
+    def peek(self) -> int:
+        """What next_k() will return, without counting down a rest."""
+        return 0 if self.rest else self.k
+
     def verified(self, drafted: int, accepted: int) -> None:
         self.k, self.misses, self.rest = self._after(drafted, accepted)
 

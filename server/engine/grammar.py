@@ -31,7 +31,7 @@ import torch
 import xgrammar as xgr
 
 from server.engine.json_string_safety import json_schema_grammar, structural_tag_grammar
-from server.engine.mask_lane import LaneMatcher, MaskBudget, MaskLane
+from server.engine.mask_lane import DraftPosition, LaneMatcher, MaskBudget, MaskLane
 from server.engine.repetition_depth import MAX_NESTED_REPETITION, grammar_depth, regex_depth
 from server.engine.schema_keywords import unenforced_in_tag, unenforced_keyword
 from server.engine.structured_outputs import StructuredOutputsParams
@@ -194,11 +194,11 @@ class Grammars:
         return xgr.CompiledGrammar.deserialize_json(serialized, self.info)
 
     def choice_matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None,
-                       tenant: str | None = None) -> LaneMatcher:
+                       tenant: str | None = None, max_drafts: int = 0) -> LaneMatcher:
         """A constrained choice's matcher, its first mask already being filled on the lane; `sibling`: an
         earlier choice of its request (None for the first), whose mask budget it shares; `tenant`: whose
-        turn its fills take on the lane."""
-        return self.lane.matcher(compiled, kind, sibling, tenant)
+        turn its fills take on the lane; `max_drafts`: the most drafts a step verifies."""
+        return self.lane.matcher(compiled, kind, sibling, tenant, max_drafts)
 
     def stats(self) -> GrammarStats:
         with self._lock:
@@ -220,7 +220,7 @@ class GrammarMask:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def gather(self, matchers: Sequence[LaneMatcher | None]) -> torch.Tensor | None:
+    def gather(self, matchers: Sequence[LaneMatcher | DraftPosition | None]) -> torch.Tensor | None:
         """[N, ceil(V / 32)] int32 on the CPU, bit t of row i set when row i may take token t;
         None when no row is constrained (the batch pays nothing). Every matcher's mask is ready
         (the scheduler ran only those)."""

@@ -8,9 +8,16 @@ id, Linux): on a busy CPU the forward wins. The scheduler runs a constrained cho
 only when its mask is `ready` (server.engine.scheduler); until then it sits out, keeping its KV
 blocks and its seat, while everyone else's steps go on.
 
-A matcher is never touched by two threads at once: a fill is in flight only between an accepted
-token and the next sample of that choice, and the engine thread reads the matcher's termination
+A matcher is never touched by two threads at once: a fill is in flight only between the step that
+accepted a choice's tokens and its next sample, and the engine thread reads the matcher's termination
 state once, before the fill starts.
+
+With speculative decoding a fill also covers the drafts the choice will verify next (`refill`): on the
+fill thread the matcher takes them one at a time, a mask row filled after each, and stops at the first
+the grammar refuses (or one that completes it); then it rolls them back. The scheduler runs only the
+drafts the grammar accepted (`drafts`), each verify position masked by its own row (`position`), so
+every position samples as the plain engine would once the drafts before it are its output. The
+tokens the step emits are then accepted for real (`accept_token`), and the next fill starts.
 
 Each fill's CPU time is charged to its request (its n choices share one account): one fill past
 `max_fill_seconds`, or the request's fills together past `max_total_seconds`, fail the choice
@@ -81,10 +88,12 @@ class MaskLane:
         self.pool = FairLane(workers, "loraplex-mask", initializer=_lower_priority)
 
     def matcher(self, compiled: xgr.CompiledGrammar, kind: str, sibling: LaneMatcher | None = None,
-                tenant: str | None = None) -> LaneMatcher:
+                tenant: str | None = None, max_drafts: int = 0) -> LaneMatcher:
         """A new choice's matcher; `sibling`: another choice of its request, whose account it shares;
-        `tenant`: whose turn its fills take on the lane."""
-        return LaneMatcher(self, xgr.GrammarMatcher(compiled), kind, sibling.spend if sibling else MaskSpend(), tenant)
+        `tenant`: whose turn its fills take on the lane; `max_drafts`: the most drafts a step verifies
+        (speculative decoding's k; 0 without it)."""
+        return LaneMatcher(self, xgr.GrammarMatcher(compiled), kind, sibling.spend if sibling else MaskSpend(), tenant,
+                           max_drafts)
 
     def shutdown(self) -> None:
         self.pool.shutdown()
@@ -94,7 +103,7 @@ class LaneMatcher:
     """One constrained choice's matcher, with its next mask row filled ahead on the lane."""
 
     def __init__(self, lane: MaskLane, matcher: xgr.GrammarMatcher, kind: str, spend: MaskSpend,
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, max_drafts: int = 0) -> None:
         self.lane = lane
         self.tenant = tenant
         self.matcher = matcher
@@ -102,20 +111,32 @@ class LaneMatcher:
         self.spend = spend  # its request's mask CPU time
         self.failure: str | None = None
         self._terminated = False
-        self._row = xgr.allocate_token_bitmask(1, lane.vocab_size)  # [1, W] int32
+        # Row j: the mask of the position after j drafts (row 0 the next token's). [1 + max_drafts, W] int32
+        self._rows = xgr.allocate_token_bitmask(1 + max_drafts, lane.vocab_size)
+        self._proposed: list[int] = []  # the drafts the fill in flight checks
+        self.drafts: list[int] = []  # of those, the ones the grammar accepts (read once the fill is done)
+        self._stale = False  # tokens accepted since the last fill started: refill() starts the next
         self._started = 0.0
         self._future: Future = self._submit()
 
     # ---- the engine thread ----
     def accept_token(self, token: int) -> bool:
-        """Advance by `token` (the sampled one: its mask was ready) and start the next fill."""
+        """Advance by `token` (one the step emitted: its mask was ready); refill() starts the next fill."""
         assert self._future.done(), "a token accepted while its mask was still being filled"
         if not self.matcher.accept_token(token):
             return False
         self._terminated = self.matcher.is_terminated()
-        if not self._terminated:
-            self._future = self._submit()
+        self._stale = True
+        self.drafts = []
         return True
+
+    def refill(self, drafts: list[int] = ()) -> None:
+        """Start filling the next masks, once the step's tokens are accepted: the next token's, and one per
+        draft the grammar accepts of `drafts` (at most max_drafts: the next step's candidates)."""
+        if self._stale and not self._terminated:
+            self._stale = False
+            self._proposed = list(drafts[: self._rows.shape[0] - 1])
+            self._future = self._submit()
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -124,17 +145,24 @@ class LaneMatcher:
     def ready(self) -> bool:
         """Whether the next sample may run: its mask is filled, or the choice has failed its budget
         (the step then ends it). A fill running far past its cap fails the choice at once."""
+        self.refill()  # tokens accepted that no refill followed (without drafts): fill now
         if self._future.done():
             return True
-        if time.perf_counter() - self._started > self.lane.budget.max_fill_seconds * IN_FLIGHT_SLACK:
+        rows = 1 + len(self._proposed)  # a fill with drafts fills a row after each the grammar accepts
+        if time.perf_counter() - self._started > self.lane.budget.max_fill_seconds * IN_FLIGHT_SLACK * rows:
             self.failure = self.failure or self._over(self.lane.budget.max_fill_seconds, "one token's mask")
             return True
         return False
 
-    def row(self) -> torch.Tensor:
-        """[1, W] int32: the next token's mask (every bit set once the choice has failed: its row's token is
-        replaced by the failure)."""
-        return torch.full_like(self._row, -1) if self.failure is not None else self._row
+    def row(self, j: int = 0) -> torch.Tensor:
+        """[1, W] int32: the mask of the position after j of `drafts` (0: the next token's); every bit set
+        once the choice has failed (its row's token is replaced by the failure)."""
+        row = self._rows[j : j + 1]
+        return torch.full_like(row, -1) if self.failure is not None else row
+
+    def position(self, j: int) -> LaneMatcher | DraftPosition:
+        """What a verify step's row j of this choice reads its mask from (j drafts before it)."""
+        return self if j == 0 else DraftPosition(self, j)
 
     # ---- the fill thread ----
     def _submit(self) -> Future:
@@ -142,12 +170,30 @@ class LaneMatcher:
         return self.lane.pool.submit(self.tenant, self._fill)
 
     def _fill(self) -> None:
-        start = time.thread_time()
+        """The next token's mask, then, over the drafts the grammar accepts in turn, each next position's;
+        the matcher is left as it was (the drafts rolled back)."""
+        stepped = taken = 0  # drafts the matcher took; of those, the ones with a filled row after them
         try:
-            self.matcher.fill_next_token_bitmask(self._row)
+            if self._fill_row(0):
+                for token in self._proposed:
+                    if not self.matcher.accept_token(token, debug_print=False):
+                        break
+                    stepped += 1
+                    # A draft that completes the grammar ends the choice: nothing is verified past it.
+                    if self.matcher.is_terminated() or not self._fill_row(stepped):
+                        break
+                    taken = stepped
         except Exception as e:  # noqa: BLE001 - this choice's failure, never the engine's
             self.failure = f"the {self.kind} constraint's token mask failed: {type(e).__name__}: {e}"
-            return
+        finally:
+            if stepped:
+                self.matcher.rollback(stepped)
+        self.drafts = self._proposed[:taken] if self.failure is None else []
+
+    def _fill_row(self, j: int) -> bool:
+        """Fill row j at the matcher's state, its CPU time charged; False when that fails the choice."""
+        start = time.thread_time()
+        self.matcher.fill_next_token_bitmask(self._rows, j)
         seconds = time.thread_time() - start
         total = self.spend.add(seconds)
         budget = self.lane.budget
@@ -155,7 +201,23 @@ class LaneMatcher:
             self.failure = self.failure or self._over(budget.max_fill_seconds, f"one token's mask ({seconds:.2f} s)")
         elif total > budget.max_total_seconds:
             self.failure = self.failure or self._over(budget.max_total_seconds, f"its masks together ({total:.2f} s)")
+        return self.failure is None
 
     def _over(self, cap: float, what: str) -> str:
         return (f"the {self.kind} constraint is too costly to enforce: {what} took longer than the "
                 f"{cap:g} s allowed; simplify it")
+
+
+@dataclass(frozen=True)
+class DraftPosition:
+    """A verify step's row j > 0 of a constrained choice: its mask is the one filled after j drafts."""
+
+    matcher: LaneMatcher
+    j: int
+
+    @property
+    def failure(self) -> str | None:
+        return self.matcher.failure
+
+    def row(self) -> torch.Tensor:
+        return self.matcher.row(self.j)

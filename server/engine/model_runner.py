@@ -661,7 +661,8 @@ def _draft_row(seq: Sequence, before: list[int]) -> SamplingRow:
             output_counts[token] = output_counts.get(token, 0) + 1
     prompt_ids = seq.group.distinct_prompt_ids() if p.repetition_penalty != 1.0 else None
     stop_ids = seq.group.min_tokens_stop_ids if output_index < p.min_tokens else ()
-    return SamplingRow(p, seq.index, output_index, output_counts, prompt_ids, stop_ids)
+    grammar = seq.grammar.position(len(before)) if seq.grammar is not None else None  # its mask after `before`
+    return SamplingRow(p, seq.index, output_index, output_counts, prompt_ids, stop_ids, grammar)
 
 
 def _add_rows(rows: list[SamplingRow], seq: Sequence) -> None:

@@ -167,6 +167,7 @@ class OutputProcessor:
                 seq.proposed = result.proposed
             if result.drafted:
                 self._advance_run(outputs, seq, n - result.drafted, result)
+                self._refill(seq)
                 continue
             seq.num_computed_tokens += n
             # Blocks this step filled are computed now, so others may reuse them (before a fork copies
@@ -182,8 +183,10 @@ class OutputProcessor:
             if seq.group.needs_fork:  # its prompt is in: the other choices start, each with its token
                 for choice, token, logprob in zip([seq, *self.scheduler.fork(seq)], result.tokens, result.logprobs):
                     self._advance(outputs, choice, token, logprob)
+                    self._refill(choice)
             else:
                 self._advance(outputs, seq, result.tokens[0], result.logprobs[0])
+                self._refill(seq)
         if charged:
             self.scheduler.waiting.charge_outputs(charged)
             self.scheduler.num_generated_tokens += sum(charged.values())  # as _append_token counts each
@@ -203,6 +206,12 @@ class OutputProcessor:
         else:
             self.scheduler.roll_back(seq)
         outputs[mark:] = outputs[-1:]
+
+    def _refill(self, seq: Sequence) -> None:
+        """A constrained choice that took this step's tokens: its next masks start filling, for the drafts
+        its next step may verify too (server.engine.mask_lane)."""
+        if seq.grammar is not None and not seq.finished:
+            seq.grammar.refill(self.scheduler.next_drafts(seq))
 
     def _advance(self, outputs: list[RequestOutput], seq: Sequence, token: int | SampleFailure,
                  logprob: TokenLogprobs | None) -> None:

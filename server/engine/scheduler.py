@@ -47,8 +47,9 @@ the prefix cache (server.engine.block_manager) and computes only the rest, in
 chunks as usual. Cached blocks nobody holds count as free: taking one costs a
 block like allocating one does, so the cache never crowds out running work.
 
-With speculative decoding (server.engine.speculative_config), a decoding sequence (no grammar, not
-forking now: verifiable) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
+With speculative decoding (server.engine.speculative_config), a decoding sequence (not forking now:
+verifiable) runs its last token plus up to k drafts (a constrained one, the drafts its grammar accepted
+when its masks were filled, off the step: next_drafts, server.engine.mask_lane) (server.engine.ngram_proposer, Medusa heads'
 or a draft model's: server.engine.draft_model_proposer); they count against the token budget and get KV
 slots like any token; a draft model's work counts too (its catch-up over the tokens it has not seen and
 one token per draft), k shrinking to what the budget holds; when not one draft fits, the catch-up runs
@@ -663,11 +664,30 @@ class Scheduler:
         k = min(length.next_k(), room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return ()
+        if seq.grammar is not None:  # the drafts its masks were filled for, those the grammar accepts
+            return list(seq.grammar.drafts[:k]) if self.draft_model is None and seq.grammar.ready else ()
         if spec.method == "medusa":
             return list(seq.proposed[:k]) or ()
         if spec.method == "draft_model":
             return [0] * k  # placeholders: the draft model fills them in (_draft_with_model)
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
+
+    def next_drafts(self, seq: Sequence) -> list[int]:
+        """The drafts `seq`'s next step may verify, proposed once this step's tokens are in, for a constrained
+        choice's masks to be filled for them off the step (server.engine.mask_lane): prompt lookup's or the
+        heads' proposals, as many as its adaptive k may take; none where it will not speculate (a draft
+        model's drafts are made inside the step: its constrained choices decode plainly)."""
+        spec = self.config.speculative
+        if spec is None or self.draft_model is not None or not verifiable(seq) or not self._under_cut_off():
+            return []
+        length = self.draft_lengths.get(seq)
+        k = spec.num_speculative_tokens if length is None else length.peek()
+        k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        if spec.method == "medusa":
+            return list(seq.proposed[:k])
+        return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or []
 
     def _draft_work(self, seq: Sequence, k: int) -> int:
         """Tokens the draft model runs to make `seq`'s k drafts: its catch-up over the tokens it has not
@@ -680,7 +700,7 @@ class Scheduler:
         """Tokens of a draft model's catch-up for `seq` to run this step without drafts: when its catch-up
         leaves no room for one draft, as much of it as `room` holds (a prompt longer than the budget is
         caught up over several steps, then drafts); 0 otherwise."""
-        if self.draft_model is None or room <= 0 or not verifiable(seq):
+        if self.draft_model is None or room <= 0 or not verifiable(seq) or seq.grammar is not None:
             return 0
         unseen = self.draft_model.unseen(seq)
         return min(unseen, room) if unseen > room - 2 else 0
@@ -930,10 +950,11 @@ class Scheduler:
 
 
 def verifiable(seq: Sequence) -> bool:
-    """Whether `seq` takes drafts for its next tokens: it did not opt out, no grammar, not forking now.
-    Every sampling mode verifies exactly (server.engine.model_runner): greedy and seeded rows choose the
-    plain engine's tokens, unseeded ones keep the target's distribution (rejection sampling)."""
-    return seq.params.speculative and seq.grammar is None and not seq.group.needs_fork
+    """Whether `seq` takes drafts for its next tokens: it did not opt out, not forking now. Every sampling
+    mode verifies exactly (server.engine.model_runner): greedy and seeded rows choose the plain engine's
+    tokens, unseeded ones keep the target's distribution (rejection sampling); a constrained choice's
+    verify positions are each masked as the plain engine would mask them (server.engine.mask_lane)."""
+    return seq.params.speculative and not seq.group.needs_fork
 
 
 def _mask_ready(seq: Sequence, end: int) -> bool:
