@@ -16,6 +16,12 @@ token). The ratio is taken per round (the same load for both halves) and its med
 
     .venv/bin/python -m benchmarks.engine.speculative --json docs/benchmarks/speculative-ngram-cpu.json
 
+--temperature T samples without a seed (the engine's generator): the speculative engine's tokens then
+keep the target's distribution (rejection sampling), not the plain engine's tokens, so no identity is
+checked ("identical" is null). --json-answer constrains every answer to a JSON object with one string
+field, {"answer": ...} (structured output: each verify position under its own grammar mask), greedy,
+so the tokens are checked as without it.
+
 --draft-self runs the draft_model method with the served model as its own draft: no smaller model with
 the default model's vocabulary is installed, so this row shows the mechanism's overhead (every greedy
 draft accepted, each costing a draft forward as large as the target's), not a speed-up to expect.
@@ -35,7 +41,7 @@ import torch
 
 from benchmarks.profile.cpu_model import cpu_model
 from server.bench.eval_items import load_items
-from server.engine import LLM, SamplingParams
+from server.engine import LLM, SamplingParams, StructuredOutputsParams
 from server.engine.scheduler import SpecDecodeStats
 
 GROUNDED_PATH = Path(__file__).resolve().parents[2] / "server" / "bench" / "grounded_items.jsonl"
@@ -53,10 +59,18 @@ def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
                                           return_dict=True)["input_ids"] for t in texts]
 
 
-def run(llm: LLM, batches: list[list[list[int]]], max_tokens: int) -> dict:
+JSON_ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+               "additionalProperties": False}
+
+
+def sampling(max_tokens: int, temperature: float = 0.0, json_answer: bool = False) -> SamplingParams:
+    structured = StructuredOutputsParams(json=JSON_ANSWER) if json_answer else None
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, structured_outputs=structured)
+
+
+def run(llm: LLM, batches: list[list[list[int]]], params: SamplingParams) -> dict:
     """Every batch to completion; decode tokens and seconds, and the tokens per request."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     tokens, seconds, outputs = 0, 0.0, []
     for b, batch in enumerate(batches):
         ids = [f"{b}-{i}" for i in range(len(batch))]
@@ -100,6 +114,9 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=1, help="torch threads (--device cpu)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the engine's GPU path (Triton kernels, decode and verify graphs)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: unseeded sampling (no identity check: the distribution is what is kept)")
+    ap.add_argument("--json-answer", action="store_true", help='every answer a JSON object {"answer": string}')
     ap.add_argument("--json", default="bench-out/speculative-cpu.json")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else default_model()
@@ -117,14 +134,16 @@ def main() -> None:
         n = args.items if batch == 1 else batch
         ps = prompts(plain.tokenizer, workload, n)
         batches = [[p] for p in ps] if batch == 1 else [ps]
-        run(plain, batches[:1], 8), run(specd, batches[:1], 8)  # warm-up
+        params = sampling(args.max_tokens, args.temperature, args.json_answer)
+        warm = sampling(8, args.temperature, args.json_answer)
+        run(plain, batches[:1], warm), run(specd, batches[:1], warm)  # warm-up
         rounds = []
         for r in range(args.rounds):
             before = specd.engine.stats().speculative
             order = [("plain", plain), ("spec", specd)] if r % 2 == 0 else [("spec", specd), ("plain", plain)]
-            got = {name: run(llm, batches, args.max_tokens) for name, llm in order}
+            got = {name: run(llm, batches, params) for name, llm in order}
             stats = spec_delta(before, specd.engine.stats().speculative)
-            same = got["plain"]["outputs"] == got["spec"]["outputs"]
+            same = got["plain"]["outputs"] == got["spec"]["outputs"] if params.greedy else None
             tps = {name: g["decode_tokens"] / g["decode_seconds"] for name, g in got.items()}
             rounds.append({"plain_tok_s": round(tps["plain"], 2), "spec_tok_s": round(tps["spec"], 2),
                            "ratio": round(tps["spec"] / tps["plain"], 3), "identical": same,
@@ -141,7 +160,8 @@ def main() -> None:
                   f"len {stats.mean_accepted_length:.2f} identical {same}", flush=True)
         results.append({"workload": workload, "batch": batch, "requests": n,
                         "median_ratio": round(statistics.median(r["ratio"] for r in rounds), 3),
-                        "all_identical": all(r["identical"] for r in rounds), "rounds": rounds})
+                        "all_identical": all(r["identical"] for r in rounds) if params.greedy else None,
+                        "rounds": rounds})
     print(f"\n{'workload':>9} {'batch':>5} {'ratio':>7} {'accept':>7} {'mean len':>9} identical")
     for c in results:
         last = c["rounds"][-1]
@@ -155,7 +175,8 @@ def main() -> None:
         "cpu_threads": args.cpu_threads if args.device == "cpu" else None, "torch": torch.__version__,
         "machine": platform.machine(),
         "load_avg_before": [round(x, 2) for x in load_before], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
-        "max_tokens": args.max_tokens, "rounds": args.rounds, "cases": results,
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "json_answer": args.json_answer,
+        "rounds": args.rounds, "cases": results,
     }, indent=2) + "\n")
     print(f"wrote {out}")
 

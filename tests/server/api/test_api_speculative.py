@@ -57,3 +57,55 @@ def test_opt_out_and_the_spec_decode_counters(tmp_path, tiny_model_dir, redis_se
                     "acceptance_rate": pytest.approx(stats.num_accepted_tokens / stats.num_draft_tokens),
                     "mean_accepted_length": pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts),
                     "skipped_steps": 0}
+
+
+def test_streams_stops_and_constrained_answers_over_http_are_the_plain_engines(tmp_path, tiny_model_dir,
+                                                                                redis_server, core_starter):
+    """With drafts accepted, a step emits several tokens: streamed chunks join to the non-streamed text,
+    a stop string inside an accepted run cuts both where the plain engine stops, and a JSON-schema answer
+    (each verify position under its own mask) is the one without speculation, and valid."""
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
+                           speculative_config=json.dumps(SPEC))
+    prompt = repetitive_prompts(1, seed=23)[0]
+    body = {"ignore_eos": True, "logit_bias": {str(t): b for t, b in looping(prompt).items()}}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"enum": ["ab", "cd"]},
+                                                         "minItems": 2, "maxItems": 6}},
+              "required": ["items"], "additionalProperties": False}
+    with running_server(config, starter=core_starter) as server:
+        _, key = server.new_tenant()
+        client, model = server.client(key), server.state.model_id
+
+        def complete(stream: bool = False, **extra):
+            kw = dict(model=model, prompt=prompt, max_tokens=30, temperature=0, logprobs=1,
+                      extra_body={**body, **extra})
+            if not stream:
+                choice = client.completions.create(**kw).choices[0]
+                return choice.text, choice.finish_reason, choice.logprobs.tokens
+            text, tokens, reason = "", [], None
+            for chunk in client.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    text += c.text
+                    tokens += c.logprobs.tokens if c.logprobs else []
+                    reason = c.finish_reason or reason
+            return text, reason, tokens
+
+        plain = complete(speculative=False)
+        accepted = server.state.engine.stats().speculative.num_accepted_tokens
+        assert complete() == plain and complete(stream=True) == plain
+        assert server.state.engine.stats().speculative.num_accepted_tokens > accepted, "no run of drafts streamed"
+        stop = plain[0][len(plain[0]) // 2:][:3]
+        cut = complete(speculative=False, stop=[stop])
+        assert cut[1] == "stop" and stop not in cut[0] and plain[0].startswith(cut[0])
+        assert complete(stop=[stop]) == cut and complete(stream=True, stop=[stop]) == cut
+
+        def constrained(**extra) -> str:
+            return client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "list"}], max_tokens=100, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "items", "schema": schema}},
+                extra_body=extra).choices[0].message.content
+
+        answer = constrained(speculative=False)
+        drafts = server.state.engine.stats().speculative.num_draft_tokens
+        assert constrained() == answer
+        assert server.state.engine.stats().speculative.num_draft_tokens > drafts
+    assert set(json.loads(answer)["items"]) <= {"ab", "cd"}
