@@ -48,9 +48,9 @@ chunks as usual. Cached blocks nobody holds count as free: taking one costs a
 block like allocating one does, so the cache never crowds out running work.
 
 With speculative decoding (server.engine.speculative_config), a decoding sequence (not forking now:
-verifiable) runs its last token plus up to k drafts (a constrained one, the drafts its grammar accepted
-when its masks were filled, off the step: next_drafts, server.engine.mask_lane) (server.engine.ngram_proposer, Medusa heads'
-or a draft model's: server.engine.draft_model_proposer); they count against the token budget and get KV
+verifiable) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
+or a draft model's: server.engine.draft_model_proposer; a constrained choice, those of next_drafts its
+grammar accepted when its masks were filled off the step, server.engine.mask_lane); they count against the token budget and get KV
 slots like any token; a draft model's work counts too (its catch-up over the tokens it has not seen and
 one token per draft), k shrinking to what the budget holds; when not one draft fits, the catch-up runs
 as far as the budget holds, without drafts, so a long prompt's draft catches up over several steps. A draft model
