@@ -36,11 +36,6 @@ class LLMEngine:
                  dora_scale_store: ScaleStore | None = None) -> None:
         parts = build_engine_parts(config, adapter_source, dora_scale_store)  # server.engine.engine_startup
         self.config = parts.config
-        spec = self.config.speculative_config
-        # Drafts a constrained choice's masks are filled for (server.engine.mask_lane): a draft model's are
-        # made inside the step, too late to fill theirs off it, so its constrained choices decode plainly.
-        self._grammar_drafts = (spec.num_speculative_tokens if spec is not None and spec.method != "draft_model"
-                                else 0)
         self.model_config = parts.model_config
         self.device = parts.device
         self.bind_thread = parts.bind_thread
@@ -183,7 +178,7 @@ class LLMEngine:
             if grammar is not None:
                 # One per choice: each goes its own way; its first mask is filled from now, off the step.
                 seq.grammar = self.grammars.choice_matcher(grammar, params.structured_outputs.kind,
-                                                           group.seqs[0].grammar, tenant, self._grammar_drafts)
+                                                           group.seqs[0].grammar, tenant, self.scheduler.grammar_drafts)
         self.constrained_requests += grammar is not None
         self.arrivals += 1
         self.output_processor.add(group.seqs[0])

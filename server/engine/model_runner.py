@@ -16,9 +16,11 @@ accepted with the target's probability p(d), and at the first rejection the toke
 given that it is not d, which is rejection sampling's residual for a draft that is one token (ngram's,
 Medusa's top-1, a draft model's greedy one: max(p - onehot(d), 0), normalised). Every emitted token
 is so distributed as the target's, with every sampling parameter applied per position (Leviathan et
-al. 2023; vLLM's rejection sampler for drafts without probabilities). Such a step runs the lm_head in rounds, a position only
-once every draft before it was accepted (_verify_in_rounds): at batch 1 a rejected first draft costs
-one lm_head row, as a decode step does, not k + 1.
+al. 2023; vLLM's rejection sampler for drafts without probabilities).
+
+A verify step runs the lm_head in rounds, a position only once every draft before it was accepted
+(_verify_in_rounds): at batch 1 a rejected first draft costs one lm_head row, as a decode step does,
+not k + 1.
 
 With Medusa heads (server.engine.medusa_proposer), the step also keeps the last layer's output at the
 logit rows, and each sequence that may speculate gets its next drafts from its row at the position whose

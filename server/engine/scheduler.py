@@ -48,16 +48,17 @@ chunks as usual. Cached blocks nobody holds count as free: taking one costs a
 block like allocating one does, so the cache never crowds out running work.
 
 With speculative decoding (server.engine.speculative_config), a decoding sequence (not forking now:
-verifiable) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads'
-or a draft model's: server.engine.draft_model_proposer; a constrained choice, those of next_drafts its
-grammar accepted when its masks were filled off the step, server.engine.mask_lane); they count against the token budget and get KV
-slots like any token; a draft model's work counts too (its catch-up over the tokens it has not seen and
-one token per draft), k shrinking to what the budget holds; when not one draft fits, the catch-up runs
-as far as the budget holds, without drafts, so a long prompt's draft catches up over several steps. A draft model
-always makes the k asked for, so room for them is made first and the
-drafts are made at the end of schedule(), in one batch over the sequences still in the step. The output processor rolls back what the
-model rejects. Each sequence's k adapts to its acceptance (server.engine.draft_length); no step
-speculates while disable_by_batch_size sequences run; a request may opt out (SamplingParams.speculative).
+verifiable) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads' or a
+draft model's: server.engine.draft_model_proposer; a constrained choice, those of next_drafts its
+grammar accepted when its masks were filled off the step, server.engine.mask_lane); they count against
+the token budget and get KV slots like any token; a draft model's work counts too (its catch-up over the
+tokens it has not seen and one token per draft), k shrinking to what the budget holds; when not one
+draft fits, the catch-up runs as far as the budget holds, without drafts, so a long prompt's draft
+catches up over several steps. A draft model always makes the k asked for, so room for them is made
+first and the drafts are made at the end of schedule(), in one batch over the sequences still in the
+step. The output processor rolls back what the model rejects. Each sequence's k adapts to its acceptance
+(server.engine.draft_length); no step speculates while disable_by_batch_size sequences run; a request
+may opt out (SamplingParams.speculative).
 
 The waiting queue (FairQueue), ordered by tenant fair share (virtual token counters, as in VTC).
 
@@ -651,8 +652,8 @@ class Scheduler:
     def _drafts(self, seq: Sequence, room: int) -> list[int] | tuple[()]:
         """Drafts for decoding `seq`, none past what it may still generate (the token after the drafts is
         the target's own), with the draft's own work (_draft_work) they cost within `room` tokens: k
-        shrinks to fit, and none are made when not even one fits; () where verifying would not be exact,
-        or the request opted out."""
+        shrinks to fit, and none are made when not even one fits; () while it forks, or where the request
+        opted out."""
         spec = self.config.speculative
         if spec is None or not verifiable(seq):
             return ()
@@ -665,29 +666,37 @@ class Scheduler:
         if k <= 0:
             return ()
         if seq.grammar is not None:  # the drafts its masks were filled for, those the grammar accepts
-            return list(seq.grammar.drafts[:k]) if self.draft_model is None and seq.grammar.ready else ()
-        if spec.method == "medusa":
-            return list(seq.proposed[:k]) or ()
+            return list(seq.grammar.drafts[:k]) if seq.grammar.ready else ()
         if spec.method == "draft_model":
             return [0] * k  # placeholders: the draft model fills them in (_draft_with_model)
-        return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or ()
+        return self._proposals(seq, k) or ()
 
-    def next_drafts(self, seq: Sequence) -> list[int]:
-        """The drafts `seq`'s next step may verify, proposed once this step's tokens are in, for a constrained
-        choice's masks to be filled for them off the step (server.engine.mask_lane): prompt lookup's or the
-        heads' proposals, as many as its adaptive k may take; none where it will not speculate (a draft
-        model's drafts are made inside the step: its constrained choices decode plainly)."""
+    def _proposals(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k drafts for `seq` from a method that makes them outside the step: the heads' last guesses
+        (medusa) or prompt lookup's (ngram)."""
         spec = self.config.speculative
-        if spec is None or self.draft_model is not None or not verifiable(seq) or not self._under_cut_off():
-            return []
-        length = self.draft_lengths.get(seq)
-        k = spec.num_speculative_tokens if length is None else length.peek()
-        k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if k <= 0:
-            return []
         if spec.method == "medusa":
             return list(seq.proposed[:k])
         return propose(seq.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min) or []
+
+    @property
+    def grammar_drafts(self) -> int:
+        """The most drafts a constrained choice's masks are filled for (server.engine.mask_lane): k, or 0
+        without speculative decoding or with a draft model, whose drafts are made inside the step, too late
+        to fill their masks off it (its constrained choices decode plainly)."""
+        spec = self.config.speculative
+        return spec.num_speculative_tokens if spec is not None and self.draft_model is None else 0
+
+    def next_drafts(self, seq: Sequence) -> list[int]:
+        """The drafts `seq`'s next step may verify, proposed once this step's tokens are in, for a constrained
+        choice's masks to be filled for them off the step (server.engine.mask_lane): as many as its adaptive
+        k may take; none where it will not speculate."""
+        if not self.grammar_drafts or not verifiable(seq) or not self._under_cut_off():
+            return []
+        length = self.draft_lengths.get(seq)
+        k = self.grammar_drafts if length is None else length.peek()
+        k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return self._proposals(seq, k) if k > 0 else []
 
     def _draft_work(self, seq: Sequence, k: int) -> int:
         """Tokens the draft model runs to make `seq`'s k drafts: its catch-up over the tokens it has not

@@ -11,13 +11,18 @@ the model.
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import jsonschema
 import pytest
+import xgrammar as xgr
+from transformers import AutoTokenizer
 
 from server.engine import LLM, SamplingParams, StructuredOutputsParams
+from server.engine.grammar import Grammars
 from tests.engine_helpers import random_prompts
+from tests.server.engine.test_engine_mask_lane import _Delayed
 from tests.server.engine.test_speculative_medusa import random_heads
 from tests.server.engine.test_speculative_ngram import assert_same
 
@@ -105,11 +110,6 @@ def test_unseeded_constrained_choices_speculate_and_stay_valid(tiny_model_dir, t
 def test_a_fill_checks_the_drafts_and_fills_a_row_after_each_it_accepts(tiny_model_dir):
     """The lane's fill for drafts: it keeps the drafts up to the first the grammar refuses, fills the row
     after each kept one as a matcher advanced by them fills it, and leaves the matcher where it was."""
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
-
-    from server.engine.grammar import Grammars
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     grammars = Grammars(tokenizer, VOCAB, [tokenizer.eos_token_id])
     spec = StructuredOutputsParams(choice=["alpha beta gamma delta"])
@@ -145,10 +145,6 @@ def test_a_fill_checks_the_drafts_and_fills_a_row_after_each_it_accepts(tiny_mod
 def test_constrained_outputs_match_whatever_the_fills_timing(tiny_model_dir, tiny_adapters):
     """Fills delayed at random (choices sit out steps, their drafts and masks late): the plain engine's
     tokens still."""
-    import random
-
-    from tests.server.engine.test_engine_mask_lane import _Delayed
-
     plain, spec = engines(tiny_model_dir, tiny_adapters, NGRAM)
     rng = random.Random(3)
     lane = spec.engine.grammars.lane
@@ -173,3 +169,16 @@ def test_medusa_drafts_for_constrained_choices(tiny_model_dir, tiny_adapters, tm
     outs = [llm.generate(prompts, params, adapters=names) for llm in (plain, medusa)]
     assert_same(*outs)
     assert medusa.engine.output_processor.num_draft_tokens > 0
+
+
+def test_with_a_draft_model_constrained_choices_decode_without_drafts(tiny_model_dir, tiny_adapters):
+    """A draft model's drafts are made inside the step, too late to fill their masks off it: its constrained
+    choices verify no drafts (no mask rows are kept for any) and give the plain engine's tokens."""
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    plain, drafted = engines(tiny_model_dir, tiny_adapters, spec)
+    assert drafted.engine.scheduler.grammar_drafts == 0
+    prompts, params, names = batch("json")
+    outs = [llm.generate(prompts[:4], params[:4], adapters=names[:4]) for llm in (plain, drafted)]
+    assert_same(*outs)
+    assert drafted.engine.output_processor.num_draft_tokens == 0
