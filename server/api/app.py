@@ -14,7 +14,7 @@ from server.api import (adapter_pins, adapter_routes, admin_adapter_routes, admi
                         openai_routes, openapi, ops_routes, pages, shared_adapter_routes, source_credential_routes,
                         tokenize_routes)
 from server.api.adapter_pins import pin_startup_adapters
-from server.api.auth import AdminAuthThrottle
+from server.api.auth import SETTLE_AT_EXIT_SECONDS, AdminAuthThrottle
 from server.api.body import IgnoredFieldsHeader
 from server.api.bootstrap import StartupInfo, bootstrap
 from server.api.engine_watch import exit_when_engine_dies
@@ -81,7 +81,7 @@ def create_app(config: ServerConfig, on_ready: Callable[[StartupInfo], None] | N
             for task in background:
                 task.cancel()
         finally:
-            await run_in_threadpool(state.settlements.stop)
+            await run_in_threadpool(state.settlements.stop, SETTLE_AT_EXIT_SECONDS)
             await run_in_threadpool(state.close)
 
     routes = [*openai_routes.ROUTES, *tokenize_routes.ROUTES, *adapter_routes.ROUTES, *lora_routes.ROUTES,

@@ -392,6 +392,8 @@ async def charged_compile(state: ServerState, tenant: Tenant, constraint: Constr
 MAX_PENDING = 100_000
 MAX_AGE_SECONDS = 3600.0
 RETRY_INTERVAL_SECONDS = 0.5
+# At exit, how long the requests the stop cut may take to settle before Redis is closed under them.
+SETTLE_AT_EXIT_SECONDS = 5.0
 # Beats per lease time: two may fail (or come late) before a live request's lease lapses. A beat
 # is one round trip (per 500 leases), so with the default 10 s lease a beat may come 6.7 s late.
 BEATS_PER_LEASE = 3
@@ -467,6 +469,11 @@ class Settlements:
         self._running: dict[str, _Running] = {}                  # slot id -> request
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Settles under way, and whether stop() has closed the door on new ones: once it has, the
+        # caller closes the Redis client, and a pipeline still reading from it fails outside RedisError.
+        self._settling = 0
+        self._closed = False
+        self._idle = threading.Condition()
         self.dropped = 0
         self.leases_lost = 0
         # The longest a running request's lease went unrenewed (s): from its grant or the heartbeat
@@ -497,6 +504,8 @@ class Settlements:
             with running.lock:
                 running.closed = True
                 assert not running.recorded, (admission.request_id, running.recorded)
+        with self._idle:
+            self._idle.notify_all()  # stop() may be waiting for the open requests to go
 
     def follow(self, admission: Admission, progress: Callable[[], int]) -> None:
         """From now on the usage thread records the request's usage so far: the request and its prompt,
@@ -567,6 +576,8 @@ class Settlements:
 
     def start(self) -> None:
         self._stop.clear()
+        with self._idle:
+            self._closed = False
         self._last_beat = None
         self._threads = [
             threading.Thread(target=self._every, args=(self.beat_interval, self.beat, "lease heartbeat"),
@@ -576,16 +587,26 @@ class Settlements:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
-        """Stop both threads after a last record of whatever still runs (the replica is exiting)."""
+    def stop(self, grace: float = 0.0) -> None:
+        """Stop both threads after a last record of whatever still runs (the replica is exiting).
+        Waits up to `grace` seconds for the requests still open to settle first (those the server's
+        stop cut settle from their own cleanup, in worker threads, while it exits). On return no
+        settle is under way and later ones touch no Redis: the caller may close the client."""
         self._stop.set()
         for thread in self._threads:
             thread.join(30)
         self._threads = []
+        with self._idle:
+            self._idle.wait_for(lambda: not self._running and not self._settling, timeout=grace)
         try:
             self.record_progress()
+            self.retry_pending()
         except redis.RedisError:
             log.warning("could not record the usage of running requests at exit", exc_info=True)
+        with self._idle:
+            self._closed = True
+            if not self._idle.wait_for(lambda: not self._settling, timeout=SETTLE_AT_EXIT_SECONDS):
+                log.warning("%d settlements still under way at exit", self._settling)
 
     def _every(self, interval: float, work: Callable[[], None], what: str) -> None:
         """Run `work` every `interval` seconds, counted from the start of each run (a slow round is
@@ -605,21 +626,34 @@ class Settlements:
     def settle(self, tenant: Tenant, admission: Admission, prompt_tokens: int, completion_tokens: int,
                adapter: str | None = None) -> None:
         """Blocking; never raises for a Redis fault (the settlement is queued instead). The usage log
-        adds only what the usage thread has not recorded of the request, so the totals are exact."""
+        adds only what the usage thread has not recorded of the request, so the totals are exact.
+        After stop() it records nothing: the last record had the request's usage up to then, and its
+        lease lapses by itself."""
         whole = Usage(1, prompt_tokens, completion_tokens)
         running = self._running.pop(admission.slot_id, None)
         if running is not None:
             with running.lock:   # after the usage thread's round that holds it, if any
                 running.closed = True
-        item = Settlement(tenant, admission, prompt_tokens + completion_tokens, whole, adapter, time.monotonic())
-        done = self._try(item, released=False)
-        if done is not True:
-            if len(self._pending) >= MAX_PENDING:
-                self.dropped += 1
-                log.error("settlement queue full; dropping usage of request %s", admission.request_id)
+        with self._idle:
+            if self._closed:
+                log.info("request %s ended after the usage record at exit; its lease lapses by itself",
+                         admission.request_id)
                 return
-            self._pending.append((item, done == "released"))
-
+            self._settling += 1
+        try:
+            item = Settlement(tenant, admission, prompt_tokens + completion_tokens, whole, adapter,
+                              time.monotonic())
+            done = self._try(item, released=False)
+            if done is not True:
+                if len(self._pending) >= MAX_PENDING:
+                    self.dropped += 1
+                    log.error("settlement queue full; dropping usage of request %s", admission.request_id)
+                    return
+                self._pending.append((item, done == "released"))
+        finally:
+            with self._idle:
+                self._settling -= 1
+                self._idle.notify_all()
 
     def _try(self, item: Settlement, released: bool) -> bool | str:
         """True when fully settled, "released" when only the lease went back, False when nothing did."""
