@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from kernels.metadata import AttentionBatch
 from server.engine.kernel_ops import KernelOps
@@ -39,6 +40,9 @@ class DraftRequest:
     seq: Sequence
     k: int
     slot: int  # its adapter's slot in the target (-1: the base model), this step's
+    # [1, W] int32: a constrained choice's next-token mask (server.engine.mask_lane), ready when the step
+    # is scheduled: its first draft is chosen under it, so at least that one is one the grammar allows.
+    first_mask: torch.Tensor | None = None
 
     def draft_slot(self, loras: DraftLoraSlots) -> int:
         return loras.draft_slot(self.slot)
@@ -84,6 +88,8 @@ class DraftModelProposer:
             positions = [len(requests[i].seq.token_ids) - 1 + j for i in live]
             tokens = [last[i] if j == 0 else drafts[i][-1] for i in live]
             logits = self._forward([requests[i] for i in live], positions, [[t] for t in tokens], True)
+            if j == 0:
+                _mask_first(logits, [requests[i].first_mask for i in live])
             for i, t in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[i].append(t)
         for r, state, d in zip(requests, states, drafts):
@@ -165,6 +171,18 @@ class DraftModelProposer:
         rows = torch.tensor(ends, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model.hidden_rows(ids, self.kv_caches, ctx, rows)
         return self.model.logits(hidden, self.ops) if logits else hidden
+
+
+@torch.inference_mode()  # the logits are the forward's inference tensors
+def _mask_first(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> None:
+    """logits: [N, V], changed in place: row i's tokens outside masks[i] (where given) become -inf."""
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    if rows:
+        bitmask = torch.cat([masks[i] for i in rows])  # [R, W] int32
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits.index_select(0, index)
+        xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), vocab_size=logits.shape[-1])
+        logits.index_copy_(0, index, masked)
 
 
 def _seen(state: _DraftState, tokens: list[int]) -> int:

@@ -19,6 +19,13 @@ drafts the grammar accepted (`drafts`), each verify position masked by its own r
 every position samples as the plain engine would once the drafts before it are its output. The
 tokens the step emits are then accepted for real (`accept_token`), and the next fill starts.
 
+A draft model makes its drafts inside the step, after the next token's mask is ready: `check_drafts`
+forks the matcher on the engine thread (a copy of its state; a fork that costs more than MAX_FORK_SECONDS
+stops drafting for the choice) and the fork takes the drafts on the lane, rows 1.. filled as above, while
+the step's forward runs. At sampling the step takes what the check has done (`settle_check`): the drafts
+it accepted if it is done, none if not (the rows after the first then read no mask: nothing they choose
+is emitted). The step never waits for it, and the real matcher is free for the step's tokens.
+
 Each fill's CPU time is charged to its request (its n choices share one account): one fill past
 `max_fill_seconds`, or the request's fills together past `max_total_seconds`, fail the choice
 (`failure`), and its next step ends the request with an error naming the constraint, a client error
@@ -42,6 +49,8 @@ FILL_NICENESS = 10
 # An in-flight fill's wall time counts as over budget past this many times the per-fill cap (its
 # CPU time is only known at its end; wall time on a busy machine runs ahead of CPU time).
 IN_FLIGHT_SLACK = 4.0
+# A fork (check_drafts) runs on the engine thread: one above this CPU time ends drafting for its choice.
+MAX_FORK_SECONDS = 0.005
 
 
 class MaskSpend:
@@ -118,6 +127,12 @@ class LaneMatcher:
         self._stale = False  # tokens accepted since the last fill started: refill() starts the next
         self._started = 0.0
         self._future: Future = self._submit()
+        # A draft model's drafts, checked in the step on a fork (check_drafts): the check in flight or last
+        # run, the drafts it accepted, and that count as the step's sampling took it (None: no check).
+        self._check: Future | None = None
+        self._check_taken = 0
+        self._settled: int | None = None
+        self._forks_cheap = True
 
     # ---- the engine thread ----
     def accept_token(self, token: int) -> bool:
@@ -154,11 +169,43 @@ class LaneMatcher:
             return True
         return False
 
+    @property
+    def can_check(self) -> bool:
+        """Whether a draft model's drafts may be checked now (check_drafts): the next mask is ready, the
+        last check is done (its rows are not written under the next) and forks have stayed cheap."""
+        return (self._forks_cheap and self.ready and self.failure is None and not self._terminated
+                and (self._check is None or self._check.done()))
+
+    def check_drafts(self, drafts: list[int]) -> None:
+        """Start checking a draft model's drafts (at most max_drafts) on a fork of the matcher, filling row
+        j after the j-th the grammar accepts, while the step runs; settle_check() takes the result."""
+        assert self.can_check
+        start = time.thread_time()
+        fork = self.matcher.fork()
+        seconds = time.thread_time() - start
+        self.spend.add(seconds)
+        self._forks_cheap = seconds <= MAX_FORK_SECONDS
+        self._check_taken = 0
+        self._settled = None
+        proposed = list(drafts[: self._rows.shape[0] - 1])
+        self._check = self.lane.pool.submit(self.tenant, lambda: self._check_fill(fork, proposed))
+
+    def settle_check(self) -> int | None:
+        """At the step's sampling: how many of the drafts check_drafts was given this step may be verified
+        (those it accepted, or none while it still runs), fixed for the step; None when no check ran."""
+        if self._check is None or self._settled is not None:
+            return self._settled
+        self._settled = self._check_taken if self._check.done() else 0
+        return self._settled
+
     def row(self, j: int = 0) -> torch.Tensor:
         """[1, W] int32: the mask of the position after j of `drafts` (0: the next token's); every bit set
-        once the choice has failed (its row's token is replaced by the failure)."""
+        once the choice has failed (its row's token is replaced by the failure), and past the drafts a check
+        accepted (a row nothing emitted is chosen at, which its check may still be writing)."""
         row = self._rows[j : j + 1]
-        return torch.full_like(row, -1) if self.failure is not None else row
+        if self.failure is not None or (j and self._settled is not None and j > self._settled):
+            return torch.full_like(row, -1)
+        return row
 
     def position(self, j: int) -> LaneMatcher | DraftPosition:
         """What a verify step's row j of this choice reads its mask from (j drafts before it)."""
@@ -190,10 +237,25 @@ class LaneMatcher:
                 self.matcher.rollback(stepped)
         self.drafts = self._proposed[:taken] if self.failure is None else []
 
-    def _fill_row(self, j: int) -> bool:
-        """Fill row j at the matcher's state, its CPU time charged; False when that fails the choice."""
+    def _check_fill(self, fork: xgr.GrammarMatcher, proposed: list[int]) -> None:
+        """check_drafts' fill: the fork takes the drafts in turn, row j filled after the j-th, up to the
+        first the grammar refuses or one that completes it (as _fill)."""
+        taken = 0
+        try:
+            for token in proposed:
+                if (not fork.accept_token(token, debug_print=False) or fork.is_terminated()
+                        or not self._fill_row(taken + 1, fork)):
+                    break
+                taken += 1
+        except Exception as e:  # noqa: BLE001 - this choice's failure, never the engine's
+            self.failure = f"the {self.kind} constraint's token mask failed: {type(e).__name__}: {e}"
+        self._check_taken = taken if self.failure is None else 0
+
+    def _fill_row(self, j: int, matcher: xgr.GrammarMatcher | None = None) -> bool:
+        """Fill row j at the state of the matcher (or a fork of it), its CPU time charged; False when that
+        fails the choice."""
         start = time.thread_time()
-        self.matcher.fill_next_token_bitmask(self._rows, j)
+        (matcher or self.matcher).fill_next_token_bitmask(self._rows, j)
         seconds = time.thread_time() - start
         total = self.spend.add(seconds)
         budget = self.lane.budget

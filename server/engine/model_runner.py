@@ -481,6 +481,8 @@ class ModelRunner:
             logits = self.forward(inputs)  # [S+Q, V]
         results = {i: SeqResult(True) for i in inputs.scored_seqs}
         sampled, starts = inputs.sampled_seqs, inputs.row_starts
+        if inputs.drafts:
+            _settle_checks(inputs)
         if in_rounds:
             results.update(self._verify_in_rounds(inputs, hidden))
             if inputs.medusa_rows is not None:
@@ -617,6 +619,22 @@ def _fail_costly_constraints(rows: list[SamplingRow], tokens: list[int | SampleF
     for i, row in enumerate(rows):
         if row.grammar is not None and row.grammar.failure is not None:
             tokens[i] = SampleFailure(row.grammar.failure)
+
+
+# A token id no choice equals: a draft the step ran but may not accept.
+UNCHECKED = -1
+
+
+def _settle_checks(inputs: StepInputs) -> None:
+    """After the forward, before sampling: each constrained choice whose draft model's drafts its grammar
+    checked during the step (server.engine.mask_lane) may accept only those the check accepted, or none
+    where it is still running (the step never waits for one). The others stay drafted (the step ran
+    them) but are never accepted."""
+    for s, drafts in inputs.drafts.items():
+        grammar = inputs.rows[inputs.row_starts[s]].grammar
+        checked = grammar.settle_check() if grammar is not None else None
+        if checked is not None and checked < len(drafts):
+            inputs.drafts[s] = drafts[:checked] + [UNCHECKED] * (len(drafts) - checked)
 
 
 def _run_results(sampled: list[int], starts: list[int], drafts: dict[int, list[int]], tokens: list,

@@ -50,7 +50,8 @@ block like allocating one does, so the cache never crowds out running work.
 With speculative decoding (server.engine.speculative_config), a decoding sequence (not forking now:
 verifiable) runs its last token plus up to k drafts (server.engine.ngram_proposer, Medusa heads' or a
 draft model's: server.engine.draft_model_proposer; a constrained choice, those of next_drafts its
-grammar accepted when its masks were filled off the step, server.engine.mask_lane); they count against
+grammar accepted when its masks were filled off the step, server.engine.mask_lane, or a draft model's,
+checked by its grammar while the step runs); they count against
 the token budget and get KV slots like any token; a draft model's work counts too (its catch-up over the
 tokens it has not seen and one token per draft), k shrinking to what the budget holds; when not one
 draft fits, the catch-up runs as far as the budget holds, without drafts, so a long prompt's draft
@@ -590,9 +591,14 @@ class Scheduler:
         if running:
             self.draft_model.catch_up(running, [catch_ups[r.seq] for r in running])
         rows = [i for i, d in enumerate(batch.drafts) if d]
-        requests = [DraftRequest(batch.seqs[i], len(batch.drafts[i]), batch.lora_slots[i]) for i in rows]
+        requests = [DraftRequest(batch.seqs[i], len(batch.drafts[i]), batch.lora_slots[i],
+                                 None if batch.seqs[i].grammar is None else batch.seqs[i].grammar.row(0))
+                    for i in rows]
         for i, drafts in zip(rows, self.draft_model.propose(requests)):
             batch.drafts[i] = drafts
+            grammar = batch.seqs[i].grammar
+            if grammar is not None:  # its masks for them are filled while the step runs
+                grammar.check_drafts(drafts)
 
     def _demands(self, prompts: list[Sequence], scan: list[Sequence], budget: int, cost: StepCost,
                  total: float, load: float) -> dict[str | None, float]:
@@ -665,8 +671,11 @@ class Scheduler:
         k = min(length.next_k(), room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return ()
-        if seq.grammar is not None:  # the drafts its masks were filled for, those the grammar accepts
+        if seq.grammar is not None and self.draft_model is None:
+            # The drafts its masks were filled for, those the grammar accepts.
             return list(seq.grammar.drafts[:k]) if seq.grammar.ready else ()
+        if seq.grammar is not None and not seq.grammar.can_check:
+            return ()  # the draft model's drafts are checked in the step, one check at a time
         if spec.method == "draft_model":
             return [0] * k  # placeholders: the draft model fills them in (_draft_with_model)
         return self._proposals(seq, k) or ()
@@ -682,16 +691,16 @@ class Scheduler:
     @property
     def grammar_drafts(self) -> int:
         """The most drafts a constrained choice's masks are filled for (server.engine.mask_lane): k, or 0
-        without speculative decoding or with a draft model, whose drafts are made inside the step, too late
-        to fill their masks off it (its constrained choices decode plainly)."""
+        without speculative decoding."""
         spec = self.config.speculative
-        return spec.num_speculative_tokens if spec is not None and self.draft_model is None else 0
+        return spec.num_speculative_tokens if spec is not None else 0
 
     def next_drafts(self, seq: Sequence) -> list[int]:
         """The drafts `seq`'s next step may verify, proposed once this step's tokens are in, for a constrained
         choice's masks to be filled for them off the step (server.engine.mask_lane): as many as its adaptive
-        k may take; none where it will not speculate."""
-        if not self.grammar_drafts or not verifiable(seq) or not self._under_cut_off():
+        k may take; none where it will not speculate, nor with a draft model (its drafts are made in the
+        step and checked there: LaneMatcher.check_drafts)."""
+        if not self.grammar_drafts or self.draft_model is not None or not verifiable(seq) or not self._under_cut_off():
             return []
         length = self.draft_lengths.get(seq)
         k = self.grammar_drafts if length is None else length.peek()
@@ -709,7 +718,7 @@ class Scheduler:
         """Tokens of a draft model's catch-up for `seq` to run this step without drafts: when its catch-up
         leaves no room for one draft, as much of it as `room` holds (a prompt longer than the budget is
         caught up over several steps, then drafts); 0 otherwise."""
-        if self.draft_model is None or room <= 0 or not verifiable(seq) or seq.grammar is not None:
+        if self.draft_model is None or room <= 0 or not verifiable(seq):
             return 0
         unseen = self.draft_model.unseen(seq)
         return min(unseen, room) if unseen > room - 2 else 0

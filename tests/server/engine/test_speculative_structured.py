@@ -6,7 +6,7 @@ A constrained choice's drafts are checked by its grammar when its masks are fill
 accepts. The constraints here repeat themselves (a regex of repeated words, JSON arrays of one enum, a
 grammar of repeated items), so prompt lookup finds drafts in the output itself and the model, under the
 mask, often agrees with them: drafts are accepted, and others are refused by the grammar or rejected by
-the model.
+the model. A draft model's drafts are made in the step and checked there, on a fork of the matcher.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from server.engine import LLM, SamplingParams, StructuredOutputsParams
+from server.engine import LLM, SamplingParams, StructuredOutputsParams, mask_lane
 from server.engine.grammar import Grammars
 from tests.engine_helpers import random_prompts
 from tests.server.engine.test_engine_mask_lane import _Delayed
@@ -41,6 +41,7 @@ SPECS = {
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 64}
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
 
 
 def valid(kind: str, text: str) -> bool:
@@ -79,9 +80,29 @@ def batch(kind: str) -> tuple[list, list, list]:
     return prompts, params, [None, "a", None, "a", "a", None]
 
 
+def every_kind() -> tuple[list, list, list]:
+    """The constrained choices of batch(kind) for every kind, in one batch."""
+    prompts, params, names = [], [], []
+    for kind in SPECS:
+        p, ps, ns = batch(kind)
+        prompts += p[:4]
+        params += ps[:4]
+        names += ns[:4]
+    return prompts, params, names
+
+
+def method_spec(method: str, model_dir) -> dict:
+    """ngram, or a draft model (the target as its own: its greedy first draft, made under the choice's
+    mask, is often the choice, its later ones often refused by the grammar)."""
+    return NGRAM if method == "ngram" else {**DRAFT, "model": str(model_dir)}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_constrained_choices_speculate_and_match_the_plain_engine(tiny_model_dir, tiny_adapters, kind):
-    plain, spec = engines(tiny_model_dir, tiny_adapters, NGRAM)
+def test_constrained_choices_speculate_and_match_the_plain_engine(tiny_model_dir, tiny_adapters, kind, method):
+    """A draft model's drafts are made inside the step and checked by the grammar there, on a fork of the
+    matcher, while the step runs; ngram's off the step, when the masks are filled."""
+    plain, spec = engines(tiny_model_dir, tiny_adapters, method_spec(method, tiny_model_dir))
     prompts, params, names = batch(kind)
     outs = [llm.generate(prompts, params, adapters=names) for llm in (plain, spec)]
     assert_same(*outs)
@@ -90,7 +111,7 @@ def test_constrained_choices_speculate_and_match_the_plain_engine(tiny_model_dir
             assert valid(kind, out.text), out.text
     assert sum(out.finish_reason == "stop" for out in outs[1][:4]) >= 2
     # The constrained choices alone: their drafts were verified and some accepted.
-    plain_c, spec_c = engines(tiny_model_dir, tiny_adapters, NGRAM)
+    plain_c, spec_c = engines(tiny_model_dir, tiny_adapters, method_spec(method, tiny_model_dir))
     outs = [llm.generate(prompts[:4], params[:4], adapters=names[:4]) for llm in (plain_c, spec_c)]
     assert_same(*outs)
     processor = spec_c.engine.output_processor
@@ -142,19 +163,16 @@ def test_a_fill_checks_the_drafts_and_fills_a_row_after_each_it_accepts(tiny_mod
     grammars.lane.shutdown()
 
 
-def test_constrained_outputs_match_whatever_the_fills_timing(tiny_model_dir, tiny_adapters):
-    """Fills delayed at random (choices sit out steps, their drafts and masks late): the plain engine's
-    tokens still."""
-    plain, spec = engines(tiny_model_dir, tiny_adapters, NGRAM)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_outputs_match_whatever_the_fills_timing(tiny_model_dir, tiny_adapters, method):
+    """Fills delayed at random: choices sit out steps, their drafts and masks late; a draft model's checks
+    finish after the step's sampling, which then verifies none of that choice's drafts (and reads no row
+    the check may still be writing). The plain engine's tokens still."""
+    plain, spec = engines(tiny_model_dir, tiny_adapters, method_spec(method, tiny_model_dir))
     rng = random.Random(3)
     lane = spec.engine.grammars.lane
-    lane.pool = _Delayed(lane.pool, lambda: rng.choice([0, 0, 0.002, 0.02]))
-    prompts, params, names = [], [], []
-    for kind in SPECS:
-        p, ps, ns = batch(kind)
-        prompts += p[:4]
-        params += ps[:4]
-        names += ns[:4]
+    lane.pool = _Delayed(lane.pool, lambda: rng.choice([0, 0, 0.002, 0.02, 0.05]))
+    prompts, params, names = every_kind()
     outs = [llm.generate(prompts, params, adapters=names) for llm in (plain, spec)]
     assert_same(*outs)
     assert spec.engine.output_processor.num_accepted_tokens > 0
@@ -171,14 +189,13 @@ def test_medusa_drafts_for_constrained_choices(tiny_model_dir, tiny_adapters, tm
     assert medusa.engine.output_processor.num_draft_tokens > 0
 
 
-def test_with_a_draft_model_constrained_choices_decode_without_drafts(tiny_model_dir, tiny_adapters):
-    """A draft model's drafts are made inside the step, too late to fill their masks off it: its constrained
-    choices verify no drafts (no mask rows are kept for any) and give the plain engine's tokens."""
-    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
-            "disable_by_batch_size": 64}
-    plain, drafted = engines(tiny_model_dir, tiny_adapters, spec)
-    assert drafted.engine.scheduler.grammar_drafts == 0
+def test_a_costly_fork_ends_drafting_for_its_choice(tiny_model_dir, tiny_adapters, monkeypatch):
+    """The fork a draft model's check starts from is made on the engine thread: past MAX_FORK_SECONDS
+    (here every fork is) its choice drafts no more, and decodes as the plain engine does."""
+    monkeypatch.setattr(mask_lane, "MAX_FORK_SECONDS", -1.0)
+    plain, drafted = engines(tiny_model_dir, tiny_adapters, method_spec("draft_model", tiny_model_dir))
     prompts, params, names = batch("json")
     outs = [llm.generate(prompts[:4], params[:4], adapters=names[:4]) for llm in (plain, drafted)]
     assert_same(*outs)
-    assert drafted.engine.output_processor.num_draft_tokens == 0
+    processor = drafted.engine.output_processor
+    assert 0 < processor.num_draft_tokens <= 4 * DRAFT["num_speculative_tokens"]
