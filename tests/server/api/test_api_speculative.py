@@ -14,6 +14,17 @@ from tests.server.engine.test_speculative_ngram import looping, repetitive_promp
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
         "disable_by_batch_size": 64}
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"enum": ["ab", "cd"]},
+                                                     "minItems": 2, "maxItems": 6}},
+          "required": ["items"], "additionalProperties": False}
+
+
+def json_answer(client: openai.OpenAI, model: str, **extra) -> str:
+    """A greedy chat answer under SCHEMA (response_format json_schema)."""
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "list"}], max_tokens=100, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "items", "schema": SCHEMA}},
+        extra_body=extra).choices[0].message.content
 
 
 def test_opt_out_and_the_spec_decode_counters(tmp_path, tiny_model_dir, redis_server, core_starter):
@@ -68,9 +79,6 @@ def test_streams_stops_and_constrained_answers_over_http_are_the_plain_engines(t
                            speculative_config=json.dumps(SPEC))
     prompt = repetitive_prompts(1, seed=23)[0]
     body = {"ignore_eos": True, "logit_bias": {str(t): b for t, b in looping(prompt).items()}}
-    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"enum": ["ab", "cd"]},
-                                                         "minItems": 2, "maxItems": 6}},
-              "required": ["items"], "additionalProperties": False}
     with running_server(config, starter=core_starter) as server:
         _, key = server.new_tenant()
         client, model = server.client(key), server.state.model_id
@@ -98,14 +106,29 @@ def test_streams_stops_and_constrained_answers_over_http_are_the_plain_engines(t
         assert cut[1] == "stop" and stop not in cut[0] and plain[0].startswith(cut[0])
         assert complete(stop=[stop]) == cut and complete(stream=True, stop=[stop]) == cut
 
-        def constrained(**extra) -> str:
-            return client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "list"}], max_tokens=100, temperature=0,
-                response_format={"type": "json_schema", "json_schema": {"name": "items", "schema": schema}},
-                extra_body=extra).choices[0].message.content
-
-        answer = constrained(speculative=False)
+        answer = json_answer(client, model, speculative=False)
         drafts = server.state.engine.stats().speculative.num_draft_tokens
-        assert constrained() == answer
+        assert json_answer(client, model) == answer
         assert server.state.engine.stats().speculative.num_draft_tokens > drafts
+    assert set(json.loads(answer)["items"]) <= {"ab", "cd"}
+
+
+def test_a_draft_models_constrained_answer_over_http_is_the_plain_engines(tmp_path, tiny_model_dir, redis_server,
+                                                                           core_starter):
+    """A draft model's drafts for a JSON-schema answer are checked by the grammar inside the step: drafts are
+    verified and accepted, and the answer is the one without speculation, and valid."""
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
+                           speculative_config=json.dumps(spec))
+    with running_server(config, starter=core_starter) as server:
+        _, key = server.new_tenant()
+        client, model = server.client(key), server.state.model_id
+
+        answer = json_answer(client, model, speculative=False)
+        before = server.state.engine.stats().speculative
+        assert json_answer(client, model) == answer
+        after = server.state.engine.stats().speculative
+        assert after.num_draft_tokens > before.num_draft_tokens
+        assert after.num_accepted_tokens > before.num_accepted_tokens
     assert set(json.loads(answer)["items"]) <= {"ab", "cd"}
