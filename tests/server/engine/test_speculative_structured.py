@@ -199,3 +199,22 @@ def test_a_costly_fork_ends_drafting_for_its_choice(tiny_model_dir, tiny_adapter
     assert_same(*outs)
     processor = drafted.engine.output_processor
     assert 0 < processor.num_draft_tokens <= 4 * DRAFT["num_speculative_tokens"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_requests_for_n_choices_speculate_per_choice(tiny_model_dir, tiny_adapters, method):
+    """n > 1: the choices fork after the prompt, each with its own matcher (and its own checks), then each
+    speculates on its own: the plain engine's outputs, every choice's."""
+    plain, spec = engines(tiny_model_dir, tiny_adapters, method_spec(method, tiny_model_dir))
+    prompts = random_prompts(3, (5, 20), VOCAB, seed=7)
+    params = [SamplingParams(n=2, max_tokens=60, temperature=0.8, seed=3, structured_outputs=SPECS["json"]),
+              SamplingParams(n=3, max_tokens=60, temperature=0.0, structured_outputs=SPECS["regex"]),
+              SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=SPECS["grammar"])]
+    outs = [[c for o in llm.generate(prompts, params, adapters=[None, "a", "a"]) for c in o.outputs]
+            for llm in (plain, spec)]
+    assert [c.index for c in outs[1]] == [0, 1, 0, 1, 2, 0]
+    assert_same(*outs)
+    for c in outs[1]:
+        if c.finish_reason == "stop":
+            assert any(valid(kind, c.text) for kind in SPECS), c.text
+    assert spec.engine.output_processor.num_accepted_tokens > 0
