@@ -176,13 +176,13 @@ class DraftModelProposer:
 @torch.inference_mode()  # the logits are the forward's inference tensors
 def _mask_first(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> None:
     """logits: [N, V], changed in place: row i's tokens outside masks[i] (where given) become -inf."""
-    rows = [i for i, m in enumerate(masks) if m is not None]
-    if rows:
-        bitmask = torch.cat([masks[i] for i in rows])  # [R, W] int32
-        index = torch.tensor(rows, device=logits.device)
-        masked = logits.index_select(0, index)
-        xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), vocab_size=logits.shape[-1])
-        logits.index_copy_(0, index, masked)
+    given = [m for m in masks if m is not None]
+    if given:
+        bitmask = torch.full((len(masks), given[0].shape[-1]), -1, dtype=torch.int32)  # [N, W]: all allowed
+        for i, m in enumerate(masks):
+            if m is not None:
+                bitmask[i] = m[0]
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1])
 
 
 def _seen(state: _DraftState, tokens: list[int]) -> int:

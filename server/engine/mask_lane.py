@@ -219,37 +219,42 @@ class LaneMatcher:
     def _fill(self) -> None:
         """The next token's mask, then, over the drafts the grammar accepts in turn, each next position's;
         the matcher is left as it was (the drafts rolled back)."""
-        stepped = taken = 0  # drafts the matcher took; of those, the ones with a filled row after them
         try:
-            if self._fill_row(0):
-                for token in self._proposed:
-                    if not self.matcher.accept_token(token, debug_print=False):
-                        break
-                    stepped += 1
-                    # A draft that completes the grammar ends the choice: nothing is verified past it.
-                    if self.matcher.is_terminated() or not self._fill_row(stepped):
-                        break
-                    taken = stepped
+            first = self._fill_row(0)
         except Exception as e:  # noqa: BLE001 - this choice's failure, never the engine's
-            self.failure = f"the {self.kind} constraint's token mask failed: {type(e).__name__}: {e}"
-        finally:
+            self._broke(e)
+            first = False
+        stepped = taken = 0
+        if first:
+            stepped, taken = self._take(self.matcher, self._proposed)
             if stepped:
                 self.matcher.rollback(stepped)
         self.drafts = self._proposed[:taken] if self.failure is None else []
 
     def _check_fill(self, fork: xgr.GrammarMatcher, proposed: list[int]) -> None:
-        """check_drafts' fill: the fork takes the drafts in turn, row j filled after the j-th, up to the
-        first the grammar refuses or one that completes it (as _fill)."""
-        taken = 0
+        """check_drafts' fill: the fork takes the drafts as _fill's matcher does (nothing to roll back)."""
+        _, taken = self._take(fork, proposed)
+        self._check_taken = taken if self.failure is None else 0
+
+    def _take(self, matcher: xgr.GrammarMatcher, proposed: list[int]) -> tuple[int, int]:
+        """`matcher` takes the drafts in turn, row j filled after the j-th, up to the first the grammar
+        refuses or one that completes it (nothing is verified past a draft that ends the choice): (the
+        drafts it took, of those the ones with a filled row after them)."""
+        stepped = taken = 0
         try:
             for token in proposed:
-                if (not fork.accept_token(token, debug_print=False) or fork.is_terminated()
-                        or not self._fill_row(taken + 1, fork)):
+                if not matcher.accept_token(token, debug_print=False):
                     break
-                taken += 1
+                stepped += 1
+                if matcher.is_terminated() or not self._fill_row(stepped, matcher):
+                    break
+                taken = stepped
         except Exception as e:  # noqa: BLE001 - this choice's failure, never the engine's
-            self.failure = f"the {self.kind} constraint's token mask failed: {type(e).__name__}: {e}"
-        self._check_taken = taken if self.failure is None else 0
+            self._broke(e)
+        return stepped, taken
+
+    def _broke(self, e: Exception) -> None:
+        self.failure = f"the {self.kind} constraint's token mask failed: {type(e).__name__}: {e}"
 
     def _fill_row(self, j: int, matcher: xgr.GrammarMatcher | None = None) -> bool:
         """Fill row j at the state of the matcher (or a fork of it), its CPU time charged; False when that

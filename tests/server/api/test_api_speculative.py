@@ -3,7 +3,9 @@ and vLLM's spec_decode counters in /metrics and /admin/engine equal to the engin
 Real redis, uvicorn and the openai client."""
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -19,6 +21,23 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
           "required": ["items"], "additionalProperties": False}
 
 
+@contextlib.contextmanager
+def speculative_server(spec: dict, tmp_path, model_dir, redis_server, core_starter) -> Iterator[tuple]:
+    """(server, a fresh tenant's openai client, the model id) of a real server running `spec`."""
+    config = server_config(model_dir, tmp_path / "data", api_redis_url(redis_server),
+                           speculative_config=json.dumps(spec))
+    with running_server(config, starter=core_starter) as server:
+        _, key = server.new_tenant()
+        yield server, server.client(key), server.state.model_id
+
+
+def looping_request(seed: int) -> tuple[list[int], dict]:
+    """A repetitive prompt and the request fields (a logit bias toward its loop) that make prompt lookup's
+    drafts accepted."""
+    prompt = repetitive_prompts(1, seed=seed)[0]
+    return prompt, {"ignore_eos": True, "logit_bias": {str(t): b for t, b in looping(prompt).items()}}
+
+
 def json_answer(client: openai.OpenAI, model: str, **extra) -> str:
     """A greedy chat answer under SCHEMA (response_format json_schema)."""
     return client.chat.completions.create(
@@ -28,13 +47,8 @@ def json_answer(client: openai.OpenAI, model: str, **extra) -> str:
 
 
 def test_opt_out_and_the_spec_decode_counters(tmp_path, tiny_model_dir, redis_server, core_starter):
-    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
-                           speculative_config=json.dumps(SPEC))
-    prompt = repetitive_prompts(1, seed=21)[0]
-    body = {"ignore_eos": True, "logit_bias": {str(t): b for t, b in looping(prompt).items()}}
-    with running_server(config, starter=core_starter) as server:
-        _, key = server.new_tenant()
-        client, model = server.client(key), server.state.model_id
+    prompt, body = looping_request(seed=21)
+    with speculative_server(SPEC, tmp_path, tiny_model_dir, redis_server, core_starter) as (server, client, model):
 
         def complete(**extra) -> str:
             return client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
@@ -75,13 +89,8 @@ def test_streams_stops_and_constrained_answers_over_http_are_the_plain_engines(t
     """With drafts accepted, a step emits several tokens: streamed chunks join to the non-streamed text,
     a stop string inside an accepted run cuts both where the plain engine stops, and a JSON-schema answer
     (each verify position under its own mask) is the one without speculation, and valid."""
-    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
-                           speculative_config=json.dumps(SPEC))
-    prompt = repetitive_prompts(1, seed=23)[0]
-    body = {"ignore_eos": True, "logit_bias": {str(t): b for t, b in looping(prompt).items()}}
-    with running_server(config, starter=core_starter) as server:
-        _, key = server.new_tenant()
-        client, model = server.client(key), server.state.model_id
+    prompt, body = looping_request(seed=23)
+    with speculative_server(SPEC, tmp_path, tiny_model_dir, redis_server, core_starter) as (server, client, model):
 
         def complete(stream: bool = False, **extra):
             kw = dict(model=model, prompt=prompt, max_tokens=30, temperature=0, logprobs=1,
@@ -119,11 +128,7 @@ def test_a_draft_models_constrained_answer_over_http_is_the_plain_engines(tmp_pa
     verified and accepted, and the answer is the one without speculation, and valid."""
     spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
             "disable_by_batch_size": 64}
-    config = server_config(tiny_model_dir, tmp_path / "data", api_redis_url(redis_server),
-                           speculative_config=json.dumps(spec))
-    with running_server(config, starter=core_starter) as server:
-        _, key = server.new_tenant()
-        client, model = server.client(key), server.state.model_id
+    with speculative_server(spec, tmp_path, tiny_model_dir, redis_server, core_starter) as (server, client, model):
 
         answer = json_answer(client, model, speculative=False)
         before = server.state.engine.stats().speculative
